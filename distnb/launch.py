@@ -1,0 +1,224 @@
+"""Launch configuration and the torchrun agent process."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from distnb import _linux
+
+__all__ = ["LaunchConfig", "Launcher", "default_nproc"]
+
+BACKENDS = ("auto", "nccl", "gloo")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# torchrun owns these; letting --env override them would silently break the rank contract.
+_RESERVED_ENV = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+}
+
+
+def default_nproc() -> int:
+    """Visible GPUs, else 2 (decided without initialising CUDA in the notebook process)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+        if ids:
+            return len(ids)
+        return 2
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+        return count or 2
+    except Exception:
+        return 2
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything needed to (re)start a pool. Validated on construction.
+
+    Attributes:
+        nproc: ranks on this machine (``None``: visible GPUs, else 2).
+        backend: ``"auto"`` (NCCL when CUDA is present, else gloo), ``"nccl"`` or ``"gloo"``.
+        env: extra environment variables for every rank (e.g. ``{"NCCL_DEBUG": "INFO"}``).
+        pg_timeout: the process group's collective timeout, in seconds.
+        start_timeout: how long to wait for every rank to be ready, in seconds.
+        hang_after: seconds a rank may sit in a collective that others are not in before the
+            cell reports a hang.
+        heartbeat_timeout: ranks exit when the controller has been silent this long.
+        bind: address the controller listens on.
+    """
+
+    nproc: int | None = None
+    backend: str = "auto"
+    env: dict[str, str] = field(default_factory=dict)
+    pg_timeout: float = 1800.0
+    start_timeout: float = 180.0
+    hang_after: float = 3.0
+    heartbeat_timeout: float = 15.0
+    bind: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.nproc is None:
+            object.__setattr__(self, "nproc", default_nproc())
+        if not isinstance(self.nproc, int) or isinstance(self.nproc, bool) or not 1 <= self.nproc <= 1024:
+            raise ValueError(f"nproc must be a whole number of ranks from 1 to 1024, not {self.nproc!r}.")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}.")
+        env = {}
+        for key, value in dict(self.env).items():
+            if not isinstance(key, str) or not _ENV_NAME.match(key):
+                raise ValueError(f"environment variable name {key!r} is not valid; use letters, digits and underscores.")
+            if key in _RESERVED_ENV:
+                raise ValueError(f"{key} is set by torchrun for every rank and can't be overridden with env.")
+            env[key] = str(value)
+        object.__setattr__(self, "env", env)
+        for name in ("pg_timeout", "start_timeout", "hang_after", "heartbeat_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
+            object.__setattr__(self, name, float(value))
+
+    def with_changes(self, **changes: object) -> "LaunchConfig":
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+class Launcher:
+    """Runs ``python -m torch.distributed.run ... -m distnb.worker`` in its own process session."""
+
+    TAIL_LINES = 400
+
+    def __init__(self, config: LaunchConfig, address: str, key: bytes, token: str, on_line: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self._address = address
+        self._key = key
+        self._token = token
+        self._on_line = on_line
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
+        self._drain: threading.Thread | None = None
+        self.known_pids: set[int] = set()
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            "--standalone",
+            "--nnodes", "1",
+            "--nproc-per-node", str(self.config.nproc),
+            "--max-restarts", "0",
+            "-m", "distnb.worker",
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.config.env)
+        # Workers must import this very distnb, installed or not.
+        src = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(
+            DISTNB_ADDR=self._address,
+            DISTNB_KEY=self._key.hex(),
+            DISTNB_TOKEN=self._token,
+            DISTNB_BACKEND=self.config.backend,
+            DISTNB_PG_TIMEOUT=repr(self.config.pg_timeout),
+            DISTNB_HEARTBEAT_TIMEOUT=repr(self.config.heartbeat_timeout),
+        )
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
+        return env
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            # Own session: Jupyter's interrupt signals the kernel's process group, not the pool.
+            start_new_session=True,
+            preexec_fn=lambda: _linux.set_parent_death_signal(signal.SIGTERM),
+        )
+        self.known_pids.add(self.proc.pid)
+        self._drain = threading.Thread(target=self._drain_output, name="distnb-agent-output", daemon=True)
+        self._drain.start()
+
+    def _drain_output(self) -> None:
+        # Never leave the pipe undrained: a full pipe blocks the agent and then every rank.
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.tail.append(line)
+            if self._on_line is not None:
+                try:
+                    self._on_line(line)
+                except Exception:
+                    pass
+        self.proc.stdout.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def tail_text(self, lines: int = 30) -> str:
+        return "\n".join(list(self.tail)[-lines:])
+
+    def _pool_pids(self) -> set[int]:
+        pids = set(p for p in self.known_pids if _linux.pid_alive(p))
+        if self.proc is not None:
+            pids |= set(_linux.session_pids(self.proc.pid))
+            pids |= set(_linux.descendants(self.proc.pid))
+        for pid in list(pids):
+            # torchrun gives each rank its own session; include whatever those sessions hold.
+            pids |= set(_linux.session_pids(pid))
+        return pids
+
+    def stop(self, grace: float = 3.0) -> list[int]:
+        """Stop every process of the pool: wait ``grace``, SIGTERM, then SIGKILL.
+
+        Returns the PIDs still alive afterwards (empty on success).
+        """
+        if self.proc is None:
+            return []
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.02)
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            pids = self._pool_pids()
+            if not pids:
+                break
+            self.known_pids |= pids
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                self.proc.poll()  # reap the agent, our only direct child
+                if not any(_linux.pid_alive(p) for p in pids):
+                    break
+                time.sleep(0.02)
+        try:
+            self.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._drain is not None:
+            self._drain.join(2.0)
+        return sorted(p for p in self.known_pids if _linux.pid_alive(p))

@@ -1,0 +1,630 @@
+"""The Pool: a persistent torchrun pool and everything a notebook does with it."""
+
+from __future__ import annotations
+
+import atexit
+import codecs
+import itertools
+import pickle
+import secrets
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Iterable
+
+from distnb import _linux
+from distnb.channel import Channel
+from distnb.errors import LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError
+from distnb.launch import LaunchConfig, Launcher
+from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
+from distnb.ranks import format_ranks, parse_ranks
+from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
+
+__all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
+
+#: Output kept per rank, per stream, per cell; the rest is counted, not stored.
+OUTPUT_KEEP_BYTES = 1 << 20
+
+
+class PoolState(str, Enum):
+    """Lifecycle of a pool.
+
+    NEW → STARTING → READY ⇄ (cells run) → STOPPING → STOPPED. A rank that dies moves a READY pool
+    to BROKEN, from which only restart or shutdown lead on. A failed start ends in STOPPED.
+    """
+
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    BROKEN = "broken"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass
+class CellEvents:
+    """Callbacks for a running cell; all are called on distnb's I/O thread and must be quick."""
+
+    on_output: Callable[[int, str, str], None] | None = None  # (rank, "stdout"/"stderr", text)
+    on_display: Callable[[int, dict[str, str]], None] | None = None
+    on_rank_done: Callable[[RankResult], None] | None = None
+
+
+@dataclass
+class _Rank:
+    rank: int
+    state: RankState = RankState.LAUNCHED
+    supervisor_pid: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    local_rank: int | None = None
+    device: str | None = None
+    backend: str | None = None
+    returncode: int | None = None
+    start_error: str | None = None
+    stderr_tail: str = ""
+    died_at: float | None = None
+    run: "_CellRun | None" = None
+    log: list[str] = field(default_factory=list)  # output outside any cell (start-up, threads)
+    decoders: dict[str, Any] = field(default_factory=dict)
+
+    def decode(self, stream: str, data: bytes) -> str:
+        dec = self.decoders.get(stream)
+        if dec is None:
+            dec = self.decoders[stream] = codecs.getincrementaldecoder("utf-8")("replace")
+        return dec.decode(data)
+
+
+class _CellRun:
+    def __init__(self, result: CellResult, events: CellEvents) -> None:
+        self.result = result
+        self.events = events
+        self.started = time.monotonic()
+        self.waiting_done = set(result.ranks)
+        self.waiting_marks = {r: {"stdout", "stderr"} for r in result.ranks}
+        self.kept = {(r, s): 0 for r in result.ranks for s in ("stdout", "stderr")}
+        self.finished = threading.Event()
+
+    def rank_finished(self, rank: int) -> bool:
+        return rank not in self.waiting_done and not self.waiting_marks.get(rank)
+
+
+class _Request:
+    def __init__(self, ranks: Iterable[int]) -> None:
+        self.waiting = set(ranks)
+        self.replies: dict[int, dict[str, Any]] = {}
+        self.event = threading.Event()
+
+
+_live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+_current: Pool | None = None
+
+
+class Pool:
+    """A persistent pool of ranks under torchrun.
+
+    >>> pool = distnb.launch(nproc=4)          # doctest: +SKIP
+    >>> pool.run("x = torch.ones(1); dist.all_reduce(x); x")
+    """
+
+    def __init__(self, config: LaunchConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise TypeError("pass either a LaunchConfig or keyword arguments, not both.")
+        self.config = config if config is not None else LaunchConfig(**kwargs)
+        self.state = PoolState.NEW
+        self._lock = threading.RLock()
+        self._ranks: dict[int, _Rank] = {}
+        self._channel: Channel | None = None
+        self._launcher: Launcher | None = None
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count(1)
+        self._cells = itertools.count(1)
+        self.history: list[CellResult] = []
+        self.first_death: int | None = None
+        self._changed = threading.Condition(self._lock)
+        _live_pools.add(self)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return int(self.config.nproc or 0)
+
+    def start(self, on_progress: Callable[[dict[int, RankState]], None] | None = None) -> "Pool":
+        """Launch torchrun and return once every rank's process group is ready."""
+        global _current
+        if self.state not in (PoolState.NEW, PoolState.STOPPED):
+            raise LaunchError(f"this pool is {self.state.value}; call shutdown() or restart() instead of start().")
+        self.state = PoolState.STARTING
+        self.first_death = None
+        key = new_key()
+        self._ranks = {r: _Rank(r) for r in range(self.world_size)}
+        self._channel = Channel(key, self._on_message, bind=self.config.bind)
+        self._launcher = Launcher(self.config, self._channel.address, key, secrets.token_hex(8))
+        try:
+            self._launcher.start()
+            self._wait_ready(on_progress)
+        except BaseException:
+            self._teardown()
+            raise
+        self.state = PoolState.READY
+        _current = self
+        return self
+
+    def _stages(self) -> dict[int, RankState]:
+        return {r: info.state for r, info in self._ranks.items()}
+
+    def _wait_ready(self, on_progress: Callable[[dict[int, RankState]], None] | None) -> None:
+        assert self._launcher is not None
+        deadline = time.monotonic() + self.config.start_timeout
+        last: dict[int, RankState] | None = None
+        with self._changed:
+            while True:
+                stages = self._stages()
+                if stages != last and on_progress is not None:
+                    on_progress(dict(stages))
+                last = stages
+                failure = self._start_failure()
+                if failure:
+                    raise LaunchError(failure)
+                if all(s == RankState.IDLE for s in stages.values()):
+                    return
+                if time.monotonic() > deadline:
+                    missing = {r: s.value for r, s in stages.items() if s != RankState.IDLE}
+                    detail = ", ".join(f"rank {r}: {s}" for r, s in missing.items())
+                    raise LaunchError(
+                        f"the pool did not start within {self.config.start_timeout:g} s ({detail}). "
+                        f"torchrun's last output:\n{self._launcher.tail_text(15)}\n"
+                        "Raise --start-timeout if the machine is just slow, or check the output above."
+                    )
+                self._changed.wait(0.1)
+
+    def _start_failure(self) -> str | None:
+        assert self._launcher is not None
+        failed = [info for info in self._ranks.values() if info.start_error or info.state == RankState.DEAD]
+        if failed:
+            first = min(failed, key=lambda i: (i.died_at or float("inf"), i.rank))
+            if first.start_error:
+                why = first.start_error.rstrip()
+            else:
+                why = f"its process {_linux.signal_meaning(first.returncode)}"
+                tail = (first.stderr_tail or "\n".join(first.log)).strip()
+                if tail:
+                    why += "; its last output:\n" + "\n".join(tail.splitlines()[-15:])
+            return f"rank {first.rank} failed to start: {why}\nThe other ranks were stopped."
+        rc = self._launcher.returncode()
+        if rc is not None:
+            return (
+                f"torchrun exited ({_linux.signal_meaning(rc)}) before every rank was ready. "
+                f"Its last output:\n{self._launcher.tail_text(20)}"
+            )
+        return None
+
+    def shutdown(self) -> None:
+        """Stop every rank: ask nicely, then SIGTERM, then SIGKILL, and verify nothing is left."""
+        global _current
+        if self.state in (PoolState.NEW, PoolState.STOPPED):
+            return
+        self.state = PoolState.STOPPING
+        leftovers = self._teardown()
+        if _current is self:
+            _current = None
+        if leftovers:
+            raise RemoteError(
+                f"processes {leftovers} of the pool survived SIGKILL (stuck in the kernel, e.g. on a "
+                "hung GPU); they may need a reboot or `nvidia-smi` to clear."
+            )
+
+    def _teardown(self) -> list[int]:
+        leftovers: list[int] = []
+        if self._channel is not None:
+            for r in self._ranks:
+                self._channel.send(supervisor_identity(r), {"t": Msg.SHUTDOWN})
+        if self._launcher is not None:
+            leftovers = self._launcher.stop(grace=2.0)
+        if self._channel is not None:
+            self._channel.close()
+        with self._lock:
+            for info in self._ranks.values():
+                if info.state != RankState.DEAD:
+                    info.state = RankState.DEAD
+                if info.run is not None:
+                    self._finish_rank_dead(info)
+        self.state = PoolState.STOPPED
+        return leftovers
+
+    def restart(self, on_progress: Callable[[dict[int, RankState]], None] | None = None) -> "Pool":
+        """Fresh ranks with the same configuration (cell numbers keep counting)."""
+        self.shutdown()
+        return self.start(on_progress)
+
+    def __enter__(self) -> "Pool":
+        if self.state == PoolState.NEW:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- I/O thread -----------------------------------------------------------------------------
+    def _on_message(self, kind: str, rank: int, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        with self._lock:
+            if t == "tick":
+                self._check_processes()
+                return
+            info = self._ranks.get(rank)
+            if info is None:
+                return
+            if kind == "s":
+                self._on_supervisor(info, t, msg)
+            elif kind == "x":
+                self._on_exec(info, t, msg)
+            elif t == Msg.REPLY:
+                self._on_reply(rank, msg)
+            self._changed.notify_all()
+
+    def _on_supervisor(self, info: _Rank, t: str, msg: dict[str, Any]) -> None:
+        if t == Msg.OUTPUT:
+            text = info.decode(msg["stream"], msg["data"])
+            if text:
+                self._route_output(info, msg["stream"], text)
+        elif t == Msg.STREAM_MARK:
+            run = info.run
+            if run is not None and run.result.cell == msg["cell"]:
+                run.waiting_marks[info.rank].discard(msg["stream"])
+                self._maybe_finish(info)
+        elif t == Msg.SUP_HELLO:
+            if "pid" in msg:
+                info.supervisor_pid = msg["pid"]
+                info.host = msg.get("host")
+                info.local_rank = msg.get("local_rank")
+                if self._launcher is not None:
+                    self._launcher.known_pids.add(msg["pid"])
+                if self._channel is not None:
+                    self._channel.heartbeat_ranks.add(info.rank)
+                if info.state == RankState.LAUNCHED:
+                    info.state = RankState.STARTED
+            if "child_pid" in msg:
+                info.pid = msg["child_pid"]
+                if self._launcher is not None:
+                    self._launcher.known_pids.add(msg["child_pid"])
+        elif t == Msg.RANK_EXIT:
+            info.returncode = msg["returncode"]
+            info.stderr_tail = msg.get("stderr_tail", "")
+            self._mark_dead(info, msg.get("time"))
+        elif t == Msg.SUP_REPLY:
+            self._on_reply(info.rank, msg)
+
+    def _on_exec(self, info: _Rank, t: str, msg: dict[str, Any]) -> None:
+        if t == Msg.DONE:
+            run = info.run
+            if "cell" in msg and run is not None and run.result.cell == msg["cell"]:
+                res = run.result.results[info.rank]
+                res.status = msg["status"]
+                res.value = msg.get("value")
+                res.error = msg.get("error")
+                res.duration = msg.get("duration")
+                res.finished_at = time.monotonic()
+                run.waiting_done.discard(info.rank)
+                self._maybe_finish(info)
+            else:
+                self._on_reply(info.rank, msg)
+        elif t == Msg.DISPLAY:
+            run = info.run
+            if run is not None and run.result.cell == msg["cell"]:
+                run.result.results[info.rank].displays.append(msg["data"])
+                if run.events.on_display:
+                    run.events.on_display(info.rank, msg["data"])
+            else:
+                info.log.append(msg["data"].get("text/plain", ""))
+        elif t == Msg.HELLO:
+            info.pid = msg["pid"]
+            info.host = msg["host"]
+            info.local_rank = msg["local_rank"]
+            if info.state in (RankState.LAUNCHED, RankState.STARTED):
+                info.state = RankState.CONNECTED
+        elif t == Msg.READY:
+            info.device = msg["device"]
+            info.backend = msg["backend"]
+            info.state = RankState.IDLE
+        elif t == Msg.START_FAILED:
+            info.start_error = msg.get("error") or msg.get("summary")
+
+    def _on_reply(self, rank: int, msg: dict[str, Any]) -> None:
+        req = self._requests.get(msg.get("id", ""))
+        if req is not None and rank in req.waiting:
+            req.replies[rank] = msg
+            req.waiting.discard(rank)
+            if not req.waiting:
+                req.event.set()
+
+    def _route_output(self, info: _Rank, stream: str, text: str) -> None:
+        run = info.run
+        if run is None or stream not in run.waiting_marks.get(info.rank, ()):
+            info.log.append(text)
+            del info.log[:-200]
+            return
+        res = run.result.results[info.rank]
+        key = (info.rank, stream)
+        room = OUTPUT_KEEP_BYTES - run.kept[key]
+        if room > 0:
+            kept = text[:room]
+            setattr(res, stream, getattr(res, stream) + kept)
+            run.kept[key] += len(kept)
+            if len(kept) < len(text):
+                res.output_truncated += len(text) - len(kept)
+        else:
+            res.output_truncated += len(text)
+        if run.events.on_output:
+            run.events.on_output(info.rank, stream, text)
+
+    def _maybe_finish(self, info: _Rank) -> None:
+        run = info.run
+        if run is None or not run.rank_finished(info.rank):
+            return
+        info.run = None
+        if info.state == RankState.RUNNING:
+            info.state = RankState.IDLE
+        res = run.result.results[info.rank]
+        if run.events.on_rank_done:
+            run.events.on_rank_done(res)
+        if all(run.rank_finished(r) for r in run.result.ranks):
+            run.result.elapsed = time.monotonic() - run.started
+            run.finished.set()
+
+    def _mark_dead(self, info: _Rank, when: float | None = None) -> None:
+        if info.died_at is None:
+            info.died_at = time.monotonic()
+        info.state = RankState.DEAD
+        if self.first_death is None and self.state in (PoolState.READY, PoolState.STARTING):
+            self.first_death = info.rank
+        if self.state == PoolState.READY:
+            self.state = PoolState.BROKEN
+        self._finish_rank_dead(info)
+
+    def _finish_rank_dead(self, info: _Rank) -> None:
+        run = info.run
+        if run is None:
+            return
+        res = run.result.results[info.rank]
+        if res.status == "running":
+            res.status = "dead"
+            res.returncode = info.returncode
+            res.finished_at = time.monotonic()
+        run.waiting_done.discard(info.rank)
+        run.waiting_marks[info.rank] = set()
+        self._maybe_finish(info)
+
+    def _check_processes(self) -> None:
+        if self.state not in (PoolState.READY, PoolState.STARTING, PoolState.BROKEN):
+            return
+        launcher = self._launcher
+        agent_rc = launcher.returncode() if launcher else None
+        for info in self._ranks.values():
+            if info.state == RankState.DEAD:
+                continue
+            sup_gone = info.supervisor_pid is not None and not _linux.pid_alive(info.supervisor_pid)
+            if sup_gone or agent_rc is not None and info.supervisor_pid is None:
+                # No exit report is coming: the supervisor itself is gone (killed with the agent).
+                self._mark_dead(info)
+        self._changed.notify_all()
+
+    # -- running cells --------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self.state == PoolState.BROKEN:
+            dead = [i for i in self._ranks.values() if i.state == RankState.DEAD]
+            first = self._ranks.get(self.first_death) if self.first_death is not None else (dead[0] if dead else None)
+            why = f"rank {first.rank} died ({_linux.signal_meaning(first.returncode)})" if first else "a rank died"
+            raise PoolBrokenError(
+                f"the pool is broken: {why}, so collectives can't complete any more. "
+                "Run %dist_restart (pool.restart()) for fresh ranks, or %dist_restart --replay to re-run the cells that succeeded."
+            )
+        if self.state != PoolState.READY:
+            raise NoPoolError(f"the pool is {self.state.value}; start one with %dist_launch (distnb.launch()).")
+
+    def _busy(self, ranks: Iterable[int]) -> dict[int, int]:
+        return {r: self._ranks[r].run.result.cell for r in ranks if self._ranks[r].run is not None}  # type: ignore[union-attr]
+
+    def _raise_if_busy(self, ranks: list[int]) -> None:
+        busy = self._busy(ranks)
+        if busy:
+            cells = sorted(set(busy.values()))
+            raise PoolBusyError(
+                f"{format_ranks(busy)} {'is' if len(busy) == 1 else 'are'} still running cell "
+                f"{', '.join(map(str, cells))}. Wait for it, see where it is with %dist_stacks, "
+                "interrupt it with pool.interrupt(), or %dist_restart."
+            )
+
+    def submit(self, code: str, ranks: str | int | Iterable[int] | None = None, events: CellEvents | None = None) -> CellResult:
+        """Start a cell on the ranks and return its live :class:`CellResult` at once."""
+        compile(code, "<cell>", "exec")  # a SyntaxError is raised here, once, before anything is sent
+        with self._lock:
+            self._check_usable()
+            targets = parse_ranks(ranks, self.world_size)
+            self._raise_if_busy(targets)
+            cell = next(self._cells)
+            result = CellResult(cell=cell, code=code, ranks=targets, results={r: RankResult(r) for r in targets})
+            run = _CellRun(result, events or CellEvents())
+            result._run = run  # type: ignore[attr-defined]
+            for r in targets:
+                self._ranks[r].run = run
+                self._ranks[r].state = RankState.RUNNING
+            self.history.append(result)
+        assert self._channel is not None
+        msg = {"t": Msg.EXEC, "id": f"cell-{cell}", "cell": cell, "code": code}
+        for r in targets:
+            self._channel.send(exec_identity(r), dict(msg))
+        return result
+
+    def wait(
+        self,
+        result: CellResult,
+        timeout: float | None = None,
+        on_tick: Callable[[CellResult], None] | None = None,
+        tick: float = 0.1,
+    ) -> CellResult:
+        """Wait for a submitted cell. The first Ctrl-C interrupts the ranks; a second stops waiting."""
+        run: _CellRun = result._run  # type: ignore[attr-defined]
+        deadline = None if timeout is None else run.started + timeout
+        interrupted = False
+        while not run.finished.is_set():
+            try:
+                wait_for = tick if deadline is None else max(0.0, min(tick, deadline - time.monotonic()))
+                if run.finished.wait(wait_for):
+                    break
+                if on_tick is not None:
+                    on_tick(result)
+                if deadline is not None and time.monotonic() >= deadline:
+                    result.timed_out = True
+                    break
+            except KeyboardInterrupt:
+                if interrupted:
+                    result.detached = True
+                    result.notes.append(
+                        f"Stopped waiting after a second interrupt; {format_ranks(result.running)} did not respond "
+                        "(likely blocked in C++ or a collective). They keep running: see them with %dist_stacks."
+                    )
+                    break
+                interrupted = True
+                self.interrupt(result.running)
+        result.elapsed = time.monotonic() - run.started
+        if on_tick is not None:
+            on_tick(result)
+        return result
+
+    def run(
+        self,
+        code: str,
+        ranks: str | int | Iterable[int] | None = None,
+        timeout: float | None = None,
+        events: CellEvents | None = None,
+    ) -> CellResult:
+        """Run ``code`` on the ranks (all by default) and return per-rank output, value and error."""
+        return self.wait(self.submit(code, ranks, events), timeout)
+
+    def interrupt(self, ranks: Iterable[int] | None = None) -> list[int]:
+        """Send a KeyboardInterrupt to the cell running on the given (default: all busy) ranks."""
+        with self._lock:
+            targets = list(ranks) if ranks is not None else list(self._busy(self._ranks))
+        assert self._channel is not None
+        for r in targets:
+            self._channel.send(control_identity(r), {"t": Msg.INTERRUPT, "id": f"int-{next(self._ids)}"})
+        return targets
+
+    # -- requests -------------------------------------------------------------------------------
+    def _request(self, identity: Callable[[int], bytes], ranks: list[int], msg: dict[str, Any], timeout: float) -> dict[int, dict[str, Any]]:
+        assert self._channel is not None
+        req_id = f"req-{next(self._ids)}"
+        req = _Request(ranks)
+        with self._lock:
+            self._requests[req_id] = req
+        try:
+            for r in ranks:
+                self._channel.send(identity(r), {**msg, "id": req_id})
+            req.event.wait(timeout)
+        finally:
+            with self._lock:
+                self._requests.pop(req_id, None)
+        if req.waiting:
+            raise RemoteError(f"{format_ranks(req.waiting)} did not answer within {timeout:g} s; check them with %dist_status.")
+        return req.replies
+
+    def push(self, ranks: str | int | Iterable[int] | None = None, **values: Any) -> None:
+        """Copy notebook values into every (or the given) rank's namespace."""
+        if not values:
+            raise ValueError("name at least one value to push, e.g. pool.push(lr=0.1).")
+        for name, value in values.items():
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise ValueError(
+                    f"{name!r} can't be sent to the ranks: {type(exc).__name__}: {exc}. "
+                    "Push picklable data (tensors, numbers, dicts) or build the object in a cell."
+                ) from None
+        with self._lock:
+            self._check_usable()
+            targets = parse_ranks(ranks, self.world_size)
+            self._raise_if_busy(targets)
+        blob = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        replies = self._request(exec_identity, targets, {"t": Msg.PUSH, "values": blob}, 60.0)
+        errors = {r: m["error"] for r, m in replies.items() if m.get("status") != "ok"}
+        if errors:
+            r, err = next(iter(sorted(errors.items())))
+            raise RemoteError(f"push failed on {format_ranks(errors)}: {err}")
+
+    def pull(self, name: str, ranks: str | int | Iterable[int] | None = None) -> dict[int, Any]:
+        """``{rank: value}`` of a name in each (or the given) rank's namespace."""
+        with self._lock:
+            self._check_usable()
+            targets = parse_ranks(ranks, self.world_size)
+            self._raise_if_busy(targets)
+        replies = self._request(exec_identity, targets, {"t": Msg.PULL, "names": [name]}, 60.0)
+        errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
+        if errors:
+            first = next(iter(errors.values()))
+            raise RemoteError(f"pull of {name!r} failed on {format_ranks(errors)}: {first}")
+        return {r: pickle.loads(replies[r]["values"][name]) for r in targets}
+
+    # -- status ---------------------------------------------------------------------------------
+    def status(self) -> PoolStatus:
+        """Per-rank pid, host, device and state, from what the controller knows (no round trip)."""
+        now = time.monotonic()
+        with self._lock:
+            ranks = []
+            for r, info in sorted(self._ranks.items()):
+                run = info.run
+                ranks.append(
+                    RankStatus(
+                        rank=r,
+                        state=info.state,
+                        pid=info.pid,
+                        host=info.host,
+                        device=info.device,
+                        cell=run.result.cell if run else None,
+                        elapsed=now - run.started if run else None,
+                        returncode=info.returncode,
+                        local_rank=info.local_rank,
+                    )
+                )
+            backend = next((i.backend for i in self._ranks.values() if i.backend), None)
+            return PoolStatus(
+                state=self.state.value,
+                backend=backend,
+                world_size=self.world_size,
+                ranks=ranks,
+                agent_pid=self._launcher.pid if self._launcher else None,
+                address=self._channel.address if self._channel else None,
+                cells_run=len(self.history),
+            )
+
+    def pids(self) -> list[int]:
+        """Every process of the pool known to be alive (agent, supervisors, ranks)."""
+        if self._launcher is None:
+            return []
+        return sorted(p for p in self._launcher.known_pids if _linux.pid_alive(p))
+
+    def __repr__(self) -> str:
+        return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"
+
+
+def launch(config: LaunchConfig | None = None, on_progress: Callable[[dict[int, RankState]], None] | None = None, **kwargs: Any) -> Pool:
+    """Start a pool and make it the current one: ``pool = distnb.launch(nproc=4)``."""
+    return Pool(config, **kwargs).start(on_progress)
+
+
+def current_pool() -> Pool:
+    """The pool the magics act on; raises :class:`NoPoolError` when none is running."""
+    if _current is None or _current.state in (PoolState.STOPPED, PoolState.NEW):
+        raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+    return _current
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for pool in list(_live_pools):
+        try:
+            pool.shutdown()
+        except Exception:
+            pass

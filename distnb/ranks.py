@@ -1,0 +1,73 @@
+"""Rank sets: parsing ``"0,2"``, ``"1-3"``, ``"all"`` and writing them back compactly."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+__all__ = ["parse_ranks", "format_ranks"]
+
+
+def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
+    """Sorted, de-duplicated ranks from a spec; raises ValueError with a hint on bad input."""
+    if spec is None:
+        return list(range(world_size))
+    if isinstance(spec, bool):
+        raise ValueError(f"rank spec {spec!r} is not a rank; use e.g. 0, '0,2', '1-3' or 'all'.")
+    if isinstance(spec, int):
+        items: list[int] = [spec]
+    elif isinstance(spec, str):
+        text = spec.strip()
+        if text in ("", "all", "*"):
+            return list(range(world_size))
+        items = []
+        for part in text.split(","):
+            part = part.strip()
+            lo, sep, hi = part.partition("-")
+            try:
+                if sep and lo:  # "1-3"
+                    a, b = int(lo), int(hi)
+                    if a > b:
+                        raise ValueError(f"rank range {part!r} runs backwards; write {b}-{a}.")
+                    items.extend(range(a, b + 1))
+                else:  # "2" or "-1" (the latter is caught as negative below)
+                    items.append(int(part))
+            except ValueError as exc:
+                if "backwards" in str(exc):
+                    raise
+                raise ValueError(
+                    f"can't read {part!r} in rank spec {spec!r}; use ranks like 0, 0,2, 1-3 or all."
+                ) from None
+    else:
+        items = []
+        for r in spec:
+            if isinstance(r, bool) or not isinstance(r, int):
+                raise ValueError(f"ranks must be integers, got {r!r}.")
+            items.append(r)
+    if not items:
+        raise ValueError(f"rank spec {spec!r} names no rank.")
+    bad = sorted({r for r in items if not 0 <= r < world_size})
+    if bad:
+        raise ValueError(
+            f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} "
+            f"{'are' if len(bad) > 1 else 'is'} out of range: this pool has ranks 0-{world_size - 1}."
+        )
+    return sorted(set(items))
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0,1,2,5]`` -> ``"ranks 0-2,5"``; a single rank reads ``"rank 3"``."""
+    rs = sorted(set(ranks))
+    if not rs:
+        return "no ranks"
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    parts = []
+    start = prev = rs[0]
+    for r in rs[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else (f"{start},{prev}" if prev == start + 1 else f"{start}-{prev}"))
+        if r is not None:
+            start = prev = r
+    return "ranks " + ",".join(parts)

@@ -1,0 +1,235 @@
+"""Result objects. Each has a plain-text form that stands alone and names its ranks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterable
+
+from distnb._linux import signal_meaning
+from distnb.ranks import format_ranks
+
+__all__ = [
+    "RankState",
+    "RankResult",
+    "CellResult",
+    "RankStatus",
+    "PoolStatus",
+    "group_by",
+    "prefix_lines",
+]
+
+
+class RankState(str, Enum):
+    """Where a rank is in its life, as the controller last saw it."""
+
+    LAUNCHED = "launched"  # torchrun started, nothing heard yet
+    STARTED = "started"  # the rank's supervisor is up
+    CONNECTED = "connected"  # the rank process connected; initialising its process group
+    IDLE = "idle"  # process group ready, waiting for a cell
+    RUNNING = "running"  # executing a cell
+    DEAD = "dead"  # the rank process has ended
+
+
+def group_by(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
+    """Group ranks whose values are equal, in order of first appearance."""
+    groups: list[tuple[list[int], Any]] = []
+    for rank, value in items:
+        for ranks, v in groups:
+            if v == value:
+                ranks.append(rank)
+                break
+        else:
+            groups.append(([rank], value))
+    return groups
+
+
+def prefix_lines(label: str, text: str) -> str:
+    """``[ranks 0-3] line`` for every line of text (a trailing newline adds no empty line)."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return "\n".join(f"[{label}] {line}" for line in lines)
+
+
+@dataclass
+class RankResult:
+    """What one rank did with one cell."""
+
+    rank: int
+    status: str = "running"  # running · ok · error · interrupted · dead
+    stdout: str = ""
+    stderr: str = ""
+    value: dict[str, str] | None = None
+    error: dict[str, Any] | None = None
+    duration: float | None = None
+    displays: list[dict[str, str]] = field(default_factory=list)
+    returncode: int | None = None
+    finished_at: float | None = None
+    output_truncated: int = 0
+
+    @property
+    def value_text(self) -> str | None:
+        return None if self.value is None else self.value.get("text/plain", "")
+
+
+@dataclass
+class CellResult:
+    """The outcome of one cell on a set of ranks (``Pool.run``'s return value)."""
+
+    cell: int
+    code: str
+    ranks: list[int]
+    results: dict[int, RankResult]
+    started: float = field(default_factory=time.time)
+    elapsed: float = 0.0
+    timed_out: bool = False
+    detached: bool = False  # the caller stopped waiting (second interrupt) with ranks busy
+    notes: list[str] = field(default_factory=list)
+
+    # -- convenience ----------------------------------------------------------------------------
+    def __getitem__(self, rank: int) -> RankResult:
+        return self.results[rank]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status == "ok" for r in self.results.values())
+
+    @property
+    def running(self) -> list[int]:
+        return sorted(r.rank for r in self.results.values() if r.status == "running")
+
+    @property
+    def failed(self) -> list[int]:
+        return sorted(r.rank for r in self.results.values() if r.status in ("error", "interrupted", "dead"))
+
+    @property
+    def values(self) -> dict[int, str | None]:
+        """Each rank's last-expression value as text (``None`` where there was none)."""
+        return {r: res.value_text for r, res in sorted(self.results.items())}
+
+    @property
+    def stdout(self) -> dict[int, str]:
+        return {r: res.stdout for r, res in sorted(self.results.items())}
+
+    # -- text -----------------------------------------------------------------------------------
+    def header(self) -> str:
+        done = sum(1 for r in self.results.values() if r.status != "running")
+        if self.running:
+            state = "timed out" if self.timed_out else ("detached" if self.detached else "running")
+        elif self.ok:
+            state = "ok"
+        else:
+            state = "failed"
+        return f"cell {self.cell} on {format_ranks(self.ranks)}: {state}, {done}/{len(self.ranks)} done, {self.elapsed:.2f} s"
+
+    def output_text(self) -> str:
+        parts = []
+        for stream in ("stdout", "stderr"):
+            items = [(r.rank, getattr(r, stream)) for r in self._ordered() if getattr(r, stream)]
+            for ranks, text in group_by(items):
+                label = format_ranks(ranks) + ("" if stream == "stdout" else " stderr")
+                parts.append(prefix_lines(label, text))
+        return "\n".join(parts)
+
+    def outcome_text(self) -> str:
+        """Values, errors, deaths and still-running ranks: everything but the streamed output."""
+        parts: list[str] = []
+        displays = [(r.rank, d.get("text/plain", "")) for r in self._ordered() for d in r.displays]
+        for ranks, text in group_by(displays):
+            parts.append(prefix_lines(f"display {format_ranks(ranks)}", text))
+        values = [(r.rank, r.value_text) for r in self._ordered() if r.value is not None]
+        for ranks, text in group_by(values):
+            label = f"Out[{format_ranks(ranks)}]:"
+            parts.append(f"{label} {text}" if "\n" not in (text or "") else f"{label}\n{text}")
+        parts.extend(self._error_texts())
+        for r in self._ordered():
+            if r.status == "dead":
+                tail = r.stderr[-2000:] if not r.error else ""
+                parts.append(f"rank {r.rank} died: {signal_meaning(r.returncode)}" + (f"\n{prefix_lines(f'rank {r.rank} stderr', tail)}" if tail else ""))
+        if self.running:
+            why = "timed out" if self.timed_out else "still running"
+            parts.append(
+                f"{format_ranks(self.running)} {'is' if len(self.running) == 1 else 'are'} {why} "
+                f"after {self.elapsed:.1f} s (cell {self.cell}); see where with %dist_stacks or pool.stacks(), "
+                "interrupt with pool.interrupt(), or restart with %dist_restart."
+            )
+        parts.extend(self.notes)
+        return "\n".join(p for p in parts if p)
+
+    def _error_texts(self) -> list[str]:
+        errored = [r for r in self.results.values() if r.error and r.status in ("error", "interrupted")]
+        # Root cause first: the rank that failed earliest leads.
+        errored.sort(key=lambda r: (r.finished_at or float("inf"), r.rank))
+        keyed = [(r.rank, (r.error["ename"], r.error["evalue"], r.error["traceback"])) for r in errored]  # type: ignore[index]
+        out = []
+        for ranks, (ename, evalue, tb) in group_by(keyed):
+            line = next((self.results[r].error.get("line") for r in ranks if self.results[r].error.get("line")), None)  # type: ignore[union-attr]
+            where = f" at cell line {line}" if line else ""
+            head = f"── {ename} on {format_ranks(ranks)}{where} ──"
+            out.append(f"{head}\n{tb.rstrip()}")
+        return out
+
+    def text(self) -> str:
+        body = "\n".join(p for p in (self.output_text(), self.outcome_text()) if p)
+        return self.header() + ("\n" + body if body else "")
+
+    def _ordered(self) -> list[RankResult]:
+        return [self.results[r] for r in sorted(self.results)]
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    state: RankState
+    pid: int | None = None
+    host: str | None = None
+    device: str | None = None
+    cell: int | None = None
+    elapsed: float | None = None
+    returncode: int | None = None
+    local_rank: int | None = None
+
+    def describe(self) -> str:
+        if self.state == RankState.DEAD:
+            return f"dead: {signal_meaning(self.returncode)}" if self.returncode is not None else "dead"
+        if self.state == RankState.RUNNING and self.cell is not None:
+            return f"running cell {self.cell} for {self.elapsed or 0.0:.1f} s"
+        return self.state.value
+
+
+@dataclass
+class PoolStatus:
+    state: str
+    backend: str | None
+    world_size: int
+    ranks: list[RankStatus]
+    agent_pid: int | None = None
+    address: str | None = None
+    cells_run: int = 0
+
+    def text(self) -> str:
+        lines = [
+            f"pool {self.state}: {self.world_size} ranks, backend {self.backend or '?'}, "
+            f"{self.cells_run} cells run, torchrun agent pid {self.agent_pid}, controller {self.address}"
+        ]
+        rows = [("rank", "pid", "host", "device", "state")]
+        for r in self.ranks:
+            rows.append((str(r.rank), str(r.pid or "-"), r.host or "-", r.device or "-", r.describe()))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        for row in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())

@@ -1,0 +1,1 @@
+"""The rank side of distnb. Never imports controller modules; speaks only :mod:`distnb.protocol`."""

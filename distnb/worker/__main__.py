@@ -1,0 +1,7 @@
+"""``python -m distnb.worker``: the per-rank entry point that torchrun starts."""
+
+import sys
+
+from distnb.worker.supervisor import main
+
+sys.exit(main())

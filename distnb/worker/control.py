@@ -1,0 +1,94 @@
+"""The rank's control thread: answers stack, status and interrupt requests while a cell runs.
+
+It owns its own socket, so it keeps answering while the main thread executes user code. gloo's and
+NCCL's waits release the GIL, so a rank blocked in a collective still answers within a millisecond.
+Nothing here may ever issue a collective on the user's process groups.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
+from distnb.worker.execute import Executor
+
+__all__ = ["ControlThread", "thread_stacks"]
+
+
+def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
+    """Python stacks of the main thread (and others if asked), outermost frame first."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main_id = threading.main_thread().ident
+    out = []
+    for tid, frame in sys._current_frames().items():
+        if tid in skip or (not all_threads and tid != main_id):
+            continue
+        frames = [(fs.filename, fs.lineno, fs.name, fs.line or "") for fs in traceback.extract_stack(frame)]
+        out.append({"thread": names.get(tid, f"thread-{tid}"), "ident": tid, "main": tid == main_id, "frames": frames})
+    out.sort(key=lambda s: not s["main"])
+    return out
+
+
+class ControlThread(threading.Thread):
+    def __init__(self, ctx: zmq.Context, addr: str, key: bytes, rank: int, executor: Executor) -> None:
+        super().__init__(name="distnb-control", daemon=True)
+        self.rank = rank
+        self.executor = executor
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, control_identity(rank))
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.codec = Codec(key, f"c{rank}")
+        self.guard = ReplayGuard()
+        self.state = "starting"
+
+    def run(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart()
+            except zmq.ContextTerminated:
+                return
+            try:
+                msg = self.codec.decode(frames, self.guard)
+            except BadFrame:
+                continue
+            try:
+                reply = self.handle(msg)
+            except Exception as exc:  # a failing probe must never take the control plane down
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            if reply is not None:
+                reply.update(t=Msg.REPLY, id=msg.get("id"), rank=self.rank)
+                self.sock.send_multipart(self.codec.encode(reply))
+
+    def status(self) -> dict[str, Any]:
+        ex = self.executor
+        cell = ex.cell
+        return {
+            "state": "running" if cell is not None else self.state,
+            "cell": cell,
+            "elapsed": time.monotonic() - ex.started if cell is not None else None,
+            "pid": os.getpid(),
+        }
+
+    def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        t = msg["t"]
+        if t == Msg.STACKS:
+            return {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
+        if t == Msg.STATUS:
+            return self.status()
+        if t == Msg.INTERRUPT:
+            delivered = False
+            if self.executor.cell is not None and (msg.get("cell") in (None, self.executor.cell)):
+                # A real signal (not interrupt_main) so a main thread blocked in a syscall wakes up.
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+                delivered = True
+            return {"delivered": delivered, **self.status()}
+        return {"error": f"unknown request {t!r}"}

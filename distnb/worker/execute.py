@@ -1,0 +1,129 @@
+"""Runs notebook cells in a rank's persistent namespace with IPython-like semantics."""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import time
+import traceback
+from types import TracebackType
+from typing import Any, Callable
+
+__all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
+
+CELL_PREFIX = "<cell-"
+_TEXT_CAP = 64 * 1024
+
+
+def cell_filename(cell_id: int) -> str:
+    return f"{CELL_PREFIX}{cell_id}>"
+
+
+def _cap(text: str) -> str:
+    if len(text) <= _TEXT_CAP:
+        return text
+    return text[:_TEXT_CAP] + f"\n… [{len(text) - _TEXT_CAP:,} more characters not shown]"
+
+
+def mimebundle(obj: Any) -> dict[str, str]:
+    """A JSON-able MIME bundle for ``obj``; never raises and never ships huge payloads."""
+    bundle: dict[str, str] = {}
+    method = getattr(obj, "_repr_mimebundle_", None)
+    if callable(method):
+        try:
+            data = method()
+            if isinstance(data, tuple):
+                data = data[0]
+            for mime, value in (data or {}).items():
+                if isinstance(value, str):
+                    bundle[mime] = _cap(value)
+        except Exception:
+            pass
+    for mime, attr in (("text/html", "_repr_html_"), ("text/markdown", "_repr_markdown_"), ("image/svg+xml", "_repr_svg_")):
+        method = getattr(obj, attr, None)
+        if mime not in bundle and callable(method) and not isinstance(obj, type):
+            try:
+                value = method()
+                if isinstance(value, str):
+                    bundle[mime] = _cap(value)
+            except Exception:
+                pass
+    try:
+        text = repr(obj)
+    except Exception as exc:
+        text = f"<{type(obj).__name__} object; repr() failed: {exc!r}>"
+    bundle["text/plain"] = _cap(text)
+    return bundle
+
+
+class Executor:
+    """Owns the rank's namespace and executes cells in it (always on the main thread)."""
+
+    def __init__(self, namespace: dict[str, Any], send_display: Callable[[int, dict[str, str]], None]) -> None:
+        self.ns = namespace
+        self._send_display = send_display
+        self.cell: int | None = None
+        self.started = 0.0
+        self.ns.setdefault("__name__", "__main__")
+        self.ns["display"] = self.display
+
+    def display(self, *objs: Any) -> None:
+        """``display()`` on a rank: the object's rich forms are forwarded to the notebook."""
+        for obj in objs:
+            self._send_display(self.cell if self.cell is not None else -1, mimebundle(obj))
+
+    def run(self, cell_id: int, code: str) -> dict[str, Any]:
+        filename = cell_filename(cell_id)
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self.cell, self.started = cell_id, time.monotonic()
+        reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}
+        try:
+            tree = ast.parse(code, filename, "exec")
+            last: ast.Expression | None = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = ast.Expression(tree.body.pop().value)
+            exec(compile(tree, filename, "exec"), self.ns)
+            if last is not None:
+                value = eval(compile(last, filename, "eval"), self.ns)
+                if value is not None:
+                    self.ns["_"] = value
+                    reply["value"] = mimebundle(value)
+        except KeyboardInterrupt:
+            reply["status"] = "interrupted"
+            reply["error"] = self._error_info(*sys.exc_info(), filename=filename)
+        except BaseException:  # SystemExit too: a cell must never end the rank silently
+            reply["status"] = "error"
+            reply["error"] = self._error_info(*sys.exc_info(), filename=filename)
+        finally:
+            reply["duration"] = time.monotonic() - self.started
+            self.cell = None
+        return reply
+
+    @staticmethod
+    def _error_info(etype: type[BaseException] | None, evalue: BaseException | None, tb: TracebackType | None, filename: str) -> dict[str, Any]:
+        # Drop distnb's own frames: start at the first frame of the cell.
+        first = tb
+        while first is not None and not first.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
+            first = first.tb_next
+        lines = traceback.format_exception(etype, evalue, first)
+        line = None
+        walker = first
+        while walker is not None:
+            if walker.tb_frame.f_code.co_filename == filename:
+                line = walker.tb_lineno
+            walker = walker.tb_next
+        if line is None and isinstance(evalue, SyntaxError) and evalue.filename == filename:
+            line = evalue.lineno
+        try:
+            text = str(evalue)
+        except Exception:
+            text = "<str() of the exception failed>"
+        if isinstance(evalue, SystemExit):
+            text = f"SystemExit({evalue.code!r}) was raised in the cell; the rank keeps running"
+        return {
+            "ename": etype.__name__ if etype else "Error",
+            "evalue": text if len(text) <= 4000 else text[:4000] + " …",
+            "traceback": _cap("".join(lines)),
+            "line": line,
+        }

@@ -1,0 +1,206 @@
+"""The rank process (``python -m distnb.worker.rank``), started by its supervisor.
+
+Order matters: connect and say hello *before* importing torch and initialising the process group,
+so a rank stuck in rendezvous or NCCL init is visible to the controller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import zmq
+
+from distnb import _linux
+from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, exec_identity
+from distnb.worker.control import ControlThread
+from distnb.worker.execute import Executor, mimebundle
+from distnb.worker.supervisor import MARK_PREFIX
+
+_libc = ctypes.CDLL(None)
+
+
+class Rank:
+    def __init__(self) -> None:
+        env = os.environ
+        self.rank = int(env["RANK"])
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.world_size = int(env["WORLD_SIZE"])
+        self.addr = env["DISTNB_ADDR"]
+        # Keep the key out of the user's os.environ (and of subprocesses the user starts).
+        self.key = bytes.fromhex(env.pop("DISTNB_KEY"))
+        self.mark = MARK_PREFIX + env.pop("DISTNB_TOKEN").encode() + b":"
+        self.backend = env.get("DISTNB_BACKEND", "auto")
+        self.pg_timeout = float(env.get("DISTNB_PG_TIMEOUT", "1800"))
+        self.ctx = zmq.Context(1)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, exec_identity(self.rank))
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(self.addr)
+        self.codec = Codec(self.key, f"x{self.rank}")
+        self.guard = ReplayGuard()
+        self.send_lock = threading.Lock()
+        self.stdio = (sys.stdout, sys.stderr)
+        self.ns: dict[str, Any] = {}
+        self.executor = Executor(self.ns, self._send_display)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        frames = self.codec.encode(msg)
+        with self.send_lock:
+            self.sock.send_multipart(frames, copy=False)
+
+    def _send_display(self, cell: int, bundle: dict[str, str]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # The exec socket belongs to the main thread; from elsewhere fall back to text.
+            print(bundle.get("text/plain", ""), flush=True)
+            return
+        self.send({"t": Msg.DISPLAY, "cell": cell, "data": bundle})
+
+    def setup_process(self) -> None:
+        _linux.set_parent_death_signal(signal.SIGKILL)
+        for stream in self.stdio:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[attr-defined]
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        fault_fd = os.environ.pop("DISTNB_FAULT_FD", None)
+        if fault_fd is not None:
+            # Read by the supervisor: gives a stack even when a C loop holds the GIL.
+            self._fault_file = os.fdopen(int(fault_fd), "w")
+            faulthandler.register(signal.SIGUSR1, file=self._fault_file, all_threads=True, chain=False)
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.executor.cell is not None:
+            raise KeyboardInterrupt
+
+    def init_distributed(self) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        backend = self.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--backend nccl needs CUDA, but torch.cuda.is_available() is False on this rank; use --backend gloo.")
+            count = torch.cuda.device_count()
+            if self.local_rank >= count:
+                raise RuntimeError(
+                    f"LOCAL_RANK {self.local_rank} has no GPU: only {count} visible "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); launch fewer ranks."
+                )
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)  # by LOCAL_RANK, before the process group exists
+        else:
+            device = torch.device("cpu")
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=self.pg_timeout)}
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+        self.ns.update(
+            torch=torch,
+            dist=dist,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            device=device,
+        )
+        return {"device": str(device), "backend": backend}
+
+    def end_of_cell(self, cell: int) -> None:
+        """Flush every layer, then mark the end of the cell's output on both streams."""
+        out, err = self.stdio
+        if sys.stdout is not out or getattr(sys.stdout, "closed", False):
+            sys.stdout = out  # the cell closed or replaced it
+        if sys.stderr is not err or getattr(sys.stderr, "closed", False):
+            sys.stderr = err
+        for stream in (out, err):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        _libc.fflush(None)  # C stdio buffers (printf from extensions)
+        marker = self.mark + str(cell).encode() + b"\x00"
+        os.write(1, marker)
+        os.write(2, marker)
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        if t == Msg.EXEC:
+            cell = msg["cell"]
+            reply = self.executor.run(cell, msg["code"])
+            self.end_of_cell(cell)
+            self.send({"t": Msg.DONE, "id": msg["id"], "cell": cell, **reply})
+        elif t == Msg.PUSH:
+            try:
+                values = pickle.loads(msg["values"])
+                self.ns.update(values)
+                self.send({"t": Msg.DONE, "id": msg["id"], "status": "ok"})
+            except Exception as exc:
+                self.send({"t": Msg.DONE, "id": msg["id"], "status": "error", "error": f"{type(exc).__name__}: {exc}"})
+        elif t == Msg.PULL:
+            self.send({"t": Msg.DONE, "id": msg["id"], **self.pull(msg["names"])})
+
+    def pull(self, names: list[str]) -> dict[str, Any]:
+        out: dict[str, bytes] = {}
+        for name in names:
+            if name not in self.ns:
+                return {"status": "error", "error": f"name {name!r} is not defined on rank {self.rank}"}
+            value = self.ns[name]
+            try:
+                import torch
+
+                if isinstance(value, torch.Tensor):
+                    value = value.detach().cpu()  # the notebook may have no GPU
+                out[name] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                return {
+                    "status": "error",
+                    "error": f"{name!r} on rank {self.rank} can't be sent to the notebook: {type(exc).__name__}: {exc} "
+                    f"(convert it to a picklable value in a cell first, e.g. a tensor, number or dict).",
+                    "summary": mimebundle(value)["text/plain"][:500],
+                }
+        return {"status": "ok", "values": out}
+
+    def serve(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart()
+                try:
+                    msg = self.codec.decode(frames, self.guard)
+                except BadFrame:
+                    continue
+                self.handle(msg)
+            except KeyboardInterrupt:
+                continue  # an interrupt that arrived just after a cell ended
+
+
+def main() -> int:
+    r = Rank()
+    r.setup_process()
+    control = ControlThread(r.ctx, r.addr, r.key, r.rank, r.executor)
+    control.start()
+    r.send({"t": Msg.HELLO, "rank": r.rank, "local_rank": r.local_rank, "world_size": r.world_size, "pid": os.getpid(), "host": socket.gethostname()})
+    try:
+        info = r.init_distributed()
+    except BaseException as exc:
+        r.send({"t": Msg.START_FAILED, "rank": r.rank, "error": "".join(traceback.format_exception(exc)), "summary": f"{type(exc).__name__}: {exc}"})
+        time.sleep(0.2)  # let the frame leave before exiting
+        return 1
+    control.state = "idle"
+    r.send({"t": Msg.READY, "rank": r.rank, **info})
+    r.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
