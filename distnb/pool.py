@@ -21,6 +21,7 @@ from distnb.launch import LaunchConfig, Launcher
 from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
+from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dump
 
 __all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
 
@@ -66,6 +67,7 @@ class _Rank:
     start_error: str | None = None
     stderr_tail: str = ""
     died_at: float | None = None
+    main_ident: int | None = None
     run: "_CellRun | None" = None
     log: list[str] = field(default_factory=list)  # output outside any cell (start-up, threads)
     decoders: dict[str, Any] = field(default_factory=dict)
@@ -323,6 +325,7 @@ class Pool:
             info.pid = msg["pid"]
             info.host = msg["host"]
             info.local_rank = msg["local_rank"]
+            info.main_ident = msg.get("main_ident")
             if info.state in (RankState.LAUNCHED, RankState.STARTED):
                 info.state = RankState.CONNECTED
         elif t == Msg.READY:
@@ -508,14 +511,25 @@ class Pool:
         """Send a KeyboardInterrupt to the cell running on the given (default: all busy) ranks."""
         with self._lock:
             targets = list(ranks) if ranks is not None else list(self._busy(self._ranks))
+            cells = self._busy(targets)
         assert self._channel is not None
         for r in targets:
-            self._channel.send(control_identity(r), {"t": Msg.INTERRUPT, "id": f"int-{next(self._ids)}"})
+            # The cell id lets a rank whose EXEC has not arrived yet interrupt that cell on arrival.
+            self._channel.send(control_identity(r), {"t": Msg.INTERRUPT, "id": f"int-{next(self._ids)}", "cell": cells.get(r)})
         return targets
 
     # -- requests -------------------------------------------------------------------------------
-    def _request(self, identity: Callable[[int], bytes], ranks: list[int], msg: dict[str, Any], timeout: float) -> dict[int, dict[str, Any]]:
-        assert self._channel is not None
+    def _request(
+        self,
+        identity: Callable[[int], bytes],
+        ranks: list[int],
+        msg: dict[str, Any],
+        timeout: float,
+        partial: bool = False,
+    ) -> dict[int, dict[str, Any]]:
+        """Send ``msg`` to each rank and collect replies; ``partial`` returns what came in time."""
+        if self._channel is None or not ranks:
+            return {}
         req_id = f"req-{next(self._ids)}"
         req = _Request(ranks)
         with self._lock:
@@ -527,9 +541,9 @@ class Pool:
         finally:
             with self._lock:
                 self._requests.pop(req_id, None)
-        if req.waiting:
+        if req.waiting and not partial:
             raise RemoteError(f"{format_ranks(req.waiting)} did not answer within {timeout:g} s; check them with %dist_status.")
-        return req.replies
+        return dict(req.replies)
 
     def push(self, ranks: str | int | Iterable[int] | None = None, **values: Any) -> None:
         """Copy notebook values into every (or the given) rank's namespace."""
@@ -566,6 +580,53 @@ class Pool:
             first = next(iter(errors.values()))
             raise RemoteError(f"pull of {name!r} failed on {format_ranks(errors)}: {first}")
         return {r: pickle.loads(replies[r]["values"][name]) for r in targets}
+
+    # -- where are the ranks? -------------------------------------------------------------------
+    def stacks(
+        self,
+        ranks: str | int | Iterable[int] | None = None,
+        all_threads: bool = False,
+        native: bool = False,
+        timeout: float = 0.25,
+    ) -> StackReport:
+        """Where every (or each given) rank is right now; works while cells run or hang.
+
+        The rank's control thread answers even while the main thread waits in a collective. A
+        rank whose main thread holds the GIL (a C loop) can't answer; its supervisor then asks
+        faulthandler for a dump with SIGUSR1. ``native`` adds py-spy's native frames.
+        """
+        if self.state in (PoolState.NEW, PoolState.STOPPED):
+            raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+        targets = parse_ranks(ranks, self.world_size)
+        with self._lock:
+            alive = [r for r in targets if self._ranks[r].state != RankState.DEAD]
+        replies = self._request(control_identity, alive, {"t": Msg.STACKS, "all_threads": all_threads}, timeout, partial=True)
+        silent = [r for r in alive if r not in replies]
+        dumps = self._request(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": 0.15}, 3.0, partial=True)
+        cell_sources = {f"<cell-{c.cell}>": c.code for c in self.history[-200:]}
+        status = {rs.rank: rs for rs in self.status().ranks}
+        out = []
+        for r in targets:
+            st = status[r]
+            info = self._ranks[r]
+            if r in replies and "stacks" in replies[r]:
+                threads = [
+                    ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]
+                ]
+                rs = RankStack(r, st.describe(), "control thread", threads)
+            elif r in dumps and dumps[r].get("text"):
+                threads = parse_faulthandler(dumps[r]["text"], cell_sources, info.main_ident)
+                if not all_threads:
+                    threads = [t for t in threads if t.main] or threads[:1]
+                rs = RankStack(r, st.describe(), "faulthandler: the rank holds the GIL", threads)
+            elif st.state == RankState.DEAD:
+                rs = RankStack(r, st.describe(), "dead")
+            else:
+                rs = RankStack(r, st.describe(), "no answer (the process may be stopped, e.g. SIGSTOP)")
+            if native and info.pid and st.state != RankState.DEAD:
+                rs.native = py_spy_dump(info.pid)
+            out.append(rs)
+        return StackReport(out)
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> PoolStatus:

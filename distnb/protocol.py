@@ -156,8 +156,11 @@ class Codec:
                 raise BadFrame(f"undecodable body: {exc!r}") from None
             if not isinstance(msg, dict) or "t" not in msg:
                 raise BadFrame("body is not a message")
+            counter = msg.get("_n", -1)
+            if not isinstance(counter, int) or isinstance(counter, bool):
+                raise BadFrame("frame has no valid counter")
             if guard is not None:
-                guard.check(str(msg.get("_s")), int(msg.get("_n", -1)))
+                guard.check(str(msg.get("_s")), counter)
             return msg
         except BadFrame:
             self.rejected += 1

@@ -17,6 +17,7 @@ __all__ = [
     "RankStatus",
     "PoolStatus",
     "group_by",
+    "merge_lines",
     "prefix_lines",
 ]
 
@@ -45,12 +46,31 @@ def group_by(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
     return groups
 
 
-def prefix_lines(label: str, text: str) -> str:
-    """``[ranks 0-3] line`` for every line of text (a trailing newline adds no empty line)."""
+def merge_lines(outputs: list[tuple[int, str]]) -> list[tuple[list[int], str]]:
+    """Per-rank texts → ``(ranks, line)`` rows, each line shown once for the ranks that share it.
+
+    Ranks with the same number of lines are aligned line by line (the common case of a cell
+    whose prints differ only in a rank number); otherwise whole outputs are grouped.
+    """
+    split = [(r, _lines(t)) for r, t in outputs]
+    if len({len(ls) for _, ls in split}) == 1:
+        rows: list[tuple[list[int], str]] = []
+        for i in range(len(split[0][1]) if split else 0):
+            rows.extend(group_by((r, ls[i]) for r, ls in split))
+        return rows
+    return [(ranks, line) for ranks, ls in group_by((r, tuple(ls)) for r, ls in split) for line in ls]
+
+
+def _lines(text: str) -> list[str]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    return "\n".join(f"[{label}] {line}" for line in lines)
+    return lines
+
+
+def prefix_lines(label: str, text: str) -> str:
+    """``[ranks 0-3] line`` for every line of text (a trailing newline adds no empty line)."""
+    return "\n".join(f"[{label}] {line}" for line in _lines(text))
 
 
 @dataclass
@@ -128,9 +148,8 @@ class CellResult:
         parts = []
         for stream in ("stdout", "stderr"):
             items = [(r.rank, getattr(r, stream)) for r in self._ordered() if getattr(r, stream)]
-            for ranks, text in group_by(items):
-                label = format_ranks(ranks) + ("" if stream == "stdout" else " stderr")
-                parts.append(prefix_lines(label, text))
+            suffix = "" if stream == "stdout" else " stderr"
+            parts.extend(f"[{format_ranks(ranks)}{suffix}] {line}" for ranks, line in merge_lines(items))
         return "\n".join(parts)
 
     def outcome_text(self) -> str:
@@ -149,9 +168,9 @@ class CellResult:
                 tail = r.stderr[-2000:] if not r.error else ""
                 parts.append(f"rank {r.rank} died: {signal_meaning(r.returncode)}" + (f"\n{prefix_lines(f'rank {r.rank} stderr', tail)}" if tail else ""))
         if self.running:
-            why = "timed out" if self.timed_out else "still running"
+            why = "timed out" if self.timed_out else "been running"
             parts.append(
-                f"{format_ranks(self.running)} {'is' if len(self.running) == 1 else 'are'} {why} "
+                f"{format_ranks(self.running)} {'has' if len(self.running) == 1 else 'have'} {why} "
                 f"after {self.elapsed:.1f} s (cell {self.cell}); see where with %dist_stacks or pool.stacks(), "
                 "interrupt with pool.interrupt(), or restart with %dist_restart."
             )

@@ -86,9 +86,14 @@ class ControlThread(threading.Thread):
             return self.status()
         if t == Msg.INTERRUPT:
             delivered = False
-            if self.executor.cell is not None and (msg.get("cell") in (None, self.executor.cell)):
-                # A real signal (not interrupt_main) so a main thread blocked in a syscall wakes up.
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
-                delivered = True
+            ex, cell = self.executor, msg.get("cell")
+            with ex.lock:
+                if ex.cell is not None and cell in (None, ex.cell):
+                    # A real signal (not interrupt_main) so a main thread blocked in a syscall wakes up.
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+                    delivered = True
+                elif ex.cell is None and cell is not None:
+                    ex.interrupt_cell = cell  # the cell's EXEC has not arrived yet: interrupt it on arrival
+                    delivered = True
             return {"delivered": delivered, **self.status()}
         return {"error": f"unknown request {t!r}"}

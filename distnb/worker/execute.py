@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
 import sys
+import threading
 import time
 import traceback
 from types import TracebackType
@@ -14,6 +16,8 @@ __all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
 
 CELL_PREFIX = "<cell-"
 _TEXT_CAP = 64 * 1024
+# distnb's own frames (e.g. the SIGINT handler that raises KeyboardInterrupt) are hidden from tracebacks.
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def cell_filename(cell_id: int) -> str:
@@ -65,6 +69,9 @@ class Executor:
         self._send_display = send_display
         self.cell: int | None = None
         self.started = 0.0
+        # An interrupt for a cell that has not started yet (it raced ahead of the cell's EXEC).
+        self.lock = threading.Lock()
+        self.interrupt_cell: int | None = None
         self.ns.setdefault("__name__", "__main__")
         self.ns["display"] = self.display
 
@@ -76,9 +83,14 @@ class Executor:
     def run(self, cell_id: int, code: str) -> dict[str, Any]:
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        self.cell, self.started = cell_id, time.monotonic()
         reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}
+        self.started = time.monotonic()
         try:
+            with self.lock:
+                self.cell = cell_id
+                pending, self.interrupt_cell = self.interrupt_cell == cell_id, None
+            if pending:
+                raise KeyboardInterrupt
             tree = ast.parse(code, filename, "exec")
             last: ast.Expression | None = None
             if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -96,8 +108,8 @@ class Executor:
             reply["status"] = "error"
             reply["error"] = self._error_info(*sys.exc_info(), filename=filename)
         finally:
+            self.cell = None  # first: from here on a late SIGINT is ignored
             reply["duration"] = time.monotonic() - self.started
-            self.cell = None
         return reply
 
     @staticmethod
@@ -106,7 +118,9 @@ class Executor:
         first = tb
         while first is not None and not first.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
             first = first.tb_next
-        lines = traceback.format_exception(etype, evalue, first)
+        te = traceback.TracebackException(etype, evalue, first)  # type: ignore[arg-type]
+        te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.startswith(_PKG_DIR)])
+        lines = list(te.format())
         line = None
         walker = first
         while walker is not None:

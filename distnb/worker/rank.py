@@ -137,7 +137,11 @@ class Rank:
         t = msg["t"]
         if t == Msg.EXEC:
             cell = msg["cell"]
-            reply = self.executor.run(cell, msg["code"])
+            try:
+                reply = self.executor.run(cell, msg["code"])
+            except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
+                reply = {"status": "interrupted", "value": None, "duration": 0.0,
+                         "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}
             self.end_of_cell(cell)
             self.send({"t": Msg.DONE, "id": msg["id"], "cell": cell, **reply})
         elif t == Msg.PUSH:
@@ -189,7 +193,7 @@ def main() -> int:
     r.setup_process()
     control = ControlThread(r.ctx, r.addr, r.key, r.rank, r.executor)
     control.start()
-    r.send({"t": Msg.HELLO, "rank": r.rank, "local_rank": r.local_rank, "world_size": r.world_size, "pid": os.getpid(), "host": socket.gethostname()})
+    r.send({"t": Msg.HELLO, "rank": r.rank, "local_rank": r.local_rank, "world_size": r.world_size, "pid": os.getpid(), "host": socket.gethostname(), "main_ident": threading.main_thread().ident})
     try:
         info = r.init_distributed()
     except BaseException as exc:

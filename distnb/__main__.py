@@ -1,0 +1,92 @@
+"""``python -m distnb demo | doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+__all__ = ["main"]
+
+DEMO_CELLS = [
+    ("Every rank contributes its rank number to an all_reduce:",
+     "x = torch.full((2,), float(rank))\ndist.all_reduce(x)\nx", None),
+    ("Per-rank output streams back live; identical lines are shown once:",
+     "print('hello from the pool')\nprint(f'I am rank {rank} of {world_size} on {device}')", None),
+    ("State persists between cells; a subset of ranks can run a cell:",
+     "x.sum().item() * rank", "0,2"),
+    ("An error on one rank is reported with the cell's own line, grouped by rank:",
+     "if rank == 3:\n    raise ValueError(f'rank {rank} got a bad batch')\n'fine'", None),
+]
+
+
+def demo(nproc: int) -> int:
+    import distnb
+
+    print(f"distnb demo: launching {nproc} CPU ranks under torchrun (gloo)…", flush=True)
+    t0 = time.monotonic()
+    last = [""]
+
+    def progress(stages: dict) -> None:
+        from distnb.display.text import stage_summary
+
+        line = stage_summary(stages, time.monotonic() - t0)
+        if line.split(": ", 1)[1] != last[0]:
+            last[0] = line.split(": ", 1)[1]
+            print("  " + line, flush=True)
+
+    with distnb.launch(nproc=nproc, backend="gloo", on_progress=progress) as pool:
+        print(f"\n{pool.status().text()}\n", flush=True)
+        for title, code, ranks in DEMO_CELLS:
+            print(f"## {title}")
+            print("\n".join(f"    {line}" for line in code.splitlines()))
+            result = pool.run(code, ranks=ranks, timeout=60)
+            print(result.text(), end="\n\n", flush=True)
+        expected = float(sum(range(nproc)))
+        ok = all(x.tolist() == [expected, expected] for x in pool.pull("x").values())
+    print("pool shut down; no process left." if not pool.pids() else f"processes left: {pool.pids()}")
+    return 0 if ok else 1
+
+
+def doctor() -> int:
+    """Print what distnb will use, so a bug report carries the facts."""
+    import importlib
+
+    print(f"python     {sys.version.split()[0]} ({sys.executable})")
+    print(f"platform   {platform.platform()}")
+    for mod in ("torch", "zmq", "IPython", "ipywidgets", "matplotlib", "nbformat", "pynvml"):
+        try:
+            m = importlib.import_module(mod)
+            print(f"{mod:<10} {getattr(m, '__version__', 'installed')}")
+        except Exception as exc:
+            print(f"{mod:<10} missing ({type(exc).__name__})")
+    try:
+        import torch
+
+        print(f"cuda       {torch.cuda.is_available()} ({torch.cuda.device_count()} devices)")
+        import torch.distributed as dist
+
+        print(f"backends   gloo={dist.is_gloo_available()} nccl={dist.is_nccl_available()}")
+    except Exception as exc:
+        print(f"torch      unusable: {exc}")
+    from distnb.launch import default_nproc
+
+    print(f"default -n {default_nproc()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distnb", description="distnb: debug distributed PyTorch from a notebook.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="launch a CPU pool, run a short tour, print the results, shut down")
+    d.add_argument("-n", "--nproc", type=int, default=4, help="ranks (default 4)")
+    sub.add_parser("doctor", help="show the versions and devices distnb sees")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return demo(args.nproc)
+    return doctor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""IPython magics: thin argument parsing over :class:`distnb.Pool`, then display."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any, Iterator
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from distnb.display.text import LivePrinter, stage_summary
+from distnb.errors import DistnbError, NoPoolError
+from distnb.launch import LaunchConfig
+from distnb.pool import CellEvents, Pool, PoolState, current_pool
+from distnb.results import CellResult, RankState
+
+__all__ = ["DistMagics", "load", "unload"]
+
+
+@contextlib.contextmanager
+def _usage_errors() -> Iterator[None]:
+    """Turn distnb's own errors into UsageError: a clear message, no traceback."""
+    try:
+        yield
+    except (DistnbError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _env_pairs(items: list[str] | None) -> dict[str, str]:
+    env = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env takes KEY=VALUE (e.g. --env NCCL_DEBUG=INFO), not {item!r}.")
+        env[key] = value
+    return env
+
+
+class _Progress:
+    """One updating line while the pool starts (a display handle in a kernel, lines elsewhere)."""
+
+    def __init__(self, in_kernel: bool) -> None:
+        self._start = time.monotonic()
+        self._handle: Any = None
+        self._in_kernel = in_kernel
+        self._last = ""
+
+    def __call__(self, stages: dict[int, RankState]) -> None:
+        text = stage_summary(stages, time.monotonic() - self._start)
+        core = text.split(": ", 1)[-1]
+        if core == self._last:
+            return
+        self._last = core
+        if self._in_kernel:
+            from IPython.display import display
+
+            bundle = {"text/plain": text}
+            if self._handle is None:
+                self._handle = display(bundle, raw=True, display_id=True)
+            else:
+                self._handle.update(bundle, raw=True)
+        else:
+            print(text)
+
+
+@magics_class
+class DistMagics(Magics):
+    """``%dist_launch``, ``%%on_ranks``, ``%dist_status``, ``%dist_push``, ``%dist_pull``,
+    ``%dist_restart`` and ``%dist_shutdown``."""
+
+    def _in_kernel(self) -> bool:
+        return getattr(self.shell, "kernel", None) is not None
+
+    def _pool(self) -> Pool:
+        with _usage_errors():
+            return current_pool()
+
+    # -- launch / lifecycle ---------------------------------------------------------------------
+    @magic_arguments()
+    @argument("-n", "--nproc", type=int, default=None, help="Number of ranks (default: visible GPUs, else 2).")
+    @argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="Process group backend (auto: nccl with CUDA, else gloo).")
+    @argument("--env", action="append", metavar="KEY=VALUE", help="Environment variable for every rank; repeatable (e.g. --env NCCL_DEBUG=INFO).")
+    @argument("--pg-timeout", type=float, default=None, metavar="SECONDS", help="The process group's collective timeout (default 1800).")
+    @argument("--start-timeout", type=float, default=None, metavar="SECONDS", help="How long to wait for every rank to be ready (default 180).")
+    @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report ranks disagreeing in collectives after this long (default 3).")
+    @line_magic
+    def dist_launch(self, line: str) -> None:
+        """Start a persistent torchrun pool; returns once every rank's process group is ready."""
+        args = parse_argstring(self.dist_launch, line)
+        with contextlib.suppress(NoPoolError):
+            pool = current_pool()
+            raise UsageError(
+                f"a pool of {pool.world_size} ranks is already {pool.state.value}; "
+                "use %dist_restart for fresh ranks or %dist_shutdown before launching another."
+            )
+        options: dict[str, Any] = {"nproc": args.nproc, "backend": args.backend, "env": _env_pairs(args.env)}
+        for name in ("pg_timeout", "start_timeout", "hang_after"):
+            if getattr(args, name) is not None:
+                options[name] = getattr(args, name)
+        with _usage_errors():
+            config = LaunchConfig(**options)
+            pool = Pool(config).start(on_progress=_Progress(self._in_kernel()))
+        print(pool.status().text())
+
+    @magic_arguments()
+    @line_magic
+    def dist_shutdown(self, line: str) -> None:
+        """Stop every rank of the current pool (SIGTERM, then SIGKILL) and verify none is left."""
+        parse_argstring(self.dist_shutdown, line)
+        pool = self._pool()
+        with _usage_errors():
+            pool.shutdown()
+        print(f"pool stopped: {pool.world_size} ranks shut down, no process left.")
+
+    @magic_arguments()
+    @line_magic
+    def dist_restart(self, line: str) -> None:
+        """Replace every rank with a fresh one, same configuration (namespaces start empty)."""
+        parse_argstring(self.dist_restart, line)
+        pool = self._pool()
+        with _usage_errors():
+            pool.restart(on_progress=_Progress(self._in_kernel()))
+        print(pool.status().text())
+
+    @magic_arguments()
+    @line_magic
+    def dist_status(self, line: str) -> None:
+        """Per rank: pid, host, device and state (idle · running cell k for t s · dead)."""
+        parse_argstring(self.dist_status, line)
+        print(self._pool().status().text())
+
+    # -- cells ----------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to run on: 0,2 · 1-3 · all (default: all).")
+    @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Return after this long, naming the ranks still running.")
+    @argument("--quiet", action="store_true", help="Don't stream output; show only values, errors and ranks still running.")
+    @cell_magic
+    def on_ranks(self, line: str, cell: str) -> None:
+        """Run the cell on every rank (or the given ones), streaming per-rank output live.
+
+        The result is kept in the notebook variable ``_dist`` (a :class:`distnb.CellResult`).
+        Ctrl-C interrupts the cell on the ranks; a second Ctrl-C stops waiting.
+        """
+        args = parse_argstring(self.on_ranks, line)
+        if args.timeout is not None and args.timeout <= 0:
+            raise UsageError("--timeout takes a positive number of seconds, e.g. --timeout 10.")
+        try:
+            compile(cell, "<cell>", "exec")
+        except SyntaxError as exc:
+            import traceback
+
+            print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr)
+            print("[distnb] nothing was sent to the ranks.", file=sys.stderr)
+            return
+        pool = self._pool()
+        printer = LivePrinter()
+        events = CellEvents(on_output=None if args.quiet else printer.feed)
+        with _usage_errors():
+            result = pool.submit(cell, args.ranks, events)
+        pool.wait(result, timeout=args.timeout, on_tick=lambda _r: printer.flush())
+        printer.flush(final=True)
+        self.shell.user_ns["_dist"] = result
+        self._show_outcome(result, printer)
+
+    def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
+        note = printer.cap_note()
+        if note:
+            print(note)
+        outcome = result.outcome_text()
+        if outcome:
+            stream = sys.stderr if result.failed or result.running else sys.stdout
+            print(outcome, file=stream)
+
+    # -- data -----------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("names", nargs="+", help="Notebook variables to copy to the ranks.")
+    @argument("--ranks", default=None, help="Only these ranks: 0,2 · 1-3 · all.")
+    @line_magic
+    def dist_push(self, line: str) -> None:
+        """Copy notebook variables into the ranks' namespaces."""
+        args = parse_argstring(self.dist_push, line)
+        ns = self.shell.user_ns
+        missing = [n for n in args.names if n not in ns]
+        if missing:
+            raise UsageError(f"{', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} not defined in the notebook; define it first.")
+        pool = self._pool()
+        with _usage_errors():
+            pool.push(ranks=args.ranks, **{n: ns[n] for n in args.names})
+
+    @magic_arguments()
+    @argument("name", help="A variable defined on the ranks.")
+    @argument("--ranks", default=None, help="Only these ranks: 0,2 · 1-3 · all.")
+    @line_magic
+    def dist_pull(self, line: str) -> dict[int, Any]:
+        """Return ``{rank: value}`` of a variable on the ranks."""
+        args = parse_argstring(self.dist_pull, line)
+        pool = self._pool()
+        with _usage_errors():
+            return pool.pull(args.name, ranks=args.ranks)
+
+
+def load(ipython: Any) -> None:
+    ipython.register_magics(DistMagics)
+
+
+def unload(ipython: Any) -> None:
+    from distnb import pool as pool_module
+
+    pool = pool_module._current
+    if pool is not None and pool.state not in (PoolState.STOPPED, PoolState.NEW):
+        pool.shutdown()
