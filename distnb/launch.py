@@ -19,6 +19,10 @@ from distnb import _linux
 __all__ = ["LaunchConfig", "Launcher", "default_nproc"]
 
 BACKENDS = ("auto", "nccl", "gloo")
+DEBUG_ENV = {
+    "detail": {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+    "nccl": {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,COLL"},
+}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # torchrun owns these; letting --env override them would silently break the rank contract.
 _RESERVED_ENV = {
@@ -62,6 +66,9 @@ class LaunchConfig:
             cell reports a hang.
         heartbeat_timeout: ranks exit when the controller has been silent this long.
         bind: address the controller listens on.
+        debug: debug switches: ``"detail"`` (TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched
+            collectives raise an error naming the field instead of aborting the process) and
+            ``"nccl"`` (NCCL_DEBUG=INFO with the init, network and collective subsystems).
     """
 
     nproc: int | None = None
@@ -72,6 +79,7 @@ class LaunchConfig:
     hang_after: float = 3.0
     heartbeat_timeout: float = 15.0
     bind: str = "127.0.0.1"
+    debug: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nproc is None:
@@ -88,6 +96,11 @@ class LaunchConfig:
                 raise ValueError(f"{key} is set by torchrun for every rank and can't be overridden with env.")
             env[key] = str(value)
         object.__setattr__(self, "env", env)
+        debug = (self.debug,) if isinstance(self.debug, str) else tuple(self.debug)
+        unknown = [d for d in debug if d not in DEBUG_ENV]
+        if unknown:
+            raise ValueError(f"unknown debug switch {unknown[0]!r}; choose from {', '.join(DEBUG_ENV)}.")
+        object.__setattr__(self, "debug", tuple(dict.fromkeys(debug)))
         for name in ("pg_timeout", "start_timeout", "hang_after", "heartbeat_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -126,7 +139,9 @@ class Launcher:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(self.config.env)
+        for switch in self.config.debug:
+            env.update(DEBUG_ENV[switch])
+        env.update(self.config.env)  # explicit --env wins over a debug switch
         # Workers must import this very distnb, installed or not.
         src = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

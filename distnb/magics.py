@@ -15,6 +15,7 @@ from distnb.display.text import LivePrinter, stage_summary
 from distnb.errors import DistnbError, NoPoolError
 from distnb.launch import LaunchConfig
 from distnb.pool import CellEvents, Pool, PoolState, current_pool
+from distnb.ranks import format_ranks
 from distnb.results import CellResult, RankState
 
 __all__ = ["DistMagics", "load", "unload"]
@@ -68,8 +69,8 @@ class _Progress:
 
 @magics_class
 class DistMagics(Magics):
-    """``%dist_launch``, ``%%on_ranks``, ``%dist_status``, ``%dist_push``, ``%dist_pull``,
-    ``%dist_restart`` and ``%dist_shutdown``."""
+    """``%dist_launch``, ``%%on_ranks``, ``%dist_status``, ``%dist_stacks``, ``%dist_env``,
+    ``%dist_push``, ``%dist_pull``, ``%dist_wait``, ``%dist_restart`` and ``%dist_shutdown``."""
 
     def _in_kernel(self) -> bool:
         return getattr(self.shell, "kernel", None) is not None
@@ -86,6 +87,7 @@ class DistMagics(Magics):
     @argument("--pg-timeout", type=float, default=None, metavar="SECONDS", help="The process group's collective timeout (default 1800).")
     @argument("--start-timeout", type=float, default=None, metavar="SECONDS", help="How long to wait for every rank to be ready (default 180).")
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report ranks disagreeing in collectives after this long (default 3).")
+    @argument("--debug", action="append", choices=["detail", "nccl"], help="detail: TORCH_DISTRIBUTED_DEBUG=DETAIL (mismatched collectives raise, naming the field); nccl: NCCL_DEBUG=INFO. Repeatable.")
     @line_magic
     def dist_launch(self, line: str) -> None:
         """Start a persistent torchrun pool; returns once every rank's process group is ready."""
@@ -96,7 +98,7 @@ class DistMagics(Magics):
                 f"a pool of {pool.world_size} ranks is already {pool.state.value}; "
                 "use %dist_restart for fresh ranks or %dist_shutdown before launching another."
             )
-        options: dict[str, Any] = {"nproc": args.nproc, "backend": args.backend, "env": _env_pairs(args.env)}
+        options: dict[str, Any] = {"nproc": args.nproc, "backend": args.backend, "env": _env_pairs(args.env), "debug": tuple(args.debug or ())}
         for name in ("pg_timeout", "start_timeout", "hang_after"):
             if getattr(args, name) is not None:
                 options[name] = getattr(args, name)
@@ -116,14 +118,63 @@ class DistMagics(Magics):
         print(f"pool stopped: {pool.world_size} ranks shut down, no process left.")
 
     @magic_arguments()
+    @argument("--replay", action="store_true", help="Re-run, in order, the cells that succeeded since launch.")
     @line_magic
     def dist_restart(self, line: str) -> None:
-        """Replace every rank with a fresh one, same configuration (namespaces start empty)."""
-        parse_argstring(self.dist_restart, line)
+        """Replace every rank with a fresh one, same configuration (namespaces start empty).
+
+        Works on a pool with hung or dead ranks. With --replay, the cells that succeeded since
+        launch run again, so the pool is back at the step before the failure.
+        """
+        args = parse_argstring(self.dist_restart, line)
+        pool = self._pool()
+
+        def replayed(result: CellResult) -> None:
+            first = result.code.strip().splitlines()[0] if result.code.strip() else ""
+            status = "ok" if result.ok else "FAILED — replay stopped here"
+            print(f"replayed cell {result.cell} on {result.header().split(' on ', 1)[1].split(':')[0]}: {status}  | {first[:60]}")
+            if not result.ok:
+                print(result.outcome_text(), file=sys.stderr)
+
+        with _usage_errors():
+            pool.restart(on_progress=_Progress(self._in_kernel()), replay=args.replay, on_replay=replayed)
+        print(pool.status().text())
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @argument("--native", action="store_true", help="Add native (C/C++) frames through py-spy, when installed.")
+    @argument("--all-threads", action="store_true", help="Show every Python thread, not only the one running cells.")
+    @line_magic
+    def dist_stacks(self, line: str) -> Any:
+        """Where is every rank right now? Works while a cell runs or hangs; identical stacks are grouped."""
+        args = parse_argstring(self.dist_stacks, line)
         pool = self._pool()
         with _usage_errors():
-            pool.restart(on_progress=_Progress(self._in_kernel()))
-        print(pool.status().text())
+            return pool.stacks(args.ranks, all_threads=args.all_threads, native=args.native)
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @line_magic
+    def dist_env(self, line: str) -> Any:
+        """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* per rank; flags differences."""
+        args = parse_argstring(self.dist_env, line)
+        pool = self._pool()
+        with _usage_errors():
+            return pool.env(args.ranks)
+
+    @magic_arguments()
+    @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Stop waiting after this long.")
+    @line_magic
+    def dist_wait(self, line: str) -> None:
+        """Wait for the last cell (e.g. one started with %%on_ranks --bg) and show its result."""
+        args = parse_argstring(self.dist_wait, line)
+        pool = self._pool()
+        if not pool.history:
+            raise UsageError("no cell has run on this pool yet.")
+        result = pool.history[-1]
+        pool.wait(result, timeout=args.timeout)
+        self.shell.user_ns["_dist"] = result
+        print(result.text())
 
     @magic_arguments()
     @line_magic
@@ -137,6 +188,7 @@ class DistMagics(Magics):
     @argument("ranks", nargs="?", default=None, help="Ranks to run on: 0,2 · 1-3 · all (default: all).")
     @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Return after this long, naming the ranks still running.")
     @argument("--quiet", action="store_true", help="Don't stream output; show only values, errors and ranks still running.")
+    @argument("--bg", action="store_true", help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist).")
     @cell_magic
     def on_ranks(self, line: str, cell: str) -> None:
         """Run the cell on every rank (or the given ones), streaming per-rank output live.
@@ -159,10 +211,14 @@ class DistMagics(Magics):
         printer = LivePrinter()
         events = CellEvents(on_output=None if args.quiet else printer.feed)
         with _usage_errors():
-            result = pool.submit(cell, args.ranks, events)
+            result = pool.submit(cell, args.ranks, events if not args.bg else None)
+        self.shell.user_ns["_dist"] = result
+        if args.bg:
+            print(f"cell {result.cell} is running in the background on {format_ranks(result.ranks)}; "
+                  "_dist holds its live result; %dist_stacks shows where it is, %dist_wait shows its output.")
+            return
         pool.wait(result, timeout=args.timeout, on_tick=lambda _r: printer.flush())
         printer.flush(final=True)
-        self.shell.user_ns["_dist"] = result
         self._show_outcome(result, printer)
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:

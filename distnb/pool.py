@@ -20,7 +20,7 @@ from distnb.errors import LaunchError, NoPoolError, PoolBrokenError, PoolBusyErr
 from distnb.launch import LaunchConfig, Launcher
 from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
-from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
+from distnb.results import CellResult, EnvReport, PoolStatus, RankResult, RankState, RankStatus
 from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dump
 
 __all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
@@ -124,6 +124,7 @@ class Pool:
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
         self.history: list[CellResult] = []
+        self._launch_index = 0
         self.first_death: int | None = None
         self._changed = threading.Condition(self._lock)
         _live_pools.add(self)
@@ -151,6 +152,7 @@ class Pool:
             self._teardown()
             raise
         self.state = PoolState.READY
+        self._launch_index = len(self.history)
         _current = self
         return self
 
@@ -236,10 +238,28 @@ class Pool:
         self.state = PoolState.STOPPED
         return leftovers
 
-    def restart(self, on_progress: Callable[[dict[int, RankState]], None] | None = None) -> "Pool":
-        """Fresh ranks with the same configuration (cell numbers keep counting)."""
+    def restart(
+        self,
+        on_progress: Callable[[dict[int, RankState]], None] | None = None,
+        replay: bool = False,
+        on_replay: Callable[[CellResult], None] | None = None,
+    ) -> "Pool":
+        """Fresh ranks with the same configuration (cell numbers keep counting).
+
+        With ``replay``, the cells that succeeded since the last launch are re-run in order on
+        the same ranks, bringing the fresh pool back to the state before a failure. Replay stops
+        at the first cell that fails this time.
+        """
+        to_replay = [c for c in self.history[self._launch_index :] if c.ok] if replay else []
         self.shutdown()
-        return self.start(on_progress)
+        self.start(on_progress)
+        for old in to_replay:
+            result = self.run(old.code, old.ranks)
+            if on_replay is not None:
+                on_replay(result)
+            if not result.ok:
+                break
+        return self
 
     def __enter__(self) -> "Pool":
         if self.state == PoolState.NEW:
@@ -627,6 +647,14 @@ class Pool:
                 rs.native = py_spy_dump(info.pid)
             out.append(rs)
         return StackReport(out)
+
+    def env(self, ranks: str | int | Iterable[int] | None = None) -> EnvReport:
+        """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""
+        if self.state in (PoolState.NEW, PoolState.STOPPED):
+            raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+        targets = [r for r in parse_ranks(ranks, self.world_size) if self._ranks[r].state != RankState.DEAD]
+        replies = self._request(control_identity, targets, {"t": Msg.ENV}, 5.0)
+        return EnvReport({r: m["env"] for r, m in sorted(replies.items())}, {r: self._ranks[r].host for r in targets})
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> PoolStatus:

@@ -70,6 +70,7 @@ class Msg:
     INTERRUPT = "interrupt"
     STACKS = "stacks"
     STATUS = "status"
+    ENV = "env"
     SHUTDOWN = "shutdown"
     FAULT_REQUEST = "fault_request"  # S: send SIGUSR1 so faulthandler dumps every thread
 

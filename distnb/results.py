@@ -16,6 +16,7 @@ __all__ = [
     "CellResult",
     "RankStatus",
     "PoolStatus",
+    "EnvReport",
     "group_by",
     "merge_lines",
     "prefix_lines",
@@ -245,6 +246,50 @@ class PoolStatus:
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         for row in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+
+#: Variables that are meant to differ between ranks.
+PER_RANK_ENV = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK"}
+
+
+@dataclass
+class EnvReport:
+    """Each rank's distributed environment, with the variables that differ flagged."""
+
+    env: dict[int, dict[str, str]]
+    hosts: dict[int, str | None] = field(default_factory=dict)
+
+    def differing(self) -> list[str]:
+        """Names whose value is not the same on every rank (and is not meant to differ)."""
+        names = sorted({k for e in self.env.values() for k in e})
+        return [n for n in names if n not in PER_RANK_ENV and len({e.get(n) for e in self.env.values()}) > 1]
+
+    def text(self) -> str:
+        ranks = sorted(self.env)
+        names = sorted({k for e in self.env.values() for k in e})
+        flagged = set(self.differing())
+        width = max([20, *map(len, names)])
+        lines = [f"environment of {format_ranks(ranks)}" + (f" — {len(flagged)} variable(s) differ between ranks: {', '.join(sorted(flagged))}" if flagged else "")]
+        if self.hosts:
+            for hs, host in group_by((r, self.hosts.get(r)) for r in ranks):
+                lines.append(f"  {'host':<{width}} {host or '?'} ({format_ranks(hs)})")
+        for name in names:
+            values = group_by((r, self.env[r].get(name)) for r in ranks)
+            if len(values) == 1:
+                lines.append(f"  {name:<{width}} {values[0][1]} (all ranks)")
+            elif name in PER_RANK_ENV and all(len(rs) == 1 for rs, _ in values):
+                lines.append(f"  {name:<{width}} " + ", ".join(f"{v}" for _, v in values) + " (per rank, as expected)")
+            else:
+                mark = "!" if name in flagged else " "
+                shown = "; ".join(f"{format_ranks(rs)}: {'<unset>' if v is None else v}" for rs, v in values)
+                lines.append(f"{mark} {name:<{width}} {shown}" + ("  <- differs" if name in flagged else ""))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

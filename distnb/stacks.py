@@ -57,6 +57,10 @@ class ThreadStack:
     frames: list[Frame]  # outermost first
 
     def user_frames(self) -> list[Frame]:
+        if self.main:
+            # On the main thread everything outside a cell is distnb's serve loop.
+            first = next((i for i, f in enumerate(self.frames) if f.is_cell), None)
+            return [] if first is None else [f for f in self.frames[first:] if not f.is_internal]
         return [f for f in self.frames if not f.is_internal]
 
 

@@ -22,6 +22,13 @@ from distnb.worker.execute import Executor
 
 __all__ = ["ControlThread", "thread_stacks"]
 
+#: What %dist_env shows: torchrun's contract and the variables that steer NCCL/torch/CUDA.
+ENV_NAMES = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "GROUP_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID",
+}
+ENV_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "CUDA_", "PYTORCH_")
+
 
 def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
     """Python stacks of the main thread (and others if asked), outermost frame first."""
@@ -84,6 +91,8 @@ class ControlThread(threading.Thread):
             return {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
         if t == Msg.STATUS:
             return self.status()
+        if t == Msg.ENV:
+            return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
         if t == Msg.INTERRUPT:
             delivered = False
             ex, cell = self.executor, msg.get("cell")
