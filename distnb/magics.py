@@ -67,6 +67,34 @@ class _Progress:
             print(text)
 
 
+class _HangWatch:
+    """While a cell runs: flush live output, and once ranks disagree for a while, say why."""
+
+    def __init__(self, pool: Pool, result: CellResult, hang_after: float, printer: LivePrinter) -> None:
+        self._pool = pool
+        self._result = result
+        self._hang_after = hang_after
+        self._printer = printer
+        self._next = time.monotonic() + min(hang_after, 1.0)
+        self._shown = ""
+
+    def tick(self, result: CellResult) -> None:
+        self._printer.flush()
+        now = time.monotonic()
+        if now < self._next or not result.running:
+            return
+        self._next = now + 1.0
+        try:
+            diag = self._pool.diagnose(result)
+        except Exception as exc:  # diagnosis is best effort; the cell keeps streaming
+            diag_text, kind = f"[distnb] could not diagnose: {exc}", "error"
+        else:
+            diag_text, kind = diag.text(), diag.kind
+        if kind in ("hang", "slow", "running") and diag_text.split("\n")[0] != self._shown.split("\n")[0]:
+            self._shown = diag_text
+            print(diag_text, file=sys.stderr)
+
+
 @magics_class
 class DistMagics(Magics):
     """``%dist_launch``, ``%%on_ranks``, ``%dist_status``, ``%dist_stacks``, ``%dist_env``,
@@ -188,6 +216,7 @@ class DistMagics(Magics):
     @argument("ranks", nargs="?", default=None, help="Ranks to run on: 0,2 · 1-3 · all (default: all).")
     @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Return after this long, naming the ranks still running.")
     @argument("--quiet", action="store_true", help="Don't stream output; show only values, errors and ranks still running.")
+    @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report a hang once ranks disagree this long (default: the pool's, 3 s).")
     @argument("--bg", action="store_true", help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist).")
     @cell_magic
     def on_ranks(self, line: str, cell: str) -> None:
@@ -217,7 +246,8 @@ class DistMagics(Magics):
             print(f"cell {result.cell} is running in the background on {format_ranks(result.ranks)}; "
                   "_dist holds its live result; %dist_stacks shows where it is, %dist_wait shows its output.")
             return
-        pool.wait(result, timeout=args.timeout, on_tick=lambda _r: printer.flush())
+        watch = _HangWatch(pool, result, args.hang_after or pool.config.hang_after, printer)
+        pool.wait(result, timeout=args.timeout, on_tick=watch.tick)
         printer.flush(final=True)
         self._show_outcome(result, printer)
 

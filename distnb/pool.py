@@ -21,6 +21,7 @@ from distnb.launch import LaunchConfig, Launcher
 from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, EnvReport, PoolStatus, RankResult, RankState, RankStatus
+from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
 from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dump
 
 __all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
@@ -647,6 +648,36 @@ class Pool:
                 rs.native = py_spy_dump(info.pid)
             out.append(rs)
         return StackReport(out)
+
+    def diagnose(self, result: CellResult | None = None) -> Diagnosis:
+        """Is the (last) cell hung, and why? Names the ranks, collectives and cell lines involved."""
+        if result is None:
+            if not self.history:
+                raise NoPoolError("no cell has run on this pool yet.")
+            result = self.history[-1]
+        elapsed = time.monotonic() - result._run.started  # type: ignore[attr-defined]
+        busy = [r for r in result.ranks if result.results[r].status == "running"]
+        stacks = self.stacks(busy) if busy else None
+        lines = result.code.splitlines()
+        positions = []
+        for r in range(self.world_size):
+            res = result.results.get(r)
+            if res is None:
+                positions.append(Position(r, "idle"))
+            elif res.status == "ok":
+                positions.append(Position(r, "finished"))
+            elif res.status in ("error", "interrupted") and res.error:
+                line = res.error.get("line")
+                positions.append(Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
+                                          detail=f"{res.error['ename']}: {res.error['evalue'][:200]}"))
+            elif res.status == "dead":
+                positions.append(Position(r, "dead", detail=_linux.signal_meaning(res.returncode)))
+            else:
+                assert stacks is not None
+                pos = position_from_stack(stacks[r])
+                pos.since = pos.since if pos.since is not None else elapsed
+                positions.append(pos)
+        return diagnose(positions, self.config.hang_after, elapsed)
 
     def env(self, ranks: str | int | Iterable[int] | None = None) -> EnvReport:
         """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""

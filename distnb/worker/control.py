@@ -85,6 +85,12 @@ class ControlThread(threading.Thread):
             "pid": os.getpid(),
         }
 
+    def _nudge(self, cell: int, sigints: int) -> None:
+        ex = self.executor
+        with ex.lock:
+            if ex.cell == cell and ex.sigints == sigints:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
     def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         t = msg["t"]
         if t == Msg.STACKS:
@@ -101,6 +107,11 @@ class ControlThread(threading.Thread):
                     # A real signal (not interrupt_main) so a main thread blocked in a syscall wakes up.
                     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
                     delivered = True
+                    # A signal landing just before a blocking call (e.g. sleep) is only acted on when
+                    # the call returns; if the handler has not run shortly after, signal once more.
+                    nudge = threading.Timer(0.25, self._nudge, (ex.cell, ex.sigints))
+                    nudge.daemon = True
+                    nudge.start()
                 elif ex.cell is None and cell is not None:
                     ex.interrupt_cell = cell  # the cell's EXEC has not arrived yet: interrupt it on arrival
                     delivered = True

@@ -72,6 +72,7 @@ class Executor:
         # An interrupt for a cell that has not started yet (it raced ahead of the cell's EXEC).
         self.lock = threading.Lock()
         self.interrupt_cell: int | None = None
+        self.sigints = 0  # KeyboardInterrupts raised by the SIGINT handler
         self.ns.setdefault("__name__", "__main__")
         self.ns["display"] = self.display
 

@@ -80,6 +80,7 @@ class Rank:
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         if self.executor.cell is not None:
+            self.executor.sigints += 1
             raise KeyboardInterrupt
 
     def init_distributed(self) -> dict[str, Any]:

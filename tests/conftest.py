@@ -1,0 +1,164 @@
+"""Shared fixtures: one session-wide 4-rank pool, fresh pools for destructive tests, and a
+session-end check that no process of distnb's outlives the test run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from typing import Callable, Iterable
+
+import pytest
+
+import distnb
+from distnb import _linux
+
+# Every process a pool starts inherits this variable, so the leak check can tell this test run's
+# processes from anyone else's (another test run, a notebook) on the same machine.
+RUN_MARK = "DISTNB_TEST_RUN"
+os.environ[RUN_MARK] = uuid.uuid4().hex
+_PATTERNS = (b"distnb.worker", b"torch.distributed.run")
+
+#: Every PID a test pool (or a test's own subprocess) was seen with.
+started_pids: set[int] = set()
+_pools: list[distnb.Pool] = []
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def session_id(pid: int) -> int | None:
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[3]) if len(fields) > 3 else None
+
+
+def run_processes() -> list[int]:
+    """Live processes of this test run that look like distnb's (torchrun agent, supervisor, rank)."""
+    mark = f"{RUN_MARK}={os.environ[RUN_MARK]}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        cmdline = _read(f"/proc/{name}/cmdline")
+        if not any(p in cmdline for p in _PATTERNS):
+            continue
+        if mark in _read(f"/proc/{name}/environ").split(b"\0") and _linux.pid_alive(int(name)):
+            found.append(int(name))
+    return sorted(found)
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait until none of ``pids`` is alive; return the survivors."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if _linux.pid_alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def pool_processes(pool: distnb.Pool) -> set[int]:
+    """The pool's PIDs plus every live process in their sessions (ranks, supervisors, helpers)."""
+    pids = set(pool.pids())
+    sids = {s for s in (session_id(p) for p in pids) if s is not None}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and session_id(int(name)) in sids and _linux.pid_alive(int(name)):
+            pids.add(int(name))
+    return pids
+
+
+def track(pool: distnb.Pool) -> distnb.Pool:
+    """Remember a pool (and its PIDs) for the session-end leak check."""
+    if pool not in _pools:
+        _pools.append(pool)
+    started_pids.update(pool.pids())
+    return pool
+
+
+def kill_pids(pids: Iterable[int]) -> None:
+    """Last-resort cleanup: SIGKILL PIDs that this test run started (never by name)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.fixture(scope="session")
+def leak_check():
+    """Session teardown: every pool shut down, and no distnb process of this run left."""
+    yield
+    errors = []
+    for pool in _pools:
+        started_pids.update(pool.pids())
+        try:
+            pool.shutdown()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(f"{pool!r}.shutdown() raised {exc!r}")
+    survivors = wait_gone(started_pids, 10.0)
+    strays = [p for p in run_processes() if _linux.pid_alive(p)]
+    if strays:
+        strays = wait_gone(strays, 10.0)
+    leftover = sorted(set(survivors) | set(strays))
+    if leftover:
+        details = [f"{p}: {_read(f'/proc/{p}/cmdline').replace(bytes(1), b' ').decode(errors='replace')}" for p in leftover]
+        kill_pids(leftover)  # don't leave them for the next run
+        errors.append("distnb processes outlived the test session:\n  " + "\n  ".join(details))
+    assert not errors, "\n".join(errors)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_leak_check(leak_check):
+    yield
+
+
+@pytest.fixture(scope="session")
+def pool4(leak_check) -> distnb.Pool:
+    """A 4-rank gloo pool shared by the whole session; tests use unique variable names."""
+    pool = track(distnb.launch(nproc=4, backend="gloo"))
+    yield pool
+    pool.shutdown()
+
+
+@pytest.fixture
+def pool(pool4: distnb.Pool) -> distnb.Pool:
+    """``pool4``, checked usable before and idle after each test that shares it."""
+    assert pool4.state == distnb.PoolState.READY, f"the shared pool is {pool4.state.value}; an earlier test broke it"
+    yield pool4
+    busy = [r for r in pool4.status().ranks if r.state == distnb.RankState.RUNNING]
+    if busy:  # a test left a cell running: interrupt it so the next test finds the pool idle
+        pool4.interrupt()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(r.state == distnb.RankState.RUNNING for r in pool4.status().ranks):
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def fresh_pool(leak_check) -> Callable[..., distnb.Pool]:
+    """Factory for pools a test may break or kill: ``fresh_pool(nproc=2)``; shut down after the test."""
+    made: list[distnb.Pool] = []
+
+    def make(nproc: int = 2, **kwargs) -> distnb.Pool:
+        kwargs.setdefault("backend", "gloo")
+        pool = distnb.Pool(nproc=nproc, **kwargs)
+        made.append(pool)
+        _pools.append(pool)
+        pool.start()
+        return track(pool)
+
+    yield make
+    for pool in made:
+        pids = pool_processes(pool) | set(pool.pids())
+        started_pids.update(pids)
+        pool.shutdown()
+        assert not wait_gone(pids, 5.0), f"processes of {pool!r} survived shutdown"
