@@ -238,7 +238,7 @@ class DistMagics(Magics):
             return
         pool = self._pool()
         printer = LivePrinter()
-        events = CellEvents(on_output=None if args.quiet else printer.feed)
+        events = CellEvents(on_output=None if args.quiet else printer.feed, on_rank_done=printer.rank_done)
         with _usage_errors():
             result = pool.submit(cell, args.ranks, events if not args.bg else None)
         self.shell.user_ns["_dist"] = result
@@ -256,6 +256,9 @@ class DistMagics(Magics):
         if note:
             print(note)
         outcome = result.outcome_text()
+        for note in printer.announced:  # already shown live
+            outcome = outcome.replace(note + "\n", "").replace(note, "")
+        outcome = outcome.strip("\n")
         if outcome:
             stream = sys.stderr if result.failed or result.running else sys.stdout
             print(outcome, file=stream)

@@ -416,6 +416,8 @@ class Pool:
         if res.status == "running":
             res.status = "dead"
             res.returncode = info.returncode
+            res.stderr_tail = info.stderr_tail
+            res.first_death = self.first_death == info.rank
             res.finished_at = time.monotonic()
         run.waiting_done.discard(info.rank)
         run.waiting_marks[info.rank] = set()

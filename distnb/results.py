@@ -89,6 +89,17 @@ class RankResult:
     returncode: int | None = None
     finished_at: float | None = None
     output_truncated: int = 0
+    stderr_tail: str = ""  # a dead rank's last stderr lines (from its supervisor)
+    first_death: bool = False
+
+    def death_text(self) -> str:
+        """Post-mortem of a rank that died during the cell."""
+        first = " first" if self.first_death else ""
+        text = f"rank {self.rank} died{first}: {signal_meaning(self.returncode)}"
+        tail = "\n".join((self.stderr_tail or self.stderr).rstrip().splitlines()[-12:])
+        if tail:
+            text += f"; its last stderr lines:\n{prefix_lines(f'rank {self.rank} stderr', tail)}"
+        return text
 
     @property
     def value_text(self) -> str | None:
@@ -163,11 +174,17 @@ class CellResult:
         for ranks, text in group_by(values):
             label = f"Out[{format_ranks(ranks)}]:"
             parts.append(f"{label} {text}" if "\n" not in (text or "") else f"{label}\n{text}")
+        # Root cause first: a death usually explains the errors of the ranks that waited for it.
+        dead = [r for r in sorted(self._ordered(), key=lambda r: not r.first_death) if r.status == "dead"]
+        parts.extend(r.death_text() for r in dead)
+        if dead:
+            others = group_by(
+                (r.rank, f"raised {r.error['ename']}" if r.error else {"ok": "finished the cell", "running": "are still running"}.get(r.status, r.status))
+                for r in self._ordered() if r.status != "dead"
+            )
+            if others:
+                parts.append("what became of the others: " + "; ".join(f"{format_ranks(rs)} {what}" for rs, what in others))
         parts.extend(self._error_texts())
-        for r in self._ordered():
-            if r.status == "dead":
-                tail = r.stderr[-2000:] if not r.error else ""
-                parts.append(f"rank {r.rank} died: {signal_meaning(r.returncode)}" + (f"\n{prefix_lines(f'rank {r.rank} stderr', tail)}" if tail else ""))
         if self.running:
             why = "timed out" if self.timed_out else "been running"
             parts.append(

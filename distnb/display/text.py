@@ -13,7 +13,7 @@ import time
 from typing import TextIO
 
 from distnb.ranks import format_ranks
-from distnb.results import group_by
+from distnb.results import RankResult, group_by
 
 __all__ = ["LivePrinter", "stage_summary"]
 
@@ -52,6 +52,8 @@ class LivePrinter:
         self.lines_printed = 0
         self.chars_printed = 0
         self.capped = 0  # lines not printed because of the cap
+        self._notes: list[str] = []
+        self.announced: set[str] = set()
 
     def feed(self, rank: int, stream: str, text: str) -> None:
         """Called on the I/O thread for each chunk of output."""
@@ -64,8 +66,19 @@ class LivePrinter:
                 if self._oldest is None:
                     self._oldest = time.monotonic()
 
+    def rank_done(self, result: "RankResult") -> None:
+        """Called on the I/O thread as each rank finishes; a death is announced at once."""
+        if result.status == "dead":
+            with self._lock:
+                self._notes.append(result.death_text())
+
     def flush(self, final: bool = False) -> None:
         """Print what is ready; ``final`` prints everything, partial lines included."""
+        with self._lock:
+            notes, self._notes = self._notes, []
+        for note in notes:
+            self.announced.add(note)
+            print(f"[distnb] {note}", file=self._err or sys.stderr)
         with self._lock:
             if final:
                 for (rank, stream), rest in sorted(self._partial.items()):
