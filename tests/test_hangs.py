@@ -1,0 +1,169 @@
+"""Hangs, stacks, dead ranks, replay and the env contract, on real 3-rank gloo pools."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import distnb
+from distnb.diagnose import Position, diagnose
+from distnb.stacks import parse_faulthandler
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# -- unit: diagnosis from positions -------------------------------------------------------------
+def test_diagnose_rank_conditional() -> None:
+    d = diagnose([Position(0, "collective", op="barrier", line=3, since=5.0), Position(1, "finished")], 3.0, 5.0)
+    assert d.kind == "hang" and "rank-conditional" in d.summary and d.culprits == [1]
+    assert "barrier at cell line 3" in d.summary
+
+
+def test_diagnose_slow_but_consistent() -> None:
+    d = diagnose([Position(r, "collective", op="all_reduce", since=9.0) for r in range(3)], 3.0, 9.0)
+    assert d.kind == "slow" and "not a hang" in d.summary
+
+
+def test_diagnose_waits_below_threshold_are_ok() -> None:
+    d = diagnose([Position(0, "collective", op="all_reduce", since=1.0), Position(1, "finished")], 3.0, 1.0)
+    assert d.kind == "ok"
+
+
+def test_diagnose_dead_rank_is_root_cause() -> None:
+    d = diagnose([Position(0, "collective", op="all_reduce", since=4.0), Position(1, "dead", detail="killed (SIGKILL)")], 3.0, 4.0)
+    assert d.kind == "hang" and d.culprits == [1] and "Root cause: rank 1" in d.summary
+
+
+def test_parse_faulthandler_orders_frames_and_finds_main() -> None:
+    dump = (
+        "Thread 0x00007f0000000002 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n'
+        "\n"
+        "Current thread 0x00007f0000000001 (most recent call first):\n"
+        '  File "/x/re/__init__.py", line 166 in match\n'
+        '  File "<cell-4>", line 2 in <module>\n'
+    )
+    threads = parse_faulthandler(dump, {"<cell-4>": "import re\nre.match(p, s)"}, main_ident=0x7F0000000001)
+    assert threads[0].main and [f.name for f in threads[0].frames] == ["<module>", "match"]
+    assert threads[0].frames[0].line == "re.match(p, s)"
+
+
+# -- end to end ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool3():
+    pool = distnb.Pool(nproc=3, backend="gloo", hang_after=1.0)
+    pool.start()
+    yield pool
+    pool.shutdown()
+    assert pool.pids() == []
+
+
+def fresh(pool: distnb.Pool) -> distnb.Pool:
+    """A usable pool: restart it if an earlier scenario left it hung or broken."""
+    if pool.state != distnb.PoolState.READY or any(s.state.value == "running" for s in pool.status().ranks):
+        pool.restart()
+    return pool
+
+
+def wait_for_hang(pool: distnb.Pool, result: distnb.CellResult, within: float = 15.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        diag = pool.diagnose(result)
+        if diag.kind == "hang":
+            return diag
+        time.sleep(0.3)
+    raise AssertionError(f"no hang diagnosed within {within} s; last: {diag.text()}")
+
+
+def test_stacks_while_blocked_in_all_reduce_and_shutdown_works(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    res = pool.submit("x = torch.ones(1)\nif rank != 2:\n    dist.all_reduce(x)\n")
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    report = pool.stacks()
+    assert time.monotonic() - t0 < 2.0
+    text = report.text()
+    assert "ranks 0,1: running cell" in text
+    assert "<cell-" in text and "dist.all_reduce(x)" in text and "in all_reduce" in text
+    assert "distnb/worker" not in text
+    diag = wait_for_hang(pool, res)
+    assert diag.culprits == [2] and "rank-conditional" in diag.summary
+    assert "all_reduce at cell line 3" in diag.summary
+
+
+def test_rank_that_raised_is_named_root_cause(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    res = pool.submit("x = torch.ones(1)\nif rank == 1:\n    raise ValueError('bad batch')\ndist.all_reduce(x)\n")
+    diag = wait_for_hang(pool, res)
+    assert diag.culprits == [1] and "ValueError: bad batch" in diag.summary
+    assert "Root cause" in diag.summary
+
+
+def test_different_collectives_name_the_odd_rank(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    res = pool.submit("x = torch.ones(1)\nif rank == 0:\n    dist.broadcast(x, 0)\nelse:\n    dist.barrier()\n")
+    diag = wait_for_hang(pool, res)
+    assert diag.culprits == [0] and "broadcast" in diag.summary and "barrier" in diag.summary
+
+
+def test_stack_of_rank_holding_the_gil(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    # Catastrophic regex backtracking runs in C and never releases the GIL.
+    res = pool.submit("import re\nre.match(r'(a+)+$', 'a' * 28 + 'b')", ranks=[1])
+    time.sleep(0.5)
+    report = pool.stacks([1])
+    assert "faulthandler" in report.text() and "re.match" in report.text(), report.text()
+    pool.wait(res, timeout=120)
+
+
+def test_rank_killed_mid_cell_is_reported_first(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    code = (
+        "import os, signal, sys, time\nx = torch.ones(1)\n"
+        "if rank == 1:\n    print('going down', file=sys.stderr, flush=True)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "dist.all_reduce(x)\n"
+    )
+    t0 = time.monotonic()
+    res = pool.run(code, timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert res[1].status == "dead" and res[1].returncode == -9
+    text = res.text()
+    assert "rank 1 died first: killed (SIGKILL" in text and "going down" in text
+    assert "what became of the others: ranks 0,2" in text
+    assert pool.state == distnb.PoolState.BROKEN
+    with pytest.raises(distnb.PoolBrokenError, match="restart"):
+        pool.run("1")
+    status = pool.status().text()
+    assert "dead: killed (SIGKILL" in status
+
+
+def test_restart_replay_restores_state(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    pool.run("replay_a = rank * 10")
+    pool.run("replay_b = replay_a + 1")
+    pool.run("1/0")  # failed cells are not replayed
+    seen = []
+    pool.restart(replay=True, on_replay=seen.append)
+    assert [r.ok for r in seen] == [True, True]
+    assert pool.pull("replay_b") == {0: 1, 1: 11, 2: 21}
+
+
+def test_env_contract(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    env = pool.env()
+    assert {r: e["RANK"] for r, e in env.env.items()} == {0: "0", 1: "1", 2: "2"}
+    assert all(e["WORLD_SIZE"] == "3" for e in env.env.values())
+    assert env.differing() == []
+    pool.run("import os\nos.environ['NCCL_SOCKET_IFNAME'] = 'eth0' if rank == 0 else 'lo'")
+    env = pool.env()
+    assert env.differing() == ["NCCL_SOCKET_IFNAME"]
+    assert "<- differs" in env.text()
+
+
+def test_detail_mode_names_shape_mismatch() -> None:
+    with distnb.Pool(nproc=2, backend="gloo", debug=("detail",)) as pool:
+        res = pool.run("x = torch.ones(3 if rank == 0 else 4)\ndist.all_reduce(x)", timeout=60)
+        assert res.failed == [0, 1]
+        assert "Tensor shapes" in res.text() or "TensorShape" in res.text()
+    assert pool.pids() == []
