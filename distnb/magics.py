@@ -182,6 +182,26 @@ class DistMagics(Magics):
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @argument("--plot", action="store_true", help="Bar chart of current and peak memory per rank.")
+    @argument("--timeline", action="store_true", help="Each rank's peak memory per cell.")
+    @line_magic
+    def dist_memory(self, line: str) -> Any:
+        """Per-rank memory: RSS (and CUDA allocated/reserved/peak, NVML device use on GPUs); flags imbalance."""
+        args = parse_argstring(self.dist_memory, line)
+        pool = self._pool()
+        with _usage_errors():
+            report = pool.memory(args.ranks)
+        print(report.text())
+        if args.plot or args.timeline:
+            from IPython.display import display
+
+            figs = ([report.plot_bars()] if args.plot else []) + ([report.plot_timeline()] if args.timeline else [])
+            for fig in figs:
+                display(fig)
+        return None
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
     @line_magic
     def dist_env(self, line: str) -> Any:
         """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* per rank; flags differences."""

@@ -21,6 +21,7 @@ from distnb.launch import LaunchConfig, Launcher
 from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, EnvReport, PoolStatus, RankResult, RankState, RankStatus
+from distnb.memory import MemoryReport
 from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
 from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dump
 
@@ -329,6 +330,7 @@ class Pool:
                 res.value = msg.get("value")
                 res.error = msg.get("error")
                 res.duration = msg.get("duration")
+                res.memory = msg.get("memory")
                 res.finished_at = time.monotonic()
                 run.waiting_done.discard(info.rank)
                 self._maybe_finish(info)
@@ -680,6 +682,19 @@ class Pool:
                 pos.since = pos.since if pos.since is not None else elapsed
                 positions.append(pos)
         return diagnose(positions, self.config.hang_after, elapsed)
+
+    def memory(self, ranks: str | int | Iterable[int] | None = None) -> MemoryReport:
+        """Each rank's memory now (asked live, works while cells run) and its peak per cell."""
+        if self.state in (PoolState.NEW, PoolState.STOPPED):
+            raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+        targets = [r for r in parse_ranks(ranks, self.world_size) if self._ranks[r].state != RankState.DEAD]
+        replies = self._request(control_identity, targets, {"t": Msg.MEMORY}, 2.0, partial=True)
+        timeline = []
+        for cell in self.history[self._launch_index :]:
+            samples = {r: res.memory for r, res in cell.results.items() if res.memory and r in targets}
+            if samples:
+                timeline.append((cell.cell, samples))
+        return MemoryReport({r: m["memory"] for r, m in sorted(replies.items()) if "memory" in m}, timeline)
 
     def env(self, ranks: str | int | Iterable[int] | None = None) -> EnvReport:
         """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""

@@ -71,6 +71,7 @@ class Msg:
     STACKS = "stacks"
     STATUS = "status"
     ENV = "env"
+    MEMORY = "memory"
     SHUTDOWN = "shutdown"
     FAULT_REQUEST = "fault_request"  # S: send SIGUSR1 so faulthandler dumps every thread
 

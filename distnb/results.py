@@ -90,6 +90,7 @@ class RankResult:
     finished_at: float | None = None
     output_truncated: int = 0
     stderr_tail: str = ""  # a dead rank's last stderr lines (from its supervisor)
+    memory: dict[str, Any] | None = None  # RSS/CUDA/NVML sampled at the cell's start and end
     first_death: bool = False
 
     def death_text(self) -> str:
@@ -185,6 +186,14 @@ class CellResult:
             if others:
                 parts.append("what became of the others: " + "; ".join(f"{format_ranks(rs)} {what}" for rs, what in others))
         parts.extend(self._error_texts())
+        if any(r.error and "OutOfMemoryError" in r.error.get("ename", "") for r in self.results.values()):
+            from distnb.memory import MemoryReport
+
+            samples = {r.rank: r.memory for r in self._ordered() if r.memory}
+            parts.append("out of memory — every rank's memory for comparison:\n" + MemoryReport({}, [(self.cell, samples)]).text())
+        line = self.memory_text()
+        if line:
+            parts.append(line)
         if self.running:
             why = "timed out" if self.timed_out else "been running"
             parts.append(
@@ -194,6 +203,12 @@ class CellResult:
             )
         parts.extend(self.notes)
         return "\n".join(p for p in parts if p)
+
+    def memory_text(self) -> str:
+        """The compact memory line: peak range across ranks and any imbalance."""
+        from distnb.memory import memory_line
+
+        return memory_line({r.rank: r.memory for r in self._ordered() if r.memory})
 
     def _error_texts(self) -> list[str]:
         errored = [r for r in self.results.values() if r.error and r.status in ("error", "interrupted")]

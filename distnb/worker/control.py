@@ -97,6 +97,9 @@ class ControlThread(threading.Thread):
             return {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
         if t == Msg.STATUS:
             return self.status()
+        if t == Msg.MEMORY:
+            # Safe from this thread: /proc reads and CUDA allocator counters take no user locks.
+            return {"memory": self.executor.memory.stop()}
         if t == Msg.ENV:
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
         if t == Msg.INTERRUPT:

@@ -12,6 +12,8 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
+from distnb.worker.memory import MemorySampler
+
 __all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
 
 CELL_PREFIX = "<cell-"
@@ -64,8 +66,9 @@ def mimebundle(obj: Any) -> dict[str, str]:
 class Executor:
     """Owns the rank's namespace and executes cells in it (always on the main thread)."""
 
-    def __init__(self, namespace: dict[str, Any], send_display: Callable[[int, dict[str, str]], None]) -> None:
+    def __init__(self, namespace: dict[str, Any], send_display: Callable[[int, dict[str, str]], None], memory: MemorySampler | None = None) -> None:
         self.ns = namespace
+        self.memory = memory or MemorySampler()
         self._send_display = send_display
         self.cell: int | None = None
         self.started = 0.0
@@ -85,6 +88,7 @@ class Executor:
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}
+        self.memory.start()
         self.started = time.monotonic()
         try:
             with self.lock:
@@ -111,6 +115,7 @@ class Executor:
         finally:
             self.cell = None  # first: from here on a late SIGINT is ignored
             reply["duration"] = time.monotonic() - self.started
+            reply["memory"] = self.memory.stop()
         return reply
 
     @staticmethod

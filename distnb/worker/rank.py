@@ -25,6 +25,7 @@ from distnb import _linux
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, exec_identity
 from distnb.worker.control import ControlThread
 from distnb.worker.execute import Executor, mimebundle
+from distnb.worker.memory import MemorySampler
 from distnb.worker.supervisor import MARK_PREFIX
 
 _libc = ctypes.CDLL(None)
@@ -52,7 +53,7 @@ class Rank:
         self.send_lock = threading.Lock()
         self.stdio = (sys.stdout, sys.stderr)
         self.ns: dict[str, Any] = {}
-        self.executor = Executor(self.ns, self._send_display)
+        self.executor = Executor(self.ns, self._send_display, MemorySampler(self.local_rank))
 
     def send(self, msg: dict[str, Any]) -> None:
         frames = self.codec.encode(msg)

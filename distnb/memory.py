@@ -1,0 +1,170 @@
+"""Per-rank memory: the compact line under each cell, the %dist_memory table, plots, imbalance."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from distnb.ranks import format_ranks
+
+__all__ = ["MemoryReport", "memory_line", "imbalance", "fmt_bytes"]
+
+#: A rank is flagged when its peak is this many times the median …
+IMBALANCE_RATIO = 1.5
+#: … and at least this much above it (small absolute differences are noise).
+IMBALANCE_MIN_BYTES = 64 << 20
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GB" else f"{n / size:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _peak_key(samples: dict[int, dict[str, Any]]) -> str:
+    """Compare CUDA peaks when the ranks use CUDA, else process RSS peaks."""
+    return "cuda_peak" if any("cuda_peak" in s for s in samples.values()) else "rss_peak"
+
+
+def imbalance(samples: dict[int, dict[str, Any]]) -> list[str]:
+    """Sentences naming ranks whose peak stands out from the median, e.g. 'rank 3 peaks at 1.9× the median'."""
+    key = _peak_key(samples)
+    peaks = {r: s.get(key) for r, s in samples.items() if s.get(key) is not None}
+    if len(peaks) < 2:
+        return []
+    med = statistics.median(peaks.values())
+    what = "CUDA peak" if key == "cuda_peak" else "RSS peak"
+    out = []
+    for r, p in sorted(peaks.items()):
+        if med > 0 and p >= IMBALANCE_RATIO * med and p - med >= IMBALANCE_MIN_BYTES:
+            out.append(f"rank {r} peaks at {p / med:.1f}× the median {what} ({fmt_bytes(p)} vs {fmt_bytes(med)})")
+    return out
+
+
+def memory_line(samples: dict[int, dict[str, Any]]) -> str:
+    """One line for a cell: the peak range across ranks, CUDA when in use, and any imbalance."""
+    if not samples:
+        return ""
+    parts = []
+    rss = [s["rss_peak"] for s in samples.values() if "rss_peak" in s]
+    if rss:
+        parts.append(f"RSS peak {fmt_bytes(min(rss))}" + (f"–{fmt_bytes(max(rss))}" if max(rss) != min(rss) else ""))
+    cuda = [s["cuda_peak"] for s in samples.values() if "cuda_peak" in s]
+    if cuda:
+        parts.append(f"CUDA peak {fmt_bytes(min(cuda))}" + (f"–{fmt_bytes(max(cuda))}" if max(cuda) != min(cuda) else ""))
+    dev = [(s["device_used"], s["device_total"]) for s in samples.values() if "device_used" in s]
+    if dev:
+        parts.append(f"device {fmt_bytes(max(u for u, _ in dev))} / {fmt_bytes(dev[0][1])}")
+    flags = imbalance(samples)
+    return "memory: " + " · ".join(parts) + ("  ⚠ " + "; ".join(flags) if flags else "")
+
+
+@dataclass
+class MemoryReport:
+    """Each rank's memory now and its peak per cell."""
+
+    current: dict[int, dict[str, Any]]
+    timeline: list[tuple[int, dict[int, dict[str, Any]]]] = field(default_factory=list)
+
+    def last_cell(self) -> dict[int, dict[str, Any]]:
+        """Each rank's sample from the most recent cell it ran."""
+        out: dict[int, dict[str, Any]] = {}
+        for _cell, samples in self.timeline:
+            out.update(samples)
+        return out
+
+    def imbalance(self) -> list[str]:
+        return imbalance(self.last_cell() or self.current)
+
+    def text(self) -> str:
+        last = self.last_cell()
+        ranks = sorted(set(self.current) | set(last))
+        cols = ["rank", "RSS now", "RSS peak (last cell)", "Δ RSS (last cell)"]
+        cuda = any("cuda_allocated" in s for s in list(self.current.values()) + list(last.values()))
+        if cuda:
+            cols += ["CUDA alloc", "reserved", "CUDA peak", "device used/total"]
+        rows = [cols]
+        for r in ranks:
+            now, cell = self.current.get(r, {}), last.get(r, {})
+            row = [
+                str(r),
+                fmt_bytes(now.get("rss")),
+                fmt_bytes(cell.get("rss_peak")),
+                (("+" if cell["rss"] >= cell["rss_start"] else "") + fmt_bytes(cell["rss"] - cell["rss_start"])) if "rss_start" in cell else "-",
+            ]
+            if cuda:
+                src = now or cell
+                used = src.get("device_used")
+                row += [
+                    fmt_bytes(src.get("cuda_allocated")),
+                    fmt_bytes(src.get("cuda_reserved")),
+                    fmt_bytes(cell.get("cuda_peak")),
+                    f"{fmt_bytes(used)} / {fmt_bytes(src.get('device_total'))}" if used is not None else "-",
+                ]
+            rows.append(row)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+        lines = [f"memory of {format_ranks(ranks)}"]
+        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+        lines += [f"  ⚠ {flag}" for flag in self.imbalance()]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+    # -- plots (matplotlib, imported only when asked) -------------------------------------------
+    def plot_bars(self) -> Any:
+        """Bar chart of current and last-cell peak per rank."""
+        import matplotlib
+
+        from matplotlib.figure import Figure
+
+        last = self.last_cell()
+        ranks = sorted(set(self.current) | set(last))
+        key = _peak_key(last) if last else "rss_peak"
+        now_key = "cuda_allocated" if key == "cuda_peak" else "rss"
+        fig = Figure(figsize=(max(4.0, 0.6 * len(ranks) + 2), 3.0))
+        ax = fig.add_subplot()
+        xs = range(len(ranks))
+        now = [self.current.get(r, {}).get(now_key, 0) / (1 << 20) for r in ranks]
+        peak = [last.get(r, {}).get(key, 0) / (1 << 20) for r in ranks]
+        ax.bar([x - 0.2 for x in xs], now, width=0.4, label="now")
+        ax.bar([x + 0.2 for x in xs], peak, width=0.4, label="peak (last cell)")
+        flagged = {int(f.split()[1]) for f in self.imbalance()}
+        for x, r in zip(xs, ranks):
+            if r in flagged:
+                ax.annotate("⚠", (x + 0.2, peak[x]), ha="center", va="bottom", color="red")
+        ax.set_xticks(list(xs), [str(r) for r in ranks])
+        ax.set_xlabel("rank")
+        ax.set_ylabel("MB (CUDA)" if key == "cuda_peak" else "MB (RSS)")
+        ax.set_title("memory per rank")
+        ax.legend(loc="best", fontsize="small")
+        fig.tight_layout()
+        del matplotlib
+        return fig
+
+    def plot_timeline(self) -> Any:
+        """Each rank's peak per cell."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.0, 3.0))
+        ax = fig.add_subplot()
+        key = _peak_key(self.last_cell()) if self.timeline else "rss_peak"
+        ranks = sorted({r for _c, s in self.timeline for r in s})
+        for r in ranks:
+            pts = [(c, s[r][key] / (1 << 20)) for c, s in self.timeline if r in s and key in s[r]]
+            if pts:
+                ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=f"rank {r}")
+        ax.set_xlabel("cell")
+        ax.set_ylabel("peak MB (CUDA)" if key == "cuda_peak" else "peak MB (RSS)")
+        ax.set_title("peak memory per cell")
+        if ranks:
+            ax.legend(loc="best", fontsize="small", ncol=2)
+        fig.tight_layout()
+        return fig
