@@ -181,6 +181,20 @@ class DistMagics(Magics):
             return pool.stacks(args.ranks, all_threads=args.all_threads, native=args.native)
 
     @magic_arguments()
+    @argument("path", help="Where to write: a .py script for torchrun, or a .ipynb notebook.")
+    @argument("--cells", default=None, metavar="RANGE", help="Cell numbers to export, e.g. 3-7,9 (default: every cell that succeeded since launch).")
+    @argument("--all", action="store_true", help="Include the cells that failed.")
+    @line_magic
+    def dist_export(self, line: str) -> None:
+        """Write the cells run so far as a standalone script (torchrun --nproc-per-node N PATH) or notebook."""
+        args = parse_argstring(self.dist_export, line)
+        pool = self._pool()
+        with _usage_errors():
+            written = pool.export(args.path, cells=args.cells, include_failed=args.all)
+        how = f"torchrun --nproc-per-node {pool.world_size} {written}" if not written.endswith(".ipynb") else f"open {written}"
+        print(f"wrote {written}; run it with: {how}")
+
+    @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
     @argument("--plot", action="store_true", help="Bar chart of current and peak memory per rank.")
     @argument("--timeline", action="store_true", help="Each rank's peak memory per cell.")

@@ -683,6 +683,17 @@ class Pool:
                 positions.append(pos)
         return diagnose(positions, self.config.hang_after, elapsed)
 
+    def export(self, path: str, cells: str | None = None, include_failed: bool = False) -> str:
+        """Write the session's cells (since launch; by default those that succeeded) as a
+        standalone ``torchrun`` script, or as a notebook when ``path`` ends in ``.ipynb``."""
+        from distnb.export import export_notebook, export_script, select_cells
+
+        chosen = select_cells(self.history[self._launch_index :] if cells is None else self.history, cells, include_failed)
+        if not chosen:
+            raise ValueError("there is no cell to export yet; run some with %%on_ranks first (or pass --all to include failed ones).")
+        writer = export_notebook if str(path).endswith(".ipynb") else export_script
+        return str(writer(chosen, self.config, path))
+
     def memory(self, ranks: str | int | Iterable[int] | None = None) -> MemoryReport:
         """Each rank's memory now (asked live, works while cells run) and its peak per cell."""
         if self.state in (PoolState.NEW, PoolState.STOPPED):
