@@ -75,7 +75,8 @@ def test_context_manager_and_progress(leak_check):
         assert pool.run("world_size, dist.get_world_size()").values == {0: "(1, 1)"}
         pids = pool.pids()
     assert pool.state == PoolState.STOPPED and wait_gone(pids, 0.5) == []
-    assert seen and seen[0] == {0: RankState.LAUNCHED} and seen[-1] == {0: RankState.IDLE}
+    assert seen and seen[0][0] in (RankState.LAUNCHED, RankState.STARTED) and seen[-1] == {0: RankState.IDLE}
+    assert len(seen) >= 2  # progress is reported as the rank moves through its start-up stages
 
 
 @pytest.mark.timeout(120)
@@ -260,7 +261,7 @@ def test_syntax_error_is_raised_once_before_sending(pool):
 
 
 def test_timeout_names_the_running_ranks(pool):
-    res = pool.run("import time\nif rank in (1, 2):\n    time.sleep(3)\nrank", timeout=0.5)
+    res = pool.run("import time\nif rank in (1, 2):\n    time.sleep(4)\nrank", timeout=1.5)
     assert res.timed_out and res.running == [1, 2]
     assert res[0].status == "ok" and res[3].status == "ok"
     text = res.text()
@@ -378,13 +379,13 @@ def test_two_pools_side_by_side(fresh_pool):
     assert not set(a.pids()) & set(b.pids())
     assert a.status().address != b.status().address
     code = "import time\nsb_t = torch.tensor([float(rank + 1)])\ndist.all_reduce(sb_t)\ntime.sleep(1.5)\nsb_t.item()"
-    t0 = time.monotonic()
     ra, rb = a.submit(code), b.submit(code)
     a.wait(ra, timeout=30)
     b.wait(rb, timeout=30)
-    elapsed = time.monotonic() - t0
     assert ra.values == rb.values == {0: "3.0", 1: "3.0"}
-    assert elapsed < 2.9, f"the two pools did not run at the same time ({elapsed:.1f} s)"
+    # Every rank of both pools was inside its cell at the same moment.
+    spans = [(res.finished_at - res.duration, res.finished_at) for cell in (ra, rb) for res in cell.results.values()]
+    assert max(s for s, _ in spans) < min(e for _, e in spans), f"the two pools did not run at the same time: {spans}"
     a.run("sb_only_a = 1")
     assert b.run("'sb_only_a' in globals()").values == {0: "False", 1: "False"}
     a.shutdown()
