@@ -116,11 +116,10 @@ class Launcher:
 
     TAIL_LINES = 400
 
-    def __init__(self, config: LaunchConfig, address: str, key: bytes, token: str, on_line: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: LaunchConfig, address: str, key: bytes, on_line: Callable[[str], None] | None = None) -> None:
         self.config = config
         self._address = address
         self._key = key
-        self._token = token
         self._on_line = on_line
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
@@ -148,7 +147,6 @@ class Launcher:
         env.update(
             DISTNB_ADDR=self._address,
             DISTNB_KEY=self._key.hex(),
-            DISTNB_TOKEN=self._token,
             DISTNB_BACKEND=self.config.backend,
             DISTNB_PG_TIMEOUT=repr(self.config.pg_timeout),
             DISTNB_HEARTBEAT_TIMEOUT=repr(self.config.heartbeat_timeout),

@@ -50,12 +50,11 @@ def memory_line(samples: dict[int, dict[str, Any]]) -> str:
     if not samples:
         return ""
     parts = []
-    rss = [s["rss_peak"] for s in samples.values() if "rss_peak" in s]
-    if rss:
-        parts.append(f"RSS peak {fmt_bytes(min(rss))}" + (f"–{fmt_bytes(max(rss))}" if max(rss) != min(rss) else ""))
-    cuda = [s["cuda_peak"] for s in samples.values() if "cuda_peak" in s]
-    if cuda:
-        parts.append(f"CUDA peak {fmt_bytes(min(cuda))}" + (f"–{fmt_bytes(max(cuda))}" if max(cuda) != min(cuda) else ""))
+    for label, key in (("RSS peak", "rss_peak"), ("CUDA peak", "cuda_peak")):
+        values = [s[key] for s in samples.values() if key in s]
+        if values:
+            lo, hi = fmt_bytes(min(values)), fmt_bytes(max(values))
+            parts.append(f"{label} {lo}" + (f"–{hi}" if hi != lo else ""))
     dev = [(s["device_used"], s["device_total"]) for s in samples.values() if "device_used" in s]
     if dev:
         parts.append(f"device {fmt_bytes(max(u for u, _ in dev))} / {fmt_bytes(dev[0][1])}")

@@ -6,7 +6,6 @@ import atexit
 import codecs
 import itertools
 import pickle
-import secrets
 import threading
 import time
 import weakref
@@ -87,12 +86,11 @@ class _CellRun:
         self.events = events
         self.started = time.monotonic()
         self.waiting_done = set(result.ranks)
-        self.waiting_marks = {r: {"stdout", "stderr"} for r in result.ranks}
         self.kept = {(r, s): 0 for r in result.ranks for s in ("stdout", "stderr")}
         self.finished = threading.Event()
 
     def rank_finished(self, rank: int) -> bool:
-        return rank not in self.waiting_done and not self.waiting_marks.get(rank)
+        return rank not in self.waiting_done
 
 
 class _Request:
@@ -146,7 +144,7 @@ class Pool:
         key = new_key()
         self._ranks = {r: _Rank(r) for r in range(self.world_size)}
         self._channel = Channel(key, self._on_message, bind=self.config.bind)
-        self._launcher = Launcher(self.config, self._channel.address, key, secrets.token_hex(8))
+        self._launcher = Launcher(self.config, self._channel.address, key)
         try:
             self._launcher.start()
             self._wait_ready(on_progress)
@@ -294,11 +292,11 @@ class Pool:
             text = info.decode(msg["stream"], msg["data"])
             if text:
                 self._route_output(info, msg["stream"], text)
-        elif t == Msg.STREAM_MARK:
-            run = info.run
-            if run is not None and run.result.cell == msg["cell"]:
-                run.waiting_marks[info.rank].discard(msg["stream"])
-                self._maybe_finish(info)
+        elif t == Msg.EVENT:
+            # Unsigned inside, but it reached us in a frame signed by the rank's supervisor,
+            # which read it from a pipe only its own child can write.
+            event = pickle.loads(msg["body"])
+            self._on_exec(info, event["t"], event)
         elif t == Msg.SUP_HELLO:
             if "pid" in msg:
                 info.supervisor_pid = msg["pid"]
@@ -368,7 +366,7 @@ class Pool:
 
     def _route_output(self, info: _Rank, stream: str, text: str) -> None:
         run = info.run
-        if run is None or stream not in run.waiting_marks.get(info.rank, ()):
+        if run is None or info.rank not in run.waiting_done:
             info.log.append(text)
             del info.log[:-200]
             return
@@ -422,7 +420,6 @@ class Pool:
             res.first_death = self.first_death == info.rank
             res.finished_at = time.monotonic()
         run.waiting_done.discard(info.rank)
-        run.waiting_marks[info.rank] = set()
         self._maybe_finish(info)
 
     def _check_processes(self) -> None:

@@ -49,7 +49,7 @@ class Msg:
     # S -> C
     SUP_HELLO = "sup_hello"  # supervisor is up: rank, pid, host
     OUTPUT = "output"  # a chunk of the rank's stdout/stderr
-    STREAM_MARK = "stream_mark"  # all output of cell k has been forwarded
+    EVENT = "event"  # a rank's cell event (done, display), forwarded after its output
     RANK_EXIT = "rank_exit"  # the rank process ended: returncode, stderr tail
     FAULT_DUMP = "fault_dump"  # faulthandler text read by the supervisor
     SUP_REPLY = "sup_reply"  # answer to a supervisor request

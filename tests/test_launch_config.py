@@ -99,7 +99,7 @@ def test_launcher_command_and_environment(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     # User env is applied first, so it can't override distnb's own variables.
     cfg = LaunchConfig(nproc=3, backend="gloo", env={"NCCL_DEBUG": "INFO", "DISTNB_BACKEND": "nccl"}, pg_timeout=42)
-    launcher = Launcher(cfg, "tcp://127.0.0.1:5555", b"\x01" * 32, "tok")
+    launcher = Launcher(cfg, "tcp://127.0.0.1:5555", b"\x01" * 32)
     cmd = launcher.command()
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "3"
@@ -108,7 +108,7 @@ def test_launcher_command_and_environment(monkeypatch):
     assert env["NCCL_DEBUG"] == "INFO"
     assert env["DISTNB_BACKEND"] == "gloo"
     assert env["DISTNB_ADDR"] == "tcp://127.0.0.1:5555"
-    assert env["DISTNB_KEY"] == "01" * 32 and env["DISTNB_TOKEN"] == "tok"
+    assert env["DISTNB_KEY"] == "01" * 32 and "DISTNB_TOKEN" not in env
     assert float(env["DISTNB_PG_TIMEOUT"]) == 42.0 and float(env["DISTNB_HEARTBEAT_TIMEOUT"]) == 15.0
     assert env["PYTHONPATH"].endswith(":/somewhere") and env["PYTHONPATH"].split(":")[0]
     assert launcher.pid is None and launcher.returncode() is None and launcher.stop() == []

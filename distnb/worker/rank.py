@@ -26,7 +26,7 @@ from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, exec_identity
 from distnb.worker.control import ControlThread
 from distnb.worker.execute import Executor, mimebundle
 from distnb.worker.memory import MemorySampler
-from distnb.worker.supervisor import MARK_PREFIX
+from distnb.worker.supervisor import write_event
 
 _libc = ctypes.CDLL(None)
 
@@ -40,7 +40,9 @@ class Rank:
         self.addr = env["DISTNB_ADDR"]
         # Keep the key out of the user's os.environ (and of subprocesses the user starts).
         self.key = bytes.fromhex(env.pop("DISTNB_KEY"))
-        self.mark = MARK_PREFIX + env.pop("DISTNB_TOKEN").encode() + b":"
+        # Cell events (display, done) go through a pipe to the supervisor, which drains the
+        # rank's stdout/stderr before forwarding them: output and results stay in order.
+        self.events_fd = int(env.pop("DISTNB_EVENTS_FD"))
         self.backend = env.get("DISTNB_BACKEND", "auto")
         self.pg_timeout = float(env.get("DISTNB_PG_TIMEOUT", "1800"))
         self.ctx = zmq.Context(1)
@@ -62,10 +64,11 @@ class Rank:
 
     def _send_display(self, cell: int, bundle: dict[str, str]) -> None:
         if threading.current_thread() is not threading.main_thread():
-            # The exec socket belongs to the main thread; from elsewhere fall back to text.
+            # Events belong to the main thread's cell; from elsewhere fall back to text.
             print(bundle.get("text/plain", ""), flush=True)
             return
-        self.send({"t": Msg.DISPLAY, "cell": cell, "data": bundle})
+        self.flush_output()
+        write_event(self.events_fd, {"t": Msg.DISPLAY, "cell": cell, "data": bundle})
 
     def setup_process(self) -> None:
         _linux.set_parent_death_signal(signal.SIGKILL)
@@ -118,8 +121,8 @@ class Rank:
         )
         return {"device": str(device), "backend": backend}
 
-    def end_of_cell(self, cell: int) -> None:
-        """Flush every layer, then mark the end of the cell's output on both streams."""
+    def flush_output(self) -> None:
+        """Push every buffered byte of output into the pipes (Python and C stdio)."""
         out, err = self.stdio
         if sys.stdout is not out or getattr(sys.stdout, "closed", False):
             sys.stdout = out  # the cell closed or replaced it
@@ -131,9 +134,6 @@ class Rank:
             except Exception:
                 pass
         _libc.fflush(None)  # C stdio buffers (printf from extensions)
-        marker = self.mark + str(cell).encode() + b"\x00"
-        os.write(1, marker)
-        os.write(2, marker)
 
     def handle(self, msg: dict[str, Any]) -> None:
         t = msg["t"]
@@ -144,8 +144,8 @@ class Rank:
             except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
                          "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}
-            self.end_of_cell(cell)
-            self.send({"t": Msg.DONE, "id": msg["id"], "cell": cell, **reply})
+            self.flush_output()
+            write_event(self.events_fd, {"t": Msg.DONE, "id": msg["id"], "cell": cell, **reply})
         elif t == Msg.PUSH:
             try:
                 values = pickle.loads(msg["values"])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
+import struct
 import signal
 import socket
 import subprocess
@@ -28,58 +30,35 @@ import zmq
 from distnb import _linux
 from distnb.protocol import Codec, Msg, ReplayGuard, BadFrame, supervisor_identity
 
-#: Prefix of the end-of-cell marker the rank writes to its stdout and stderr (token follows).
-MARK_PREFIX = b"\x00DNBMARK:"
 _READ_SIZE = 1 << 16
 _TAIL_BYTES = 16 * 1024
+_LEN = struct.Struct("!I")
 
 
-class _StreamSplitter:
-    """Splits a pipe's bytes into user output and end-of-cell markers."""
+def write_event(fd: int, msg: dict) -> None:
+    """Rank side: one length-prefixed pickled event on the private pipe to the supervisor."""
+    body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    data = memoryview(_LEN.pack(len(body)) + body)
+    while data:
+        data = data[os.write(fd, data):]
 
-    def __init__(self, token: bytes) -> None:
-        self._prefix = MARK_PREFIX + token + b":"
+
+class _EventReader:
+    """Supervisor side: reassembles length-prefixed events from pipe reads."""
+
+    def __init__(self) -> None:
         self._buf = b""
 
-    def feed(self, data: bytes) -> list[tuple[str, object]]:
-        """Returns events: ("data", bytes) and ("mark", cell_id), in stream order."""
-        events: list[tuple[str, object]] = []
-        buf = self._buf + data
-        prefix = self._prefix
-        while buf:
-            i = buf.find(prefix)
-            if i < 0:
-                keep = self._partial_prefix_len(buf)
-                if len(buf) - keep:
-                    events.append(("data", buf[: len(buf) - keep]))
-                buf = buf[len(buf) - keep :]
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self._buf)
+            if len(self._buf) < _LEN.size + n:
                 break
-            j = buf.find(b"\x00", i + len(prefix))
-            if j < 0:  # marker not complete yet
-                if i:
-                    events.append(("data", buf[:i]))
-                buf = buf[i:]
-                break
-            if i:
-                events.append(("data", buf[:i]))
-            try:
-                events.append(("mark", int(buf[i + len(prefix) : j])))
-            except ValueError:
-                events.append(("data", buf[i : j + 1]))
-            buf = buf[j + 1 :]
-        self._buf = buf
-        return events
-
-    def flush(self) -> bytes:
-        rest, self._buf = self._buf, b""
-        return rest
-
-    def _partial_prefix_len(self, buf: bytes) -> int:
-        # Longest suffix of buf that could be the start of a marker split across reads.
-        for n in range(min(len(buf), len(self._prefix) - 1), 0, -1):
-            if self._prefix.startswith(buf[-n:]):
-                return n
-        return 0
+            out.append(self._buf[_LEN.size : _LEN.size + n])
+            self._buf = self._buf[_LEN.size + n :]
+        return out
 
 
 class Supervisor:
@@ -87,7 +66,6 @@ class Supervisor:
         self.rank = int(os.environ["RANK"])
         self.addr = os.environ["DISTNB_ADDR"]
         key = bytes.fromhex(os.environ["DISTNB_KEY"])
-        self.token = os.environ["DISTNB_TOKEN"].encode()
         self.heartbeat_timeout = float(os.environ.get("DISTNB_HEARTBEAT_TIMEOUT", "15"))
         self.codec = Codec(key, f"s{self.rank}")
         self.guard = ReplayGuard()
@@ -107,27 +85,31 @@ class Supervisor:
     def send(self, msg: dict) -> None:
         self.sock.send_multipart(self.codec.encode(msg), copy=False)
 
-    def start_child(self) -> tuple[int, int, int]:
+    def start_child(self) -> tuple[int, int, int, int]:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         fault_r, fault_w = os.pipe()
+        events_r, events_w = os.pipe()
         env = dict(os.environ)
         env["DISTNB_FAULT_FD"] = str(fault_w)
+        env["DISTNB_EVENTS_FD"] = str(events_w)
         env["PYTHONUNBUFFERED"] = "1"
         self.child = subprocess.Popen(
             [sys.executable, "-m", "distnb.worker.rank"],
             stdin=subprocess.DEVNULL,
             stdout=out_w,
             stderr=err_w,
-            pass_fds=(fault_w,),
+            pass_fds=(fault_w, events_w),
             env=env,
             # The rank must never outlive its supervisor; SIGKILL because a rank blocked in a
             # collective would not act on SIGTERM.
             preexec_fn=lambda: _linux.set_parent_death_signal(signal.SIGKILL),
         )
-        for fd in (out_w, err_w, fault_w):
+        for fd in (out_w, err_w, fault_w, events_w):
             os.close(fd)
-        return out_r, err_r, fault_r
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)  # drained to EAGAIN before each event is forwarded
+        return out_r, err_r, fault_r, events_r
 
     def _keep_tail(self, data: bytes) -> None:
         self.stderr_tail.append(data)
@@ -135,14 +117,21 @@ class Supervisor:
         while self.stderr_tail_bytes > _TAIL_BYTES and len(self.stderr_tail) > 1:
             self.stderr_tail_bytes -= len(self.stderr_tail.popleft())
 
-    def _forward(self, stream: str, splitter: _StreamSplitter, data: bytes) -> None:
-        for kind, value in splitter.feed(data):
-            if kind == "data":
-                if stream == "stderr":
-                    self._keep_tail(value)  # type: ignore[arg-type]
-                self.send({"t": Msg.OUTPUT, "stream": stream, "data": value})
-            else:
-                self.send({"t": Msg.STREAM_MARK, "stream": stream, "cell": value})
+    def _forward(self, stream: str, data: bytes) -> None:
+        if stream == "stderr":
+            self._keep_tail(data)
+        self.send({"t": Msg.OUTPUT, "stream": stream, "data": data})
+
+    def _drain(self, fd: int, stream: str) -> bool:
+        """Forward everything now in the pipe; False at EOF."""
+        while True:
+            try:
+                data = os.read(fd, _READ_SIZE)
+            except BlockingIOError:
+                return True
+            if not data:
+                return False
+            self._forward(stream, data)
 
     def _handle(self, msg: dict) -> None:
         t = msg["t"]
@@ -182,15 +171,22 @@ class Supervisor:
                 "group_rank": int(os.environ.get("GROUP_RANK", "0")),
             }
         )
-        out_r, err_r, fault_r = self.start_child()
+        out_r, err_r, fault_r, events_r = self.start_child()
         assert self.child is not None
         self.send({"t": Msg.SUP_HELLO, "rank": self.rank, "child_pid": self.child.pid})
-        splitters = {out_r: ("stdout", _StreamSplitter(self.token)), err_r: ("stderr", _StreamSplitter(self.token))}
+        streams = {out_r: "stdout", err_r: "stderr"}
+        reader = _EventReader()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        for fd in (out_r, err_r, fault_r):
+        for fd in (out_r, err_r, fault_r, events_r):
             poller.register(fd, zmq.POLLIN)
-        open_fds = {out_r, err_r, fault_r}
+        open_fds = {out_r, err_r, fault_r, events_r}
+
+        def close(fd: int) -> None:
+            poller.unregister(fd)
+            open_fds.discard(fd)
+            os.close(fd)
+
         last_heard = time.monotonic()
         exit_reported = False
         exit_seen = 0.0
@@ -209,29 +205,36 @@ class Supervisor:
                         continue
                     last_heard = now
                     self._handle(msg)
-            for fd in (out_r, err_r, fault_r):
-                if fd in events and fd in open_fds:
-                    data = os.read(fd, _READ_SIZE)
-                    if not data:
-                        poller.unregister(fd)
-                        open_fds.discard(fd)
-                        os.close(fd)
-                        continue
-                    if fd == fault_r:
-                        self.fault_buf += data
-                        self.fault_deadline = max(self.fault_deadline, now + 0.05)
-                    else:
-                        stream, splitter = splitters[fd]
-                        self._forward(stream, splitter, data)
+            for fd, stream in streams.items():
+                if fd in events and fd in open_fds and not self._drain(fd, stream):
+                    close(fd)
+            if fault_r in events and fault_r in open_fds:
+                data = os.read(fault_r, _READ_SIZE)
+                if data:
+                    self.fault_buf += data
+                    self.fault_deadline = max(self.fault_deadline, now + 0.05)
+                else:
+                    close(fault_r)
+            if events_r in events and events_r in open_fds:
+                data = os.read(events_r, _READ_SIZE)
+                if not data:
+                    close(events_r)
+                for body in reader.feed(data):
+                    # The rank flushed its output before writing the event, so those bytes are
+                    # already in the pipes: forward them first, then the event.
+                    for fd, stream in streams.items():
+                        if fd in open_fds and not self._drain(fd, stream):
+                            close(fd)
+                    self.send({"t": Msg.EVENT, "body": body})
             if self.pending_fault and now >= self.fault_deadline:
                 self._finish_fault()
             rc = self.child.poll()
             if rc is not None and not exit_reported:
                 exit_seen = exit_seen or now
-                # Wait for EOF on both pipes so every byte the rank wrote is forwarded; a
-                # grandchild that inherited the pipes caps that wait.
+                # Wait for EOF on the pipes so every byte the rank wrote is forwarded; a
+                # grandchild that inherited them caps that wait.
                 if not ({out_r, err_r} & open_fds) or now - exit_seen > 2.0:
-                    self._report_exit(rc, splitters)
+                    self._report_exit(rc)
                     exit_reported = True
             if self.stopping or now - last_heard > self.heartbeat_timeout:
                 break
@@ -240,11 +243,7 @@ class Supervisor:
         self.ctx.term()
         return 0
 
-    def _report_exit(self, rc: int, splitters: dict[int, tuple[str, _StreamSplitter]]) -> None:
-        for stream, splitter in splitters.values():
-            rest = splitter.flush()
-            if rest:
-                self.send({"t": Msg.OUTPUT, "stream": stream, "data": rest})
+    def _report_exit(self, rc: int) -> None:
         tail = b"".join(self.stderr_tail).decode("utf-8", "replace")
         self.send({"t": Msg.RANK_EXIT, "rank": self.rank, "returncode": rc, "stderr_tail": tail, "time": time.time()})
         if self.pending_fault:
