@@ -13,6 +13,7 @@ from typing import Any
 from distnb._linux import signal_meaning
 from distnb.ranks import format_ranks
 from distnb.results import group_by
+from distnb.collectives import CollectiveReport, describe, signature
 from distnb.stacks import RankStack
 
 __all__ = ["Position", "Diagnosis", "diagnose", "position_from_stack", "COLLECTIVE_FUNCS"]
@@ -104,8 +105,12 @@ def position_from_stack(stack: RankStack, cell_code: str = "") -> Position:
     return Position(stack.rank, "computing", line=line, code=code)
 
 
-def diagnose(positions: list[Position], hang_after: float, elapsed: float) -> Diagnosis:
-    """Name the situation: a healthy (maybe slow) collective, or a hang and its likely cause."""
+def diagnose(positions: list[Position], hang_after: float, elapsed: float, log: CollectiveReport | None = None) -> Diagnosis:
+    """Name the situation: a healthy (maybe slow) collective, or a hang and its likely cause.
+
+    ``log`` (the ranks' collective sequences) refines the words: uneven loop lengths, a
+    sub-group missing a member, the exact position where sequences diverge.
+    """
     waiting = [p for p in positions if p.state == "collective"]
     dead = [p for p in positions if p.state == "dead"]
     failed = [p for p in positions if p.state == "failed"]
@@ -124,17 +129,21 @@ def diagnose(positions: list[Position], hang_after: float, elapsed: float) -> Di
         d = dead[0]
         return Diagnosis(
             "hang",
-            f"rank {d.rank} died ({d.detail}); {w} wait for it in {waiting[0].op} and can't finish. Root cause: rank {d.rank}.",
+            f"rank {d.rank} died ({d.detail}); {w} {_waits(waiting)} for it in {waiting[0].op} and can't finish. Root cause: rank {d.rank}.",
             positions, [p.rank for p in dead],
         )
     if failed:
         f = failed[0]
         return Diagnosis(
             "hang",
-            f"{format_ranks([p.rank for p in failed])} raised {f.detail} and left the cell; {w} wait in "
+            f"{format_ranks([p.rank for p in failed])} raised {f.detail} and left the cell; {w} {_waits(waiting)} in "
             f"{waiting[0].op} for {'it' if len(failed) == 1 else 'them'}. Root cause: the error on {format_ranks([p.rank for p in failed])}.",
             positions, [p.rank for p in failed],
         )
+    if finished and log is not None:
+        refined = _refine_missing(waiting, finished, log, positions)
+        if refined is not None:
+            return refined
     if finished:
         return Diagnosis(
             "hang",
@@ -153,11 +162,66 @@ def diagnose(positions: list[Position], hang_after: float, elapsed: float) -> Di
     if computing:
         return Diagnosis(
             "hang",
-            f"{w} wait in {waiting[0].op} for {longest:.0f} s while {format_ranks([p.rank for p in computing])} "
+            f"{w} {_waits(waiting)} in {waiting[0].op} for {longest:.0f} s while {format_ranks([p.rank for p in computing])} "
             "are still running Python code outside any collective (slow, stuck in a loop, or about to skip it).",
             positions, [p.rank for p in computing],
         )
     return Diagnosis("slow", f"every rank is in the same collective ({waiting[0].op}) for {longest:.0f} s: slow but consistent, not a hang.", positions)
+
+
+def _waits(ranks: list[Position]) -> str:
+    return "waits" if len(ranks) == 1 else "wait"
+
+
+def _refine_missing(waiting: list[Position], finished: list[Position], log: CollectiveReport, positions: list[Position]) -> Diagnosis | None:
+    """Ranks wait in a collective that others never entered: which of the field's cases is it?"""
+    head = waiting[0]
+    if head.group is None or head.seq is None:
+        return None
+    members = log.members(head.group)
+    absent = [p.rank for p in finished if p.rank in members]
+    theirs = {r: next((e for e in log.log.sequence(r, head.group) if e["seq"] == head.seq), None) for r in absent}
+    entered = {r: e for r, e in theirs.items() if e is not None}
+    if entered:
+        # They did enter #k, with something else: a mismatch that let them finish (or abort).
+        mine = log.log.pending(waiting[0].rank) or {}
+        kind = "different ops" if any(e["op"] != head.op for e in entered.values()) else (
+            "shape or dtype mismatch" if any(signature(e) != signature(mine) for e in entered.values() if mine) else "mismatch")
+        detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by(
+            [(p.rank, describe(log.log.pending(p.rank) or {"op": p.op or "?"})) for p in waiting]
+            + [(r, describe(e)) for r, e in entered.items()]))
+        return Diagnosis(
+            "hang",
+            f"{kind} at collective #{head.seq} on group {head.group}: {detail}. "
+            f"{format_ranks(list(entered))} completed {'it' if len(entered) == 1 else 'them'} anyway; the others wait.",
+            positions, list(entered),
+        )
+    w = format_ranks([p.rank for p in waiting])
+    if head.group != "0" and absent:
+        return Diagnosis(
+            "hang",
+            f"sub-group collective missing a member: {w} {_waits(waiting)} in {head.collective()} on group {head.group} "
+            f"({format_ranks(members)}), but {format_ranks(absent)} of that group never entered it.",
+            positions, absent,
+        )
+    if not absent:
+        return None
+    counts = log.counts(head.group)
+    mine = log.log.sequence(absent[0], head.group)
+    if mine and mine[-1]["op"] == head.op and counts.get(absent[0], 0) == head.seq - 1:
+        ahead = format_ranks([p.rank for p in waiting])
+        return Diagnosis(
+            "hang",
+            f"uneven loop lengths: {ahead} made {head.seq} {head.op} calls on group {head.group}, "
+            f"{format_ranks(absent)} stopped after {head.seq - 1} (a data loader or loop with a different length per rank).",
+            positions, absent,
+        )
+    return Diagnosis(
+        "hang",
+        f"rank-conditional collective: {w} entered {head.collective()} on group {head.group}, but "
+        f"{format_ranks(absent)} finished the cell without entering it (a collective inside `if rank == …`).",
+        positions, absent,
+    )
 
 
 def exit_detail(returncode: int | None) -> str:

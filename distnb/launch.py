@@ -152,6 +152,9 @@ class Launcher:
             DISTNB_HEARTBEAT_TIMEOUT=repr(self.config.heartbeat_timeout),
         )
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
+        # The Flight Recorder is distnb's collective log (~2 µs per collective); on by default
+        # in recent torch, asked for explicitly for older ones. A user's 0 turns it off.
+        env.setdefault("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"))
         return env
 
     def start(self) -> None:

@@ -216,6 +216,19 @@ class DistMagics(Magics):
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @argument("--last", type=int, default=None, metavar="K", help="Only the last K collectives of each group.")
+    @line_magic
+    def dist_collectives(self, line: str) -> Any:
+        """Each rank's collective sequence (incl. DDP/FSDP internals) side by side; the first divergence marked."""
+        args = parse_argstring(self.dist_collectives, line)
+        if args.last is not None and args.last < 1:
+            raise UsageError("--last takes a positive count, e.g. --last 10.")
+        pool = self._pool()
+        with _usage_errors():
+            return pool.collectives(args.ranks, last=args.last)
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
     @line_magic
     def dist_env(self, line: str) -> Any:
         """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* per rank; flags differences."""

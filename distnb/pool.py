@@ -20,6 +20,7 @@ from distnb.launch import LaunchConfig, Launcher
 from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, EnvReport, PoolStatus, RankResult, RankState, RankStatus
+from distnb.collectives import CollectiveLog, CollectiveReport, describe
 from distnb.memory import MemoryReport
 from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
 from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dump
@@ -125,6 +126,8 @@ class Pool:
         self._cells = itertools.count(1)
         self.history: list[CellResult] = []
         self._launch_index = 0
+        self.collective_log = CollectiveLog()
+        self._fr_dirty: set[int] = set()
         self.first_death: int | None = None
         self._changed = threading.Condition(self._lock)
         _live_pools.add(self)
@@ -143,6 +146,7 @@ class Pool:
         self.first_death = None
         key = new_key()
         self._ranks = {r: _Rank(r) for r in range(self.world_size)}
+        self.collective_log.clear()
         self._channel = Channel(key, self._on_message, bind=self.config.bind)
         self._launcher = Launcher(self.config, self._channel.address, key)
         try:
@@ -357,6 +361,9 @@ class Pool:
             info.start_error = msg.get("error") or msg.get("summary")
 
     def _on_reply(self, rank: int, msg: dict[str, Any]) -> None:
+        if str(msg.get("id", "")).startswith("fr-poll"):
+            self.collective_log.merge(rank, msg)
+            return
         req = self._requests.get(msg.get("id", ""))
         if req is not None and rank in req.waiting:
             req.replies[rank] = msg
@@ -434,7 +441,19 @@ class Pool:
             if sup_gone or agent_rc is not None and info.supervisor_pid is None:
                 # No exit report is coming: the supervisor itself is gone (killed with the agent).
                 self._mark_dead(info)
+        self._poll_collectives()
         self._changed.notify_all()
+
+    def _poll_collectives(self) -> None:
+        """Fetch new collective-log entries of ranks that ran cells (asynchronously, on the tick),
+        so the log survives a rank that later dies abruptly."""
+        if self._channel is None:
+            return
+        targets = self._fr_dirty | {r for r, i in self._ranks.items() if i.run is not None}
+        self._fr_dirty = set()
+        for r in targets:
+            if self._ranks[r].state != RankState.DEAD:
+                self._channel.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": "fr-poll", "since": self.collective_log.last_id(r)})
 
     # -- running cells --------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -476,6 +495,7 @@ class Pool:
             for r in targets:
                 self._ranks[r].run = run
                 self._ranks[r].state = RankState.RUNNING
+            self._fr_dirty.update(targets)
             self.history.append(result)
         assert self._channel is not None
         msg = {"t": Msg.EXEC, "id": f"cell-{cell}", "cell": cell, "code": code}
@@ -626,6 +646,7 @@ class Pool:
         silent = [r for r in alive if r not in replies]
         dumps = self._request(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": 0.15}, 3.0, partial=True)
         cell_sources = {f"<cell-{c.cell}>": c.code for c in self.history[-200:]}
+        self.collectives(alive, refresh=True)
         status = {rs.rank: rs for rs in self.status().ranks}
         out = []
         for r in targets:
@@ -645,6 +666,9 @@ class Pool:
                 rs = RankStack(r, st.describe(), "dead")
             else:
                 rs = RankStack(r, st.describe(), "no answer (the process may be stopped, e.g. SIGSTOP)")
+            pending = self.collective_log.pending(r)
+            if pending is not None and st.state == RankState.RUNNING:
+                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']}) for {max(0.0, time.time() - pending['t']):.1f} s"
             if native and info.pid and st.state != RankState.DEAD:
                 rs.native = py_spy_dump(info.pid)
             out.append(rs)
@@ -659,6 +683,7 @@ class Pool:
         elapsed = time.monotonic() - result._run.started  # type: ignore[attr-defined]
         busy = [r for r in result.ranks if result.results[r].status == "running"]
         stacks = self.stacks(busy) if busy else None
+        log = self.collectives(refresh=True)
         lines = result.code.splitlines()
         positions = []
         for r in range(self.world_size):
@@ -676,9 +701,29 @@ class Pool:
             else:
                 assert stacks is not None
                 pos = position_from_stack(stacks[r])
+                pending = self.collective_log.pending(r)
+                if pending is not None and pending["t"] >= result.started - 1.0:
+                    pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
+                    pos.shapes = describe(pending, with_op=False)
+                    pos.since = max(0.0, time.time() - pending["t"])
                 pos.since = pos.since if pos.since is not None else elapsed
                 positions.append(pos)
-        return diagnose(positions, self.config.hang_after, elapsed)
+        return diagnose(positions, self.config.hang_after, elapsed, log)
+
+    def collectives(self, ranks: str | int | Iterable[int] | None = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
+        """Every rank's collective sequence (from the Flight Recorder), side by side, with the
+        first divergence marked. Works while ranks are blocked; dead ranks keep their last log."""
+        targets = parse_ranks(ranks, self.world_size)
+        if refresh and self.state not in (PoolState.NEW, PoolState.STOPPED):
+            alive = [r for r in targets if self._ranks[r].state != RankState.DEAD]
+            since = {r: self.collective_log.last_id(r) for r in alive}
+            floor = min(since.values(), default=-1)
+            replies = self._request(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor}, 1.0, partial=True)
+            with self._lock:
+                for r, reply in replies.items():
+                    reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since[r] or not e["done"]]
+                    self.collective_log.merge(r, reply)
+        return self.collective_log.report(targets, last)
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False) -> str:
         """Write the session's cells (since launch; by default those that succeeded) as a

@@ -72,6 +72,7 @@ class Msg:
     STATUS = "status"
     ENV = "env"
     MEMORY = "memory"
+    COLLECTIVES = "collectives"
     SHUTDOWN = "shutdown"
     FAULT_REQUEST = "fault_request"  # S: send SIGUSR1 so faulthandler dumps every thread
 

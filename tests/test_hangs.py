@@ -89,7 +89,7 @@ def test_stacks_while_blocked_in_all_reduce_and_shutdown_works(pool3: distnb.Poo
     assert "distnb/worker" not in text
     diag = wait_for_hang(pool, res)
     assert diag.culprits == [2] and "rank-conditional" in diag.summary
-    assert "all_reduce at cell line 3" in diag.summary
+    assert "all_reduce #1 at cell line 3" in diag.summary
 
 
 def test_rank_that_raised_is_named_root_cause(pool3: distnb.Pool) -> None:
@@ -167,3 +167,56 @@ def test_detail_mode_names_shape_mismatch() -> None:
         assert res.failed == [0, 1]
         assert "Tensor shapes" in res.text() or "TensorShape" in res.text()
     assert pool.pids() == []
+
+
+# -- collective log (Flight Recorder) -------------------------------------------------------------
+def test_uneven_loop_lengths_and_collective_log(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    res = pool.submit("x = torch.ones(2)\nfor i in range(5 if rank == 0 else 4):\n    dist.all_reduce(x)\n")
+    diag = wait_for_hang(pool, res)
+    assert diag.summary.startswith("uneven loop lengths: rank 0 made 5 all_reduce calls"), diag.summary
+    assert diag.culprits == [1, 2]
+    report = pool.collectives(last=3)
+    [div] = report.divergences()
+    assert (div.seq, div.kind) == (5, "missing")
+    text = report.text()
+    assert "first divergence: collective #5 on group 0 (ranks 0-2): rank 0 entered all_reduce, ranks 1,2 never did" in text
+    assert "◀ first divergence" in text and "⏳" in text
+    stacks = pool.stacks([0]).text()
+    assert "in all_reduce [2] f32 (#5 on group 0)" in stacks
+
+
+def test_subgroup_missing_member(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    res = pool.submit("g = dist.new_group([0, 1])\nx = torch.ones(2)\nif rank == 0:\n    dist.all_reduce(x, group=g)\n")
+    diag = wait_for_hang(pool, res)
+    assert diag.summary.startswith("sub-group collective missing a member: rank 0 waits in all_reduce #1"), diag.summary
+    assert diag.culprits == [1]
+
+
+def test_ddp_internal_collectives_are_logged(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    code = (
+        "import torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "ddp_model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))\n"
+        "ddp_model(torch.ones(3, 4)).sum().backward()\n"
+    )
+    res = pool.run(code, timeout=60)
+    assert res.ok, res.text()
+    report = pool.collectives()
+    ops = [e["op"] for e in report.log.sequence(0, "0") if e.get("cell") == res.cell]
+    # DDP's constructor checks shapes (allgather) and broadcasts the parameters; backward allreduces buckets.
+    assert "broadcast" in ops and "all_reduce" in ops and ops[0] in ("all_gather", "allgather"), ops
+    assert report.divergences() == []
+    assert "agree" in report.text()
+
+
+def test_shape_mismatch_is_named_from_the_collective_log(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    res = pool.submit("x = torch.ones(3 if rank == 0 else 4)\ndist.all_reduce(x)")
+    diag = wait_for_hang(pool, res)
+    assert diag.summary.startswith("shape or dtype mismatch at collective #1 on group 0"), diag.summary
+    assert "rank 0 all_reduce [3] f32" in diag.summary and "ranks 1,2 all_reduce [4] f32" in diag.summary
+    assert diag.culprits == [0]
+    [div] = pool.collectives().divergences()
+    assert div.kind == "shape"

@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
+from distnb.worker.collectives import read_collectives
 from distnb.worker.execute import Executor
 
 __all__ = ["ControlThread", "thread_stacks"]
@@ -100,6 +101,8 @@ class ControlThread(threading.Thread):
         if t == Msg.MEMORY:
             # Safe from this thread: /proc reads and CUDA allocator counters take no user locks.
             return {"memory": self.executor.memory.stop()}
+        if t == Msg.COLLECTIVES:
+            return read_collectives(int(msg.get("since", -1)), self.executor.clock)
         if t == Msg.ENV:
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
         if t == Msg.INTERRUPT:

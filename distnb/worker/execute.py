@@ -12,6 +12,7 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
+from distnb.worker.collectives import CellClock
 from distnb.worker.memory import MemorySampler
 
 __all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
@@ -69,6 +70,7 @@ class Executor:
     def __init__(self, namespace: dict[str, Any], send_display: Callable[[int, dict[str, str]], None], memory: MemorySampler | None = None) -> None:
         self.ns = namespace
         self.memory = memory or MemorySampler()
+        self.clock = CellClock()
         self._send_display = send_display
         self.cell: int | None = None
         self.started = 0.0
@@ -89,6 +91,7 @@ class Executor:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}
         self.memory.start()
+        self.clock.start(cell_id, time.time())
         self.started = time.monotonic()
         try:
             with self.lock:
@@ -116,6 +119,7 @@ class Executor:
             self.cell = None  # first: from here on a late SIGINT is ignored
             reply["duration"] = time.monotonic() - self.started
             reply["memory"] = self.memory.stop()
+            self.clock.end(time.time())
         return reply
 
     @staticmethod

@@ -1,0 +1,181 @@
+"""The ranks' collective logs side by side, and the first place where they disagree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from distnb.ranks import format_ranks
+from distnb.results import group_by
+
+__all__ = ["CollectiveLog", "CollectiveReport", "Divergence", "describe", "signature"]
+
+_DTYPE_SHORT = {"Float": "f32", "Double": "f64", "Half": "f16", "BFloat16": "bf16", "Long": "i64", "Int": "i32", "Byte": "u8", "Bool": "bool", "Char": "i8", "Short": "i16"}
+
+
+def describe(entry: dict[str, Any], with_op: bool = True) -> str:
+    """``all_reduce [3] f32`` (shapes and dtypes of the inputs)."""
+    shapes = " ".join("[" + ",".join(map(str, s)) + "]" for s in entry.get("sizes", [])[:4])
+    if len(entry.get("sizes", [])) > 4:
+        shapes += f" +{len(entry['sizes']) - 4}"
+    dtypes = sorted({_DTYPE_SHORT.get(d, d) for d in entry.get("dtypes", [])})
+    parts = ([entry["op"]] if with_op else []) + ([shapes] if shapes else []) + ([",".join(dtypes)] if dtypes else [])
+    return " ".join(parts)
+
+
+def signature(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """What must match across ranks at one position of a group's sequence."""
+    return (entry["op"], tuple(tuple(s) for s in entry.get("sizes", [])), tuple(entry.get("dtypes", [])))
+
+
+@dataclass
+class CollectiveLog:
+    """Every rank's Flight Recorder entries as the controller last saw them (kept after death)."""
+
+    entries: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # rank -> id -> entry
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    unavailable: str | None = None
+
+    def last_id(self, rank: int) -> int:
+        ids = self.entries.get(rank)
+        return max(ids) if ids else -1
+
+    def merge(self, rank: int, reply: dict[str, Any]) -> None:
+        if "unavailable" in reply:
+            self.unavailable = reply["unavailable"]
+            return
+        mine = self.entries.setdefault(rank, {})
+        for e in reply.get("entries", []):
+            mine[e["id"]] = e
+        self.groups.update(reply.get("groups", {}))
+        if len(mine) > 5000:  # the recorder itself keeps 2000; keep a bounded history
+            for rid in sorted(mine)[: len(mine) - 5000]:
+                del mine[rid]
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.groups.clear()
+        self.unavailable = None
+
+    def pending(self, rank: int) -> dict[str, Any] | None:
+        """The collective the rank entered most recently and has not completed."""
+        open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"] and not e["p2p"]]
+        open_ += [e for e in self.entries.get(rank, {}).values() if not e["done"] and e["p2p"]]
+        return max(open_, key=lambda e: e["id"]) if open_ else None
+
+    def sequence(self, rank: int, group: str) -> list[dict[str, Any]]:
+        return sorted((e for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]), key=lambda e: e["seq"])
+
+    def report(self, ranks: list[int], last: int | None = None) -> "CollectiveReport":
+        return CollectiveReport(self, sorted(ranks), last)
+
+
+@dataclass
+class Divergence:
+    group: str
+    seq: int
+    kind: str  # missing · op · shape · dtype
+    by_rank: dict[int, dict[str, Any] | None]
+
+    def text(self, members: list[int]) -> str:
+        present = {r: e for r, e in self.by_rank.items() if e is not None}
+        absent = [r for r, e in self.by_rank.items() if e is None]
+        where = f"collective #{self.seq} on group {self.group} ({format_ranks(members)})"
+        if self.kind == "missing":
+            sample = next(iter(present.values()))
+            return f"{where}: {format_ranks(present)} entered {sample['op']}, {format_ranks(absent)} never did"
+        groups = group_by((r, describe(e)) for r, e in sorted(present.items()))
+        what = {"op": "different ops", "shape": "different shapes", "dtype": "different dtypes"}[self.kind]
+        return f"{where}: {what}: " + "; ".join(f"{format_ranks(rs)} {d}" for rs, d in groups)
+
+
+@dataclass
+class CollectiveReport:
+    log: CollectiveLog
+    ranks: list[int]
+    last: int | None = None
+
+    def members(self, group: str) -> list[int]:
+        return [r for r in self.log.groups.get(group, self.ranks) if r in self.ranks] or self.ranks
+
+    def group_names(self) -> list[str]:
+        seen = {e["group"] for r in self.ranks for e in self.log.entries.get(r, {}).values() if not e["p2p"]}
+        return sorted(seen, key=lambda g: (g != "0", g))
+
+    def divergences(self) -> list[Divergence]:
+        """First disagreement per group (at most one each), earliest first."""
+        out = []
+        for group in self.group_names():
+            members = self.members(group)
+            seqs = {r: {e["seq"]: e for e in self.log.sequence(r, group)} for r in members}
+            top = max((max(s) for s in seqs.values() if s), default=0)
+            low = min((min(s) for s in seqs.values() if s), default=1)
+            for seq in range(low, top + 1):
+                at = {r: seqs[r].get(seq) for r in members}
+                if all(e is None for e in at.values()):
+                    continue
+                if any(e is None for e in at.values()):
+                    # A rank whose log starts later (ring buffer) is not "missing" it.
+                    if all(e is not None or (seqs[r] and min(seqs[r]) > seq) for r, e in at.items()):
+                        continue
+                    out.append(Divergence(group, seq, "missing", at))
+                    break
+                present = [e for e in at.values() if e is not None]
+                kinds = [("op", lambda e: e["op"]), ("shape", lambda e: e.get("sizes")), ("dtype", lambda e: e.get("dtypes"))]
+                kind = next((k for k, key in kinds if len({repr(key(e)) for e in present}) > 1), None)
+                if kind:
+                    out.append(Divergence(group, seq, kind, at))
+                    break
+        out.sort(key=lambda d: min((e["t"] for e in d.by_rank.values() if e), default=0.0))
+        return out
+
+    def counts(self, group: str) -> dict[int, int]:
+        return {r: len(self.log.sequence(r, group)) for r in self.members(group)}
+
+    def text(self) -> str:
+        if self.log.unavailable:
+            return f"collective log unavailable: {self.log.unavailable}"
+        groups = self.group_names()
+        if not groups:
+            return f"no collective recorded on {format_ranks(self.ranks)} yet."
+        divs = {d.group: d for d in self.divergences()}
+        lines = []
+        first = min(divs.values(), key=lambda d: min((e["t"] for e in d.by_rank.values() if e), default=0.0)) if divs else None
+        if first is not None:
+            lines.append(f"first divergence: {first.text(self.members(first.group))}")
+        else:
+            lines.append(f"the collective sequences of {format_ranks(self.ranks)} agree.")
+        for group in groups:
+            members = self.members(group)
+            seqs = {r: {e["seq"]: e for e in self.log.sequence(r, group)} for r in members}
+            all_seqs = sorted({s for m in seqs.values() for s in m})
+            shown = all_seqs[-self.last :] if self.last else all_seqs
+            desc = next((e["desc"] for m in seqs.values() for e in m.values()), "")
+            lines.append(f"── group {group}{f' ({desc})' if desc and desc != 'undefined' else ''}, {format_ranks(members)}: "
+                         + ", ".join(f"rank {r} {len(seqs[r])}" for r in members) + " collectives"
+                         + (f" (last {len(shown)} shown)" if len(shown) < len(all_seqs) else ""))
+            cols = [f"rank {r}" for r in members]
+            width = 24
+            lines.append("    #  " + "".join(c.ljust(width) for c in cols))
+            div = divs.get(group)
+            for seq in shown:
+                cells = []
+                for r in members:
+                    e = seqs[r].get(seq)
+                    if e is None:
+                        cells.append("—")
+                    else:
+                        cell = describe(e) + ("" if e["done"] else " ⏳")
+                        if e.get("cell") is not None:
+                            cell += f" c{e['cell']}"
+                        cells.append(cell)
+                mark = "  ◀ first divergence" if div is not None and div.seq == seq else ""
+                lines.append(f"  {seq:>3}  " + "".join(c[: width - 1].ljust(width) for c in cells) + mark)
+        lines.append("(⏳ entered, not completed · cN: issued in cell N · — never entered)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
