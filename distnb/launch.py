@@ -5,9 +5,11 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -125,6 +127,7 @@ class Launcher:
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
         self._drain: threading.Thread | None = None
         self.known_pids: set[int] = set()
+        self.run_dir = tempfile.mkdtemp(prefix="distnb-")
 
     def command(self) -> list[str]:
         return [
@@ -133,6 +136,8 @@ class Launcher:
             "--nnodes", "1",
             "--nproc-per-node", str(self.config.nproc),
             "--max-restarts", "0",
+            # torchrun otherwise leaves a /tmp/torchelastic_* folder behind for every launch.
+            "--log-dir", self.run_dir,
             "-m", "distnb.worker",
         ]
 
@@ -211,6 +216,7 @@ class Launcher:
         Returns the PIDs still alive afterwards (empty on success).
         """
         if self.proc is None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
             return []
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.proc.poll() is None:
@@ -237,4 +243,7 @@ class Launcher:
             pass
         if self._drain is not None:
             self._drain.join(2.0)
-        return sorted(p for p in self.known_pids if _linux.pid_alive(p))
+        leftovers = sorted(p for p in self.known_pids if _linux.pid_alive(p))
+        if not leftovers:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return leftovers

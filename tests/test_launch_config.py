@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 
@@ -111,7 +112,9 @@ def test_launcher_command_and_environment(monkeypatch):
     assert env["DISTNB_KEY"] == "01" * 32 and "DISTNB_TOKEN" not in env
     assert float(env["DISTNB_PG_TIMEOUT"]) == 42.0 and float(env["DISTNB_HEARTBEAT_TIMEOUT"]) == 15.0
     assert env["PYTHONPATH"].endswith(":/somewhere") and env["PYTHONPATH"].split(":")[0]
+    assert cmd[cmd.index("--log-dir") + 1] == launcher.run_dir
     assert launcher.pid is None and launcher.returncode() is None and launcher.stop() == []
+    assert not os.path.exists(launcher.run_dir)  # no temp folder left behind
 
 
 def test_unstarted_pool_is_inert():

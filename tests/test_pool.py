@@ -48,6 +48,8 @@ def test_launch_and_shutdown_leave_no_process(fresh_pool):
     assert repr(pool) == "<distnb.Pool ready, 2 ranks>"
     pids = pool.pids()
     assert len(pids) == 5, f"expected torchrun agent + 2 supervisors + 2 ranks, got {pids}"
+    run_dir = pool._launcher.run_dir
+    assert os.path.isdir(run_dir)
     everything = pool_processes(pool)
     sessions = {session_id(p) for p in everything}
     assert all(_linux.pid_alive(p) for p in everything)
@@ -55,6 +57,7 @@ def test_launch_and_shutdown_leave_no_process(fresh_pool):
     pool.shutdown()
     assert pool.state == PoolState.STOPPED
     assert pool.pids() == []
+    assert not os.path.exists(run_dir), "torchrun's log folder was left behind"
     assert wait_gone(everything, 0.5) == []
     in_sessions = [int(n) for n in os.listdir("/proc") if n.isdigit() and session_id(int(n)) in sessions and _linux.pid_alive(int(n))]
     assert in_sessions == [], f"processes left in the pool's sessions: {in_sessions}"
