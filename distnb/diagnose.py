@@ -208,7 +208,9 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
         return None
     counts = log.counts(head.group)
     mine = log.log.sequence(absent[0], head.group)
-    if mine and mine[-1]["op"] == head.op and counts.get(absent[0], 0) == head.seq - 1:
+    pending = log.log.pending(waiting[0].rank) or {}
+    # Same op, one call short, and in the same cell: a loop that ran once less on those ranks.
+    if mine and mine[-1]["op"] == head.op and counts.get(absent[0], 0) == head.seq - 1 and mine[-1].get("cell") == pending.get("cell"):
         ahead = format_ranks([p.rank for p in waiting])
         return Diagnosis(
             "hang",

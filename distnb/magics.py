@@ -14,6 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from distnb.display.text import LivePrinter, stage_summary
 from distnb.errors import DistnbError, NoPoolError
 from distnb.launch import LaunchConfig
+from distnb.memory import figure_png
 from distnb.pool import CellEvents, Pool, PoolState, current_pool
 from distnb.ranks import format_ranks
 from distnb.results import CellResult, RankState
@@ -207,11 +208,11 @@ class DistMagics(Magics):
             report = pool.memory(args.ranks)
         print(report.text())
         if args.plot or args.timeline:
-            from IPython.display import display
+            from IPython.display import Image, display
 
             figs = ([report.plot_bars()] if args.plot else []) + ([report.plot_timeline()] if args.timeline else [])
             for fig in figs:
-                display(fig)
+                display(Image(data=figure_png(fig), format="png"))
         return None
 
     @magic_arguments()

@@ -8,12 +8,21 @@ from typing import Any
 
 from distnb.ranks import format_ranks
 
-__all__ = ["MemoryReport", "memory_line", "imbalance", "fmt_bytes"]
+__all__ = ["MemoryReport", "memory_line", "imbalance", "fmt_bytes", "figure_png"]
 
 #: A rank is flagged when its peak is this many times the median …
 IMBALANCE_RATIO = 1.5
 #: … and at least this much above it (small absolute differences are noise).
 IMBALANCE_MIN_BYTES = 64 << 20
+
+
+def figure_png(fig: Any) -> bytes:
+    """A matplotlib Figure as PNG bytes (shown inline without needing %matplotlib inline)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -31,17 +40,21 @@ def _peak_key(samples: dict[int, dict[str, Any]]) -> str:
 
 
 def imbalance(samples: dict[int, dict[str, Any]]) -> list[str]:
-    """Sentences naming ranks whose peak stands out from the median, e.g. 'rank 3 peaks at 1.9× the median'."""
+    """Sentences naming ranks whose peak stands out, e.g. 'rank 3 peaks at 1.9× the median'.
+
+    Each rank is compared with the median of the *other* ranks, so one outlier among two ranks
+    is still seen.
+    """
     key = _peak_key(samples)
     peaks = {r: s.get(key) for r, s in samples.items() if s.get(key) is not None}
     if len(peaks) < 2:
         return []
-    med = statistics.median(peaks.values())
     what = "CUDA peak" if key == "cuda_peak" else "RSS peak"
     out = []
     for r, p in sorted(peaks.items()):
+        med = statistics.median(v for q, v in peaks.items() if q != r)
         if med > 0 and p >= IMBALANCE_RATIO * med and p - med >= IMBALANCE_MIN_BYTES:
-            out.append(f"rank {r} peaks at {p / med:.1f}× the median {what} ({fmt_bytes(p)} vs {fmt_bytes(med)})")
+            out.append(f"rank {r} peaks at {p / med:.1f}× the median {what} of the others ({fmt_bytes(p)} vs {fmt_bytes(med)})")
     return out
 
 

@@ -29,14 +29,14 @@ def test_imbalance_needs_ratio_and_absolute_gap() -> None:
     base = {r: {"rss_peak": 200 * MB} for r in range(4)}
     assert imbalance(base) == []
     base[3] = {"rss_peak": 390 * MB}
-    assert imbalance(base) == ["rank 3 peaks at 1.9× the median RSS peak (390 MB vs 200 MB)"]
+    assert imbalance(base) == ["rank 3 peaks at 1.9× the median RSS peak of the others (390 MB vs 200 MB)"]
     small = {0: {"rss_peak": 1 * MB}, 1: {"rss_peak": 10 * MB}}
     assert imbalance(small) == []  # 10× but only 9 MB apart: noise
 
 
 def test_cuda_peaks_are_compared_when_present() -> None:
     samples = {r: {"rss_peak": 300 * MB, "cuda_peak": (2000 if r == 1 else 1000) * MB} for r in range(3)}
-    assert "CUDA peak" in memory_line(samples) and "rank 1 peaks at 2.0× the median CUDA peak" in memory_line(samples)
+    assert "CUDA peak" in memory_line(samples) and "rank 1 peaks at 2.0× the median CUDA peak of the others" in memory_line(samples)
 
 
 @pytest.fixture(scope="module")

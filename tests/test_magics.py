@@ -1,0 +1,175 @@
+"""The IPython magics in a real IPython shell, over a real 2-rank gloo pool."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+import distnb
+from distnb import pool as pool_module
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Shell:
+    """An InteractiveShell with distnb loaded; captures what the magics print."""
+
+    def __init__(self) -> None:
+        from IPython.testing.globalipapp import start_ipython
+
+        self.ip = start_ipython()
+        self.ip.run_line_magic("load_ext", "distnb")
+
+    def line(self, name: str, args: str = "") -> tuple[object, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            value = self.ip.run_line_magic(name, args)
+        return value, out.getvalue(), err.getvalue()
+
+    def cell(self, args: str, code: str) -> tuple[str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            self.ip.run_cell_magic("on_ranks", args, code)
+        return out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def sh():
+    shell = Shell()
+    shell.line("dist_launch", "-n 2 --backend gloo")
+    yield shell
+    pool = pool_module._current
+    if pool is not None:
+        pool.shutdown()
+
+
+def test_magics_document_themselves(sh: Shell) -> None:
+    magics = sh.ip.magics_manager.magics
+    for name in ("dist_launch", "dist_status", "dist_stacks", "dist_push", "dist_pull", "dist_restart",
+                 "dist_shutdown", "dist_env", "dist_memory", "dist_collectives", "dist_export", "dist_wait"):
+        assert name in magics["line"], name
+    assert "on_ranks" in magics["cell"]
+    doc = magics["line"]["dist_launch"].__doc__
+    assert "--nproc" in doc and "--pg-timeout" in doc and "--env" in doc and "--debug" in doc
+
+
+def test_launch_twice_and_bad_flags_are_usage_errors(sh: Shell) -> None:
+    with pytest.raises(UsageError, match="dist_restart"):
+        sh.line("dist_launch", "-n 2")
+    with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
+        sh.line("dist_status", "--bogus")
+    with pytest.raises(UsageError):
+        sh.cell("--timeout", "1")
+
+
+def test_all_reduce_value_and_grouped_output(sh: Shell) -> None:
+    out, err = sh.cell("", "print('hello')\nx = torch.full((2,), float(rank)); dist.all_reduce(x); x")
+    assert out.count("[ranks 0,1] hello") == 1
+    assert "Out[ranks 0,1]: tensor([1., 1.])" in out
+    assert sh.ip.user_ns["_dist"].ok
+
+
+def test_subset_and_per_rank_lines(sh: Shell) -> None:
+    out, _ = sh.cell("1", "print('only', rank)")
+    assert "[rank 1] only 1" in out and "rank 0" not in out
+
+
+def test_errors_grouped_with_cell_line(sh: Shell) -> None:
+    out, err = sh.cell("", "if rank == 1:\n    raise KeyError('missing shard')")
+    assert "── KeyError on rank 1 at cell line 2 ──" in err
+    assert "raise KeyError('missing shard')" in err and "distnb/" not in err
+
+
+def test_syntax_error_is_reported_once_and_nothing_sent(sh: Shell) -> None:
+    before = len(distnb.current_pool().history)
+    out, err = sh.cell("", "x = (1,\n")
+    assert err.count("SyntaxError") == 1 and "nothing was sent" in err
+    assert len(distnb.current_pool().history) == before
+
+
+@pytest.mark.parametrize("spec, hint", [("9", "out of range"), ("-1", "out of range"), ("3-1", "backwards"), ("a", "can't read")])
+def test_bad_rank_specs(sh: Shell, spec: str, hint: str) -> None:
+    with pytest.raises(UsageError, match=hint):
+        sh.cell(spec, "1")
+
+
+def test_timeout_names_running_ranks_then_pool_recovers(sh: Shell) -> None:
+    out, err = sh.cell("--timeout 1 --hang-after 30", "import time\nif rank == 1:\n    time.sleep(20)")
+    assert "rank 1 has timed out after 1.0 s" in err
+    pool = distnb.current_pool()
+    res = sh.ip.user_ns["_dist"]
+    pool.interrupt([1])
+    pool.wait(res, timeout=15)
+    assert res[1].status == "interrupted"
+    out, _ = sh.cell("", "rank")
+    assert "Out[rank 0]: 0" in out and "Out[rank 1]: 1" in out
+
+
+def test_quiet_hides_output_but_not_errors(sh: Shell) -> None:
+    out, err = sh.cell("--quiet", "print('noise')\n1/0 if rank == 0 else None")
+    assert "noise" not in out and "ZeroDivisionError on rank 0" in err
+
+
+def test_push_pull_and_unknown_name(sh: Shell) -> None:
+    sh.ip.user_ns["lr"] = 0.25
+    sh.line("dist_push", "lr")
+    value, _, _ = sh.line("dist_pull", "lr")
+    assert value == {0: 0.25, 1: 0.25}
+    with pytest.raises(UsageError, match="not defined in the notebook"):
+        sh.line("dist_push", "no_such_name")
+    with pytest.raises(UsageError, match="not defined on rank"):
+        sh.line("dist_pull", "no_such_name")
+
+
+def test_status_stacks_env_memory_collectives(sh: Shell) -> None:
+    _, out, _ = sh.line("dist_status")
+    assert "pool ready: 2 ranks, backend gloo" in out and out.count(" idle") == 2
+    stacks, _, _ = sh.line("dist_stacks")
+    assert "(idle: waiting for a cell)" in stacks.text()
+    env, _, _ = sh.line("dist_env")
+    assert "RANK" in env.text() and "per rank, as expected" in env.text()
+    _, out, _ = sh.line("dist_memory")
+    assert "memory of ranks 0,1" in out
+    sh.cell("", "x = torch.ones(3); dist.all_reduce(x)")
+    report, _, _ = sh.line("dist_collectives", "--last 2")
+    assert "agree" in report.text() and "all_reduce [3] f32" in report.text()
+
+
+def test_background_cell_and_wait(sh: Shell) -> None:
+    out, _ = sh.cell("--bg", "import time\ntime.sleep(1.0)\nprint('bg done')")
+    assert "running in the background" in out
+    _, out, _ = sh.line("dist_wait", "--timeout 30")
+    assert "bg done" in out and "ok" in out
+
+
+def test_export_writes_a_script(sh: Shell, tmp_path) -> None:
+    target = tmp_path / "case.py"
+    _, out, _ = sh.line("dist_export", str(target))
+    assert target.exists() and "torchrun --nproc-per-node 2" in out
+
+
+def test_restart_gives_fresh_ranks(sh: Shell) -> None:
+    sh.cell("", "marker = 1")
+    old = distnb.current_pool().pids()
+    _, out, _ = sh.line("dist_restart")
+    assert "pool ready" in out and set(old).isdisjoint(distnb.current_pool().pids())
+    out, err = sh.cell("", "marker")
+    assert "NameError" in err
+
+
+def test_shutdown_then_cells_are_usage_errors(sh: Shell) -> None:
+    pool = distnb.current_pool()
+    _, out, _ = sh.line("dist_shutdown")
+    assert "no process left" in out and pool.pids() == []
+    with pytest.raises(UsageError, match="dist_launch"):
+        sh.cell("", "1")
+    # Relaunch for the unload test below, and check that unloading stops it.
+    sh.line("dist_launch", "-n 2 --backend gloo")
+    pool = distnb.current_pool()
+    sh.ip.run_line_magic("unload_ext", "distnb")
+    assert pool_module._current is None and pool.pids() == []
+    sh.ip.run_line_magic("load_ext", "distnb")
