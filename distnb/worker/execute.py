@@ -145,6 +145,7 @@ class Executor:
             text = "<str() of the exception failed>"
         if isinstance(evalue, SystemExit):
             text = f"SystemExit({evalue.code!r}) was raised in the cell; the rank keeps running"
+            lines.append(f"(distnb caught {text.split(' was')[0]}: the rank keeps running.)\n")
         return {
             "ename": etype.__name__ if etype else "Error",
             "evalue": text if len(text) <= 4000 else text[:4000] + " …",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import io
 import os
 import pickle
 import signal
@@ -29,6 +30,10 @@ from distnb.worker.memory import MemorySampler
 from distnb.worker.supervisor import write_event
 
 _libc = ctypes.CDLL(None)
+
+
+def _reopen(fd: int) -> io.TextIOWrapper:
+    return io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True)
 
 
 class Rank:
@@ -124,9 +129,12 @@ class Rank:
     def flush_output(self) -> None:
         """Push every buffered byte of output into the pipes (Python and C stdio)."""
         out, err = self.stdio
-        if sys.stdout is not out or getattr(sys.stdout, "closed", False):
-            sys.stdout = out  # the cell closed or replaced it
-        if sys.stderr is not err or getattr(sys.stderr, "closed", False):
+        if out.closed or err.closed:
+            # The cell closed the stream object itself; fds 1 and 2 are still open.
+            self.stdio = out, err = tuple(s if not s.closed else _reopen(fd) for s, fd in ((out, 1), (err, 2)))  # type: ignore[assignment]
+        if sys.stdout is not out:
+            sys.stdout = out  # the cell replaced it
+        if sys.stderr is not err:
             sys.stderr = err
         for stream in (out, err):
             try:

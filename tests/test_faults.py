@@ -1,0 +1,143 @@
+"""Whatever a rank does, the notebook keeps working, loses no output and explains what happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import distnb
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    pool = distnb.Pool(nproc=2, backend="gloo", hang_after=1.0)
+    pool.start()
+    yield pool
+    pool.shutdown()
+    assert pool.pids() == []
+
+
+def usable(pool: distnb.Pool) -> distnb.Pool:
+    if pool.state != distnb.PoolState.READY or any(s.state.value == "running" for s in pool.status().ranks):
+        pool.restart()
+    return pool
+
+
+def test_segfault_is_a_post_mortem_with_the_python_stack(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.run("import ctypes\nif rank == 1:\n    ctypes.string_at(0)", timeout=30)
+    assert res[1].status == "dead" and res[1].returncode == -signal.SIGSEGV
+    text = res.text()
+    assert "segmentation fault" in text
+    assert "Fatal Python error: Segmentation fault" in text and "<cell-" in text  # faulthandler's dump
+    assert pool.state == distnb.PoolState.BROKEN
+
+
+def test_sys_exit_keeps_the_rank(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.run("import sys\nsys.exit(3)")
+    assert res.failed == [0, 1] and "the rank keeps running" in res.text()
+    assert pool.run("rank").values == {0: "0", 1: "1"}
+
+
+def test_cell_that_closes_or_replaces_stdout(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    pool.run("import sys, io\nsys.stdout.close()")
+    res = pool.run("print('still here')")
+    assert res.stdout == {0: "still here\n", 1: "still here\n"}
+    pool.run("import sys, io\nsys.stdout = io.StringIO()")
+    assert pool.run("print('back')").stdout[0] == "back\n"
+
+
+def test_binary_and_invalid_utf8_output(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.run("import os\nos.write(1, b'ok \\xff\\xfe bytes\\x00 end\\n')")
+    assert res.ok and "ok" in res.stdout[0] and "end" in res.stdout[0] and "\ufffd" in res.stdout[0]
+
+
+def test_large_output_is_capped_and_kernel_memory_bounded(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.run("import sys\nchunk = 'x' * 1023 + '\\n'\nfor _ in range(8 * 1024):\n    sys.stdout.write(chunk)\nprint('tail')", timeout=120)
+    assert res.ok
+    kept = len(res[0].stdout)
+    assert kept <= (1 << 20) + 4096 and res[0].output_truncated > 6 * (1 << 20)
+    assert pool.run("1").ok  # and the pool is fine afterwards
+
+
+def test_huge_or_unpicklable_last_value_is_summarised(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.run("torch.zeros(50_000_000)")
+    assert res.ok and "tensor([0., 0., 0.,  ..., 0., 0., 0.])" in res.values[0]
+    res = pool.run("import threading\nthreading.Lock()")
+    assert res.ok and "lock" in res.values[0]
+    res = pool.run("class Bad:\n    def __repr__(self):\n        raise RuntimeError('no repr')\nBad()")
+    assert res.ok and "repr() failed" in res.values[0]
+
+
+def test_recursion_error_is_a_normal_error(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.run("def f(n):\n    return f(n + 1)\nf(0)")
+    assert res.failed == [0, 1] and "RecursionError" in res.text()
+    assert len(res[0].error["traceback"]) <= 70_000
+    assert pool.run("1").ok
+
+
+def test_cell_that_forks(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.run("import os\npid = os.fork()\nif pid == 0:\n    print('child says hi', flush=True)\n    os._exit(0)\nos.waitpid(pid, 0)\n'parent ok'", timeout=30)
+    assert res.ok and res.values[0] == "'parent ok'"
+    assert "child says hi" in res[0].stdout
+    assert pool.run("rank").ok
+
+
+def test_repeated_interrupts(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.submit("import time\nfor _ in range(100):\n    try:\n        time.sleep(0.05)\n    except KeyboardInterrupt:\n        pass\n")
+    for _ in range(5):
+        pool.interrupt()
+        time.sleep(0.05)
+    pool.wait(res, timeout=60)
+    assert not res.running
+    assert pool.run("rank").ok
+
+
+def test_sigstopped_rank_shows_as_hung_with_others_stacks(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.submit("x = torch.ones(1)\ndist.all_reduce(x)")
+    time.sleep(0.2)
+    pid = pool.status().ranks[1].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # Rank 1 may have been stopped before or after entering the all_reduce; either way rank 0 waits.
+        report = pool.stacks()
+        text = report.text()
+        assert "rank 0" in text
+        if res.results[1].status == "running":
+            assert "no answer" in report[1].source or "faulthandler" in report[1].source or report[1].threads
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    pool.wait(res, timeout=30)
+    assert res.ok
+
+
+def test_killed_torchrun_agent_marks_every_rank_dead() -> None:
+    pool = distnb.Pool(nproc=2, backend="gloo")
+    pool.start()
+    try:
+        agent = pool.status().agent_pid
+        os.kill(agent, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(s.state.value == "dead" for s in pool.status().ranks):
+            time.sleep(0.2)
+        assert all(s.state.value == "dead" for s in pool.status().ranks), pool.status().text()
+        assert pool.state == distnb.PoolState.BROKEN
+        with pytest.raises(distnb.PoolBrokenError):
+            pool.run("1")
+    finally:
+        pool.shutdown()
+    assert pool.pids() == []
