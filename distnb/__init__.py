@@ -14,6 +14,7 @@ from distnb.errors import DistnbError, LaunchError, NoPoolError, PoolBrokenError
 from distnb.launch import LaunchConfig
 from distnb.pool import CellEvents, Pool, PoolState, current_pool, launch
 from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
+from distnb.worker.checksum import checksum
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "RankState",
     "RankStatus",
     "RemoteError",
+    "checksum",
     "current_pool",
     "launch",
     "load_ipython_extension",

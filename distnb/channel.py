@@ -70,7 +70,15 @@ class Channel:
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
         if self._closed:
             return
-        self._pusher().send_multipart([identity, *self._codec.encode(msg)], copy=False)
+        frames = [identity, *self._codec.encode(msg)]
+        if threading.get_ident() == self._thread.ident:
+            # Handlers on the I/O thread own the ROUTER: send directly, no hand-over socket.
+            try:
+                self._router.send_multipart(frames, copy=False)
+            except zmq.ZMQError:
+                self.undeliverable += 1
+            return
+        self._pusher().send_multipart(frames, copy=False)
 
     def send_many(self, identities: Iterable[bytes], msg: dict[str, Any]) -> None:
         for identity in identities:

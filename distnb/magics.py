@@ -182,6 +182,19 @@ class DistMagics(Magics):
             return pool.stacks(args.ranks, all_threads=args.all_threads, native=args.native)
 
     @magic_arguments()
+    @argument("names", nargs="+", help="Tensors, modules, state dicts or optimizers defined on the ranks.")
+    @argument("--ranks", default=None, help="Only these ranks: 0,2 · 1-3 · all.")
+    @line_magic
+    def dist_check(self, line: str) -> None:
+        """Compare tensors across ranks by bitwise fingerprint, sum, norm, NaN/Inf: identical, or the odd ranks."""
+        args = parse_argstring(self.dist_check, line)
+        pool = self._pool()
+        with _usage_errors():
+            reports = pool.check(args.names, ranks=args.ranks)
+        for report in reports:
+            print(report.text(), file=sys.stdout if report.identical else sys.stderr)
+
+    @magic_arguments()
     @argument("path", help="Where to write: a .py script for torchrun, or a .ipynb notebook.")
     @argument("--cells", default=None, metavar="RANGE", help="Cell numbers to export, e.g. 3-7,9 (default: every cell that succeeded since launch).")
     @argument("--all", action="store_true", help="Include the cells that failed.")
@@ -265,6 +278,7 @@ class DistMagics(Magics):
     @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Return after this long, naming the ranks still running.")
     @argument("--quiet", action="store_true", help="Don't stream output; show only values, errors and ranks still running.")
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report a hang once ranks disagree this long (default: the pool's, 3 s).")
+    @argument("--check", default=None, metavar="NAMES", help="After the cell, compare these variables across ranks (comma-separated).")
     @argument("--bg", action="store_true", help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist).")
     @cell_magic
     def on_ranks(self, line: str, cell: str) -> None:
@@ -298,6 +312,10 @@ class DistMagics(Magics):
         pool.wait(result, timeout=args.timeout, on_tick=watch.tick)
         printer.flush(final=True)
         self._show_outcome(result, printer)
+        if args.check and not result.running and pool.state == PoolState.READY:
+            with _usage_errors():
+                for report in pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks):
+                    print(report.text(), file=sys.stdout if report.identical else sys.stderr)
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
         note = printer.cap_note()

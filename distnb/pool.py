@@ -20,6 +20,7 @@ from distnb.launch import LaunchConfig, Launcher
 from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, EnvReport, PoolStatus, RankResult, RankState, RankStatus
+from distnb.checks import CheckReport, compare
 from distnb.collectives import CollectiveLog, CollectiveReport, describe
 from distnb.memory import MemoryReport
 from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
@@ -756,6 +757,22 @@ class Pool:
         targets = [r for r in parse_ranks(ranks, self.world_size) if self._ranks[r].state != RankState.DEAD]
         replies = self._request(control_identity, targets, {"t": Msg.ENV}, 5.0)
         return EnvReport({r: m["env"] for r, m in sorted(replies.items())}, {r: self._ranks[r].host for r in targets})
+
+    def check(self, names: str | Iterable[str], ranks: str | int | Iterable[int] | None = None) -> list[CheckReport]:
+        """Checksum names (tensors, modules, state dicts, optimizers) on every rank and compare:
+        identical, or which entries differ and which ranks are the odd ones out."""
+        names = [names] if isinstance(names, str) else list(names)
+        if not names:
+            raise ValueError("name at least one variable to check, e.g. pool.check('model').")
+        with self._lock:
+            self._check_usable()
+            targets = parse_ranks(ranks, self.world_size)
+            self._raise_if_busy(targets)
+        replies = self._request(exec_identity, targets, {"t": Msg.CHECK, "names": names}, 120.0)
+        errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
+        if errors:
+            raise RemoteError(f"check failed on {format_ranks(errors)}: {next(iter(errors.values()))}")
+        return [compare(n, {r: replies[r]["checks"][n] for r in targets}) for n in names]
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> PoolStatus:

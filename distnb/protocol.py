@@ -66,6 +66,7 @@ class Msg:
     EXEC = "exec"
     PUSH = "push"
     PULL = "pull"
+    CHECK = "check"
     PING = "ping"
     INTERRUPT = "interrupt"
     STACKS = "stacks"

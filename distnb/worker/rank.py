@@ -24,6 +24,7 @@ import zmq
 
 from distnb import _linux
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, exec_identity
+from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
 from distnb.worker.execute import Executor, mimebundle
 from distnb.worker.memory import MemorySampler
@@ -163,6 +164,17 @@ class Rank:
                 self.send({"t": Msg.DONE, "id": msg["id"], "status": "error", "error": f"{type(exc).__name__}: {exc}"})
         elif t == Msg.PULL:
             self.send({"t": Msg.DONE, "id": msg["id"], **self.pull(msg["names"])})
+        elif t == Msg.CHECK:
+            self.send({"t": Msg.DONE, "id": msg["id"], **self.check(msg["names"])})
+
+    def check(self, names: list[str]) -> dict[str, Any]:
+        missing = [n for n in names if n not in self.ns]
+        if missing:
+            return {"status": "error", "error": f"{', '.join(map(repr, missing))} not defined on rank {self.rank}"}
+        try:
+            return {"status": "ok", "checks": {n: checksum(self.ns[n]) for n in names}}
+        except Exception as exc:
+            return {"status": "error", "error": f"checksum failed on rank {self.rank}: {type(exc).__name__}: {exc}"}
 
     def pull(self, names: list[str]) -> dict[str, Any]:
         out: dict[str, bytes] = {}

@@ -1,0 +1,74 @@
+"""Load and leaks, short versions (the long ones are benchmarks/bench_load.py): many cells in a row
+keep memory and file descriptors flat; launch/shutdown cycles leave no process, port or temp file."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+import pytest
+
+import distnb
+from distnb import _linux
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def listening_ports() -> set[int]:
+    ports = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(name) as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if parts[3] == "0A":  # LISTEN
+                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_500_cells_keep_memory_and_fds_flat() -> None:
+    with distnb.Pool(nproc=4, backend="gloo") as pool:
+        for _ in range(100):  # warm-up: allocator pools, caches, lazily created sockets
+            pool.run("1")
+        ranks = [s.pid for s in pool.status().ranks]
+        me = os.getpid()
+        before = {p: (rss(p), fds(p)) for p in [me, *ranks]}
+        for i in range(500):
+            res = pool.run(f"x{i % 10} = {i}\nprint({i})")
+            assert res.ok
+        after = {p: (rss(p), fds(p)) for p in [me, *ranks]}
+        for p in before:
+            grew = after[p][0] - before[p][0]
+            assert grew < 10 << 20, f"pid {p} grew by {grew / 2**20:.1f} MB over 500 cells"
+            assert after[p][1] <= before[p][1], f"pid {p} opened {after[p][1] - before[p][1]} more fds"
+        assert len(pool.history) == 600
+
+
+def test_launch_shutdown_cycles_leave_nothing() -> None:
+    ports_before = listening_ports()
+    run_dirs_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "distnb-*")))
+    elastic_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "torchelastic_*")))
+    fds_before = fds(os.getpid())
+    seen: list[int] = []
+    for _ in range(5):
+        pool = distnb.launch(nproc=2, backend="gloo")
+        seen += pool.pids()
+        port = int(pool.status().address.rsplit(":", 1)[1])
+        assert port in listening_ports()
+        assert pool.run("x = torch.ones(1); dist.all_reduce(x); x.item()").values == {0: "2.0", 1: "2.0"}
+        pool.shutdown()
+        assert port not in listening_ports()
+    assert [p for p in seen if _linux.pid_alive(p)] == []
+    assert listening_ports() - ports_before == set()
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "distnb-*"))) == run_dirs_before
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "torchelastic_*"))) == elastic_before
+    assert fds(os.getpid()) <= fds_before + 2  # the ZMQ context may keep an fd or two warm
