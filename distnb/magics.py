@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -12,11 +13,12 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from distnb.display.text import LivePrinter, stage_summary
+from distnb.display.widgets import CellView, widgets_available
 from distnb.errors import DistnbError, NoPoolError
 from distnb.launch import LaunchConfig
 from distnb.memory import figure_png
 from distnb.pool import CellEvents, Pool, PoolState, current_pool
-from distnb.ranks import format_ranks
+from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, RankState
 
 __all__ = ["DistMagics", "load", "unload"]
@@ -71,16 +73,20 @@ class _Progress:
 class _HangWatch:
     """While a cell runs: flush live output, and once ranks disagree for a while, say why."""
 
-    def __init__(self, pool: Pool, result: CellResult, hang_after: float, printer: LivePrinter) -> None:
+    def __init__(self, pool: Pool, result: CellResult, hang_after: float, printer: LivePrinter, view: Any = None) -> None:
         self._pool = pool
         self._result = result
         self._hang_after = hang_after
         self._printer = printer
+        self._view = view
         self._next = time.monotonic() + min(hang_after, 1.0)
         self._shown = ""
 
     def tick(self, result: CellResult) -> None:
-        self._printer.flush()
+        if self._view is not None:
+            self._view.tick(result)
+        else:
+            self._printer.flush()
         now = time.monotonic()
         if now < self._next or not result.running:
             return
@@ -93,7 +99,16 @@ class _HangWatch:
             diag_text, kind = diag.text(), diag.kind
         if kind in ("hang", "slow", "running") and diag_text.split("\n")[0] != self._shown.split("\n")[0]:
             self._shown = diag_text
-            print(diag_text, file=sys.stderr)
+            if self._view is not None:
+                self._view.set_diagnosis(diag_text)
+            else:
+                print(diag_text, file=sys.stderr)
+
+
+def _follow(pool: Pool, result: CellResult, view: Any) -> None:
+    """Keep a background cell's widget view updating until the cell ends."""
+    pool.wait(result, on_tick=view.tick, tick=0.25)
+    view.finish(result)
 
 
 @magics_class
@@ -299,19 +314,34 @@ class DistMagics(Magics):
             print("[distnb] nothing was sent to the ranks.", file=sys.stderr)
             return
         pool = self._pool()
-        printer = LivePrinter()
-        events = CellEvents(on_output=None if args.quiet else printer.feed, on_rank_done=printer.rank_done)
+        view = None
+        if widgets_available():
+            with _usage_errors():
+                view = CellView(-1, parse_ranks(args.ranks, pool.world_size))
+            printer = view.printer
+            events = CellEvents(on_output=None if args.quiet else view.feed, on_rank_done=view.rank_done)
+        else:
+            printer = LivePrinter()
+            events = CellEvents(on_output=None if args.quiet else printer.feed, on_rank_done=printer.rank_done)
         with _usage_errors():
-            result = pool.submit(cell, args.ranks, events if not args.bg else None)
+            result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None)
         self.shell.user_ns["_dist"] = result
+        if view is not None:
+            view.cell = result.cell
+            view.show()
         if args.bg:
             print(f"cell {result.cell} is running in the background on {format_ranks(result.ranks)}; "
                   "_dist holds its live result; %dist_stacks shows where it is, %dist_wait shows its output.")
+            if view is not None:
+                threading.Thread(target=_follow, args=(pool, result, view), name="distnb-view", daemon=True).start()
             return
-        watch = _HangWatch(pool, result, args.hang_after or pool.config.hang_after, printer)
+        watch = _HangWatch(pool, result, args.hang_after or pool.config.hang_after, printer, view)
         pool.wait(result, timeout=args.timeout, on_tick=watch.tick)
-        printer.flush(final=True)
-        self._show_outcome(result, printer)
+        if view is not None:
+            view.finish(result)
+        else:
+            printer.flush(final=True)
+            self._show_outcome(result, printer)
         if args.check and not result.running and pool.state == PoolState.READY:
             with _usage_errors():
                 for report in pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks):

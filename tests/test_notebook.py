@@ -42,3 +42,6 @@ def test_quickstart_executes(tmp_path: Path) -> None:
     memory_cell = [c for c in nb.cells if c.cell_type == "code"][10]
     assert any("image/png" in o.get("data", {}) for o in memory_cell.outputs), "the memory plot did not render"
     assert "pool stopped" in texts[-1]
+    # In a kernel with ipywidgets each %%on_ranks cell is a live widget view with a text twin.
+    first_cell = [c for c in nb.cells if c.cell_type == "code"][1]
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in first_cell.outputs)

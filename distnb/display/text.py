@@ -88,10 +88,12 @@ class LivePrinter:
             elif self._oldest is None or time.monotonic() - self._oldest < self._hold:
                 return  # let other ranks catch up so identical lines group
             pending, self._pending, self._oldest = self._pending, {}, None
-        for ranks, lines in group_by(sorted((r, tuple(ls)) for r, ls in pending.items())):
-            label = format_ranks(ranks)
-            for stream, line in lines:
-                self._print(stream, f"[{label}{' stderr' if stream == 'stderr' else ''}] {line}")
+        for stream in ("stdout", "stderr"):
+            per_rank = {r: [line for s, line in ls if s == stream] for r, ls in sorted(pending.items())}
+            # Line i of every rank that has one, grouped: extra lines on one rank don't split the rest.
+            for i in range(max((len(ls) for ls in per_rank.values()), default=0)):
+                for ranks, line in group_by((r, ls[i]) for r, ls in per_rank.items() if i < len(ls)):
+                    self._print(stream, f"[{format_ranks(ranks)}{' stderr' if stream == 'stderr' else ''}] {line}")
 
     def _print(self, stream: str, text: str) -> None:
         if self.lines_printed >= self._max_lines or self.chars_printed >= self._max_chars:
