@@ -81,7 +81,7 @@ def main() -> None:
     out = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": sys.version.split()[0]}
     out["cells"] = cells(args.cells)
     print(json.dumps(out["cells"]), flush=True)
-    out["cycles"] = cycles(args.cycles)
+    out["cycles"] = cycles(args.cycles) if args.cycles else None
     print(json.dumps(out["cycles"]), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

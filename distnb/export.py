@@ -95,7 +95,7 @@ def export_script(cells: Iterable[CellResult], config: LaunchConfig, path: str |
     parts = [_PRELUDE.format(n=len(cells), nproc=config.nproc, name=path.name, backend=config.backend, pg_timeout=config.pg_timeout)]
     for c in cells:
         body = _show_last_value(c.code.rstrip())
-        everyone = c.ranks == list(range(int(config.nproc or 0)))
+        everyone = list(c.ranks) == list(range(int(config.nproc or 0)))
         parts.append(f"# ---- cell {c.cell} ({'all ranks' if everyone else format_ranks(c.ranks)}) ----")
         if everyone:
             parts.append(body + "\n")
@@ -119,7 +119,7 @@ def export_notebook(cells: Iterable[CellResult], config: LaunchConfig, path: str
         ]
     )
     for c in cells:
-        target = "" if c.ranks == list(range(int(config.nproc or 0))) else " " + ",".join(map(str, c.ranks))
+        target = "" if list(c.ranks) == list(range(int(config.nproc or 0))) else " " + ",".join(map(str, c.ranks))
         nb.cells.append(new_code_cell(f"%%on_ranks{target}\n{c.code.rstrip()}"))
     nb.cells.append(new_code_cell("%dist_shutdown"))
     path = Path(path)

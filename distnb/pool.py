@@ -19,7 +19,7 @@ from distnb.errors import LaunchError, NoPoolError, PoolBrokenError, PoolBusyErr
 from distnb.launch import LaunchConfig, Launcher
 from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
-from distnb.results import CellResult, EnvReport, PoolStatus, RankResult, RankState, RankStatus
+from distnb.results import CellRecord, CellResult, EnvReport, PoolStatus, RankResult, RankState, RankStatus
 from distnb.checks import CheckReport, compare
 from distnb.collectives import CollectiveLog, CollectiveReport, describe
 from distnb.memory import MemoryReport
@@ -30,6 +30,9 @@ __all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
 
 #: Output kept per rank, per stream, per cell; the rest is counted, not stored.
 OUTPUT_KEEP_BYTES = 1 << 20
+#: Cells whose full results (output, values, memory) the pool keeps; older ones keep only
+#: what replay and export need.
+KEEP_RESULTS = 100
 
 
 class PoolState(str, Enum):
@@ -125,7 +128,8 @@ class Pool:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count(1)
         self._cells = itertools.count(1)
-        self.history: list[CellResult] = []
+        # Every cell run, in order; only the last KEEP_RESULTS keep their outputs (memory stays flat).
+        self.history: list[CellResult | CellRecord] = []
         self._launch_index = 0
         self.collective_log = CollectiveLog()
         self._fr_dirty: set[int] = set()
@@ -404,6 +408,7 @@ class Pool:
             run.events.on_rank_done(res)
         if all(run.rank_finished(r) for r in run.result.ranks):
             run.result.elapsed = time.monotonic() - run.started
+            run.events = CellEvents()  # let go of the caller's callbacks (views, printers)
             run.finished.set()
 
     def _mark_dead(self, info: _Rank, when: float | None = None) -> None:
@@ -498,6 +503,9 @@ class Pool:
                 self._ranks[r].state = RankState.RUNNING
             self._fr_dirty.update(targets)
             self.history.append(result)
+            old = len(self.history) - 1 - KEEP_RESULTS
+            if old >= 0 and isinstance(self.history[old], CellResult) and not self.history[old].running:
+                self.history[old] = CellRecord.of(self.history[old])
         assert self._channel is not None
         msg = {"t": Msg.EXEC, "id": f"cell-{cell}", "cell": cell, "code": code}
         for r in targets:
@@ -680,7 +688,7 @@ class Pool:
         if result is None:
             if not self.history:
                 raise NoPoolError("no cell has run on this pool yet.")
-            result = self.history[-1]
+            result = self.history[-1]  # type: ignore[assignment]
         elapsed = time.monotonic() - result._run.started  # type: ignore[attr-defined]
         busy = [r for r in result.ranks if result.results[r].status == "running"]
         stacks = self.stacks(busy) if busy else None
@@ -745,6 +753,8 @@ class Pool:
         replies = self._request(control_identity, targets, {"t": Msg.MEMORY}, 2.0, partial=True)
         timeline = []
         for cell in self.history[self._launch_index :]:
+            if not isinstance(cell, CellResult):
+                continue
             samples = {r: res.memory for r, res in cell.results.items() if res.memory and r in targets}
             if samples:
                 timeline.append((cell.cell, samples))

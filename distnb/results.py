@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -16,6 +17,7 @@ __all__ = [
     "CellResult",
     "RankStatus",
     "PoolStatus",
+    "CellRecord",
     "EnvReport",
     "group_by",
     "merge_lines",
@@ -235,6 +237,26 @@ class CellResult:
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())
+
+
+@dataclass(frozen=True, slots=True)
+class CellRecord:
+    """What replay and export need of an old cell, once its outputs are let go."""
+
+    cell: int
+    code: str
+    ranks: tuple[int, ...]
+    ok: bool
+
+    @classmethod
+    def of(cls, result: CellResult) -> "CellRecord":
+        ranks = tuple(result.ranks)
+        # Most cells run on the same rank set: share one tuple (and the code text of repeats).
+        ranks = _SHARED.setdefault(ranks, ranks)
+        return cls(result.cell, sys.intern(result.code) if len(result.code) < 256 else result.code, ranks, result.ok)
+
+
+_SHARED: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
 @dataclass

@@ -19,6 +19,7 @@ __all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
 
 CELL_PREFIX = "<cell-"
 _TEXT_CAP = 64 * 1024
+_KEEP_SOURCES = 1000
 # distnb's own frames (e.g. the SIGINT handler that raises KeyboardInterrupt) are hidden from tracebacks.
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -89,6 +90,8 @@ class Executor:
     def run(self, cell_id: int, code: str) -> dict[str, Any]:
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        # Keep the sources of recent cells only: a long session must not grow without bound.
+        linecache.cache.pop(cell_filename(cell_id - _KEEP_SOURCES), None)
         reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}
         self.memory.start()
         self.clock.start(cell_id, time.time())
