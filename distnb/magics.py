@@ -185,6 +185,16 @@ class DistMagics(Magics):
         print(pool.status().text())
 
     @magic_arguments()
+    @line_magic
+    def dist_regroup(self, line: str) -> None:
+        """After a collective timeout: a fresh process group on every rank, without restarting (state kept)."""
+        parse_argstring(self.dist_regroup, line)
+        pool = self._pool()
+        with _usage_errors():
+            pool.regroup()
+        print(f"every rank has a fresh default process group ({pool.world_size} ranks); rebuild objects that held the old one (e.g. DDP).")
+
+    @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
     @argument("--native", action="store_true", help="Add native (C/C++) frames through py-spy, when installed.")
     @argument("--all-threads", action="store_true", help="Show every Python thread, not only the one running cells.")

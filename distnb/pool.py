@@ -133,6 +133,7 @@ class Pool:
         self._launch_index = 0
         self.collective_log = CollectiveLog()
         self._fr_dirty: set[int] = set()
+        self._regroups = 0
         self.first_death: int | None = None
         self._changed = threading.Condition(self._lock)
         _live_pools.add(self)
@@ -767,6 +768,20 @@ class Pool:
         targets = [r for r in parse_ranks(ranks, self.world_size) if self._ranks[r].state != RankState.DEAD]
         replies = self._request(control_identity, targets, {"t": Msg.ENV}, 5.0)
         return EnvReport({r: m["env"] for r, m in sorted(replies.items())}, {r: self._ranks[r].host for r in targets})
+
+    def regroup(self) -> None:
+        """Recover from a collective timeout without restarting processes: every rank replaces its
+        poisoned default process group with a fresh one (namespaces are kept; objects holding
+        the old group, such as a DDP model, must be rebuilt). Ranks must be idle and alive."""
+        with self._lock:
+            self._check_usable()
+            targets = list(range(self.world_size))
+            self._raise_if_busy(targets)
+            self._regroups += 1
+        replies = self._request(exec_identity, targets, {"t": Msg.REGROUP, "generation": self._regroups}, self.config.pg_timeout + 30)
+        errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
+        if errors:
+            raise RemoteError(f"regroup failed on {format_ranks(errors)}: {next(iter(errors.values()))} Use %dist_restart --replay instead.")
 
     def check(self, names: str | Iterable[str], ranks: str | int | Iterable[int] | None = None) -> list[CheckReport]:
         """Checksum names (tensors, modules, state dicts, optimizers) on every rank and compare:

@@ -67,6 +67,7 @@ class Msg:
     PUSH = "push"
     PULL = "pull"
     CHECK = "check"
+    REGROUP = "regroup"
     PING = "ping"
     INTERRUPT = "interrupt"
     STACKS = "stacks"

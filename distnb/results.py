@@ -36,6 +36,10 @@ class RankState(str, Enum):
     DEAD = "dead"  # the rank process has ended
 
 
+#: Error texts that mean a collective timed out (gloo's and NCCL's words).
+_TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
+
+
 def group_by(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
     """Group ranks whose values are equal, in order of first appearance."""
     groups: list[tuple[list[int], Any]] = []
@@ -193,6 +197,11 @@ class CellResult:
 
             samples = {r.rank: r.memory for r in self._ordered() if r.memory}
             parts.append("out of memory — every rank's memory for comparison:\n" + MemoryReport({}, [(self.cell, samples)]).text())
+        if any(r.error and any(m in r.error.get("evalue", "") for m in _TIMEOUT_MARKS) for r in self.results.values()):
+            parts.append(
+                "a collective timed out: this process group is now unusable. %dist_regroup (pool.regroup()) "
+                "builds a fresh one and keeps every rank's state; %dist_restart --replay starts over."
+            )
         line = self.memory_text()
         if line:
             parts.append(line)

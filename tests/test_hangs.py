@@ -221,3 +221,14 @@ def test_shape_mismatch_is_named_from_the_collective_log(pool3: distnb.Pool) -> 
     assert diag.culprits == [0]
     [div] = pool.collectives().divergences()
     assert div.kind == "shape" and f"#{div.seq} on group 0" in diag.summary
+
+
+def test_regroup_after_a_collective_timeout_keeps_state() -> None:
+    with distnb.Pool(nproc=2, backend="gloo", pg_timeout=3) as pool:
+        pool.run("kept = 41 + rank\nx = torch.ones(1)")
+        res = pool.run("if rank == 0:\n    dist.all_reduce(x)", timeout=30)
+        assert res.failed == [0] and "a collective timed out" in res.text() and "%dist_regroup" in res.text()
+        assert not pool.run("dist.all_reduce(x)", timeout=30).ok  # the group is poisoned
+        pool.regroup()
+        res = pool.run("y = torch.ones(1); dist.all_reduce(y); (y.item(), kept)", timeout=30)
+        assert res.ok and res.values == {0: "(2.0, 41)", 1: "(2.0, 42)"}

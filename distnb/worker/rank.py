@@ -164,8 +164,37 @@ class Rank:
                 self.send({"t": Msg.DONE, "id": msg["id"], "status": "error", "error": f"{type(exc).__name__}: {exc}"})
         elif t == Msg.PULL:
             self.send({"t": Msg.DONE, "id": msg["id"], **self.pull(msg["names"])})
+        elif t == Msg.REGROUP:
+            self.send({"t": Msg.DONE, "id": msg["id"], **self.regroup(int(msg["generation"]))})
         elif t == Msg.CHECK:
             self.send({"t": Msg.DONE, "id": msg["id"], **self.check(msg["names"])})
+
+    def regroup(self, generation: int) -> dict[str, Any]:
+        """Replace a poisoned default process group (e.g. after a gloo timeout) with a fresh one on
+        the same rendezvous store, keeping the process and its namespace."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            store = c10d._get_default_store()
+            backend = dist.get_backend()
+        except Exception as exc:
+            return {"status": "error", "error": f"rank {self.rank} has no default process group to replace: {exc}"}
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass  # a poisoned group may fail to shut down cleanly; the new one does not need it
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"distnb/regroup/{generation}", store),
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=self.pg_timeout),
+            )
+        except Exception as exc:
+            return {"status": "error", "error": f"rank {self.rank} could not build a new process group: {type(exc).__name__}: {exc}"}
+        return {"status": "ok", "backend": backend}
 
     def check(self, names: list[str]) -> dict[str, Any]:
         missing = [n for n in names if n not in self.ns]
