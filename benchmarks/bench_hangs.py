@@ -75,11 +75,20 @@ def tracking_cost(rounds: int) -> dict[str, object]:
                 rows[f"{mode}64"].append(s64)
                 rows[f"{mode}1024"].append(s1024)
                 rows[f"{mode}_coll"].append(coll)
+    # Per-collective cost is clearest on one rank, where a tiny all_reduce takes ~10 µs.
+    rows["on_solo"], rows["off_solo"] = [], []
+    for _ in range(rounds):
+        for mode, env in (("on", {}), ("off", {"TORCH_FR_BUFFER_SIZE": "0"})):
+            with distnb.Pool(nproc=1, backend="gloo", env=env) as pool:
+                pool.run(DDP_BENCH)
+                r = pool.run("per_collective(20000)", timeout=600)
+                rows[f"{mode}_solo"].append(float(r.values[0]))
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {
         "ddp64_ms": {"on": med["on64"] * 1e3, "off": med["off64"] * 1e3, "overhead_pct": (med["on64"] / med["off64"] - 1) * 100},
         "ddp1024_ms": {"on": med["on1024"] * 1e3, "off": med["off1024"] * 1e3, "overhead_pct": (med["on1024"] / med["off1024"] - 1) * 100},
         "tiny_all_reduce_us": {"on": med["on_coll"] * 1e6, "off": med["off_coll"] * 1e6, "per_collective_us": (med["on_coll"] - med["off_coll"]) * 1e6},
+        "one_rank_all_reduce_us": {"on": med["on_solo"] * 1e6, "off": med["off_solo"] * 1e6, "per_collective_us": (med["on_solo"] - med["off_solo"]) * 1e6},
         "rounds": rounds,
     }
 
@@ -119,7 +128,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "hangs.json"))
+    parser.add_argument("--only-tracking", action="store_true")
     args = parser.parse_args()
+    if args.only_tracking:
+        print(json.dumps(tracking_cost(args.rounds)))
+        return
     out: dict[str, object] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": sys.version.split()[0]}
     out["stacks"] = stacks_latency(args.nproc)
     print(json.dumps(out["stacks"]), flush=True)
