@@ -7,6 +7,7 @@ not used); ``.ci/run`` installs both. Screenshots go to ``docs/screenshots/`` (s
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +38,9 @@ def free_port() -> int:
 def lab(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("jupyterlab")
     home = tmp_path_factory.mktemp("jupyter")
+    served = tmp_path_factory.mktemp("served")
+    # Serve a copy: JupyterLab's autosave must never write outputs into the repository's notebook.
+    shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", served / "quickstart.ipynb")
     port = free_port()
     env = {
         **os.environ,
@@ -47,7 +51,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
     }
     cmd = [
         sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-        "--IdentityProvider.token=", "--ServerApp.password=", f"--ServerApp.root_dir={ROOT}",
+        "--IdentityProvider.token=", "--ServerApp.password=", f"--ServerApp.root_dir={served}",
         "--ServerApp.disable_check_xsrf=True", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
     ]
     log = open(home / "lab.log", "wb")
@@ -87,7 +91,7 @@ def test_quickstart_widgets_render_in_jupyterlab(lab: str) -> None:
         )
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(f"{lab}/lab/tree/notebooks/quickstart.ipynb")
+            page.goto(f"{lab}/lab/tree/quickstart.ipynb")
             # The kernel must be up (its name no longer "No Kernel") and idle before Run All.
             page.wait_for_selector(".jp-Notebook", timeout=60_000)
             page.wait_for_function(
