@@ -114,6 +114,12 @@ def test_quiet_hides_output_but_not_errors(sh: Shell) -> None:
     assert "noise" not in out and "ZeroDivisionError on rank 0" in err
 
 
+def test_huge_output_is_capped_with_a_note(sh: Shell) -> None:
+    out, err = sh.cell("0", "for i in range(25_000):\n    print(i)")
+    assert "[rank 0] 19999" in out and "[rank 0] 24999" not in out
+    assert "5,000 more output lines were not shown" in out and "_dist" not in err
+
+
 def test_push_pull_and_unknown_name(sh: Shell) -> None:
     sh.ip.user_ns["lr"] = 0.25
     sh.line("dist_push", "lr")
