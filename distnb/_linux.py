@@ -68,9 +68,9 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes whose session id is ``sid``."""
-    pids = []
+def _proc_stats() -> list[tuple[int, list[bytes]]]:
+    """(pid, stat fields after the command name) for every live process: state, ppid, pgrp, session…"""
+    out = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -79,27 +79,23 @@ def session_pids(sid: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
+        # The command name is in parentheses and may hold spaces: split after its last ")".
         fields = stat[stat.rfind(b")") + 2 :].split()
-        # fields: state ppid pgrp session ...
-        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != b"Z":
-            pids.append(int(name))
-    return pids
+        if len(fields) > 3 and fields[0] != b"Z":
+            out.append((int(name), fields))
+    return out
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes whose session id is ``sid``."""
+    return [pid for pid, fields in _proc_stats() if int(fields[3]) == sid]
 
 
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (children, grandchildren, ...)."""
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and fields[0] != b"Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
+    for child, fields in _proc_stats():
+        children.setdefault(int(fields[1]), []).append(child)
     out: list[int] = []
     todo = [pid]
     while todo:

@@ -8,20 +8,9 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from nbtext import outputs_text
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def outputs_text(cell: nbformat.NotebookNode) -> str:
-    parts = []
-    for out in cell.get("outputs", []):
-        if out.get("output_type") == "stream":
-            parts.append(out.get("text", ""))
-        elif "data" in out:
-            parts.append(out["data"].get("text/plain", ""))
-        elif out.get("output_type") == "error":
-            parts.append("\n".join(out.get("traceback", [])))
-    return "".join(parts)
 
 
 @pytest.mark.timeout(300)
