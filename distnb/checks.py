@@ -75,6 +75,7 @@ class EntryCheck:
     path: str
     status: str  # identical · differs · sharded · partial
     groups: list[tuple[list[int], dict[str, Any] | None]]
+    leaves: dict[int, dict[str, Any] | None] = field(default_factory=dict)  # each rank's own summary
     tie: bool = False  # no strict majority: the group holding the lowest rank is the reference
 
     @property
@@ -130,8 +131,10 @@ class CheckReport:
             what = [f"{n_tensors} tensor{'s' * (n_tensors != 1)}"] if n_tensors else []
             if total - n_tensors:
                 what.append(f"{total - n_tensors} value{'s' * (total - n_tensors != 1)}")
-            shards = [c for c in self.checks if c.status == "sharded"]
-            extra = f"; {len(shards)} sharded, compared as shards" if shards else ""
+            shards = sum(c.status == "sharded" for c in self.checks)
+            partial = sum(c.status == "partial" for c in self.checks)
+            extra = (f"; {shards} sharded, compared as shards" if shards else "") + (
+                f"; {partial} partial (pending a reduction), layout compared only" if partial else "")
             return f"check {self.name}: identical on {format_ranks(self.ranks)} ({', '.join(what) or 'empty'}{extra})"
         diffs = [c for c in self.checks if c.status == "differs"]
         odd = self.odd_ranks
@@ -164,9 +167,8 @@ class CheckReport:
         """One row per (entry, group of ranks holding the same thing), every entry included."""
         rows = []
         for c in self.checks:
-            flat = [(r, leaf) for ranks, leaf in c.groups for r in ranks]
-            for ranks, _ in group_by((r, _row_key(leaf)) for r, leaf in sorted(flat, key=lambda x: x[0])):
-                leaf = next(lf for rs, lf in c.groups if ranks[0] in rs) or {}
+            for ranks, _ in group_by((r, _row_key(leaf)) for r, leaf in sorted(c.leaves.items())):
+                leaf = c.leaves[ranks[0]] or {}
                 row = {"entry": c.path or self.name, "ranks": ranks, "status": c.status}
                 row.update({k: leaf.get(k) for k in ("shape", "dtype", "sum", "norm", "nan", "inf", "fingerprint", "placement")})
                 if leaf.get("kind") != "tensor":
@@ -252,6 +254,6 @@ def compare(name: str, per_rank: dict[int, dict[str, Any]]) -> CheckReport:
             status = placed[0]
         else:
             status = "identical"
-        report.checks.append(EntryCheck(path, status, [(ranks, leaves[ranks[0]]) for ranks, _ in groups], tie and status == "differs"))
+        report.checks.append(EntryCheck(path, status, [(ranks, leaves[ranks[0]]) for ranks, _ in groups], leaves, tie and status == "differs"))
         report.notes.extend(_nan_notes(path or name, leaves))
     return report

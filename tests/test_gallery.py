@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from conftest import run_processes
 from nbtext import outputs_text
 
-from distnb import _linux
 
 GALLERY = Path(__file__).resolve().parent.parent / "notebooks" / "gallery"
 NOTEBOOKS = sorted(GALLERY.glob("[0-9]*.ipynb"))
-
-
-def worker_pids() -> set[int]:
-    out = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if b"distnb.worker" in f.read() and _linux.pid_alive(int(name)):
-                        out.add(int(name))
-            except OSError:
-                pass
-    return out
 
 
 def test_gallery_is_complete() -> None:
@@ -38,7 +24,7 @@ def test_gallery_is_complete() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook(path: Path, tmp_path: Path) -> None:
-    before = worker_pids()
+    before = set(run_processes())
     nb = nbformat.read(str(path), as_version=4)
     NotebookClient(nb, timeout=150, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     checked = 0
@@ -47,4 +33,4 @@ def test_notebook(path: Path, tmp_path: Path) -> None:
             assert expected in outputs_text(cell), f"{path.name}: {expected!r} not in the output of\n{cell.source}\n---\n{outputs_text(cell)}"
             checked += 1
     assert checked >= 3
-    assert worker_pids() - before == set(), "the notebook left worker processes behind"
+    assert set(run_processes()) - before == set(), "the notebook left worker processes behind"

@@ -19,10 +19,12 @@ class Shell:
     """An InteractiveShell with distnb loaded; captures what the magics print."""
 
     def __init__(self) -> None:
+        from IPython import get_ipython
         from IPython.testing.globalipapp import start_ipython
 
-        self.ip = start_ipython()
-        self.ip.run_line_magic("load_ext", "distnb")
+        self.ip = start_ipython() or get_ipython()  # one test shell per process
+        if "on_ranks" not in self.ip.magics_manager.magics["cell"]:
+            self.ip.run_line_magic("load_ext", "distnb")
 
     def line(self, name: str, args: str = "") -> tuple[object, str, str]:
         out, err = io.StringIO(), io.StringIO()

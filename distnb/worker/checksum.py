@@ -26,13 +26,14 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import struct
 import sys
 from typing import Any
 
 __all__ = ["checksum", "fingerprint", "tensor_summary", "WIDTH"]
 
 WIDTH = _WIDTH = 1024  # int32 words per row; weights are < 4096, so a row's dot product is < 2**53
-_CPU_BLOCK_ROWS = 64  # 64 × 1024 float64 = 512 KiB: the converted block stays in L2
+_CPU_BLOCK_ROWS = 64  # per thread: 64 × 1024 float64 = 512 KiB, the converted block stays in L2
 _GPU_BLOCK_ROWS = 4096  # 32 MiB float64 per block on a GPU: few launches, bounded scratch memory
 _SPAN_ROWS = 1 << 16  # rows whose results are combined at once (bounds the per-row scratch)
 _PAD_WHOLE_BYTES = 1 << 16  # smaller tensors are padded in one copy: one block, fewest ops
@@ -41,7 +42,7 @@ _REPR_CAP = 200
 _MAX_ENTRIES = 100_000  # a container with more leaves is cut off (noted), not walked forever
 _MAX_DEPTH = 16
 
-_col_weights: dict[str, Any] = {}  # device → (WIDTH, 3) float64: ones, w1, w2
+_col_weights: dict[str, Any] = {}  # device → (WIDTH, 4) float64: ones, ones, w1, w2
 _row_weights: dict[str, Any] = {}  # device → (_SPAN_ROWS, 4) int64 for the first span
 
 
@@ -69,12 +70,14 @@ def _distinct_weights(seed: int) -> list[int]:
 
 
 def _columns(device: Any) -> Any:
+    """(WIDTH, 4) float64 [1, 1, w1, w2]: the plain row sum twice (it gets two row weightings)."""
     import torch
 
     key = str(device)
     cols = _col_weights.get(key)
     if cols is None:
-        w = torch.tensor([[1] * _WIDTH, _distinct_weights(1), _distinct_weights(2)], dtype=torch.float64)
+        ones = [1] * _WIDTH
+        w = torch.tensor([ones, ones, _distinct_weights(1), _distinct_weights(2)], dtype=torch.float64)
         cols = _col_weights[key] = w.t().contiguous().to(device)
     return cols
 
@@ -117,7 +120,8 @@ def _rows(start: int, stop: int, device: Any) -> Any:
 def _words(t: Any) -> tuple[Any, Any, int]:
     """(main rows as an (R, WIDTH) int32 view or None, padded tail (k, WIDTH) int32 or None, nbytes).
 
-    The main part is a view of the tensor's own memory; only the tail (< 4 KiB) is copied.
+    The main part is a view of the tensor's own memory; only the tail (< 4 KiB, or a whole tensor
+    under 64 KiB) is copied.
     """
     import torch
 
@@ -129,54 +133,82 @@ def _words(t: Any) -> tuple[Any, Any, int]:
     row = 4 * _WIDTH
     if raw.storage_offset() % 4:  # an odd slice of a larger buffer: int32 views need alignment
         raw = raw.clone()
-    if nbytes <= _PAD_WHOLE_BYTES:
-        main_rows = 0
-    else:
-        main_rows = nbytes // row
+    main_rows = nbytes // row if nbytes > _PAD_WHOLE_BYTES else 0
     main = raw[: main_rows * row].view(torch.int32).view(main_rows, _WIDTH) if main_rows else None
     rest = nbytes - main_rows * row
     tail = None
     if rest:
-        k = -(-rest // row)
-        padded = torch.zeros(k * row, dtype=torch.uint8, device=raw.device)
-        padded[:rest].copy_(raw[main_rows * row :])
-        tail = padded.view(torch.int32).view(k, _WIDTH)
+        rest_bytes = raw[main_rows * row :] if main_rows else raw
+        padded = torch.constant_pad_nd(rest_bytes, [0, -rest % row])  # zeros; nbytes goes into the digest
+        tail = padded.view(torch.int32).view(-1, _WIDTH)
     return main, tail, nbytes
 
 
-def _sums(t: Any) -> tuple[list[int], int]:
-    """The four wrapping int64 sums behind a fingerprint (on t's device; one host sync)."""
+def _sum_tensor(t: Any) -> tuple[Any, int]:
+    """The fingerprint's four wrapping int64 sums as a device tensor (no host sync), and nbytes."""
     import torch
 
+    if t.device.type == "mps":  # MPS has no float64: the one case that reads the tensor on the host
+        t = t.cpu()
     main, tail, nbytes = _words(t)
     dev = t.device
     cols = _columns(dev)
-    block = _GPU_BLOCK_ROWS if dev.type != "cpu" else _CPU_BLOCK_ROWS
-    acc = torch.zeros(4, dtype=torch.int64, device=dev)
-    parts = [p for p in (main, tail) if p is not None]
+    block = _GPU_BLOCK_ROWS if dev.type != "cpu" else _CPU_BLOCK_ROWS * max(1, torch.get_num_threads())
+    totals = []
     row0 = 0
     buf = None
-    for part in parts:
+    for part in (p for p in (main, tail) if p is not None):
         for s0 in range(0, part.shape[0], _SPAN_ROWS):
             span = part[s0 : s0 + _SPAN_ROWS]
             n = span.shape[0]
-            y = torch.empty(n, 3, dtype=torch.float64, device=dev)
-            if buf is None or buf.shape[0] < min(block, n):
-                buf = torch.empty(min(block, n), _WIDTH, dtype=torch.float64, device=dev)
-            for b0 in range(0, n, block):
-                words = span[b0 : b0 + block]
-                scratch = buf[: words.shape[0]]
-                scratch.copy_(words)  # int32 → float64 is exact
-                torch.mm(scratch, cols, out=y[b0 : b0 + words.shape[0]])  # exact: partial sums < 2**53
-            exact = y.to(torch.int64)
-            weighted = exact[:, [0, 0, 1, 2]] * _rows(row0 + s0, row0 + s0 + n, dev)  # wraps mod 2**64
-            acc += weighted.sum(0)
+            if n <= block:  # one block: let torch allocate, fewer ops
+                y = span.to(torch.float64) @ cols  # int32 → float64 is exact; partial sums < 2**53
+            else:  # reuse one cache-sized float64 block; results go straight into y
+                y = torch.empty(n, 4, dtype=torch.float64, device=dev)
+                if buf is None:
+                    buf = torch.empty(block, _WIDTH, dtype=torch.float64, device=dev)
+                for b0 in range(0, n, block):
+                    words = span[b0 : b0 + block]
+                    scratch = buf[: words.shape[0]]
+                    scratch.copy_(words)
+                    torch.mm(scratch, cols, out=y[b0 : b0 + words.shape[0]])
+            rows = _rows(row0 + s0, row0 + s0 + n, dev)
+            totals.append((y.to(torch.int64) * rows).sum(0))  # int64 arithmetic wraps mod 2**64
         row0 += part.shape[0]
-    return [v & _MASK for v in acc.tolist()], nbytes
+    if not totals:
+        return torch.zeros(4, dtype=torch.int64, device=dev), nbytes
+    return (totals[0] if len(totals) == 1 else torch.stack(totals).sum(0)), nbytes
+
+
+def _fetch(ints: list[Any], floats: list[Any]) -> tuple[list[int], list[float]]:
+    """All of a summary's scalars in one device→host copy (each .item() is a sync on a GPU).
+
+    Floats travel as their int64 bit patterns so one int64 tensor carries both kinds exactly.
+    """
+    import torch
+
+    parts = []
+    if ints:  # cat promotes mixed integer dtypes (an int64 sum, a uint8 min) to int64
+        parts.append(torch.cat([x.reshape(-1) for x in ints]).to(torch.int64))
+    if floats:
+        parts.append(torch.cat([x.reshape(-1) for x in floats]).to(torch.float64).view(torch.int64))
+    if not parts:
+        return [], []
+    vals = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+    n_int = parts[0].numel() if ints else 0
+    n_float = len(vals) - n_int
+    as_floats = list(struct.unpack(f"<{n_float}d", struct.pack(f"<{n_float}q", *vals[n_int:])))
+    return vals[:n_int], as_floats
 
 
 def _digest(*fields: Any) -> str:
     return hashlib.blake2b(repr(fields).encode(), digest_size=16).hexdigest()
+
+
+def _sums(t: Any) -> tuple[list[int], int]:
+    """The four sums as Python ints (one host sync)."""
+    acc, nbytes = _sum_tensor(t)
+    return [v & _MASK for v in _fetch([acc], [])[0]], nbytes
 
 
 def fingerprint(t: Any) -> str:
@@ -187,7 +219,11 @@ def fingerprint(t: Any) -> str:
     """
     t = _dense(t.detach())
     sums, nbytes = _sums(t)
-    return _digest(str(t.dtype), tuple(t.shape), nbytes, sums)
+    return _digest(_dtype_name(t), tuple(t.shape), nbytes, sums)
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 def _dense(t: Any) -> Any:
@@ -200,10 +236,47 @@ def _dense(t: Any) -> Any:
 
 # -- statistics ---------------------------------------------------------------------------------
 _NATIVE_FLOATS = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
+_STAT_NAMES = ("sum", "norm", "min", "max")
 
 
-def _stats(t: Any) -> dict[str, Any]:
-    """sum, norm, min, max, nan, inf with as few host syncs as possible (one, unless non-finite)."""
+def _stat_tensors(t: Any) -> tuple[list[Any], list[Any]]:
+    """The statistics as 0-dim device tensors (ints, floats), to be fetched with the fingerprint."""
+    import torch
+
+    if t.numel() == 0:
+        return [], []
+    if t.dtype == torch.bool:
+        return [torch.count_nonzero(t)], []
+    if t.is_complex():
+        s = t.sum()
+        return [], [s.real, s.imag, torch.linalg.vector_norm(t)]
+    if not t.is_floating_point():  # integers: exact sum and extremes
+        sq = torch.zeros((), dtype=torch.float64, device=t.device)
+        for chunk in t.reshape(-1).split(1 << 22):  # bounded float64 scratch, even for a huge tensor
+            sq += chunk.double().square().sum()
+        try:
+            mn, mx = torch.aminmax(t)
+        except (RuntimeError, NotImplementedError):  # e.g. uint64 on CPU
+            return [t.sum()], [sq]
+        return [t.sum(), mn, mx], [sq]
+    return [], _float_parts(_float_work(t))
+
+
+def _float_work(t: Any) -> Any:
+    return t if str(t.dtype) in _NATIVE_FLOATS else t.float()  # float8 & co. lack reductions
+
+
+def _float_parts(work: Any) -> list[Any]:
+    import torch
+
+    # Half types accumulate in float32 (their own range overflows at 65504).
+    acc = torch.float32 if work.element_size() < 4 else None
+    mn, mx = torch.aminmax(work)
+    return [work.sum(dtype=acc), torch.linalg.vector_norm(work, dtype=acc), mn, mx]
+
+
+def _stats_from(t: Any, ints: list[int], floats: list[float]) -> dict[str, Any]:
+    """The statistics' dict from fetched values; counts NaN/Inf (extra passes) only if needed."""
     import torch
 
     out: dict[str, Any] = {"sum": None, "norm": None, "min": None, "max": None, "nan": 0, "inf": 0}
@@ -211,45 +284,41 @@ def _stats(t: Any) -> dict[str, Any]:
     if n == 0:
         return out
     if t.dtype == torch.bool:
-        count = int(torch.count_nonzero(t).item())
+        count = ints[0]
         out.update(sum=count, norm=math.sqrt(count), min=int(count == n), max=int(count > 0))
-        return out
-    if t.is_complex():
-        s = t.sum()
-        re_, im_, norm = torch.stack([s.real.double(), s.imag.double(), torch.linalg.vector_norm(t).double()]).tolist()
-        out.update(sum=[re_, im_], norm=norm)
-        if not all(map(math.isfinite, (re_, im_, norm))):
+    elif t.is_complex():
+        out.update(sum=floats[:2], norm=floats[2])
+        if not all(map(math.isfinite, floats)):
             out.update(nan=int(torch.isnan(t).sum().item()), inf=int(torch.isinf(t).sum().item()))
-        return out
-    if not t.is_floating_point():  # integers: exact sums and extremes as Python ints
-        s, (mn, mx) = t.sum(), torch.aminmax(t)
-        sq = torch.zeros((), dtype=torch.float64, device=t.device)
-        for chunk in t.reshape(-1).split(1 << 22):  # bounded float64 scratch, even for a huge tensor
-            sq += chunk.double().square().sum()
-        out.update(sum=int(s.item()), min=int(mn.item()), max=int(mx.item()), norm=math.sqrt(sq.item()))
-        return out
-    work = t if str(t.dtype) in _NATIVE_FLOATS else t.float()  # float8 & co. lack reductions
-    vals = _float_stats(work)
-    if all(map(math.isfinite, vals)):
-        out.update(zip(("sum", "norm", "min", "max"), vals))
-        return out
-    nan, inf = int(torch.isnan(work).sum().item()), int(torch.isinf(work).sum().item())
-    out.update(nan=nan, inf=inf)
-    if nan or inf:  # the other figures describe the finite elements; the counts say what was left out
-        work = work[torch.isfinite(work)]
-        vals = _float_stats(work) if work.numel() else [None] * 4
-    out.update(zip(("sum", "norm", "min", "max"), vals))
+    elif not t.is_floating_point():
+        out.update(sum=ints[0], norm=math.sqrt(floats[0]))
+        if len(ints) == 3:
+            out.update(min=ints[1], max=ints[2])
+    elif all(map(math.isfinite, floats)):
+        out.update(zip(_STAT_NAMES, floats))
+    else:
+        work = _float_work(t)
+        nan, inf = int(torch.isnan(work).sum().item()), int(torch.isinf(work).sum().item())
+        out.update(zip(_STAT_NAMES, floats), nan=nan, inf=inf)
+        if nan or inf:  # then the figures describe the finite elements; the counts say what was left out
+            finite = work[torch.isfinite(work)]
+            values = _fetch([], _float_parts(finite))[1] if finite.numel() else [None] * 4
+            out.update(zip(_STAT_NAMES, values))
+    # Strict JSON: a figure that is still not finite (complex NaN, a float32 norm that overflowed)
+    # becomes None; the NaN/Inf counts say why.
+    for k in _STAT_NAMES:
+        v = out[k]
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k] = None
+        elif isinstance(v, list):
+            out[k] = [x if math.isfinite(x) else None for x in v]
     return out
 
 
-def _float_stats(work: Any) -> list[float]:
-    import torch
-
-    # Half types accumulate in float32 (their own range overflows at 65504).
-    acc = torch.float32 if work.element_size() < 4 else None
-    mn, mx = torch.aminmax(work)
-    parts = [work.sum(dtype=acc), torch.linalg.vector_norm(work, dtype=acc), mn, mx]
-    return torch.stack([p.double() for p in parts]).tolist()
+def _stats(t: Any) -> dict[str, Any]:
+    """sum, norm, min, max, nan, inf of a dense tensor (one host sync unless there are NaN/Inf)."""
+    ints, floats = _stat_tensors(t)
+    return _stats_from(t, *_fetch(ints, floats))
 
 
 # -- summaries ----------------------------------------------------------------------------------
@@ -275,7 +344,7 @@ def tensor_summary(t: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "kind": "tensor",
         "shape": list(t.shape),
-        "dtype": str(t.dtype).replace("torch.", ""),
+        "dtype": _dtype_name(t),
         "device": str(t.device),
         "placement": None,
     }
@@ -296,9 +365,12 @@ def tensor_summary(t: Any) -> dict[str, Any]:
             t = t.int_repr()
         if t.layout != _strided():
             return _sparse_summary(t, out)
-        sums, nbytes = _sums(t)
-        out["fingerprint"] = _digest(out["dtype"], tuple(t.shape), nbytes, sums)
-        out.update(_stats(t))
+        acc, nbytes = _sum_tensor(t)
+        ints, floats = _stat_tensors(t)
+        ivals, fvals = _fetch([acc, *ints], floats)  # one sync for everything
+        sums = [v & _MASK for v in ivals[:4]]
+        out["fingerprint"] = _digest(_dtype_name(t), tuple(t.shape), nbytes, sums)  # as fingerprint(t)
+        out.update(_stats_from(t, ivals[4:], fvals))
     except Exception as exc:  # a tensor subclass or device we cannot read: say so, keep the rest
         out.setdefault("fingerprint", None)
         out["error"] = f"{type(exc).__name__}: {exc}"[:_REPR_CAP]
