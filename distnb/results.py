@@ -16,6 +16,7 @@ __all__ = [
     "RankResult",
     "CellResult",
     "RankStatus",
+    "PoolState",
     "PoolStatus",
     "CellRecord",
     "EnvReport",
@@ -80,6 +81,21 @@ def prefix_lines(label: str, text: str) -> str:
     return "\n".join(f"[{label}] {line}" for line in _lines(text))
 
 
+class PoolState(str, Enum):
+    """Lifecycle of a pool.
+
+    NEW → STARTING → READY ⇄ (cells run) → STOPPING → STOPPED. A rank that dies moves a READY pool
+    to BROKEN, from which only restart or shutdown lead on. A failed start ends in STOPPED.
+    """
+
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    BROKEN = "broken"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
 @dataclass
 class RankResult:
     """What one rank did with one cell."""
@@ -98,11 +114,14 @@ class RankResult:
     stderr_tail: str = ""  # a dead rank's last stderr lines (from its supervisor)
     memory: dict[str, Any] | None = None  # RSS/CUDA/NVML sampled at the cell's start and end
     first_death: bool = False
+    collective: str = ""  # the collective a dead rank was in, from its last polled log
 
     def death_text(self) -> str:
         """Post-mortem of a rank that died during the cell."""
         first = " first" if self.first_death else ""
         text = f"rank {self.rank} died{first}: {signal_meaning(self.returncode)}"
+        if self.collective:
+            text += f", while in {self.collective}"
         tail = "\n".join((self.stderr_tail or self.stderr).rstrip().splitlines()[-12:])
         if tail:
             text += f"; its last stderr lines:\n{prefix_lines(f'rank {self.rank} stderr', tail)}"

@@ -1,36 +1,84 @@
-"""Every gallery notebook runs in a real kernel; each checked cell's output shows what it should."""
+"""The failure gallery: every notebook runs top to bottom in a real kernel, and its checked cells show
+what they should (notebooks/gallery/_make.py puts the checks in each cell's metadata:
+``distnb_expect`` text that must appear, ``distnb_reject`` text that must not, ``distnb_mime``
+output types that must be produced)."""
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from conftest import run_processes
-from nbtext import outputs_text
 
+from conftest import kill_pids, run_processes, started_pids, wait_gone
+from nbtext import outputs_text
 
 GALLERY = Path(__file__).resolve().parent.parent / "notebooks" / "gallery"
 NOTEBOOKS = sorted(GALLERY.glob("[0-9]*.ipynb"))
+#: Every process a notebook's pool starts inherits this variable (kernel → torchrun → ranks).
+NB_MARK = "DISTNB_GALLERY_NOTEBOOK"
+
+
+def notebook_processes(token: str) -> list[int]:
+    """This test run's distnb processes started by the notebook carrying ``token``."""
+    mark = f"{NB_MARK}={token}".encode()
+    found = []
+    for pid in run_processes():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
 
 
 def test_gallery_is_complete() -> None:
-    assert len(NOTEBOOKS) >= 9
+    assert len(NOTEBOOKS) >= 9, [p.name for p in NOTEBOOKS]
     index = (GALLERY / "README.md").read_text()
-    assert all(nb.name in index for nb in NOTEBOOKS)
+    assert all(p.name in index for p in NOTEBOOKS), "README.md does not list every notebook"
+    for path in NOTEBOOKS:
+        nb = nbformat.read(str(path), as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), f"{path.name} is saved with outputs"
+        assert code[0].source.startswith("%load_ext distnb\n%dist_launch"), path.name
+        assert code[-1].source.strip() == "%dist_shutdown", f"{path.name} must end with %dist_shutdown"
+        assert nb.cells[0].cell_type == "markdown" and "(0" in nb.cells[0].source.splitlines()[0], f"{path.name}: title without a seed reference"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook(path: Path, tmp_path: Path) -> None:
-    before = set(run_processes())
+    token = uuid.uuid4().hex
     nb = nbformat.read(str(path), as_version=4)
-    NotebookClient(nb, timeout=150, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    try:
+        client.execute(env={**os.environ, NB_MARK: token})
+    finally:
+        # nbclient has shut the kernel down; the notebook's last cell stopped the pool itself.
+        left = notebook_processes(token)
+        started_pids.update(left)
+        survivors = wait_gone(left, 3.0)
+        kill_pids(survivors)  # don't leave them to the next notebook
+    assert not survivors, f"{path.name} left distnb processes behind: {survivors}"
+
     checked = 0
     for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        text = outputs_text(cell)
+        where = f"{path.name}, cell:\n{cell.source}\n--- output:\n{text}"
+        assert not any(o.get("output_type") == "error" for o in cell.outputs), f"the kernel raised in {where}"
         for expected in cell.metadata.get("distnb_expect", []):
-            assert expected in outputs_text(cell), f"{path.name}: {expected!r} not in the output of\n{cell.source}\n---\n{outputs_text(cell)}"
+            assert expected in text, f"{expected!r} missing from {where}"
             checked += 1
-    assert checked >= 3
-    assert set(run_processes()) - before == set(), "the notebook left worker processes behind"
+        for rejected in cell.metadata.get("distnb_reject", []):
+            assert rejected not in text, f"{rejected!r} should not be in {where}"
+            checked += 1
+        for mime in cell.metadata.get("distnb_mime", []):
+            assert any(mime in o.get("data", {}) for o in cell.outputs), f"no {mime} output in {where}"
+            checked += 1
+    assert checked >= 8, f"{path.name}: only {checked} checks"

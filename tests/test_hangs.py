@@ -139,6 +139,20 @@ def test_rank_killed_mid_cell_is_reported_first(pool3: distnb.Pool) -> None:
     assert "dead: killed (SIGKILL" in status
 
 
+def test_death_inside_a_collective_names_it(pool3: distnb.Pool) -> None:
+    import os
+    import signal
+
+    pool = fresh(pool3)
+    res = pool.submit("import time\nx = torch.ones(2)\nif rank == 0:\n    time.sleep(6)\ndist.all_reduce(x)")
+    time.sleep(2.5)  # ranks 1 and 2 wait in the all_reduce; the pool polls their logs every second
+    os.kill(pool.status().ranks[1].pid, signal.SIGKILL)
+    pool.wait(res, timeout=30)
+    assert res[1].status == "dead"
+    assert "rank 1 died first: killed (SIGKILL" in res.text()
+    assert "while in all_reduce [2] f32 (#" in res.text()
+
+
 def test_restart_replay_restores_state(pool3: distnb.Pool) -> None:
     pool = fresh(pool3)
     pool.run("replay_a = rank * 10")

@@ -10,6 +10,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import distnb
+from distnb import _linux
 from distnb import pool as pool_module
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,10 +27,17 @@ class Shell:
         if "on_ranks" not in self.ip.magics_manager.magics["cell"]:
             self.ip.run_line_magic("load_ext", "distnb")
 
+        self.pools: list[distnb.Pool] = []  # every pool these tests launched, for teardown
+
     def line(self, name: str, args: str = "") -> tuple[object, str, str]:
         out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            value = self.ip.run_line_magic(name, args)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                value = self.ip.run_line_magic(name, args)
+        finally:
+            current = pool_module._current
+            if current is not None and current not in self.pools:
+                self.pools.append(current)
         return value, out.getvalue(), err.getvalue()
 
     def cell(self, args: str, code: str) -> tuple[str, str]:
@@ -39,14 +47,31 @@ class Shell:
         return out.getvalue(), err.getvalue()
 
 
+def wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait until none of ``pids`` is alive; return the survivors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if _linux.pid_alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def sh():
     shell = Shell()
-    shell.line("dist_launch", "-n 2 --backend gloo")
-    yield shell
-    pool = pool_module._current
-    if pool is not None:
-        pool.shutdown()
+    try:
+        shell.line("dist_launch", "-n 2 --backend gloo")
+        yield shell
+    finally:
+        # Whatever the tests did (failed half-way, relaunched, unloaded the extension): stop every
+        # pool they started and check that no process of it is left.
+        if "on_ranks" not in shell.ip.magics_manager.magics["cell"]:
+            shell.ip.run_line_magic("load_ext", "distnb")
+        pids = sorted({p for pool in shell.pools for p in pool.pids()})
+        for pool in shell.pools:
+            pool.shutdown()
+        assert not wait_dead(pids), f"pool processes survived the module's teardown: {pids}"
 
 
 def test_magics_document_themselves(sh: Shell) -> None:
@@ -57,6 +82,18 @@ def test_magics_document_themselves(sh: Shell) -> None:
     assert "on_ranks" in magics["cell"]
     doc = magics["line"]["dist_launch"].__doc__
     assert "--nproc" in doc and "--pg-timeout" in doc and "--env" in doc and "--debug" in doc
+    # What `%dist_launch?` shows: the usage line, the docstring and every option's help.
+    info = sh.ip.object_inspect("%dist_launch")
+    assert info["found"] and "Start a persistent torchrun pool" in info["docstring"]
+    assert "--nproc NPROC" in info["docstring"] and "Number of ranks" in info["docstring"]
+    help_text = sh.ip.find_line_magic("dist_launch").parser.format_help()
+    assert "-n NPROC, --nproc NPROC" in help_text and "--start-timeout" in help_text and "--hang-after" in help_text
+    on_ranks_help = sh.ip.find_cell_magic("on_ranks").parser.format_help()
+    assert all(flag in on_ranks_help for flag in ("--timeout", "--quiet", "ranks"))
+    for kind in ("line", "cell"):
+        for name, fn in magics[kind].items():
+            if getattr(fn, "__self__", None).__class__.__name__ == "DistMagics":
+                assert (fn.__doc__ or "").strip(), f"%{name} has no docstring"
 
 
 def test_launch_twice_and_bad_flags_are_usage_errors(sh: Shell) -> None:
@@ -64,6 +101,14 @@ def test_launch_twice_and_bad_flags_are_usage_errors(sh: Shell) -> None:
         sh.line("dist_launch", "-n 2")
     with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
         sh.line("dist_status", "--bogus")
+    with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
+        sh.line("dist_launch", "-n 2 --bogus")
+    with pytest.raises(UsageError, match="invalid int value"):
+        sh.line("dist_launch", "-n two")
+    with pytest.raises(UsageError, match="invalid choice"):
+        sh.line("dist_launch", "--backend mpi")
+    with pytest.raises(UsageError, match="unrecognized arguments"):
+        sh.cell("--bogus", "1")
     with pytest.raises(UsageError):
         sh.cell("--timeout", "1")
 
@@ -78,6 +123,8 @@ def test_all_reduce_value_and_grouped_output(sh: Shell) -> None:
 def test_subset_and_per_rank_lines(sh: Shell) -> None:
     out, _ = sh.cell("1", "print('only', rank)")
     assert "[rank 1] only 1" in out and "rank 0" not in out
+    res = sh.ip.user_ns["_dist"]
+    assert res.ranks == [1] and list(res.results) == [1] and res.ok
 
 
 def test_errors_grouped_with_cell_line(sh: Shell) -> None:
@@ -136,6 +183,11 @@ def test_push_pull_and_unknown_name(sh: Shell) -> None:
 def test_status_stacks_env_memory_collectives(sh: Shell) -> None:
     _, out, _ = sh.line("dist_status")
     assert "pool ready: 2 ranks, backend gloo" in out and out.count(" idle") == 2
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert rows[0] == ["rank", "pid", "host", "device", "state"]
+    for rank in distnb.current_pool().status().ranks:  # one row per rank: its pid, and idle
+        assert rank.pid and [str(rank.rank), str(rank.pid)] in [row[:2] for row in rows[1:]], out
+        assert next(row for row in rows[1:] if row[0] == str(rank.rank))[-1] == "idle", out
     stacks, _, _ = sh.line("dist_stacks")
     assert "(idle: waiting for a cell)" in stacks.text()
     env, _, _ = sh.line("dist_env")
@@ -175,9 +227,33 @@ def test_shutdown_then_cells_are_usage_errors(sh: Shell) -> None:
     assert "no process left" in out and pool.pids() == []
     with pytest.raises(UsageError, match="dist_launch"):
         sh.cell("", "1")
+    sh.ip.user_ns["lr"] = 0.1
+    for name, args in [("dist_status", ""), ("dist_stacks", ""), ("dist_pull", "x"), ("dist_push", "lr"), ("dist_env", ""),
+                       ("dist_memory", ""), ("dist_collectives", ""), ("dist_check", "x"), ("dist_export", "/tmp/x.py"),
+                       ("dist_wait", ""), ("dist_regroup", ""), ("dist_restart", ""), ("dist_shutdown", "")]:
+        with pytest.raises(UsageError, match="dist_launch"):
+            sh.line(name, args)
+    for name, args in (("dist_status", ""), ("dist_pull", "x"), ("dist_shutdown", "")):
+        with pytest.raises(UsageError, match="dist_launch"):
+            sh.line(name, args)
+    # Bad --env is caught before anything starts.
+    with pytest.raises(UsageError, match="KEY=VALUE"):
+        sh.line("dist_launch", "-n 2 --env NOEQUALS")
+    assert pool_module._current is None
     # Relaunch for the unload test below, and check that unloading stops it.
     sh.line("dist_launch", "-n 2 --backend gloo")
     pool = distnb.current_pool()
+    pids = pool.pids()
+    assert len(pids) >= 5  # torchrun agent, and a supervisor and a rank process per rank
     sh.ip.run_line_magic("unload_ext", "distnb")
-    assert pool_module._current is None and pool.pids() == []
+    assert pool_module._current is None and pool.state == distnb.PoolState.STOPPED
+    assert not wait_dead(pids, 5.0) and pool.pids() == []
     sh.ip.run_line_magic("load_ext", "distnb")
+    with pytest.raises(UsageError, match="dist_launch"):
+        sh.cell("", "1")
+    sh.ip.user_ns["lr"] = 0.1
+    for name, args in [("dist_status", ""), ("dist_stacks", ""), ("dist_pull", "x"), ("dist_push", "lr"), ("dist_env", ""),
+                       ("dist_memory", ""), ("dist_collectives", ""), ("dist_check", "x"), ("dist_export", "/tmp/x.py"),
+                       ("dist_wait", ""), ("dist_regroup", ""), ("dist_restart", ""), ("dist_shutdown", "")]:
+        with pytest.raises(UsageError, match="dist_launch"):
+            sh.line(name, args)

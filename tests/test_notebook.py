@@ -19,7 +19,6 @@ def test_quickstart_executes(tmp_path: Path) -> None:
     client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env={**os.environ})
     texts = [outputs_text(c) for c in nb.cells if c.cell_type == "code"]
-    joined = "\n".join(texts)
     assert "Out[ranks 0,1]: tensor([3., 3.])" in texts[1]
     assert "[ranks 0,1] hello from the pool" in texts[2]
     assert "ValueError on rank 1 at cell line 2" in texts[3] and "Out[rank 0]: 'fine'" in texts[3]

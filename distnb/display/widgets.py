@@ -26,8 +26,11 @@ _STATE_COLOURS = {"running": "#1f6feb", "ok": "#1a7f37", "failed": "#cf222e", "t
 
 def widgets_available() -> bool:
     """True in a Jupyter kernel with ipywidgets; False in terminal IPython, nbconvert-less scripts."""
+    import importlib.util
+
+    if importlib.util.find_spec("ipywidgets") is None:
+        return False
     try:
-        import ipywidgets  # noqa: F401
         from IPython import get_ipython
     except ImportError:
         return False

@@ -1,201 +1,565 @@
 """Builds the failure gallery (run: python notebooks/gallery/_make.py).
 
-Each notebook reproduces one failure from the field's catalogue (../shared/seeds/ in the project's
-workspace: 000 = torchrun/NCCL troubleshooting, 001 = reference entries D1–D23, 002 = the minimal-
-reproduction guide) on a CPU pool: the symptom, how distnb reveals it, the fix, the fix passing.
-A code cell's ``distnb_expect`` metadata lists text its output must contain; tests/test_gallery.py
-executes every notebook and checks those.
+Each notebook reproduces one failure from the field's catalogue (the three guides in the project's
+``shared/seeds/``: 000 = torchrun/NCCL troubleshooting, 001 = reference entries D1–D23, 002 = the
+minimal-reproduction guide) on a small CPU (gloo) pool: the symptom, the failing cell, how distnb
+reveals it, the fix, and the fixed cell passing. Notebooks are written without outputs.
+
+A code cell's metadata says what tests/test_gallery.py checks after executing the notebook:
+``distnb_expect`` (text its output must contain), ``distnb_reject`` (text it must not contain) and
+``distnb_mime`` (output types it must produce, e.g. ``image/png``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-Cell = tuple  # ("md", text) or ("code", source, [expected substrings])
-
+#: A cell that is expected to hang: it returns after --timeout, with the diagnosis printed live.
 HANG = "%%on_ranks --timeout 6 --hang-after 1"
-
-GALLERY: dict[str, tuple[str, list[Cell]]] = {
-    "01_rank_conditional_barrier": (
-        "Rank-conditional collective: checkpointing on rank 0 only (001 D21)",
-        [
-            ("md", "Saving or evaluating only on rank 0 is right — unless the code inside the `if` issues a collective. "
-                   "Here rank 0 calls `dist.barrier()` after saving, the others never do, and the job freezes."),
-            ("code", "%load_ext distnb\n%dist_launch -n 3 --backend gloo", ["pool ready: 3 ranks"]),
-            ("code", f"{HANG}\nstate = {{'step': 10, 'w': torch.ones(3) * rank}}\nif rank == 0:\n    torch.save(state, f'/tmp/ckpt_{{world_size}}.pt')\n    dist.barrier()   # BUG: only rank 0 gets here",
-             ["rank-conditional collective: rank 0 entered barrier", "ranks 1,2 finished the cell without entering it"]),
-            ("md", "distnb names the rank that waits, the collective and the cell line, and the ranks that never came. "
-                   "The stacks say the same:"),
-            ("code", "%dist_stacks", ["in barrier", "dist.barrier()"]),
-            ("md", "**Fix:** every rank reaches the collective; only the I/O is rank-conditional."),
-            ("code", "%dist_restart", ["pool ready"]),
-            ("code", "%%on_ranks --timeout 30\nstate = {'step': 10, 'w': torch.ones(3) * rank}\nif rank == 0:\n    torch.save(state, f'/tmp/ckpt_{world_size}.pt')\ndist.barrier()   # everyone\n'saved'",
-             ["Out[ranks 0-2]: 'saved'"]),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-    "02_uneven_batches": (
-        "Uneven batches per rank: one rank runs an extra step (001 D9/D22)",
-        [
-            ("md", "When ranks see different numbers of batches (a sampler without padding, `drop_last=False`, a filtered "
-                   "dataset), the rank with more batches waits in the gradient all_reduce of a step the others never take."),
-            ("code", "%load_ext distnb\n%dist_launch -n 3 --backend gloo", ["pool ready"]),
-            ("code", f"{HANG}\nbatches = [torch.ones(4)] * (5 if rank == 0 else 4)   # rank 0 got one more\nfor b in batches:\n    g = b.clone()\n    dist.all_reduce(g)",
-             ["uneven loop lengths: rank 0 made", "ranks 1,2 stopped after"]),
-            ("code", "%dist_collectives --last 3", ["first divergence", "rank 0 entered all_reduce, ranks 1,2 never did"]),
-            ("md", "**Fix:** agree on the number of steps first (or pad the data, or use "
-                   "`torch.distributed.algorithms.Join`)."),
-            ("code", "%dist_restart", ["pool ready"]),
-            ("code", "%%on_ranks --timeout 30\nbatches = [torch.ones(4)] * (5 if rank == 0 else 4)\nn = torch.tensor(len(batches))\ndist.all_reduce(n, op=dist.ReduceOp.MIN)\nfor b in batches[: int(n)]:\n    g = b.clone()\n    dist.all_reduce(g)\nint(n)",
-             ["Out[ranks 0-2]: 4"]),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-    "03_shape_mismatch": (
-        "Shape mismatch in all_reduce",
-        [
-            ("md", "Ranks all_reduce tensors of different sizes. Without a debug mode gloo may hang (or abort the "
-                   "process); distnb reads every rank's collective log and names the mismatch."),
-            ("code", "%load_ext distnb\n%dist_launch -n 3 --backend gloo", ["pool ready"]),
-            ("code", f"{HANG}\nx = torch.ones(3 if rank == 0 else 4)\ndist.all_reduce(x)",
-             ["shape or dtype mismatch at collective #1 on group 0", "rank 0 all_reduce [3] f32", "ranks 1,2 all_reduce [4] f32"]),
-            ("md", "`--debug detail` (TORCH_DISTRIBUTED_DEBUG=DETAIL) turns the mismatch into an error on every rank that "
-                   "names the field, instead of a hang or an abort."),
-            ("code", "%dist_shutdown\n%dist_launch -n 3 --backend gloo --debug detail", ["pool ready"]),
-            ("code", "%%on_ranks --timeout 30\nx = torch.ones(3 if rank == 0 else 4)\ndist.all_reduce(x)",
-             ["Detected mismatch between collectives on ranks", "Tensor shapes"]),
-            ("md", "**Fix:** the same shape on every rank (here: pad to the largest)."),
-            ("code", "%%on_ranks --timeout 30\nx = torch.ones(3 if rank == 0 else 4)\nn = torch.tensor([x.numel()])\ndist.all_reduce(n, op=dist.ReduceOp.MAX)\nx = torch.nn.functional.pad(x, (0, int(n) - x.numel()))\ndist.all_reduce(x)\nx",
-             ["Out[ranks 0-2]: tensor([3., 3., 3., 2.])"]),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-    "04_rank_raises": (
-        "One rank raises before a collective (001 D20)",
-        [
-            ("md", "A rank hits an exception (a corrupt sample, a missing file) and leaves the step; the others wait in "
-                   "the next all_reduce forever, and the log shows only their timeout. distnb names the root cause."),
-            ("code", "%load_ext distnb\n%dist_launch -n 3 --backend gloo", ["pool ready"]),
-            ("code", f"{HANG}\nsample = {{'label': 3}} if rank != 1 else {{}}\nloss = torch.tensor(float(sample['label']))\ndist.all_reduce(loss)",
-             ["rank 1 raised KeyError", "Root cause: the error on rank 1", "KeyError on rank 1 at cell line 2"]),
-            ("md", "**Fix:** handle the bad sample on that rank (or make every rank skip the step together)."),
-            ("code", "%dist_restart", ["pool ready"]),
-            ("code", "%%on_ranks --timeout 30\nsample = {'label': 3} if rank != 1 else {}\nloss = torch.tensor(float(sample.get('label', 0)))\ndist.all_reduce(loss)\nloss",
-             ["Out[ranks 0-2]: tensor(6.)"]),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-    "05_ddp_unused_parameters": (
-        "DDP with unused parameters (001 D8)",
-        [
-            ("md", "A branch of the model is not used in `forward`. DDP waits for gradients that never come and fails "
-                   "on the next iteration."),
-            ("code", "%load_ext distnb\n%dist_launch -n 2 --backend gloo", ["pool ready"]),
-            ("code", "%%on_ranks\nimport torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
-                     "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.used = nn.Linear(4, 4)\n        self.unused = nn.Linear(4, 4)\n"
-                     "    def forward(self, x):\n        return self.used(x)\n", []),
-            ("code", "%%on_ranks --timeout 60\nmodel = DDP(Net())\nfor step in range(2):\n    model(torch.randn(8, 4)).sum().backward()",
-             ["Expected to have finished reduction in the prior iteration", "RuntimeError on rank"]),
-            ("md", "**Fix:** `find_unused_parameters=True` (or drop the unused branch)."),
-            ("code", "%%on_ranks --timeout 60\nmodel = DDP(Net(), find_unused_parameters=True)\nfor step in range(2):\n    model(torch.randn(8, 4)).sum().backward()\n'ok'",
-             ["Out[ranks 0,1]: 'ok'"]),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-    "06_rank_vs_local_rank": (
-        "RANK vs LOCAL_RANK: the wrong GPU on the second node (001 D3)",
-        [
-            ("md", "`torch.cuda.set_device(rank)` works on one node and breaks on two: global rank 4 on node 1 asks for "
-                   "GPU 4 of a 4-GPU machine. The device must come from `LOCAL_RANK`. `%dist_env` shows what each rank "
-                   "was given."),
-            ("code", "%load_ext distnb\n%dist_launch -n 2 --backend gloo", ["pool ready"]),
-            ("code", "%dist_env", ["RANK", "LOCAL_RANK", "per rank, as expected", "WORLD_SIZE"]),
-            ("md", "The same arithmetic on a simulated layout of 2 nodes × 4 GPUs (8 ranks):"),
-            ("code", "%%on_ranks 0\nfor global_rank in range(8):\n    node, local = divmod(global_rank, 4)\n    bug = global_rank            # cuda:{RANK}\n    right = local                # cuda:{LOCAL_RANK}\n    print(f'rank {global_rank} on node {node}: cuda:{bug} (bug{\" — no such GPU\" if bug >= 4 else \"\"}) vs cuda:{right}')",
-             ["rank 5 on node 1: cuda:5 (bug — no such GPU) vs cuda:1"]),
-            ("md", "**Fix:** `device = torch.device('cuda', int(os.environ['LOCAL_RANK']))` — which distnb's ranks "
-                   "already do: `device` in every rank's namespace comes from LOCAL_RANK."),
-            ("code", "%%on_ranks\nimport os\n(int(os.environ['LOCAL_RANK']) == local_rank, str(device))", ["Out[ranks 0,1]: (True, 'cpu')"]),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-    "07_memory_imbalance": (
-        "One rank runs out of memory while the others have room (000 issue 6)",
-        [
-            ("md", "One rank keeps references the others drop (here: rank 1 caches every batch), so only it grows "
-                   "until it is OOM-killed. Each cell's memory line and `%dist_memory` show it long before."),
-            ("code", "%load_ext distnb\n%dist_launch -n 2 --backend gloo", ["pool ready"]),
-            ("code", "%%on_ranks\ncache = []\nfor step in range(40):\n    batch = torch.ones(2_500_000)          # 10 MB\n    if rank == 1:\n        cache.append(batch)                # BUG: keeps every batch",
-             ["rank 1 peaks at"]),
-            ("code", "%dist_memory --plot", ["rank 1 peaks at", "memory of ranks 0,1"]),
-            ("md", "**Fix:** don't keep the batches (or keep `.item()`s / detached scalars)."),
-            ("code", "%%on_ranks\ncache.clear()\nimport gc; gc.collect()\nfor step in range(20):\n    batch = torch.ones(2_500_000)\nlen(cache)", ["Out[ranks 0,1]: 0"]),
-            ("code", "%dist_memory", ["memory of ranks 0,1"]),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-    "08_effective_batch_lr": (
-        "Effective batch size and learning rate across world sizes (001 D11)",
-        [
-            ("md", "With data parallelism the global batch is the per-rank batch × world size. Moving from 1 to N "
-                   "ranks without adjusting the learning rate (or the per-rank batch) changes the optimisation."),
-            ("code", "%load_ext distnb\n%dist_launch -n 4 --backend gloo", ["pool ready"]),
-            ("code", "per_rank_batch, base_lr, base_batch = 32, 0.1, 32\n%dist_push per_rank_batch base_lr base_batch", []),
-            ("code", "%%on_ranks\nglobal_batch = per_rank_batch * world_size\nlr = base_lr * global_batch / base_batch   # linear scaling rule\nn = torch.tensor(per_rank_batch)\ndist.all_reduce(n)\nprint(f'global batch {global_batch} (all_reduce says {int(n)}), lr {lr}')",
-             ["[ranks 0-3] global batch 128 (all_reduce says 128), lr 0.4"]),
-            ("md", "Every rank agrees: the global batch is 128, and the linearly scaled learning rate 0.4 "
-                   "(use a warm-up for large factors)."),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-    "09_batchnorm_buffers": (
-        "BatchNorm buffers diverging across ranks (001 D10)",
-        [
-            ("md", "BatchNorm's running mean/var are buffers, not parameters: DDP averages gradients, not buffers. "
-                   "With `broadcast_buffers=False` each rank's statistics drift apart, and evaluation differs per rank."),
-            ("code", "%load_ext distnb\n%dist_launch -n 2 --backend gloo", ["pool ready"]),
-            ("code", "%%on_ranks\nimport torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
-                     "model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), broadcast_buffers=False)\n"
-                     "for step in range(3):\n    model(torch.randn(16, 4) * (rank + 1)).sum().backward()", []),
-            ("code", "%dist_check model", ["module.1.running_mean", "odd rank: 1"]),
-            ("md", "The parameters agree (DDP synchronised the gradients); the buffers don't. **Fix:** on GPUs, "
-                   "`nn.SyncBatchNorm.convert_sync_batchnorm(model)` computes the statistics across ranks (it needs "
-                   "CUDA). On any device, DDP's default `broadcast_buffers=True` makes rank 0's buffers everyone's "
-                   "before each forward:"),
-            ("code", "%%on_ranks\ntorch.manual_seed(0)\nmodel = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))\nfor step in range(3):\n    model(torch.randn(16, 4) * (rank + 1)).sum().backward()\nmodel(torch.ones(2, 4)).sum().backward()", []),
-            ("code", "%dist_check model", ["check model:", "identical"]),
-            ("code", "%dist_shutdown", ["pool stopped"]),
-        ],
-    ),
-}
+#: A cell that must finish well within its timeout.
+OK = "%%on_ranks --timeout 60"
 
 
-def build(title: str, cells: list[Cell]) -> nbformat.NotebookNode:
+@dataclass
+class Md:
+    text: str
+
+
+@dataclass
+class Code:
+    source: str
+    expect: list[str] = field(default_factory=list)
+    reject: list[str] = field(default_factory=list)
+    mime: list[str] = field(default_factory=list)
+
+
+def launch(n: int, extra: str = "") -> Code:
+    return Code(f"%load_ext distnb\n%dist_launch -n {n} --backend gloo{extra}", [f"pool ready: {n} ranks"])
+
+
+SHUTDOWN = Code("%dist_shutdown", ["pool stopped", "no process left"])
+
+
+@dataclass
+class Notebook:
+    name: str
+    title: str
+    seed: str  # catalogue reference, e.g. "001 D21"
+    shows: str  # one line for the index: what distnb shows
+    cells: list[Md | Code]
+
+
+GALLERY: list[Notebook] = [
+    Notebook(
+        "01_rank_conditional_barrier",
+        "A collective inside `if rank == 0:` — the checkpoint-save deadlock",
+        "001 D21",
+        "live diagnosis naming the waiting rank, the barrier and its cell line; `%dist_status`, `%dist_stacks`",
+        [
+            Md("**Symptom.** The job hangs reproducibly at the same spot — validation, logging, or checkpoint "
+               "save — with no error and no output (001 D21; the classic is \"save on rank 0 only\").\n\n"
+               "**Cause.** A collective — here a `dist.barrier()`, often one hidden in a metric's all_reduce, "
+               "an `all_gather` or a save helper — sits inside `if rank == 0:`. Rank 0 enters it; the other "
+               "ranks never do, and rank 0 waits forever."),
+            launch(3),
+            Code("import os, tempfile\nckpt_path = os.path.join(tempfile.mkdtemp(), 'ckpt.pt')\n%dist_push ckpt_path"),
+            Md("## The failing cell\n\nRank 0 saves a checkpoint and then waits for the others in a barrier that "
+               "only it reaches. `--hang-after 1` asks distnb to diagnose after one second; `--timeout 6` gives "
+               "the notebook back while rank 0 stays blocked."),
+            Code(f"{HANG}\nstate = {{'step': 100, 'weights': torch.full((3,), 0.5)}}\n"
+                 "if rank == 0:                      # save on rank 0 only ...\n"
+                 "    torch.save(state, ckpt_path)\n"
+                 "    dist.barrier()                 # BUG: ... but the barrier is inside the `if`",
+                 ["rank-conditional collective: rank 0 entered barrier #1 at cell line 5",
+                  "ranks 1,2 finished the cell without entering it",
+                  "rank 0: waiting in barrier #1 on group 0",
+                  "ranks 1,2: finished the cell",
+                  "rank 0 has timed out after 6.0 s"]),
+            Md("## How distnb reveals it\n\nThe diagnosis above appeared while the cell was running: the rank that "
+               "waits, the collective and its cell line, and the ranks that never came. `%dist_status` and "
+               "`%dist_stacks` confirm it: rank 0 is still inside the barrier, ranks 1 and 2 are idle."),
+            Code("%dist_status", ["running cell 1", "idle"]),
+            Code("%dist_stacks", ["rank 0: running cell 1", "in barrier", "dist.barrier()", "ranks 1,2: idle"]),
+            Md("## The fix\n\nGate only the side effect, never the collective: every rank reaches the barrier. "
+               "It now also does something useful — after it the file is complete, so every rank may read it "
+               "(001 D23). A hung rank can't be recovered in place: `%dist_restart` gives fresh ranks."),
+            Code("%dist_restart\n%dist_push ckpt_path", ["pool ready: 3 ranks"]),
+            Code(f"{OK}\nstate = {{'step': 100, 'weights': torch.full((3,), 0.5)}}\n"
+                 "if rank == 0:\n"
+                 "    torch.save(state, ckpt_path)   # only the side effect is rank-conditional\n"
+                 "dist.barrier()                     # every rank: the file is complete after this\n"
+                 "torch.load(ckpt_path)['step']      # so every rank can read it",
+                 ["cell 1 on ranks 0-2: ok", "Out[ranks 0-2]: 100"], ["timed out", "rank-conditional"]),
+            SHUTDOWN,
+        ],
+    ),
+    Notebook(
+        "02_uneven_batches",
+        "Uneven batches per rank: the hang at the last step",
+        "001 D9, D22",
+        "\"uneven loop lengths: rank 0 made 3 all_reduce calls, ranks 1,2 stopped after 2\"; `%dist_collectives`; "
+        "fixed with `DistributedSampler` padding and with `Join`",
+        [
+            Md("**Symptom.** Training runs most of an epoch, then freezes on the final batch (001 D9); or it hangs "
+               "at the end of every epoch (001 D22).\n\n"
+               "**Cause.** The ranks see different numbers of batches — a custom sampler or shard without padding, "
+               "a per-rank filter, an `IterableDataset`. DDP all-reduces gradients every step, so the rank with "
+               "more batches waits in the all_reduce of a step the others never take."),
+            launch(3),
+            Md("## The failing cell\n\n7 samples sharded by hand over 3 ranks: rank 0 gets 3, ranks 1 and 2 get 2. "
+               "The `all_reduce` stands for DDP's gradient reduction in `backward()`."),
+            Code(f"{HANG}\ndataset = torch.arange(7.)\n"
+                 "shard = dataset[rank::world_size]          # BUG: 3 samples on rank 0, 2 on ranks 1,2\n"
+                 "print(f'{len(shard)} batches')\n"
+                 "for sample in shard:\n"
+                 "    grad = sample * torch.ones(4)           # stand-in for loss.backward()\n"
+                 "    dist.all_reduce(grad)                   # DDP does this every step",
+                 ["[rank 0] 3 batches", "[ranks 1,2] 2 batches",
+                  "uneven loop lengths: rank 0 made 3 all_reduce calls on group 0, ranks 1,2 stopped after 2",
+                  "rank 0: waiting in all_reduce #3 on group 0"]),
+            Md("## How distnb reveals it\n\nThe live diagnosis counts each rank's collectives. `%dist_collectives` "
+               "shows the sequences side by side (read from PyTorch's Flight Recorder) with the first divergence "
+               "marked."),
+            Code("%dist_collectives", ["first divergence: collective #3 on group 0",
+                                       "rank 0 entered all_reduce, ranks 1,2 never did",
+                                       "rank 0 3, rank 1 2, rank 2 2 collectives"]),
+            Md("## Fix 1: equal lengths — `DistributedSampler`\n\n`DistributedSampler` equalises the shards: with "
+               "`drop_last=False` (the default) it pads by repeating samples, with `drop_last=True` it drops the "
+               "tail. Every rank gets 3 indices here. (Equivalent by hand: all_reduce the batch count with "
+               "`ReduceOp.MIN` first and stop there.)"),
+            Code("%dist_restart", ["pool ready: 3 ranks"]),
+            Code(f"{OK}\nfrom torch.utils.data import DistributedSampler\ndataset = torch.arange(7.)\n"
+                 "sampler = DistributedSampler(dataset, shuffle=False)   # pads: 3 indices on every rank\n"
+                 "indices = list(sampler)\n"
+                 "for i in indices:\n"
+                 "    grad = dataset[i] * torch.ones(4)\n"
+                 "    dist.all_reduce(grad)\n"
+                 "indices",
+                 ["Out[rank 0]: [0, 3, 6]", "Out[rank 1]: [1, 4, 0]", "Out[rank 2]: [2, 5, 1]"],
+                 ["timed out", "uneven"]),
+            Md("## Fix 2: truly uneven inputs — `Join`\n\nWhen the data can't be padded, wrap the loop in the "
+               "`Join` context manager: a rank that runs out of batches shadows the others' collectives "
+               "(all-reducing zeros) until every rank is done. It works with DDP (and `ZeroRedundancyOptimizer`)."),
+            Code(f"{OK}\nfrom torch.distributed.algorithms.join import Join\n"
+                 "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                 "model = DDP(torch.nn.Linear(4, 1))\n"
+                 "shard = dataset[rank::world_size]          # still 3, 2, 2 samples\n"
+                 "with Join([model]):\n"
+                 "    for sample in shard:\n"
+                 "        model(sample * torch.ones(1, 4)).sum().backward()\n"
+                 "f'{len(shard)} steps, done'",
+                 ["Out[rank 0]: '3 steps, done'", "Out[ranks 1,2]: '2 steps, done'"], ["timed out"]),
+            SHUTDOWN,
+        ],
+    ),
+    Notebook(
+        "03_shape_mismatch",
+        "Shape mismatch in all_reduce: an abort, a hang — or a wrong answer",
+        "001 D19; 000 (NCCL timeouts, hangs at a step)",
+        "a rank killed by SIGABRT named in the post-mortem; a hang with both shapes named; `--debug detail`",
+        [
+            Md("**Symptom.** Ranks call the same collective with tensors of different shapes — a short last "
+               "batch on one rank, an unpadded sequence, a buffer sized from rank-local data. What happens "
+               "depends on the sizes: with gloo a large mismatch kills a rank (SIGABRT), a small one hangs — after "
+               "handing some ranks a wrong result. (NCCL may hang or return garbage instead.)\n\n"
+               "**The desync toolkit (001 D19):** `TORCH_DISTRIBUTED_DEBUG=DETAIL` checks every collective across "
+               "ranks first and raises an error naming the mismatch. distnb sets it with `%dist_launch --debug "
+               "detail`; without it distnb still names the rank and the shapes."),
+            launch(2),
+            Md("## Without a debug mode (1): a large mismatch aborts a rank\n\nRank 1's last batch is short: 48 "
+               "rows instead of 64."),
+            Code(f"{HANG}\nbatch = torch.ones(64 if rank == 0 else 48, 16)   # BUG: rank 1 got a short last batch\n"
+                 "dist.all_reduce(batch)",
+                 ["rank 1 died first: aborted (SIGABRT", "Received data size doesn't match expected size",
+                  "Is there a distributed collective mismatch in your code?"]),
+            Md("distnb's post-mortem names the rank that died first, how (the signal, in words) and its last stderr "
+               "lines — gloo's `Received data size doesn't match expected size`. Rank 0's `Connection reset by "
+               "peer` is the consequence, not the cause. `%dist_status` shows the dead rank:"),
+            Code("%dist_status", ["pool broken", "dead: aborted (SIGABRT"]),
+            Code("%dist_restart", ["pool ready: 2 ranks"]),
+            Md("## Without a debug mode (2): a small mismatch hangs — after a wrong answer"),
+            Code(f"{HANG}\nx = torch.ones(3 if rank == 0 else 4)          # BUG: 3 elements on rank 0, 4 on rank 1\n"
+                 "dist.all_reduce(x)\nx",
+                 ["shape or dtype mismatch at collective #1 on group 0",
+                  "rank 0 all_reduce [3] f32", "rank 1 all_reduce [4] f32",
+                  "rank 0 completed it anyway; the others wait",
+                  "Out[rank 0]: tensor([2., 2., 2.])"]),
+            Md("Rank 0 got a plausible-looking `tensor([2., 2., 2.])` and carried on; only rank 1 hangs. From the "
+               "logs alone you'd look at rank 1. distnb compares both ranks' collective logs and names the "
+               "mismatch: `[3]` against `[4]`."),
+            Md("## With `--debug detail`: the error names the shapes"),
+            Code("%dist_shutdown\n%dist_launch -n 2 --backend gloo --debug detail", ["pool ready: 2 ranks"]),
+            Code(f"{OK}\nbatch = torch.ones(64 if rank == 0 else 48, 16)\ndist.all_reduce(batch)",
+                 ["Detected mismatch between collectives on ranks", "TensorShape=[64, 16]", "TensorShape=[48, 16]",
+                  "Tensor shapes", "RuntimeError on rank"], ["SIGABRT", "timed out"]),
+            Md("Every rank raises instead of hanging or aborting, and the pool stays usable. (DETAIL runs extra "
+               "collectives per call: use it to diagnose, not in production.)\n\n"
+               "## The fix\n\nThe same shape on every rank: `drop_last=True`, or pad to the largest (below), or "
+               "all_gather the sizes first."),
+            Code(f"{OK}\nbatch = torch.ones(64 if rank == 0 else 48, 16)\n"
+                 "rows = torch.tensor(batch.shape[0])\n"
+                 "dist.all_reduce(rows, op=dist.ReduceOp.MAX)           # agree on the shape first\n"
+                 "batch = torch.nn.functional.pad(batch, (0, 0, 0, int(rows) - batch.shape[0]))\n"
+                 "dist.all_reduce(batch)\n"
+                 "(tuple(batch.shape), batch.sum().item())",
+                 ["Out[ranks 0,1]: ((64, 16), 1792.0)"], ["Error", "timed out"]),
+            SHUTDOWN,
+        ],
+    ),
+    Notebook(
+        "04_rank_raises",
+        "One rank raises, the others wait forever",
+        "001 D20",
+        "\"rank 1 raised KeyError … Root cause: the error on rank 1\" while ranks 0,2 wait; `%dist_status`",
+        [
+            Md("**Symptom.** Training ran for a while, then froze. One rank's log shows an exception (a bad "
+               "sample, a NaN check, an OOM); the others sit in all_reduce until the collective timeout — 30 "
+               "minutes later, far from the cause (001 D20).\n\n"
+               "**Cause.** The crash is the cause, the hang is the symptom: a rank that leaves the step stops "
+               "calling collectives, and the others block."),
+            launch(3),
+            Md("## The failing cell\n\nRank 1's batch holds a sample without a label."),
+            Code(f"{HANG}\nbatch = [{{'label': 3}}, {{}}, {{'label': 1}}][rank]   # BUG: rank 1's sample has no label\n"
+                 "loss = torch.tensor(float(batch['label']))\n"
+                 "dist.all_reduce(loss)                            # ranks 0,2 wait here for rank 1",
+                 ["rank 1 raised KeyError: 'label' and left the cell; ranks 0,2 wait in all_reduce for it. "
+                  "Root cause: the error on rank 1.",
+                  "ranks 0,2: waiting in all_reduce #1 on group 0",
+                  "rank 1: raised KeyError: 'label' at cell line 2",
+                  "KeyError on rank 1 at cell line 2"]),
+            Md("## How distnb reveals it\n\nThe diagnosis puts the error first: the root cause is on rank 1, and "
+               "ranks 0 and 2 are only its victims. `%dist_status` shows them still running the cell:"),
+            Code("%dist_status", ["running cell 1", "idle"]),
+            Md("## The fix\n\nFix the failing rank, not the hang (001 D20). When a rank must skip a step, every "
+               "rank has to agree — one all_reduce of a flag — so that no rank is left waiting."),
+            Code("%dist_restart", ["pool ready: 3 ranks"]),
+            Code(f"{OK}\ndef train_step(batch):\n"
+                 "    ok = torch.tensor(float('label' in batch))\n"
+                 "    dist.all_reduce(ok, op=dist.ReduceOp.MIN)    # every rank learns whether any batch is bad\n"
+                 "    if not ok:\n"
+                 "        return 'skipped on every rank'           # all ranks skip together\n"
+                 "    loss = torch.tensor(float(batch['label']))\n"
+                 "    dist.all_reduce(loss)\n"
+                 "    return loss.item()\n"
+                 "\n"
+                 "[train_step([{'label': 3}, {}, {'label': 1}][rank]), train_step({'label': rank})]",
+                 ["Out[ranks 0-2]: ['skipped on every rank', 3.0]"], ["timed out", "Error"]),
+            SHUTDOWN,
+        ],
+    ),
+    Notebook(
+        "05_ddp_unused_parameters",
+        "DDP with unused parameters: \"Expected to have finished reduction in the prior iteration\"",
+        "001 D8",
+        "the DDP error on every rank at the second iteration, with the parameter indices; both fixes",
+        [
+            Md("**Symptom.** `RuntimeError: Expected to have finished reduction in the prior iteration before "
+               "starting a new one` — on the second iteration, never the first (001 D8).\n\n"
+               "**Cause.** DDP waits for a gradient from every parameter each step. A branch that takes no part "
+               "in the loss (a conditional head, a frozen layer) never produces one, so the reduction of step 0 "
+               "never completes and step 1 refuses to start."),
+            launch(2),
+            Code("%%on_ranks\nimport torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n\n"
+                 "class Net(nn.Module):\n"
+                 "    def __init__(self):\n"
+                 "        super().__init__()\n"
+                 "        self.body = nn.Linear(4, 4)\n"
+                 "        self.aux_head = nn.Linear(4, 1)   # parameters 2 and 3: only used when aux=True\n"
+                 "        self.head = nn.Linear(4, 1)\n"
+                 "\n"
+                 "    def forward(self, x, aux=False):\n"
+                 "        h = self.body(x)\n"
+                 "        return self.head(h) + (self.aux_head(h) if aux else 0)",
+                 ["cell 1 on ranks 0,1: ok"]),
+            Md("## The failing cell"),
+            Code(f"{OK}\nmodel = DDP(Net())\n"
+                 "for step in range(2):\n"
+                 "    model(torch.randn(8, 4)).sum().backward()   # aux_head gets no gradient\n"
+                 "    print(f'step {step} done')",
+                 ["[ranks 0,1] step 0 done", "RuntimeError on ranks",
+                  "Expected to have finished reduction in the prior iteration",
+                  "Parameter indices which did not receive grad for rank 0: 2 3"], ["step 1 done"]),
+            Md("## How distnb reveals it\n\nStep 0 printed on both ranks, then both raised at cell line 3 on step 1 "
+               "— the same error, grouped, with the indices of the parameters that got no gradient (2 and 3: "
+               "`aux_head`). Nothing hangs here, so the pool is still usable.\n\n"
+               "## Fix 1 (best): every parameter takes part in the loss\n\nOften the real bug is a dropped "
+               "head. Use it (or delete it):"),
+            Code(f"{OK}\nmodel = DDP(Net())\n"
+                 "for step in range(2):\n"
+                 "    model(torch.randn(8, 4), aux=True).sum().backward()\n"
+                 "'ok'",
+                 ["Out[ranks 0,1]: 'ok'"], ["Error"]),
+            Md("## Fix 2: a branch that is legitimately unused on some steps\n\n`find_unused_parameters=True` "
+               "marks the unused parameters ready after each forward (at the cost of a graph traversal per step). "
+               "Don't use it to silence a real bug."),
+            Code(f"{OK}\nmodel = DDP(Net(), find_unused_parameters=True)\n"
+                 "for step in range(2):\n"
+                 "    model(torch.randn(8, 4), aux=(step == 1)).sum().backward()   # aux_head unused at step 0\n"
+                 "'ok'",
+                 ["Out[ranks 0,1]: 'ok'"], ["Error"]),
+            SHUTDOWN,
+        ],
+    ),
+    Notebook(
+        "06_rank_vs_local_rank",
+        "RANK vs LOCAL_RANK: the wrong GPU on the second node",
+        "001 D3",
+        "`%dist_env` listing RANK and LOCAL_RANK per rank; the device index each formula gives on a simulated 2-node job",
+        [
+            Md("**Symptom.** Single-node runs are fine; on two nodes, node 1's processes pile onto GPU 0 (or fail "
+               "with an invalid device ordinal) while its other GPUs sit idle (001 D3).\n\n"
+               "**Cause.** `torch.cuda.set_device(RANK)`. `RANK` is the global rank (it selects the data shard); "
+               "the GPU must come from `LOCAL_RANK`, the rank's index on its own node. On one node the two are "
+               "equal, so the bug hides."),
+            launch(3),
+            Md("## What each rank was given\n\n`%dist_env` shows torchrun's variables per rank. On this single "
+               "node `RANK` and `LOCAL_RANK` are identical — exactly why the bug survives testing."),
+            Code("%dist_env", ["RANK                            0, 1, 2 (per rank, as expected)",
+                               "LOCAL_RANK                      0, 1, 2 (per rank, as expected)",
+                               "GROUP_RANK", "WORLD_SIZE                      3 (all ranks)"]),
+            Md("## The bug, on a simulated second node\n\nPretend this pool is node 1 of `torchrun --nnodes 2 "
+               "--nproc-per-node 3` on nodes with 4 GPUs (GPU 3 left free for an evaluation job). torchrun would "
+               "give these three processes `RANK` 3, 4, 5 and `LOCAL_RANK` 0, 1, 2. Three ways to pick the GPU:"),
+            Code("%%on_ranks\nnode_rank, nproc_per_node, ngpus_per_node = 1, 3, 4\n"
+                 "RANK = node_rank * nproc_per_node + local_rank   # what torchrun would set on node 1\n"
+                 "def gpu(i):\n"
+                 "    return f'cuda:{i}' + ('' if i < ngpus_per_node else ' (no such GPU)')\n"
+                 "print(f'RANK={RANK} LOCAL_RANK={local_rank}: set_device(RANK) -> {gpu(RANK)}; '\n"
+                 "      f'RANK % ngpus_per_node -> {gpu(RANK % ngpus_per_node)}; LOCAL_RANK -> {gpu(local_rank)}')",
+                 ["[rank 0] RANK=3 LOCAL_RANK=0: set_device(RANK) -> cuda:3; RANK % ngpus_per_node -> cuda:3; LOCAL_RANK -> cuda:0",
+                  "[rank 1] RANK=4 LOCAL_RANK=1: set_device(RANK) -> cuda:4 (no such GPU); RANK % ngpus_per_node -> cuda:0; LOCAL_RANK -> cuda:1",
+                  "[rank 2] RANK=5 LOCAL_RANK=2: set_device(RANK) -> cuda:5 (no such GPU); RANK % ngpus_per_node -> cuda:1; LOCAL_RANK -> cuda:2"]),
+            Md("- `set_device(RANK)` asks for GPUs 4 and 5 of a 4-GPU node: an invalid device ordinal, or — with "
+               "code that wraps or defaults the index — everything on GPU 0.\n"
+               "- `RANK % ngpus_per_node` is right only when every node runs exactly `ngpus_per_node` ranks. Here "
+               "it puts node 1's ranks on GPUs 3, 0, 1: GPU 3 belongs to the evaluation job and GPU 2 sits idle.\n"
+               "- `LOCAL_RANK` gives 0, 1, 2 — the GPUs torchrun meant, on any layout.\n\n"
+               "## The fix\n\n`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))`. (distnb's ranks already bind "
+               "`device` this way.) Check that the ranks of a node pick distinct devices:"),
+            Code(f"{OK}\nimport os\n"
+                 "gpu_index = int(os.environ['LOCAL_RANK'])        # on GPUs: torch.cuda.set_device(gpu_index)\n"
+                 "picked = [None] * world_size\n"
+                 "dist.all_gather_object(picked, gpu_index)        # what every rank of this node picked\n"
+                 "f'RANK={RANK} -> cuda:{gpu_index}; this node uses {sorted(picked)}'",
+                 ["Out[rank 0]: 'RANK=3 -> cuda:0; this node uses [0, 1, 2]'",
+                  "Out[rank 1]: 'RANK=4 -> cuda:1; this node uses [0, 1, 2]'",
+                  "Out[rank 2]: 'RANK=5 -> cuda:2; this node uses [0, 1, 2]'"]),
+            SHUTDOWN,
+        ],
+    ),
+    Notebook(
+        "07_memory_imbalance",
+        "One rank runs out of memory while the others have room",
+        "000 issue 6",
+        "the per-cell memory line and `%dist_memory` flagging rank 1 (\"peaks at N× the median\"), `--plot`; balanced after the fix",
+        [
+            Md("**Symptom.** One GPU runs out of memory while the others have plenty free (000, issue 6). "
+               "`nvidia-smi` shows it, but not why.\n\n"
+               "**Cause.** Unbalanced memory across ranks: uneven batches, or — here — one rank holding on to "
+               "tensors the others drop. Rank 1 logs the loss, and appends the loss *tensor* instead of the "
+               "number, keeping every step's autograd graph alive. On this CPU pool the same shows in each rank's "
+               "RSS (on GPUs distnb also reports CUDA allocated/reserved/peak)."),
+            launch(2),
+            Md("## The failing cell"),
+            Code("%%on_ranks\nw = torch.ones(2_500_000, requires_grad=True)\nlosses = []\n"
+                 "for step in range(12):\n"
+                 "    x = torch.randn(2_500_000)\n"
+                 "    loss = (w * x).square().mean()            # keeps 2 × 10 MB for backward\n"
+                 "    if rank == 1:                             # the rank that logs ...\n"
+                 "        losses.append(loss)                   # BUG: ... keeps the tensor and its graph",
+                 ["cell 1 on ranks 0,1: ok", "⚠ rank 1 peaks at"]),
+            Md("## How distnb reveals it\n\nThe memory line under the cell already flags rank 1. `%dist_memory` "
+               "gives the per-rank table and `--plot` a bar chart:"),
+            Code("%dist_memory --plot", ["memory of ranks 0,1", "⚠ rank 1 peaks at", "the median RSS peak of the others"],
+                 mime=["image/png"]),
+            Md("## The fix\n\nLog numbers, not tensors: `loss.item()` (or `loss.detach()`). Drop what was kept, then "
+               "run the fixed loop and check again."),
+            Code("%%on_ranks\ndel losses\nimport gc; gc.collect()", ["ok"]),
+            Code("%%on_ranks\nlosses = []\n"
+                 "for step in range(12):\n"
+                 "    x = torch.randn(2_500_000)\n"
+                 "    loss = (w * x).square().mean()\n"
+                 "    if rank == 1:\n"
+                 "        losses.append(loss.item())            # a float: the graph is freed every step\n"
+                 "len(losses)",
+                 ["Out[rank 0]: 0", "Out[rank 1]: 12"], ["⚠"]),
+            Code("%dist_memory", ["memory of ranks 0,1"], ["⚠"]),
+            SHUTDOWN,
+        ],
+    ),
+    Notebook(
+        "08_effective_batch_lr",
+        "N ranks silently multiply the batch — and the learning rate is now wrong",
+        "001 D11",
+        "per-rank batch, global batch = per-rank × world size (checked by all_reduce and by DDP's gradient), the linear-scaling rule per rank",
+        [
+            Md("**Symptom.** Moving from 1 GPU to N makes training diverge or plateau: the loss curve changes "
+               "shape \"with the same config\" (001 D11).\n\n"
+               "**Cause.** DDP keeps the per-GPU batch size, so one optimizer step now sees per-rank batch × world "
+               "size samples, and the learning rate tuned for the 1-GPU batch no longer fits."),
+            launch(4),
+            Code("per_rank_batch, base_lr, base_batch = 32, 0.1, 32   # the config tuned on 1 GPU\n"
+                 "%dist_push per_rank_batch base_lr base_batch"),
+            Md("## What each rank does with the \"same config\""),
+            Code(f"{OK}\nfrom torch.utils.data import DataLoader, DistributedSampler, TensorDataset\n"
+                 "data = TensorDataset(torch.randn(1024, 4), torch.randn(1024, 1))\n"
+                 "loader = DataLoader(data, batch_size=per_rank_batch, sampler=DistributedSampler(data))\n"
+                 "x, y = next(iter(loader))\n"
+                 "seen = torch.tensor(len(x))\n"
+                 "dist.all_reduce(seen)                             # samples in one optimizer step, all ranks\n"
+                 "print(f'per-rank batch {len(x)}, {len(loader)} steps per epoch; '\n"
+                 "      f'global batch {int(seen)} = {per_rank_batch} x {world_size}')",
+                 ["[ranks 0-3] per-rank batch 32, 8 steps per epoch; global batch 128 = 32 x 4"]),
+            Md("## Proof: one DDP step is a step on the global batch\n\nDDP averages the gradients over the ranks, "
+               "so each rank's gradient equals that of a single process on all 128 samples:"),
+            Code(f"{OK}\nimport copy\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+                 "torch.manual_seed(0)                              # the same global batch on every rank\n"
+                 "X, Y = torch.randn(per_rank_batch * world_size, 4), torch.randn(per_rank_batch * world_size, 1)\n"
+                 "single = torch.nn.Linear(4, 1)\n"
+                 "model = DDP(copy.deepcopy(single))\n"
+                 "mine = slice(rank * per_rank_batch, (rank + 1) * per_rank_batch)\n"
+                 "torch.nn.functional.mse_loss(model(X[mine]), Y[mine]).backward()   # DDP: this rank's 32\n"
+                 "torch.nn.functional.mse_loss(single(X), Y).backward()               # one process: all 128\n"
+                 "torch.allclose(model.module.weight.grad, single.weight.grad, atol=1e-6)",
+                 ["Out[ranks 0-3]: True"]),
+            Md("## The fix\n\nDecide, and record it (world size, per-rank batch, global batch): scale the learning "
+               "rate with the global batch (the linear-scaling rule, with a warm-up), or keep the global batch "
+               "and divide the per-rank batch. Every rank computes the same:"),
+            Code(f"{OK}\nglobal_batch = per_rank_batch * world_size\n"
+                 "lr = base_lr * global_batch / base_batch          # linear scaling rule (use a warm-up)\n"
+                 "assert global_batch == int(seen)\n"
+                 "print(f'world size {world_size}: per-rank batch {per_rank_batch}, global batch {global_batch}, '\n"
+                 "      f'lr {base_lr} -> {lr:g}; or per-rank batch {base_batch // world_size} at lr {base_lr}')",
+                 ["[ranks 0-3] world size 4: per-rank batch 32, global batch 128, lr 0.1 -> 0.4; "
+                  "or per-rank batch 8 at lr 0.1"], ["Error"]),
+            Code("for n in (1, 2, 4, 8):\n"
+                 "    print(f'{n} ranks: global batch {per_rank_batch * n:4d}, lr {base_lr * per_rank_batch * n / base_batch:g}')",
+                 ["8 ranks: global batch  256, lr 0.8"]),
+            SHUTDOWN,
+        ],
+    ),
+    Notebook(
+        "09_batchnorm_buffers",
+        "BatchNorm statistics diverge across ranks",
+        "001 D10",
+        "`%dist_check model` naming the BatchNorm buffers that differ and the odd rank; SyncBatchNorm's CPU error; buffer sync and averaging on CPU",
+        [
+            Md("**Symptom.** Evaluation is unstable or differs per rank; DDP converges worse than one GPU at the "
+               "same effective batch (001 D10).\n\n"
+               "**Cause.** BatchNorm's running mean and variance are *buffers*, not parameters: DDP averages "
+               "gradients, not buffers. Each rank computes statistics on its own shard only. Where nothing syncs "
+               "buffers — FSDP, a hand-rolled gradient all_reduce, or DDP with `forward_sync_buffers=False` — "
+               "they drift apart."),
+            launch(2),
+            Code("%%on_ranks\nimport torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n\n"
+                 "def make_net():\n"
+                 "    torch.manual_seed(0)\n"
+                 "    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))\n\n"
+                 "def train(model, steps=3):\n"
+                 "    model.train()\n"
+                 "    for step in range(steps):\n"
+                 "        x = torch.randn(16, 4) * (rank + 1)    # each rank's shard has its own scale\n"
+                 "        model(x).sum().backward()\n\n"
+                 "x_eval = torch.ones(2, 4)", ["cell 1 on ranks 0,1: ok"]),
+            Md("## The failing cell"),
+            Code(f"{OK}\nmodel = DDP(make_net(), forward_sync_buffers=False)   # BUG: buffers stay rank-local\n"
+                 "train(model)\nmodel.eval()\nround(model(x_eval).sum().item(), 4)   # the same input, evaluated per rank",
+                 ["Out[rank 0]:", "Out[rank 1]:"], ["Out[ranks 0,1]"]),
+            Md("## How distnb reveals it\n\nThe same input gives a different output per rank. `%dist_check` "
+               "compares the model across ranks — parameters, gradients and buffers, by bitwise fingerprint — and "
+               "names what differs: the parameters agree (DDP averaged the gradients), the BatchNorm buffers don't."),
+            Code("%dist_check model", ["2 of 11 tensors differ", "module.1.running_mean", "module.1.running_var"],
+                 ["module.0.weight"]),
+            Md("## Fix on GPUs: SyncBatchNorm — not on CPU\n\n`nn.SyncBatchNorm.convert_sync_batchnorm(model)` "
+               "computes the batch statistics across ranks in every forward (001 D10). In this torch it needs a "
+               "GPU (or XPU) for training-mode forward:"),
+            Code(f"{OK}\nsync_model = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(make_net()))\ntrain(sync_model, steps=1)",
+                 ["ValueError on ranks 0,1", "SyncBatchNorm expected input tensor to be on GPU"]),
+            Md("## Fix on CPU (1): let DDP sync the buffers\n\nWith DDP's default (`forward_sync_buffers=True`, "
+               "formerly `broadcast_buffers=True`) rank 0's buffers are copied to every rank before each forward "
+               "through the DDP module, so evaluation agrees. (Evaluate through `model`, not `model.module`: the "
+               "copy happens in DDP's forward.) `--check model` runs `%dist_check` after the cell:"),
+            Code("%%on_ranks --timeout 60 --check model\nmodel = DDP(make_net())\n"
+                 "train(model)\nmodel.eval()\nround(model(x_eval).sum().item(), 4)",
+                 ["Out[ranks 0,1]:", "check model: identical on ranks 0,1"], ["differ"]),
+            Md("## Fix on CPU (2): statistics from every rank's data\n\nThe buffers rank 0 broadcasts were computed "
+               "on rank 0's shard alone. To use all ranks' data — what SyncBatchNorm does for each batch — average "
+               "the buffers, e.g. before evaluating or saving a checkpoint:"),
+            Code("%%on_ranks --timeout 60 --check model\nwith torch.no_grad():\n"
+                 "    for buf in model.module.buffers():\n"
+                 "        if buf.is_floating_point():\n"
+                 "            dist.all_reduce(buf)\n"
+                 "            buf /= world_size\n"
+                 "round(model.module(x_eval).sum().item(), 4)",
+                 ["Out[ranks 0,1]:", "check model: identical on ranks 0,1"], ["differ"]),
+            SHUTDOWN,
+        ],
+    ),
+]
+
+
+def build(nb_def: Notebook) -> nbformat.NotebookNode:
     nb = new_notebook()
-    nb.cells.append(new_markdown_cell(f"# {title}"))
-    for cell in cells:
-        if cell[0] == "md":
-            nb.cells.append(new_markdown_cell(cell[1]))
-        else:
-            code = new_code_cell(cell[1])
-            if cell[2]:
-                code.metadata["distnb_expect"] = list(cell[2])
-            nb.cells.append(code)
+    nb.cells.append(new_markdown_cell(f"# {nb_def.title} ({nb_def.seed})\n\nPart of the [failure gallery](README.md): "
+                                      "the symptom, the failing cell, how distnb reveals it, the fix, and the fix passing. "
+                                      "Runs on a CPU (gloo)."))
+    for cell in nb_def.cells:
+        if isinstance(cell, Md):
+            nb.cells.append(new_markdown_cell(cell.text))
+            continue
+        code = new_code_cell(cell.source)
+        if cell.expect:
+            code.metadata["distnb_expect"] = list(cell.expect)
+        if cell.reject:
+            code.metadata["distnb_reject"] = list(cell.reject)
+        if cell.mime:
+            code.metadata["distnb_mime"] = list(cell.mime)
+        nb.cells.append(code)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
     return nb
+
+
+README_HEAD = """\
+# The failure gallery
+
+Each notebook reproduces one failure from the field's catalogue of distributed-training failures on a
+small CPU pool (gloo, 2–4 ranks): the symptom, the failing cell, how distnb reveals it, the fix, and
+the fixed cell passing. They run top to bottom in a couple of seconds to half a minute each, and
+`tests/test_gallery.py` executes every one in a real kernel and checks the key outputs.
+
+Seed references: **000** = torchrun/NCCL troubleshooting, **001 D1–D23** = the launch-and-debug
+reference entries, **002** = the minimal-reproduction debugging guide.
+
+| notebook | failure | reference | what distnb shows |
+| --- | --- | --- | --- |
+"""
+
+README_TAIL = """
+Hang cells use `%%on_ranks --timeout 6 --hang-after 1`: the diagnosis appears after a second and the
+cell returns after six, with the hung ranks still blocked; `%dist_restart` replaces them. Every
+notebook ends with `%dist_shutdown`.
+
+The notebooks are generated, without outputs, by `_make.py` (`python notebooks/gallery/_make.py`);
+edit that script, not the `.ipynb` files.
+"""
 
 
 def main() -> None:
     here = Path(__file__).parent
-    index = ["# The failure gallery\n", "Each notebook reproduces a failure on a CPU pool, shows how distnb reveals it, fixes it, and runs the fix.\n"]
-    for name, (title, cells) in GALLERY.items():
-        nbformat.write(build(title, cells), str(here / f"{name}.ipynb"))
-        index.append(f"- [{title}]({name}.ipynb)")
-    (here / "README.md").write_text("\n".join(index) + "\n")
-    print(f"wrote {len(GALLERY)} notebooks to {here}")
+    for old in here.glob("[0-9]*.ipynb"):
+        if old.stem not in {n.name for n in GALLERY}:
+            old.unlink()
+    rows = []
+    for nb_def in GALLERY:
+        nbformat.write(build(nb_def), str(here / f"{nb_def.name}.ipynb"))
+        rows.append(f"| [{nb_def.name}]({nb_def.name}.ipynb) | {nb_def.title} | {nb_def.seed} | {nb_def.shows} |")
+    (here / "README.md").write_text(README_HEAD + "\n".join(rows) + "\n" + README_TAIL)
+    print(f"wrote {len(GALLERY)} notebooks and README.md to {here}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,194 @@
+"""What the pool can tell about its ranks while they run or hang: stacks, diagnoses, collective
+logs, memory, environments, checksums — plus recovery by regrouping and export of the session.
+
+A mixin of :class:`distnb.pool.Pool`: it relies on the pool's state, rank table and request
+machinery (``_request``, ``_check_usable``, ``_raise_if_busy``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Iterable
+
+from distnb import _linux
+from distnb.checks import CheckReport, compare
+from distnb.collectives import CollectiveReport, describe
+from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
+from distnb.errors import NoPoolError, RemoteError
+from distnb.memory import MemoryReport
+from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
+from distnb.ranks import format_ranks, parse_ranks
+from distnb.results import CellResult, EnvReport, PoolState, RankState
+from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dump
+
+if TYPE_CHECKING:
+    from distnb.pool import Pool
+
+__all__ = ["Inspection"]
+
+
+class Inspection:
+    def stacks(
+        self: Pool,
+        ranks: str | int | Iterable[int] | None = None,
+        all_threads: bool = False,
+        native: bool = False,
+        timeout: float = 0.25,
+    ) -> StackReport:
+        """Where every (or each given) rank is right now; works while cells run or hang.
+
+        The rank's control thread answers even while the main thread waits in a collective. A
+        rank whose main thread holds the GIL (a C loop) can't answer; its supervisor then asks
+        faulthandler for a dump with SIGUSR1. ``native`` adds py-spy's native frames.
+        """
+        if self.state in (PoolState.NEW, PoolState.STOPPED):
+            raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+        targets = parse_ranks(ranks, self.world_size)
+        with self._lock:
+            alive = [r for r in targets if self._ranks[r].state != RankState.DEAD]
+        replies = self._request(control_identity, alive, {"t": Msg.STACKS, "all_threads": all_threads}, timeout, partial=True)
+        silent = [r for r in alive if r not in replies]
+        dumps = self._request(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": 0.15}, 3.0, partial=True)
+        cell_sources = {f"<cell-{c.cell}>": c.code for c in self.history[-200:]}
+        self.collectives(alive, refresh=True)
+        status = {rs.rank: rs for rs in self.status().ranks}
+        out = []
+        for r in targets:
+            st = status[r]
+            info = self._ranks[r]
+            if r in replies and "stacks" in replies[r]:
+                threads = [
+                    ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]
+                ]
+                rs = RankStack(r, st.describe(), "control thread", threads)
+            elif r in dumps and dumps[r].get("text"):
+                threads = parse_faulthandler(dumps[r]["text"], cell_sources, info.main_ident)
+                if not all_threads:
+                    threads = [t for t in threads if t.main] or threads[:1]
+                rs = RankStack(r, st.describe(), "faulthandler: the rank holds the GIL", threads)
+            elif st.state == RankState.DEAD:
+                rs = RankStack(r, st.describe(), "dead")
+            else:
+                rs = RankStack(r, st.describe(), "no answer (the process may be stopped, e.g. SIGSTOP)")
+            pending = self.collective_log.pending(r)
+            if pending is not None and st.state == RankState.RUNNING:
+                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']}) for {max(0.0, time.time() - pending['t']):.1f} s"
+            if native and info.pid and st.state != RankState.DEAD:
+                rs.native = py_spy_dump(info.pid)
+            out.append(rs)
+        return StackReport(out)
+
+    def diagnose(self: Pool, result: CellResult | None = None) -> Diagnosis:
+        """Is the (last) cell hung, and why? Names the ranks, collectives and cell lines involved."""
+        if result is None:
+            if not self.history:
+                raise NoPoolError("no cell has run on this pool yet.")
+            result = self.history[-1]  # type: ignore[assignment]
+        elapsed = time.monotonic() - result._run.started  # type: ignore[attr-defined]
+        busy = [r for r in result.ranks if result.results[r].status == "running"]
+        stacks = self.stacks(busy) if busy else None
+        log = self.collectives(refresh=True)
+        lines = result.code.splitlines()
+        positions = []
+        for r in range(self.world_size):
+            res = result.results.get(r)
+            if res is None:
+                positions.append(Position(r, "idle"))
+            elif res.status == "ok":
+                positions.append(Position(r, "finished"))
+            elif res.status in ("error", "interrupted") and res.error:
+                line = res.error.get("line")
+                positions.append(Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
+                                          detail=f"{res.error['ename']}: {res.error['evalue'][:200]}"))
+            elif res.status == "dead":
+                positions.append(Position(r, "dead", detail=_linux.signal_meaning(res.returncode)))
+            else:
+                assert stacks is not None
+                pos = position_from_stack(stacks[r])
+                pending = self.collective_log.pending(r)
+                if pending is not None and pending["t"] >= result.started - 1.0:
+                    pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
+                    pos.shapes = describe(pending, with_op=False)
+                    pos.since = max(0.0, time.time() - pending["t"])
+                pos.since = pos.since if pos.since is not None else elapsed
+                positions.append(pos)
+        return diagnose(positions, self.config.hang_after, elapsed, log)
+
+    def collectives(self: Pool, ranks: str | int | Iterable[int] | None = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
+        """Every rank's collective sequence (from the Flight Recorder), side by side, with the
+        first divergence marked. Works while ranks are blocked; dead ranks keep their last log."""
+        targets = parse_ranks(ranks, self.world_size)
+        if refresh and self.state not in (PoolState.NEW, PoolState.STOPPED):
+            alive = [r for r in targets if self._ranks[r].state != RankState.DEAD]
+            since = {r: self.collective_log.last_id(r) for r in alive}
+            floor = min(since.values(), default=-1)
+            replies = self._request(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor}, 1.0, partial=True)
+            with self._lock:
+                for r, reply in replies.items():
+                    reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since[r] or not e["done"]]
+                    self.collective_log.merge(r, reply)
+        return self.collective_log.report(targets, last)
+
+    def export(self: Pool, path: str, cells: str | None = None, include_failed: bool = False) -> str:
+        """Write the session's cells (since launch; by default those that succeeded) as a
+        standalone ``torchrun`` script, or as a notebook when ``path`` ends in ``.ipynb``."""
+        from distnb.export import export_notebook, export_script, select_cells
+
+        chosen = select_cells(self.history[self._launch_index :] if cells is None else self.history, cells, include_failed)
+        if not chosen:
+            raise ValueError("there is no cell to export yet; run some with %%on_ranks first (or pass --all to include failed ones).")
+        writer = export_notebook if str(path).endswith(".ipynb") else export_script
+        return str(writer(chosen, self.config, path))
+
+    def memory(self: Pool, ranks: str | int | Iterable[int] | None = None) -> MemoryReport:
+        """Each rank's memory now (asked live, works while cells run) and its peak per cell."""
+        if self.state in (PoolState.NEW, PoolState.STOPPED):
+            raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+        targets = [r for r in parse_ranks(ranks, self.world_size) if self._ranks[r].state != RankState.DEAD]
+        replies = self._request(control_identity, targets, {"t": Msg.MEMORY}, 2.0, partial=True)
+        timeline = []
+        for cell in self.history[self._launch_index :]:
+            if not isinstance(cell, CellResult):
+                continue
+            samples = {r: res.memory for r, res in cell.results.items() if res.memory and r in targets}
+            if samples:
+                timeline.append((cell.cell, samples))
+        return MemoryReport({r: m["memory"] for r, m in sorted(replies.items()) if "memory" in m}, timeline)
+
+    def env(self: Pool, ranks: str | int | Iterable[int] | None = None) -> EnvReport:
+        """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""
+        if self.state in (PoolState.NEW, PoolState.STOPPED):
+            raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+        targets = [r for r in parse_ranks(ranks, self.world_size) if self._ranks[r].state != RankState.DEAD]
+        replies = self._request(control_identity, targets, {"t": Msg.ENV}, 5.0)
+        return EnvReport({r: m["env"] for r, m in sorted(replies.items())}, {r: self._ranks[r].host for r in targets})
+
+    def regroup(self: Pool) -> None:
+        """Recover from a collective timeout without restarting processes: every rank replaces its
+        poisoned default process group with a fresh one (namespaces are kept; objects holding
+        the old group, such as a DDP model, must be rebuilt). Ranks must be idle and alive."""
+        with self._lock:
+            self._check_usable()
+            targets = list(range(self.world_size))
+            self._raise_if_busy(targets)
+            self._regroups += 1
+        replies = self._request(exec_identity, targets, {"t": Msg.REGROUP, "generation": self._regroups}, self.config.pg_timeout + 30)
+        errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
+        if errors:
+            raise RemoteError(f"regroup failed on {format_ranks(errors)}: {next(iter(errors.values()))} Use %dist_restart --replay instead.")
+
+    def check(self: Pool, names: str | Iterable[str], ranks: str | int | Iterable[int] | None = None) -> list[CheckReport]:
+        """Checksum names (tensors, modules, state dicts, optimizers) on every rank and compare:
+        identical, or which entries differ and which ranks are the odd ones out."""
+        names = [names] if isinstance(names, str) else list(names)
+        if not names:
+            raise ValueError("name at least one variable to check, e.g. pool.check('model').")
+        with self._lock:
+            self._check_usable()
+            targets = parse_ranks(ranks, self.world_size)
+            self._raise_if_busy(targets)
+        replies = self._request(exec_identity, targets, {"t": Msg.CHECK, "names": names}, 120.0)
+        errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
+        if errors:
+            raise RemoteError(f"check failed on {format_ranks(errors)}: {next(iter(errors.values()))}")
+        return [compare(n, {r: replies[r]["checks"][n] for r in targets}) for n in names]
