@@ -244,10 +244,10 @@ class DistMagics(Magics):
         pool = self._pool()
         with _usage_errors():
             report = pool.memory(args.ranks)
-        print(report.text())
-        if args.plot or args.timeline:
-            from IPython.display import Image, display
+        from IPython.display import Image, display
 
+        display(report)
+        if args.plot or args.timeline:
             figs = ([report.plot_bars()] if args.plot else []) + ([report.plot_timeline()] if args.timeline else [])
             for fig in figs:
                 display(Image(data=figure_png(fig), format="png"))
@@ -295,7 +295,9 @@ class DistMagics(Magics):
     def dist_status(self, line: str) -> None:
         """Per rank: pid, host, device and state (idle · running cell k for t s · dead)."""
         parse_argstring(self.dist_status, line)
-        print(self._pool().status().text())
+        from IPython.display import display
+
+        display(self._pool().status())
 
     # -- cells ----------------------------------------------------------------------------------
     @magic_arguments()
@@ -398,7 +400,10 @@ class DistMagics(Magics):
 
 
 def load(ipython: Any) -> None:
+    from distnb.display.html import register
+
     ipython.register_magics(DistMagics)
+    register(ipython)
 
 
 def unload(ipython: Any) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -10,26 +13,110 @@ import pytest
 from nbclient import NotebookClient
 from nbtext import outputs_text
 
+from distnb import _linux
+
 ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
+MARK = "DISTNB_QUICKSTART_TEST"
+
+
+def marked_processes(value: str) -> set[int]:
+    """Live processes whose environment carries ``MARK=value``: the kernel and everything it started."""
+    needle = f"{MARK}={value}".encode()
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ and _linux.pid_alive(int(name)):
+            found.add(int(name))
+    return found
+
+
+def wait_dead(pids: set[int], timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = {p for p in pids if _linux.pid_alive(p)}
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def test_quickstart_is_generated_and_saved_without_outputs() -> None:
+    """The committed notebook is what notebooks/_make_quickstart.py builds, with outputs cleared."""
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    try:
+        import _make_quickstart
+    finally:
+        sys.path.remove(str(ROOT / "notebooks"))
+    saved = nbformat.read(str(QUICKSTART), as_version=4)
+    nbformat.validate(saved)
+    built = _make_quickstart.build()
+    assert [(c.cell_type, c.source) for c in saved.cells] == [(c.cell_type, c.source) for c in built.cells], (
+        "notebooks/quickstart.ipynb is stale: run python notebooks/_make_quickstart.py"
+    )
+    code = [c for c in saved.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code)
+    assert saved.metadata["kernelspec"]["name"] == "python3"
 
 
 @pytest.mark.timeout(300)
 def test_quickstart_executes(tmp_path: Path) -> None:
-    nb = nbformat.read(str(ROOT / "notebooks" / "quickstart.ipynb"), as_version=4)
-    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute(env={**os.environ})
-    texts = [outputs_text(c) for c in nb.cells if c.cell_type == "code"]
-    assert "Out[ranks 0,1]: tensor([3., 3.])" in texts[1]
-    assert "[ranks 0,1] hello from the pool" in texts[2]
-    assert "ValueError on rank 1 at cell line 2" in texts[3] and "Out[rank 0]: 'fine'" in texts[3]
-    assert "rank-conditional collective: rank 0 entered all_reduce #" in texts[4], texts[4]
-    assert "in all_reduce" in texts[5]  # %dist_stacks annotates the waiting rank
-    assert "first divergence" in texts[6]
-    assert "{0: 0.1, 1: 0.1}" in texts[8]
-    assert "rank 1 peaks at" in texts[10]
-    memory_cell = [c for c in nb.cells if c.cell_type == "code"][10]
-    assert any("image/png" in o.get("data", {}) for o in memory_cell.outputs), "the memory plot did not render"
-    assert "pool stopped" in texts[-1]
+    nb = nbformat.read(str(QUICKSTART), as_version=4)
+    mark = uuid.uuid4().hex
+    seen: dict[str, set[int]] = {"kernel": set(), "pool": set(), "after_shutdown": set()}
+
+    def on_cell_executed(cell, cell_index, execute_reply) -> None:
+        provisioner = getattr(client.km, "provisioner", None)
+        if getattr(provisioner, "pid", None):
+            seen["kernel"].add(provisioner.pid)
+        procs = marked_processes(mark) - seen["kernel"]
+        if "%dist_launch" in cell.source:
+            seen["pool"] |= procs
+        elif cell.source.strip() == "%dist_shutdown":
+            seen["after_shutdown"] = procs
+
+    # cwd is a scratch folder, so the kernel imports distnb as installed, not from the checkout.
+    client = NotebookClient(
+        nb, timeout=120, kernel_name="python3", allow_errors=False, resources={"metadata": {"path": str(tmp_path)}},
+        on_cell_executed=on_cell_executed,
+    )
+    client.execute(env={**os.environ, MARK: mark})
+
+    code = [c for c in nb.cells if c.cell_type == "code"]
+
+    def text(source_start: str) -> str:
+        """The outputs of the (first) code cell whose source starts with ``source_start``."""
+        return outputs_text(next(c for c in code if c.source.startswith(source_start)))
+
+    assert "Out[ranks 0,1]: tensor([3., 3.])" in text("%%on_ranks\nx = torch.full")
+    assert "[ranks 0,1] hello from the pool" in text("%%on_ranks\nimport time")
+    error = text("%%on_ranks\nif rank == 1")
+    assert "ValueError on rank 1 at cell line 2" in error and "Out[rank 0]: 'fine'" in error
+    hang = text("%%on_ranks --timeout")
+    assert "rank-conditional collective: rank 0 entered all_reduce #" in hang, hang
+    assert "in all_reduce" in text("%dist_stacks")  # %dist_stacks annotates the waiting rank
+    assert "first divergence" in text("%dist_collectives")
+    assert "{0: 0.1, 1: 0.1}" in text("lr = 0.1")
+    assert "rank 1 peaks at" in text("%dist_memory")
+    assert any("image/png" in o.get("data", {}) for o in next(c for c in code if c.source.startswith("%dist_memory")).outputs), (
+        "the memory plot did not render"
+    )
+    status = text("%dist_status")
+    assert "pool ready: 2 ranks, backend gloo" in status
+    rows = [line.split() for line in status.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[1].isdigit() and row[-1] == "idle" for row in rows), status
+    assert "pool stopped" in text("%dist_shutdown")
     # In a kernel with ipywidgets each %%on_ranks cell is a live widget view with a text twin.
-    first_cell = [c for c in nb.cells if c.cell_type == "code"][1]
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in first_cell.outputs)
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in code[1].outputs)
+
+    # The pool ran under the kernel, %dist_shutdown left none of its processes, and the kernel
+    # itself is gone once nbclient is done.
+    assert seen["kernel"] and len(seen["pool"]) >= 5, seen  # torchrun agent, a supervisor and a rank per rank
+    assert not seen["after_shutdown"], f"processes left after %dist_shutdown: {seen['after_shutdown']}"
+    assert not wait_dead(seen["kernel"] | seen["pool"], 10.0), "the kernel or a pool process outlived the notebook"
+    assert not wait_dead(marked_processes(mark), 5.0)

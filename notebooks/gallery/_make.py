@@ -22,6 +22,10 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HANG = "%%on_ranks --timeout 6 --hang-after 1"
 #: A cell that must finish well within its timeout.
 OK = "%%on_ranks --timeout 60"
+#: The same for a cell that builds a rank's first DDP model: DDP's constructor imports torch._dynamo
+#: (~3 s on a 2-core machine, more under load), and a rank that finishes first waits for the others
+#: in DDP's first collective — slow, not hung; --hang-after 10 keeps that from being reported.
+DDP_OK = "%%on_ranks --timeout 60 --hang-after 10"
 
 
 @dataclass
@@ -74,7 +78,7 @@ GALLERY: list[Notebook] = [
                  "if rank == 0:                      # save on rank 0 only ...\n"
                  "    torch.save(state, ckpt_path)\n"
                  "    dist.barrier()                 # BUG: ... but the barrier is inside the `if`",
-                 ["rank-conditional collective: rank 0 entered barrier #1 at cell line 5",
+                 ["rank-conditional collective: rank 0 entered barrier #1 at cell line 4",
                   "ranks 1,2 finished the cell without entering it",
                   "rank 0: waiting in barrier #1 on group 0",
                   "ranks 1,2: finished the cell",
@@ -144,7 +148,7 @@ GALLERY: list[Notebook] = [
             Md("## Fix 2: truly uneven inputs — `Join`\n\nWhen the data can't be padded, wrap the loop in the "
                "`Join` context manager: a rank that runs out of batches shadows the others' collectives "
                "(all-reducing zeros) until every rank is done. It works with DDP (and `ZeroRedundancyOptimizer`)."),
-            Code(f"{OK}\nfrom torch.distributed.algorithms.join import Join\n"
+            Code(f"{DDP_OK}\nfrom torch.distributed.algorithms.join import Join\n"
                  "from torch.nn.parallel import DistributedDataParallel as DDP\n"
                  "model = DDP(torch.nn.Linear(4, 1))\n"
                  "shard = dataset[rank::world_size]          # still 3, 2, 2 samples\n"
@@ -276,7 +280,7 @@ GALLERY: list[Notebook] = [
                  "        return self.head(h) + (self.aux_head(h) if aux else 0)",
                  ["cell 1 on ranks 0,1: ok"]),
             Md("## The failing cell"),
-            Code(f"{OK}\nmodel = DDP(Net())\n"
+            Code(f"{DDP_OK}\nmodel = DDP(Net())\n"
                  "for step in range(2):\n"
                  "    model(torch.randn(8, 4)).sum().backward()   # aux_head gets no gradient\n"
                  "    print(f'step {step} done')",
@@ -298,9 +302,9 @@ GALLERY: list[Notebook] = [
                "Don't use it to silence a real bug."),
             Code(f"{OK}\nmodel = DDP(Net(), find_unused_parameters=True)\n"
                  "for step in range(2):\n"
-                 "    model(torch.randn(8, 4), aux=(step == 1)).sum().backward()   # aux_head unused at step 0\n"
+                 "    model(torch.randn(8, 4)).sum().backward()   # aux_head still unused: now allowed\n"
                  "'ok'",
-                 ["Out[ranks 0,1]: 'ok'"], ["Error"]),
+                 ["Out[ranks 0,1]: 'ok'"], ["Error", "Expected to have finished"]),
             SHUTDOWN,
         ],
     ),
@@ -376,10 +380,11 @@ GALLERY: list[Notebook] = [
                "gives the per-rank table and `--plot` a bar chart:"),
             Code("%dist_memory --plot", ["memory of ranks 0,1", "⚠ rank 1 peaks at", "the median RSS peak of the others"],
                  mime=["image/png"]),
-            Md("## The fix\n\nLog numbers, not tensors: `loss.item()` (or `loss.detach()`). Drop what was kept, then "
-               "run the fixed loop and check again."),
-            Code("%%on_ranks\ndel losses\nimport gc; gc.collect()", ["ok"]),
-            Code("%%on_ranks\nlosses = []\n"
+            Md("## The fix\n\nLog numbers, not tensors: `loss.item()` (or `loss.detach()`). Re-check in fresh "
+               "ranks: memory freed inside a process is often kept by the allocator for reuse, so a process's RSS "
+               "(like CUDA's reserved memory) rarely shrinks back on its own."),
+            Code("%dist_restart", ["pool ready: 2 ranks"]),
+            Code("%%on_ranks\nw = torch.ones(2_500_000, requires_grad=True)\nlosses = []\n"
                  "for step in range(12):\n"
                  "    x = torch.randn(2_500_000)\n"
                  "    loss = (w * x).square().mean()\n"
@@ -416,7 +421,7 @@ GALLERY: list[Notebook] = [
                  ["[ranks 0-3] per-rank batch 32, 8 steps per epoch; global batch 128 = 32 x 4"]),
             Md("## Proof: one DDP step is a step on the global batch\n\nDDP averages the gradients over the ranks, "
                "so each rank's gradient equals that of a single process on all 128 samples:"),
-            Code(f"{OK}\nimport copy\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+            Code(f"{DDP_OK}\nimport copy\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
                  "torch.manual_seed(0)                              # the same global batch on every rank\n"
                  "X, Y = torch.randn(per_rank_batch * world_size, 4), torch.randn(per_rank_batch * world_size, 1)\n"
                  "single = torch.nn.Linear(4, 1)\n"
@@ -466,7 +471,7 @@ GALLERY: list[Notebook] = [
                  "        model(x).sum().backward()\n\n"
                  "x_eval = torch.ones(2, 4)", ["cell 1 on ranks 0,1: ok"]),
             Md("## The failing cell"),
-            Code(f"{OK}\nmodel = DDP(make_net(), forward_sync_buffers=False)   # BUG: buffers stay rank-local\n"
+            Code(f"{DDP_OK}\nmodel = DDP(make_net(), forward_sync_buffers=False)   # BUG: buffers stay rank-local\n"
                  "train(model)\nmodel.eval()\nround(model(x_eval).sum().item(), 4)   # the same input, evaluated per rank",
                  ["Out[rank 0]:", "Out[rank 1]:"], ["Out[ranks 0,1]"]),
             Md("## How distnb reveals it\n\nThe same input gives a different output per rank. `%dist_check` "
@@ -475,26 +480,30 @@ GALLERY: list[Notebook] = [
             Code("%dist_check model", ["2 of 11 tensors differ", "module.1.running_mean", "module.1.running_var"],
                  ["module.0.weight"]),
             Md("## Fix on GPUs: SyncBatchNorm — not on CPU\n\n`nn.SyncBatchNorm.convert_sync_batchnorm(model)` "
-               "computes the batch statistics across ranks in every forward (001 D10). In this torch it needs a "
-               "GPU (or XPU) for training-mode forward:"),
-            Code(f"{OK}\nsync_model = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(make_net()))\ntrain(sync_model, steps=1)",
-                 ["ValueError on ranks 0,1", "SyncBatchNorm expected input tensor to be on GPU"]),
+               "before wrapping computes the batch statistics across ranks in every forward (001 D10). On CPU, "
+               "DDP refuses it (and SyncBatchNorm's own training-mode forward wants a GPU or XPU input):"),
+            Code(f"{OK}\nsync_model = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(make_net()))",
+                 ["ValueError on ranks 0,1", "SyncBatchNorm layers only work with GPU modules"]),
             Md("## Fix on CPU (1): let DDP sync the buffers\n\nWith DDP's default (`forward_sync_buffers=True`, "
                "formerly `broadcast_buffers=True`) rank 0's buffers are copied to every rank before each forward "
                "through the DDP module, so evaluation agrees. (Evaluate through `model`, not `model.module`: the "
                "copy happens in DDP's forward.) `--check model` runs `%dist_check` after the cell:"),
-            Code("%%on_ranks --timeout 60 --check model\nmodel = DDP(make_net())\n"
+            Code(f"{DDP_OK} --check model\nmodel = DDP(make_net())\n"
                  "train(model)\nmodel.eval()\nround(model(x_eval).sum().item(), 4)",
                  ["Out[ranks 0,1]:", "check model: identical on ranks 0,1"], ["differ"]),
-            Md("## Fix on CPU (2): statistics from every rank's data\n\nThe buffers rank 0 broadcasts were computed "
-               "on rank 0's shard alone. To use all ranks' data — what SyncBatchNorm does for each batch — average "
-               "the buffers, e.g. before evaluating or saving a checkpoint:"),
-            Code("%%on_ranks --timeout 60 --check model\nwith torch.no_grad():\n"
+            Md("Evaluation agrees now — with rank 0's statistics (the value rank 0 printed in the failing cell), "
+               "computed on rank 0's shard alone.\n\n"
+               "## Fix on CPU (2): statistics from every rank's data\n\nTo use all ranks' data — what "
+               "SyncBatchNorm does for each batch — average the buffers, e.g. before evaluating or saving a "
+               "checkpoint. This also works where nothing syncs buffers (FSDP, a hand-rolled all_reduce):"),
+            Code(f"{DDP_OK} --check model\nmodel = DDP(make_net(), forward_sync_buffers=False)   # rank-local buffers again\n"
+                 "train(model)\n"
+                 "with torch.no_grad():\n"
                  "    for buf in model.module.buffers():\n"
-                 "        if buf.is_floating_point():\n"
+                 "        if buf.is_floating_point():                  # running_mean, running_var\n"
                  "            dist.all_reduce(buf)\n"
                  "            buf /= world_size\n"
-                 "round(model.module(x_eval).sum().item(), 4)",
+                 "model.eval()\nround(model(x_eval).sum().item(), 4)",
                  ["Out[ranks 0,1]:", "check model: identical on ranks 0,1"], ["differ"]),
             SHUTDOWN,
         ],

@@ -1,0 +1,123 @@
+"""HTML views of distnb's reports, registered as IPython formatters by ``%load_ext distnb``.
+
+Each view is the richer twin of the report's ``text()``, which IPython keeps as text/plain:
+tables with the rows that matter highlighted (dead or hung ranks, the first divergence, differing
+tensors or variables, memory outliers).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any, Iterable, Sequence
+
+from distnb.checks import CheckReport
+from distnb.collectives import CollectiveReport, describe
+from distnb.memory import MemoryReport, fmt_bytes
+from distnb.ranks import format_ranks
+from distnb.results import EnvReport, PoolStatus, RankState
+from distnb.stacks import StackReport
+
+__all__ = ["register", "status_html", "stacks_html", "collectives_html", "check_html", "env_html", "memory_html"]
+
+BAD = "background:#ffebe9"
+WARN = "background:#fff8c5"
+BUSY = "background:#ddf4ff"
+
+
+def _esc(x: Any) -> str:
+    return html.escape("" if x is None else str(x))
+
+
+def table(headers: Sequence[str], rows: Iterable[tuple[Sequence[Any], str]], caption: str = "") -> str:
+    """An HTML table; each row is (cells, css style for the row)."""
+    head = "".join(f"<th style='text-align:left;padding:2px 8px'>{_esc(h)}</th>" for h in headers)
+    body = "".join(
+        f"<tr style='{style}'>" + "".join(f"<td style='text-align:left;padding:2px 8px;vertical-align:top'>{c}</td>" for c in cells) + "</tr>"
+        for cells, style in rows
+    )
+    cap = f"<caption style='text-align:left;font-weight:bold;padding:4px 0'>{_esc(caption)}</caption>" if caption else ""
+    return f"<table style='border-collapse:collapse;font-family:monospace;font-size:12px'>{cap}<tr>{head}</tr>{body}</table>"
+
+
+def status_html(status: PoolStatus) -> str:
+    def style(state: RankState) -> str:
+        return BAD if state == RankState.DEAD else BUSY if state == RankState.RUNNING else ""
+
+    rows = [([_esc(r.rank), _esc(r.pid), _esc(r.host), _esc(r.device), _esc(r.describe())], style(r.state)) for r in status.ranks]
+    caption = f"pool {status.state}: {status.world_size} ranks, backend {status.backend or '?'}, {status.cells_run} cells run"
+    return table(["rank", "pid", "host", "device", "state"], rows, caption)
+
+
+def stacks_html(report: StackReport) -> str:
+    rows = []
+    for ranks, rs in report.groups():
+        frames = "<br>".join(_esc(line.strip()) for line in rs.body())
+        style = BUSY if rs.annotation else (BAD if rs.source != "control thread" else "")
+        rows.append(([_esc(format_ranks(ranks)), _esc(rs.state) + (f"<br><b>{_esc(rs.annotation)}</b>" if rs.annotation else ""), frames], style))
+    return table(["ranks", "state", "stack (most recent call last)"], rows, "stacks")
+
+
+def collectives_html(report: CollectiveReport) -> str:
+    if report.log.unavailable or not report.group_names():
+        return f"<pre>{_esc(report.text())}</pre>"
+    divs = {d.group: d for d in report.divergences()}
+    parts = [f"<pre style='margin:0'>{_esc(report.text().splitlines()[0])}</pre>"]
+    for group in report.group_names():
+        members = report.members(group)
+        seqs = {r: {e["seq"]: e for e in report.log.sequence(r, group)} for r in members}
+        shown = sorted({s for m in seqs.values() for s in m})
+        if report.last:
+            shown = shown[-report.last :]
+        rows = []
+        for seq in shown:
+            cells = [_esc(seq)]
+            for r in members:
+                e = seqs[r].get(seq)
+                cells.append("—" if e is None else _esc(describe(e)) + ("" if e["done"] else " ⏳"))
+            div = divs.get(group)
+            style = BAD if div is not None and div.seq == seq else (WARN if any(e is not None and not e["done"] for e in (seqs[r].get(seq) for r in members)) else "")
+            rows.append((cells, style))
+        parts.append(table(["#", *[f"rank {r}" for r in members]], rows, f"group {group} ({format_ranks(members)})"))
+    return "".join(parts)
+
+
+def check_html(report: CheckReport) -> str:
+    rows = [([_esc(row.get("entry")), _esc(format_ranks(row.get("ranks", []))), _esc(row.get("shape")), _esc(row.get("dtype")),
+              _esc(row.get("sum")), _esc(row.get("norm")), _esc(row.get("nan")), _esc(row.get("inf")), _esc(str(row.get("fingerprint") or "")[:12])],
+             BAD if i % 2 else WARN) for i, row in enumerate(report.to_rows())]
+    head = f"<pre style='margin:0'>{_esc(report.text().splitlines()[0])}</pre>"
+    if not rows:
+        return head
+    return head + table(["entry", "ranks", "shape", "dtype", "sum", "norm", "NaN", "Inf", "fingerprint"], rows)
+
+
+def env_html(report: EnvReport) -> str:
+    differing = set(report.differing())
+    ranks = sorted(report.env)
+    names = sorted({k for e in report.env.values() for k in e})
+    rows = [([_esc(n), *[_esc(report.env[r].get(n, "<unset>")) for r in ranks]], BAD if n in differing else "") for n in names]
+    return table(["variable", *[f"rank {r}" for r in ranks]], rows, report.text().splitlines()[0])
+
+
+def memory_html(report: MemoryReport) -> str:
+    last = report.last_cell()
+    ranks = sorted(set(report.current) | set(last))
+    flagged = {int(f.split()[1]) for f in report.imbalance()}
+    cuda = any("cuda_allocated" in m for m in list(report.current.values()) + list(last.values()))
+    rows = []
+    for r in ranks:
+        now, cell = report.current.get(r, {}), last.get(r, {})
+        cells = [_esc(r), _esc(fmt_bytes(now.get("rss"))), _esc(fmt_bytes(cell.get("rss_peak")))]
+        if cuda:
+            cells += [_esc(fmt_bytes((now or cell).get("cuda_allocated"))), _esc(fmt_bytes(cell.get("cuda_peak")))]
+        rows.append((cells, BAD if r in flagged else ""))
+    cols = ["rank", "RSS now", "RSS peak (last cell)"] + (["CUDA allocated", "CUDA peak (last cell)"] if cuda else [])
+    notes = "".join(f"<div style='color:#cf222e'>⚠ {_esc(f)}</div>" for f in report.imbalance())
+    return table(cols, rows, f"memory of {format_ranks(ranks)}") + notes
+
+
+def register(ipython: Any) -> None:
+    formatter = ipython.display_formatter.formatters["text/html"]
+    for cls, fn in ((PoolStatus, status_html), (StackReport, stacks_html), (CollectiveReport, collectives_html),
+                    (CheckReport, check_html), (EnvReport, env_html), (MemoryReport, memory_html)):
+        formatter.for_type(cls, fn)
