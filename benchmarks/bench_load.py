@@ -53,7 +53,8 @@ def cells(n: int) -> dict[str, object]:
 
 def cycles(n: int) -> dict[str, object]:
     tmp = tempfile.gettempdir()
-    dirs_before = set(glob.glob(os.path.join(tmp, "distnb-*"))) | set(glob.glob(os.path.join(tmp, "torchelastic_*")))
+    pattern = os.path.join(tmp, f"distnb-{os.getpid()}-*")  # this process's pools only
+    dirs_before = set(glob.glob(pattern)) | set(glob.glob(os.path.join(tmp, "torchelastic_*")))
     fd_before = fds(os.getpid())
     pids: list[int] = []
     t0 = time.perf_counter()
@@ -62,7 +63,7 @@ def cycles(n: int) -> dict[str, object]:
         pids += pool.pids()
         pool.run("x = torch.ones(1); dist.all_reduce(x)")
         pool.shutdown()
-    dirs_after = set(glob.glob(os.path.join(tmp, "distnb-*"))) | set(glob.glob(os.path.join(tmp, "torchelastic_*")))
+    dirs_after = set(glob.glob(pattern)) | set(glob.glob(os.path.join(tmp, "torchelastic_*")))
     return {
         "cycles": n,
         "seconds_per_cycle": (time.perf_counter() - t0) / n,

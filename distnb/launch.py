@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import glob
 import os
 import re
 import shutil
@@ -113,6 +114,14 @@ class LaunchConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
+def _sweep_orphaned_run_dirs() -> None:
+    """Remove run folders of controllers that died without shutting their pool down."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "distnb-*-*")):
+        owner = os.path.basename(path).split("-")[1]
+        if owner.isdigit() and int(owner) != os.getpid() and not _linux.pid_alive(int(owner)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class Launcher:
     """Runs ``python -m torch.distributed.run ... -m distnb.worker`` in its own process session."""
 
@@ -127,7 +136,9 @@ class Launcher:
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
         self._drain: threading.Thread | None = None
         self.known_pids: set[int] = set()
-        self.run_dir = tempfile.mkdtemp(prefix="distnb-")
+        _sweep_orphaned_run_dirs()
+        # The controller's pid in the name lets a later launch remove it if this process is killed.
+        self.run_dir = tempfile.mkdtemp(prefix=f"distnb-{os.getpid()}-")
 
     def command(self) -> list[str]:
         return [
