@@ -146,8 +146,16 @@ class DistMagics(Magics):
         for name in ("pg_timeout", "start_timeout", "hang_after"):
             if getattr(args, name) is not None:
                 options[name] = getattr(args, name)
-        with _usage_errors():
+        try:
             config = LaunchConfig(**options)
+        except ValueError as exc:
+            # Speak the magic's language: the flag, not the Python parameter.
+            text = str(exc)
+            for name, flag in (("nproc", "-n/--nproc"), ("pg_timeout", "--pg-timeout"), ("start_timeout", "--start-timeout"), ("hang_after", "--hang-after")):
+                if text.startswith(name + " "):
+                    text = flag + text[len(name):]
+            raise UsageError(text) from None
+        with _usage_errors():
             pool = Pool(config).start(on_progress=_Progress(self._in_kernel()))
         print(pool.status().text())
 
@@ -301,7 +309,7 @@ class DistMagics(Magics):
 
     # -- cells ----------------------------------------------------------------------------------
     @magic_arguments()
-    @argument("ranks", nargs="?", default=None, help="Ranks to run on: 0,2 · 1-3 · all (default: all).")
+    @argument("ranks", nargs="*", help="Ranks to run on: 0,2 · 1-3 · all (default: all).")
     @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Return after this long, naming the ranks still running.")
     @argument("--quiet", action="store_true", help="Don't stream output; show only values, errors and ranks still running.")
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report a hang once ranks disagree this long (default: the pool's, 3 s).")
@@ -315,6 +323,7 @@ class DistMagics(Magics):
         Ctrl-C interrupts the cell on the ranks; a second Ctrl-C stops waiting.
         """
         args = parse_argstring(self.on_ranks, line)
+        args.ranks = "".join(args.ranks) or None  # "0, 1" arrives as two words
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError("--timeout takes a positive number of seconds, e.g. --timeout 10.")
         try:

@@ -120,6 +120,25 @@ def test_all_reduce_value_and_grouped_output(sh: Shell) -> None:
     assert sh.ip.user_ns["_dist"].ok
 
 
+def test_launch_errors_name_the_flags(sh: Shell) -> None:
+    from IPython.core.error import UsageError as UE
+
+    pool = pool_module._current
+    pool_module._current = None  # let the flag checks run; nothing is launched
+    try:
+        with pytest.raises(UE, match="^-n/--nproc must be"):
+            sh.line("dist_launch", "-n 0")
+        with pytest.raises(UE, match="^--pg-timeout must be"):
+            sh.line("dist_launch", "--pg-timeout 0")
+    finally:
+        pool_module._current = pool
+
+
+def test_rank_list_with_spaces(sh: Shell) -> None:
+    out, _ = sh.cell("0, 1", "rank")
+    assert "Out[rank 0]: 0" in out and "Out[rank 1]: 1" in out
+
+
 def test_subset_and_per_rank_lines(sh: Shell) -> None:
     out, _ = sh.cell("1", "print('only', rank)")
     assert "[rank 1] only 1" in out and "rank 0" not in out
