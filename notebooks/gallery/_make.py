@@ -97,7 +97,7 @@ GALLERY: list[Notebook] = [
                  "    torch.save(state, ckpt_path)   # only the side effect is rank-conditional\n"
                  "dist.barrier()                     # every rank: the file is complete after this\n"
                  "torch.load(ckpt_path)['step']      # so every rank can read it",
-                 ["cell 1 on ranks 0-2: ok", "Out[ranks 0-2]: 100"], ["timed out", "rank-conditional"]),
+                 ["cell 2 on ranks 0-2: ok", "Out[ranks 0-2]: 100"], ["timed out", "rank-conditional"]),
             SHUTDOWN,
         ],
     ),
@@ -163,13 +163,13 @@ GALLERY: list[Notebook] = [
     Notebook(
         "03_shape_mismatch",
         "Shape mismatch in all_reduce: an abort, a hang — or a wrong answer",
-        "001 D19; 000 (NCCL timeouts, hangs at a step)",
+        "001 D19",
         "a rank killed by SIGABRT named in the post-mortem; a hang with both shapes named; `--debug detail`",
         [
             Md("**Symptom.** Ranks call the same collective with tensors of different shapes — a short last "
                "batch on one rank, an unpadded sequence, a buffer sized from rank-local data. What happens "
                "depends on the sizes: with gloo a large mismatch kills a rank (SIGABRT), a small one hangs — after "
-               "handing some ranks a wrong result. (NCCL may hang or return garbage instead.)\n\n"
+               "handing some ranks a wrong result. (That is gloo on CPU; other backends fail in their own ways.)\n\n"
                "**The desync toolkit (001 D19):** `TORCH_DISTRIBUTED_DEBUG=DETAIL` checks every collective across "
                "ranks first and raises an error naming the mismatch. distnb sets it with `%dist_launch --debug "
                "detail`; without it distnb still names the rank and the shapes."),
@@ -284,12 +284,12 @@ GALLERY: list[Notebook] = [
                  "for step in range(2):\n"
                  "    model(torch.randn(8, 4)).sum().backward()   # aux_head gets no gradient\n"
                  "    print(f'step {step} done')",
-                 ["[ranks 0,1] step 0 done", "RuntimeError on ranks",
+                 ["[ranks 0,1] step 0 done", "RuntimeError on rank 0 at cell line 3", "RuntimeError on rank 1 at cell line 3",
                   "Expected to have finished reduction in the prior iteration",
                   "Parameter indices which did not receive grad for rank 0: 2 3"], ["step 1 done"]),
-            Md("## How distnb reveals it\n\nStep 0 printed on both ranks, then both raised at cell line 3 on step 1 "
-               "— the same error, grouped, with the indices of the parameters that got no gradient (2 and 3: "
-               "`aux_head`). Nothing hangs here, so the pool is still usable.\n\n"
+            Md("## How distnb reveals it\n\nStep 0 printed once for both ranks, then both raised at cell line 3 on step 1, "
+               "each naming the parameters that got no gradient: indices 2 and 3, `aux_head`. (`%dist_launch "
+               "--debug detail` would print their names.) Nothing hangs here, so the pool is still usable.\n\n"
                "## Fix 1 (best): every parameter takes part in the loss\n\nOften the real bug is a dropped "
                "head. Use it (or delete it):"),
             Code(f"{OK}\nmodel = DDP(Net())\n"
@@ -370,11 +370,11 @@ GALLERY: list[Notebook] = [
             launch(2),
             Md("## The failing cell"),
             Code("%%on_ranks\nw = torch.ones(2_500_000, requires_grad=True)\nlosses = []\n"
-                 "for step in range(12):\n"
-                 "    x = torch.randn(2_500_000)\n"
-                 "    loss = (w * x).square().mean()            # keeps 2 × 10 MB for backward\n"
+                 "for step in range(30):\n"
+                 "    x = torch.randn(2_500_000)                # this step's batch: 10 MB\n"
+                 "    loss = (w * x).sum()                      # autograd keeps x for the backward pass\n"
                  "    if rank == 1:                             # the rank that logs ...\n"
-                 "        losses.append(loss)                   # BUG: ... keeps the tensor and its graph",
+                 "        losses.append(loss)                   # BUG: ... keeps every step's graph, and x with it",
                  ["cell 1 on ranks 0,1: ok", "⚠ rank 1 peaks at"]),
             Md("## How distnb reveals it\n\nThe memory line under the cell already flags rank 1. `%dist_memory` "
                "gives the per-rank table and `--plot` a bar chart:"),
@@ -385,13 +385,13 @@ GALLERY: list[Notebook] = [
                "(like CUDA's reserved memory) rarely shrinks back on its own."),
             Code("%dist_restart", ["pool ready: 2 ranks"]),
             Code("%%on_ranks\nw = torch.ones(2_500_000, requires_grad=True)\nlosses = []\n"
-                 "for step in range(12):\n"
+                 "for step in range(30):\n"
                  "    x = torch.randn(2_500_000)\n"
-                 "    loss = (w * x).square().mean()\n"
+                 "    loss = (w * x).sum()\n"
                  "    if rank == 1:\n"
                  "        losses.append(loss.item())            # a float: the graph is freed every step\n"
                  "len(losses)",
-                 ["Out[rank 0]: 0", "Out[rank 1]: 12"], ["⚠"]),
+                 ["Out[rank 0]: 0", "Out[rank 1]: 30"], ["⚠"]),
             Code("%dist_memory", ["memory of ranks 0,1"], ["⚠"]),
             SHUTDOWN,
         ],
