@@ -28,6 +28,13 @@ COLLECTIVE_FUNCS = {
 }
 
 
+def _duration(seconds: list[float]) -> str:
+    if not seconds:
+        return ""
+    lo, hi = min(seconds), max(seconds)
+    return f" for {lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f" for {lo:.1f}–{hi:.1f} s"
+
+
 @dataclass
 class Position:
     """Where one rank is in the current cell."""
@@ -48,13 +55,14 @@ class Position:
         seq = f" #{self.seq}" if self.seq is not None else ""
         return f"{self.op}{seq}" + (f" at cell line {self.line}" if self.line else "")
 
-    def where(self) -> str:
+    def where(self, durations: list[float] | None = None) -> str:
+        """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration."""
         at = f" at cell line {self.line}" + (f" ({self.code.strip()})" if self.code.strip() else "") if self.line else ""
         if self.state == "collective":
             seq = f" #{self.seq}" if self.seq is not None else ""
             grp = f" on group {self.group}" if self.group else ""
             shp = f" {self.shapes}" if self.shapes else ""
-            dur = f" for {self.since:.1f} s" if self.since is not None else ""
+            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
             return f"waiting in {self.op}{seq}{grp}{shp}{dur}{at}"
         if self.state == "computing":
             return f"running Python code (not in a collective){at}"
@@ -78,8 +86,11 @@ class Diagnosis:
 
     def text(self) -> str:
         lines = [f"[distnb] {self.summary}"]
-        for ranks, where in group_by((p.rank, p.where()) for p in self.positions):
-            lines.append(f"  {format_ranks(ranks)}: {where}")
+        # Ranks waiting in the same place are one line even though their waits differ by a few ms.
+        by_rank = {p.rank: p for p in self.positions}
+        for ranks, _ in group_by((p.rank, p.where([])) for p in self.positions):
+            durations = [by_rank[r].since for r in ranks if by_rank[r].since is not None]
+            lines.append(f"  {format_ranks(ranks)}: {by_rank[ranks[0]].where(durations)}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -78,8 +78,9 @@ class Inspection:
             out.append(rs)
         return StackReport(out)
 
-    def diagnose(self: Pool, result: CellResult | None = None) -> Diagnosis:
-        """Is the (last) cell hung, and why? Names the ranks, collectives and cell lines involved."""
+    def diagnose(self: Pool, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:
+        """Is the (last) cell hung, and why? Names the ranks, collectives and cell lines involved.
+        ``hang_after`` (seconds) overrides the pool's threshold for this call."""
         if result is None:
             if not self.history:
                 raise NoPoolError("no cell has run on this pool yet.")
@@ -112,7 +113,7 @@ class Inspection:
                     pos.since = max(0.0, time.time() - pending["t"])
                 pos.since = pos.since if pos.since is not None else elapsed
                 positions.append(pos)
-        return diagnose(positions, self.config.hang_after, elapsed, log)
+        return diagnose(positions, self.config.hang_after if hang_after is None else hang_after, elapsed, log)
 
     def collectives(self: Pool, ranks: str | int | Iterable[int] | None = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
         """Every rank's collective sequence (from the Flight Recorder), side by side, with the

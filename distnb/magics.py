@@ -92,7 +92,7 @@ class _HangWatch:
             return
         self._next = now + 1.0
         try:
-            diag = self._pool.diagnose(result)
+            diag = self._pool.diagnose(result, hang_after=self._hang_after)
         except Exception as exc:  # diagnosis is best effort; the cell keeps streaming
             diag_text, kind = f"[distnb] could not diagnose: {exc}", "error"
         else:
@@ -356,7 +356,7 @@ class DistMagics(Magics):
             if view is not None:
                 threading.Thread(target=_follow, args=(pool, result, view), name="distnb-view", daemon=True).start()
             return
-        watch = _HangWatch(pool, result, args.hang_after or pool.config.hang_after, printer, view)
+        watch = _HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, printer, view)
         pool.wait(result, timeout=args.timeout, on_tick=watch.tick)
         if view is not None:
             view.finish(result)

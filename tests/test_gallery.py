@@ -1,11 +1,12 @@
 """The failure gallery: every notebook runs top to bottom in a real kernel, and its checked cells show
 what they should (notebooks/gallery/_make.py puts the checks in each cell's metadata:
-``distnb_expect`` text that must appear, ``distnb_reject`` text that must not, ``distnb_mime``
-output types that must be produced)."""
+``distnb_expect`` text that must appear, ``distnb_reject`` text that must not, ``distnb_expect_re``
+patterns a line must match, ``distnb_mime`` output types that must be produced)."""
 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -77,6 +78,9 @@ def test_notebook(path: Path, tmp_path: Path) -> None:
             checked += 1
         for rejected in cell.metadata.get("distnb_reject", []):
             assert rejected not in text, f"{rejected!r} should not be in {where}"
+            checked += 1
+        for pattern in cell.metadata.get("distnb_expect_re", []):
+            assert re.search(pattern, text, re.MULTILINE), f"no line matches {pattern!r} in {where}"
             checked += 1
         for mime in cell.metadata.get("distnb_mime", []):
             assert any(mime in o.get("data", {}) for o in cell.outputs), f"no {mime} output in {where}"

@@ -7,7 +7,8 @@ reveals it, the fix, and the fixed cell passing. Notebooks are written without o
 
 A code cell's metadata says what tests/test_gallery.py checks after executing the notebook:
 ``distnb_expect`` (text its output must contain), ``distnb_reject`` (text it must not contain) and
-``distnb_mime`` (output types it must produce, e.g. ``image/png``).
+``distnb_mime`` (output types it must produce, e.g. ``image/png``) and ``distnb_expect_re`` (regular
+expressions that must match a line of its output).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Code:
     expect: list[str] = field(default_factory=list)
     reject: list[str] = field(default_factory=list)
     mime: list[str] = field(default_factory=list)
+    expect_re: list[str] = field(default_factory=list)  # regular expressions, searched line by line
 
 
 def launch(n: int, extra: str = "") -> Code:
@@ -322,9 +324,10 @@ GALLERY: list[Notebook] = [
             launch(3),
             Md("## What each rank was given\n\n`%dist_env` shows torchrun's variables per rank. On this single "
                "node `RANK` and `LOCAL_RANK` are identical — exactly why the bug survives testing."),
-            Code("%dist_env", ["RANK                            0, 1, 2 (per rank, as expected)",
-                               "LOCAL_RANK                      0, 1, 2 (per rank, as expected)",
-                               "GROUP_RANK", "WORLD_SIZE                      3 (all ranks)"]),
+            Code("%dist_env", ["environment of ranks 0-2", "GROUP_RANK"],
+                 expect_re=[r"^  RANK +0, 1, 2 \(per rank, as expected\)$",
+                            r"^  LOCAL_RANK +0, 1, 2 \(per rank, as expected\)$",
+                            r"^  WORLD_SIZE +3 \(all ranks\)$"]),
             Md("## The bug, on a simulated second node\n\nPretend this pool is node 1 of `torchrun --nnodes 2 "
                "--nproc-per-node 3` on nodes with 4 GPUs (GPU 3 left free for an evaluation job). torchrun would "
                "give these three processes `RANK` 3, 4, 5 and `LOCAL_RANK` 0, 1, 2. Three ways to pick the GPU:"),
@@ -370,7 +373,7 @@ GALLERY: list[Notebook] = [
             launch(2),
             Md("## The failing cell"),
             Code("%%on_ranks\nw = torch.ones(2_500_000, requires_grad=True)\nlosses = []\n"
-                 "for step in range(30):\n"
+                 "for step in range(50):\n"
                  "    x = torch.randn(2_500_000)                # this step's batch: 10 MB\n"
                  "    loss = (w * x).sum()                      # autograd keeps x for the backward pass\n"
                  "    if rank == 1:                             # the rank that logs ...\n"
@@ -385,13 +388,13 @@ GALLERY: list[Notebook] = [
                "(like CUDA's reserved memory) rarely shrinks back on its own."),
             Code("%dist_restart", ["pool ready: 2 ranks"]),
             Code("%%on_ranks\nw = torch.ones(2_500_000, requires_grad=True)\nlosses = []\n"
-                 "for step in range(30):\n"
+                 "for step in range(50):\n"
                  "    x = torch.randn(2_500_000)\n"
                  "    loss = (w * x).sum()\n"
                  "    if rank == 1:\n"
                  "        losses.append(loss.item())            # a float: the graph is freed every step\n"
                  "len(losses)",
-                 ["Out[rank 0]: 0", "Out[rank 1]: 30"], ["⚠"]),
+                 ["Out[rank 0]: 0", "Out[rank 1]: 50"], ["⚠"]),
             Code("%dist_memory", ["memory of ranks 0,1"], ["⚠"]),
             SHUTDOWN,
         ],
@@ -527,6 +530,8 @@ def build(nb_def: Notebook) -> nbformat.NotebookNode:
             code.metadata["distnb_reject"] = list(cell.reject)
         if cell.mime:
             code.metadata["distnb_mime"] = list(cell.mime)
+        if cell.expect_re:
+            code.metadata["distnb_expect_re"] = list(cell.expect_re)
         nb.cells.append(code)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
