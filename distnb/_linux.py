@@ -5,9 +5,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import queue
 import signal
+import subprocess
+import threading
+from typing import Any
 
-__all__ = ["descendants", "pid_alive", "session_pids", "set_parent_death_signal", "signal_meaning"]
+__all__ = ["descendants", "pid_alive", "popen_with_parent_death", "session_pids", "set_parent_death_signal", "signal_meaning"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -23,6 +27,40 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+_spawn_queue: "queue.Queue[tuple[list[str], dict[str, Any], queue.Queue[Any]]]" = queue.Queue()
+_spawner: threading.Thread | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn_loop() -> None:
+    while True:
+        args, kwargs, reply = _spawn_queue.get()
+        try:
+            reply.put(subprocess.Popen(args, **kwargs))
+        except BaseException as exc:  # handed back to the caller
+            reply.put(exc)
+
+
+def popen_with_parent_death(args: list[str], sig: int = signal.SIGTERM, **kwargs: Any) -> "subprocess.Popen[bytes]":
+    """``subprocess.Popen`` whose child gets ``sig`` when this process dies.
+
+    The kernel sends the parent-death signal when the *thread* that forked exits, not the
+    process; so children are forked from one thread that lives as long as the process, and a
+    pool started from a short-lived thread is not killed when that thread ends.
+    """
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or not _spawner.is_alive():
+            _spawner = threading.Thread(target=_spawn_loop, name="distnb-spawner", daemon=True)
+            _spawner.start()
+    reply: "queue.Queue[Any]" = queue.Queue()
+    _spawn_queue.put((args, {**kwargs, "preexec_fn": lambda: set_parent_death_signal(sig)}, reply))
+    out = reply.get()
+    if isinstance(out, BaseException):
+        raise out
+    return out
 
 
 _SIGNAL_MEANINGS = {

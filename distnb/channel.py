@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable
 
 import zmq
 
-from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, parse_identity, supervisor_identity
+from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, parse_identity
+from distnb.security import Credentials
 
 __all__ = ["Channel"]
 
@@ -28,11 +29,12 @@ class Channel:
     """The controller's end of the control plane.
 
     ``on_message(kind, rank, msg)`` is called on the I/O thread with ``kind`` one of ``"x"``
-    (rank main thread), ``"c"`` (rank control thread) or ``"s"`` (rank supervisor).
+    (rank main thread), ``"c"`` (rank control thread), ``"s"`` (rank supervisor) or ``"n"``
+    (node agent; ``rank`` is then the agent's id).
     """
 
-    def __init__(self, key: bytes, on_message: OnMessage, bind: str = "127.0.0.1", heartbeat: float = 1.0) -> None:
-        self._codec = Codec(key, "C")
+    def __init__(self, creds: Credentials, on_message: OnMessage, bind: str = "127.0.0.1", port: int = 0, heartbeat: float = 1.0) -> None:
+        self._codec = Codec(creds.key, "C")
         self._guard = ReplayGuard()
         self._on_message = on_message
         self._heartbeat = heartbeat
@@ -40,7 +42,16 @@ class Channel:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        port = self._router.bind_to_random_port(f"tcp://{bind}")
+        self._gate = creds.secure_server(self._ctx, self._router)
+        try:
+            if port:
+                self._router.bind(f"tcp://{bind}:{port}")
+            else:
+                port = self._router.bind_to_random_port(f"tcp://{bind}")
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise OSError(f"can't listen on {bind}:{port or '(any port)'}: {exc}. Pass an address of this machine "
+                          "(--bind) and a free port.") from None
         self.address = f"tcp://{bind}:{port}"
         self._inbox = f"inproc://distnb-out-{id(self)}"
         self._pull = self._ctx.socket(zmq.PULL)
@@ -48,8 +59,9 @@ class Channel:
         self._local = threading.local()
         self._pushers: list[zmq.Socket] = []
         self._pushers_lock = threading.Lock()
-        self.heartbeat_ranks: set[int] = set()
-        self.rejected = 0
+        #: Peers (supervisors, node agents) pinged every heartbeat so they know the controller lives.
+        self.heartbeat_peers: set[bytes] = set()
+        self._rejected = 0
         self.undeliverable = 0
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="distnb-io", daemon=True)
@@ -114,9 +126,9 @@ class Channel:
                     self._receive(frames)
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self._heartbeat
-                for rank in list(self.heartbeat_ranks):
+                for peer in list(self.heartbeat_peers):
                     try:
-                        self._router.send_multipart([supervisor_identity(rank), *self._codec.encode({"t": Msg.PING})])
+                        self._router.send_multipart([peer, *self._codec.encode({"t": Msg.PING})])
                     except zmq.ZMQError:
                         self.undeliverable += 1
                 self._on_message("", -1, {"t": "tick"})
@@ -128,13 +140,24 @@ class Channel:
             if msg.get("_s") != frames[0].decode():
                 raise BadFrame("sender name does not match its connection")
         except BadFrame as exc:
-            self.rejected += 1
+            self._rejected += 1
             log.debug("dropped a frame: %s", exc)
             return
         try:
             self._on_message(kind, rank, msg)
         except Exception:  # a bug in a handler must not kill the I/O thread
             log.exception("distnb: error while handling %s from rank %s", msg.get("t"), rank)
+
+    @property
+    def rejected(self) -> int:
+        """Frames dropped unread (bad signature, replay, wrong sender) plus CURVE handshakes refused."""
+        return self._rejected + (self._gate.refused if self._gate else 0)
+
+    def _close_sockets(self) -> None:
+        self._router.close(linger=0)
+        if self._gate is not None:
+            self._gate.stop()
+        self._ctx.term()
 
     def close(self) -> None:
         if self._closed:
@@ -150,6 +173,5 @@ class Channel:
             for sock in self._pushers:
                 sock.close(linger=0)
             self._pushers.clear()
-        self._router.close(linger=0)
         self._pull.close(linger=0)
-        self._ctx.term()
+        self._close_sockets()

@@ -74,7 +74,8 @@ class Inspection:
             if pending is not None and st.state == RankState.RUNNING:
                 rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']}) for {max(0.0, time.time() - pending['t']):.1f} s"
             if native and info.pid and st.state != RankState.DEAD:
-                rs.native = py_spy_dump(info.pid)
+                # py-spy runs here: a rank on another machine needs it run there.
+                rs.native = py_spy_dump(info.pid) if not info.node else f"rank {r} runs on {info.host}: run `py-spy dump --native --pid {info.pid}` there."
             out.append(rs)
         return StackReport(out)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import ipaddress
 import os
 import re
 import shutil
@@ -18,8 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 from distnb import _linux
+from distnb.security import Credentials
 
-__all__ = ["LaunchConfig", "Launcher", "default_nproc"]
+__all__ = ["LaunchConfig", "Launcher", "Rendezvous", "default_nproc", "is_loopback", "split_host_port"]
 
 BACKENDS = ("auto", "nccl", "gloo")
 DEBUG_ENV = {
@@ -32,6 +34,35 @@ _RESERVED_ENV = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
 }
+
+
+def split_host_port(text: str, what: str, default_port: int | None = None) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``; ``"host"`` when there is a default port)."""
+    host, sep, port = text.rpartition(":") if text.count(":") == 1 or text.startswith("[") else ("", "", "")
+    if not sep:
+        host, port = text, ""
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"{what} {text!r} names no host; write HOST:PORT, e.g. node1:29400.")
+    if not port and default_port is not None:
+        return host, default_port
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{what} {text!r} needs a port from 0 to 65535; write HOST:PORT, e.g. {host}:29400.")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _slurm_nodes() -> int | None:
+    value = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+    return int(value) if value and value.isdigit() else None
 
 
 def default_nproc() -> int:
@@ -68,7 +99,15 @@ class LaunchConfig:
         hang_after: seconds a rank may sit in a collective that others are not in before the
             cell reports a hang.
         heartbeat_timeout: ranks exit when the controller has been silent this long.
-        bind: address the controller listens on.
+        bind: address the controller listens on, ``HOST`` or ``HOST:PORT`` (a fixed port, e.g. one
+            a firewall lets through); other nodes must be able to reach it.
+        nnodes: machines in the pool, this one included; ``nproc`` ranks run on each.
+        rdzv_endpoint: ``HOST:PORT`` of torchrun's c10d rendezvous (default: this machine, a free port).
+        hosts: other machines on which to start node agents over ssh (``nnodes`` = this one + hosts).
+        slurm: start one node agent per other node of the current Slurm allocation with srun.
+        curve: encrypt the control plane with CURVE, and admit only clients holding the pool's key.
+        key_file: where to write the key other nodes read (default ``~/.distnb/keys/<pool>.key``).
+        node_python: the Python that runs ``-m distnb.node`` on other machines (default: this one's path).
         debug: debug switches: ``"detail"`` (TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched
             collectives raise an error naming the field instead of aborting the process) and
             ``"nccl"`` (NCCL_DEBUG=INFO with the init, network and collective subsystems).
@@ -83,6 +122,13 @@ class LaunchConfig:
     heartbeat_timeout: float = 15.0
     bind: str = "127.0.0.1"
     debug: tuple[str, ...] = ()
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
+    hosts: tuple[str, ...] = ()
+    slurm: bool = False
+    curve: bool = False
+    key_file: str | None = None
+    node_python: str | None = None
 
     def __post_init__(self) -> None:
         if self.nproc is None:
@@ -109,6 +155,50 @@ class LaunchConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
             object.__setattr__(self, name, float(value))
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        hosts = (self.hosts,) if isinstance(self.hosts, str) else tuple(self.hosts)
+        hosts = tuple(h.strip() for h in hosts if h.strip())
+        object.__setattr__(self, "hosts", hosts)
+        nnodes = self.nnodes
+        if self.slurm and hosts:
+            raise ValueError("use either hosts (ssh) or slurm (srun) to start the other nodes, not both.")
+        if self.slurm:
+            if not os.environ.get("SLURM_JOB_ID"):
+                raise ValueError("slurm needs a Slurm allocation: start Jupyter inside `salloc -N 2 ...` or an sbatch job.")
+            if nnodes == 1:
+                nnodes = _slurm_nodes() or 1
+        if hosts and nnodes == 1:
+            nnodes = len(hosts) + 1
+        if not isinstance(nnodes, int) or isinstance(nnodes, bool) or not 1 <= nnodes <= 1024:
+            raise ValueError(f"nnodes must be a whole number of machines from 1 to 1024, not {nnodes!r}.")
+        if hosts and nnodes != len(hosts) + 1:
+            raise ValueError(f"hosts names {len(hosts)} other machine(s) but nnodes is {nnodes}; "
+                             f"give {nnodes - 1} host(s): this machine is a node too.")
+        object.__setattr__(self, "nnodes", nnodes)
+        host, port = split_host_port(self.bind, "bind address", default_port=0)
+        object.__setattr__(self, "bind", f"{host}:{port}" if port else host)
+        if self.rdzv_endpoint is not None:
+            split_host_port(self.rdzv_endpoint, "rendezvous endpoint")
+            if nnodes == 1:
+                raise ValueError("rdzv_endpoint only matters with more than one node; add nnodes (--nnodes K).")
+        remote = self.slurm or any(not is_loopback(h) for h in hosts)
+        if remote and is_loopback(host):
+            raise ValueError(f"the other nodes can't reach {host}: bind an address of this machine that they can reach "
+                             "(--bind 0.0.0.0, or this machine's IP on the cluster network).")
+
+    @property
+    def bind_host(self) -> str:
+        return split_host_port(self.bind, "bind address", default_port=0)[0]
+
+    @property
+    def bind_port(self) -> int:
+        return split_host_port(self.bind, "bind address", default_port=0)[1]
+
+    @property
+    def world_size(self) -> int:
+        return int(self.nproc or 0) * self.nnodes
 
     def with_changes(self, **changes: object) -> "LaunchConfig":
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -122,16 +212,47 @@ def _sweep_orphaned_run_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """How one node's torchrun joins the others (c10d rendezvous)."""
+
+    endpoint: str  # HOST:PORT
+    run_id: str  # unique per launch: an agent of an older launch can't join this one
+    store_here: bool | None = None  # this node hosts the rendezvous store (None: torchrun decides)
+    local_addr: str | None = None  # the address other nodes reach this one at (loopback pools)
+    join_timeout: float = 180.0
+
+    def args(self) -> list[str]:
+        conf = [f"join_timeout={int(self.join_timeout)}"]
+        if self.store_here is not None:
+            conf.append(f"is_host={'true' if self.store_here else 'false'}")
+        out = ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id, "--rdzv-conf", ",".join(conf)]
+        if self.local_addr:
+            out += ["--local-addr", self.local_addr]
+        return out
+
+
 class Launcher:
-    """Runs ``python -m torch.distributed.run ... -m distnb.worker`` in its own process session."""
+    """Runs ``python -m torch.distributed.run ... -m distnb.worker`` in its own process session:
+    on the controller's machine for the pool, and inside each node agent for another machine."""
 
     TAIL_LINES = 400
 
-    def __init__(self, config: LaunchConfig, address: str, key: bytes, on_line: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        address: str,
+        creds: Credentials,
+        on_line: Callable[[str], None] | None = None,
+        rdzv: Rendezvous | None = None,
+        node: int = 0,
+    ) -> None:
         self.config = config
         self._address = address
-        self._key = key
+        self._creds = creds
         self._on_line = on_line
+        self.rdzv = rdzv
+        self.node = node
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
         self._drain: threading.Thread | None = None
@@ -141,10 +262,10 @@ class Launcher:
         self.run_dir = tempfile.mkdtemp(prefix=f"distnb-{os.getpid()}-")
 
     def command(self) -> list[str]:
+        nodes = ["--standalone", "--nnodes", "1"] if self.rdzv is None else ["--nnodes", str(self.config.nnodes), *self.rdzv.args()]
         return [
             sys.executable, "-m", "torch.distributed.run",
-            "--standalone",
-            "--nnodes", "1",
+            *nodes,
             "--nproc-per-node", str(self.config.nproc),
             "--max-restarts", "0",
             # torchrun otherwise leaves a /tmp/torchelastic_* folder behind for every launch.
@@ -160,9 +281,10 @@ class Launcher:
         # Workers must import this very distnb, installed or not.
         src = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(self._creds.env())
         env.update(
             DISTNB_ADDR=self._address,
-            DISTNB_KEY=self._key.hex(),
+            DISTNB_NODE=str(self.node),
             DISTNB_BACKEND=self.config.backend,
             DISTNB_PG_TIMEOUT=repr(self.config.pg_timeout),
             DISTNB_HEARTBEAT_TIMEOUT=repr(self.config.heartbeat_timeout),
@@ -174,7 +296,7 @@ class Launcher:
         return env
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = _linux.popen_with_parent_death(
             self.command(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -182,7 +304,6 @@ class Launcher:
             env=self.environment(),
             # Own session: Jupyter's interrupt signals the kernel's process group, not the pool.
             start_new_session=True,
-            preexec_fn=lambda: _linux.set_parent_death_signal(signal.SIGTERM),
         )
         self.known_pids.add(self.proc.pid)
         self._drain = threading.Thread(target=self._drain_output, name="distnb-agent-output", daemon=True)

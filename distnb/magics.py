@@ -70,6 +70,10 @@ class _Progress:
             print(text)
 
 
+def _print_note(text: str) -> None:
+    print(f"[distnb] {text}", flush=True)
+
+
 class _HangWatch:
     """While a cell runs: flush live output, and once ranks disagree for a while, say why."""
 
@@ -125,16 +129,27 @@ class DistMagics(Magics):
 
     # -- launch / lifecycle ---------------------------------------------------------------------
     @magic_arguments()
-    @argument("-n", "--nproc", type=int, default=None, help="Number of ranks (default: visible GPUs, else 2).")
+    @argument("-n", "--nproc", "--nproc-per-node", type=int, default=None, help="Ranks per machine (default: visible GPUs, else 2).")
     @argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="Process group backend (auto: nccl with CUDA, else gloo).")
     @argument("--env", action="append", metavar="KEY=VALUE", help="Environment variable for every rank; repeatable (e.g. --env NCCL_DEBUG=INFO).")
     @argument("--pg-timeout", type=float, default=None, metavar="SECONDS", help="The process group's collective timeout (default 1800).")
     @argument("--start-timeout", type=float, default=None, metavar="SECONDS", help="How long to wait for every rank to be ready (default 180).")
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report ranks disagreeing in collectives after this long (default 3).")
     @argument("--debug", action="append", choices=["detail", "nccl"], help="detail: TORCH_DISTRIBUTED_DEBUG=DETAIL (mismatched collectives raise, naming the field); nccl: NCCL_DEBUG=INFO. Repeatable.")
+    @argument("--nnodes", type=int, default=None, metavar="K", help="Machines in the pool, this one included (default 1). Prints the command to run on the others.")
+    @argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="torchrun's c10d rendezvous (default: this machine, a free port).")
+    @argument("--bind", default=None, metavar="ADDRESS[:PORT]", help="Where the controller listens (default 127.0.0.1; other machines need an address they can reach, e.g. 0.0.0.0).")
+    @argument("--hosts", default=None, metavar="H1,H2", help="Start the other machines' node agents over ssh (nnodes = 1 + hosts).")
+    @argument("--slurm", action="store_true", help="Inside a Slurm allocation: start a node agent on every other node with srun.")
+    @argument("--curve", action="store_true", help="Encrypt the control plane (CURVE) and admit only clients holding the pool's key.")
+    @argument("--key-file", default=None, metavar="FILE", help="Where to write the key the other machines read (default ~/.distnb/keys/<pool>.key).")
+    @argument("--node-python", default=None, metavar="PATH", help="The Python that runs distnb on the other machines (default: this kernel's path).")
     @line_magic
     def dist_launch(self, line: str) -> None:
-        """Start a persistent torchrun pool; returns once every rank's process group is ready."""
+        """Start a persistent torchrun pool; returns once every rank's process group is ready.
+
+        Multi-node: ``%dist_launch --nnodes 2 -n 4 --bind 0.0.0.0`` prints the one command to run on
+        the other machine; ``--hosts node2`` starts it over ssh, ``--slurm`` with srun."""
         args = parse_argstring(self.dist_launch, line)
         with contextlib.suppress(NoPoolError):
             pool = current_pool()
@@ -143,20 +158,27 @@ class DistMagics(Magics):
                 "use %dist_restart for fresh ranks or %dist_shutdown before launching another."
             )
         options: dict[str, Any] = {"nproc": args.nproc, "backend": args.backend, "env": _env_pairs(args.env), "debug": tuple(args.debug or ())}
-        for name in ("pg_timeout", "start_timeout", "hang_after"):
+        for name in ("pg_timeout", "start_timeout", "hang_after", "nnodes", "rdzv_endpoint", "bind", "key_file", "node_python"):
             if getattr(args, name) is not None:
                 options[name] = getattr(args, name)
+        if args.hosts is not None:
+            options["hosts"] = tuple(h for h in args.hosts.split(",") if h.strip())
+            if not options["hosts"]:
+                raise UsageError("--hosts needs at least one host name, e.g. --hosts node2,node3.")
+        options.update(slurm=args.slurm, curve=args.curve)
         try:
             config = LaunchConfig(**options)
         except ValueError as exc:
             # Speak the magic's language: the flag, not the Python parameter.
             text = str(exc)
-            for name, flag in (("nproc", "-n/--nproc"), ("pg_timeout", "--pg-timeout"), ("start_timeout", "--start-timeout"), ("hang_after", "--hang-after")):
+            for name, flag in (("nproc", "-n/--nproc"), ("pg_timeout", "--pg-timeout"), ("start_timeout", "--start-timeout"), ("hang_after", "--hang-after"),
+                               ("nnodes", "--nnodes"), ("rdzv_endpoint", "--rdzv-endpoint"), ("hosts", "--hosts"), ("slurm", "--slurm")):
                 if text.startswith(name + " "):
                     text = flag + text[len(name):]
+                text = text.replace(f" {name} ", f" {flag} ").replace(f"({name} ", f"({flag} ")
             raise UsageError(text) from None
         with _usage_errors():
-            pool = Pool(config).start(on_progress=_Progress(self._in_kernel()))
+            pool = Pool(config).start(on_progress=_Progress(self._in_kernel()), on_note=_print_note)
         print(pool.status().text())
 
     @magic_arguments()
@@ -189,7 +211,7 @@ class DistMagics(Magics):
                 print(result.outcome_text(), file=sys.stderr)
 
         with _usage_errors():
-            pool.restart(on_progress=_Progress(self._in_kernel()), replay=args.replay, on_replay=replayed)
+            pool.restart(on_progress=_Progress(self._in_kernel()), replay=args.replay, on_replay=replayed, on_note=_print_note)
         print(pool.status().text())
 
     @magic_arguments()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import atexit
 import codecs
 import itertools
+import os
+import socket
 import pickle
+import secrets
 import threading
 import time
 import weakref
@@ -17,8 +20,10 @@ from distnb.channel import Channel
 from distnb.collectives import CollectiveLog, describe
 from distnb.errors import LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError
 from distnb.inspection import Inspection
-from distnb.launch import LaunchConfig, Launcher
-from distnb.protocol import Msg, control_identity, exec_identity, new_key, supervisor_identity
+from distnb.launch import LaunchConfig, Launcher, Rendezvous, is_loopback, split_host_port
+from distnb.nodes import Nodes, NodeStarters, connect_host, join_command
+from distnb.protocol import Msg, control_identity, exec_identity, node_identity, supervisor_identity
+from distnb.security import Credentials, default_key_file
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellRecord, CellResult, PoolState, PoolStatus, RankResult, RankState, RankStatus
 
@@ -55,6 +60,10 @@ class _Rank:
     stderr_tail: str = ""
     died_at: float | None = None
     main_ident: int | None = None
+    node: int = 0  # 0: this machine; else the id of the node agent that started it
+    group_rank: int | None = None  # torchrun's node rank
+    node_beats: int = 0  # its agent's beat count when the rank said hello
+    cause: str = ""  # why it died, when no exit code tells (a machine lost)
     run: "_CellRun | None" = None
     log: list[str] = field(default_factory=list)  # output outside any cell (start-up, threads)
     decoders: dict[str, Any] = field(default_factory=dict)
@@ -116,29 +125,51 @@ class Pool(Inspection):
         self._fr_dirty: set[int] = set()
         self._regroups = 0
         self.first_death: int | None = None
+        self.nodes = Nodes(0)
+        self._starters: NodeStarters | None = None
+        self.key_file: str | None = None
+        self.join_command: str | None = None
+        self.address: str | None = None  # what other machines connect to (multi-node)
+        self._node_rdzv: Rendezvous | None = None
+        self._notes: list[str] = []  # delivered to start()'s on_note on the caller's thread
         self._changed = threading.Condition(self._lock)
         _live_pools.add(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return int(self.config.nproc or 0)
+        return self.config.world_size
 
-    def start(self, on_progress: Callable[[dict[int, RankState]], None] | None = None) -> "Pool":
-        """Launch torchrun and return once every rank's process group is ready."""
+    def start(
+        self,
+        on_progress: Callable[[dict[int, RankState]], None] | None = None,
+        on_note: Callable[[str], None] | None = None,
+    ) -> "Pool":
+        """Launch torchrun and return once every rank's process group is ready.
+
+        ``on_note`` hears what a multi-node start has to say: the command to run on the other
+        machines, and each machine joining."""
         global _current
         if self.state not in (PoolState.NEW, PoolState.STOPPED):
             raise LaunchError(f"this pool is {self.state.value}; call shutdown() or restart() instead of start().")
         self.state = PoolState.STARTING
         self.first_death = None
-        key = new_key()
+        self._notes = []
         self._ranks = {r: _Rank(r) for r in range(self.world_size)}
         self.collective_log.clear()
-        self._channel = Channel(key, self._on_message, bind=self.config.bind)
-        self._launcher = Launcher(self.config, self._channel.address, key)
+        self.nodes = Nodes(self.config.nnodes - 1)
+        self._channel = self._launcher = None
         try:
+            try:
+                creds = Credentials.new(curve=self.config.curve)
+                self._channel = Channel(creds, self._on_message, bind=self.config.bind_host, port=self.config.bind_port)
+                rdzv = self._prepare_nodes(creds) if self.config.nnodes > 1 else None
+            except (OSError, RuntimeError) as exc:
+                raise LaunchError(str(exc)) from None
+            self._launcher = Launcher(self.config, self._channel.address, creds, rdzv=rdzv)
             self._launcher.start()
-            self._wait_ready(on_progress)
+            self._start_nodes(creds)
+            self._wait_ready(on_progress, on_note)
         except BaseException:
             self._teardown()
             raise
@@ -147,15 +178,65 @@ class Pool(Inspection):
         _current = self
         return self
 
+    def _prepare_nodes(self, creds: Credentials) -> Rendezvous:
+        """Key file, join command and rendezvous for a pool that spans machines."""
+        assert self._channel is not None
+        run_id = f"distnb-{secrets.token_hex(6)}"
+        bind_host = self.config.bind_host
+        host = connect_host(bind_host)
+        self.address = f"tcp://{host}:{self._channel.address.rsplit(':', 1)[1]}"
+        self.key_file = str(creds.write(self.config.key_file or default_key_file(run_id)))
+        self.join_command = join_command(self.address, self.key_file, self.config.node_python)
+        if self.config.rdzv_endpoint:
+            endpoint = self.config.rdzv_endpoint
+        else:
+            endpoint = f"{host}:{_free_port(bind_host)}"
+        rdzv_host = split_host_port(endpoint, "rendezvous endpoint")[0]
+        # This machine hosts the rendezvous store when the endpoint names it, so an agent that
+        # joins first can't take the store with it when it leaves.
+        here = rdzv_host in (host, bind_host, "localhost") or is_loopback(rdzv_host)
+        local_addr = "127.0.0.1" if is_loopback(bind_host) else None
+        self._node_rdzv = Rendezvous(endpoint, run_id, False if here else None, local_addr, self.config.start_timeout)
+        self._note(f"waiting for {self.config.nnodes - 1} other node(s); on each, run:\n  {self.join_command}\n"
+                   f"(the key file must be readable there: shared home, or copy it with `scp {self.key_file} NODE:{self.key_file}`)")
+        return Rendezvous(endpoint, run_id, True if here else None, local_addr, self.config.start_timeout)
+
+    def _start_nodes(self, creds: Credentials) -> None:
+        if not (self.config.hosts or self.config.slurm):
+            return
+        self._starters = NodeStarters()
+        if self.config.hosts:
+            for command in NodeStarters.ssh_commands(self.config, self.address):
+                self._starters.start(command, stdin_text=creds.for_nodes().dumps())
+            self._note(f"started node agents over ssh on {', '.join(self.config.hosts)}")
+        else:
+            assert self.key_file is not None
+            self._starters.start(NodeStarters.srun_command(self.config, self.address, self.key_file))
+            self._note(f"started {self.config.nnodes - 1} node agent(s) with srun")
+        if self._launcher is not None:
+            self._launcher.known_pids |= self._starters.pids()
+
+    def _note(self, text: str) -> None:
+        with self._lock:
+            self._notes.append(text)
+            del self._notes[:-50]
+
     def _stages(self) -> dict[int, RankState]:
         return {r: info.state for r, info in self._ranks.items()}
 
-    def _wait_ready(self, on_progress: Callable[[dict[int, RankState]], None] | None) -> None:
+    def _wait_ready(
+        self,
+        on_progress: Callable[[dict[int, RankState]], None] | None,
+        on_note: Callable[[str], None] | None = None,
+    ) -> None:
         assert self._launcher is not None
         deadline = time.monotonic() + self.config.start_timeout
         last: dict[int, RankState] | None = None
         with self._changed:
             while True:
+                notes, self._notes = self._notes, []
+                for note in notes if on_note is not None else ():
+                    on_note(note)
                 stages = self._stages()
                 if stages != last and on_progress is not None:
                     on_progress(dict(stages))
@@ -168,8 +249,13 @@ class Pool(Inspection):
                 if time.monotonic() > deadline:
                     missing = {r: s.value for r, s in stages.items() if s != RankState.IDLE}
                     detail = ", ".join(f"rank {r}: {s}" for r, s in missing.items())
+                    nodes = ""
+                    if self.config.nnodes > 1:
+                        nodes = f"Nodes:\n  this machine: torchrun pid {self._launcher.pid}\n  " + self.nodes.text(self._ranks_by_agent()).replace("\n", "\n  ") + "\n"
+                        if self.nodes.missing():
+                            nodes += f"On each missing node run:\n  {self.join_command}\n"
                     raise LaunchError(
-                        f"the pool did not start within {self.config.start_timeout:g} s ({detail}). "
+                        f"the pool did not start within {self.config.start_timeout:g} s ({detail}).\n{nodes}"
                         f"torchrun's last output:\n{self._launcher.tail_text(15)}\n"
                         "Raise --start-timeout if the machine is just slow, or check the output above."
                     )
@@ -188,6 +274,10 @@ class Pool(Inspection):
                 if tail:
                     why += "; its last output:\n" + "\n".join(tail.splitlines()[-15:])
             return f"rank {first.rank} failed to start: {why}\nThe other ranks were stopped."
+        for node in self.nodes.agents.values():
+            if node.state.value != "running":
+                tail = "\n".join(list(node.tail)[-15:])
+                return f"{node.cause()} before every rank was ready. Its last output:\n{tail}\nThe other ranks were stopped."
         rc = self._launcher.returncode()
         if rc is not None:
             return (
@@ -216,8 +306,24 @@ class Pool(Inspection):
         if self._channel is not None:
             for r in self._ranks:
                 self._channel.send(supervisor_identity(r), {"t": Msg.SHUTDOWN})
+            for agent in self.nodes.agents:
+                self._channel.send(node_identity(agent), {"t": Msg.SHUTDOWN})
+            # Other machines stop first: their torchrun leans on this one's rendezvous store.
+            deadline = time.monotonic() + 5.0
+            with self._changed:
+                while time.monotonic() < deadline and any(n.state.value == "running" for n in self.nodes.agents.values()):
+                    self._changed.wait(0.1)
         if self._launcher is not None:
             leftovers = self._launcher.stop(grace=2.0)
+        if self._starters is not None:
+            self._starters.stop()
+            self._starters = None
+        if self.key_file is not None:
+            try:  # the key dies with the launch; a later one writes a fresh file
+                os.unlink(self.key_file)
+            except OSError:
+                pass
+            self.key_file = None
         if self._channel is not None:
             self._channel.close()
         with self._lock:
@@ -234,6 +340,7 @@ class Pool(Inspection):
         on_progress: Callable[[dict[int, RankState]], None] | None = None,
         replay: bool = False,
         on_replay: Callable[[CellResult], None] | None = None,
+        on_note: Callable[[str], None] | None = None,
     ) -> "Pool":
         """Fresh ranks with the same configuration (cell numbers keep counting).
 
@@ -243,7 +350,7 @@ class Pool(Inspection):
         """
         to_replay = [c for c in self.history[self._launch_index :] if c.ok] if replay else []
         self.shutdown()
-        self.start(on_progress)
+        self.start(on_progress, on_note)
         for old in to_replay:
             result = self.run(old.code, old.ranks)
             if on_replay is not None:
@@ -267,6 +374,10 @@ class Pool(Inspection):
             if t == "tick":
                 self._check_processes()
                 return
+            if kind == "n":
+                self._on_node(rank, t, msg)
+                self._changed.notify_all()
+                return
             info = self._ranks.get(rank)
             if info is None:
                 return
@@ -277,6 +388,35 @@ class Pool(Inspection):
             elif t == Msg.REPLY:
                 self._on_reply(rank, msg)
             self._changed.notify_all()
+
+    def _on_node(self, agent: int, t: str, msg: dict[str, Any]) -> None:
+        assert self._channel is not None
+        if t == Msg.NODE_HELLO:
+            known = agent in self.nodes.agents
+            reason = self.nodes.hello(agent, str(msg.get("host")), int(msg.get("pid", 0)), str(msg.get("version")),
+                                      accepting=self.state == PoolState.STARTING)
+            if reason:
+                self._channel.send(node_identity(agent), {"t": Msg.NODE_REFUSED, "reason": reason})
+                self._note(f"refused a node agent on {msg.get('host')} (pid {msg.get('pid')}): {reason}")
+                return
+            self._channel.heartbeat_peers.add(node_identity(agent))
+            self._channel.send(node_identity(agent), {"t": Msg.NODE_START, "config": self.config, "rdzv": self._node_rdzv})
+            if not known:
+                n = len(self.nodes.agents)
+                self._note(f"node {n} of {self.nodes.expected} joined: {self.nodes.agents[agent].name()}")
+        elif t == Msg.NODE_BEAT:
+            self.nodes.beat(agent, list(msg.get("pids", [])))
+        elif t == Msg.NODE_OUTPUT:
+            self.nodes.output(agent, list(msg.get("lines", [])))
+        elif t == Msg.NODE_EXIT:
+            self.nodes.exited(agent, msg.get("returncode"), str(msg.get("why", "")), str(msg.get("tail", "")))
+
+    def _ranks_by_agent(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for r, info in sorted(self._ranks.items()):
+            if info.node and info.supervisor_pid is not None:
+                out.setdefault(info.node, []).append(r)
+        return out
 
     def _on_supervisor(self, info: _Rank, t: str, msg: dict[str, Any]) -> None:
         if t == Msg.OUTPUT:
@@ -293,15 +433,20 @@ class Pool(Inspection):
                 info.supervisor_pid = msg["pid"]
                 info.host = msg.get("host")
                 info.local_rank = msg.get("local_rank")
-                if self._launcher is not None:
+                info.group_rank = msg.get("group_rank")
+                info.node = int(msg.get("node", 0))
+                if info.node:
+                    node = self.nodes.agents.get(info.node)
+                    info.node_beats = node.beats if node else 0
+                elif self._launcher is not None:
                     self._launcher.known_pids.add(msg["pid"])
                 if self._channel is not None:
-                    self._channel.heartbeat_ranks.add(info.rank)
+                    self._channel.heartbeat_peers.add(supervisor_identity(info.rank))
                 if info.state == RankState.LAUNCHED:
                     info.state = RankState.STARTED
             if "child_pid" in msg:
                 info.pid = msg["child_pid"]
-                if self._launcher is not None:
+                if self._launcher is not None and not info.node:
                     self._launcher.known_pids.add(msg["child_pid"])
         elif t == Msg.RANK_EXIT:
             info.returncode = msg["returncode"]
@@ -413,6 +558,7 @@ class Pool(Inspection):
             res.returncode = info.returncode
             res.stderr_tail = info.stderr_tail
             res.first_death = self.first_death == info.rank
+            res.cause = info.cause
             res.finished_at = time.monotonic()
             pending = self.collective_log.pending(info.rank)  # as last polled (once a second)
             if pending is not None and pending["t"] >= run.result.started - 1.0:
@@ -425,8 +571,23 @@ class Pool(Inspection):
             return
         launcher = self._launcher
         agent_rc = launcher.returncode() if launcher else None
+        for node in self.nodes.check():
+            self._note(f"{node.name()} stopped answering: its ranks are taken for dead")
+            for info in self._ranks.values():
+                # Ranks that already reported a SIGTERM died because their machine's agent went.
+                if info.node == node.agent_id and info.state == RankState.DEAD and not info.cause:
+                    info.cause = node.cause()
+                    res = self._last_result_of(info.rank)
+                    if res is not None and res.status == "dead":
+                        res.cause = info.cause
         for info in self._ranks.values():
             if info.state == RankState.DEAD:
+                continue
+            if info.node:  # on another machine: its agent knows
+                cause = self.nodes.rank_gone(info.node, info.supervisor_pid, info.node_beats)
+                if cause:
+                    info.cause = cause
+                    self._mark_dead(info)
                 continue
             sup_gone = info.supervisor_pid is not None and not _linux.pid_alive(info.supervisor_pid)
             if sup_gone or agent_rc is not None and info.supervisor_pid is None:
@@ -434,6 +595,10 @@ class Pool(Inspection):
                 self._mark_dead(info)
         self._poll_collectives()
         self._changed.notify_all()
+
+    def _last_result_of(self, rank: int) -> RankResult | None:
+        last = self.history[-1] if self.history else None
+        return last.results.get(rank) if isinstance(last, CellResult) else None
 
     def _poll_collectives(self) -> None:
         """Fetch new collective-log entries of ranks that ran cells (asynchronously, on the tick),
@@ -636,6 +801,8 @@ class Pool(Inspection):
                         elapsed=now - run.started if run else None,
                         returncode=info.returncode,
                         local_rank=info.local_rank,
+                        node=info.group_rank,
+                        cause=info.cause,
                     )
                 )
             backend = next((i.backend for i in self._ranks.values() if i.backend), None)
@@ -645,8 +812,11 @@ class Pool(Inspection):
                 world_size=self.world_size,
                 ranks=ranks,
                 agent_pid=self._launcher.pid if self._launcher else None,
-                address=self._channel.address if self._channel else None,
+                address=self.address or (self._channel.address if self._channel else None),
                 cells_run=len(self.history),
+                nnodes=self.config.nnodes,
+                nodes=self.nodes.text(self._ranks_by_agent()) if self.config.nnodes > 1 else "",
+                rejected=self._channel.rejected if self._channel else 0,
             )
 
     def pids(self) -> list[int]:
@@ -657,6 +827,12 @@ class Pool(Inspection):
 
     def __repr__(self) -> str:
         return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host if host not in ("", "::") else "0.0.0.0", 0))
+        return int(sock.getsockname()[1])
 
 
 def launch(config: LaunchConfig | None = None, on_progress: Callable[[dict[int, RankState]], None] | None = None, **kwargs: Any) -> Pool:

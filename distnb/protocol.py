@@ -31,6 +31,7 @@ __all__ = [
     "exec_identity",
     "control_identity",
     "supervisor_identity",
+    "node_identity",
     "parse_identity",
 ]
 
@@ -43,7 +44,7 @@ _SIG_LEN = hashlib.sha256().digest_size
 class Msg:
     """Message type tags (plain strings on the wire).
 
-    Senders: C = controller, S = rank supervisor, R = rank process.
+    Senders: C = controller, S = rank supervisor, R = rank process, N = node agent.
     """
 
     # S -> C
@@ -77,6 +78,14 @@ class Msg:
     COLLECTIVES = "collectives"
     SHUTDOWN = "shutdown"
     FAULT_REQUEST = "fault_request"  # S: send SIGUSR1 so faulthandler dumps every thread
+    # N -> C (a node agent, ``python -m distnb.node``, on another machine)
+    NODE_HELLO = "node_hello"  # host, pid, distnb version
+    NODE_BEAT = "node_beat"  # alive pids of its torchrun's process tree, twice a second
+    NODE_OUTPUT = "node_output"  # lines of its torchrun agent's own output
+    NODE_EXIT = "node_exit"  # its torchrun ended: returncode, output tail
+    # C -> N
+    NODE_START = "node_start"  # the launch config and rendezvous to run torchrun with
+    NODE_REFUSED = "node_refused"  # why this agent may not join (pool full, version mismatch)
 
 
 def new_key() -> bytes:
@@ -96,9 +105,13 @@ def supervisor_identity(rank: int) -> bytes:
     return b"s%d" % rank
 
 
+def node_identity(agent_id: int) -> bytes:
+    return b"n%d" % agent_id
+
+
 def parse_identity(identity: bytes) -> tuple[str, int]:
     """``b"x3"`` -> ``("x", 3)``; raises :class:`BadFrame` for anything else."""
-    if len(identity) < 2 or identity[:1] not in (b"x", b"c", b"s") or not identity[1:].isdigit():
+    if len(identity) < 2 or len(identity) > 24 or identity[:1] not in (b"x", b"c", b"s", b"n") or not identity[1:].isdigit():
         raise BadFrame(f"unknown peer identity {identity[:16]!r}")
     return identity[:1].decode(), int(identity[1:])
 

@@ -115,11 +115,14 @@ class RankResult:
     memory: dict[str, Any] | None = None  # RSS/CUDA/NVML sampled at the cell's start and end
     first_death: bool = False
     collective: str = ""  # the collective a dead rank was in, from its last polled log
+    cause: str = ""  # why it died when no exit code tells (its machine lost)
 
     def death_text(self) -> str:
         """Post-mortem of a rank that died during the cell."""
         first = " first" if self.first_death else ""
-        text = f"rank {self.rank} died{first}: {signal_meaning(self.returncode)}"
+        why = signal_meaning(self.returncode) if self.returncode is not None else ""
+        why = f"{why}; {self.cause}" if why and self.cause else why or self.cause or "gone without an exit report"
+        text = f"rank {self.rank} died{first}: {why}"
         if self.collective:
             text += f", while in {self.collective}"
         tail = "\n".join((self.stderr_tail or self.stderr).rstrip().splitlines()[-12:])
@@ -205,11 +208,13 @@ class CellResult:
         parts.extend(r.death_text() for r in dead)
         if dead:
             others = group_by(
-                (r.rank, f"raised {r.error['ename']}" if r.error else {"ok": "finished the cell", "running": "are still running"}.get(r.status, r.status))
+                (r.rank, f"raised {r.error['ename']}" if r.error else {"ok": "finished the cell", "running": "still running"}.get(r.status, r.status))
                 for r in self._ordered() if r.status != "dead"
             )
             if others:
-                parts.append("what became of the others: " + "; ".join(f"{format_ranks(rs)} {what}" for rs, what in others))
+                parts.append("what became of the others: " + "; ".join(
+                    f"{format_ranks(rs)} {'is' if len(rs) == 1 else 'are'} {what}" if what == "still running" else f"{format_ranks(rs)} {what}"
+                    for rs, what in others))
         parts.extend(self._error_texts())
         if any(r.error and "OutOfMemoryError" in r.error.get("ename", "") for r in self.results.values()):
             from distnb.memory import MemoryReport
@@ -298,10 +303,14 @@ class RankStatus:
     elapsed: float | None = None
     returncode: int | None = None
     local_rank: int | None = None
+    node: int | None = None  # torchrun's GROUP_RANK: which machine
+    cause: str = ""
 
     def describe(self) -> str:
         if self.state == RankState.DEAD:
-            return f"dead: {signal_meaning(self.returncode)}" if self.returncode is not None else "dead"
+            why = [signal_meaning(self.returncode)] if self.returncode is not None else []
+            why += [self.cause] if self.cause else []
+            return f"dead: {'; '.join(why)}" if why else "dead"
         if self.state == RankState.RUNNING and self.cell is not None:
             return f"running cell {self.cell} for {self.elapsed or 0.0:.1f} s"
         return self.state.value
@@ -316,18 +325,30 @@ class PoolStatus:
     agent_pid: int | None = None
     address: str | None = None
     cells_run: int = 0
+    nnodes: int = 1
+    nodes: str = ""  # the other machines' node agents, in words
+    rejected: int = 0  # frames and handshakes refused (wrong key, replay, unknown peer)
 
     def text(self) -> str:
+        nodes = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
         lines = [
-            f"pool {self.state}: {self.world_size} ranks, backend {self.backend or '?'}, "
+            f"pool {self.state}: {self.world_size} ranks{nodes}, backend {self.backend or '?'}, "
             f"{self.cells_run} cells run, torchrun agent pid {self.agent_pid}, controller {self.address}"
         ]
-        rows = [("rank", "pid", "host", "device", "state")]
+        multi = self.nnodes > 1
+        head = ("rank", "node", "pid", "host", "device") if multi else ("rank", "pid", "host", "device")
+        rows = [(*head, "state")]
         for r in self.ranks:
-            rows.append((str(r.rank), str(r.pid or "-"), r.host or "-", r.device or "-", r.describe()))
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            node = ("-" if r.node is None else str(r.node),) if multi else ()
+            rows.append((str(r.rank), *node, str(r.pid or "-"), r.host or "-", r.device or "-", r.describe()))
+        n = len(head)
+        widths = [max(len(row[i]) for row in rows) for i in range(n)]
         for row in rows:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[:n], widths)) + "  " + row[n])
+        if self.nodes:
+            lines += ["other nodes:", *("  " + line for line in self.nodes.splitlines())]
+        if self.rejected:
+            lines.append(f"refused {self.rejected} frame(s) or handshake(s) from peers without this pool's key")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

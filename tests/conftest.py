@@ -18,7 +18,7 @@ from distnb import _linux
 # processes from anyone else's (another test run, a notebook) on the same machine.
 RUN_MARK = "DISTNB_TEST_RUN"
 os.environ[RUN_MARK] = uuid.uuid4().hex
-_PATTERNS = (b"distnb.worker", b"torch.distributed.run")
+_PATTERNS = (b"distnb.worker", b"distnb.node", b"torch.distributed.run")
 
 #: Every PID a test pool (or a test's own subprocess) was seen with.
 started_pids: set[int] = set()

@@ -9,7 +9,8 @@ import os
 import pytest
 
 import distnb
-from distnb.launch import LaunchConfig, Launcher, default_nproc
+from distnb.launch import LaunchConfig, Launcher, Rendezvous, default_nproc
+from distnb.security import Credentials
 
 
 def test_defaults_and_coercion():
@@ -100,7 +101,7 @@ def test_launcher_command_and_environment(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     # User env is applied first, so it can't override distnb's own variables.
     cfg = LaunchConfig(nproc=3, backend="gloo", env={"NCCL_DEBUG": "INFO", "DISTNB_BACKEND": "nccl"}, pg_timeout=42)
-    launcher = Launcher(cfg, "tcp://127.0.0.1:5555", b"\x01" * 32)
+    launcher = Launcher(cfg, "tcp://127.0.0.1:5555", Credentials(b"\x01" * 32))
     cmd = launcher.command()
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "3"
@@ -115,6 +116,52 @@ def test_launcher_command_and_environment(monkeypatch):
     assert cmd[cmd.index("--log-dir") + 1] == launcher.run_dir
     assert launcher.pid is None and launcher.returncode() is None and launcher.stop() == []
     assert not os.path.exists(launcher.run_dir)  # no temp folder left behind
+    assert "--standalone" in cmd and "--rdzv-endpoint" not in cmd and env["DISTNB_NODE"] == "0"
+
+
+def test_multi_node_command_joins_the_rendezvous():
+    cfg = LaunchConfig(nproc=2, backend="gloo", nnodes=3)
+    rdzv = Rendezvous("10.0.0.1:29400", "distnb-abc", store_here=False, local_addr=None, join_timeout=60)
+    launcher = Launcher(cfg, "tcp://10.0.0.1:5555", Credentials(b"\x02" * 32), rdzv=rdzv, node=77)
+    cmd = launcher.command()
+    assert "--standalone" not in cmd
+    assert cmd[cmd.index("--nnodes") + 1] == "3" and cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d" and cmd[cmd.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
+    assert cmd[cmd.index("--rdzv-id") + 1] == "distnb-abc"
+    assert cmd[cmd.index("--rdzv-conf") + 1] == "join_timeout=60,is_host=false"
+    assert "--local-addr" not in cmd
+    assert launcher.environment()["DISTNB_NODE"] == "77"
+    launcher.stop()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(nnodes=0), "nnodes must be"),
+        (dict(hosts=("node2",)), "can't reach 127.0.0.1"),
+        (dict(hosts=("localhost",), nnodes=3), "give 2 host"),
+        (dict(rdzv_endpoint="node1:29400"), "more than one node"),
+        (dict(nnodes=2, rdzv_endpoint="node1"), "needs a port"),
+        (dict(nnodes=2, rdzv_endpoint=":29400"), "names no host"),
+        (dict(bind="0.0.0.0:70000"), "needs a port"),
+        (dict(hosts=("a",), slurm=True, bind="0.0.0.0"), "not both"),
+    ],
+)
+def test_multi_node_config_is_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LaunchConfig(nproc=2, **kwargs)
+
+
+def test_multi_node_config_defaults(monkeypatch):
+    cfg = LaunchConfig(nproc=2, hosts=("localhost", "127.0.0.1"))
+    assert cfg.nnodes == 3 and cfg.world_size == 6
+    assert LaunchConfig(nproc=2, bind="0.0.0.0:6000").bind_port == 6000
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(ValueError, match="Slurm allocation"):
+        LaunchConfig(nproc=2, slurm=True, bind="0.0.0.0")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "4")
+    assert LaunchConfig(nproc=2, slurm=True, bind="0.0.0.0").nnodes == 4
 
 
 def test_unstarted_pool_is_inert():

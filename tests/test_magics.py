@@ -74,9 +74,10 @@ def test_magics_document_themselves(sh: Shell) -> None:
     # What `%dist_launch?` shows: the usage line, the docstring and every option's help.
     info = sh.ip.object_inspect("%dist_launch")
     assert info["found"] and "Start a persistent torchrun pool" in info["docstring"]
-    assert "--nproc NPROC" in info["docstring"] and "Number of ranks" in info["docstring"]
+    assert "--nproc NPROC" in info["docstring"] and "Ranks per machine" in info["docstring"]
+    assert "--nnodes K" in info["docstring"] and "--hosts H1,H2" in info["docstring"] and "--curve" in info["docstring"]
     help_text = sh.ip.find_line_magic("dist_launch").parser.format_help()
-    assert "-n NPROC, --nproc NPROC" in help_text and "--start-timeout" in help_text and "--hang-after" in help_text
+    assert "-n NPROC, --nproc NPROC, --nproc-per-node NPROC" in help_text and "--start-timeout" in help_text and "--hang-after" in help_text
     on_ranks_help = sh.ip.find_cell_magic("on_ranks").parser.format_help()
     assert all(flag in on_ranks_help for flag in ("--timeout", "--quiet", "ranks"))
     for kind in ("line", "cell"):

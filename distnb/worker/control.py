@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
+from distnb.security import Credentials
 from distnb.worker.collectives import read_collectives
 from distnb.worker.execute import Executor
 
@@ -46,15 +47,16 @@ def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
 
 
 class ControlThread(threading.Thread):
-    def __init__(self, ctx: zmq.Context, addr: str, key: bytes, rank: int, executor: Executor) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, creds: Credentials, rank: int, executor: Executor) -> None:
         super().__init__(name="distnb-control", daemon=True)
         self.rank = rank
         self.executor = executor
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, control_identity(rank))
         self.sock.setsockopt(zmq.LINGER, 0)
+        creds.secure_client(self.sock)
         self.sock.connect(addr)
-        self.codec = Codec(key, f"c{rank}")
+        self.codec = Codec(creds.key, f"c{rank}")
         self.guard = ReplayGuard()
         self.state = "starting"
 

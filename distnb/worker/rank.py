@@ -24,6 +24,7 @@ import zmq
 
 from distnb import _linux
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, exec_identity
+from distnb.security import Credentials
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
 from distnb.worker.execute import Executor, mimebundle
@@ -45,7 +46,7 @@ class Rank:
         self.world_size = int(env["WORLD_SIZE"])
         self.addr = env["DISTNB_ADDR"]
         # Keep the key out of the user's os.environ (and of subprocesses the user starts).
-        self.key = bytes.fromhex(env.pop("DISTNB_KEY"))
+        self.creds = Credentials.from_env(env, pop=True)
         # Cell events (display, done) go through a pipe to the supervisor, which drains the
         # rank's stdout/stderr before forwarding them: output and results stay in order.
         self.events_fd = int(env.pop("DISTNB_EVENTS_FD"))
@@ -55,8 +56,9 @@ class Rank:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, exec_identity(self.rank))
         self.sock.setsockopt(zmq.LINGER, 2000)
+        self.creds.secure_client(self.sock)
         self.sock.connect(self.addr)
-        self.codec = Codec(self.key, f"x{self.rank}")
+        self.codec = Codec(self.creds.key, f"x{self.rank}")
         self.guard = ReplayGuard()
         self.send_lock = threading.Lock()
         self.stdio = (sys.stdout, sys.stderr)
@@ -242,7 +244,7 @@ class Rank:
 def main() -> int:
     r = Rank()
     r.setup_process()
-    control = ControlThread(r.ctx, r.addr, r.key, r.rank, r.executor)
+    control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor)
     control.start()
     r.send({"t": Msg.HELLO, "rank": r.rank, "local_rank": r.local_rank, "world_size": r.world_size, "pid": os.getpid(), "host": socket.gethostname(), "main_ident": threading.main_thread().ident})
     try:

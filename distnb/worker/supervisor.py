@@ -29,6 +29,7 @@ import zmq
 
 from distnb import _linux
 from distnb.protocol import Codec, Msg, ReplayGuard, BadFrame, supervisor_identity
+from distnb.security import Credentials
 
 _READ_SIZE = 1 << 16
 _TAIL_BYTES = 16 * 1024
@@ -65,14 +66,15 @@ class Supervisor:
     def __init__(self) -> None:
         self.rank = int(os.environ["RANK"])
         self.addr = os.environ["DISTNB_ADDR"]
-        key = bytes.fromhex(os.environ["DISTNB_KEY"])
+        creds = Credentials.from_env(os.environ)
         self.heartbeat_timeout = float(os.environ.get("DISTNB_HEARTBEAT_TIMEOUT", "15"))
-        self.codec = Codec(key, f"s{self.rank}")
+        self.codec = Codec(creds.key, f"s{self.rank}")
         self.guard = ReplayGuard()
         self.ctx = zmq.Context(1)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, supervisor_identity(self.rank))
         self.sock.setsockopt(zmq.LINGER, 2000)
+        creds.secure_client(self.sock)
         self.sock.connect(self.addr)
         self.child: subprocess.Popen[bytes] | None = None
         self.stderr_tail: collections.deque[bytes] = collections.deque()
@@ -169,6 +171,7 @@ class Supervisor:
                 "host": socket.gethostname(),
                 "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                 "group_rank": int(os.environ.get("GROUP_RANK", "0")),
+                "node": int(os.environ.get("DISTNB_NODE", "0")),  # 0: the controller's own machine
             }
         )
         out_r, err_r, fault_r, events_r = self.start_child()

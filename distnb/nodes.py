@@ -1,0 +1,240 @@
+"""The controller's view of the other machines in a multi-node pool, and the ways to start them.
+
+Each other machine runs a node agent (:mod:`distnb.node`), started by hand with the printed join
+command, over ssh (``hosts``) or by srun (``slurm``). The controller keeps, per agent, where it runs
+and which of its processes were alive at its last beat. A rank on another machine is dead when its
+supervisor is missing from its agent's beats, or when the agent exits or goes silent.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from distnb import _linux
+from distnb.launch import LaunchConfig
+
+__all__ = ["NodeInfo", "NodeState", "Nodes", "NodeStarters", "join_command"]
+
+#: An agent that has not beaten for this long is taken for lost with its machine.
+LOST_AFTER = 3.0
+
+
+class NodeState(Enum):
+    RUNNING = "running"
+    EXITED = "exited"
+    LOST = "lost"
+
+
+@dataclass
+class NodeInfo:
+    agent_id: int
+    host: str
+    pid: int
+    state: NodeState = NodeState.RUNNING
+    last_beat: float = field(default_factory=time.monotonic)
+    beats: int = 0
+    pids: set[int] = field(default_factory=set)
+    returncode: int | None = None
+    why: str = ""
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
+
+    def name(self) -> str:
+        return f"the node agent on {self.host} (pid {self.pid})"
+
+    def cause(self) -> str:
+        """Why this agent's ranks are gone, in words."""
+        if self.state == NodeState.LOST:
+            return f"lost with its machine: {self.name()} stopped answering"
+        return f"{self.name()} ended: {self.why or 'exited'}"
+
+
+class Nodes:
+    """Node agents that joined (or tried to join) the current launch."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.agents: dict[int, NodeInfo] = {}
+        self.refused = 0
+
+    def hello(self, agent_id: int, host: str, pid: int, version: str, accepting: bool) -> str | None:
+        """Register an agent; returns why it may not join, or None."""
+        from distnb import __version__
+
+        if agent_id in self.agents:
+            return None  # a repeated hello while our answer was on its way
+        if version != __version__:
+            reason = f"it runs distnb {version} but the notebook runs {__version__}; install the same version on every node."
+        elif not accepting:
+            reason = "the pool is not starting (an agent from an earlier launch?)."
+        elif len(self.agents) >= self.expected:
+            reason = f"the pool already has its {self.expected + 1} nodes."
+        else:
+            self.agents[agent_id] = NodeInfo(agent_id, host, pid)
+            return None
+        self.refused += 1
+        return reason
+
+    def beat(self, agent_id: int, pids: list[int]) -> None:
+        node = self.agents.get(agent_id)
+        if node is not None and node.state == NodeState.RUNNING:
+            node.last_beat = time.monotonic()
+            node.beats += 1
+            node.pids = set(pids)
+
+    def output(self, agent_id: int, lines: list[str]) -> None:
+        node = self.agents.get(agent_id)
+        if node is not None:
+            node.tail.extend(lines)
+
+    def exited(self, agent_id: int, returncode: int | None, why: str, tail: str) -> None:
+        node = self.agents.get(agent_id)
+        if node is not None:
+            node.state, node.returncode, node.why = NodeState.EXITED, returncode, why
+            if tail and not node.tail:
+                node.tail.extend(tail.splitlines())
+
+    def check(self) -> list[NodeInfo]:
+        """Mark agents silent for too long as lost; returns the newly lost."""
+        now = time.monotonic()
+        lost = []
+        for node in self.agents.values():
+            if node.state == NodeState.RUNNING and now - node.last_beat > LOST_AFTER:
+                node.state = NodeState.LOST
+                lost.append(node)
+        return lost
+
+    def rank_gone(self, agent_id: int, supervisor_pid: int | None, beats_at_hello: int) -> str | None:
+        """Why a rank on another machine is gone, or None while it is alive."""
+        node = self.agents.get(agent_id)
+        if node is None:
+            return None
+        if node.state != NodeState.RUNNING:
+            return node.cause()
+        # Two beats after the rank said hello, so a beat computed before it existed does not count.
+        if supervisor_pid is not None and node.beats >= beats_at_hello + 2 and supervisor_pid not in node.pids:
+            return f"its process is gone from {node.host} (reported by {node.name()})"
+        return None
+
+    def missing(self) -> int:
+        return max(0, self.expected - len(self.agents))
+
+    def text(self, ranks_by_agent: dict[int, list[int]] | None = None) -> str:
+        """Which agents joined, with their ranks, and how many never did."""
+        from distnb.results import format_ranks
+
+        lines = []
+        for node in self.agents.values():
+            ranks = (ranks_by_agent or {}).get(node.agent_id)
+            lines.append(f"{node.name()}: {node.state.value}" + (f", {format_ranks(ranks)}" if ranks else ", no rank connected yet"))
+        if self.missing():
+            lines.append(f"{self.missing()} of {self.expected} other node(s) never joined")
+        return "\n".join(lines)
+
+
+def connect_host(bind_host: str) -> str:
+    """The name other machines reach this controller by."""
+    if bind_host in ("0.0.0.0", "::", ""):
+        return socket.getfqdn()
+    return bind_host
+
+
+def join_command(address: str, key_file: str, python: str | None = None) -> str:
+    """The one command to run on each other node."""
+    return shlex.join([python or sys.executable, "-m", "distnb.node", "--connect", address, "--key-file", key_file])
+
+
+class NodeStarters:
+    """Node agents this controller started itself, over ssh or srun; stopped by PID."""
+
+    def __init__(self, on_line: Callable[[str], None] | None = None) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self._on_line = on_line
+        self._threads: list[threading.Thread] = []
+
+    @staticmethod
+    def ssh_commands(config: LaunchConfig, address: str) -> list[list[str]]:
+        # DISTNB_SSH replaces the ssh client (e.g. "ssh -p 2222 -i ~/.ssh/cluster").
+        ssh = shlex.split(os.environ.get("DISTNB_SSH", "ssh"))
+        remote = shlex.join([config.node_python or sys.executable, "-m", "distnb.node", "--connect", address, "--key-file", "-"])
+        return [[*ssh, "-o", "BatchMode=yes", host, remote] for host in config.hosts]
+
+    @staticmethod
+    def srun_command(config: LaunchConfig, address: str, key_file: str) -> list[str]:
+        others = config.nnodes - 1
+        # DISTNB_SRUN adds what a cluster needs, e.g. "srun --gpus-per-node 4 --account proj".
+        srun = shlex.split(os.environ.get("DISTNB_SRUN", "srun"))
+        return [
+            *srun, f"--nodes={others}", f"--ntasks={others}", "--ntasks-per-node=1",
+            f"--exclude={socket.gethostname()}", "--kill-on-bad-exit=0", "--input=none",
+            # Share the allocation with the step the notebook runs in (Slurm >= 20.11).
+            "--overlap",
+            config.node_python or sys.executable, "-m", "distnb.node", "--connect", address, "--key-file", key_file,
+        ]
+
+    def start(self, command: list[str], stdin_text: str | None = None) -> None:
+        proc = _linux.popen_with_parent_death(
+            command,
+            stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if stdin_text is not None:
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(stdin_text.encode() + b"\n")
+                proc.stdin.close()
+            except OSError:
+                pass
+        self.procs.append(proc)
+        thread = threading.Thread(target=self._drain, args=(proc,), name="distnb-node-starter", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _drain(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.tail.append(line)
+            if self._on_line is not None:
+                try:
+                    self._on_line(line)
+                except Exception:
+                    pass
+        proc.stdout.close()
+
+    def pids(self) -> set[int]:
+        return {p.pid for p in self.procs if p.poll() is None}
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Give the agents time to stop their ranks (they were told to), then TERM, then KILL."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+            alive = [p for p in self.procs if p.poll() is None]
+            if not alive:
+                break
+            for proc in alive:
+                for pid in {proc.pid, *_linux.session_pids(proc.pid)}:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+                time.sleep(0.05)
+        for thread in self._threads:
+            thread.join(2.0)
