@@ -14,7 +14,7 @@ from distnb._linux import signal_meaning
 from distnb.ranks import format_ranks
 from distnb.results import group_by
 from distnb.collectives import CollectiveReport, describe, signature
-from distnb.stacks import RankStack
+from distnb.stacks import RankStack, short_path
 
 __all__ = ["Position", "Diagnosis", "diagnose", "position_from_stack", "COLLECTIVE_FUNCS"]
 
@@ -65,7 +65,7 @@ class Position:
             dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
             return f"waiting in {self.op}{seq}{grp}{shp}{dur}{at}"
         if self.state == "computing":
-            return f"running Python code (not in a collective){at}"
+            return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){at}"
         if self.state == "finished":
             return "finished the cell"
         if self.state == "idle":
@@ -113,7 +113,16 @@ def position_from_stack(stack: RankStack, cell_code: str = "") -> Position:
     )
     if op is not None:
         return Position(stack.rank, "collective", op=op, line=line, code=code)
-    return Position(stack.rank, "computing", line=line, code=code)
+    return Position(stack.rank, "computing", line=line, code=code, detail=_importing(frames))
+
+
+def _importing(frames: list[Any]) -> str:
+    """``importing torch/_dynamo/__init__.py`` when the rank is inside an import, else ``""``."""
+    inside = [i for i, f in enumerate(frames) if f.filename.startswith("<frozen importlib")]
+    if not inside:
+        return ""
+    module = next((f for f in reversed(frames[inside[0]:]) if f.name == "<module>" and not f.filename.startswith("<")), None)
+    return f"importing {short_path(module.filename)}" if module else "importing a module"
 
 
 def diagnose(positions: list[Position], hang_after: float, elapsed: float, log: CollectiveReport | None = None) -> Diagnosis:
@@ -170,6 +179,14 @@ def diagnose(positions: list[Position], hang_after: float, elapsed: float, log: 
         kind = "the same op with different shapes or dtypes" if same_op and first_key[3] else ("different positions in the collective sequence" if same_op else "different collectives")
         minority = min(ops, key=lambda g: len(g[0]))[0]
         return Diagnosis("hang", f"ranks are in {kind}: {detail}. The odd one out: {format_ranks(minority)}.", positions, minority)
+    if computing and all(p.detail.startswith("importing") for p in computing):
+        # A first use of e.g. torch._dynamo (DDP, compile) imports for seconds: slow, not hung yet.
+        return Diagnosis(
+            "slow",
+            f"{w} {_waits(waiting)} in {waiting[0].op} for {longest:.0f} s while {format_ranks([p.rank for p in computing])} "
+            f"{'is' if len(computing) == 1 else 'are'} still importing modules ({computing[0].detail}): slow, not a hang yet.",
+            positions, [p.rank for p in computing],
+        )
     if computing:
         return Diagnosis(
             "hang",

@@ -77,6 +77,9 @@ class NodeAgent:
                 return None
             if msg["t"] == Msg.NODE_START:
                 return msg
+            if msg["t"] == Msg.SHUTDOWN:  # the launch was given up before this node was needed
+                print(f"distnb node: the controller at {self.address} stopped its pool before this node started.", file=sys.stderr)
+                return None
         if not self.stopping:
             print(
                 f"distnb node: no answer from a controller at {self.address} within {self.wait:g} s. Check that this "

@@ -8,8 +8,8 @@ import time
 import pytest
 
 import distnb
-from distnb.diagnose import Position, diagnose
-from distnb.stacks import parse_faulthandler
+from distnb.diagnose import Position, diagnose, position_from_stack
+from distnb.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,6 +34,32 @@ def test_diagnose_waits_below_threshold_are_ok() -> None:
 def test_diagnose_dead_rank_is_root_cause() -> None:
     d = diagnose([Position(0, "collective", op="all_reduce", since=4.0), Position(1, "dead", detail="killed (SIGKILL)")], 3.0, 4.0)
     assert d.kind == "hang" and d.culprits == [1] and "Root cause: rank 1" in d.summary
+
+
+def test_diagnosis_groups_ranks_waiting_in_the_same_place_whatever_their_wait() -> None:
+    d = diagnose([Position(0, "collective", op="all_reduce", seq=1, group="0", line=3, since=3.04),
+                  Position(1, "failed", line=2, detail="KeyError: 'label'"),
+                  Position(2, "collective", op="all_reduce", seq=1, group="0", line=3, since=2.96)], 3.0, 3.1)
+    assert "ranks 0,2: waiting in all_reduce #1 on group 0 for 3.0 s at cell line 3" in d.text()
+    d = diagnose([Position(0, "collective", op="all_reduce", since=3.0), Position(1, "collective", op="all_reduce", since=4.5),
+                  Position(2, "finished")], 3.0, 4.5)
+    assert "ranks 0,1: waiting in all_reduce for 3.0–4.5 s" in d.text()
+
+
+def test_a_rank_still_importing_is_slow_not_hung() -> None:
+    frames = [Frame("<cell-4>", 2, "<module>", "model = DDP(model)"),
+              Frame("/site-packages/torch/nn/parallel/distributed.py", 10, "__init__", "import torch._dynamo"),
+              Frame("<frozen importlib._bootstrap>", 1176, "_find_and_load", ""),
+              Frame("/site-packages/torch/_dynamo/__init__.py", 3, "<module>", "from . import config")]
+    stack = RankStack(1, "running cell 4 for 5.0 s", "control thread", [ThreadStack("MainThread", True, frames)])
+    pos = position_from_stack(stack)
+    assert pos.state == "computing" and pos.detail.startswith("importing") and "_dynamo/__init__.py" in pos.detail
+    pos.since = 5.0
+    d = diagnose([Position(0, "collective", op="all_reduce", since=5.0), pos], 3.0, 5.0)
+    assert d.kind == "slow" and "still importing modules" in d.summary and "not a hang yet" in d.summary
+    assert "rank 1: running Python code (not in a collective, importing" in d.text()
+    pos.detail = ""
+    assert diagnose([Position(0, "collective", op="all_reduce", since=5.0), pos], 3.0, 5.0).kind == "hang"
 
 
 def test_parse_faulthandler_orders_frames_and_finds_main() -> None:
