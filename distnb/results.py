@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -96,6 +97,22 @@ class PoolState(str, Enum):
     STOPPED = "stopped"
 
 
+_NOISE = re.compile(r"^\s*(frame #\d+:|<omitting python frames>|Exception raised from |File \"|\^+$)")
+_KEY = re.compile(r"terminate called|what\(\):|enforce fail|Fatal Python error|[A-Za-z]*(Error|Exception)\b|Segmentation fault|Aborted")
+
+
+def salient_lines(text: str, limit: int = 12) -> list[str]:
+    """A dead rank's stderr, cut to what explains the death: the error lines (gloo's enforce
+    failure, ``what():``, Python's fatal error) first, then the last other lines; C++ frame
+    listings and library frames, which can run to hundreds of lines after the message, are left
+    out (cell frames stay)."""
+    lines = [line for line in text.rstrip().splitlines() if line.strip()]
+    useful = [i for i, line in enumerate(lines) if not _NOISE.match(line) or "<cell-" in line]
+    key = [i for i in useful if _KEY.search(lines[i])][:4]
+    rest = [i for i in useful if i not in key][-(limit - len(key)):] if limit > len(key) else []
+    return [lines[i] for i in sorted(set(key) | set(rest))]
+
+
 @dataclass
 class RankResult:
     """What one rank did with one cell."""
@@ -125,7 +142,7 @@ class RankResult:
         text = f"rank {self.rank} died{first}: {why}"
         if self.collective:
             text += f", while in {self.collective}"
-        tail = "\n".join((self.stderr_tail or self.stderr).rstrip().splitlines()[-12:])
+        tail = "\n".join(salient_lines(self.stderr_tail or self.stderr))
         if tail:
             text += f"; its last stderr lines:\n{prefix_lines(f'rank {self.rank} stderr', tail)}"
         return text

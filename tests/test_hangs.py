@@ -62,6 +62,26 @@ def test_a_rank_still_importing_is_slow_not_hung() -> None:
     assert diagnose([Position(0, "collective", op="all_reduce", since=5.0), pos], 3.0, 5.0).kind == "hang"
 
 
+def test_post_mortem_keeps_the_abort_message_not_the_cpp_frames() -> None:
+    from distnb.results import RankResult
+
+    stderr = "\n".join([
+        "[rank 1] before the crash",
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+        "  what():  [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes. 8 vs 4",
+        "Exception raised from recv at pair.cc:446 (most recent call first):",
+        *[f"frame #{i}: <unknown function> + 0x{i:x} (libtorch_cpu.so)" for i in range(60)],
+        "Fatal Python error: Aborted",
+        "Current thread 0x00007f (most recent call first):",
+        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2870 in all_reduce',
+        '  File "<cell-7>", line 3 in <module>',
+    ])
+    text = RankResult(1, status="dead", returncode=-6, stderr_tail=stderr, first_death=True).death_text()
+    assert "what():  [enforce fail at pair.cc:446]" in text and "Fatal Python error: Aborted" in text
+    assert '<cell-7>", line 3' in text and "frame #" not in text and "distributed_c10d.py" not in text
+    assert text.startswith("rank 1 died first: aborted (SIGABRT")
+
+
 def test_parse_faulthandler_orders_frames_and_finds_main() -> None:
     dump = (
         "Thread 0x00007f0000000002 (most recent call first):\n"
