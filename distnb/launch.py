@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 from distnb import _linux
 from distnb.security import Credentials
@@ -204,6 +204,19 @@ class LaunchConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
+def drain_lines(stream: IO[bytes], tail: "collections.deque[str]", on_line: Callable[[str], None] | None = None) -> None:
+    """Read a child's output to its end: each line into ``tail`` and to ``on_line``."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        tail.append(line)
+        if on_line is not None:
+            try:
+                on_line(line)
+            except Exception:  # a display callback must not stop the draining
+                pass
+    stream.close()
+
+
 def _sweep_orphaned_run_dirs() -> None:
     """Remove run folders of controllers that died without shutting their pool down."""
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "distnb-*-*")):
@@ -312,15 +325,7 @@ class Launcher:
     def _drain_output(self) -> None:
         # Never leave the pipe undrained: a full pipe blocks the agent and then every rank.
         assert self.proc is not None and self.proc.stdout is not None
-        for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.tail.append(line)
-            if self._on_line is not None:
-                try:
-                    self._on_line(line)
-                except Exception:
-                    pass
-        self.proc.stdout.close()
+        drain_lines(self.proc.stdout, self.tail, self._on_line)
 
     @property
     def pid(self) -> int | None:

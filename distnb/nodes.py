@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Callable
 
 from distnb import _linux
-from distnb.launch import LaunchConfig
+from distnb.launch import LaunchConfig, drain_lines
 
 __all__ = ["NodeInfo", "NodeState", "Nodes", "NodeStarters", "join_command"]
 
@@ -199,21 +199,10 @@ class NodeStarters:
             except OSError:
                 pass
         self.procs.append(proc)
-        thread = threading.Thread(target=self._drain, args=(proc,), name="distnb-node-starter", daemon=True)
+        thread = threading.Thread(target=drain_lines, args=(proc.stdout, self.tail, self._on_line), name="distnb-node-starter", daemon=True)
         thread.start()
         self._threads.append(thread)
 
-    def _drain(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        for raw in iter(proc.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.tail.append(line)
-            if self._on_line is not None:
-                try:
-                    self._on_line(line)
-                except Exception:
-                    pass
-        proc.stdout.close()
 
     def pids(self) -> set[int]:
         return {p.pid for p in self.procs if p.poll() is None}
