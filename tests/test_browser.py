@@ -1,4 +1,5 @@
-"""JupyterLab in headless Chromium: run the quickstart and check that distnb's widgets render.
+"""JupyterLab and Jupyter Notebook 7 in headless Chromium: run the quickstart and check that
+distnb's widgets render.
 
 Needs Debian's ``chromium`` and the ``playwright`` package (Playwright's own browser download is
 not used); ``.ci/run`` installs both. Screenshots go to ``docs/screenshots/`` (shown in README).
@@ -14,13 +15,20 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
 
+from conftest import kill_pids, wait_gone
+from distnb import _linux
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = ROOT / "docs" / "screenshots"
+# Set in the server's environment only: the server, its kernel and the pool that kernel starts
+# inherit it, so teardown can find exactly the processes a server fixture started.
+MARK = "DISTNB_BROWSER_TEST"
 
 pytestmark = [
     pytest.mark.timeout(420),
@@ -34,27 +42,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory):
-    pytest.importorskip("jupyterlab")
-    home = tmp_path_factory.mktemp("jupyter")
+def marked_processes(value: str) -> set[int]:
+    """Live processes whose environment carries ``MARK=value``."""
+    needle = f"{MARK}={value}".encode()
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ and _linux.pid_alive(int(name)):
+            found.add(int(name))
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
+
+
+def jupyter_server(app: str, tmp_path_factory: pytest.TempPathFactory):
+    """Start ``jupyter lab`` or ``jupyter notebook`` (Notebook 7: the same jupyter_server flags) on
+    127.0.0.1 with private config/runtime/settings dirs and no token; yield its URL; stop it and
+    everything it started."""
+    home = tmp_path_factory.mktemp(app)
     served = tmp_path_factory.mktemp("served")
-    # Serve a copy: JupyterLab's autosave must never write outputs into the repository's notebook.
+    # Serve a copy: the frontend's autosave must never write outputs into the repository's notebook.
     shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", served / "quickstart.ipynb")
     port = free_port()
+    mark = uuid.uuid4().hex
     env = {
         **os.environ,
+        MARK: mark,
         "JUPYTER_CONFIG_DIR": str(home / "config"),
         "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
         "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
         "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
     }
     cmd = [
-        sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+        sys.executable, "-m", "jupyter", app, "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
         "--IdentityProvider.token=", "--ServerApp.password=", f"--ServerApp.root_dir={served}",
-        "--ServerApp.disable_check_xsrf=True", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--ServerApp.disable_check_xsrf=True",
     ]
-    log = open(home / "lab.log", "wb")
+    if app == "lab":
+        cmd += ["--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    log_path = home / f"{app}.log"
+    log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -65,22 +103,47 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start:\n{(home / 'lab.log').read_text()[-3000:]}")
+                    raise RuntimeError(f"jupyter {app} did not start:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.3)
         yield url
     finally:
-        # Stop the server (and the kernels it started) by its process session, which we created.
+        # Stop the server by its process session, which we created; on SIGTERM it shuts down its kernels.
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(15)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait(5)
         log.close()
+        # The kernel runs in a session of its own and the pool in others: find them by the mark.
+        # The quickstart ends with %dist_shutdown, so nothing of the pool may be left by now.
+        survivors = wait_gone(marked_processes(mark), 15.0)
+        if survivors:
+            details = [f"{p}: {cmdline(p)}" for p in survivors]
+            kill_pids(survivors)  # ours (they carry this fixture's mark); don't leave them behind
+            raise AssertionError(f"processes started by jupyter {app} outlived it:\n  " + "\n  ".join(details))
 
 
-def test_quickstart_widgets_render_in_jupyterlab(lab: str) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api")
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory):
+    pytest.importorskip("jupyterlab")
+    yield from jupyter_server("lab", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def notebook7(tmp_path_factory: pytest.TempPathFactory):
+    notebook = pytest.importorskip("notebook")
+    if int(notebook.__version__.split(".")[0]) < 7:
+        pytest.skip(f"needs Jupyter Notebook 7, found {notebook.__version__}")
+    yield from jupyter_server("notebook", tmp_path_factory)
+
+
+def run_quickstart(sync_api, url: str, check) -> None:
+    """Open ``url`` (the quickstart in Lab or Notebook 7), wait for an idle kernel, Run All Cells,
+    check distnb's widgets, then call ``check(page)`` for the frontend's own checks and screenshots."""
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(
@@ -91,8 +154,9 @@ def test_quickstart_widgets_render_in_jupyterlab(lab: str) -> None:
         )
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(f"{lab}/lab/tree/quickstart.ipynb")
-            # The kernel must be up (its name no longer "No Kernel") and idle before Run All.
+            page.goto(url)
+            # The kernel must be up (its name no longer "No Kernel") and idle before Run All: both
+            # frontends share Lab's toolbar kernel name and execution indicator (it reads "connecting" first).
             page.wait_for_selector(".jp-Notebook", timeout=60_000)
             page.wait_for_function(
                 """() => { const k = document.querySelector('.jp-Toolbar-kernelName');
@@ -117,10 +181,35 @@ def test_quickstart_widgets_render_in_jupyterlab(lab: str) -> None:
             hello.get_by_text("rank 1", exact=True).click()
             page.wait_for_timeout(300)
             assert "rank 1 of 2 on cpu" in hello.inner_text()
-            hello.screenshot(path=str(SHOTS / "cell_view.png"))
-            page.locator(".jp-Cell").nth(9).screenshot(path=str(SHOTS / "hang_diagnosis.png"))
-            page.screenshot(path=str(SHOTS / "quickstart.png"), full_page=False)
+            check(page)
         finally:
             browser.close()
+
+
+def test_quickstart_widgets_render_in_jupyterlab(lab: str) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api")
+
+    def shots(page) -> None:
+        page.locator(".jp-Cell").nth(5).screenshot(path=str(SHOTS / "cell_view.png"))
+        page.locator(".jp-Cell").nth(9).screenshot(path=str(SHOTS / "hang_diagnosis.png"))
+        page.screenshot(path=str(SHOTS / "quickstart.png"), full_page=False)
+
+    run_quickstart(sync_api, f"{lab}/lab/tree/quickstart.ipynb", shots)
     for name in ("cell_view.png", "hang_diagnosis.png", "quickstart.png"):
         assert (SHOTS / name).stat().st_size > 10_000
+
+
+def test_quickstart_widgets_render_in_notebook7(notebook7: str) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api")
+
+    def shots(page) -> None:
+        # Notebook 7's own single-document shell, not Lab's: its logo and its toolbar's kernel logo.
+        assert page.locator("#jp-NotebookLogo").count() == 1 and page.locator("#jp-MainLogo").count() == 0
+        assert page.locator(".jp-NotebookKernelLogo").count() == 1
+        # Scroll to the first %%on_ranks cell: it and the hello cell (rank 1 selected above) fill the view.
+        page.locator(".jp-Cell").nth(3).evaluate("e => e.scrollIntoView({block: 'start'})")
+        page.wait_for_timeout(300)
+        page.screenshot(path=str(SHOTS / "notebook7.png"), full_page=False)
+
+    run_quickstart(sync_api, f"{notebook7}/notebooks/quickstart.ipynb", shots)
+    assert (SHOTS / "notebook7.png").stat().st_size > 10_000
