@@ -9,9 +9,23 @@ import queue
 import signal
 import subprocess
 import threading
-from typing import Any
+from collections.abc import Iterable, Iterator, MutableSet
+from typing import Any, NamedTuple
 
-__all__ = ["descendants", "pid_alive", "popen_with_parent_death", "session_pids", "set_parent_death_signal", "signal_meaning"]
+__all__ = [
+    "KnownProcesses",
+    "ProcEntry",
+    "descendants",
+    "pid_alive",
+    "popen_with_parent_death",
+    "process_table",
+    "same_process",
+    "session_pids",
+    "set_parent_death_signal",
+    "signal_meaning",
+    "signal_process",
+    "start_time",
+]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -104,6 +118,153 @@ def pid_alive(pid: int) -> bool:
         return False
     # The state letter follows the command name, which is in parentheses and may hold spaces.
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields 3.. of /proc/PID/stat (state, ppid, pgrp, session, …), or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name is in parentheses and may hold spaces and ")": split after the last ")".
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return fields if len(fields) > 19 else None
+
+
+# Field 22 of /proc/PID/stat (1-based, counting pid and comm) is the start time in clock ticks
+# since boot; in the fields after the command name (which start at field 3) it is index 19.
+_START = 22 - 3
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), zombies included; None if there is no such process.
+
+    A PID number is reused once its process is reaped; the pair (pid, start time) is not, so it
+    names one process for as long as the machine is up.
+    """
+    fields = _stat_fields(pid)
+    return int(fields[_START]) if fields is not None else None
+
+
+def same_process(pid: int, started: int | None) -> bool:
+    """True while the process that had start time ``started`` still runs as ``pid`` (not a zombie)."""
+    if started is None:
+        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != b"Z" and int(fields[_START]) == started
+
+
+def signal_process(pid: int, started: int | None, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the process that started at ``started``.
+
+    Returns whether the signal was sent. With a pidfd (Linux >= 5.3) there is no window at all:
+    the pidfd pins the process that held the number when it was opened, the start time is checked
+    after opening it, and a signal through it can only reach that process. Without one, the check
+    and ``kill`` are microseconds apart, against a PID space that would have to wrap around in between.
+    """
+    if started is None:
+        return False
+    pidfd_open = getattr(os, "pidfd_open", None)
+    send = getattr(signal, "pidfd_send_signal", None)
+    if pidfd_open is not None and send is not None:
+        try:
+            fd = pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            fd = -1  # e.g. a seccomp filter refusing pidfd_open: fall back to kill
+        if fd >= 0:
+            try:
+                if start_time(pid) != started:
+                    return False
+                send(fd, sig)
+                return True
+            except ProcessLookupError:
+                return False
+            finally:
+                os.close(fd)
+    if start_time(pid) != started:
+        return False
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class ProcEntry(NamedTuple):
+    ppid: int
+    sid: int
+    start: int
+
+
+def process_table() -> dict[int, ProcEntry]:
+    """Every live (non-zombie) process: its parent, session and start time, from one /proc scan."""
+    out: dict[int, ProcEntry] = {}
+    for pid, fields in _proc_stats():
+        if len(fields) > _START:
+            out[pid] = ProcEntry(int(fields[1]), int(fields[3]), int(fields[_START]))
+    return out
+
+
+class KnownProcesses(MutableSet[int]):
+    """A set of PIDs that remembers which process each one named: its start time, read when added.
+
+    Membership and iteration are by PID number (so ``set`` operations keep working); ``alive()``
+    and :func:`signal_process` with ``started(pid)`` only ever reach the original processes, never
+    an unrelated one that got the number after ours was reaped.
+    """
+
+    def __init__(self, pids: Iterable[int] = ()) -> None:
+        self._started: dict[int, int | None] = {}
+        for pid in pids:
+            self.add(pid)
+
+    def add(self, pid: int, started: int | None = None) -> None:
+        """Remember ``pid``; its start time is read now unless given (None when it is already gone:
+        such an entry is never signalled, since whatever holds the number later is not ours)."""
+        if started is None and pid in self._started:
+            return  # first sighting wins: a later read could already be of a reused number
+        self._started[pid] = started if started is not None else start_time(pid)
+
+    def update(self, pids: "dict[int, int] | Iterable[int]") -> None:
+        """Add many: a ``{pid: start time}`` dict (from :func:`process_table`) or plain PIDs."""
+        if isinstance(pids, dict):
+            for pid, started in pids.items():
+                self.add(pid, started)
+        else:
+            for pid in pids:
+                self.add(pid)
+
+    def discard(self, pid: int) -> None:
+        self._started.pop(pid, None)
+
+    def started(self, pid: int) -> int | None:
+        return self._started.get(pid)
+
+    def items(self) -> list[tuple[int, int | None]]:
+        return list(self._started.items())
+
+    def alive(self) -> list[int]:
+        """The PIDs whose original process still runs, sorted."""
+        # A copy first: the controller's I/O thread adds PIDs while other threads ask.
+        return sorted(pid for pid, started in list(self._started.items()) if same_process(pid, started))
+
+    def is_alive(self, pid: int) -> bool:
+        return same_process(pid, self._started.get(pid))
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self._started
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._started))
+
+    def __len__(self) -> int:
+        return len(self._started)
+
+    def __repr__(self) -> str:
+        return f"KnownProcesses({self._started!r})"
 
 
 def _proc_stats() -> list[tuple[int, list[bytes]]]:

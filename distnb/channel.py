@@ -3,18 +3,25 @@
 ZMQ sockets are not thread-safe, so every other thread hands outgoing frames to the I/O thread
 through an in-process PUSH/PULL pair. Incoming frames are verified (signature, replay, sender
 identity) before anything is unpickled, then handed to ``on_message`` on the I/O thread.
+
+The I/O thread is the pool's lifeline: if it died, heartbeats would stop and every worker would
+shut itself down ~15 s later with nothing said in the notebook. So an exception in a handler or
+in the periodic tick is counted and kept (``errors``, ``last_error``) and the thread carries on.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Iterable
 
 import zmq
 
-from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, parse_identity
+from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, parse_identity, socket_max_msgsize
 from distnb.security import Credentials
 
 __all__ = ["Channel"]
@@ -23,6 +30,9 @@ log = logging.getLogger("distnb")
 
 OnMessage = Callable[[str, int, dict[str, Any]], None]
 _STOP = b"stop"
+#: Distinct failure sites logged at ERROR level; repeats go to DEBUG, so a handler that fails on
+#: every tick can't flood the notebook with one traceback a second.
+_LOGGED_SITES_MAX = 64
 
 
 class Channel:
@@ -42,6 +52,9 @@ class Channel:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # libzmq disconnects a peer sending a bigger part before buffering it: without this, anyone
+        # who can reach the port could make this process hold frames of any size.
+        self._router.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
         self._gate = creds.secure_server(self._ctx, self._router)
         try:
             if port:
@@ -63,6 +76,11 @@ class Channel:
         self.heartbeat_peers: set[bytes] = set()
         self._rejected = 0
         self.undeliverable = 0
+        #: Exceptions caught on the I/O thread (handlers, the tick, the loop itself).
+        self.errors = 0
+        #: The last of them as text: when (local HH:MM:SS), what was being done, and the traceback.
+        self.last_error: str | None = None
+        self._logged_sites: set[tuple[str, str, int]] = set()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="distnb-io", daemon=True)
         self._thread.start()
@@ -103,42 +121,77 @@ class Channel:
         poller.register(self._pull, zmq.POLLIN)
         next_beat = time.monotonic() + self._heartbeat
         while True:
-            timeout_ms = max(0.0, (next_beat - time.monotonic()) * 1000)
-            events = dict(poller.poll(timeout_ms))
-            if self._pull in events:
-                while True:
-                    try:
-                        frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    if len(frames) == 1 and frames[0].bytes == _STOP:
-                        return
-                    try:
-                        self._router.send_multipart(frames, copy=False)
-                    except zmq.ZMQError:  # peer not (or no longer) connected
-                        self.undeliverable += 1
-            if self._router in events:
-                while True:
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._receive(frames)
+            try:
+                if self._step(poller, next_beat):
+                    return
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # never let the lifeline die; a hot failure loop is slowed down below
+                self._failed("the I/O loop")
+                time.sleep(0.05)
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self._heartbeat
-                for peer in list(self.heartbeat_peers):
-                    try:
-                        self._router.send_multipart([peer, *self._codec.encode({"t": Msg.PING})])
-                    except zmq.ZMQError:
-                        self.undeliverable += 1
-                self._on_message("", -1, {"t": "tick"})
+                self._beat()
+
+    def _step(self, poller: zmq.Poller, next_beat: float) -> bool:
+        """One poll and what it brought; True when asked to stop."""
+        timeout_ms = max(0, math.ceil((next_beat - time.monotonic()) * 1000))
+        events = dict(poller.poll(timeout_ms))
+        if self._pull in events:
+            while True:
+                try:
+                    outgoing = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(outgoing) == 1 and outgoing[0].bytes == _STOP:
+                    return True
+                try:
+                    self._router.send_multipart(outgoing, copy=False)
+                except zmq.ZMQError:  # peer not (or no longer) connected
+                    self.undeliverable += 1
+        if self._router in events:
+            while True:
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._receive(frames)
+        return False
+
+    def _beat(self) -> None:
+        """Heartbeats first (workers shut down without them), then the pool's periodic checks."""
+        for peer in list(self.heartbeat_peers):
+            try:
+                self._router.send_multipart([peer, *self._codec.encode({"t": Msg.PING})])
+            except zmq.ZMQError:
+                self.undeliverable += 1
+        try:
+            self._on_message("", -1, {"t": "tick"})
+        except Exception:
+            self._failed("the periodic check (tick)")
+
+    def _failed(self, what: str) -> None:
+        """Count and keep the exception being handled; log each failure site once at ERROR."""
+        self.errors += 1
+        text = traceback.format_exc()
+        self.last_error = f"{time.strftime('%H:%M:%S')} in {what}:\n{text}"
+        tb = traceback.extract_tb(sys.exc_info()[2])
+        site = (what, tb[-1].filename, tb[-1].lineno or 0) if tb else (what, "", 0)
+        if site not in self._logged_sites and len(self._logged_sites) < _LOGGED_SITES_MAX:
+            self._logged_sites.add(site)
+            log.error("distnb: error in %s (the pool keeps running; pool status shows the last one):\n%s", what, text.rstrip())
+        else:
+            log.debug("distnb: error in %s again:\n%s", what, text.rstrip())
 
     def _receive(self, frames: list[bytes]) -> None:
         try:
             kind, rank = parse_identity(frames[0])
-            msg = self._codec.decode(frames[1:], self._guard)
+            msg = self._codec.decode(frames[1:])
             if msg.get("_s") != frames[0].decode():
                 raise BadFrame("sender name does not match its connection")
+            # Only now: a frame carrying another peer's name must not move that peer's counter
+            # forward, or the real peer's next frames would all look like replays.
+            self._guard.check(msg["_s"], msg["_n"])
         except BadFrame as exc:
             self._rejected += 1
             log.debug("dropped a frame: %s", exc)
@@ -146,7 +199,12 @@ class Channel:
         try:
             self._on_message(kind, rank, msg)
         except Exception:  # a bug in a handler must not kill the I/O thread
-            log.exception("distnb: error while handling %s from rank %s", msg.get("t"), rank)
+            self._failed(f"handling {msg.get('t')!r} from {frames[0].decode(errors='replace')}")
+
+    @property
+    def alive(self) -> bool:
+        """Whether the I/O thread runs (False only after ``close``, or if something truly fatal hit it)."""
+        return self._thread.is_alive()
 
     @property
     def rejected(self) -> int:

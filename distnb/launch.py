@@ -269,7 +269,9 @@ class Launcher:
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
         self._drain: threading.Thread | None = None
-        self.known_pids: set[int] = set()
+        # Every PID the pool was seen with, each with its start time: stop() signals only those
+        # still running as the same process, never whoever got a dead rank's number since.
+        self.known_pids = _linux.KnownProcesses()
         _sweep_orphaned_run_dirs()
         # The controller's pid in the name lets a later launch remove it if this process is killed.
         self.run_dir = tempfile.mkdtemp(prefix=f"distnb-{os.getpid()}-")
@@ -337,15 +339,44 @@ class Launcher:
     def tail_text(self, lines: int = 30) -> str:
         return "\n".join(list(self.tail)[-lines:])
 
-    def _pool_pids(self) -> set[int]:
-        pids = set(p for p in self.known_pids if _linux.pid_alive(p))
-        if self.proc is not None:
-            pids |= set(_linux.session_pids(self.proc.pid))
-            pids |= set(_linux.descendants(self.proc.pid))
-        for pid in list(pids):
-            # torchrun gives each rank its own session; include whatever those sessions hold.
-            pids |= set(_linux.session_pids(pid))
-        return pids
+    def _pool_pids(self) -> dict[int, int]:
+        """The pool's live processes as ``{pid: start time}``, from one snapshot of /proc.
+
+        Starts from the known PIDs that are still the same processes, then takes their descendants
+        and the members of their sessions (torchrun gives each rank its own session, and a cell's
+        subprocesses stay in it), until nothing new turns up. A known PID whose number now belongs
+        to another process is left alone, and so are its descendants and session. A known PID that
+        is gone still leads to its session's survivors: while any process has a session id, the
+        kernel does not hand that number out again, so those members can only be ours.
+        """
+        table = _linux.process_table()
+        found: dict[int, int] = {}
+        sessions: set[int] = set()
+        for pid, started in self.known_pids.items():
+            entry = table.get(pid)
+            if entry is None:
+                sessions.add(pid)
+            elif entry.start == started:
+                found[pid] = entry.start
+        children: dict[int, list[int]] = {}
+        members: dict[int, list[int]] = {}
+        for pid, entry in table.items():
+            children.setdefault(entry.ppid, []).append(pid)
+            members.setdefault(entry.sid, []).append(pid)
+        todo = list(found) + [m for sid in sessions for m in members.get(sid, [])]
+        while todo:
+            pid = todo.pop()
+            if pid not in found:
+                found[pid] = table[pid].start
+            for other in children.get(pid, []) + members.get(pid, []):
+                if other not in found:
+                    found[other] = table[other].start
+                    todo.append(other)
+        return found
+
+    def live_pids(self) -> list[int]:
+        """Known PIDs whose original process still runs (a reused number does not count)."""
+        return self.known_pids.alive()
 
     def stop(self, grace: float = 3.0) -> list[int]:
         """Stop every process of the pool: wait ``grace``, SIGTERM, then SIGKILL.
@@ -362,16 +393,14 @@ class Launcher:
             pids = self._pool_pids()
             if not pids:
                 break
-            self.known_pids |= pids
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            self.known_pids.update(pids)
+            for pid, started in pids.items():
+                # Checked again at the moment of signalling: the snapshot is already in the past.
+                _linux.signal_process(pid, started, sig)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 self.proc.poll()  # reap the agent, our only direct child
-                if not any(_linux.pid_alive(p) for p in pids):
+                if not any(_linux.same_process(p, s) for p, s in pids.items()):
                     break
                 time.sleep(0.02)
         try:
@@ -380,7 +409,7 @@ class Launcher:
             pass
         if self._drain is not None:
             self._drain.join(2.0)
-        leftovers = sorted(p for p in self.known_pids if _linux.pid_alive(p))
+        leftovers = self.known_pids.alive()
         if not leftovers:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return leftovers

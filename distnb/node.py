@@ -23,7 +23,7 @@ import zmq
 
 from distnb import __version__, _linux
 from distnb.launch import Launcher, LaunchConfig, Rendezvous
-from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, node_identity
+from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, node_identity, socket_max_msgsize
 from distnb.security import Credentials, KeyFileError
 
 __all__ = ["NodeAgent", "main"]
@@ -41,6 +41,8 @@ class NodeAgent:
         self.guard = ReplayGuard()
         self.ctx = zmq.Context(1)
         self.sock = self.ctx.socket(zmq.DEALER)
+        # Frames bigger than any legitimate one are refused by libzmq before they are buffered.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
         self.sock.setsockopt(zmq.IDENTITY, node_identity(self.agent_id))
         self.sock.setsockopt(zmq.LINGER, 1000)
         creds.secure_client(self.sock)

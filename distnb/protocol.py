@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import os
 import pickle
 import secrets
 import time
@@ -25,6 +26,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "BadFrame",
     "Codec",
+    "FrameTooLarge",
     "Msg",
     "ReplayGuard",
     "new_key",
@@ -33,12 +35,43 @@ __all__ = [
     "supervisor_identity",
     "node_identity",
     "parse_identity",
+    "socket_max_msgsize",
 ]
 
 MAGIC = b"DNB1"
-#: Frames larger than this are refused on receipt (a rank's value is summarised long before).
-MAX_FRAME_BYTES = 256 * 1024 * 1024
 _SIG_LEN = hashlib.sha256().digest_size
+_DEFAULT_MAX_FRAME = 256 * 1024 * 1024
+_MIN_MAX_FRAME = 1024 * 1024  # output chunks (64 KiB) and cell events must always fit
+_MAX_MAX_FRAME = 2**31 - 1
+
+
+def _max_frame_from_env() -> int:
+    """The body limit, from ``DISTNB_MAX_FRAME_BYTES`` when set (1 MiB to 2 GiB), else 256 MiB.
+
+    Ranks inherit the notebook's environment, so one setting covers both sides; a bad value is
+    ignored rather than stopping a worker that has no way to report it yet.
+    """
+    text = os.environ.get("DISTNB_MAX_FRAME_BYTES", "")
+    if text.strip().isdigit() and _MIN_MAX_FRAME <= int(text) <= _MAX_MAX_FRAME:
+        return int(text)
+    return _DEFAULT_MAX_FRAME
+
+
+#: A message body larger than this is never sent (:class:`FrameTooLarge`) and is refused on receipt.
+MAX_FRAME_BYTES = _max_frame_from_env()
+#: Headroom over the body limit for ZMQ_MAXMSGSIZE: the limit applies to every part of a multipart
+#: message on the wire, where CURVE adds a few dozen bytes of box and nonce to each.
+_WIRE_SLACK = 64 * 1024
+
+
+def socket_max_msgsize() -> int:
+    """ZMQ_MAXMSGSIZE for every distnb socket: a peer sending a bigger part is disconnected by
+    libzmq before it is buffered, so a peer without the key can't make us hold gigabytes."""
+    return MAX_FRAME_BYTES + _WIRE_SLACK
+
+
+def _mb(n: int) -> str:
+    return f"{n / (1024 * 1024):,.1f} MB"
 
 
 class Msg:
@@ -120,6 +153,23 @@ class BadFrame(Exception):
     """A frame that is malformed, oversized, wrongly signed or replayed."""
 
 
+class FrameTooLarge(ValueError):
+    """A message whose pickled body exceeds :data:`MAX_FRAME_BYTES`; raised by :meth:`Codec.encode`
+    before anything is sent, because the receiver would drop it and the sender would wait in vain.
+
+    ``size`` and ``limit`` are in bytes, so a caller can name the culprit in its own words.
+    """
+
+    def __init__(self, size: int, limit: int, what: str = "message") -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"{what} of {_mb(size)} ({size:,} bytes pickled) exceeds distnb's limit of {_mb(limit)} per message; "
+            "send less at a time (a slice or a summary), or save it to a file both sides can read "
+            "(torch.save / torch.load). The limit can be raised with DISTNB_MAX_FRAME_BYTES before launching."
+        )
+
+
 @dataclass
 class ReplayGuard:
     """Remembers the highest counter seen per sender and rejects anything not above it."""
@@ -149,9 +199,12 @@ class Codec:
         self.rejected = 0
 
     def encode(self, msg: dict[str, Any]) -> list[bytes]:
+        """Sign ``msg``; raises :class:`FrameTooLarge` for a body the receiver would refuse."""
         msg["_s"] = self.sender
         msg["_n"] = next(self._counter)
         body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(body) > MAX_FRAME_BYTES:
+            raise FrameTooLarge(len(body), MAX_FRAME_BYTES, f"a {msg.get('t', '?')!s} message")
         sig = hmac.new(self._key, body, hashlib.sha256).digest()
         return [MAGIC, sig, body]
 
@@ -164,7 +217,7 @@ class Codec:
             if len(sig) != _SIG_LEN:
                 raise BadFrame("bad signature length")
             if len(body) > MAX_FRAME_BYTES:
-                raise BadFrame(f"frame of {len(body)} bytes exceeds the limit")
+                raise BadFrame(f"frame of {len(body)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
             expected = hmac.new(self._key, body, hashlib.sha256).digest()
             if not hmac.compare_digest(sig, expected):
                 raise BadFrame("bad signature")

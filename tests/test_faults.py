@@ -127,15 +127,113 @@ def test_cell_that_forks(pool2: distnb.Pool) -> None:
     assert pool.run("rank").ok
 
 
+def _sigints(pool: distnb.Pool) -> dict[int, int]:
+    """KeyboardInterrupts each rank's SIGINT handler has raised so far (read inside the rank)."""
+    res = pool.run("import sys as _s\n_s.modules['__main__'].current.executor.sigints", timeout=20)
+    assert res.ok, res.text()
+    return {r: int(v) for r, v in res.values.items()}
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+_CATCH_FIVE = """
+import time
+print("ready", flush=True)
+caught = 0
+deadline = time.monotonic() + 30
+while caught < 5 and time.monotonic() < deadline:
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        caught += 1
+        print(f"caught {caught}", flush=True)
+caught
+"""
+
+
 def test_repeated_interrupts(pool2: distnb.Pool) -> None:
+    """Five interrupts, each delivered exactly once (the cell counts them), none lost, none doubled
+    by the control thread's re-send, and none left over to hit the next cell."""
     pool = usable(pool2)
-    res = pool.submit("import time\nfor _ in range(100):\n    try:\n        time.sleep(0.05)\n    except KeyboardInterrupt:\n        pass\n")
-    for _ in range(5):
+    before = _sigints(pool)
+    res = pool.submit(_CATCH_FIVE)
+    # Inside the loop first: an interrupt that beats the cell's start cancels the whole cell instead.
+    _wait_for(lambda: all(res[r].stdout.startswith("ready") for r in (0, 1)), 10, "the cell to start")
+    for i in range(1, 6):
         pool.interrupt()
-        time.sleep(0.05)
-    pool.wait(res, timeout=60)
-    assert not res.running
-    assert pool.run("rank").ok
+        _wait_for(lambda: all(f"caught {i}\n" in res[r].stdout for r in (0, 1)), 10,
+                  f"interrupt {i} to reach both ranks (stdout: {res.stdout})")
+        # Longer than the control thread's 0.25 s re-send: a second delivery would show up here.
+        time.sleep(0.4)
+        assert all(f"caught {i + 1}" not in res[r].stdout for r in (0, 1)), f"interrupt {i} arrived twice: {res.stdout}"
+    pool.wait(res, timeout=20)
+    assert res.ok and res.values == {0: "5", 1: "5"}, res.text()
+    assert {r: n - before[r] for r, n in _sigints(pool).items()} == {0: 5, 1: 5}
+    # Nothing pending: a cell that sleeps through any late re-send still ends normally.
+    after = pool.run("import time\ntime.sleep(1.0)\n'clean'", timeout=20)
+    assert after.ok and after.values == {0: "'clean'", 1: "'clean'"}, after.text()
+
+
+def _ctrl_c_on_ticks(*ticks: int):
+    """An ``on_tick`` that raises KeyboardInterrupt in the waiting thread on the given ticks, as
+    Ctrl-C in Jupyter does in the thread running the cell. Ticks count from when every rank has
+    printed "ready": an interrupt that beats a cell's start cancels the cell instead of reaching it."""
+    seen: list[float] = []
+
+    def on_tick(result: distnb.CellResult) -> None:
+        if seen or all(r.stdout.startswith("ready") for r in result.results.values()):
+            seen.append(time.monotonic())
+        if len(seen) in ticks:
+            raise KeyboardInterrupt
+
+    return on_tick, seen
+
+
+def test_ctrl_c_while_waiting_interrupts_the_ranks(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    res = pool.submit("import time\nprint('ready', flush=True)\ntime.sleep(30)")
+    on_tick, seen = _ctrl_c_on_ticks(1)
+    pool.wait(res, timeout=20, on_tick=on_tick)
+    assert not res.timed_out and not res.detached and not res.running
+    assert res[0].status == res[1].status == "interrupted", res.text()
+    assert res.elapsed < 10 and len(seen) >= 1
+    assert pool.run("rank").values == {0: "0", 1: "1"}
+
+
+def test_second_ctrl_c_detaches_from_a_rank_that_swallows_interrupts(pool2: distnb.Pool) -> None:
+    pool = usable(pool2)
+    code = (
+        "import time\n"
+        "print('ready', flush=True)\n"
+        "if rank == 1:\n"
+        "    end = time.monotonic() + 4\n"
+        "    while time.monotonic() < end:\n"
+        "        try:\n"
+        "            while time.monotonic() < end:\n"
+        "                time.sleep(0.05)\n"
+        "        except KeyboardInterrupt:\n"
+        "            pass  # swallowed, like a library that retries on EINTR\n"
+        "else:\n"
+        "    time.sleep(30)\n"
+    )
+    res = pool.submit(code)
+    on_tick, _ = _ctrl_c_on_ticks(1, 6)
+    pool.wait(res, timeout=20, on_tick=on_tick)
+    # Detached by the second Ctrl-C while rank 1 still swallows interrupts (it runs ~4 s).
+    assert res.detached and not res.timed_out and res.running == [1], res.text()
+    assert res[0].status == "interrupted"
+    assert any("second interrupt" in n and "rank 1 did not respond" in n and "%dist_stacks" in n for n in res.notes), res.notes
+    # The rank carries on by itself; the pool is usable once it is done.
+    pool.wait(res, timeout=20)
+    assert res[1].status == "ok" and not res.running
+    assert pool.run("rank").values == {0: "0", 1: "1"}
 
 
 def test_sigstopped_rank_shows_as_hung_with_others_stacks(pool2: distnb.Pool) -> None:

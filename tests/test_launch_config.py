@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 
 import distnb
+from distnb import _linux
 from distnb.launch import LaunchConfig, Launcher, Rendezvous, default_nproc
 from distnb.security import Credentials
 
@@ -171,3 +175,121 @@ def test_unstarted_pool_is_inert():
     assert pool.state == distnb.PoolState.NEW
     with pytest.raises(distnb.NoPoolError, match="start one"):
         pool.run("1")
+
+
+# -- stopping by PID, never a stranger that got a dead process's number -------------------------
+
+
+def _sleeper(**kwargs) -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL, **kwargs)
+
+
+def _finish(*procs: subprocess.Popen, pids: tuple[int, ...] = ()) -> None:
+    """Cleanup of what the test started, by PID (never by name)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(5)
+    for pid in pids:
+        if _linux.pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(30)
+def test_start_time_names_one_process():
+    proc = _sleeper()
+    try:
+        started = _linux.start_time(proc.pid)
+        # Independently: clock ticks since boot, so boot time + start time is about now.
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        assert abs(boot + started / os.sysconf("SC_CLK_TCK") - time.time()) < 5, started
+        assert _linux.start_time(proc.pid) == started  # stable
+        assert _linux.same_process(proc.pid, started)
+        assert not _linux.same_process(proc.pid, started - 1) and not _linux.same_process(proc.pid, None)
+        proc.kill()
+        deadline = time.monotonic() + 5
+        while _linux.same_process(proc.pid, started) and time.monotonic() < deadline:
+            time.sleep(0.01)  # a zombie until reaped: no longer "the same running process"
+        assert not _linux.same_process(proc.pid, started)
+        proc.wait(5)
+        assert _linux.start_time(proc.pid) is None
+        assert not _linux.signal_process(proc.pid, started, signal.SIGTERM)  # gone: nothing sent
+    finally:
+        _finish(proc)
+
+
+@pytest.mark.timeout(30)
+def test_signal_process_checks_the_start_time_first():
+    proc = _sleeper()
+    try:
+        started = _linux.start_time(proc.pid)
+        # The number now names "another" process (a wrong start time stands in for PID reuse).
+        assert not _linux.signal_process(proc.pid, started + 1, signal.SIGKILL)
+        assert not _linux.signal_process(proc.pid, None, signal.SIGKILL)
+        time.sleep(0.1)
+        assert proc.poll() is None, "a process with a different start time was signalled"
+        assert _linux.signal_process(proc.pid, started, signal.SIGTERM)
+        assert proc.wait(5) == -signal.SIGTERM
+    finally:
+        _finish(proc)
+
+
+@pytest.mark.timeout(30)
+def test_known_processes_keep_the_first_start_time_and_act_like_a_set():
+    a, b = _sleeper(), _sleeper()
+    try:
+        known = _linux.KnownProcesses()
+        known.add(a.pid)
+        known |= {b.pid}  # how the pool adds its node starters' PIDs
+        assert set(known) == {a.pid, b.pid} and len(known) == 2 and a.pid in known
+        assert known.started(a.pid) == _linux.start_time(a.pid)
+        known.add(a.pid)  # a second sighting does not overwrite the first
+        assert known.started(a.pid) == _linux.start_time(a.pid)
+        assert known.alive() == sorted([a.pid, b.pid]) and known.is_alive(b.pid)
+        b.kill()
+        b.wait(5)
+        assert known.alive() == [a.pid] and not known.is_alive(b.pid)
+        known.add(999_999_999)  # never existed: recorded without a start time, never alive
+        assert known.started(999_999_999) is None and not known.is_alive(999_999_999)
+    finally:
+        _finish(a, b)
+
+
+@pytest.mark.timeout(60)
+def test_stop_never_signals_a_reused_pid():
+    """Launcher.stop() signals every process it knows plus their sessions; a PID whose number now
+    belongs to someone else (after the original was reaped) must be left alone."""
+    launcher = Launcher(LaunchConfig(nproc=1, backend="gloo"), "tcp://127.0.0.1:1", Credentials(b"\x03" * 32))
+    # The "agent": its own session with a child in it, like torchrun and its workers.
+    agent = subprocess.Popen(["sh", "-c", "sleep 30 & exec sleep 30"], start_new_session=True, stdin=subprocess.DEVNULL)
+    # A rank whose session leader is already gone: its survivors are still ours.
+    leader = subprocess.Popen(["sh", "-c", "sleep 30 & exit 0"], start_new_session=True, stdin=subprocess.DEVNULL)
+    ours = _sleeper(start_new_session=True)  # e.g. a supervisor, known with its real start time
+    stranger = _sleeper()  # not ours, but it holds a number the pool once knew
+    orphans: list[int] = []
+    try:
+        launcher.proc = agent
+        launcher.known_pids.add(agent.pid)
+        launcher.known_pids.add(leader.pid)
+        launcher.known_pids.add(ours.pid)
+        launcher.known_pids.add(stranger.pid, started=_linux.start_time(stranger.pid) - 7)
+        deadline = time.monotonic() + 5
+        while not (_linux.descendants(agent.pid) and _linux.session_pids(leader.pid)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        agent_child = _linux.descendants(agent.pid)
+        leader.wait(5)  # reaped: its survivor lives on in the session it led
+        orphans = [p for p in _linux.session_pids(leader.pid) if p != leader.pid]
+        assert len(agent_child) == 1 and len(orphans) == 1
+        found = launcher._pool_pids()
+        assert set(found) == {agent.pid, *agent_child, *orphans, ours.pid}, found
+        assert stranger.pid not in found
+
+        assert launcher.stop(grace=0) == []
+        assert agent.poll() is not None and ours.wait(5) == -signal.SIGTERM
+        assert not any(_linux.pid_alive(p) for p in agent_child + orphans)
+        assert stranger.poll() is None, "stop() signalled a process that merely reused a known PID"
+        assert not os.path.exists(launcher.run_dir)
+    finally:
+        _finish(agent, leader, ours, stranger, pids=tuple(orphans))
+        launcher.stop(grace=0)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
+import threading
+import timeit
+import types
 
 import pytest
 
@@ -23,6 +29,102 @@ def test_sampler_measures_a_cells_peak_in_process() -> None:
     assert sample["rss_peak"] - sample["rss_start"] >= 190 * MB
     sampler.start()
     assert sampler.stop()["rss_peak"] - sample["rss_start"] < 100 * MB  # the peak was reset
+
+
+_CHILD = """
+import json, sys
+from distnb.worker.memory import MemorySampler
+sampler = MemorySampler()
+sampler.start()
+print(json.dumps(sampler.stop()))
+"""
+
+_PARENT = """
+import subprocess, sys
+blob = bytearray(300 << 20)
+blob[::4096] = b"\\1" * len(blob[::4096])  # touch every page: 300 MB resident
+del blob
+# Spawned the way subprocess does by default (vfork + exec): the child's ru_maxrss starts at this
+# process's 300 MB peak and keeps it for life; clear_refs does not reset that.
+sys.exit(subprocess.run([sys.executable, "-c", sys.argv[1]]).returncode)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_peak_is_this_cells_not_inherited_at_exec() -> None:
+    out = subprocess.run([sys.executable, "-c", _PARENT, _CHILD], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    sample = json.loads(out.stdout)
+    assert sample["rss_peak_is_cell"]
+    assert sample["rss_peak"] < sample["rss"] + 20 * MB, f"the child reports its parent's peak: {sample}"
+
+
+def test_sampling_is_cheap() -> None:
+    sampler = MemorySampler()
+    # The best of several rounds: the machine may be busy, but the cost itself must stay small.
+    per_cell = min(timeit.repeat(lambda: (sampler.start(), sampler.stop()), number=200, repeat=5)) / 200
+    assert per_cell < 200e-6, f"sampling memory costs {per_cell * 1e6:.0f} µs per cell"
+
+
+class _FakeCuda:
+    """torch.cuda's per-thread current device, and per-device counters."""
+
+    def __init__(self) -> None:
+        self._tls = threading.local()
+        self.asked: list[int] = []
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 2
+
+    def current_device(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+    def set_device(self, device: int) -> None:
+        self._tls.device = device
+
+    def reset_peak_memory_stats(self, device: int) -> None:
+        self.asked.append(device)
+
+    def memory_allocated(self, device: int) -> int:
+        self.asked.append(device)
+        return (device + 1) * MB
+
+    memory_reserved = max_memory_allocated = memory_allocated
+
+
+def _on_another_thread(fn):
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(fn()))
+    worker.start()
+    worker.join(10)
+    return out[0]
+
+
+def test_cuda_queries_name_the_ranks_device_from_any_thread(monkeypatch) -> None:
+    """%dist_memory is answered on the control thread, whose CUDA current device is 0."""
+    cuda = _FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr("distnb.worker.memory.MemorySampler._nvml_handle", lambda self: None)
+    # A cell thread bound to device 1 (as the rank does by LOCAL_RANK); the control thread asks.
+    sampler = MemorySampler(local_rank=1)
+    cuda.set_device(1)
+    sampler.start()
+    cuda.asked.clear()
+    live = _on_another_thread(sampler.stop)
+    assert live["cuda_allocated"] == 2 * MB and set(cuda.asked) == {1} and live["cuda_device"] == 1
+    # Asked before any cell sampled CUDA: the rank's LOCAL_RANK, not the asking thread's device 0.
+    assert _on_another_thread(MemorySampler(local_rank=1).stop)["cuda_device"] == 1
+    # Set explicitly (the rank does, after binding its device).
+    assert _on_another_thread(MemorySampler(local_rank=0, device=1).stop)["cuda_device"] == 1
+    # The cell thread follows a cell that switches devices.
+    cuda.set_device(0)
+    assert sampler.stop()["cuda_device"] == 0 and _on_another_thread(sampler.stop)["cuda_device"] == 0
 
 
 def test_imbalance_needs_ratio_and_absolute_gap() -> None:

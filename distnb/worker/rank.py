@@ -23,7 +23,8 @@ from typing import Any
 import zmq
 
 from distnb import _linux
-from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, exec_identity
+from distnb import protocol
+from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, exec_identity, socket_max_msgsize
 from distnb.security import Credentials
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
@@ -32,6 +33,18 @@ from distnb.worker.memory import MemorySampler
 from distnb.worker.supervisor import write_event
 
 _libc = ctypes.CDLL(None)
+
+#: The running rank (set by ``main``), for inspection from a cell when debugging distnb itself:
+#: ``sys.modules["__main__"].current`` (this module runs as ``__main__``).
+current: "Rank | None" = None
+
+
+#: Room left in a pull reply for the message around the pickled value (tags, id, counter).
+_REPLY_SLACK = 4096
+
+
+def _mb(n: int) -> str:
+    return f"{n / (1024 * 1024):,.1f} MB"
 
 
 def _reopen(fd: int) -> io.TextIOWrapper:
@@ -53,6 +66,9 @@ class Rank:
         self.backend = env.get("DISTNB_BACKEND", "auto")
         self.pg_timeout = float(env.get("DISTNB_PG_TIMEOUT", "1800"))
         self.ctx = zmq.Context(1)
+        # A default for every socket of this context, the control thread's included: a frame
+        # bigger than any legitimate one is refused by libzmq instead of being buffered whole.
+        self.ctx.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, exec_identity(self.rank))
         self.sock.setsockopt(zmq.LINGER, 2000)
@@ -62,6 +78,7 @@ class Rank:
         self.guard = ReplayGuard()
         self.send_lock = threading.Lock()
         self.stdio = (sys.stdout, sys.stderr)
+        self.control: ControlThread | None = None
         self.ns: dict[str, Any] = {}
         self.executor = Executor(self.ns, self._send_display, MemorySampler(self.local_rank))
 
@@ -113,6 +130,8 @@ class Rank:
                 )
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)  # by LOCAL_RANK, before the process group exists
+            # The control thread answers %dist_memory, and its own current device is 0.
+            self.executor.memory.device = self.local_rank
         else:
             device = torch.device("cpu")
         kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=self.pg_timeout)}
@@ -165,7 +184,15 @@ class Rank:
             except Exception as exc:
                 self.send({"t": Msg.DONE, "id": msg["id"], "status": "error", "error": f"{type(exc).__name__}: {exc}"})
         elif t == Msg.PULL:
-            self.send({"t": Msg.DONE, "id": msg["id"], **self.pull(msg["names"])})
+            reply = self.pull(msg["names"])
+            try:
+                self.send({"t": Msg.DONE, "id": msg["id"], **reply})
+            except FrameTooLarge as exc:
+                # Each value fitted on its own, together they do not: say which and how big.
+                sizes = ", ".join(f"{n!r} {_mb(len(b))}" for n, b in reply.get("values", {}).items())
+                self.send({"t": Msg.DONE, "id": msg["id"], "status": "error",
+                           "error": f"{sizes} on rank {self.rank} are {_mb(exc.size)} together, over distnb's limit of "
+                           f"{_mb(exc.limit)} per message; pull them one at a time."})
         elif t == Msg.REGROUP:
             self.send({"t": Msg.DONE, "id": msg["id"], **self.regroup(int(msg["generation"]))})
         elif t == Msg.CHECK:
@@ -218,7 +245,22 @@ class Rank:
 
                 if isinstance(value, torch.Tensor):
                     value = value.detach().cpu()  # the notebook may have no GPU
-                out[name] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                if len(blob) > protocol.MAX_FRAME_BYTES - _REPLY_SLACK:
+                    raise FrameTooLarge(len(blob), protocol.MAX_FRAME_BYTES)
+                out[name] = blob
+            except FrameTooLarge as exc:
+                # Caught here, before the reply is built, so the notebook hears why at once
+                # instead of waiting out its timeout for a frame that could never be sent.
+                return {
+                    "status": "error",
+                    "error": f"{name!r} on rank {self.rank} is {_mb(exc.size)} pickled, over distnb's limit of "
+                    f"{_mb(exc.limit)} per message. Reduce it in a cell first (a slice, a summary such as "
+                    f"{name}.shape or {name}.sum(), or .half()), or save it to disk on the rank "
+                    f"(torch.save({name}, path)) and load the file in the notebook. (The limit can be raised "
+                    "with DISTNB_MAX_FRAME_BYTES set before launching.)",
+                    "summary": mimebundle(value)["text/plain"][:500],
+                }
             except Exception as exc:
                 return {
                     "status": "error",
@@ -230,6 +272,7 @@ class Rank:
 
     def serve(self) -> None:
         while True:
+            msg: dict[str, Any] | None = None
             try:
                 frames = self.sock.recv_multipart()
                 try:
@@ -239,12 +282,29 @@ class Rank:
                 self.handle(msg)
             except KeyboardInterrupt:
                 continue  # an interrupt that arrived just after a cell ended
+            except Exception as exc:
+                if msg is not None and msg.get("t") == Msg.EXEC:
+                    # The cell itself can't fail here (the executor catches everything); this is
+                    # the events pipe or stdio failing, so no DONE could reach the notebook. Dying
+                    # is then the honest answer: the supervisor reports the exit and the cell ends.
+                    raise
+                # Any other request this rank can't handle (a bug, a malformed message) must not
+                # end the rank and every namespace the user built: report it and carry on.
+                print(f"distnb: rank {self.rank} failed to handle a {msg.get('t') if msg else 'frame'!s} request: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                if msg is not None and "id" in msg:
+                    try:
+                        self.send({"t": Msg.DONE, "id": msg["id"], "status": "error",
+                                   "error": f"rank {self.rank} failed to handle the request: {type(exc).__name__}: {exc}"})
+                    except Exception:
+                        pass
 
 
 def main() -> int:
-    r = Rank()
+    global current
+    r = current = Rank()
     r.setup_process()
-    control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor)
+    control = r.control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor)
     control.start()
     r.send({"t": Msg.HELLO, "rank": r.rank, "local_rank": r.local_rank, "world_size": r.world_size, "pid": os.getpid(), "host": socket.gethostname(), "main_ident": threading.main_thread().ident})
     try:

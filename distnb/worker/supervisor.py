@@ -28,7 +28,7 @@ import time
 import zmq
 
 from distnb import _linux
-from distnb.protocol import Codec, Msg, ReplayGuard, BadFrame, supervisor_identity
+from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, socket_max_msgsize, supervisor_identity
 from distnb.security import Credentials
 
 _READ_SIZE = 1 << 16
@@ -72,6 +72,9 @@ class Supervisor:
         self.guard = ReplayGuard()
         self.ctx = zmq.Context(1)
         self.sock = self.ctx.socket(zmq.DEALER)
+        # Nothing the controller legitimately sends comes near this; anything bigger is refused
+        # by libzmq before it is buffered.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
         self.sock.setsockopt(zmq.IDENTITY, supervisor_identity(self.rank))
         self.sock.setsockopt(zmq.LINGER, 2000)
         creds.secure_client(self.sock)
@@ -134,6 +137,26 @@ class Supervisor:
             if not data:
                 return False
             self._forward(stream, data)
+
+    def _forward_event(self, body: bytes) -> None:
+        try:
+            self.send({"t": Msg.EVENT, "body": body})
+        except FrameTooLarge as exc:
+            # Values and displays are capped on the rank, so this takes a bug; still, a DONE must
+            # arrive or the notebook waits for ever. The body comes from our own child's private
+            # pipe, so reading it here is as safe as the controller reading it.
+            event = pickle.loads(body)
+            note = f"<this rank's {event.get('t')} event was {exc.size:,} bytes pickled, over distnb's limit of {exc.limit:,}; dropped>"
+            if event.get("t") == Msg.DISPLAY:
+                small = {"t": Msg.DISPLAY, "cell": event.get("cell"), "data": {"text/plain": note}}
+            else:  # DONE: keep what the notebook needs to finish the cell, nothing that could be big
+                small = {k: event.get(k) for k in ("t", "id", "cell", "status", "duration")}
+                small["value"] = {"text/plain": note}
+                error = event.get("error")
+                if isinstance(error, dict):
+                    small["error"] = {"ename": str(error.get("ename"))[:200], "evalue": str(error.get("evalue"))[:4000],
+                                      "traceback": note, "line": error.get("line")}
+            self.send({"t": Msg.EVENT, "body": pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL)})
 
     def _handle(self, msg: dict) -> None:
         t = msg["t"]
@@ -207,7 +230,11 @@ class Supervisor:
                     except BadFrame:
                         continue
                     last_heard = now
-                    self._handle(msg)
+                    try:
+                        self._handle(msg)
+                    except Exception as exc:  # a bad request must not end the supervisor (torchrun would stop every rank)
+                        print(f"distnb supervisor {self.rank}: could not handle {msg.get('t')!r}: {type(exc).__name__}: {exc}",
+                              file=sys.stderr, flush=True)
             for fd, stream in streams.items():
                 if fd in events and fd in open_fds and not self._drain(fd, stream):
                     close(fd)
@@ -228,7 +255,7 @@ class Supervisor:
                     for fd, stream in streams.items():
                         if fd in open_fds and not self._drain(fd, stream):
                             close(fd)
-                    self.send({"t": Msg.EVENT, "body": body})
+                    self._forward_event(body)
             if self.pending_fault and now >= self.fault_deadline:
                 self._finish_fault()
             rc = self.child.poll()
