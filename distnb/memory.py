@@ -75,6 +75,14 @@ def memory_line(samples: dict[int, dict[str, Any]]) -> str:
     return "memory: " + " · ".join(parts) + ("  ⚠ " + "; ".join(flags) if flags else "")
 
 
+def _delta(sample: dict[str, Any], key: str) -> str:
+    """The change of ``key`` over the cell ("+300 MB"), from its ``<key>_start`` companion."""
+    start, end = sample.get(f"{key}_start"), sample.get(key)
+    if start is None or end is None:
+        return "-"
+    return ("+" if end >= start else "") + fmt_bytes(end - start)
+
+
 @dataclass
 class MemoryReport:
     """Each rank's memory now and its peak per cell."""
@@ -92,35 +100,44 @@ class MemoryReport:
     def imbalance(self) -> list[str]:
         return imbalance(self.last_cell() or self.current)
 
-    def text(self) -> str:
+    def table(self) -> tuple[list[str], list[tuple[int, list[str]]]]:
+        """Column names and each rank's row of cells, shared by :meth:`text` and the HTML view so
+        both always carry the same columns. CUDA columns appear once a rank uses CUDA; the device
+        column once NVML reported the device."""
         last = self.last_cell()
         ranks = sorted(set(self.current) | set(last))
+        samples = list(self.current.values()) + list(last.values())
+        cuda = any("cuda_allocated" in s for s in samples)
+        device = any("device_used" in s for s in samples)
         cols = ["rank", "RSS now", "RSS peak (last cell)", "Δ RSS (last cell)"]
-        cuda = any("cuda_allocated" in s for s in list(self.current.values()) + list(last.values()))
         if cuda:
-            cols += ["CUDA alloc", "reserved", "CUDA peak", "device used/total"]
-        rows = [cols]
+            cols += ["CUDA alloc", "Δ CUDA alloc (last cell)", "reserved", "CUDA peak (last cell)"]
+        if device:
+            cols += ["device used/total"]
+        rows = []
         for r in ranks:
             now, cell = self.current.get(r, {}), last.get(r, {})
-            row = [
-                str(r),
-                fmt_bytes(now.get("rss")),
-                fmt_bytes(cell.get("rss_peak")),
-                (("+" if cell["rss"] >= cell["rss_start"] else "") + fmt_bytes(cell["rss"] - cell["rss_start"])) if "rss_start" in cell else "-",
-            ]
+            row = [str(r), fmt_bytes(now.get("rss")), fmt_bytes(cell.get("rss_peak")), _delta(cell, "rss")]
+            src = now or cell  # "now" when the rank answered, else what its last cell ended with
             if cuda:
-                src = now or cell
-                used = src.get("device_used")
                 row += [
                     fmt_bytes(src.get("cuda_allocated")),
+                    _delta(cell, "cuda_allocated"),
                     fmt_bytes(src.get("cuda_reserved")),
                     fmt_bytes(cell.get("cuda_peak")),
-                    f"{fmt_bytes(used)} / {fmt_bytes(src.get('device_total'))}" if used is not None else "-",
                 ]
-            rows.append(row)
-        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-        lines = [f"memory of {format_ranks(ranks)}"]
-        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+            if device:
+                used = src.get("device_used")
+                row.append(f"{fmt_bytes(used)} / {fmt_bytes(src.get('device_total'))}" if used is not None else "-")
+            rows.append((r, row))
+        return cols, rows
+
+    def text(self) -> str:
+        cols, rows = self.table()
+        cells = [cols] + [row for _, row in rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+        lines = [f"memory of {format_ranks([r for r, _ in rows])}"]
+        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
         lines += [f"  ⚠ {flag}" for flag in self.imbalance()]
         return "\n".join(lines)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from distnb.checks import compare
 from distnb.collectives import CollectiveLog
 from distnb.display.html import BAD, WARN, check_html, collectives_html, env_html, memory_html, register, stacks_html, status_html
@@ -36,6 +38,7 @@ def test_check_env_memory_and_stacks_tables() -> None:
 
     report = compare("w", {0: checksum(torch.ones(3)), 1: checksum(torch.ones(3)), 2: checksum(torch.zeros(3))})
     assert "odd rank: 2" in check_html(report) and "<table" in check_html(report)
+    assert row_styles(check_html(report)) == [("w", "ranks 0,1", WARN), ("w", "rank 2", BAD)]
     env = EnvReport({0: {"RANK": "0", "NCCL_IB_DISABLE": "1"}, 1: {"RANK": "1", "NCCL_IB_DISABLE": "0"}})
     assert f"<tr style='{BAD}'><td style='text-align:left;padding:2px 8px;vertical-align:top'>NCCL_IB_DISABLE" in env_html(env)
     mem = MemoryReport({0: {"rss": 200 << 20}, 1: {"rss": 600 << 20}}, [(1, {0: {"rss_peak": 200 << 20}, 1: {"rss_peak": 600 << 20}})])
@@ -45,6 +48,50 @@ def test_check_env_memory_and_stacks_tables() -> None:
                                     annotation="in all_reduce [3] f32 (#1 on group 0) for 3.0 s")])
     out = stacks_html(stacks)
     assert "dist.all_reduce(x)" in out and "in all_reduce [3] f32" in out and WARN not in out
+
+
+def row_styles(out: str) -> list[tuple[str, str, str]]:
+    """(entry, ranks, row style) of each body row of an HTML table."""
+    rows = re.findall(r"<tr style='([^']*)'><td[^>]*>(.*?)</td><td[^>]*>(.*?)</td>", out)
+    return [(entry, ranks, style) for style, entry, ranks in rows]
+
+
+def test_check_rows_are_coloured_by_status_and_majority() -> None:
+    import torch
+
+    ones, zeros = torch.ones(3), torch.zeros(3)
+    # Rank 0 is the odd one: the first row shown is the odd group, not the majority.
+    per_rank = {0: checksum({"w": zeros, "b": ones}), 1: checksum({"w": ones, "b": ones}), 2: checksum({"w": ones, "b": ones})}
+    out = check_html(compare("model", per_rank))
+    assert row_styles(out) == [
+        ("w", "rank 0", BAD),  # odd group: red
+        ("w", "ranks 1,2", WARN),  # majority of a differing entry: yellow
+        ("b", "ranks 0-2", ""),  # identical: not coloured
+    ]
+    # No majority among three: the reference group (lowest rank) yellow, the others red.
+    three = {0: checksum({"w": zeros}), 1: checksum({"w": ones}), 2: checksum({"w": ones * 2})}
+    assert [s for _, _, s in row_styles(check_html(compare("model", three)))] == [WARN, BAD, BAD]
+    same = check_html(compare("w", {0: checksum(ones), 1: checksum(ones)}))
+    assert BAD not in same and WARN not in same
+
+
+def test_memory_html_has_the_text_forms_columns() -> None:
+    mb = 1 << 20
+    cell = {r: {"rss": 900 * mb, "rss_start": 600 * mb, "rss_peak": 950 * mb, "cuda_allocated": (300 + 200 * r) * mb,
+                "cuda_allocated_start": 100 * mb, "cuda_reserved": 1024 * mb, "cuda_reserved_start": 512 * mb,
+                "cuda_peak": (400 + 900 * r) * mb, "device_used": 2048 * mb, "device_total": 80 << 30} for r in (0, 1)}
+    report = MemoryReport({r: dict(s) for r, s in cell.items()}, [(4, cell)])
+    out = memory_html(report)
+    cols, rows = report.table()
+    for col in ("Δ RSS (last cell)", "CUDA alloc", "Δ CUDA alloc (last cell)", "reserved", "CUDA peak (last cell)", "device used/total"):
+        assert col in cols and f">{col}</th>" in out
+        assert col in report.text()  # the text form has the same columns
+    assert "+300 MB" in out and "+400 MB" in out  # RSS and rank 1's CUDA allocated change over the cell
+    assert "1.00 GB" in out and "2.00 GB / 80.00 GB" in out
+    assert f"<tr style='{BAD}'><td style='text-align:left;padding:2px 8px;vertical-align:top'>1</td>" in out  # rank 1 peaks high
+    # CPU-only data: no CUDA or device columns, in either form.
+    cpu = MemoryReport({0: {"rss": 200 * mb}}, [(1, {0: {"rss": 200 * mb, "rss_start": 100 * mb, "rss_peak": 250 * mb}})])
+    assert "CUDA" not in memory_html(cpu) and "device" not in memory_html(cpu) and "+100 MB" in memory_html(cpu)
 
 
 def test_register_installs_formatters() -> None:

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 from distnb.checks import CheckReport
 from distnb.collectives import CollectiveReport, describe
-from distnb.memory import MemoryReport, fmt_bytes
+from distnb.memory import MemoryReport
 from distnb.ranks import format_ranks
 from distnb.results import EnvReport, PoolStatus, RankState
 from distnb.stacks import StackReport
@@ -82,9 +82,22 @@ def collectives_html(report: CollectiveReport) -> str:
 
 
 def check_html(report: CheckReport) -> str:
-    rows = [([_esc(row.get("entry")), _esc(format_ranks(row.get("ranks", []))), _esc(row.get("shape")), _esc(row.get("dtype")),
-              _esc(row.get("sum")), _esc(row.get("norm")), _esc(row.get("nan")), _esc(row.get("inf")), _esc(str(row.get("fingerprint") or "")[:12])],
-             BAD if i % 2 else WARN) for i, row in enumerate(report.to_rows())]
+    """The checksum table: one row per entry and group of ranks holding the same thing. An entry
+    that differs has its odd ranks' rows red and its majority (reference) rows yellow; identical,
+    sharded and partial entries stay uncoloured."""
+    checks = {c.path or report.name: c for c in report.checks}
+    rows = []
+    for row in report.to_rows():
+        check = checks.get(row.get("entry"))
+        ranks = row.get("ranks", [])
+        style = ""
+        if row.get("status") == "differs":
+            odd = set(check.odd) if check is not None else set()
+            style = BAD if ranks and set(ranks) <= odd else WARN
+        shape = row.get("shape") if row.get("shape") is not None else row.get("value")
+        rows.append(([_esc(row.get("entry")), _esc(format_ranks(ranks)), _esc(shape), _esc(row.get("dtype")),
+                      _esc(row.get("sum")), _esc(row.get("norm")), _esc(row.get("nan")), _esc(row.get("inf")),
+                      _esc(str(row.get("fingerprint") or "")[:12])], style))
     head = f"<pre style='margin:0'>{_esc(report.text().splitlines()[0])}</pre>"
     if not rows:
         return head
@@ -100,20 +113,15 @@ def env_html(report: EnvReport) -> str:
 
 
 def memory_html(report: MemoryReport) -> str:
-    last = report.last_cell()
-    ranks = sorted(set(report.current) | set(last))
-    flagged = {int(f.split()[1]) for f in report.imbalance()}
-    cuda = any("cuda_allocated" in m for m in list(report.current.values()) + list(last.values()))
-    rows = []
-    for r in ranks:
-        now, cell = report.current.get(r, {}), last.get(r, {})
-        cells = [_esc(r), _esc(fmt_bytes(now.get("rss"))), _esc(fmt_bytes(cell.get("rss_peak")))]
-        if cuda:
-            cells += [_esc(fmt_bytes((now or cell).get("cuda_allocated"))), _esc(fmt_bytes(cell.get("cuda_peak")))]
-        rows.append((cells, BAD if r in flagged else ""))
-    cols = ["rank", "RSS now", "RSS peak (last cell)"] + (["CUDA allocated", "CUDA peak (last cell)"] if cuda else [])
-    notes = "".join(f"<div style='color:#cf222e'>⚠ {_esc(f)}</div>" for f in report.imbalance())
-    return table(cols, rows, f"memory of {format_ranks(ranks)}") + notes
+    """The memory table with the text form's columns (``MemoryReport.table``: RSS, its change over
+    the last cell, CUDA allocated with its change, reserved and peak, NVML device used/total);
+    ranks flagged for imbalance are highlighted."""
+    cols, rows = report.table()
+    flags = report.imbalance()
+    flagged = {int(f.split()[1]) for f in flags}
+    body = [([_esc(c) for c in cells], BAD if r in flagged else "") for r, cells in rows]
+    notes = "".join(f"<div style='color:#cf222e'>⚠ {_esc(f)}</div>" for f in flags)
+    return table(cols, body, f"memory of {format_ranks([r for r, _ in rows])}") + notes
 
 
 def register(ipython: Any) -> None:

@@ -1,63 +1,241 @@
 """The live cell view as ipywidgets — the richer twin of the text form.
 
-Output arrives on distnb's I/O thread. Per-rank ``Output`` widgets are appended to with
-``append_stdout``/``append_stderr`` (thread-safe state updates), never with ``with output:``, which
-captures whatever the *current* thread prints and misroutes background output.
+Output arrives on distnb's I/O thread, which also sends the supervisors' heartbeats and holds the
+pool lock while it calls us: :meth:`CellView.feed` only appends the chunk to a buffer and counts
+it. The thread that waits for the cell calls :meth:`CellView.tick` about ten times a second; each
+tick assigns each Output widget's ``outputs`` at most once. Never ``with output:``, which captures
+whatever the *current* thread prints and misroutes background output; and not ``append_stdout``
+per chunk either: ipywidgets re-sends an Output's whole ``outputs`` tuple on every change, so n
+appends cost O(n²) in memory churn and comm traffic.
+
+Everything shown is capped (each rank's tab, the grouped view, displays), with a visible note
+saying how much was left out and that the cell's result (``_dist``) keeps it.
 """
 
 from __future__ import annotations
 
 import html
+import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
-from distnb.display.text import LivePrinter
+from distnb.display.text import LivePrinter, kept_per_stream
 from distnb.ranks import format_ranks
-from distnb.results import CellResult, RankResult
+from distnb.results import CellResult, RankResult, prefix_lines
 
 __all__ = ["CellView", "widgets_available", "TAB_LIMIT"]
 
 #: Up to this many ranks get a tab each; beyond it a dropdown picks the rank shown.
 TAB_LIMIT = 8
+#: Each rank's tab shows at most this much of its output (the result keeps more).
+RANK_MAX_CHARS = 256 << 10
+RANK_MAX_LINES = 5_000
+#: The grouped view's caps: below the terminal's, as every update re-sends all it shows.
+GROUPED_MAX_LINES = 5_000
+GROUPED_MAX_CHARS = 1 << 20
+#: An Output widget is re-sent whole on each change, so one is synced at most every
+#: (characters it shows) / SYNC_RATE seconds: about SYNC_RATE characters a second per widget
+#: however long the cell runs, instead of a full copy ten times a second.
+SYNC_RATE = 1 << 20
+#: Lines of the grouped view that not every rank printed: magenta with a leading "≠" (ANSI
+#: colours render in JupyterLab, Notebook 7 and VS Code output; the mark survives without them).
+DIFF_START, DIFF_END = "\x1b[35m≠ ", "\x1b[0m"
 
 _STATE_COLOURS = {"running": "#1f6feb", "ok": "#1a7f37", "failed": "#cf222e", "timed out": "#9a6700", "detached": "#9a6700"}
 
 
 def widgets_available() -> bool:
-    """True in a Jupyter kernel with ipywidgets; False in terminal IPython, nbconvert-less scripts."""
-    import importlib.util
-
-    if importlib.util.find_spec("ipywidgets") is None:
-        return False
+    """True in a Jupyter kernel where ipywidgets imports; False in terminal IPython, plain
+    scripts, or where ipywidgets is missing or broken (the text path is used then)."""
     try:
         from IPython import get_ipython
     except ImportError:
         return False
     shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return False
+    try:  # import, not find_spec: an install that is there but fails to import must fall back too
+        import ipywidgets  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
-class _Stream:
-    """A file-like object that appends to an Output widget (used by LivePrinter)."""
+def _displayable(bundle: dict[str, str]) -> dict[str, str]:
+    """A rank's display bundle without widget views: their models live on the rank, not here."""
+    out = {k: v for k, v in bundle.items() if isinstance(v, str) and not k.startswith("application/vnd.jupyter.widget")}
+    out.setdefault("text/plain", "")
+    return out
 
-    def __init__(self, output: Any, stream: str) -> None:
-        self._append = output.append_stdout if stream == "stdout" else output.append_stderr
 
-    def write(self, text: str) -> int:
-        if text:
-            self._append(text)
-        return len(text)
+def _note_entry(note: str) -> dict[str, Any]:
+    return {
+        "output_type": "display_data",
+        "data": {"text/plain": note, "text/html": f"<div style='color:#9a6700;font-family:monospace;white-space:pre-wrap'>{html.escape(note)}</div>"},
+        "metadata": {},
+    }
 
-    def flush(self) -> None:
-        pass
+
+def _overwrite_cr(text: str) -> str:
+    """Text as a terminal leaves it: within a line, what follows a carriage return overwrites what
+    came before (progress bars). A trailing "\r" stays, so the next chunk overwrites that line."""
+    if "\r" not in text:
+        return text
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if "\r" in line:
+            body = line.rstrip("\r")
+            lines[i] = body[body.rfind("\r") + 1 :] + line[len(body) :]
+    return "\n".join(lines)
+
+
+class _OutputBuffer:
+    """What one Output widget shows, kept on our side so each sync assigns ``outputs`` once.
+
+    ``add_*`` run on any thread with the view's lock held and only append and count (the backlog
+    is bounded too, in case nobody syncs); :meth:`sync` runs on the waiting thread, merges text
+    into the last entry (so the tuple stays short), applies progress-bar overwrites, then the caps.
+    """
+
+    def __init__(self, widget: Any, max_chars: int, max_lines: int | None, note: Callable[[], str]) -> None:
+        self.widget = widget
+        self._note = note  # the note shown under the output: what the caps left out, and where it is
+        self.max_chars = max_chars
+        self.max_lines = max_lines
+        self.entries: list[dict[str, Any]] = []
+        self.pending: list[tuple[str, Any]] = []  # ("stdout"/"stderr", text) or ("display", bundle)
+        self.pending_chars = 0
+        self.shown_chars = 0
+        self.shown_lines = 0
+        # Under the view's lock: set and counted from both threads.
+        self.full = False
+        self.dropped_chars = 0
+        self.dropped_lines = 0
+        self.dropped_displays = 0
+        self._shown_note = ""
+        self._last_sync = 0.0
+        self._synced_chars = 0
+        self.syncs = 0  # how many times ``outputs`` was assigned (tests check the batching)
+
+    def add_text(self, stream: str, text: str) -> None:
+        keep = "" if self.full else text[: self.max_chars - self.pending_chars]
+        if len(keep) < len(text):
+            # Full, or nobody syncs (the waiting thread is gone or far behind): only count from
+            # here on, so memory stays bounded and what is shown stays a clean prefix.
+            self.full = True
+            rest = text[len(keep) :]
+            self.dropped_chars += len(rest)
+            self.dropped_lines += rest.count("\n")
+        if keep:
+            self.pending.append((stream, keep))
+            self.pending_chars += len(keep)
+
+    def add_display(self, bundle: dict[str, str]) -> None:
+        size = sum(len(v) for v in bundle.values())
+        if self.full or self.pending_chars + size > self.max_chars:
+            self.dropped_displays += 1
+            return
+        self.pending.append(("display", bundle))
+        self.pending_chars += size
+
+    def sync(self, lock: threading.Lock, now: float, final: bool) -> None:
+        with lock:
+            if not final and now - self._last_sync < self._synced_chars / SYNC_RATE:
+                return  # it waits in pending (bounded) until the widget is due
+            pending, self.pending, self.pending_chars = self.pending, [], 0
+        for kind, group in itertools.groupby(pending, key=lambda p: p[0]):
+            if kind == "display":
+                for _, bundle in group:
+                    size = sum(len(v) for v in bundle.values())
+                    if self.shown_chars + size > self.max_chars:
+                        with lock:
+                            self.dropped_displays += 1  # too big for what is left; smaller output may still fit
+                        continue
+                    self.entries.append({"output_type": "display_data", "data": dict(bundle), "metadata": {}})
+                    self.shown_chars += size
+            else:
+                self._add_stream(lock, kind, "".join(t for _, t in group))  # one copy per run, not per chunk
+        note = self._note()  # after the caps above, which may have just left something out
+        if not pending and note == self._shown_note:
+            return
+        outputs = tuple(self.entries) + ((_note_entry(note),) if note else ())
+        self.widget.outputs = outputs
+        self._shown_note = note
+        self._last_sync = now
+        self._synced_chars = self.shown_chars + len(note)
+        self.syncs += 1
+
+    def _add_stream(self, lock: threading.Lock, name: str, text: str) -> None:
+        last = self.entries[-1] if self.entries else None
+        if last is None or last.get("output_type") != "stream" or last.get("name") != name:
+            last = None
+        old = last["text"] if last is not None else ""
+        cut = old.rfind("\n") + 1
+        head, tail = old[:cut], old[cut:]  # the last, unfinished line may be overwritten by a "\r"
+        combined = _overwrite_cr(tail + text)
+        base_chars = self.shown_chars - len(tail)
+        keep = combined[: max(0, self.max_chars - base_chars)]
+        n = keep.count("\n")
+        if self.max_lines is not None and self.shown_lines + n > self.max_lines:
+            idx = -1
+            for _ in range(self.max_lines - self.shown_lines):  # end after the last line that fits
+                idx = keep.find("\n", idx + 1)
+            keep, n = keep[: idx + 1], self.max_lines - self.shown_lines
+        if len(keep) < len(combined):
+            rest = combined[len(keep) :]
+            with lock:
+                self.full = True
+                self.dropped_chars += len(rest)
+                self.dropped_lines += rest.count("\n")
+        self.shown_chars = base_chars + len(keep)
+        self.shown_lines += n
+        if last is not None:
+            # A new dict: traitlets sees a change only if the new tuple differs from the old.
+            self.entries[-1] = {**last, "text": head + keep}
+        elif keep:
+            self.entries.append({"output_type": "stream", "name": name, "text": keep})
+
+
+class _WidgetPrinter(LivePrinter):
+    """The grouped view: a LivePrinter whose lines go to the view's grouped Output widget, with
+    lines not printed by every rank marked, and a plain copy kept for the text twin."""
+
+    def __init__(self, view: "CellView", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._view = view
+        self.plain: list[str] = []  # what the grouped view shows, as text (bounded by the caps)
+
+    def _emit(self, stream: str, text: str, differs: bool) -> None:
+        self.plain.append(text)
+        self._view._grouped_add(stream, (DIFF_START + text + DIFF_END if differs else text) + "\n")
+
+    def _emit_note(self, note: str) -> None:
+        text = f"[distnb] {note}"
+        self.plain.append(text)
+        self._view._grouped_add("stderr", text + "\n")
+
+    def _emit_display(self, ranks: list[int], bundle: dict[str, str]) -> None:
+        label = f"display {format_ranks(ranks)}"
+        plain = prefix_lines(label, bundle.get("text/plain", ""))
+        self.plain.append(plain or f"[{label}]")
+        self._view._grouped_add("stdout", f"[{label}]\n", bundle)
 
 
 class CellView:
     """Header (state · elapsed · ranks done), hang diagnosis, output grouped across ranks, a
     per-rank selector, and the outcome (values, errors root cause first, memory)."""
 
-    def __init__(self, cell: int, ranks: list[int]) -> None:
+    def __init__(
+        self,
+        cell: int,
+        ranks: list[int],
+        *,
+        rank_max_chars: int = RANK_MAX_CHARS,
+        rank_max_lines: int = RANK_MAX_LINES,
+        max_lines: int = GROUPED_MAX_LINES,
+        max_chars: int = GROUPED_MAX_CHARS,
+    ) -> None:
         import ipywidgets as w
 
         self.cell = cell
@@ -68,6 +246,12 @@ class CellView:
         self._result: CellResult | None = None
         self._diagnosis = ""
         self._handle: Any = None
+        self._closed = False  # finished: later output is dropped here (the result keeps it)
+        self._twin_sent = ""
+        self._twin_at = 0.0
+        self._rank_max = (rank_max_chars, rank_max_lines)
+        self._max_chars = max_chars
+        self._fed = False
         self.header = w.HTML()
         self.diagnosis = w.HTML(layout=w.Layout(display="none"))
         self.grouped = w.Output(layout=w.Layout(max_height="400px", overflow="auto"))
@@ -90,25 +274,84 @@ class CellView:
             w.Accordion(children=[per_rank], titles=("per rank",)),
             self.outcome,
         ])
-        self.printer = LivePrinter(out=_Stream(self.grouped, "stdout"), err=_Stream(self.grouped, "stderr"))
+        self._rank_bufs = {
+            r: _OutputBuffer(self.rank_outputs[r], rank_max_chars, rank_max_lines, lambda r=r: self._rank_note(r))
+            for r in self.ranks
+        }
+        # The printer caps the grouped text; this cap only bounds displays added beside it.
+        self._grouped_buf = _OutputBuffer(self.grouped, 2 * max_chars, None, self._grouped_note)
+        self.printer = _WidgetPrinter(self, max_lines=max_lines, max_chars=max_chars, ranks=self.ranks)
         self.update_header()
 
-    # -- called from any thread -----------------------------------------------------------------
+    # -- called on the I/O thread: append and count only ----------------------------------------
     def feed(self, rank: int, stream: str, text: str) -> None:
-        out = self.rank_outputs.get(rank)
-        if out is not None:
-            (out.append_stdout if stream == "stdout" else out.append_stderr)(text)
+        self._fed = True  # the cell's output is the view's to show (not so with --quiet)
+        buf = self._rank_bufs.get(rank)
+        if buf is not None:
+            with self._lock:
+                if not self._closed:
+                    buf.add_text(stream, text)
         self.printer.feed(rank, stream, text)
+
+    def display_bundle(self, rank: int, bundle: dict[str, str]) -> None:
+        """A rank called ``display()`` (``CellEvents.on_display``): shown at the next tick in the
+        rank's tab and, grouped with identical displays of other ranks, in the grouped view."""
+        bundle = _displayable(bundle)
+        buf = self._rank_bufs.get(rank)
+        if buf is not None:
+            with self._lock:
+                if not self._closed:
+                    buf.add_display(bundle)
+        self.printer.display_bundle(rank, bundle)
 
     def rank_done(self, result: RankResult) -> None:
         with self._lock:
             self._done.add(result.rank)
         self.printer.rank_done(result)
 
-    # -- called from the waiting thread ---------------------------------------------------------
+    # -- called on the waiting thread -----------------------------------------------------------
+    def _grouped_add(self, stream: str, text: str, bundle: dict[str, str] | None = None) -> None:
+        with self._lock:
+            self._grouped_buf.add_text(stream, text)
+            if bundle is not None:
+                self._grouped_buf.add_display(bundle)
+
     def tick(self, _result: CellResult | None = None) -> None:
+        """Called about ten times a second while the cell runs: flush batched output."""
         self.printer.flush()
+        self._sync(final=False)
         self.update_header()
+
+    def _grouped_note(self) -> str:
+        note = self.printer.cap_note()
+        dropped = self._grouped_buf.dropped_displays
+        if dropped:
+            note += ("\n" if note else "") + f"[distnb] {dropped:,} display{'s' * (dropped != 1)} too large for this view; the cell's result (_dist) has them."
+        return note
+
+    def _rank_note(self, rank: int) -> str:
+        buf = self._rank_bufs[rank]
+        parts = []
+        if buf.dropped_chars:
+            max_chars, max_lines = self._rank_max
+            parts.append(
+                f"{buf.dropped_chars:,} more characters ({buf.dropped_lines:,} lines) of rank {rank}'s output not shown "
+                f"(a tab keeps {max_chars >> 10:,} kB, {max_lines:,} lines)"
+            )
+        if buf.dropped_displays:
+            parts.append(f"{buf.dropped_displays:,} display{'s' * (buf.dropped_displays != 1)} not shown")
+        if not parts:
+            return ""
+        return (
+            f"[distnb] {'; '.join(parts)}; the cell's result (_dist) keeps the first {kept_per_stream()} per stream: "
+            f"_dist[{rank}].stdout / .stderr."
+        )
+
+    def _sync(self, final: bool) -> None:
+        now = time.monotonic()
+        self._grouped_buf.sync(self._lock, now, final)
+        for buf in self._rank_bufs.values():
+            buf.sync(self._lock, now, final)
 
     def set_diagnosis(self, text: str) -> None:
         self._diagnosis = text
@@ -118,6 +361,10 @@ class CellView:
             f"<b>{html.escape(first)}</b><pre style='margin:2px 0'>{html.escape(rest)}</pre></div>"
         )
         self.diagnosis.layout.display = None
+        # Frontends without a widget manager (jupyter console, nbconvert) see only the text twin;
+        # a hang is worth telling them while it lasts. Not on every tick: an update makes
+        # JupyterLab build a new view of the widget (scroll positions reset).
+        self._refresh_twin(force=False)
 
     def update_header(self, state: str = "running") -> None:
         with self._lock:
@@ -131,19 +378,30 @@ class CellView:
         )
 
     def finish(self, result: CellResult) -> None:
+        """The cell ended, timed out or was detached: show everything buffered, the outcome and
+        the final text twin; output arriving later is dropped here (the result keeps it)."""
         self._result = result
         self.printer.flush(final=True)
         with self._lock:
+            self._closed = True
             self._done = {r for r, rr in result.results.items() if rr.status != "running"}
+        self._sync(final=True)
         self.update_header(result.header().split(": ", 1)[1].split(",")[0])
-        outcome = result.outcome_text()
-        for note in self.printer.announced:
-            outcome = outcome.replace(note, "").strip("\n")
+        outcome = self.printer.outcome_text(result)
         colour = "#cf222e" if result.failed or result.running else "#24292f"
         self.outcome.value = f"<pre style='color:{colour};margin:0'>{html.escape(outcome)}</pre>" if outcome else ""
-        if self._handle is not None:
-            # Re-send the bundle so saved notebooks and static renderers get the final text.
-            self._handle.update(self)
+        # Re-send the bundle so saved notebooks and static renderers get the final text.
+        self._refresh_twin(force=True)
+
+    def _refresh_twin(self, force: bool) -> None:
+        if self._handle is None:
+            return
+        now = time.monotonic()
+        text = self.text()
+        if not force and (text == self._twin_sent or now - self._twin_at < 1.0):
+            return
+        self._twin_sent, self._twin_at = text, now
+        self._handle.update(self)
 
     def show(self) -> None:
         """Display the view, keeping a handle so that :meth:`finish` can refresh its text twin."""
@@ -153,8 +411,30 @@ class CellView:
 
     # -- display --------------------------------------------------------------------------------
     def text(self) -> str:
-        body = self._result.text() if self._result is not None else f"cell {self.cell} on {format_ranks(self.ranks)}: running"
-        return f"{self._diagnosis}\n{body}" if self._diagnosis else body
+        """The text twin: what the view shows, as text — the diagnosis, the header, the output
+        (none where the view was given none, as with ``--quiet``), what the caps left out, the
+        outcome. It is never larger than the view's own caps allow."""
+        result = self._result
+        parts = [self._diagnosis] if self._diagnosis else []
+        if result is not None:
+            parts.append(result.header())
+        else:
+            with self._lock:
+                done = len(self._done)
+            parts.append(f"cell {self.cell} on {format_ranks(self.ranks)}: running, {done}/{len(self.ranks)} done, "
+                         f"{time.monotonic() - self._start:.2f} s")
+        note = self._grouped_note()
+        if result is not None and not note:
+            # Everything reached the view: the result's own text, whose output is grouped over
+            # the whole cell (the live view groups only lines that arrive within 0.15 s).
+            output = result.output_text() if self._fed else ""
+            if len(output) <= self._max_chars:
+                return "\n".join(p for p in (*parts, output, result.outcome_text()) if p)
+        parts.extend(list(self.printer.plain))
+        parts.append(note)
+        if result is not None:
+            parts.append(self.printer.outcome_text(result))
+        return "\n".join(p for p in parts if p)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
