@@ -9,6 +9,10 @@
   collective of a tiny all_reduce (target < 3% on the DDP step).
 * hang report: from the start of a rank-conditional all_reduce to the diagnosis, at default settings
   (the magic checks once a second after hang_after = 3 s; target ≤ 5 s).
+* watch (``--only-watch``, ~1 min): the cost of each rank pushing its new Flight Recorder entries
+  within ~50 ms of a collective — a look at the groups' sequence numbers (µs), a recorder read by
+  the number of entries it holds (ms), and the DDP loop with the pushes on and off, interleaved in
+  one pool (``DISTNB_FR_WATCH=0`` turns them off for a whole pool).
 """
 
 from __future__ import annotations
@@ -47,6 +51,63 @@ def per_collective(n):
         dist.all_reduce(x)
     return (time.perf_counter() - t) / n
 """
+
+
+WATCH_PROBE = """
+import threading
+from distnb.worker.collectives import SeqWatch, read_collectives, CellClock
+def _control():
+    return next(t for t in threading.enumerate() if t.name == "distnb-control")
+def look_us(n=20000):
+    w = SeqWatch(); w.snapshot()
+    t = time.perf_counter()
+    for _ in range(n):
+        w.snapshot()
+    return (time.perf_counter() - t) / n * 1e6
+def read_ms(n=10):
+    t = time.perf_counter()
+    for _ in range(n):
+        read_collectives(-1, CellClock())
+    return (time.perf_counter() - t) / n * 1e3
+def watched(on, fn, *args):
+    c = _control()
+    c.seqs = SeqWatch() if on else None  # the control thread's next look sees the switch
+    time.sleep(0.1)
+    d0, s0 = c.watch_dumps, c.watch_seconds
+    t = time.perf_counter(); out = fn(*args); wall = time.perf_counter() - t
+    return (out, c.watch_dumps - d0, (c.watch_seconds - s0) / wall * 100)
+"""
+
+
+def watch_cost(rounds: int = 3) -> dict[str, object]:
+    """What the control thread's pushes cost on a 2-rank pool: a look, a recorder read by the
+    entries it holds, and the DDP loop with the pushes on and off, interleaved in one pool (this
+    machine's run-to-run noise between pools is ±20%)."""
+    out: dict[str, object] = {}
+    with distnb.Pool(nproc=2, backend="gloo") as pool:
+        pool.run(DDP_BENCH)
+        pool.run(WATCH_PROBE)
+        out["look_us"] = float(pool.run("look_us()").values[0] or "nan")
+        out["read_ms_by_entries"] = {}
+        for n in (50, 500, 2000):  # the recorder keeps the last 2000 (TORCH_FR_BUFFER_SIZE)
+            pool.run(f"per_collective({n})")
+            out["read_ms_by_entries"][n] = float(pool.run("read_ms()").values[0] or "nan")
+        rows: dict[str, list[tuple[float, int, float]]] = {f"{m}{w}": [] for m in ("on", "off") for w in (64, 1024)}
+        for i in range(rounds):
+            for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):  # alternate: load drifts
+                r = pool.run(f"(watched({mode == 'on'}, bench, 64, 300), watched({mode == 'on'}, bench, 1024, 10))", timeout=600)
+                assert r.ok, r.text()
+                w64, w1024 = eval(r.values[0])  # noqa: S307 - our own tuple of numbers
+                rows[f"{mode}64"].append(w64)
+                rows[f"{mode}1024"].append(w1024)
+        for width in (64, 1024):
+            on, off = rows[f"on{width}"], rows[f"off{width}"]
+            step_on, step_off = statistics.median(x[0] for x in on), statistics.median(x[0] for x in off)
+            out[f"ddp{width}"] = {
+                "step_ms_on": step_on * 1e3, "step_ms_off": step_off * 1e3, "overhead_pct": (step_on / step_off - 1) * 100,
+                "reads_per_run": statistics.median(x[1] for x in on), "read_share_pct": statistics.median(x[2] for x in on),
+            }
+    return out
 
 
 def stacks_latency(nproc: int, repeats: int = 30) -> dict[str, float]:
@@ -129,9 +190,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "hangs.json"))
     parser.add_argument("--only-tracking", action="store_true")
+    parser.add_argument("--only-watch", action="store_true")
     args = parser.parse_args()
     if args.only_tracking:
         print(json.dumps(tracking_cost(args.rounds)))
+        return
+    if args.only_watch:
+        print(json.dumps(watch_cost(args.rounds), indent=1))
         return
     out: dict[str, object] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": sys.version.split()[0]}
     out["stacks"] = stacks_latency(args.nproc)
@@ -140,6 +205,8 @@ def main() -> None:
     print(json.dumps({"hang_report_s": out["hang_report_s"]}), flush=True)
     out["tracking"] = tracking_cost(args.rounds)
     print(json.dumps(out["tracking"]), flush=True)
+    out["watch"] = watch_cost(args.rounds)
+    print(json.dumps(out["watch"]), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)

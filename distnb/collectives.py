@@ -1,7 +1,14 @@
-"""The ranks' collective logs side by side, and the first place where they disagree."""
+"""The ranks' collective logs side by side, and the first place where they disagree.
+
+Times in the log are the ranks' own wall clocks. Ranks on another machine may be seconds off the
+controller's, so the log never compares an entry's time with the controller's clock: each reply
+carries the rank's ``now``, and :meth:`CollectiveLog.age` measures against that.
+"""
 
 from __future__ import annotations
 
+import collections
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,36 +42,74 @@ class CollectiveLog:
     entries: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # rank -> id -> entry
     groups: dict[str, list[int]] = field(default_factory=dict)
     unavailable: str | None = None
+    # Per rank, the record id below which entries belong to process groups that no longer exist
+    # (a regroup names its new default group "0" again and restarts its sequence at 1).
+    floors: dict[int, int] = field(default_factory=dict)
+    # Per rank, recent (rank's clock − controller's clock) samples; each is low by the reply's
+    # transit and queueing time, so the largest recent one is the best estimate of the offset.
+    _skew: dict[int, collections.deque[float]] = field(default_factory=dict)
 
     def last_id(self, rank: int) -> int:
         ids = self.entries.get(rank)
-        return max(ids) if ids else -1
+        return max(max(ids) if ids else -1, self.floors.get(rank, -1))
 
     def merge(self, rank: int, reply: dict[str, Any]) -> None:
         if "unavailable" in reply:
             self.unavailable = reply["unavailable"]
             return
+        if "now" in reply:
+            self._skew.setdefault(rank, collections.deque(maxlen=16)).append(float(reply["now"]) - time.time())
+        floor = self.floors.get(rank, -1)
         mine = self.entries.setdefault(rank, {})
         for e in reply.get("entries", []):
-            mine[e["id"]] = e
+            if e["id"] > floor:
+                mine[e["id"]] = e
         self.groups.update(reply.get("groups", {}))
         if len(mine) > 5000:  # the recorder itself keeps 2000; keep a bounded history
             for rid in sorted(mine)[: len(mine) - 5000]:
                 del mine[rid]
 
     def clear(self) -> None:
+        """Forget everything (a fresh launch: new processes, record ids from 0 again)."""
         self.entries.clear()
         self.groups.clear()
+        self.floors.clear()
+        self._skew.clear()
         self.unavailable = None
 
-    def pending(self, rank: int) -> dict[str, Any] | None:
-        """The collective the rank entered most recently and has not completed."""
-        open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"] and not e["p2p"]]
-        open_ += [e for e in self.entries.get(rank, {}).values() if not e["done"] and e["p2p"]]
+    def new_generation(self, floors: dict[int, int]) -> None:
+        """The ranks replaced their process groups (regroup): forget the old groups' entries and
+        ignore records up to ``floors[rank]`` should a rank send them again (an old collective
+        that never completed stays in its recorder)."""
+        self.entries.clear()
+        self.groups.clear()
+        self.floors.update(floors)
+
+    def age(self, rank: int, entry: dict[str, Any]) -> float:
+        """Seconds since the rank recorded ``entry``, by the rank's own clock."""
+        samples = self._skew.get(rank)
+        skew = max(samples) if samples else 0.0
+        return max(0.0, time.time() + skew - entry["t"])
+
+    def local_time(self, rank: int, entry: dict[str, Any]) -> float:
+        """When the rank recorded ``entry``, on the controller's clock (to order ranks' entries)."""
+        samples = self._skew.get(rank)
+        return entry["t"] - (max(samples) if samples else 0.0)
+
+    def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None:
+        """The collective the rank entered most recently and has not completed (in ``cell``, when
+        given: the rank attributed it to that cell by its own clock)."""
+        open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"] and (cell is None or e.get("cell") == cell)]
         return max(open_, key=lambda e: e["id"]) if open_ else None
 
     def sequence(self, rank: int, group: str) -> list[dict[str, Any]]:
         return sorted((e for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]), key=lambda e: e["seq"])
+
+    def last_seq(self, rank: int, group: str) -> int | None:
+        """The highest sequence number the rank reached on ``group`` as far as the log knows —
+        unlike a count of entries, right however much history the log has let go."""
+        seqs = [e["seq"] for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]]
+        return max(seqs) if seqs else None
 
     def report(self, ranks: list[int], last: int | None = None) -> "CollectiveReport":
         return CollectiveReport(self, sorted(ranks), last)
@@ -126,8 +171,12 @@ class CollectiveReport:
                 if kind:
                     out.append(Divergence(group, seq, kind, at))
                     break
-        out.sort(key=lambda d: min((e["t"] for e in d.by_rank.values() if e), default=0.0))
+        out.sort(key=self._when)
         return out
+
+    def _when(self, d: Divergence) -> float:
+        """When a divergence began, on the controller's clock (ranks' clocks may differ)."""
+        return min((self.log.local_time(r, e) for r, e in d.by_rank.items() if e), default=0.0)
 
     def counts(self, group: str) -> dict[int, int]:
         return {r: len(self.log.sequence(r, group)) for r in self.members(group)}
@@ -140,7 +189,7 @@ class CollectiveReport:
             return f"no collective recorded on {format_ranks(self.ranks)} yet."
         divs = {d.group: d for d in self.divergences()}
         lines = []
-        first = min(divs.values(), key=lambda d: min((e["t"] for e in d.by_rank.values() if e), default=0.0)) if divs else None
+        first = min(divs.values(), key=self._when) if divs else None
         if first is not None:
             lines.append(f"first divergence: {first.text(self.members(first.group))}")
         else:

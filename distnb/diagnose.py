@@ -14,9 +14,9 @@ from distnb._linux import signal_meaning
 from distnb.ranks import format_ranks
 from distnb.results import group_by
 from distnb.collectives import CollectiveReport, describe, signature
-from distnb.stacks import RankStack, short_path
+from distnb.stacks import RankStack, parse_faulthandler, short_path
 
-__all__ = ["Position", "Diagnosis", "diagnose", "position_from_stack", "COLLECTIVE_FUNCS"]
+__all__ = ["Position", "Diagnosis", "diagnose", "position_from_stack", "collective_at_death", "COLLECTIVE_FUNCS"]
 
 #: Public torch.distributed functions that block until peers arrive.
 COLLECTIVE_FUNCS = {
@@ -49,6 +49,8 @@ class Position:
     line: int | None = None  # cell line
     code: str = ""  # the cell line's text
     detail: str = ""  # error summary, exit meaning …
+    sizes: list[list[int]] | None = None  # input shapes of the collective, when the log knows them
+    dtypes: list[str] | None = None
 
     def collective(self) -> str:
         """``all_reduce #4 at cell line 3``."""
@@ -65,11 +67,12 @@ class Position:
             dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
             return f"waiting in {self.op}{seq}{grp}{shp}{dur}{at}"
         if self.state == "computing":
-            return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){at}"
+            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
+            return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){dur}{at}"
         if self.state == "finished":
             return "finished the cell"
         if self.state == "idle":
-            return "idle (not running this cell)"
+            return "idle: not part of this cell"
         if self.state == "failed":
             return f"raised {self.detail}{at}"
         if self.state == "dead":
@@ -80,6 +83,9 @@ class Position:
 @dataclass
 class Diagnosis:
     kind: str  # ok · slow · hang · running
+    # The headline. It names the situation, never a duration, so the same hang diagnosed a second
+    # later has the same headline (the live watch prints a diagnosis again only when it changes);
+    # durations are in the per-rank lines of text().
     summary: str
     positions: list[Position] = field(default_factory=list)
     culprits: list[int] = field(default_factory=list)
@@ -116,6 +122,21 @@ def position_from_stack(stack: RankStack, cell_code: str = "") -> Position:
     return Position(stack.rank, "computing", line=line, code=code, detail=_importing(frames))
 
 
+def collective_at_death(stderr: str, main_ident: int | None = None) -> str | None:
+    """``all_reduce at cell line 2 (…)``: the collective the main thread was in when faulthandler
+    printed its stack on a fatal signal (SIGABRT, SIGSEGV), from a dead rank's last stderr."""
+    if "File " not in stderr:
+        return None
+    threads = parse_faulthandler(stderr, None, main_ident)
+    main = next((t for t in threads if t.main), None)
+    if main is None:
+        return None
+    pos = position_from_stack(RankStack(-1, "", "faulthandler", [main]))
+    if pos.state != "collective":
+        return None
+    return f"{pos.op}" + (f" at cell line {pos.line}" if pos.line else "") + " (from the stack it printed as it died)"
+
+
 def _importing(frames: list[Any]) -> str:
     """``importing torch/_dynamo/__init__.py`` when the rank is inside an import, else ``""``."""
     inside = [i for i, f in enumerate(frames) if f.filename.startswith("<frozen importlib")]
@@ -125,32 +146,43 @@ def _importing(frames: list[Any]) -> str:
     return f"importing {short_path(module.filename)}" if module else "importing a module"
 
 
-def diagnose(positions: list[Position], hang_after: float, elapsed: float, log: CollectiveReport | None = None) -> Diagnosis:
+def diagnose(
+    positions: list[Position],
+    hang_after: float,
+    elapsed: float,
+    log: CollectiveReport | None = None,
+    first_death: int | None = None,
+) -> Diagnosis:
     """Name the situation: a healthy (maybe slow) collective, or a hang and its likely cause.
 
     ``log`` (the ranks' collective sequences) refines the words: uneven loop lengths, a
-    sub-group missing a member, the exact position where sequences diverge.
+    sub-group missing a member, the exact position where sequences diverge. ``first_death`` is the
+    rank that died first (by its supervisor's clock), the root cause when several died.
     """
     waiting = [p for p in positions if p.state == "collective"]
     dead = [p for p in positions if p.state == "dead"]
     failed = [p for p in positions if p.state == "failed"]
-    finished = [p for p in positions if p.state in ("finished", "idle")]
+    # "idle" ranks are not part of the cell: they did not finish it, they never had it.
+    finished = [p for p in positions if p.state == "finished"]
+    outside = [p for p in positions if p.state == "idle"]
     computing = [p for p in positions if p.state == "computing"]
     if not waiting:
         if computing and elapsed >= hang_after:
-            return Diagnosis("running", f"{format_ranks([p.rank for p in computing])} still running Python code after {elapsed:.0f} s (no rank is in a collective).", positions)
+            return Diagnosis("running", f"{format_ranks([p.rank for p in computing])} still running Python code (no rank is in a collective).", positions)
         return Diagnosis("ok", "no rank is waiting in a collective.", positions)
     longest = max((p.since or elapsed) for p in waiting)
     if longest < hang_after:
         return Diagnosis("ok", "collectives in progress.", positions)
     w = format_ranks([p.rank for p in waiting])
-    ops = group_by((p.rank, (p.op, p.seq, p.group, p.shapes)) for p in waiting)
     if dead:
-        d = dead[0]
+        d = next((p for p in dead if p.rank == first_death), dead[0])
+        later = [p.rank for p in dead if p is not d]
+        then = f", then {format_ranks(later)}" if later else ""
         return Diagnosis(
             "hang",
-            f"rank {d.rank} died ({d.detail}); {w} {_waits(waiting)} for it in {waiting[0].op} and can't finish. Root cause: rank {d.rank}.",
-            positions, [p.rank for p in dead],
+            f"rank {d.rank} died{' first' if later else ''} ({d.detail}){then}; {w} {_waits(waiting)} for it in {waiting[0].op} "
+            f"and can't finish. Root cause: rank {d.rank}.",
+            positions, [d.rank, *later],
         )
     if failed:
         f = failed[0]
@@ -172,33 +204,114 @@ def diagnose(positions: list[Position], hang_after: float, elapsed: float, log: 
             "(a collective inside `if rank == …`, or one rank ran fewer loop iterations).",
             positions, [p.rank for p in finished],
         )
-    if len(ops) > 1:
-        first_key = ops[0][1]
-        detail = "; ".join(f"{format_ranks(rs)} in {k[0]}" + (f" #{k[1]}" if k[1] is not None else "") + (f" {k[3]}" if k[3] else "") for rs, k in ops)
-        same_op = len({k[0] for _, k in ops}) == 1
-        kind = "the same op with different shapes or dtypes" if same_op and first_key[3] else ("different positions in the collective sequence" if same_op else "different collectives")
-        minority = min(ops, key=lambda g: len(g[0]))[0]
-        return Diagnosis("hang", f"ranks are in {kind}: {detail}. The odd one out: {format_ranks(minority)}.", positions, minority)
+    if len(group_by((p.rank, _place(p)) for p in waiting)) > 1:
+        return _disagree(waiting, positions)
+    absent = _not_in_cell(waiting, outside, log)
+    if absent:
+        head = waiting[0]
+        grp = f" on group {head.group}" if head.group else ""
+        return Diagnosis(
+            "hang",
+            f"{w} {_waits(waiting)} in {head.collective()}{grp} for {format_ranks(absent)}, which "
+            f"{'is' if len(absent) == 1 else 'are'} not part of this cell: a collective needs every rank of its group, "
+            "so run the cell on all of them.",
+            positions, absent,
+        )
     if computing and all(p.detail.startswith("importing") for p in computing):
         # A first use of e.g. torch._dynamo (DDP, compile) imports for seconds: slow, not hung yet.
         return Diagnosis(
             "slow",
-            f"{w} {_waits(waiting)} in {waiting[0].op} for {longest:.0f} s while {format_ranks([p.rank for p in computing])} "
+            f"{w} {_waits(waiting)} in {waiting[0].op} while {format_ranks([p.rank for p in computing])} "
             f"{'is' if len(computing) == 1 else 'are'} still importing modules ({computing[0].detail}): slow, not a hang yet.",
             positions, [p.rank for p in computing],
         )
     if computing:
         return Diagnosis(
             "hang",
-            f"{w} {_waits(waiting)} in {waiting[0].op} for {longest:.0f} s while {format_ranks([p.rank for p in computing])} "
-            "are still running Python code outside any collective (slow, stuck in a loop, or about to skip it).",
+            f"{w} {_waits(waiting)} in {waiting[0].op} while {format_ranks([p.rank for p in computing])} "
+            f"{'is' if len(computing) == 1 else 'are'} still running Python code outside any collective "
+            "(slow, stuck in a loop, or about to skip it).",
             positions, [p.rank for p in computing],
         )
-    return Diagnosis("slow", f"every rank is in the same collective ({waiting[0].op}) for {longest:.0f} s: slow but consistent, not a hang.", positions)
+    return Diagnosis("slow", f"every rank is in the same collective ({waiting[0].op}): slow but consistent, not a hang.", positions)
 
 
 def _waits(ranks: list[Position]) -> str:
     return "waits" if len(ranks) == 1 else "wait"
+
+
+def _place(p: Position) -> tuple[Any, ...]:
+    """What must be equal for ranks to be in the same collective."""
+    shapes = (_tup(p.sizes), _tup(p.dtypes)) if p.sizes is not None or p.dtypes is not None else p.shapes
+    return (p.op, p.seq, p.group, shapes)
+
+
+def _tup(x: Any) -> Any:
+    return tuple(_tup(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _differences(waiting: list[Position]) -> list[str]:
+    """What differs between the ranks' collectives, in words (op, sequence number, group, shape, dtype)."""
+    def distinct(key: Any) -> bool:
+        values = {repr(key(p)) for p in waiting if key(p) is not None}
+        return len(values) > 1
+
+    out = []
+    if distinct(lambda p: p.op):
+        out.append("op")
+    if distinct(lambda p: p.seq):
+        out.append("sequence number")
+    if distinct(lambda p: p.group):
+        out.append("group")
+    if any(p.sizes is not None or p.dtypes is not None for p in waiting):
+        if distinct(lambda p: p.sizes):
+            out.append("shape")
+        if distinct(lambda p: p.dtypes):
+            out.append("dtype")
+    elif distinct(lambda p: p.shapes):
+        out.append("shape or dtype")  # only their description is known
+    return out
+
+
+def _disagree(waiting: list[Position], positions: list[Position]) -> Diagnosis:
+    """The waiting ranks are not all in the same collective: say what differs and who stands out."""
+    places = group_by((p.rank, _place(p)) for p in waiting)
+    by_rank = {p.rank: p for p in waiting}
+    diffs = _differences(waiting)
+
+    def where(ranks: list[int]) -> str:
+        p = by_rank[ranks[0]]
+        seq = f" #{p.seq}" if p.seq is not None else ""
+        grp = f" on group {p.group}" if p.group is not None and "group" in diffs else ""
+        return f"{format_ranks(ranks)} in {p.op}{seq}{grp}" + (f" {p.shapes}" if p.shapes else "")
+
+    if "op" in diffs:
+        kind = "different collectives"
+    else:
+        kind = f"the same op ({waiting[0].op}) with a different {' and '.join(diffs) or 'call'}"
+    detail = "; ".join(where(rs) for rs, _ in places)
+    sizes = sorted((len(rs) for rs, _ in places), reverse=True)
+    if sizes[0] > sizes[1]:
+        # One place holds more ranks than any other: the rest are the odd ones out.
+        majority = next(rs for rs, _ in places if len(rs) == sizes[0])
+        odd = sorted(r for r in by_rank if r not in majority)
+        blame = f"The odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)}."
+    else:
+        # A tie (e.g. 2 ranks, one each) says nothing about which side is wrong: name them all.
+        odd = sorted(by_rank)
+        blame = "No majority to tell which side went wrong: check " + " and ".join(format_ranks(rs) for rs, _ in places) + "."
+    return Diagnosis("hang", f"ranks are in {kind}: {detail}. {blame}", positions, odd)
+
+
+def _not_in_cell(waiting: list[Position], outside: list[Position], log: CollectiveReport | None) -> list[int]:
+    """Ranks the waiting collective needs that the cell does not run on."""
+    if not outside:
+        return []
+    group = waiting[0].group
+    if log is not None and group is not None:
+        members = set(log.members(group))
+        return [p.rank for p in outside if p.rank in members]
+    return [p.rank for p in outside]  # a group we can't name: most likely the default one, every rank
 
 
 def _refine_missing(waiting: list[Position], finished: list[Position], log: CollectiveReport, positions: list[Position]) -> Diagnosis | None:
@@ -213,8 +326,7 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
     if entered:
         # They did enter #k, with something else: a mismatch that let them finish (or abort).
         mine = log.log.pending(waiting[0].rank) or {}
-        kind = "different ops" if any(e["op"] != head.op for e in entered.values()) else (
-            "shape or dtype mismatch" if any(signature(e) != signature(mine) for e in entered.values() if mine) else "mismatch")
+        kind = "different ops" if any(e["op"] != head.op for e in entered.values()) else _mismatch(mine, list(entered.values()))
         detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by(
             [(p.rank, describe(log.log.pending(p.rank) or {"op": p.op or "?"})) for p in waiting]
             + [(r, describe(e)) for r, e in entered.items()]))
@@ -234,16 +346,27 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
         )
     if not absent:
         return None
-    counts = log.counts(head.group)
-    mine = log.log.sequence(absent[0], head.group)
-    pending = log.log.pending(waiting[0].rank) or {}
-    # Same op, one call short, and in the same cell: a loop that ran once less on those ranks.
-    if mine and mine[-1]["op"] == head.op and counts.get(absent[0], 0) == head.seq - 1 and mine[-1].get("cell") == pending.get("cell"):
-        ahead = format_ranks([p.rank for p in waiting])
+    pending = log.log.pending(head.rank) or {}
+    # Same op, exactly one call short (by sequence number: the log may have let old entries go),
+    # and in the same cell: a loop that ran once less on those ranks.
+    last = {r: log.log.sequence(r, head.group)[-1:] for r in absent}
+    if all(
+        log.log.last_seq(r, head.group) == head.seq - 1 and last[r] and last[r][0]["op"] == head.op
+        and last[r][0].get("cell") == pending.get("cell")
+        for r in absent
+    ):
+        cell = pending.get("cell")
+        seq = log.log.sequence(absent[0], head.group)
+        # Counting the cell's calls needs all of them: no gap, and the log reaching back before the cell.
+        whole = len(seq) == seq[-1]["seq"] - seq[0]["seq"] + 1 and (seq[0]["seq"] == 1 or seq[0].get("cell") != cell)
+        calls = [e for e in seq if e["op"] == head.op and e.get("cell") == cell]
+        if cell is not None and whole and calls:
+            made = f"made {len(calls) + 1} {head.op} calls on group {head.group}, {format_ranks(absent)} stopped after {len(calls)}"
+        else:
+            made = f"reached {head.op} #{head.seq} on group {head.group}, {format_ranks(absent)} stopped after #{head.seq - 1}"
         return Diagnosis(
             "hang",
-            f"uneven loop lengths: {ahead} made {head.seq} {head.op} calls on group {head.group}, "
-            f"{format_ranks(absent)} stopped after {head.seq - 1} (a data loader or loop with a different length per rank).",
+            f"uneven loop lengths: {w} {made} (a data loader or loop with a different length per rank).",
             positions, absent,
         )
     return Diagnosis(
@@ -252,6 +375,17 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
         f"{format_ranks(absent)} finished the cell without entering it (a collective inside `if rank == …`).",
         positions, absent,
     )
+
+
+def _mismatch(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> str:
+    """``shape mismatch``, ``dtype mismatch`` or both: what differs between the same op's calls."""
+    if not mine:
+        return "shape or dtype mismatch"
+    shapes = any(signature(e)[1] != signature(mine)[1] for e in theirs)
+    dtypes = any(signature(e)[2] != signature(mine)[2] for e in theirs)
+    if shapes and dtypes:
+        return "shape and dtype mismatch"
+    return "dtype mismatch" if dtypes else "shape mismatch" if shapes else "mismatch"
 
 
 def exit_detail(returncode: int | None) -> str:

@@ -96,6 +96,150 @@ def test_parse_faulthandler_orders_frames_and_finds_main() -> None:
     assert threads[0].frames[0].line == "re.match(p, s)"
 
 
+def _entry(rid: int, seq: int, op: str = "all_reduce", cell: int | None = 1, done: bool = True, group: str = "0",
+           sizes: list | None = None, dtypes: list | None = None, t: float = 0.0) -> dict:
+    return {"id": rid, "group": group, "desc": "default_pg", "seq": seq, "p2p": False, "op": op, "sizes": sizes or [[2]],
+            "dtypes": dtypes or ["Float"], "t": t, "done": done, "cell": cell}
+
+
+def test_uneven_loops_are_recognised_however_much_history_the_log_let_go() -> None:
+    from distnb.collectives import CollectiveLog
+
+    # After thousands of collectives the log holds only the recent ones: rank 1's last all_reduce is
+    # #7002 though the log holds 3 of its entries. The count of entries held is no sequence number.
+    log = CollectiveLog()
+    log.merge(0, {"entries": [_entry(i, 7000 + i, cell=9) for i in range(3)] + [_entry(3, 7003, cell=9, done=False)]})
+    log.merge(1, {"entries": [_entry(i, 7000 + i, cell=9) for i in range(3)]})
+    d = diagnose([Position(0, "collective", op="all_reduce", seq=7003, group="0", since=5.0), Position(1, "finished")],
+                 3.0, 5.0, log.report([0, 1]))
+    assert d.summary.startswith("uneven loop lengths: rank 0 reached all_reduce #7003 on group 0, rank 1 stopped after #7002"), d.summary
+    assert d.culprits == [1]
+    # A rank that stopped two calls short did not run one loop iteration less: rank-conditional.
+    log.merge(1, {"entries": []})
+    log.entries[1].pop(2)
+    d = diagnose([Position(0, "collective", op="all_reduce", seq=7003, group="0", since=5.0), Position(1, "finished")],
+                 3.0, 5.0, log.report([0, 1]))
+    assert d.summary.startswith("rank-conditional collective"), d.summary
+
+
+def test_same_op_at_different_places_says_what_differs() -> None:
+    def at(rank: int, seq: int = 4, group: str = "0", sizes: list | None = None, dtypes: list | None = None) -> Position:
+        sizes, dtypes = sizes or [[2]], dtypes or ["Float"]
+        return Position(rank, "collective", op="all_reduce", seq=seq, group=group, since=5.0, sizes=sizes, dtypes=dtypes,
+                        shapes=f"[{','.join(map(str, sizes[0]))}] {dtypes[0]}")
+
+    seq = diagnose([at(0, seq=4), at(1, seq=5), at(2, seq=5)], 3.0, 5.0)
+    assert "the same op (all_reduce) with a different sequence number:" in seq.summary and "shape" not in seq.summary.split(":")[0]
+    assert seq.culprits == [0] and "The odd one out: rank 0." in seq.summary
+    group = diagnose([at(0, group="1"), at(1), at(2)], 3.0, 5.0)
+    assert "with a different group:" in group.summary and "rank 0 in all_reduce #4 on group 1" in group.summary
+    dtype = diagnose([at(0, dtypes=["Double"]), at(1), at(2)], 3.0, 5.0)
+    assert "with a different dtype:" in dtype.summary, dtype.summary
+    shape = diagnose([at(0), at(1, sizes=[[3]]), at(2)], 3.0, 5.0)
+    assert "with a different shape:" in shape.summary and shape.culprits == [1]
+
+
+def test_a_tie_names_both_sides() -> None:
+    d = diagnose([Position(0, "collective", op="barrier", seq=1, group="0", since=5.0),
+                  Position(1, "collective", op="all_reduce", seq=1, group="0", since=5.0)], 3.0, 5.0)
+    assert d.culprits == [0, 1] and "different collectives" in d.summary and "odd one" not in d.summary
+    assert "check rank 0 and rank 1" in d.summary, d.summary
+    d = diagnose([Position(r, "collective", op="barrier" if r < 2 else "all_reduce", since=5.0) for r in range(4)], 3.0, 5.0)
+    assert d.culprits == [0, 1, 2, 3] and "No majority" in d.summary
+
+
+def test_the_rank_that_died_first_is_the_root_cause_not_the_lowest() -> None:
+    positions = [Position(0, "dead", detail="terminated (SIGTERM)"), Position(1, "collective", op="all_reduce", since=4.0),
+                 Position(2, "dead", detail="killed (SIGKILL)")]
+    d = diagnose(positions, 3.0, 4.0, first_death=2)
+    assert d.summary.startswith("rank 2 died first (killed (SIGKILL)), then rank 0;") and "Root cause: rank 2." in d.summary
+    assert d.culprits == [2, 0]
+
+
+def test_first_death_follows_the_supervisors_clock_not_arrival_order() -> None:
+    from distnb.pool import CellEvents, _CellRun, _Rank
+    from distnb.results import CellResult, RankResult
+
+    # No processes: the controller's bookkeeping for two exit reports, the earlier death reported last
+    # (its supervisor waited for pipes a child of the rank kept open).
+    pool = distnb.Pool(nproc=2, backend="gloo")
+    pool.state = distnb.PoolState.READY
+    pool._ranks = {r: _Rank(r, state=distnb.RankState.RUNNING) for r in range(2)}
+    result = CellResult(cell=1, code="x", ranks=[0, 1], results={r: RankResult(r) for r in range(2)})
+    run = _CellRun(result, CellEvents())
+    result._run = run
+    pool.history.append(result)
+    for info in pool._ranks.values():
+        info.run = run
+    now = time.time()
+    pool._mark_dead(pool._ranks[1], when=now)
+    assert pool.first_death == 1 and result[1].first_death
+    pool._mark_dead(pool._ranks[0], when=now - 1.5)
+    assert pool.first_death == 0 and result[0].first_death and not result[1].first_death
+    assert "rank 0 died first" in result.text() and "rank 1 died first" not in result.text()
+    assert pool.state == distnb.PoolState.BROKEN
+
+
+def test_ranks_outside_the_cell_are_not_blamed_as_finished() -> None:
+    # The cell runs on rank 0 only; rank 1 never had it, so it did not "finish without entering".
+    d = diagnose([Position(0, "collective", op="all_reduce", seq=1, group="0", since=5.0), Position(1, "idle")], 3.0, 5.0)
+    assert d.kind == "hang" and d.culprits == [1] and "finished" not in d.summary, d.summary
+    assert "rank 1, which is not part of this cell" in d.summary
+    assert "rank 1: idle: not part of this cell" in d.text()
+    d = diagnose([Position(0, "collective", op="barrier", since=5.0), Position(1, "finished"), Position(2, "idle")], 3.0, 5.0)
+    assert "rank-conditional" in d.summary and d.culprits == [1] and "rank 1 finished the cell" in d.summary
+
+
+def test_headline_is_the_same_a_second_later() -> None:
+    # The live watch prints a diagnosis again only when its first line changes.
+    def at(t: float) -> list[str]:
+        slow = diagnose([Position(r, "collective", op="all_reduce", since=t) for r in range(2)], 3.0, t)
+        busy = diagnose([Position(0, "collective", op="all_reduce", since=t), Position(1, "computing", since=t)], 3.0, t)
+        running = diagnose([Position(0, "computing", since=t)], 3.0, t)
+        return [slow.text(), busy.text(), running.text()]
+
+    for before, after in zip(at(5.0), at(6.0)):
+        assert before.split("\n")[0] == after.split("\n")[0], (before, after)
+        assert before != after  # the durations are still there, in the per-rank lines
+    assert "rank 1: running Python code (not in a collective) for 6.0 s" in at(6.0)[1]
+
+
+def test_collective_ages_use_the_ranks_clock() -> None:
+    from distnb.collectives import CollectiveLog
+
+    # A rank on a machine whose clock runs 100 s ahead entered a collective 2 s ago (by its clock).
+    log = CollectiveLog()
+    rank_now = time.time() + 100.0
+    log.merge(0, {"entries": [_entry(1, 1, cell=3, done=False, t=rank_now - 2.0)], "now": rank_now})
+    pending = log.pending(0, cell=3)
+    assert pending is not None and 1.9 <= log.age(0, pending) <= 2.5
+    assert log.pending(0, cell=4) is None  # a later cell: the rank attributes entries to cells itself
+
+
+def test_a_regroup_starts_a_new_generation_of_the_log() -> None:
+    from distnb.collectives import CollectiveLog
+
+    log = CollectiveLog()
+    log.merge(0, {"entries": [_entry(1, 1), _entry(2, 2, done=False)]})  # #2 timed out, never retired
+    log.new_generation({0: log.last_id(0)})
+    log.merge(0, {"entries": [_entry(2, 2, done=False), _entry(3, 1, cell=5)]})  # the recorder still holds #2
+    assert [(e["id"], e["seq"]) for e in log.sequence(0, "0")] == [(3, 1)] and log.pending(0) is None
+
+
+def test_collective_from_the_stack_a_dying_rank_printed() -> None:
+    from distnb.diagnose import collective_at_death
+
+    stderr = ("Fatal Python error: Aborted\n\nThread 0x00007f0000000002 (most recent call first):\n"
+              '  File "/x/distnb/worker/control.py", line 96 in run\n\n'
+              "Thread 0x00007f0000000001 (most recent call first):\n"
+              '  File "/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+              '  File "/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+              '  File "<cell-4>", line 2 in <module>\n'
+              '  File "/x/distnb/worker/execute.py", line 124 in run\n')
+    assert collective_at_death(stderr, 0x7F0000000001) == "all_reduce at cell line 2 (from the stack it printed as it died)"
+    assert collective_at_death("Killed\n") is None
+
+
 # -- end to end ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool3():
@@ -121,6 +265,18 @@ def wait_for_hang(pool: distnb.Pool, result: distnb.CellResult, within: float = 
             return diag
         time.sleep(0.3)
     raise AssertionError(f"no hang diagnosed within {within} s; last: {diag.text()}")
+
+
+def _held_within(pool: distnb.Pool, rank: int, cell: int, within: float, is_open: bool = True) -> float | None:
+    """Seconds until the controller's log holds ``rank``'s collective of ``cell`` as open (or, with
+    ``is_open=False``, no open one) — without asking the rank: what a post-mortem would say if the
+    rank died now."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        if (pool.collective_log.pending(rank, cell) is not None) == is_open:
+            return time.monotonic() - t0
+        time.sleep(0.01)
+    return None
 
 
 def test_stacks_while_blocked_in_all_reduce_and_shutdown_works(pool3: distnb.Pool) -> None:
@@ -156,12 +312,34 @@ def test_different_collectives_name_the_odd_rank(pool3: distnb.Pool) -> None:
 
 def test_stack_of_rank_holding_the_gil(pool3: distnb.Pool) -> None:
     pool = fresh(pool3)
-    # Catastrophic regex backtracking runs in C and never releases the GIL.
-    res = pool.submit("import re\nre.match(r'(a+)+$', 'a' * 28 + 'b')", ranks=[1])
+    # Catastrophic regex backtracking runs in C and never releases the GIL (~5 s here).
+    res = pool.submit("import re\nre.match(r'(a+)+$', 'a' * 26 + 'b')", ranks=[1])
     time.sleep(0.5)
     report = pool.stacks([1])
     assert "faulthandler" in report.text() and "re.match" in report.text(), report.text()
-    pool.wait(res, timeout=120)
+    # The live watch diagnoses once a second: a rank that can't answer must cost one timeout per
+    # diagnosis (stacks and logs asked together), not one per question (~2.5 s).
+    t0 = time.monotonic()
+    diag = pool.diagnose(res)
+    took = time.monotonic() - t0
+    assert res.running == [1], "the regex ended too early for this test"
+    assert took < 1.5, f"diagnose took {took:.2f} s with a rank holding the GIL"
+    assert "rank 1: running Python code" in diag.text() and "re.match" in diag.text(), diag.text()
+    pool.wait(res, timeout=60)
+
+
+def test_stack_of_rank_in_a_busy_python_loop(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    # Pure Python gives the GIL up every few ms: the control thread answers, no faulthandler needed.
+    res = pool.submit("import time\nend = time.time() + 2.5\nwhile time.time() < end:\n    pass\n", ranks=[1])
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    text = pool.stacks([1]).text()
+    assert time.monotonic() - t0 < 1.0
+    assert "rank 1: running cell" in text and "faulthandler" not in text, text
+    assert "while time.time() < end:" in text and "<cell-" in text, text
+    pool.wait(res, timeout=30)
+    assert res.ok, res.text()
 
 
 def test_rank_killed_mid_cell_is_reported_first(pool3: distnb.Pool) -> None:
@@ -191,16 +369,73 @@ def test_death_inside_a_collective_names_it(pool3: distnb.Pool) -> None:
 
     pool = fresh(pool3)
     res = pool.submit("import time\nx = torch.ones(2)\nif rank == 0:\n    time.sleep(6)\ndist.all_reduce(x)")
-    time.sleep(2.5)  # ranks 1 and 2 wait in the all_reduce; the pool polls their logs every second
+    # The rank pushes its log within ~50 ms of entering the all_reduce; nobody asks it here.
+    held = _held_within(pool, 1, res.cell, 3.0)
+    assert held is not None, "rank 1's all_reduce never reached the controller"
     os.kill(pool.status().ranks[1].pid, signal.SIGKILL)
-    pool.wait(res, timeout=30)
+    # Only rank 1's post-mortem matters here; the others may stay stuck in gloo for a long time.
+    deadline = time.monotonic() + 10
+    while res[1].status != "dead" and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert res[1].status == "dead"
     assert "rank 1 died first: killed (SIGKILL" in res.text()
     assert "while in all_reduce [2] f32 (#" in res.text()
 
 
-def test_restart_replay_restores_state(pool3: distnb.Pool) -> None:
+def test_controller_holds_a_collective_within_a_fraction_of_a_second(pool3: distnb.Pool) -> None:
     pool = fresh(pool3)
+    # Each rank pushes a new entry itself within ~50 ms, and its end once the rank has left it;
+    # the pool's own poll comes once a second, so three trials all this quick would be luck
+    # without the pushes (~4% for the entry alone).
+    code = "import time\nx = torch.ones(2)\nif rank == 0:\n    time.sleep(0.6)\ndist.all_reduce(x)\ntime.sleep(1.0)"
+    for _ in range(3):
+        res = pool.submit(code)
+        t0 = time.monotonic()
+        held = _held_within(pool, 1, res.cell, 1.0)
+        assert held is not None and held < 0.4, held
+        # Rank 0 joins at ~0.6 s; then rank 1 computes: a death now must not be "in all_reduce".
+        closed = _held_within(pool, 1, res.cell, 2.0, is_open=False)
+        assert closed is not None and time.monotonic() - t0 < 1.0, time.monotonic() - t0
+        pool.wait(res, timeout=30)
+        assert res.ok, res.text()
+
+
+def test_same_hang_a_second_later_has_the_same_headline(pool3: distnb.Pool, tmp_path) -> None:
+    pool = fresh(pool3)
+    flag = tmp_path / "go"
+    # Rank 2 computes (polls a file) while ranks 0,1 wait for it in the all_reduce.
+    code = (f"import os, time\nx = torch.ones(2)\nif rank == 2:\n    while not os.path.exists({str(flag)!r}):\n"
+            "        time.sleep(0.02)\ndist.all_reduce(x)")
+    res = pool.submit(code)
+    first = wait_for_hang(pool, res)
+    assert "rank 2 is still running Python code" in first.summary, first.text()
+    time.sleep(1.0)
+    second = pool.diagnose(res)
+    flag.touch()
+    # The text watch prints a diagnosis only when its first line changes: it must not say it again
+    # every second. The durations are in the per-rank lines.
+    assert second.text().split("\n")[0] == first.text().split("\n")[0], (first.text(), second.text())
+    assert second.text() != first.text()
+    pool.wait(res, timeout=30)
+    assert res.ok, res.text()
+
+
+def test_a_rank_outside_the_cell_is_named_not_blamed_as_finished(pool3: distnb.Pool) -> None:
+    pool = fresh(pool3)
+    res = pool.submit("x = torch.ones(2)\ndist.all_reduce(x)", ranks=[0, 1])
+    diag = wait_for_hang(pool, res)
+    assert "rank 2, which is not part of this cell" in diag.summary and "finished" not in diag.summary, diag.text()
+    assert diag.culprits == [2] and "rank 2: idle: not part of this cell" in diag.text()
+    # Rank 2 joins from a cell of its own: the hang resolves, no restart needed.
+    rescue = pool.run("dist.all_reduce(torch.ones(2))", ranks=[2], timeout=30)
+    pool.wait(res, timeout=30)
+    assert rescue.ok and res.ok, res.text()
+
+
+def test_restart_replay_restores_state(pool3: distnb.Pool) -> None:
+    # From a launch: replay re-runs every cell since, and cells of other tests may only have
+    # succeeded together (one rank joining another's collective from a cell of its own).
+    pool = pool3.restart()
     pool.run("replay_a = rank * 10")
     pool.run("replay_b = replay_a + 1")
     pool.run("1/0")  # failed cells are not replayed
@@ -230,21 +465,75 @@ def test_detail_mode_names_shape_mismatch() -> None:
     assert pool.pids() == []
 
 
+# -- two ranks: mismatches that abort or hang with no majority -------------------------------------
+@pytest.fixture(scope="module")
+def pool2():
+    pool = distnb.Pool(nproc=2, backend="gloo", hang_after=1.0)
+    pool.start()
+    yield pool
+    pool.shutdown()
+    assert pool.pids() == []
+
+
+def test_barrier_against_all_reduce_names_both_ranks(pool2: distnb.Pool) -> None:
+    pool = fresh(pool2)
+    res = pool.submit("x = torch.ones(1)\nif rank == 0:\n    dist.barrier()\nelse:\n    dist.all_reduce(x)")
+    diag = wait_for_hang(pool, res)
+    # One rank each: nothing says which side is wrong, so neither is picked.
+    assert diag.culprits == [0, 1] and "different collectives" in diag.summary, diag.summary
+    assert "rank 0 in barrier #" in diag.summary and "rank 1 in all_reduce #" in diag.summary
+    assert "check rank 0 and rank 1" in diag.summary
+
+
+def test_gloo_shape_mismatch_without_detail_aborts_and_is_explained(pool2: distnb.Pool) -> None:
+    pool = fresh(pool2)
+    t0 = time.monotonic()
+    res = pool.run("batch = torch.ones(64 if rank == 0 else 48, 16)\ndist.all_reduce(batch)", timeout=30)
+    assert time.monotonic() - t0 < 10 and not res.running
+    text = res.text()
+    # gloo aborts the rank that receives more bytes than its tensor holds, within ms of both arriving.
+    assert res[1].status == "dead" and res[1].returncode == -6
+    assert "rank 1 died first: aborted (SIGABRT" in text, text
+    assert "rank 1 died first: aborted (SIGABRT: a C++ assertion or abort(), e.g. gloo on mismatched tensors), while in all_reduce" in text
+    assert "Received data size doesn't match expected size" in text
+    assert pool.state == distnb.PoolState.BROKEN
+
+
+def test_dtype_mismatch_is_named_from_the_log_of_the_rank_that_aborted(pool2: distnb.Pool) -> None:
+    pool = fresh(pool2)
+    # Rank 0 (float32) waits first; rank 1 arrives 0.5 s later with float64 and gloo aborts rank 0.
+    code = ("import time\nx = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)\n"
+            "if rank == 1:\n    time.sleep(0.5)\ndist.all_reduce(x)")
+    res = pool.run(code, timeout=30)
+    text = res.text()
+    assert res[0].status == "dead" and res[0].returncode == -6, text
+    # The rank's log reached the controller while it waited, before the abort.
+    assert "rank 0 died first: aborted (SIGABRT" in text and "while in all_reduce [4] f32 (#" in text, text
+    report = pool.collectives()
+    [div] = report.divergences()
+    assert div.kind == "dtype", report.text()
+    assert "different dtypes: rank 0 all_reduce [4] f32; rank 1 all_reduce [4] f64" in report.text()
+
+
 # -- collective log (Flight Recorder) -------------------------------------------------------------
 def test_uneven_loop_lengths_and_collective_log(pool3: distnb.Pool) -> None:
-    pool = pool3.restart()  # sequence numbers below count from a fresh process group
+    # Earlier cells' collectives (if any ran on this pool) are counted by sequence number, not by
+    # the entries the log holds.
+    pool = fresh(pool3)
+    pool.run("x = torch.ones(2)\nfor i in range(3):\n    dist.all_reduce(x)\n", timeout=30)
     res = pool.submit("x = torch.ones(2)\nfor i in range(5 if rank == 0 else 4):\n    dist.all_reduce(x)\n")
     diag = wait_for_hang(pool, res)
-    assert diag.summary.startswith("uneven loop lengths: rank 0 made 5 all_reduce calls"), diag.summary
+    assert diag.summary.startswith("uneven loop lengths: rank 0 made 5 all_reduce calls on group 0, ranks 1,2 stopped after 4"), diag.summary
     assert diag.culprits == [1, 2]
     report = pool.collectives(last=3)
     [div] = report.divergences()
-    assert (div.seq, div.kind) == (5, "missing")
+    last = report.log.last_seq(1, "0")
+    assert (div.seq, div.kind) == (last + 1, "missing")
     text = report.text()
-    assert "first divergence: collective #5 on group 0 (ranks 0-2): rank 0 entered all_reduce, ranks 1,2 never did" in text
+    assert f"first divergence: collective #{last + 1} on group 0 (ranks 0-2): rank 0 entered all_reduce, ranks 1,2 never did" in text
     assert "◀ first divergence" in text and "⏳" in text
     stacks = pool.stacks([0]).text()
-    assert "in all_reduce [2] f32 (#5 on group 0)" in stacks
+    assert f"in all_reduce [2] f32 (#{last + 1} on group 0)" in stacks
 
 
 def test_subgroup_missing_member(pool3: distnb.Pool) -> None:
@@ -276,7 +565,7 @@ def test_shape_mismatch_is_named_from_the_collective_log(pool3: distnb.Pool) -> 
     pool = fresh(pool3)
     res = pool.submit("x = torch.ones(3 if rank == 0 else 4)\ndist.all_reduce(x)")
     diag = wait_for_hang(pool, res)
-    assert re.match(r"shape or dtype mismatch at collective #\d+ on group 0: ", diag.summary), diag.summary
+    assert re.match(r"shape mismatch at collective #\d+ on group 0: ", diag.summary), diag.summary
     assert "rank 0 all_reduce [3] f32" in diag.summary and "ranks 1,2 all_reduce [4] f32" in diag.summary
     assert diag.culprits == [0]
     [div] = pool.collectives().divergences()
@@ -289,6 +578,15 @@ def test_regroup_after_a_collective_timeout_keeps_state() -> None:
         res = pool.run("if rank == 0:\n    dist.all_reduce(x)", timeout=30)
         assert res.failed == [0] and "a collective timed out" in res.text() and "%dist_regroup" in res.text()
         assert not pool.run("dist.all_reduce(x)", timeout=30).ok  # the group is poisoned
+        before = pool.collectives().log.last_seq(0, "0")
+        assert before is not None and before >= 2
         pool.regroup()
         res = pool.run("y = torch.ones(1); dist.all_reduce(y); (y.item(), kept)", timeout=30)
         assert res.ok and res.values == {0: "(2.0, 41)", 1: "(2.0, 42)"}
+        # The new default group is "0" again, counting from #1; the old group's entries (and its
+        # timed-out all_reduce, never retired) must not mix with it.
+        report = pool.collectives()
+        for r in (0, 1):
+            assert [(e["seq"], e["op"], e["done"]) for e in report.log.sequence(r, "0")] == [(1, "all_reduce", True)]
+            assert report.log.pending(r) is None
+        assert report.divergences() == [] and "agree" in report.text()

@@ -3,8 +3,12 @@
 The Flight Recorder records every collective when it is issued — explicit ``dist.*`` calls and the
 ones DDP/FSDP issue from C++ alike — at about 2 µs each, and can be read from another thread while
 the main thread is blocked in a collective (gloo and NCCL waits release the GIL). An entry that is
-not ``retired`` was entered but has not completed. Reading costs ~0.2–0.5 ms, so it happens only on
-request, never per cell.
+not ``retired`` was entered but has not completed.
+
+Reading is not free: the recorder converts its whole ring buffer on every dump, ~15–30 µs per entry
+held (about 1 ms for 50 entries, 30–50 ms for a full 2000-entry buffer on this machine), so reads
+happen on request and, while a cell runs, only when :class:`SeqWatch` saw a group's sequence number
+move — a check that costs a few µs.
 """
 
 from __future__ import annotations
@@ -12,20 +16,24 @@ from __future__ import annotations
 import bisect
 import collections
 import json
+import pickle
+import time
 from typing import Any
 
-__all__ = ["CellClock", "read_collectives"]
+__all__ = ["CellClock", "SeqWatch", "read_collectives"]
 
 
 class CellClock:
-    """Wall-clock spans of the cells this rank ran, to attribute collectives to cells."""
+    """Wall-clock spans of the cells this rank ran, to attribute collectives to cells.
+
+    One deque of ``(cell, start, end)``: the main thread appends while the control thread looks
+    entries up, and a single structure can't be seen half-updated.
+    """
 
     def __init__(self, keep: int = 2000) -> None:
-        self._starts: collections.deque[float] = collections.deque(maxlen=keep)
         self._spans: collections.deque[tuple[int, float, float | None]] = collections.deque(maxlen=keep)
 
     def start(self, cell: int, t: float) -> None:
-        self._starts.append(t)
         self._spans.append((cell, t, None))
 
     def end(self, t: float) -> None:
@@ -34,7 +42,8 @@ class CellClock:
             self._spans[-1] = (cell, t0, t)
 
     def cell_at(self, t: float) -> int | None:
-        i = bisect.bisect_right(list(self._starts), t) - 1
+        # Bisect the deque in place: copying it per entry made a read O(entries × cells).
+        i = bisect.bisect_right(self._spans, t, key=lambda span: span[1]) - 1
         if i < 0:
             return None
         cell, t0, t1 = self._spans[i]
@@ -55,16 +64,60 @@ def _groups() -> dict[str, list[int]]:
     return out
 
 
+class SeqWatch:
+    """Has any process group issued a collective since the last look? Each group's own sequence
+    number answers that in ~1–2 µs per group, against milliseconds for a Flight Recorder dump."""
+
+    def __init__(self) -> None:
+        self.usable = True
+
+    def snapshot(self) -> tuple[tuple[str, int], ...] | None:
+        """``(group name, sequence number)`` per live group; None before torch.distributed is up or
+        where the backend can't tell (the caller then relies on the controller's polling)."""
+        if not self.usable:
+            return None
+        import sys
+
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")  # never import torch from here
+        if c10d is None:
+            return None
+        try:
+            # list() copies the dict in one step under the GIL, so a concurrent new_group is safe.
+            groups = list(c10d._world.pg_names.items())
+            return tuple(sorted((str(name), int(pg._get_sequence_number_for_group())) for pg, name in groups))
+        except (AttributeError, NotImplementedError):
+            self.usable = False  # this torch or backend has no per-group counter
+            return None
+        except Exception:
+            return None  # e.g. a group being destroyed right now: look again next time
+
+
+def _dump() -> dict[str, Any]:
+    """The recorder's contents. The pickle form without C++ stack traces is ~3× cheaper than the
+    JSON one (no symbolising, no JSON round trip); it comes from this process, so unpickling it is
+    as safe as the JSON."""
+    from torch._C import _distributed_c10d as c
+
+    if hasattr(c, "_dump_fr_trace"):
+        return pickle.loads(c._dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+    return json.loads(c._dump_fr_trace_json())
+
+
 def read_collectives(since: int, clock: CellClock) -> dict[str, Any]:
-    """Entries newer than record ``since`` plus every entry not yet retired (its state may change)."""
+    """Entries newer than record ``since`` plus every entry not yet retired (its state may change).
+
+    ``now`` is this rank's wall clock at the read: the controller measures how long an entry has
+    been open against it, never against its own clock (another machine's may be off by seconds).
+    """
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # noqa: F401 - present since torch 2.5
     except ImportError:
         return {"unavailable": "this torch has no Flight Recorder (_dump_fr_trace_json); upgrade to torch >= 2.5"}
     try:
-        dump = json.loads(_dump_fr_trace_json())
+        dump = _dump()
     except Exception as exc:
         return {"unavailable": f"the Flight Recorder could not be read: {exc}"}
+    now = time.time()
     entries = []
     for e in dump.get("entries", []):
         rid = int(e["record_id"])
@@ -87,4 +140,4 @@ def read_collectives(since: int, clock: CellClock) -> dict[str, Any]:
                 "cell": clock.cell_at(t),
             }
         )
-    return {"entries": entries, "groups": _groups()}
+    return {"entries": entries, "groups": _groups(), "now": now}

@@ -3,10 +3,16 @@
 It owns its own socket, so it keeps answering while the main thread executes user code. gloo's and
 NCCL's waits release the GIL, so a rank blocked in a collective still answers within a millisecond.
 Nothing here may ever issue a collective on the user's process groups.
+
+It also pushes the rank's new Flight Recorder entries to the controller on its own, within ~50 ms
+of a collective being issued (see :meth:`ControlThread._watch`): the controller's once-a-second
+poll alone loses the last collective of a rank that dies abruptly (SIGKILL, gloo's SIGABRT) within
+that second, which is exactly the one a post-mortem needs.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -19,7 +25,7 @@ import zmq
 
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
 from distnb.security import Credentials
-from distnb.worker.collectives import read_collectives
+from distnb.worker.collectives import SeqWatch, read_collectives
 from distnb.worker.execute import Executor
 
 __all__ = ["ControlThread", "thread_stacks"]
@@ -30,6 +36,12 @@ ENV_NAMES = {
     "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID",
 }
 ENV_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "CUDA_", "PYTORCH_")
+#: How often the control thread looks at the groups' sequence numbers (a few µs per look).
+WATCH_INTERVAL = 0.05
+#: Share of one core the pushes may take while the main thread computes: a dump of a full
+#: 2000-entry Flight Recorder takes ~50 ms, so pushes then come at most every ~2.5 s (the
+#: controller's 1 s poll still runs); with the few entries of a typical notebook, every 50 ms.
+WATCH_CPU_SHARE = 0.02
 
 
 def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
@@ -46,6 +58,17 @@ def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
     return out
 
 
+def _main_in_collective() -> bool:
+    """Is the main thread inside a torch.distributed call right now (e.g. blocked in a collective)?"""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    depth = 0
+    while frame is not None and depth < 64:
+        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
 class ControlThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, addr: str, creds: Credentials, rank: int, executor: Executor) -> None:
         super().__init__(name="distnb-control", daemon=True)
@@ -59,24 +82,119 @@ class ControlThread(threading.Thread):
         self.codec = Codec(creds.key, f"c{rank}")
         self.guard = ReplayGuard()
         self.state = "starting"
+        # DISTNB_FR_WATCH=0 turns the pushes off (benchmarks compare; the 1 s poll remains).
+        self.seqs: SeqWatch | None = SeqWatch() if os.environ.get("DISTNB_FR_WATCH", "1") != "0" else None
+        self._pushed_seqs: tuple[tuple[str, int], ...] | None = None
+        self._seen_seqs: tuple[tuple[str, int], ...] | None = None
+        self._pushed_id = -1  # the newest record already pushed
+        self._open_ids: set[int] = set()  # records pushed as not yet completed
+        self._stuck_ids: set[int] = set()  # open ones not worth re-reading for
+        self._was_running = False
+        self._next_push = 0.0
+        self._next_watch = 0.0
+        self.watch_dumps = 0  # Flight Recorder reads the watch made, and their total time (benchmarks)
+        self.watch_seconds = 0.0
 
     def run(self) -> None:
         while True:
             try:
-                frames = self.sock.recv_multipart()
+                # Rounded up: a 0 ms poll would spin until the next look is due.
+                wait_ms = None if self.seqs is None else max(0, math.ceil((self._next_watch - time.monotonic()) * 1000))
+                if self.sock.poll(wait_ms):
+                    self._serve_one(self.sock.recv_multipart())
+                if self.seqs is not None and time.monotonic() >= self._next_watch:
+                    self._next_watch = time.monotonic() + WATCH_INTERVAL
+                    self._watch()
             except zmq.ContextTerminated:
                 return
+
+    def _serve_one(self, frames: list[bytes]) -> None:
+        try:
+            msg = self.codec.decode(frames, self.guard)
+        except BadFrame:
+            return
+        try:
+            reply = self.handle(msg)
+        except Exception as exc:  # a failing probe must never take the control plane down
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        if reply is not None:
+            reply.update(t=Msg.REPLY, id=msg.get("id"), rank=self.rank)
             try:
-                msg = self.codec.decode(frames, self.guard)
-            except BadFrame:
-                continue
-            try:
-                reply = self.handle(msg)
-            except Exception as exc:  # a failing probe must never take the control plane down
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            if reply is not None:
-                reply.update(t=Msg.REPLY, id=msg.get("id"), rank=self.rank)
+                frames = self.codec.encode(reply)
+            except Exception as exc:  # e.g. FrameTooLarge: answer with the reason, keep serving
+                frames = self.codec.encode({"t": Msg.REPLY, "id": msg.get("id"), "rank": self.rank,
+                                            "error": f"the reply could not be sent: {type(exc).__name__}: {exc}"})
+            self.sock.send_multipart(frames)
+
+    def _watch(self) -> None:
+        """Push new Flight Recorder entries when a group's sequence number moved, and the end of
+        the collectives pushed as still open once the main thread has left them.
+
+        The look costs a few µs; the read it may trigger costs ms (tens with a full recorder), so
+        while the main thread computes, reads are spaced to stay under WATCH_CPU_SHARE of a core.
+        A main thread that has sat in a collective for a whole look is the case that matters (it
+        may never come back) and costs the user nothing, so that one is pushed at once.
+        """
+        assert self.seqs is not None
+        # Collectives are issued by cells: an idle rank skips the look (one more after a cell ends).
+        running = self.executor.cell is not None
+        if not running and not self._was_running:
+            return
+        self._was_running = running
+        try:
+            seqs = self.seqs.snapshot()
+            # Unchanged since the last look: the rank has been sitting in (or after) a collective.
+            settled, self._seen_seqs = seqs == self._seen_seqs, seqs
+            if seqs is None:
+                return
+            moved = seqs != self._pushed_seqs
+            in_collective = _main_in_collective()
+            # Pushed as open, and the main thread is no longer in torch.distributed: likely done.
+            # (Without this, a rank killed while computing after a collective would be reported
+            # as dying inside it.)
+            closing = bool(self._open_ids - self._stuck_ids) and not in_collective
+            if not moved and not closing:
+                return
+            now = time.monotonic()
+            # A loop issuing collectives back to back is inside torch.distributed most of the time
+            # but never settled: it stays within the CPU share.
+            if now < self._next_push and not (moved and settled and in_collective):
+                return
+            # Re-read from the oldest entry that may have closed (open ones always come back).
+            watched = self._open_ids - self._stuck_ids
+            since = min(min(watched) - 1, self._pushed_id) if watched else self._pushed_id
+            t0 = time.perf_counter()
+            reply = read_collectives(since, self.executor.clock)
+            took = time.perf_counter() - t0
+            self.watch_dumps += 1
+            self.watch_seconds += took
+            self._next_push = now + max(WATCH_INTERVAL, took / WATCH_CPU_SHARE)
+            entries = reply.get("entries")
+            if entries is None:  # no Flight Recorder: nothing to push, ever
+                self.seqs = None
+                return
+            newest = max((e["id"] for e in entries), default=-1)
+            if moved and newest <= self._pushed_id:
+                # The look raced ahead of the recorder (counter moved, entry not yet written):
+                # look again next time.
+                return
+            open_ids = {e["id"] for e in entries if not e["done"]}  # every open one, whatever ``since``
+            self._stuck_ids &= open_ids
+            unchanged = not moved and open_ids == self._open_ids
+            if unchanged:
+                # Still open with the main thread elsewhere (an async handle not waited yet, or a
+                # collective that timed out and will never retire): stop re-reading for them;
+                # the controller's own poll follows them from here.
+                self._stuck_ids |= open_ids
+            self._pushed_seqs, self._pushed_id, self._open_ids = seqs, max(self._pushed_id, newest), open_ids
+            if entries and not unchanged:
+                # "fr-poll…" replies are merged into the controller's log like its own polls.
+                reply.update(t=Msg.REPLY, id="fr-poll-push", rank=self.rank)
                 self.sock.send_multipart(self.codec.encode(reply))
+        except zmq.ContextTerminated:
+            raise
+        except Exception:  # best effort: the controller's own poll still runs
+            self._next_push = time.monotonic() + 1.0
 
     def status(self) -> dict[str, Any]:
         ex = self.executor
@@ -97,7 +215,12 @@ class ControlThread(threading.Thread):
     def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         t = msg["t"]
         if t == Msg.STACKS:
-            return {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
+            reply = {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
+            if "collectives_since" in msg:
+                # In the same answer, so a rank that can't answer (a C loop holding the GIL) costs
+                # the caller one timeout, not one per question.
+                reply["collectives"] = read_collectives(int(msg["collectives_since"]), self.executor.clock)
+            return reply
         if t == Msg.STATUS:
             return self.status()
         if t == Msg.MEMORY:

@@ -264,7 +264,8 @@ class Supervisor:
                 # Wait for EOF on the pipes so every byte the rank wrote is forwarded; a
                 # grandchild that inherited them caps that wait.
                 if not ({out_r, err_r} & open_fds) or now - exit_seen > 2.0:
-                    self._report_exit(rc)
+                    # When it died, not when we report: which rank died first is decided by this.
+                    self._report_exit(rc, time.time() - (now - exit_seen))
                     exit_reported = True
             if self.stopping or now - last_heard > self.heartbeat_timeout:
                 break
@@ -273,9 +274,9 @@ class Supervisor:
         self.ctx.term()
         return 0
 
-    def _report_exit(self, rc: int) -> None:
+    def _report_exit(self, rc: int, died_at: float) -> None:
         tail = b"".join(self.stderr_tail).decode("utf-8", "replace")
-        self.send({"t": Msg.RANK_EXIT, "rank": self.rank, "returncode": rc, "stderr_tail": tail, "time": time.time()})
+        self.send({"t": Msg.RANK_EXIT, "rank": self.rank, "returncode": rc, "stderr_tail": tail, "time": died_at})
         if self.pending_fault:
             self._finish_fault()
 
