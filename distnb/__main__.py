@@ -15,9 +15,9 @@ DEMO_CELLS = [
     ("Per-rank output streams back live; identical lines are shown once:",
      "print('hello from the pool')\nprint(f'I am rank {rank} of {world_size} on {device}')", None),
     ("State persists between cells; a subset of ranks can run a cell:",
-     "x.sum().item() * rank", "0,2"),
+     "x.sum().item() * rank", "{subset}"),
     ("An error on one rank is reported with the cell's own line, grouped by rank:",
-     "if rank == 3:\n    raise ValueError(f'rank {rank} got a bad batch')\n'fine'", None),
+     "if rank == world_size - 1:\n    raise ValueError(f'rank {rank} got a bad batch')\n'fine'", None),
 ]
 
 
@@ -41,6 +41,8 @@ def demo(nproc: int) -> int:
         for title, code, ranks in DEMO_CELLS:
             print(f"## {title}")
             print("\n".join(f"    {line}" for line in code.splitlines()))
+            if ranks == "{subset}":  # the first and last rank (just rank 0 in a 1-rank pool)
+                ranks = ",".join(map(str, sorted({0, nproc - 1})))
             result = pool.run(code, ranks=ranks, timeout=60)
             print(result.text(), end="\n\n", flush=True)
         expected = float(sum(range(nproc)))
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="show the versions and devices distnb sees")
     args = parser.parse_args(argv)
     if args.command == "demo":
+        if not 1 <= args.nproc <= 64:
+            parser.error(f"-n takes 1 to 64 ranks for the demo, not {args.nproc}.")
         return demo(args.nproc)
     return doctor()
 

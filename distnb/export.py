@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import ast
+import base64
+import pickle
 import textwrap
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Sequence, Union
 
-from distnb.launch import LaunchConfig
+from distnb.launch import DEBUG_ENV, LaunchConfig
 from distnb.ranks import format_ranks
-from distnb.results import CellResult
+from distnb.results import CellRecord, CellResult, PushRecord
 
-__all__ = ["export_script", "export_notebook", "select_cells"]
+__all__ = ["export_script", "export_notebook", "select_cells", "with_pushes"]
+
+Step = Union[CellResult, CellRecord, PushRecord]
+#: Pushed values larger than this go to a file beside the export instead of inline base64.
+INLINE_PUSH_BYTES = 64 * 1024
 
 _PRELUDE = '''\
 #!/usr/bin/env python
@@ -21,6 +27,7 @@ Run:  torchrun --nproc-per-node {nproc} {name}
 """
 import os
 from datetime import timedelta
+{env}
 
 import torch
 import torch.distributed as dist
@@ -89,39 +96,130 @@ def _show_last_value(code: str) -> str:
     return "\n".join(head + [f"_ = ({expr})", "if _ is not None:", "    print(repr(_))"])
 
 
-def export_script(cells: Iterable[CellResult], config: LaunchConfig, path: str | Path) -> Path:
-    cells = list(cells)
+def with_pushes(history: Sequence[CellResult | CellRecord], chosen: Sequence[CellResult | CellRecord],
+                pushes: Iterable[PushRecord], since: int = 0) -> list[Step]:
+    """The chosen cells with the pushes they depend on: every push made since history index
+    ``since`` up to the last chosen cell, placed where it happened."""
+    index = {id(c): i for i, c in enumerate(history)}
+    wanted = {index[id(c)] for c in chosen if id(c) in index}
+    if not wanted:
+        return list(chosen)
+    pending = sorted((p for p in pushes if since <= p.position <= max(wanted)), key=lambda p: p.position)
+    steps: list[Step] = []
+    for i in sorted(wanted):
+        while pending and pending[0].position <= i:
+            steps.append(pending.pop(0))
+        steps.append(history[i])
+    return steps
+
+
+def _env_lines(config: LaunchConfig) -> str:
+    env: dict[str, str] = {}
+    for switch in config.debug:
+        env.update(DEBUG_ENV[switch])
+    env.update(config.env)
+    if not env:
+        return ""
+    # Before torch is imported: NCCL_*, TORCH_DISTRIBUTED_DEBUG and friends are read at start-up.
+    return "\n# The pool's --env and --debug settings.\n" + "".join(f"os.environ.setdefault({k!r}, {v!r})\n" for k, v in env.items())
+
+
+def _literal_assignments(values: dict[str, Any]) -> str | None:
+    """``name = literal`` lines when every value survives repr → literal_eval unchanged."""
+    lines = []
+    for name, value in values.items():
+        try:
+            text = repr(value)
+            if ast.literal_eval(text) != value or type(ast.literal_eval(text)) is not type(value):
+                return None
+        except Exception:
+            return None
+        lines.append(f"{name} = {text}")
+    return "\n".join(lines)
+
+
+def _push_code(push: PushRecord, path: Path, n: int, sidecars: list[Path]) -> str:
+    """Code that re-creates a push: literals inline, else the pickle (inline or beside the export)."""
+    names = ", ".join(push.names)
+    if push.blob is None:
+        return f"# {names}: pushed from the notebook but too large to keep; define them here.\nraise SystemExit('define {names} first')"
+    literal = _literal_assignments(pickle.loads(push.blob))
+    if literal is not None:
+        return literal
+    if len(push.blob) <= INLINE_PUSH_BYTES:
+        data = base64.b64encode(push.blob).decode()
+        wrapped = "\n".join(textwrap.wrap(data, 96))
+        return f'import base64, pickle\nglobals().update(pickle.loads(base64.b64decode("""\n{wrapped}\n""")))  # {names}'
+    side = path.with_name(f"{path.stem}.push{n}.pkl")
+    side.write_bytes(push.blob)
+    sidecars.append(side)
+    return (f"import pickle\nwith open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {side.name!r}), 'rb') as _f:\n"
+            f"    globals().update(pickle.load(_f))  # {names}")
+
+
+def _targeted(body: str, ranks: Sequence[int], everyone: bool) -> str:
+    if everyone:
+        return body + "\n"
+    return f"if rank in {{{', '.join(map(str, ranks))}}}:\n{textwrap.indent(body, '    ') or '    pass'}\n"
+
+
+def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path) -> Path:
+    steps = list(steps)
     path = Path(path)
-    parts = [_PRELUDE.format(n=len(cells), nproc=config.nproc, name=path.name, backend=config.backend, pg_timeout=config.pg_timeout)]
-    for c in cells:
-        body = _show_last_value(c.code.rstrip())
-        everyone = list(c.ranks) == list(range(int(config.nproc or 0)))
-        parts.append(f"# ---- cell {c.cell} ({'all ranks' if everyone else format_ranks(c.ranks)}) ----")
-        if everyone:
-            parts.append(body + "\n")
-        else:
-            parts.append(f"if rank in {{{', '.join(map(str, c.ranks))}}}:\n{textwrap.indent(body, '    ') or '    pass'}\n")
+    cells = [s for s in steps if not isinstance(s, PushRecord)]
+    parts = [_PRELUDE.format(n=len(cells), nproc=config.nproc, name=path.name, backend=config.backend,
+                             pg_timeout=config.pg_timeout, env=_env_lines(config))]
+    all_ranks = list(range(int(config.nproc or 0) * config.nnodes))
+    sidecars: list[Path] = []
+    for step in steps:
+        everyone = list(step.ranks) == all_ranks
+        where = "all ranks" if everyone else format_ranks(step.ranks)
+        if isinstance(step, PushRecord):
+            parts.append(f"# ---- %dist_push {' '.join(step.names)} ({where}) ----")
+            parts.append(_targeted(_push_code(step, path, len(sidecars) + 1, sidecars), step.ranks, everyone))
+            continue
+        parts.append(f"# ---- cell {step.cell} ({where}) ----")
+        parts.append(_targeted(_show_last_value(step.code.rstrip()), step.ranks, everyone))
     parts.append(_EPILOGUE)
     path.write_text("\n".join(parts))
     return path
 
 
-def export_notebook(cells: Iterable[CellResult], config: LaunchConfig, path: str | Path) -> Path:
+def _launch_line(config: LaunchConfig) -> str:
+    line = f"%dist_launch -n {config.nproc} --backend {config.backend}"
+    if config.pg_timeout != LaunchConfig.pg_timeout:
+        line += f" --pg-timeout {config.pg_timeout:g}"
+    line += "".join(f" --debug {d}" for d in config.debug)
+    line += "".join(f" --env {k}={v}" for k, v in config.env.items())
+    return line
+
+
+def export_notebook(steps: Iterable[Step], config: LaunchConfig, path: str | Path) -> Path:
     import nbformat
     from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-    cells = list(cells)
-    launch = f"%dist_launch -n {config.nproc} --backend {config.backend}"
+    steps = list(steps)
+    path = Path(path)
+    cells = [s for s in steps if not isinstance(s, PushRecord)]
     nb = new_notebook(
         cells=[
             new_markdown_cell(f"Exported by distnb: {len(cells)} cells, {config.nproc} ranks."),
-            new_code_cell(f"%load_ext distnb\n{launch}"),
+            new_code_cell(f"%load_ext distnb\n{_launch_line(config)}"),
         ]
     )
-    for c in cells:
-        target = "" if list(c.ranks) == list(range(int(config.nproc or 0))) else " " + ",".join(map(str, c.ranks))
-        nb.cells.append(new_code_cell(f"%%on_ranks{target}\n{c.code.rstrip()}"))
+    all_ranks = list(range(int(config.nproc or 0) * config.nnodes))
+    sidecars: list[Path] = []
+    for step in steps:
+        target = "" if list(step.ranks) == all_ranks else " " + ",".join(map(str, step.ranks))
+        if isinstance(step, PushRecord):
+            # Defined in the notebook, then pushed, as in the session that was exported.
+            code = _push_code(step, path, len(sidecars) + 1, sidecars).replace("os.path.dirname(os.path.abspath(__file__))", "'.'")
+            if "os.path.join" in code:
+                code = "import os\n" + code
+            ranks = f" --ranks {','.join(map(str, step.ranks))}" if target else ""
+            nb.cells.append(new_code_cell(f"{code}\n%dist_push {' '.join(step.names)}{ranks}"))
+            continue
+        nb.cells.append(new_code_cell(f"%%on_ranks{target}\n{step.code.rstrip()}"))
     nb.cells.append(new_code_cell("%dist_shutdown"))
-    path = Path(path)
     nbformat.write(nb, str(path))
     return path

@@ -8,7 +8,7 @@ machinery (``_request``, ``_check_usable``, ``_raise_if_busy``).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from distnb import _linux
 from distnb.checks import CheckReport, compare
@@ -46,11 +46,15 @@ class Inspection:
         targets = parse_ranks(ranks, self.world_size)
         with self._lock:
             alive = [r for r in targets if self._ranks[r].state != RankState.DEAD]
-        replies = self._request(control_identity, alive, {"t": Msg.STACKS, "all_threads": all_threads}, timeout, partial=True)
+        # The collective log comes in the same answer: a rank that can't answer (a C loop holding
+        # the GIL) then costs one timeout here, not one more per question.
+        since = {r: self.collective_log.last_id(r) for r in alive}
+        msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1)}
+        replies = self._request(control_identity, alive, msg, timeout, partial=True)
+        self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
         silent = [r for r in alive if r not in replies]
         dumps = self._request(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": 0.15}, 3.0, partial=True)
         cell_sources = {f"<cell-{c.cell}>": c.code for c in self.history[-200:]}
-        self.collectives(alive, refresh=True)
         status = {rs.rank: rs for rs in self.status().ranks}
         out = []
         for r in targets:
@@ -70,9 +74,10 @@ class Inspection:
                 rs = RankStack(r, st.describe(), "dead")
             else:
                 rs = RankStack(r, st.describe(), "no answer (the process may be stopped, e.g. SIGSTOP)")
-            pending = self.collective_log.pending(r)
-            if pending is not None and st.state == RankState.RUNNING:
-                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']}) for {max(0.0, time.time() - pending['t']):.1f} s"
+            pending = self.collective_log.pending(r, st.cell) if st.state == RankState.RUNNING else None
+            if pending is not None:
+                # How long by the rank's own clock: another machine's may be off from this one's.
+                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']}) for {self.collective_log.age(r, pending):.1f} s"
             if native and info.pid and st.state != RankState.DEAD:
                 # py-spy runs here: a rank on another machine needs it run there.
                 rs.native = py_spy_dump(info.pid) if not info.node else f"rank {r} runs on {info.host}: run `py-spy dump --native --pid {info.pid}` there."
@@ -88,8 +93,12 @@ class Inspection:
             result = self.history[-1]  # type: ignore[assignment]
         elapsed = time.monotonic() - result._run.started  # type: ignore[attr-defined]
         busy = [r for r in result.ranks if result.results[r].status == "running"]
-        stacks = self.stacks(busy) if busy else None
-        log = self.collectives(refresh=True)
+        with self._lock:
+            alive = [r for r in range(self.world_size) if self._ranks[r].state != RankState.DEAD]
+        # One round trip: stacks of every live rank (idle ones answer at once) with their collective
+        # logs, so a rank holding the GIL costs one timeout per diagnosis.
+        stacks = self.stacks(alive) if busy else None
+        log = self.collectives(refresh=not busy)
         lines = result.code.splitlines()
         positions = []
         for r in range(self.world_size):
@@ -107,14 +116,17 @@ class Inspection:
             else:
                 assert stacks is not None
                 pos = position_from_stack(stacks[r])
-                pending = self.collective_log.pending(r)
-                if pending is not None and pending["t"] >= result.started - 1.0:
+                # The rank tells which cell an entry belongs to by its own clock: no cross-machine
+                # clock comparison.
+                pending = self.collective_log.pending(r, result.cell)
+                if pending is not None:
                     pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
                     pos.shapes = describe(pending, with_op=False)
-                    pos.since = max(0.0, time.time() - pending["t"])
+                    pos.sizes, pos.dtypes = pending.get("sizes"), pending.get("dtypes")
+                    pos.since = self.collective_log.age(r, pending)
                 pos.since = pos.since if pos.since is not None else elapsed
                 positions.append(pos)
-        return diagnose(positions, self.config.hang_after if hang_after is None else hang_after, elapsed, log)
+        return diagnose(positions, self.config.hang_after if hang_after is None else hang_after, elapsed, log, self.first_death)
 
     def collectives(self: Pool, ranks: str | int | Iterable[int] | None = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
         """Every rank's collective sequence (from the Flight Recorder), side by side, with the
@@ -125,22 +137,29 @@ class Inspection:
             since = {r: self.collective_log.last_id(r) for r in alive}
             floor = min(since.values(), default=-1)
             replies = self._request(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor}, 1.0, partial=True)
-            with self._lock:
-                for r, reply in replies.items():
-                    reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since[r] or not e["done"]]
-                    self.collective_log.merge(r, reply)
+            self._merge_collectives(replies, since)
         return self.collective_log.report(targets, last)
+
+    def _merge_collectives(self: Pool, replies: dict[int, dict[str, Any]], since: dict[int, int]) -> None:
+        """Merge the ranks' log replies; each was asked from the lowest ``since`` of the batch, so
+        drop what a rank had already sent (entries still open may have changed: keep those)."""
+        with self._lock:
+            for r, reply in replies.items():
+                reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since.get(r, -1) or not e["done"]]
+                self.collective_log.merge(r, reply)
 
     def export(self: Pool, path: str, cells: str | None = None, include_failed: bool = False) -> str:
         """Write the session's cells (since launch; by default those that succeeded) as a
         standalone ``torchrun`` script, or as a notebook when ``path`` ends in ``.ipynb``."""
-        from distnb.export import export_notebook, export_script, select_cells
+        from distnb.export import export_notebook, export_script, select_cells, with_pushes
 
         chosen = select_cells(self.history[self._launch_index :] if cells is None else self.history, cells, include_failed)
         if not chosen:
             raise ValueError("there is no cell to export yet; run some with %%on_ranks first (or pass --all to include failed ones).")
+        # The cells read what %dist_push sent them: the pushes go in too, where they happened.
+        steps = with_pushes(self.history, chosen, self.pushes, self._launch_index)
         writer = export_notebook if str(path).endswith(".ipynb") else export_script
-        return str(writer(chosen, self.config, path))
+        return str(writer(steps, self.config, path))
 
     def memory(self: Pool, ranks: str | int | Iterable[int] | None = None) -> MemoryReport:
         """Each rank's memory now (asked live, works while cells run) and its peak per cell."""
@@ -174,6 +193,12 @@ class Inspection:
             targets = list(range(self.world_size))
             self._raise_if_busy(targets)
             self._regroups += 1
+        # The new default group is named "0" again and counts from #1, while the ranks' recorders
+        # keep the old group's entries: start a new generation of the log, ignoring every record
+        # the ranks made so far (ranks are idle, so nothing new is recorded before the regroup).
+        self.collectives(refresh=True)
+        with self._lock:
+            self.collective_log.new_generation({r: self.collective_log.last_id(r) for r in targets})
         replies = self._request(exec_identity, targets, {"t": Msg.REGROUP, "generation": self._regroups}, self.config.pg_timeout + 30)
         errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
         if errors:

@@ -108,6 +108,9 @@ class LaunchConfig:
         curve: encrypt the control plane with CURVE, and admit only clients holding the pool's key.
         key_file: where to write the key other nodes read (default ``~/.distnb/keys/<pool>.key``).
         node_python: the Python that runs ``-m distnb.node`` on other machines (default: this one's path).
+        local_nodes: run every other node's agent on this machine too: a multi-node layout (RANK
+            differs from LOCAL_RANK, GROUP_RANK per node, a rendezvous across torchruns) rehearsed
+            on one box. The simulated nodes share this machine's devices, so the backend is gloo.
         debug: debug switches: ``"detail"`` (TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched
             collectives raise an error naming the field instead of aborting the process) and
             ``"nccl"`` (NCCL_DEBUG=INFO with the init, network and collective subsystems).
@@ -129,6 +132,7 @@ class LaunchConfig:
     curve: bool = False
     key_file: str | None = None
     node_python: str | None = None
+    local_nodes: bool = False
 
     def __post_init__(self) -> None:
         if self.nproc is None:
@@ -164,6 +168,15 @@ class LaunchConfig:
         nnodes = self.nnodes
         if self.slurm and hosts:
             raise ValueError("use either hosts (ssh) or slurm (srun) to start the other nodes, not both.")
+        if self.local_nodes:
+            if hosts or self.slurm:
+                raise ValueError("local_nodes runs the other nodes on this machine; drop hosts/slurm, or drop local_nodes.")
+            if nnodes < 2:
+                raise ValueError("local_nodes simulates several machines: give nnodes of 2 or more (--nnodes 2).")
+            if self.backend == "nccl":
+                raise ValueError("local_nodes puts several simulated nodes on this machine's GPUs, and NCCL refuses two "
+                                 "ranks on one GPU; use backend gloo (the default with local_nodes).")
+            object.__setattr__(self, "backend", "gloo")
         if self.slurm:
             if not os.environ.get("SLURM_JOB_ID"):
                 raise ValueError("slurm needs a Slurm allocation: start Jupyter inside `salloc -N 2 ...` or an sbatch job.")
@@ -306,8 +319,10 @@ class Launcher:
         )
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
         # The Flight Recorder is distnb's collective log (~2 µs per collective); on by default
-        # in recent torch, asked for explicitly for older ones. A user's 0 turns it off.
-        env.setdefault("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"))
+        # in recent torch, asked for explicitly for older ones. A user's 0 turns it off. Kept
+        # short: every read converts the whole ring (~35 ms for 2000 entries, ~9 ms for 500),
+        # ranks push new entries within ~50 ms, and the controller keeps 5000 per rank itself.
+        env.setdefault("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "500"))
         return env
 
     def start(self) -> None:

@@ -33,6 +33,16 @@ def _usage_errors() -> Iterator[None]:
         raise UsageError(str(exc)) from None
 
 
+def _parse(magic: Any, line: str) -> Any:
+    """``parse_argstring`` whose errors end with where to read the flags."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as exc:
+        name = magic.__name__
+        prefix = "%%" if name == "on_ranks" else "%"
+        raise UsageError(f"{str(exc).rstrip('.')}. Run {prefix}{name}? for its flags.") from None
+
+
 def _env_pairs(items: list[str] | None) -> dict[str, str]:
     env = {}
     for item in items or []:
@@ -140,6 +150,7 @@ class DistMagics(Magics):
     @argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="torchrun's c10d rendezvous (default: this machine, a free port).")
     @argument("--bind", default=None, metavar="ADDRESS[:PORT]", help="Where the controller listens (default 127.0.0.1; other machines need an address they can reach, e.g. 0.0.0.0).")
     @argument("--hosts", default=None, metavar="H1,H2", help="Start the other machines' node agents over ssh (nnodes = 1 + hosts).")
+    @argument("--local-nodes", action="store_true", help="Run the other nodes' agents on this machine too: rehearse a multi-node layout (RANK vs LOCAL_RANK, GROUP_RANK) on one box; gloo.")
     @argument("--slurm", action="store_true", help="Inside a Slurm allocation: start a node agent on every other node with srun.")
     @argument("--curve", action="store_true", help="Encrypt the control plane (CURVE) and admit only clients holding the pool's key.")
     @argument("--key-file", default=None, metavar="FILE", help="Where to write the key the other machines read (default ~/.distnb/keys/<pool>.key).")
@@ -150,7 +161,7 @@ class DistMagics(Magics):
 
         Multi-node: ``%dist_launch --nnodes 2 -n 4 --bind 0.0.0.0`` prints the one command to run on
         the other machine; ``--hosts node2`` starts it over ssh, ``--slurm`` with srun."""
-        args = parse_argstring(self.dist_launch, line)
+        args = _parse(self.dist_launch, line)
         with contextlib.suppress(NoPoolError):
             pool = current_pool()
             raise UsageError(
@@ -165,14 +176,15 @@ class DistMagics(Magics):
             options["hosts"] = tuple(h for h in args.hosts.split(",") if h.strip())
             if not options["hosts"]:
                 raise UsageError("--hosts needs at least one host name, e.g. --hosts node2,node3.")
-        options.update(slurm=args.slurm, curve=args.curve)
+        options.update(slurm=args.slurm, curve=args.curve, local_nodes=args.local_nodes)
         try:
             config = LaunchConfig(**options)
         except ValueError as exc:
             # Speak the magic's language: the flag, not the Python parameter.
             text = str(exc)
             for name, flag in (("nproc", "-n/--nproc"), ("pg_timeout", "--pg-timeout"), ("start_timeout", "--start-timeout"), ("hang_after", "--hang-after"),
-                               ("nnodes", "--nnodes"), ("rdzv_endpoint", "--rdzv-endpoint"), ("hosts", "--hosts"), ("slurm", "--slurm")):
+                               ("nnodes", "--nnodes"), ("rdzv_endpoint", "--rdzv-endpoint"), ("hosts", "--hosts"), ("slurm", "--slurm"),
+                               ("local_nodes", "--local-nodes")):
                 if text.startswith(name + " "):
                     text = flag + text[len(name):]
                 text = text.replace(f" {name} ", f" {flag} ").replace(f"({name} ", f"({flag} ")
@@ -185,7 +197,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_shutdown(self, line: str) -> None:
         """Stop every rank of the current pool (SIGTERM, then SIGKILL) and verify none is left."""
-        parse_argstring(self.dist_shutdown, line)
+        _parse(self.dist_shutdown, line)
         pool = self._pool()
         with _usage_errors():
             pool.shutdown()
@@ -200,7 +212,7 @@ class DistMagics(Magics):
         Works on a pool with hung or dead ranks. With --replay, the cells that succeeded since
         launch run again, so the pool is back at the step before the failure.
         """
-        args = parse_argstring(self.dist_restart, line)
+        args = _parse(self.dist_restart, line)
         pool = self._pool()
 
         def replayed(result: CellResult) -> None:
@@ -218,7 +230,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_regroup(self, line: str) -> None:
         """After a collective timeout: a fresh process group on every rank, without restarting (state kept)."""
-        parse_argstring(self.dist_regroup, line)
+        _parse(self.dist_regroup, line)
         pool = self._pool()
         with _usage_errors():
             pool.regroup()
@@ -231,7 +243,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_stacks(self, line: str) -> Any:
         """Where is every rank right now? Works while a cell runs or hangs; identical stacks are grouped."""
-        args = parse_argstring(self.dist_stacks, line)
+        args = _parse(self.dist_stacks, line)
         pool = self._pool()
         with _usage_errors():
             return pool.stacks(args.ranks, all_threads=args.all_threads, native=args.native)
@@ -242,7 +254,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_check(self, line: str) -> None:
         """Compare tensors across ranks by bitwise fingerprint, sum, norm, NaN/Inf: identical, or the odd ranks."""
-        args = parse_argstring(self.dist_check, line)
+        args = _parse(self.dist_check, line)
         pool = self._pool()
         with _usage_errors():
             reports = pool.check(args.names, ranks=args.ranks)
@@ -256,7 +268,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_export(self, line: str) -> None:
         """Write the cells run so far as a standalone script (torchrun --nproc-per-node N PATH) or notebook."""
-        args = parse_argstring(self.dist_export, line)
+        args = _parse(self.dist_export, line)
         pool = self._pool()
         with _usage_errors():
             written = pool.export(args.path, cells=args.cells, include_failed=args.all)
@@ -270,7 +282,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_memory(self, line: str) -> Any:
         """Per-rank memory: RSS (and CUDA allocated/reserved/peak, NVML device use on GPUs); flags imbalance."""
-        args = parse_argstring(self.dist_memory, line)
+        args = _parse(self.dist_memory, line)
         pool = self._pool()
         with _usage_errors():
             report = pool.memory(args.ranks)
@@ -289,7 +301,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_collectives(self, line: str) -> Any:
         """Each rank's collective sequence (incl. DDP/FSDP internals) side by side; the first divergence marked."""
-        args = parse_argstring(self.dist_collectives, line)
+        args = _parse(self.dist_collectives, line)
         if args.last is not None and args.last < 1:
             raise UsageError("--last takes a positive count, e.g. --last 10.")
         pool = self._pool()
@@ -301,7 +313,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_env(self, line: str) -> Any:
         """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* per rank; flags differences."""
-        args = parse_argstring(self.dist_env, line)
+        args = _parse(self.dist_env, line)
         pool = self._pool()
         with _usage_errors():
             return pool.env(args.ranks)
@@ -311,7 +323,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_wait(self, line: str) -> None:
         """Wait for the last cell (e.g. one started with %%on_ranks --bg) and show its result."""
-        args = parse_argstring(self.dist_wait, line)
+        args = _parse(self.dist_wait, line)
         pool = self._pool()
         if not pool.history:
             raise UsageError("no cell has run on this pool yet.")
@@ -324,7 +336,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_status(self, line: str) -> None:
         """Per rank: pid, host, device and state (idle · running cell k for t s · dead)."""
-        parse_argstring(self.dist_status, line)
+        _parse(self.dist_status, line)
         from IPython.display import display
 
         display(self._pool().status())
@@ -344,8 +356,8 @@ class DistMagics(Magics):
         The result is kept in the notebook variable ``_dist`` (a :class:`distnb.CellResult`).
         Ctrl-C interrupts the cell on the ranks; a second Ctrl-C stops waiting.
         """
-        args = parse_argstring(self.on_ranks, line)
-        args.ranks = "".join(args.ranks) or None  # "0, 1" arrives as two words
+        args = _parse(self.on_ranks, line)
+        args.ranks = " ".join(args.ranks) or None  # "0, 1" and "0 2" arrive as two words
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError("--timeout takes a positive number of seconds, e.g. --timeout 10.")
         try:
@@ -362,10 +374,10 @@ class DistMagics(Magics):
             with _usage_errors():
                 view = CellView(-1, parse_ranks(args.ranks, pool.world_size))
             printer = view.printer
-            events = CellEvents(on_output=None if args.quiet else view.feed, on_rank_done=view.rank_done)
+            events = CellEvents(on_output=None if args.quiet else view.feed, on_display=view.display_bundle, on_rank_done=view.rank_done)
         else:
             printer = LivePrinter()
-            events = CellEvents(on_output=None if args.quiet else printer.feed, on_rank_done=printer.rank_done)
+            events = CellEvents(on_output=None if args.quiet else printer.feed, on_display=printer.display_bundle, on_rank_done=printer.rank_done)
         with _usage_errors():
             result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None)
         self.shell.user_ns["_dist"] = result
@@ -391,13 +403,10 @@ class DistMagics(Magics):
                     print(report.text(), file=sys.stdout if report.identical else sys.stderr)
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
-        note = printer.cap_note()
-        if note:
-            print(note)
-        outcome = result.outcome_text()
-        for note in printer.announced:  # already shown live
-            outcome = outcome.replace(note + "\n", "").replace(note, "")
-        outcome = outcome.strip("\n")
+        for note in (printer.cap_note(), result.truncation_note()):
+            if note:
+                print(note)
+        outcome = printer.outcome_text(result).strip("\n")  # less what was already shown live
         if outcome:
             stream = sys.stderr if result.failed or result.running else sys.stdout
             print(outcome, file=stream)
@@ -409,7 +418,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_push(self, line: str) -> None:
         """Copy notebook variables into the ranks' namespaces."""
-        args = parse_argstring(self.dist_push, line)
+        args = _parse(self.dist_push, line)
         ns = self.shell.user_ns
         missing = [n for n in args.names if n not in ns]
         if missing:
@@ -424,7 +433,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_pull(self, line: str) -> dict[int, Any]:
         """Return ``{rank: value}`` of a variable on the ranks."""
-        args = parse_argstring(self.dist_pull, line)
+        args = _parse(self.dist_pull, line)
         pool = self._pool()
         with _usage_errors():
             return pool.pull(args.name, ranks=args.ranks)
@@ -438,8 +447,9 @@ def load(ipython: Any) -> None:
 
 
 def unload(ipython: Any) -> None:
+    """``%unload_ext distnb`` / ``%reload_ext distnb``: no pool of this kernel outlives the extension."""
     from distnb import pool as pool_module
 
-    pool = pool_module._current
-    if pool is not None and pool.state not in (PoolState.STOPPED, PoolState.NEW):
-        pool.shutdown()
+    for pool in list(pool_module._live_pools):
+        if pool.state not in (PoolState.STOPPED, PoolState.NEW):
+            pool.shutdown()

@@ -171,6 +171,12 @@ class NodeStarters:
         return [[*ssh, "-o", "BatchMode=yes", host, remote] for host in config.hosts]
 
     @staticmethod
+    def local_commands(config: LaunchConfig, address: str) -> list[list[str]]:
+        """One node agent per simulated node, on this machine (the key goes on stdin, as over ssh)."""
+        agent = [sys.executable, "-m", "distnb.node", "--connect", address, "--key-file", "-"]
+        return [list(agent) for _ in range(config.nnodes - 1)]
+
+    @staticmethod
     def srun_command(config: LaunchConfig, address: str, key_file: str) -> list[str]:
         others = config.nnodes - 1
         # DISTNB_SRUN adds what a cluster needs, e.g. "srun --gpus-per-node 4 --account proj".

@@ -22,10 +22,10 @@ from distnb.errors import LaunchError, NoPoolError, PoolBrokenError, PoolBusyErr
 from distnb.inspection import Inspection
 from distnb.launch import LaunchConfig, Launcher, Rendezvous, is_loopback, split_host_port
 from distnb.nodes import Nodes, NodeStarters, connect_host, join_command
-from distnb.protocol import Msg, control_identity, exec_identity, node_identity, supervisor_identity
+from distnb.protocol import MAX_FRAME_BYTES, Msg, control_identity, exec_identity, node_identity, supervisor_identity
 from distnb.security import Credentials, default_key_file
 from distnb.ranks import format_ranks, parse_ranks
-from distnb.results import CellRecord, CellResult, PoolState, PoolStatus, RankResult, RankState, RankStatus
+from distnb.results import CellRecord, CellResult, PoolState, PoolStatus, PushRecord, RankResult, RankState, RankStatus
 
 __all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
 
@@ -34,6 +34,8 @@ OUTPUT_KEEP_BYTES = 1 << 20
 #: Cells whose full results (output, values, memory) the pool keeps; older ones keep only
 #: what replay and export need.
 KEEP_RESULTS = 100
+#: Pickled pushes kept for replay and export; beyond this the oldest are let go (and say so).
+KEEP_PUSH_BYTES = 256 << 20
 
 
 @dataclass
@@ -120,9 +122,11 @@ class Pool(Inspection):
         self._cells = itertools.count(1)
         # Every cell run, in order; only the last KEEP_RESULTS keep their outputs (memory stays flat).
         self.history: list[CellResult | CellRecord] = []
+        self.pushes: list[PushRecord] = []  # what %dist_push sent, in order, for replay and export
         self._launch_index = 0
         self.collective_log = CollectiveLog()
         self._fr_dirty: set[int] = set()
+        self._fr_ticks = 0
         self._regroups = 0
         self.first_death: int | None = None
         self.nodes = Nodes(0)
@@ -197,18 +201,22 @@ class Pool(Inspection):
         here = rdzv_host in (host, bind_host, "localhost") or is_loopback(rdzv_host)
         local_addr = "127.0.0.1" if is_loopback(bind_host) else None
         self._node_rdzv = Rendezvous(endpoint, run_id, False if here else None, local_addr, self.config.start_timeout)
-        self._note(f"waiting for {self.config.nnodes - 1} other node(s); on each, run:\n  {self.join_command}\n"
-                   f"(the key file must be readable there: shared home, or copy it with `scp {self.key_file} NODE:{self.key_file}`)")
+        if not self.config.local_nodes:
+            self._note(f"waiting for {self.config.nnodes - 1} other node(s); on each, run:\n  {self.join_command}\n"
+                       f"(the key file must be readable there: shared home, or copy it with `scp {self.key_file} NODE:{self.key_file}`)")
         return Rendezvous(endpoint, run_id, True if here else None, local_addr, self.config.start_timeout)
 
     def _start_nodes(self, creds: Credentials) -> None:
-        if not (self.config.hosts or self.config.slurm):
+        if not (self.config.hosts or self.config.slurm or self.config.local_nodes):
             return
         self._starters = NodeStarters()
-        if self.config.hosts:
-            for command in NodeStarters.ssh_commands(self.config, self.address):
+        if self.config.hosts or self.config.local_nodes:
+            local = self.config.local_nodes
+            commands = (NodeStarters.local_commands if local else NodeStarters.ssh_commands)(self.config, self.address)
+            for command in commands:
                 self._starters.start(command, stdin_text=creds.for_nodes().dumps())
-            self._note(f"started node agents over ssh on {', '.join(self.config.hosts)}")
+            where = f"{len(commands)} simulated on this machine" if local else f"over ssh on {', '.join(self.config.hosts)}"
+            self._note(f"started node agents {where}")
         else:
             assert self.key_file is not None
             self._starters.start(NodeStarters.srun_command(self.config, self.address, self.key_file))
@@ -348,16 +356,41 @@ class Pool(Inspection):
         the same ranks, bringing the fresh pool back to the state before a failure. Replay stops
         at the first cell that fails this time.
         """
-        to_replay = [c for c in self.history[self._launch_index :] if c.ok] if replay else []
+        steps = self._since_launch() if replay else []
         self.shutdown()
         self.start(on_progress, on_note)
-        for old in to_replay:
+        for old in steps:
+            if isinstance(old, PushRecord):
+                if old.blob is None:
+                    raise RemoteError(
+                        f"replay stopped: the values pushed before cell {self._history_cell(old.position)} "
+                        f"({', '.join(old.names)}) were too large to keep; push them again and re-run from there."
+                    )
+                self._push_blob(old.blob, list(old.ranks), old.names)
+                with self._lock:  # recorded again: a later replay starts from this launch
+                    self.pushes.append(PushRecord(len(self.history), old.ranks, old.names, old.blob))
+                continue
+            if not old.ok:
+                continue
             result = self.run(old.code, old.ranks)
             if on_replay is not None:
                 on_replay(result)
             if not result.ok:
                 break
         return self
+
+    def _since_launch(self) -> list[CellResult | CellRecord | PushRecord]:
+        """Cells and pushes since the last launch, in the order they happened."""
+        steps: list[CellResult | CellRecord | PushRecord] = []
+        pushes = [p for p in self.pushes if p.position >= self._launch_index]
+        for i in range(self._launch_index, len(self.history) + 1):
+            steps.extend(p for p in pushes if p.position == i)
+            if i < len(self.history):
+                steps.append(self.history[i])
+        return steps
+
+    def _history_cell(self, position: int) -> str:
+        return str(self.history[position].cell) if position < len(self.history) else "the next cell"
 
     def __enter__(self) -> "Pool":
         if self.state == PoolState.NEW:
@@ -540,10 +573,23 @@ class Pool(Inspection):
 
     def _mark_dead(self, info: _Rank, when: float | None = None) -> None:
         if info.died_at is None:
-            info.died_at = time.monotonic()
+            # ``when`` is the supervisor's wall clock at its exit report. Reports can arrive out of
+            # order (a supervisor waits up to 2 s for pipes a rank's child holds open), so deaths
+            # are ordered by it — trusted only a few seconds back, so a machine whose clock is
+            # off can't reorder deaths by more than a report can be late.
+            late = min(max(0.0, time.time() - when), 5.0) if when is not None else 0.0
+            info.died_at = time.monotonic() - late
         info.state = RankState.DEAD
-        if self.first_death is None and self.state in (PoolState.READY, PoolState.STARTING):
-            self.first_death = info.rank
+        if self.state in (PoolState.READY, PoolState.STARTING, PoolState.BROKEN):
+            first = self._ranks.get(self.first_death) if self.first_death is not None else None
+            if first is None or first.died_at is None or info.died_at < first.died_at:
+                if first is not None:
+                    # Its post-mortem already said "died first": the report of an earlier death came later.
+                    for cell in self.history[-3:]:
+                        res = cell.results.get(first.rank) if isinstance(cell, CellResult) else None
+                        if res is not None and res.first_death:
+                            res.first_death = False
+                self.first_death = info.rank
         if self.state == PoolState.READY:
             self.state = PoolState.BROKEN
         self._finish_rank_dead(info)
@@ -560,9 +606,17 @@ class Pool(Inspection):
             res.first_death = self.first_death == info.rank
             res.cause = info.cause
             res.finished_at = time.monotonic()
-            pending = self.collective_log.pending(info.rank)  # as last polled (once a second)
-            if pending is not None and pending["t"] >= run.result.started - 1.0:
+            # As the rank last pushed it (within ~50 ms of entering) or the pool last polled it;
+            # the rank itself tells which cell an entry belongs to (no cross-machine clocks).
+            pending = self.collective_log.pending(info.rank, run.result.cell)
+            if pending is not None:
                 res.collective = f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
+            else:
+                # Died before the log could hear of it (gloo aborts within ms of a mismatch): the
+                # stack faulthandler printed on the fatal signal still says where.
+                from distnb.diagnose import collective_at_death
+
+                res.collective = collective_at_death(info.stderr_tail, info.main_ident) or ""
         run.waiting_done.discard(info.rank)
         self._maybe_finish(info)
 
@@ -589,7 +643,8 @@ class Pool(Inspection):
                     info.cause = cause
                     self._mark_dead(info)
                 continue
-            sup_gone = info.supervisor_pid is not None and not _linux.pid_alive(info.supervisor_pid)
+            # By PID and start time: a reused number must not make a dead supervisor look alive.
+            sup_gone = info.supervisor_pid is not None and not (launcher is not None and launcher.known_pids.is_alive(info.supervisor_pid))
             if sup_gone or agent_rc is not None and info.supervisor_pid is None:
                 # No exit report is coming: the supervisor itself is gone (killed with the agent).
                 self._mark_dead(info)
@@ -605,7 +660,11 @@ class Pool(Inspection):
         so the log survives a rank that later dies abruptly."""
         if self._channel is None:
             return
-        targets = self._fr_dirty | {r for r, i in self._ranks.items() if i.run is not None}
+        # Running ranks push their own new entries within ~50 ms (worker/control.py); this poll is
+        # the backstop, every 5 s for them, since a full read of a rank's recorder costs ms.
+        self._fr_ticks += 1
+        running = {r for r, i in self._ranks.items() if i.run is not None} if self._fr_ticks % 5 == 0 else set()
+        targets = self._fr_dirty | running
         self._fr_dirty = set()
         for r in targets:
             if self._ranks[r].state != RankState.DEAD:
@@ -671,7 +730,8 @@ class Pool(Inspection):
     ) -> CellResult:
         """Wait for a submitted cell. The first Ctrl-C interrupts the ranks; a second stops waiting."""
         run: _CellRun = result._run  # type: ignore[attr-defined]
-        deadline = None if timeout is None else run.started + timeout
+        # From this call, not the cell's start: %dist_wait --timeout on an old background cell waits.
+        deadline = None if timeout is None else time.monotonic() + timeout
         interrupted = False
         while not run.finished.is_set():
             try:
@@ -763,11 +823,30 @@ class Pool(Inspection):
             targets = parse_ranks(ranks, self.world_size)
             self._raise_if_busy(targets)
         blob = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        room = MAX_FRAME_BYTES - 4096  # the message's own fields and signature
+        if len(blob) > room:
+            sizes = ", ".join(f"{n!r} {_mb(len(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)))}" for n, v in values.items())
+            raise ValueError(
+                f"the push is {_mb(len(blob))} pickled ({sizes}), over distnb's limit of {_mb(room)} per message. "
+                "Push fewer names at a time, send a smaller value, or save it to a file the ranks can read "
+                "(torch.save(value, path), then torch.load(path) in a cell); DISTNB_MAX_FRAME_BYTES raises the limit."
+            )
+        self._push_blob(blob, targets, tuple(values))
+        with self._lock:
+            self.pushes.append(PushRecord(len(self.history), tuple(targets), tuple(values), blob))
+            kept = 0
+            for i in range(len(self.pushes) - 1, -1, -1):  # newest first: let the oldest go
+                old = self.pushes[i]
+                kept += len(old.blob or b"")
+                if old.blob is not None and kept > KEEP_PUSH_BYTES:
+                    self.pushes[i] = PushRecord(old.position, old.ranks, old.names, None)
+
+    def _push_blob(self, blob: bytes, targets: list[int], names: tuple[str, ...]) -> None:
         replies = self._request(exec_identity, targets, {"t": Msg.PUSH, "values": blob}, 60.0)
         errors = {r: m["error"] for r, m in replies.items() if m.get("status") != "ok"}
         if errors:
             r, err = next(iter(sorted(errors.items())))
-            raise RemoteError(f"push failed on {format_ranks(errors)}: {err}")
+            raise RemoteError(f"push of {', '.join(names)} failed on {format_ranks(errors)}: {err}")
 
     def pull(self, name: str, ranks: str | int | Iterable[int] | None = None) -> dict[int, Any]:
         """``{rank: value}`` of a name in each (or the given) rank's namespace."""
@@ -779,7 +858,8 @@ class Pool(Inspection):
         errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
         if errors:
             first = next(iter(errors.values()))
-            raise RemoteError(f"pull of {name!r} failed on {format_ranks(errors)}: {first}")
+            hint = " Check the spelling, or define it in an %%on_ranks cell first." if "is not defined" in first else ""
+            raise RemoteError(f"pull of {name!r} failed on {format_ranks(errors)}: {first}.{hint}")
         return {r: pickle.loads(replies[r]["values"][name]) for r in targets}
 
     # -- status ---------------------------------------------------------------------------------
@@ -817,16 +897,22 @@ class Pool(Inspection):
                 nnodes=self.config.nnodes,
                 nodes=self.nodes.text(self._ranks_by_agent()) if self.config.nnodes > 1 else "",
                 rejected=self._channel.rejected if self._channel else 0,
+                internal_errors=self._channel.errors if self._channel else 0,
+                last_internal_error=self._channel.last_error if self._channel else None,
             )
 
     def pids(self) -> list[int]:
         """Every process of the pool known to be alive (agent, supervisors, ranks)."""
         if self._launcher is None:
             return []
-        return sorted(p for p in self._launcher.known_pids if _linux.pid_alive(p))
+        return sorted(self._launcher.live_pids())
 
     def __repr__(self) -> str:
         return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
 
 
 def _free_port(host: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 __all__ = ["parse_ranks", "format_ranks"]
@@ -20,8 +21,8 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
         if text in ("", "all", "*"):
             return list(range(world_size))
         items = []
-        for part in text.split(","):
-            part = part.strip()
+        # Commas or spaces: "0,2", "0, 2" and "0 2" (how %%on_ranks 0 2 arrives) mean the same.
+        for part in re.split(r"\s*,\s*|\s+", text):
             lo, sep, hi = part.partition("-")
             try:
                 if sep and lo:  # "1-3"

@@ -20,6 +20,7 @@ __all__ = [
     "PoolState",
     "PoolStatus",
     "CellRecord",
+    "PushRecord",
     "EnvReport",
     "group_by",
     "merge_lines",
@@ -37,6 +38,8 @@ class RankState(str, Enum):
     RUNNING = "running"  # executing a cell
     DEAD = "dead"  # the rank process has ended
 
+
+_DIGITS = re.compile(r"\d+")
 
 #: Error texts that mean a collective timed out (gloo's and NCCL's words).
 _TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
@@ -99,6 +102,21 @@ class PoolState(str, Enum):
 
 _NOISE = re.compile(r"^\s*(frame #\d+:|<omitting python frames>|Exception raised from |File \"|\^+$)")
 _KEY = re.compile(r"terminate called|what\(\):|enforce fail|Fatal Python error|[A-Za-z]*(Error|Exception)\b|Segmentation fault|Aborted")
+
+
+def _differing_messages(ename: str, messages: list[tuple[int, str]]) -> str:
+    """Under a group's one traceback: each rank's own message, cut to the lines that are not the
+    same on every rank (a long library message often differs in one line: "… for rank 1: 2 3")."""
+    if len({m for _, m in messages}) < 2:
+        return ""
+    common = set.intersection(*(set(m.splitlines()) for _, m in messages))
+    rows = []
+    for rank, message in messages:
+        own = [line.strip() for line in message.splitlines() if line not in common and line.strip()]
+        shown = " / ".join(own[:3]) + (" / …" if len(own) > 3 else "")
+        rows.append(f"  rank {rank}: {shown[:300] + ('…' if len(shown) > 300 else '')}")
+    where = f"the {ename} messages differ" if common else f"each rank's {ename}"
+    return f"\n  {where}:\n" + "\n".join(rows)
 
 
 def salient_lines(text: str, limit: int = 12) -> list[str]:
@@ -266,17 +284,31 @@ class CellResult:
         errored = [r for r in self.results.values() if r.error and r.status in ("error", "interrupted")]
         # Root cause first: the rank that failed earliest leads.
         errored.sort(key=lambda r: (r.finished_at or float("inf"), r.rank))
-        keyed = [(r.rank, (r.error["ename"], r.error["evalue"], r.error["traceback"])) for r in errored]  # type: ignore[index]
+        # Same error up to its numbers (f"rank {rank} …", "cuda:2" vs "cuda:3"): one group, one
+        # traceback, and each rank's own message under it when they differ.
+        keyed = [(r.rank, (e["ename"], e.get("line"), e["traceback"].replace(e["evalue"], ""), _DIGITS.sub("#", e["evalue"])))
+                 for r in errored for e in [r.error or {}]]
         out = []
-        for ranks, (ename, evalue, tb) in group_by(keyed):
-            line = next((self.results[r].error.get("line") for r in ranks if self.results[r].error.get("line")), None)  # type: ignore[union-attr]
+        for ranks, (ename, *_) in group_by(keyed):
+            errors = [self.results[r].error or {} for r in ranks]
+            line = next((e.get("line") for e in errors if e.get("line")), None)
             where = f" at cell line {line}" if line else ""
-            head = f"── {ename} on {format_ranks(ranks)}{where} ──"
-            out.append(f"{head}\n{tb.rstrip()}")
+            text = f"── {ename} on {format_ranks(ranks)}{where} ──\n{errors[0]['traceback'].rstrip()}"
+            text += _differing_messages(ename, [(r, e.get("evalue", "")) for r, e in zip(ranks, errors)])
+            out.append(text)
         return out
 
+    def truncation_note(self) -> str:
+        """Which ranks' output went past what a result keeps (the rest was counted, not stored)."""
+        cut = [(r.rank, r.output_truncated) for r in self._ordered() if r.output_truncated]
+        if not cut:
+            return ""
+        what = ", ".join(f"rank {r}: {n:,}" for r, n in cut)
+        return (f"[distnb] output past the first MiB per rank and stream was not kept ({what} characters); "
+                "write large output to a file on the ranks instead.")
+
     def text(self) -> str:
-        body = "\n".join(p for p in (self.output_text(), self.outcome_text()) if p)
+        body = "\n".join(p for p in (self.output_text(), self.truncation_note(), self.outcome_text()) if p)
         return self.header() + ("\n" + body if body else "")
 
     def _ordered(self) -> list[RankResult]:
@@ -307,6 +339,17 @@ class CellRecord:
 
 
 _SHARED: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    """Values pushed into the ranks (``%dist_push``): replay and export re-create them in order,
+    since the cells after a push depend on them."""
+
+    position: int  # pushed when the pool's history held this many cells
+    ranks: tuple[int, ...]
+    names: tuple[str, ...]
+    blob: bytes | None  # the pickled ``{name: value}`` the ranks received; None once let go (too large to keep)
 
 
 @dataclass
@@ -345,6 +388,8 @@ class PoolStatus:
     nnodes: int = 1
     nodes: str = ""  # the other machines' node agents, in words
     rejected: int = 0  # frames and handshakes refused (wrong key, replay, unknown peer)
+    internal_errors: int = 0  # failures distnb's I/O thread caught and survived
+    last_internal_error: str | None = None
 
     def text(self) -> str:
         nodes = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
@@ -366,6 +411,10 @@ class PoolStatus:
             lines += ["other nodes:", *("  " + line for line in self.nodes.splitlines())]
         if self.rejected:
             lines.append(f"refused {self.rejected} frame(s) or handshake(s) from peers without this pool's key")
+        if self.internal_errors:
+            last = (self.last_internal_error or "").strip().splitlines()
+            lines.append(f"{self.internal_errors} internal error(s) on distnb's I/O thread (it kept running; please report them); "
+                         f"the last: {last[0] if last else '?'}{(' — ' + last[-1]) if len(last) > 1 else ''}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -56,6 +56,44 @@ def run_processes() -> list[int]:
     return sorted(found)
 
 
+def marked_processes(var: str, value: str) -> set[int]:
+    """Live processes (other than this one) whose environment carries ``var=value``: a test sets a
+    fresh value in the environment of what it starts (a kernel, a server), and everything those
+    start inherits it, so the test finds exactly its own processes."""
+    needle = f"{var}={value}".encode()
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        if needle in _read(f"/proc/{name}/environ").split(b"\0") and _linux.pid_alive(int(name)):
+            found.add(int(name))
+    return found
+
+
+def cmdline(pid: int) -> str:
+    return _read(f"/proc/{pid}/cmdline").replace(b"\0", b" ").decode(errors="replace").strip() or "(gone)"
+
+
+def run_notebook(nb, cwd: str, var: str, on_cell_executed=None, timeout: float = 120):
+    """Execute ``nb`` in a real kernel (nbclient) with ``var`` set to a fresh token; afterwards
+    nothing the kernel started may be left. Returns the executed notebook."""
+    from nbclient import NotebookClient
+
+    token = uuid.uuid4().hex
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": cwd}},
+                            on_cell_executed=on_cell_executed)
+    try:
+        client.execute(env={**os.environ, var: token})
+    finally:
+        left = marked_processes(var, token)
+        started_pids.update(left)
+        survivors = wait_gone(left, 5.0)
+        details = [f"{p}: {cmdline(p)}" for p in survivors]
+        kill_pids(survivors)  # ours (they carry this run's token); don't leave them to the next test
+    assert not survivors, "the notebook left processes behind:\n  " + "\n  ".join(details)
+    return nb
+
+
 def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
     """Wait until none of ``pids`` is alive; return the survivors."""
     pids = list(pids)

@@ -2,7 +2,9 @@
 distnb's widgets render.
 
 Needs Debian's ``chromium`` and the ``playwright`` package (Playwright's own browser download is
-not used); ``.ci/run`` installs both. Screenshots go to ``docs/screenshots/`` (shown in README).
+not used); ``.ci/run`` installs both. Screenshots go to the test's temporary folder, or, with
+``DISTNB_SCREENSHOTS=1``, to ``docs/screenshots/`` (shown in README), so a plain test run never
+changes the checkout.
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, wait_gone
-from distnb import _linux
+from conftest import cmdline, kill_pids, marked_processes, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
-SHOTS = ROOT / "docs" / "screenshots"
+DOC_SHOTS = ROOT / "docs" / "screenshots"
 # Set in the server's environment only: the server, its kernel and the pool that kernel starts
 # inherit it, so teardown can find exactly the processes a server fixture started.
 MARK = "DISTNB_BROWSER_TEST"
@@ -40,30 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def marked_processes(value: str) -> set[int]:
-    """Live processes whose environment carries ``MARK=value``."""
-    needle = f"{MARK}={value}".encode()
-    found = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in environ and _linux.pid_alive(int(name)):
-            found.add(int(name))
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "(gone)"
 
 
 def jupyter_server(app: str, tmp_path_factory: pytest.TempPathFactory):
@@ -120,20 +97,20 @@ def jupyter_server(app: str, tmp_path_factory: pytest.TempPathFactory):
         log.close()
         # The kernel runs in a session of its own and the pool in others: find them by the mark.
         # The quickstart ends with %dist_shutdown, so nothing of the pool may be left by now.
-        survivors = wait_gone(marked_processes(mark), 15.0)
+        survivors = wait_gone(marked_processes(MARK, mark), 15.0)
         if survivors:
             details = [f"{p}: {cmdline(p)}" for p in survivors]
             kill_pids(survivors)  # ours (they carry this fixture's mark); don't leave them behind
             raise AssertionError(f"processes started by jupyter {app} outlived it:\n  " + "\n  ".join(details))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def lab(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("jupyterlab")
     yield from jupyter_server("lab", tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def notebook7(tmp_path_factory: pytest.TempPathFactory):
     notebook = pytest.importorskip("notebook")
     if int(notebook.__version__.split(".")[0]) < 7:
@@ -141,10 +118,18 @@ def notebook7(tmp_path_factory: pytest.TempPathFactory):
     yield from jupyter_server("notebook", tmp_path_factory)
 
 
+@pytest.fixture
+def shots(tmp_path: Path) -> Path:
+    """Where screenshots go: docs/screenshots/ when DISTNB_SCREENSHOTS=1, else a scratch folder."""
+    if os.environ.get("DISTNB_SCREENSHOTS") == "1":
+        DOC_SHOTS.mkdir(parents=True, exist_ok=True)
+        return DOC_SHOTS
+    return tmp_path
+
+
 def run_quickstart(sync_api, url: str, check) -> None:
     """Open ``url`` (the quickstart in Lab or Notebook 7), wait for an idle kernel, Run All Cells,
     check distnb's widgets, then call ``check(page)`` for the frontend's own checks and screenshots."""
-    SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
@@ -186,30 +171,30 @@ def run_quickstart(sync_api, url: str, check) -> None:
             browser.close()
 
 
-def test_quickstart_widgets_render_in_jupyterlab(lab: str) -> None:
+def test_quickstart_widgets_render_in_jupyterlab(lab: str, shots: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
 
-    def shots(page) -> None:
-        page.locator(".jp-Cell").nth(5).screenshot(path=str(SHOTS / "cell_view.png"))
-        page.locator(".jp-Cell").nth(9).screenshot(path=str(SHOTS / "hang_diagnosis.png"))
-        page.screenshot(path=str(SHOTS / "quickstart.png"), full_page=False)
+    def snap(page) -> None:
+        page.locator(".jp-Cell").nth(5).screenshot(path=str(shots / "cell_view.png"))
+        page.locator(".jp-Cell").nth(9).screenshot(path=str(shots / "hang_diagnosis.png"))
+        page.screenshot(path=str(shots / "quickstart.png"), full_page=False)
 
-    run_quickstart(sync_api, f"{lab}/lab/tree/quickstart.ipynb", shots)
+    run_quickstart(sync_api, f"{lab}/lab/tree/quickstart.ipynb", snap)
     for name in ("cell_view.png", "hang_diagnosis.png", "quickstart.png"):
-        assert (SHOTS / name).stat().st_size > 10_000
+        assert (shots / name).stat().st_size > 10_000
 
 
-def test_quickstart_widgets_render_in_notebook7(notebook7: str) -> None:
+def test_quickstart_widgets_render_in_notebook7(notebook7: str, shots: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
 
-    def shots(page) -> None:
+    def snap(page) -> None:
         # Notebook 7's own single-document shell, not Lab's: its logo and its toolbar's kernel logo.
         assert page.locator("#jp-NotebookLogo").count() == 1 and page.locator("#jp-MainLogo").count() == 0
         assert page.locator(".jp-NotebookKernelLogo").count() == 1
         # Scroll to the first %%on_ranks cell: it and the hello cell (rank 1 selected above) fill the view.
         page.locator(".jp-Cell").nth(3).evaluate("e => e.scrollIntoView({block: 'start'})")
         page.wait_for_timeout(300)
-        page.screenshot(path=str(SHOTS / "notebook7.png"), full_page=False)
+        page.screenshot(path=str(shots / "notebook7.png"), full_page=False)
 
-    run_quickstart(sync_api, f"{notebook7}/notebooks/quickstart.ipynb", shots)
-    assert (SHOTS / "notebook7.png").stat().st_size > 10_000
+    run_quickstart(sync_api, f"{notebook7}/notebooks/quickstart.ipynb", snap)
+    assert (shots / "notebook7.png").stat().st_size > 10_000

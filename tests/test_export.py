@@ -11,16 +11,32 @@ import nbformat
 import pytest
 
 import distnb
+from conftest import run_notebook
 from distnb.export import _show_last_value, select_cells
+from nbtext import outputs_text
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(240)
 
 CELLS = [
     ("x = torch.full((2,), float(rank))\ndist.all_reduce(x)\nprint('sum', x.tolist())", None),
     ("print('only', rank)\nrank * 100", "0,2"),
-    ("y = x * 2; y.sum().item()", None),
+    # Pushed between cells 2 and 3 (see PUSHES): the export must re-create them there.
+    ("y = x * scale + w.sum(); y.sum().item()", None),
+    ("import os\nprint('env', os.environ.get('DISTNB_EXPORT_MARK'), float(z.sum()))", "1,2"),
     ("1/0", None),  # failed: left out by default
 ]
+#: Cell index → values pushed before it: a literal, a tensor (pickled inline), one rank only.
+PUSHES = {2: [({"scale": 3}, None), ({"w": "torch.arange(3.0)"}, None)], 3: [({"z": "torch.ones(2)"}, "1,2")]}
+
+
+def run_session(pool: distnb.Pool) -> None:
+    import torch
+
+    made = {"torch.arange(3.0)": torch.arange(3.0), "torch.ones(2)": torch.ones(2)}
+    for i, (code, ranks) in enumerate(CELLS):
+        for values, push_ranks in PUSHES.get(i, []):
+            pool.push(ranks=push_ranks, **{k: made.get(v, v) if isinstance(v, str) else v for k, v in values.items()})
+        pool.run(code, ranks)
 
 
 def test_last_value_rewrite() -> None:
@@ -30,9 +46,9 @@ def test_last_value_rewrite() -> None:
 
 
 def test_export_script_matches_notebook_output(tmp_path: Path) -> None:
-    with distnb.Pool(nproc=3, backend="gloo") as pool:
-        for code, ranks in CELLS:
-            pool.run(code, ranks)
+    with distnb.Pool(nproc=3, backend="gloo", env={"DISTNB_EXPORT_MARK": "kept"}) as pool:
+        run_session(pool)
+        assert all(c.ok for c in pool.history[:4]), [c.text() for c in pool.history]
         script = Path(pool.export(str(tmp_path / "repro.py")))
         nb_path = Path(pool.export(str(tmp_path / "repro.ipynb")))
         with pytest.raises(ValueError, match="did not run"):
@@ -40,7 +56,7 @@ def test_export_script_matches_notebook_output(tmp_path: Path) -> None:
         expected = {}
         for r in range(3):
             lines = []
-            for res in pool.history[:3]:
+            for res in pool.history[:4]:
                 if r in res.results:
                     lines += res.results[r].stdout.splitlines()
                     if res.results[r].value_text is not None:
@@ -48,6 +64,10 @@ def test_export_script_matches_notebook_output(tmp_path: Path) -> None:
             expected[r] = lines
     text = script.read_text()
     assert "if rank in {0, 2}:" in text and "1/0" not in text
+    assert "scale = 3" in text and "pickle.loads(base64.b64decode(" in text
+    assert text.index("scale = 3") < text.index("# ---- cell 3") and text.index("# ---- %dist_push z (ranks 1,2)") < text.index("# ---- cell 4")
+    assert "os.environ.setdefault('DISTNB_EXPORT_MARK', 'kept')" in text
+    assert "env kept 2.0" in "\n".join(expected[1])
     logs = tmp_path / "logs"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
@@ -60,8 +80,15 @@ def test_export_script_matches_notebook_output(tmp_path: Path) -> None:
         assert out.read_text().splitlines() == expected[r]
     nb = nbformat.read(str(nb_path), as_version=4)
     sources = [c.source for c in nb.cells]
-    assert sources[1].startswith("%load_ext distnb\n%dist_launch -n 3")
+    assert sources[1].startswith("%load_ext distnb\n%dist_launch -n 3") and "--env DISTNB_EXPORT_MARK=kept" in sources[1]
     assert sources[3].startswith("%%on_ranks 0,2\n") and sources[-1] == "%dist_shutdown"
+    assert "scale = 3\n%dist_push scale" in sources[4]
+
+    # The exported notebook runs in a real kernel and shows what the session showed.
+    ran = run_notebook(nb, str(tmp_path), "DISTNB_EXPORT_TEST")
+    shown = "\n".join(outputs_text(c) for c in ran.cells if c.cell_type == "code")
+    assert not any(o.get("output_type") == "error" for c in ran.cells for o in c.get("outputs", [])), shown
+    assert "[ranks 1,2] env kept 2.0" in shown and "Out[ranks 0-2]: 24.0" in shown and "Out[rank 2]: 200" in shown, shown
 
 
 def test_select_cells_errors() -> None:

@@ -5,36 +5,18 @@ patterns a line must match, ``distnb_mime`` output types that must be produced).
 
 from __future__ import annotations
 
-import os
 import re
-import uuid
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from conftest import kill_pids, run_processes, started_pids, wait_gone
+from conftest import run_notebook
 from nbtext import outputs_text
 
 GALLERY = Path(__file__).resolve().parent.parent / "notebooks" / "gallery"
 NOTEBOOKS = sorted(GALLERY.glob("[0-9]*.ipynb"))
-#: Every process a notebook's pool starts inherits this variable (kernel → torchrun → ranks).
-NB_MARK = "DISTNB_GALLERY_NOTEBOOK"
-
-
-def notebook_processes(token: str) -> list[int]:
-    """This test run's distnb processes started by the notebook carrying ``token``."""
-    mark = f"{NB_MARK}={token}".encode()
-    found = []
-    for pid in run_processes():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
-                    found.append(pid)
-        except OSError:
-            pass
-    return found
 
 
 def test_gallery_is_complete() -> None:
@@ -50,21 +32,26 @@ def test_gallery_is_complete() -> None:
         assert nb.cells[0].cell_type == "markdown" and "(0" in nb.cells[0].source.splitlines()[0], f"{path.name}: title without a seed reference"
 
 
+def test_gallery_is_what_make_builds() -> None:
+    """The committed notebooks are what notebooks/gallery/_make.py writes (edit the script, not them)."""
+    sys.path.insert(0, str(GALLERY))
+    try:
+        import _make
+    finally:
+        sys.path.remove(str(GALLERY))
+    assert sorted(f"{n.name}.ipynb" for n in _make.GALLERY) == [p.name for p in NOTEBOOKS]
+    for nb_def in _make.GALLERY:
+        saved = nbformat.read(str(GALLERY / f"{nb_def.name}.ipynb"), as_version=4)
+        built = _make.build(nb_def)
+        assert [(c.cell_type, c.source, dict(c.metadata)) for c in saved.cells] == \
+            [(c.cell_type, c.source, dict(c.metadata)) for c in built.cells], (
+            f"{nb_def.name}.ipynb is stale: run python notebooks/gallery/_make.py")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook(path: Path, tmp_path: Path) -> None:
-    token = uuid.uuid4().hex
-    nb = nbformat.read(str(path), as_version=4)
-    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    try:
-        client.execute(env={**os.environ, NB_MARK: token})
-    finally:
-        # nbclient has shut the kernel down; the notebook's last cell stopped the pool itself.
-        left = notebook_processes(token)
-        started_pids.update(left)
-        survivors = wait_gone(left, 3.0)
-        kill_pids(survivors)  # don't leave them to the next notebook
-    assert not survivors, f"{path.name} left distnb processes behind: {survivors}"
+    nb = run_notebook(nbformat.read(str(path), as_version=4), str(tmp_path), "DISTNB_GALLERY_NOTEBOOK")
 
     checked = 0
     for cell in nb.cells:

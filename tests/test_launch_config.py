@@ -149,6 +149,9 @@ def test_multi_node_command_joins_the_rendezvous():
         (dict(nnodes=2, rdzv_endpoint=":29400"), "names no host"),
         (dict(bind="0.0.0.0:70000"), "needs a port"),
         (dict(hosts=("a",), slurm=True, bind="0.0.0.0"), "not both"),
+        (dict(local_nodes=True), "give nnodes of 2 or more"),
+        (dict(local_nodes=True, nnodes=2, hosts=("localhost",)), "drop hosts/slurm"),
+        (dict(local_nodes=True, nnodes=2, backend="nccl"), "NCCL refuses two ranks on one GPU"),
     ],
 )
 def test_multi_node_config_is_validated(kwargs, match):
@@ -160,6 +163,12 @@ def test_multi_node_config_defaults(monkeypatch):
     cfg = LaunchConfig(nproc=2, hosts=("localhost", "127.0.0.1"))
     assert cfg.nnodes == 3 and cfg.world_size == 6
     assert LaunchConfig(nproc=2, bind="0.0.0.0:6000").bind_port == 6000
+    local = LaunchConfig(nproc=2, nnodes=3, local_nodes=True)
+    assert local.backend == "gloo" and local.world_size == 6 and local.bind == "127.0.0.1"
+    from distnb.nodes import NodeStarters
+
+    commands = NodeStarters.local_commands(local, "tcp://127.0.0.1:5555")
+    assert len(commands) == 2 and commands[0][1:] == ["-m", "distnb.node", "--connect", "tcp://127.0.0.1:5555", "--key-file", "-"]
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(ValueError, match="Slurm allocation"):
         LaunchConfig(nproc=2, slurm=True, bind="0.0.0.0")

@@ -89,7 +89,7 @@ def test_magics_document_themselves(sh: Shell) -> None:
 def test_launch_twice_and_bad_flags_are_usage_errors(sh: Shell) -> None:
     with pytest.raises(UsageError, match="dist_restart"):
         sh.line("dist_launch", "-n 2")
-    with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
+    with pytest.raises(UsageError, match=r"unrecognized arguments: --bogus\. Run %dist_status\? for its flags\."):
         sh.line("dist_status", "--bogus")
     with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
         sh.line("dist_launch", "-n 2 --bogus")
@@ -97,7 +97,7 @@ def test_launch_twice_and_bad_flags_are_usage_errors(sh: Shell) -> None:
         sh.line("dist_launch", "-n two")
     with pytest.raises(UsageError, match="invalid choice"):
         sh.line("dist_launch", "--backend mpi")
-    with pytest.raises(UsageError, match="unrecognized arguments"):
+    with pytest.raises(UsageError, match=r"unrecognized arguments: --bogus\. Run %%on_ranks\? for its flags\."):
         sh.cell("--bogus", "1")
     with pytest.raises(UsageError):
         sh.cell("--timeout", "1")
@@ -108,6 +108,25 @@ def test_all_reduce_value_and_grouped_output(sh: Shell) -> None:
     assert out.count("[ranks 0,1] hello") == 1
     assert "Out[ranks 0,1]: tensor([1., 1.])" in out
     assert sh.ip.user_ns["_dist"].ok
+
+
+def test_rank_specs_with_spaces_and_a_trailing_semicolon(sh: Shell) -> None:
+    out, _ = sh.cell("0 1", "rank")  # two words: both ranks, not "01"
+    assert "Out[rank 0]: 0" in out and "Out[rank 1]: 1" in out
+    out, _ = sh.cell("0, 1", "rank * 10")
+    assert "Out[rank 1]: 10" in out
+    out, _ = sh.cell("", "semi = 5\nsemi;  # IPython's rule: no value shown")
+    assert "Out[" not in out and sh.ip.user_ns["_dist"].ok
+
+
+def test_wait_timeout_counts_from_the_call(sh: Shell) -> None:
+    import time
+
+    out, _ = sh.cell("--bg", "import time\ntime.sleep(2.5)\n'late'")
+    assert "running in the background" in out
+    time.sleep(1.5)  # the cell is older than the --timeout below, and not done yet
+    _, out, _ = sh.line("dist_wait", "--timeout 3")
+    assert "Out[ranks 0,1]: 'late'" in out and ": ok," in out, out
 
 
 def test_launch_errors_name_the_flags(sh: Shell) -> None:
@@ -185,8 +204,16 @@ def test_push_pull_and_unknown_name(sh: Shell) -> None:
     assert value == {0: 0.25, 1: 0.25}
     with pytest.raises(UsageError, match="not defined in the notebook"):
         sh.line("dist_push", "no_such_name")
-    with pytest.raises(UsageError, match="not defined on rank"):
+    with pytest.raises(UsageError, match="not defined on rank 0.*define it in an %%on_ranks cell first"):
         sh.line("dist_pull", "no_such_name")
+
+
+def test_push_over_the_message_limit_says_what_to_do(sh: Shell, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_module, "MAX_FRAME_BYTES", 1 << 20)
+    sh.ip.user_ns["too_big"] = b"x" * (2 << 20)
+    with pytest.raises(UsageError, match=r"the push is 2\.1 MB pickled \('too_big' 2\.1 MB\), over distnb's limit.*torch\.save"):
+        sh.line("dist_push", "too_big")
+    assert not any(p.names == ("too_big",) for p in pool_module._current.pushes)  # nothing recorded
 
 
 def test_status_stacks_env_memory_collectives(sh: Shell) -> None:

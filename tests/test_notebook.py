@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -13,37 +12,11 @@ import pytest
 from nbclient import NotebookClient
 from nbtext import outputs_text
 
-from distnb import _linux
+from conftest import marked_processes, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
 MARK = "DISTNB_QUICKSTART_TEST"
-
-
-def marked_processes(value: str) -> set[int]:
-    """Live processes whose environment carries ``MARK=value``: the kernel and everything it started."""
-    needle = f"{MARK}={value}".encode()
-    found = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in environ and _linux.pid_alive(int(name)):
-            found.add(int(name))
-    return found
-
-
-def wait_dead(pids: set[int], timeout: float) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = {p for p in pids if _linux.pid_alive(p)}
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
 
 
 def test_quickstart_is_generated_and_saved_without_outputs() -> None:
@@ -74,7 +47,7 @@ def test_quickstart_executes(tmp_path: Path) -> None:
         provisioner = getattr(client.km, "provisioner", None)
         if getattr(provisioner, "pid", None):
             seen["kernel"].add(provisioner.pid)
-        procs = marked_processes(mark) - seen["kernel"]
+        procs = marked_processes(MARK, mark) - seen["kernel"]
         if "%dist_launch" in cell.source:
             seen["pool"] |= procs
         elif cell.source.strip() == "%dist_shutdown":
@@ -118,5 +91,5 @@ def test_quickstart_executes(tmp_path: Path) -> None:
     # itself is gone once nbclient is done.
     assert seen["kernel"] and len(seen["pool"]) >= 5, seen  # torchrun agent, a supervisor and a rank per rank
     assert not seen["after_shutdown"], f"processes left after %dist_shutdown: {seen['after_shutdown']}"
-    assert not wait_dead(seen["kernel"] | seen["pool"], 10.0), "the kernel or a pool process outlived the notebook"
-    assert not wait_dead(marked_processes(mark), 5.0)
+    assert not wait_gone(seen["kernel"] | seen["pool"], 10.0), "the kernel or a pool process outlived the notebook"
+    assert not wait_gone(marked_processes(MARK, mark), 5.0)

@@ -240,7 +240,9 @@ def test_traceback_shows_the_cell_line_and_no_distnb_frames(pool):
         assert "raise ValueError(f'bad value on {rank}')" in tb and "tb_inner()" in tb
         assert tb.rstrip().endswith(f"ValueError: bad value on {r}")
         assert "distnb/" not in tb and "distnb" not in tb.replace("<cell-", "")
-        assert f"ValueError on rank {r} at cell line 2" in text
+        assert f"  rank {r}: bad value on {r}" in text
+    # The same error up to its numbers: one group, one traceback, each rank's message under it.
+    assert text.count("── ValueError on ranks 0-3 at cell line 2 ──") == 1 and text.count("Traceback") == 1
     assert "distnb/" not in text
     # An error on one rank only: the others succeed.
     res = pool.run("if rank == 2:\n    tb_missing_name\nrank")

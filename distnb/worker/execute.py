@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ast
+import io
 import linecache
 import os
 import sys
 import threading
 import time
+import tokenize
 import traceback
 from types import TracebackType
 from typing import Any, Callable
@@ -65,6 +67,17 @@ def mimebundle(obj: Any) -> dict[str, str]:
     return bundle
 
 
+def _ends_with_semicolon(code: str) -> bool:
+    """IPython's rule: a cell whose last statement ends in ``;`` shows no value."""
+    try:
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(code).readline)
+                  if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENDMARKER,
+                                    tokenize.INDENT, tokenize.DEDENT)]
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return bool(tokens) and tokens[-1].string == ";"
+
+
 class Executor:
     """Owns the rank's namespace and executes cells in it (always on the main thread)."""
 
@@ -104,7 +117,7 @@ class Executor:
                 raise KeyboardInterrupt
             tree = ast.parse(code, filename, "exec")
             last: ast.Expression | None = None
-            if tree.body and isinstance(tree.body[-1], ast.Expr):
+            if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(code):
                 last = ast.Expression(tree.body.pop().value)
             exec(compile(tree, filename, "exec"), self.ns)
             if last is not None:

@@ -190,7 +190,7 @@ GALLERY: list[Notebook] = [
             Md("## Without a debug mode (2): a small mismatch hangs — after a wrong answer"),
             Code(f"{HANG}\nx = torch.ones(3 if rank == 0 else 4)          # BUG: 3 elements on rank 0, 4 on rank 1\n"
                  "dist.all_reduce(x)\nx",
-                 ["shape or dtype mismatch at collective #1 on group 0",
+                 ["shape mismatch at collective #1 on group 0",
                   "rank 0 all_reduce [3] f32", "rank 1 all_reduce [4] f32",
                   "rank 0 completed it anyway; the others wait",
                   "Out[rank 0]: tensor([2., 2., 2.])"]),
@@ -286,9 +286,10 @@ GALLERY: list[Notebook] = [
                  "for step in range(2):\n"
                  "    model(torch.randn(8, 4)).sum().backward()   # aux_head gets no gradient\n"
                  "    print(f'step {step} done')",
-                 ["[ranks 0,1] step 0 done", "RuntimeError on rank 0 at cell line 3", "RuntimeError on rank 1 at cell line 3",
-                  "Expected to have finished reduction in the prior iteration",
-                  "Parameter indices which did not receive grad for rank 0: 2 3"], ["step 1 done"]),
+                 ["[ranks 0,1] step 0 done", "RuntimeError on ranks 0,1 at cell line 3",
+                  "Expected to have finished reduction in the prior iteration", "the RuntimeError messages differ:",
+                  "  rank 0: Parameter indices which did not receive grad for rank 0: 2 3",
+                  "  rank 1: Parameter indices which did not receive grad for rank 1: 2 3"], ["step 1 done"]),
             Md("## How distnb reveals it\n\nStep 0 printed once for both ranks, then both raised at cell line 3 on step 1, "
                "each naming the parameters that got no gradient: indices 2 and 3, `aux_head`. (`%dist_launch "
                "--debug detail` would print their names.) Nothing hangs here, so the pool is still usable.\n\n"
@@ -314,47 +315,51 @@ GALLERY: list[Notebook] = [
         "06_rank_vs_local_rank",
         "RANK vs LOCAL_RANK: the wrong GPU on the second node",
         "001 D3",
-        "`%dist_env` listing RANK and LOCAL_RANK per rank; the device index each formula gives on a simulated 2-node job",
+        "a real 2-node layout on one machine (`--local-nodes`): `%dist_env` with RANK, LOCAL_RANK and GROUP_RANK per rank; `set_device(RANK)` failing on node 1's ranks only",
         [
-            Md("**Symptom.** Single-node runs are fine; on two nodes, node 1's processes pile onto GPU 0 (or fail "
-               "with an invalid device ordinal) while its other GPUs sit idle (001 D3).\n\n"
+            Md("**Symptom.** Single-node runs are fine; on two nodes, node 1's processes pile onto GPU 0 or fail "
+               "with `invalid device ordinal`, while its other GPUs sit idle (001 D3).\n\n"
                "**Cause.** `torch.cuda.set_device(RANK)`. `RANK` is the global rank (it selects the data shard); "
                "the GPU must come from `LOCAL_RANK`, the rank's index on its own node. On one node the two are "
-               "equal, so the bug hides."),
-            launch(3),
-            Md("## What each rank was given\n\n`%dist_env` shows torchrun's variables per rank. On this single "
-               "node `RANK` and `LOCAL_RANK` are identical — exactly why the bug survives testing."),
-            Code("%dist_env", ["environment of ranks 0-2", "GROUP_RANK"],
-                 expect_re=[r"^  RANK +0, 1, 2 \(per rank, as expected\)$",
-                            r"^  LOCAL_RANK +0, 1, 2 \(per rank, as expected\)$",
-                            r"^  WORLD_SIZE +3 \(all ranks\)$"]),
-            Md("## The bug, on a simulated second node\n\nPretend this pool is node 1 of `torchrun --nnodes 2 "
-               "--nproc-per-node 3` on nodes with 4 GPUs (GPU 3 left free for an evaluation job). torchrun would "
-               "give these three processes `RANK` 3, 4, 5 and `LOCAL_RANK` 0, 1, 2. Three ways to pick the GPU:"),
-            Code("%%on_ranks\nnode_rank, nproc_per_node, ngpus_per_node = 1, 3, 4\n"
-                 "RANK = node_rank * nproc_per_node + local_rank   # what torchrun would set on node 1\n"
-                 "def gpu(i):\n"
-                 "    return f'cuda:{i}' + ('' if i < ngpus_per_node else ' (no such GPU)')\n"
-                 "print(f'RANK={RANK} LOCAL_RANK={local_rank}: set_device(RANK) -> {gpu(RANK)}; '\n"
-                 "      f'RANK % ngpus_per_node -> {gpu(RANK % ngpus_per_node)}; LOCAL_RANK -> {gpu(local_rank)}')",
-                 ["[rank 0] RANK=3 LOCAL_RANK=0: set_device(RANK) -> cuda:3; RANK % ngpus_per_node -> cuda:3; LOCAL_RANK -> cuda:0",
-                  "[rank 1] RANK=4 LOCAL_RANK=1: set_device(RANK) -> cuda:4 (no such GPU); RANK % ngpus_per_node -> cuda:0; LOCAL_RANK -> cuda:1",
-                  "[rank 2] RANK=5 LOCAL_RANK=2: set_device(RANK) -> cuda:5 (no such GPU); RANK % ngpus_per_node -> cuda:1; LOCAL_RANK -> cuda:2"]),
-            Md("- `set_device(RANK)` asks for GPUs 4 and 5 of a 4-GPU node: an invalid device ordinal, or — with "
-               "code that wraps or defaults the index — everything on GPU 0.\n"
-               "- `RANK % ngpus_per_node` is right only when every node runs exactly `ngpus_per_node` ranks. Here "
-               "it puts node 1's ranks on GPUs 3, 0, 1: GPU 3 belongs to the evaluation job and GPU 2 sits idle.\n"
-               "- `LOCAL_RANK` gives 0, 1, 2 — the GPUs torchrun meant, on any layout.\n\n"
-               "## The fix\n\n`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))`. (distnb's ranks already bind "
-               "`device` this way.) Check that the ranks of a node pick distinct devices:"),
-            Code(f"{OK}\nimport os\n"
-                 "gpu_index = int(os.environ['LOCAL_RANK'])        # on GPUs: torch.cuda.set_device(gpu_index)\n"
+               "equal, so the bug hides — until the job spans machines."),
+            Md("## A two-node layout on one machine\n\n`--local-nodes` starts the second node's torchrun agent on "
+               "this machine: two torchruns meet in one c10d rendezvous, exactly as on a cluster, so the ranks get "
+               "the variables a real 2-node job gets."),
+            Code("%load_ext distnb\n%dist_launch --nnodes 2 -n 2 --local-nodes",
+                 ["pool ready: 4 ranks on 2 nodes", "the node agent on"]),
+            Md("## What each rank was given\n\n`%dist_env` lists torchrun's variables per rank: `RANK` runs 0–3 "
+               "across the job, `LOCAL_RANK` restarts at 0 on each node, `GROUP_RANK` is the node."),
+            Code("%dist_env", ["environment of ranks 0-3"],
+                 expect_re=[r"^  RANK +0, 1, 2, 3 \(per rank, as expected\)$",
+                            r"^  LOCAL_RANK +ranks 0,2: 0; ranks 1,3: 1$",
+                            r"^  GROUP_RANK +ranks 0,1: 0; ranks 2,3: 1$",
+                            r"^  LOCAL_WORLD_SIZE +2 \(all ranks\)$"]),
+            Md("## The failing cell\n\nEach node has one GPU per local rank (`LOCAL_WORLD_SIZE` = 2). On this CPU "
+               "machine `set_device` below does what `torch.cuda.set_device` does with an index the node "
+               "doesn't have:"),
+            Code("%%on_ranks --timeout 60\nimport os\n"
+                 "gpus_per_node = int(os.environ['LOCAL_WORLD_SIZE'])\n"
+                 "def set_device(i):   # torch.cuda.set_device(i) on a node with gpus_per_node GPUs\n"
+                 "    if not 0 <= i < gpus_per_node:\n"
+                 "        raise RuntimeError(f'CUDA error: invalid device ordinal (cuda:{i} on a node with {gpus_per_node} GPUs)')\n"
+                 "    return f'cuda:{i}'\n"
+                 "set_device(rank)     # BUG: the global rank",
+                 ["Out[rank 0]: 'cuda:0'", "Out[rank 1]: 'cuda:1'",
+                  "RuntimeError on ranks 2,3 at cell line 5", "  rank 3: CUDA error: invalid device ordinal (cuda:3 on a node with 2 GPUs)",
+                  "invalid device ordinal (cuda:2 on a node with 2 GPUs)"]),
+            Md("Node 0 is fine; both ranks of node 1 fail. (`RANK % gpus_per_node` would hide it here, but "
+               "breaks as soon as nodes run different numbers of ranks.)\n\n"
+               "## The fix\n\n`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))` — distnb's ranks already bind "
+               "`device` this way. Check that the ranks of each node pick distinct devices:"),
+            Code(f"{OK}\n"
+                 "node = int(os.environ['GROUP_RANK'])\n"
+                 "gpu = set_device(int(os.environ['LOCAL_RANK']))\n"
                  "picked = [None] * world_size\n"
-                 "dist.all_gather_object(picked, gpu_index)        # what every rank of this node picked\n"
-                 "f'RANK={RANK} -> cuda:{gpu_index}; this node uses {sorted(picked)}'",
-                 ["Out[rank 0]: 'RANK=3 -> cuda:0; this node uses [0, 1, 2]'",
-                  "Out[rank 1]: 'RANK=4 -> cuda:1; this node uses [0, 1, 2]'",
-                  "Out[rank 2]: 'RANK=5 -> cuda:2; this node uses [0, 1, 2]'"]),
+                 "dist.all_gather_object(picked, (node, gpu))     # what every rank picked\n"
+                 "f'rank {rank}: {gpu}; node {node} uses {sorted(g for n, g in picked if n == node)}'",
+                 ["Out[rank 0]: \"rank 0: cuda:0; node 0 uses ['cuda:0', 'cuda:1']\"",
+                  "Out[rank 2]: \"rank 2: cuda:0; node 1 uses ['cuda:0', 'cuda:1']\"",
+                  "Out[rank 3]: \"rank 3: cuda:1; node 1 uses ['cuda:0', 'cuda:1']\""], ["Error"]),
             SHUTDOWN,
         ],
     ),
@@ -403,7 +408,7 @@ GALLERY: list[Notebook] = [
         "08_effective_batch_lr",
         "N ranks silently multiply the batch — and the learning rate is now wrong",
         "001 D11",
-        "per-rank batch, global batch = per-rank × world size (checked by all_reduce and by DDP's gradient), the linear-scaling rule per rank",
+        "per-rank batch, global batch = per-rank × world size (checked by all_reduce and by DDP's gradient) at 4 ranks and again at 2, the linear-scaling rule",
         [
             Md("**Symptom.** Moving from 1 GPU to N makes training diverge or plateau: the loss curve changes "
                "shape \"with the same config\" (001 D11).\n\n"
@@ -444,9 +449,19 @@ GALLERY: list[Notebook] = [
                  "      f'lr {base_lr} -> {lr:g}; or per-rank batch {base_batch // world_size} at lr {base_lr}')",
                  ["[ranks 0-3] world size 4: per-rank batch 32, global batch 128, lr 0.1 -> 0.4; "
                   "or per-rank batch 8 at lr 0.1"], ["Error"]),
-            Code("for n in (1, 2, 4, 8):\n"
-                 "    print(f'{n} ranks: global batch {per_rank_batch * n:4d}, lr {base_lr * per_rank_batch * n / base_batch:g}')",
-                 ["8 ranks: global batch  256, lr 0.8"]),
+            Md("## The same cell at another world size\n\nThe number that changed is the world size, not the "
+               "config. Relaunch with 2 ranks, push the same config, and run the same measurement: the global "
+               "batch, and so the right learning rate, follow the world size."),
+            Code("%dist_shutdown\n%dist_launch -n 2 --backend gloo\n%dist_push per_rank_batch base_lr base_batch",
+                 ["pool ready: 2 ranks"]),
+            Code(f"{OK}\nfrom torch.utils.data import DataLoader, DistributedSampler, TensorDataset\n"
+                 "data = TensorDataset(torch.randn(1024, 4), torch.randn(1024, 1))\n"
+                 "loader = DataLoader(data, batch_size=per_rank_batch, sampler=DistributedSampler(data))\n"
+                 "seen = torch.tensor(len(next(iter(loader))[0]))\n"
+                 "dist.all_reduce(seen)\n"
+                 "print(f'world size {world_size}: global batch {int(seen)}, {len(loader)} steps per epoch, '\n"
+                 "      f'lr {base_lr * int(seen) / base_batch:g} by the linear-scaling rule')",
+                 ["[ranks 0,1] world size 2: global batch 64, 16 steps per epoch, lr 0.2 by the linear-scaling rule"]),
             SHUTDOWN,
         ],
     ),
@@ -533,6 +548,8 @@ def build(nb_def: Notebook) -> nbformat.NotebookNode:
         if cell.expect_re:
             code.metadata["distnb_expect_re"] = list(cell.expect_re)
         nb.cells.append(code)
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"  # stable ids: regenerating changes only what changed
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
     return nb

@@ -1,0 +1,38 @@
+"""%dist_restart --replay brings back what cells *and* pushes built, in the order they happened."""
+
+from __future__ import annotations
+
+import pytest
+
+import distnb
+from distnb.results import PushRecord
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_replay_re_pushes_values_between_cells(fresh_pool) -> None:
+    pool = fresh_pool(nproc=2)
+    assert pool.run("acc = [rank]").ok
+    pool.push(scale=10)
+    pool.push(ranks="1", only_one=5)
+    assert pool.run("acc.append(scale * (rank + 1))").ok
+    assert pool.run("1/0").failed == [0, 1]  # failed cells are not replayed
+    assert [type(s).__name__ for s in pool._since_launch()] == ["CellResult", "PushRecord", "PushRecord", "CellResult", "CellResult"]
+
+    pool.restart(replay=True)
+    assert pool.pull("acc") == {0: [0, 10], 1: [1, 20]}
+    assert pool.pull("only_one", ranks="1") == {1: 5}
+    with pytest.raises(distnb.RemoteError, match="'only_one' is not defined on rank 0"):
+        pool.pull("only_one", ranks="0")
+    # Replayed pushes are recorded again, so a second replay finds them after the new launch too.
+    pool.restart(replay=True)
+    assert pool.pull("acc") == {0: [0, 10], 1: [1, 20]}
+
+
+def test_a_push_too_large_to_keep_stops_replay_with_a_clear_error(fresh_pool) -> None:
+    pool = fresh_pool(nproc=2)
+    pool.push(big=1)
+    pool.pushes[-1] = PushRecord(pool.pushes[-1].position, (0, 1), ("big",), None)  # as if let go
+    pool.run("x = big")
+    with pytest.raises(distnb.RemoteError, match=r"values pushed before cell \d+ \(big\) were too large to keep; push them again"):
+        pool.restart(replay=True)
