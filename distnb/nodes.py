@@ -24,7 +24,7 @@ from typing import Callable
 from distnb import _linux
 from distnb.launch import LaunchConfig, drain_lines
 
-__all__ = ["NodeInfo", "NodeState", "Nodes", "NodeStarters", "join_command"]
+__all__ = ["NodeInfo", "NodeState", "Nodes", "NodeStarters", "Starter", "join_command"]
 
 #: An agent that has not beaten for this long is taken for lost with its machine.
 LOST_AFTER = 3.0
@@ -154,11 +154,30 @@ def join_command(address: str, key_file: str, python: str | None = None) -> str:
     return shlex.join([python or sys.executable, "-m", "distnb.node", "--connect", address, "--key-file", key_file])
 
 
+@dataclass
+class Starter:
+    """One process that starts node agents (an ssh session, an srun step, a local agent)."""
+
+    label: str  # "ssh node3", "srun", "local node 1"
+    proc: subprocess.Popen[bytes]
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=50))
+    drained: threading.Event = field(default_factory=threading.Event)  # its output read to the end
+
+    def describe(self) -> str:
+        rc = self.proc.poll()
+        if rc is None:
+            return f"{self.label}: running (pid {self.proc.pid})"
+        self.drained.wait(1.0)  # the last words of a starter that just exited may still be in the pipe
+        last = [line for line in self.tail if line.strip()][-3:]
+        return f"{self.label}: {_linux.signal_meaning(rc)}" + "".join(f"\n  | {line}" for line in last)
+
+
 class NodeStarters:
     """Node agents this controller started itself, over ssh or srun; stopped by PID."""
 
     def __init__(self, on_line: Callable[[str], None] | None = None) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.starters: list[Starter] = []
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
         self._on_line = on_line
         self._threads: list[threading.Thread] = []
@@ -189,7 +208,7 @@ class NodeStarters:
             config.node_python or sys.executable, "-m", "distnb.node", "--connect", address, "--key-file", key_file,
         ]
 
-    def start(self, command: list[str], stdin_text: str | None = None) -> None:
+    def start(self, command: list[str], stdin_text: str | None = None, label: str = "") -> None:
         proc = _linux.popen_with_parent_death(
             command,
             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
@@ -205,10 +224,31 @@ class NodeStarters:
             except OSError:
                 pass
         self.procs.append(proc)
-        thread = threading.Thread(target=drain_lines, args=(proc.stdout, self.tail, self._on_line), name="distnb-node-starter", daemon=True)
+        starter = Starter(label or shlex.join(command[:2]), proc)
+        self.starters.append(starter)
+
+        def on_line(line: str) -> None:
+            starter.tail.append(line)
+            if self._on_line is not None:
+                self._on_line(line)
+
+        def drain() -> None:
+            try:
+                drain_lines(proc.stdout, self.tail, on_line)  # type: ignore[arg-type]
+            finally:
+                starter.drained.set()
+
+        thread = threading.Thread(target=drain, name="distnb-node-starter", daemon=True)
         thread.start()
         self._threads.append(thread)
 
+    def failed(self) -> Starter | None:
+        """A starter that ended while the pool was still starting: its agents will never join (an
+        ssh or srun session lives as long as the agent it runs)."""
+        return next((s for s in self.starters if s.proc.poll() is not None), None)
+
+    def text(self) -> str:
+        return "\n".join(s.describe() for s in self.starters)
 
     def pids(self) -> set[int]:
         return {p.pid for p in self.procs if p.poll() is None}

@@ -213,13 +213,14 @@ class Pool(Inspection):
         if self.config.hosts or self.config.local_nodes:
             local = self.config.local_nodes
             commands = (NodeStarters.local_commands if local else NodeStarters.ssh_commands)(self.config, self.address)
-            for command in commands:
-                self._starters.start(command, stdin_text=creds.for_nodes().dumps())
+            labels = [f"local node {i + 1}" for i in range(len(commands))] if local else [f"ssh {h}" for h in self.config.hosts]
+            for command, label in zip(commands, labels):
+                self._starters.start(command, stdin_text=creds.for_nodes().dumps(), label=label)
             where = f"{len(commands)} simulated on this machine" if local else f"over ssh on {', '.join(self.config.hosts)}"
             self._note(f"started node agents {where}")
         else:
             assert self.key_file is not None
-            self._starters.start(NodeStarters.srun_command(self.config, self.address, self.key_file))
+            self._starters.start(NodeStarters.srun_command(self.config, self.address, self.key_file), label="srun")
             self._note(f"started {self.config.nnodes - 1} node agent(s) with srun")
         if self._launcher is not None:
             self._launcher.known_pids |= self._starters.pids()
@@ -260,7 +261,9 @@ class Pool(Inspection):
                     nodes = ""
                     if self.config.nnodes > 1:
                         nodes = f"Nodes:\n  this machine: torchrun pid {self._launcher.pid}\n  " + self.nodes.text(self._ranks_by_agent()).replace("\n", "\n  ") + "\n"
-                        if self.nodes.missing():
+                        if self._starters is not None:
+                            nodes += "Node agents started by this notebook:\n  " + self._starters.text().replace("\n", "\n  ") + "\n"
+                        elif self.nodes.missing():
                             nodes += f"On each missing node run:\n  {self.join_command}\n"
                     raise LaunchError(
                         f"the pool did not start within {self.config.start_timeout:g} s ({detail}).\n{nodes}"
@@ -282,6 +285,11 @@ class Pool(Inspection):
                 if tail:
                     why += "; its last output:\n" + "\n".join(tail.splitlines()[-15:])
             return f"rank {first.rank} failed to start: {why}\nThe other ranks were stopped."
+        starter = self._starters.failed() if self._starters is not None else None
+        if starter is not None:
+            return (f"a node agent's starter ended before every rank was ready — {starter.describe()}\n"
+                    "Check that the machine is reachable and distnb is installed there (python -m distnb doctor). "
+                    "The other ranks were stopped.")
         for node in self.nodes.agents.values():
             if node.state.value != "running":
                 tail = "\n".join(list(node.tail)[-15:])

@@ -5,6 +5,7 @@ with the command the controller prints, or over "ssh" (a stand-in that runs the 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -222,6 +223,31 @@ def test_start_timeout_names_the_missing_node(leak_check, tmp_path: Path) -> Non
     assert "On each missing node run:" in text and "-m distnb.node --connect" in text
     assert pool.state == distnb.PoolState.STOPPED
     assert not (tmp_path / "k.key").exists()  # the key died with the launch
+
+
+def test_a_failing_ssh_fails_the_launch_at_once_with_its_words(leak_check, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ssh's options, the host and the command arrive as $1..; this one fails the way ssh does.
+    script = "echo \"ssh: connect to host $3 port 22: Connection refused\" >&2; exit 255"
+    monkeypatch.setenv("DISTNB_SSH", f"/bin/sh -c {shlex.quote(script)} ssh")
+    pool = track(distnb.Pool(nproc=1, hosts=("localhost",), backend="gloo", start_timeout=60))
+    started = time.monotonic()
+    with pytest.raises(distnb.LaunchError) as info:
+        pool.start()
+    text = str(info.value)
+    assert time.monotonic() - started < 20, "waited for the start timeout instead of failing at once"
+    assert "ssh localhost: exited with code 255\n  | ssh: connect to host localhost port 22: Connection refused" in text, text
+    assert pool.state == distnb.PoolState.STOPPED
+
+
+def test_start_timeout_lists_the_agents_it_started(leak_check, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTNB_SSH", "/bin/sh -c 'exec sleep 30' ssh")  # connects, never runs the agent
+    pool = track(distnb.Pool(nproc=1, hosts=("localhost",), backend="gloo", start_timeout=4))
+    with pytest.raises(distnb.LaunchError) as info:
+        pool.start()
+    text = str(info.value)
+    assert "1 of 1 other node(s) never joined" in text
+    assert re.search(r"Node agents started by this notebook:\n  ssh localhost: running \(pid \d+\)", text), text
+    assert pool.state == distnb.PoolState.STOPPED and not pool.pids()
 
 
 def test_launch_magic_starts_nodes_over_ssh_with_curve(leak_check, monkeypatch: pytest.MonkeyPatch) -> None:
