@@ -3,7 +3,9 @@
 ``compare(name, {rank: checksum(...)})`` flattens each rank's summary into entries ("layer.weight",
 "layer.weight.grad", "state.0.exp_avg", "" for a bare tensor), groups ranks by what they hold and
 reports: identical, or which entries differ and which ranks are the odd ones out by majority.
-Sharded DTensor entries differ by design and are compared by layout only; NaN/Inf are always named.
+Sharded DTensor entries differ by design and are compared by layout, except that on a mesh that
+also replicates (e.g. ``[Shard(0), Replicate()]``) the replicas of each shard must match bitwise;
+NaN/Inf are always named.
 """
 
 from __future__ import annotations
@@ -50,6 +52,26 @@ def _layout(leaf: dict[str, Any]) -> str | None:
     return None
 
 
+def _shard_id(leaf: dict[str, Any]) -> tuple[int, ...] | None:
+    """Which piece a rank holds of a DTensor that is sharded (or partial) on some mesh dimensions
+    and replicated on others: its mesh coordinates on the non-replicated dimensions. Ranks with
+    the same id hold replicas of one piece, which must be bitwise identical. None when the
+    placement is not mixed (or the rank's coordinate is unknown)."""
+    placements = [p.strip() for p in (leaf.get("placement") or "").split(", ")]
+    coord = leaf.get("mesh_coord")
+    if coord is None or len(coord) != len(placements) or "Replicate()" not in placements:
+        return None
+    return tuple(c for c, p in zip(coord, placements) if p != "Replicate()")
+
+
+def _replica_groups(leaves: dict[int, dict[str, Any] | None]) -> list[tuple[list[int], Any]] | None:
+    """For a mixed-placement DTensor: ranks grouped by (piece, fingerprint), or None if not mixed."""
+    ids = {r: _shard_id(leaf) for r, leaf in leaves.items() if leaf is not None}
+    if not ids or any(i is None for i in ids.values()):
+        return None
+    return group_by((r, (ids[r], leaves[r].get("fingerprint"))) for r in sorted(ids))  # type: ignore[union-attr]
+
+
 def _key(leaf: dict[str, Any] | None) -> tuple[Any, ...]:
     """What must be equal across ranks for an entry to count as identical."""
     if leaf is None:
@@ -77,10 +99,17 @@ class EntryCheck:
     groups: list[tuple[list[int], dict[str, Any] | None]]
     leaves: dict[int, dict[str, Any] | None] = field(default_factory=dict)  # each rank's own summary
     tie: bool = False  # no strict majority: the group holding the lowest rank is the reference
+    # Set for a DTensor sharded on some mesh dims and replicated on others: the ranks whose piece
+    # differs from the majority of that piece's replicas (the groups then list each piece's majority first).
+    odd_ranks: list[int] | None = None
 
     @property
     def odd(self) -> list[int]:
-        return sorted(r for ranks, _ in self.groups[1:] for r in ranks) if self.status == "differs" else []
+        if self.status != "differs":
+            return []
+        if self.odd_ranks is not None:
+            return list(self.odd_ranks)
+        return sorted(r for ranks, _ in self.groups[1:] for r in ranks)
 
     @property
     def is_tensor(self) -> bool:
@@ -141,6 +170,10 @@ class CheckReport:
         who = f"odd {format_ranks(odd).replace(' ', ': ', 1)}"
         if len(self.ranks) > 2 and all(len(c.groups) == len(self.ranks) for c in diffs):
             who = "no majority: every rank differs"
+        elif any(c.odd_ranks is not None for c in diffs):
+            who = f"replicas of one shard differ, odd {format_ranks(odd).replace(' ', ': ', 1)}"
+            if any(c.tie for c in diffs):
+                who += " (a tie: each shard's lowest rank taken as the reference)"
         elif any(c.tie for c in diffs):
             who += f" (a tie: rank {self.ranks[0]}'s group taken as the reference)"
         verb = "differs" if len(diffs) == 1 else "differ"
@@ -248,12 +281,26 @@ def compare(name: str, per_rank: dict[int, dict[str, Any]]) -> CheckReport:
         groups.sort(key=lambda g: (-len(g[0]), min(g[0])))
         tie = len(groups) > 1 and len(groups[0][0]) == len(groups[1][0])
         placed = [_layout(leaf) for leaf in leaves.values() if leaf and leaf.get("kind") == "tensor"]
+        replicas = _replica_groups(leaves) if len(groups) == 1 and placed and placed[0] else None
+        if replicas is not None and len({piece for _, (piece, _) in replicas}) < len(replicas):
+            # Replicas of one shard disagree: within each piece, the majority is the reference.
+            majorities, minorities = [], []
+            for piece in dict.fromkeys(piece for _, (piece, _) in replicas):
+                mine = sorted(([rs for rs, (p, _) in replicas if p == piece]), key=lambda rs: (-len(rs), min(rs)))
+                majorities.append(mine[0])
+                minorities.extend(mine[1:])
+                tie = tie or (len(mine) > 1 and len(mine[0]) == len(mine[1]))
+            groups = [(rs, None) for rs in majorities + minorities]
+            odd = sorted(r for rs in minorities for r in rs)
+        else:
+            odd = None
         if len(groups) > 1:
             status = "differs"
         elif placed and placed[0]:
             status = placed[0]
         else:
             status = "identical"
-        report.checks.append(EntryCheck(path, status, [(ranks, leaves[ranks[0]]) for ranks, _ in groups], leaves, tie and status == "differs"))
+        report.checks.append(EntryCheck(path, status, [(ranks, leaves[ranks[0]]) for ranks, _ in groups], leaves,
+                                        tie and status == "differs", odd))
         report.notes.extend(_nan_notes(path or name, leaves))
     return report

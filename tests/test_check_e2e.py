@@ -11,15 +11,17 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def pool2():
-    with distnb.Pool(nproc=2, backend="gloo") as pool:
+    """Four ranks: a majority to name the odd one against, and a 2×2 device mesh."""
+    with distnb.Pool(nproc=4, backend="gloo") as pool:
         yield pool
     assert pool.pids() == []
 
 
 def test_seeded_differently_is_named(pool2: distnb.Pool) -> None:
-    pool2.run("torch.manual_seed(0 if rank == 0 else 1)\nw = torch.randn(64)\nsame = torch.arange(8.0)")
+    pool2.run("torch.manual_seed(1 if rank == 2 else 0)\nw = torch.randn(64)\nsame = torch.arange(8.0)")
     [w, same] = pool2.check(["w", "same"])
     assert not w.identical and w.differing == [""] and same.identical
+    assert w.odd_ranks == [2] and "odd rank: 2" in w.header(), w.text()
     with pytest.raises(distnb.RemoteError, match="not defined"):
         pool2.check("nope")
 
@@ -61,24 +63,62 @@ def test_check_magic_and_on_ranks_check(pool2: distnb.Pool, capsys) -> None:
     ip = start_ipython() or get_ipython()
     if "on_ranks" not in ip.magics_manager.magics["cell"]:
         ip.run_line_magic("load_ext", "distnb")
-    ip.run_cell_magic("on_ranks", "--check v", "v = torch.ones(3) * (1 if rank == 0 else 2)")
+    ip.run_cell_magic("on_ranks", "--check v", "v = torch.ones(3) * (2 if rank == 1 else 1)")
     err = capsys.readouterr().err
     assert "check v:" in err and "odd rank: 1" in err
     ip.run_line_magic("dist_check", "same")
-    assert "check same: identical on ranks 0,1" in capsys.readouterr().out
+    assert "check same: identical on ranks 0-3" in capsys.readouterr().out
 
 
-def test_dtensors_across_two_ranks(pool2: distnb.Pool) -> None:
+def test_dtensors_across_ranks(pool2: distnb.Pool) -> None:
     res = pool2.run(
         "from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh\n"
-        "mesh = init_device_mesh('cpu', (2,))\n"
+        "mesh = init_device_mesh('cpu', (4,))\n"
         "torch.manual_seed(0)\ndt_shard = distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])\n"
         "dt_rep = distribute_tensor(torch.randn(4), mesh, [Replicate()])\n"
-        "dt_bad = DTensor.from_local(torch.ones(4) * (rank + 1), mesh, [Replicate()], run_check=False)\n"
+        "dt_bad = DTensor.from_local(torch.ones(4) * (2 if rank == 1 else 1), mesh, [Replicate()], run_check=False)\n"
     )
     assert res.ok, res.text()
     shard, rep, bad = pool2.check(["dt_shard", "dt_rep", "dt_bad"])
     assert shard.identical and shard.sharded == ["dt_shard"], shard.text()
-    assert {tuple(r["ranks"]) for r in shard.to_rows()} == {(0,), (1,)}  # uneven shards: 3 and 2 rows
+    assert {tuple(r["ranks"]) for r in shard.to_rows()} == {(0,), (1,), (2,), (3,)}  # uneven shards: 2, 2, 1, 0 rows
     assert rep.identical and rep.sharded == [], rep.text()
     assert not bad.identical and bad.odd_ranks == [1], bad.text()
+
+
+def test_mixed_placement_replicas_of_one_shard_are_compared(pool2: distnb.Pool) -> None:
+    """On a 2×2 mesh with [Shard(0), Replicate()], ranks 0,1 hold one shard and ranks 2,3 the
+    other: shards differ by design, but the two replicas of each shard must not."""
+    res = pool2.run(
+        "mesh2d = init_device_mesh('cpu', (2, 2))\n"
+        "torch.manual_seed(0)\nhybrid = distribute_tensor(torch.randn(4, 3), mesh2d, [Shard(0), Replicate()])\n"
+        "local = hybrid.to_local().clone()\n"
+        "if rank == 3:\n    local[0, 0] += 1e-3   # one replica drifts\n"
+        "hybrid_bad = DTensor.from_local(local, mesh2d, [Shard(0), Replicate()], run_check=False)\n"
+    )
+    assert res.ok, res.text()
+    good, bad = pool2.check(["hybrid", "hybrid_bad"])
+    assert good.identical and good.sharded == ["hybrid"], good.text()
+    assert not bad.identical and bad.odd_ranks == [3], bad.text()
+    assert "replicas of one shard differ, odd rank: 3" in bad.header(), bad.text()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+def test_syncbatchnorm_keeps_buffers_identical_on_gpus() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (SyncBatchNorm needs NCCL; it has no CPU implementation)")
+    with distnb.Pool(nproc=2, backend="nccl") as pool:
+        res = pool.run(
+            "import torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "def net(sync):\n    torch.manual_seed(0)\n    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(device)\n"
+            "    return nn.SyncBatchNorm.convert_sync_batchnorm(m) if sync else m\n"
+            "plain = DDP(net(False), broadcast_buffers=False)\nsynced = DDP(net(True), broadcast_buffers=False)\n"
+            "x = torch.randn(16, 4, device=device) * (rank + 1)\n"
+            "plain(x).sum().backward()\nsynced(x).sum().backward()\n"
+        )
+        assert res.ok, res.text()
+        plain, synced = pool.check(["plain", "synced"])
+    assert "module.1.running_mean" in " ".join(plain.differing), plain.text()
+    assert synced.identical, synced.text()

@@ -353,6 +353,9 @@ def tensor_summary(t: Any) -> dict[str, Any]:
         if dtensor is not None and isinstance(t, dtensor):
             out["placement"] = ", ".join(_placement(p) for p in t.placements)
             out["mesh_shape"] = list(t.device_mesh.shape)
+            coord = t.device_mesh.get_coordinate()  # where this rank sits: replicas of one shard share it on the sharded dims
+            if coord is not None:
+                out["mesh_coord"] = list(coord)
             t = t.to_local()  # this rank's shard: no communication
             out["local_shape"] = list(t.shape)
         t = _dense(t.detach())
