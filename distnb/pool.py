@@ -508,6 +508,11 @@ class Pool(Inspection):
                 res.memory = msg.get("memory")
                 res.finished_at = time.monotonic()
                 run.waiting_done.discard(info.rank)
+                if res.error and "OutOfMemoryError" in str(res.error.get("ename")) and run.waiting_done and self._channel:
+                    # The others usually wait for this rank in a collective and will report no
+                    # end-of-cell memory: ask for theirs now, for the side-by-side comparison.
+                    for r in run.waiting_done:
+                        self._channel.send(control_identity(r), {"t": Msg.MEMORY, "id": f"oom-{run.result.cell}"})
                 self._maybe_finish(info)
             else:
                 self._on_reply(info.rank, msg)
@@ -534,8 +539,16 @@ class Pool(Inspection):
             info.start_error = msg.get("error") or msg.get("summary")
 
     def _on_reply(self, rank: int, msg: dict[str, Any]) -> None:
-        if str(msg.get("id", "")).startswith("fr-poll"):
+        req_id = str(msg.get("id", ""))
+        if req_id.startswith("fr-poll"):
             self.collective_log.merge(rank, msg)
+            return
+        if req_id.startswith("oom-") and "memory" in msg:
+            cell = int(req_id[4:])
+            for old in reversed(self.history[-KEEP_RESULTS:]):
+                if isinstance(old, CellResult) and old.cell == cell:
+                    old.live_memory[rank] = msg["memory"]
+                    break
             return
         req = self._requests.get(msg.get("id", ""))
         if req is not None and rank in req.waiting:

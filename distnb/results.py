@@ -183,6 +183,8 @@ class CellResult:
     timed_out: bool = False
     detached: bool = False  # the caller stopped waiting (second interrupt) with ranks busy
     notes: list[str] = field(default_factory=list)
+    # Memory of ranks still running when another ran out of memory (asked live at that moment).
+    live_memory: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     # -- convenience ----------------------------------------------------------------------------
     def __getitem__(self, rank: int) -> RankResult:
@@ -255,7 +257,10 @@ class CellResult:
             from distnb.memory import MemoryReport
 
             samples = {r.rank: r.memory for r in self._ordered() if r.memory}
-            parts.append("out of memory — every rank's memory for comparison:\n" + MemoryReport({}, [(self.cell, samples)]).text())
+            # Ranks still blocked (waiting for the one that failed) have no end-of-cell sample:
+            # their memory as asked the moment the error arrived stands in for it.
+            merged = {**self.live_memory, **samples}
+            parts.append("out of memory — every rank's memory for comparison:\n" + MemoryReport(merged, [(self.cell, merged)]).text())
         if any(r.error and any(m in r.error.get("evalue", "") for m in _TIMEOUT_MARKS) for r in self.results.values()):
             parts.append(
                 "a collective timed out: this process group is now unusable. %dist_regroup (pool.regroup()) "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import time
+import re
 import json
 import subprocess
 import sys
@@ -169,11 +171,21 @@ def test_rank_allocating_300mb_is_flagged(pool3: distnb.Pool) -> None:
 
 def test_oom_error_brings_everyones_memory(pool3: distnb.Pool) -> None:
     # On CPU a failed huge allocation raises RuntimeError; raise the CUDA OOM type by name instead.
-    res = pool3.run("if rank == 1:\n    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')")
-    assert res.failed == [1]
+    # The others then wait for rank 1 in an all_reduce, as they would in a training step: they
+    # have no end-of-cell sample, so their memory is asked for the moment the error arrives.
+    res = pool3.run("oom_x = torch.ones(1)\nif rank == 1:\n    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')\n"
+                    "dist.all_reduce(oom_x)", timeout=3)
+    assert res.failed == [1] and res.running == [0, 2], res.text()
+    deadline = time.monotonic() + 5
+    while set(res.live_memory) != {0, 2} and time.monotonic() < deadline:
+        time.sleep(0.05)
     text = res.text()
-    assert "out of memory — every rank's memory for comparison" in text
-    assert MemoryReport({}, [(res.cell, {r: x.memory for r, x in res.results.items()})]).text().count("\n") >= 4
+    section = text.split("out of memory — every rank's memory for comparison:\n", 1)[1]
+    for r in (0, 1, 2):
+        assert re.search(rf"^\s*{r}\s+\d+ MB\s+\d+ MB", section, re.M), f"rank {r} missing from the comparison:\n{text}"
+    # Rank 1 joins the all_reduce the others wait in: the cell ends for them, the pool is fine.
+    assert pool3.run("dist.all_reduce(oom_x)", ranks="1", timeout=30).ok
+    assert pool3.wait(res, timeout=30).running == []
 
 
 @pytest.mark.gpu
