@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 import zmq
 
+from distnb._frames import NOBLOCK, recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, parse_identity, socket_max_msgsize
 from distnb.security import Credentials
 
@@ -30,6 +31,8 @@ log = logging.getLogger("distnb")
 
 OnMessage = Callable[[str, int, dict[str, Any]], None]
 _STOP = b"stop"
+#: First frame of a hand-over for several peers: ``[_FANOUT, b"id1 id2 …", *signed message]``.
+_FANOUT = b"fanout"
 #: Distinct failure sites logged at ERROR level; repeats go to DEBUG, so a handler that fails on
 #: every tick can't flood the notebook with one traceback a second.
 _LOGGED_SITES_MAX = 64
@@ -98,21 +101,31 @@ class Channel:
         return sock
 
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
-        if self._closed:
-            return
-        frames = [identity, *self._codec.encode(msg)]
-        if threading.get_ident() == self._thread.ident:
-            # Handlers on the I/O thread own the ROUTER: send directly, no hand-over socket.
-            try:
-                self._router.send_multipart(frames, copy=False)
-            except zmq.ZMQError:
-                self.undeliverable += 1
-            return
-        self._pusher().send_multipart(frames, copy=False)
+        self.send_many((identity,), msg)
 
     def send_many(self, identities: Iterable[bytes], msg: dict[str, Any]) -> None:
+        """Send one message to several peers: signed once (a cell's EXEC to every rank, a push
+        of a large value), handed to the I/O thread once."""
+        if self._closed:
+            return
+        ids = list(identities)
+        if not ids:
+            return
+        signed = self._codec.encode(msg)
+        if threading.get_ident() == self._thread.ident:
+            # Handlers on the I/O thread own the ROUTER: send directly, no hand-over socket.
+            self._route(ids, signed)
+        elif len(ids) == 1:
+            send_frames(self._pusher(), [ids[0], *signed])
+        else:
+            send_frames(self._pusher(), [_FANOUT, b" ".join(ids), *signed])
+
+    def _route(self, identities: list[bytes], signed: list[Any]) -> None:
         for identity in identities:
-            self.send(identity, dict(msg))
+            try:
+                send_frames(self._router, [identity, *signed])
+            except zmq.ZMQError:  # peer not (or no longer) connected
+                self.undeliverable += 1
 
     # -- the I/O thread -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -140,19 +153,19 @@ class Channel:
         if self._pull in events:
             while True:
                 try:
-                    outgoing = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                    outgoing = recv_frames(self._pull, NOBLOCK)
                 except zmq.Again:
                     break
-                if len(outgoing) == 1 and outgoing[0].bytes == _STOP:
+                if len(outgoing) == 1 and outgoing[0] == _STOP:
                     return True
-                try:
-                    self._router.send_multipart(outgoing, copy=False)
-                except zmq.ZMQError:  # peer not (or no longer) connected
-                    self.undeliverable += 1
+                if outgoing[0] == _FANOUT:
+                    self._route(outgoing[1].split(b" "), outgoing[2:])
+                else:
+                    self._route(outgoing[:1], outgoing[1:])
         if self._router in events:
             while True:
                 try:
-                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    frames = recv_frames(self._router, NOBLOCK)
                 except zmq.Again:
                     break
                 self._receive(frames)
@@ -162,7 +175,7 @@ class Channel:
         """Heartbeats first (workers shut down without them), then the pool's periodic checks."""
         for peer in list(self.heartbeat_peers):
             try:
-                self._router.send_multipart([peer, *self._codec.encode({"t": Msg.PING})])
+                send_frames(self._router, [peer, *self._codec.encode({"t": Msg.PING})])
             except zmq.ZMQError:
                 self.undeliverable += 1
         try:

@@ -170,7 +170,8 @@ def diagnose(
         if computing and elapsed >= hang_after:
             return Diagnosis("running", f"{format_ranks([p.rank for p in computing])} still running Python code (no rank is in a collective).", positions)
         return Diagnosis("ok", "no rank is waiting in a collective.", positions)
-    longest = max((p.since or elapsed) for p in waiting)
+    # since == 0.0 is a wait that just began, not an unknown one.
+    longest = max(elapsed if p.since is None else p.since for p in waiting)
     if longest < hang_after:
         return Diagnosis("ok", "collectives in progress.", positions)
     w = format_ranks([p.rank for p in waiting])

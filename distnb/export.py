@@ -13,7 +13,7 @@ from distnb.launch import DEBUG_ENV, LaunchConfig
 from distnb.ranks import format_ranks
 from distnb.results import CellRecord, CellResult, PushRecord
 
-__all__ = ["export_script", "export_notebook", "select_cells", "with_pushes"]
+__all__ = ["export_notebook", "export_script", "run_command", "select_cells", "with_pushes"]
 
 Step = Union[CellResult, CellRecord, PushRecord]
 #: Pushed values larger than this go to a file beside the export instead of inline base64.
@@ -23,7 +23,7 @@ _PRELUDE = '''\
 #!/usr/bin/env python
 """Exported by distnb from a notebook session ({n} cells).
 
-Run:  torchrun --nproc-per-node {nproc} {name}
+Run:  {run}
 """
 import os
 from datetime import timedelta
@@ -167,7 +167,7 @@ def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path)
     steps = list(steps)
     path = Path(path)
     cells = [s for s in steps if not isinstance(s, PushRecord)]
-    parts = [_PRELUDE.format(n=len(cells), nproc=config.nproc, name=path.name, backend=config.backend,
+    parts = [_PRELUDE.format(n=len(cells), run=run_command(config, path.name), backend=config.backend,
                              pg_timeout=config.pg_timeout, env=_env_lines(config))]
     all_ranks = list(range(int(config.nproc or 0) * config.nnodes))
     sidecars: list[Path] = []
@@ -185,8 +185,35 @@ def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path)
     return path
 
 
+def run_command(config: LaunchConfig, name: str) -> str:
+    """How to run an exported script with the pool's layout: one torchrun, or one per machine."""
+    if config.nnodes == 1:
+        return f"torchrun --nproc-per-node {config.nproc} {name}"
+    endpoint = config.rdzv_endpoint or "HOST:29500"
+    multi = (f"torchrun --nnodes {config.nnodes} --nproc-per-node {config.nproc} --rdzv-backend c10d "
+             f"--rdzv-endpoint {endpoint} {name}   (on each of the {config.nnodes} machines")
+    if config.local_nodes:
+        # The session rehearsed those machines on one box: the same script runs here as one job.
+        return f"{multi}; on one machine: torchrun --nproc-per-node {config.world_size} {name})"
+    return multi + ")"
+
+
 def _launch_line(config: LaunchConfig) -> str:
     line = f"%dist_launch -n {config.nproc} --backend {config.backend}"
+    if config.nnodes > 1:
+        line += f" --nnodes {config.nnodes}"
+        if config.local_nodes:
+            line += " --local-nodes"
+        elif config.slurm:
+            line += " --slurm"
+        elif config.hosts:
+            line += f" --hosts {','.join(config.hosts)}"
+        if config.bind != LaunchConfig.bind:
+            line += f" --bind {config.bind}"
+        if config.rdzv_endpoint:
+            line += f" --rdzv-endpoint {config.rdzv_endpoint}"
+        if config.curve:
+            line += " --curve"
     if config.pg_timeout != LaunchConfig.pg_timeout:
         line += f" --pg-timeout {config.pg_timeout:g}"
     line += "".join(f" --debug {d}" for d in config.debug)
@@ -203,7 +230,7 @@ def export_notebook(steps: Iterable[Step], config: LaunchConfig, path: str | Pat
     cells = [s for s in steps if not isinstance(s, PushRecord)]
     nb = new_notebook(
         cells=[
-            new_markdown_cell(f"Exported by distnb: {len(cells)} cells, {config.nproc} ranks."),
+            new_markdown_cell(f"Exported by distnb: {len(cells)} cells, {config.world_size} ranks."),
             new_code_cell(f"%load_ext distnb\n{_launch_line(config)}"),
         ]
     )

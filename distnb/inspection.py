@@ -89,7 +89,7 @@ class Inspection:
         ``hang_after`` (seconds) overrides the pool's threshold for this call."""
         if result is None:
             if not self.history:
-                raise NoPoolError("no cell has run on this pool yet.")
+                raise NoPoolError("no cell has run on this pool yet; run one with %%on_ranks (pool.run) first.")
             result = self.history[-1]  # type: ignore[assignment]
         elapsed = time.monotonic() - result._run.started  # type: ignore[attr-defined]
         busy = [r for r in result.ranks if result.results[r].status == "running"]

@@ -15,6 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from distnb.display.text import LivePrinter, stage_summary
 from distnb.display.widgets import CellView, widgets_available
 from distnb.errors import DistnbError, NoPoolError
+from distnb.export import run_command
 from distnb.launch import LaunchConfig
 from distnb.memory import figure_png
 from distnb.pool import CellEvents, Pool, PoolState, current_pool
@@ -31,6 +32,8 @@ def _usage_errors() -> Iterator[None]:
         yield
     except (DistnbError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:  # e.g. %dist_export into a folder that does not exist
+        raise UsageError(f"{exc.strerror or exc}: {exc.filename or ''} — pick a path in a folder you can write to.") from None
 
 
 def _parse(magic: Any, line: str) -> Any:
@@ -78,6 +81,14 @@ class _Progress:
                 self._handle.update(bundle, raw=True)
         else:
             print(text)
+
+
+def _show_checks(reports: list[Any]) -> None:
+    """Each report as its table (HTML, divergent cells coloured) with its text twin underneath."""
+    from IPython.display import display
+
+    for report in reports:
+        display(report)
 
 
 def _print_note(text: str) -> None:
@@ -258,8 +269,7 @@ class DistMagics(Magics):
         pool = self._pool()
         with _usage_errors():
             reports = pool.check(args.names, ranks=args.ranks)
-        for report in reports:
-            print(report.text(), file=sys.stdout if report.identical else sys.stderr)
+        _show_checks(reports)
 
     @magic_arguments()
     @argument("path", help="Where to write: a .py script for torchrun, or a .ipynb notebook.")
@@ -272,7 +282,7 @@ class DistMagics(Magics):
         pool = self._pool()
         with _usage_errors():
             written = pool.export(args.path, cells=args.cells, include_failed=args.all)
-        how = f"torchrun --nproc-per-node {pool.world_size} {written}" if not written.endswith(".ipynb") else f"open {written}"
+        how = run_command(pool.config, written) if not written.endswith(".ipynb") else f"open {written}"
         print(f"wrote {written}; run it with: {how}")
 
     @magic_arguments()
@@ -326,7 +336,7 @@ class DistMagics(Magics):
         args = _parse(self.dist_wait, line)
         pool = self._pool()
         if not pool.history:
-            raise UsageError("no cell has run on this pool yet.")
+            raise UsageError("no cell has run on this pool yet: there is nothing to wait for. Run one with %%on_ranks (add --bg to keep the notebook free).")
         result = pool.history[-1]
         pool.wait(result, timeout=args.timeout)
         self.shell.user_ns["_dist"] = result
@@ -399,8 +409,7 @@ class DistMagics(Magics):
             self._show_outcome(result, printer)
         if args.check and not result.running and pool.state == PoolState.READY:
             with _usage_errors():
-                for report in pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks):
-                    print(report.text(), file=sys.stdout if report.identical else sys.stderr)
+                _show_checks(pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks))
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
         for note in (printer.cap_note(), result.truncation_note()):

@@ -298,7 +298,8 @@ class Pool(Inspection):
         if rc is not None:
             return (
                 f"torchrun exited ({_linux.signal_meaning(rc)}) before every rank was ready. "
-                f"Its last output:\n{self._launcher.tail_text(20)}"
+                f"Its last output:\n{self._launcher.tail_text(20)}\n"
+                "Check that torch.distributed works here (python -m distnb doctor), then launch again."
             )
         return None
 
@@ -737,9 +738,7 @@ class Pool(Inspection):
             if old >= 0 and isinstance(self.history[old], CellResult) and not self.history[old].running:
                 self.history[old] = CellRecord.of(self.history[old])
         assert self._channel is not None
-        msg = {"t": Msg.EXEC, "id": f"cell-{cell}", "cell": cell, "code": code}
-        for r in targets:
-            self._channel.send(exec_identity(r), dict(msg))
+        self._channel.send_many(map(exec_identity, targets), {"t": Msg.EXEC, "id": f"cell-{cell}", "cell": cell, "code": code})
         return result
 
     def wait(
@@ -817,8 +816,7 @@ class Pool(Inspection):
         with self._lock:
             self._requests[req_id] = req
         try:
-            for r in ranks:
-                self._channel.send(identity(r), {**msg, "id": req_id})
+            self._channel.send_many(map(identity, ranks), {**msg, "id": req_id})
             req.event.wait(timeout)
         finally:
             with self._lock:

@@ -64,10 +64,15 @@ def test_check_magic_and_on_ranks_check(pool2: distnb.Pool, capsys) -> None:
     if "on_ranks" not in ip.magics_manager.magics["cell"]:
         ip.run_line_magic("load_ext", "distnb")
     ip.run_cell_magic("on_ranks", "--check v", "v = torch.ones(3) * (2 if rank == 1 else 1)")
-    err = capsys.readouterr().err
-    assert "check v:" in err and "odd rank: 1" in err
+    out = capsys.readouterr().out
+    assert "check v:" in out and "odd rank: 1" in out
     ip.run_line_magic("dist_check", "same")
     assert "check same: identical on ranks 0-3" in capsys.readouterr().out
+    # In a kernel the same display is the coloured table: the formatter gives HTML beside the text.
+    [report] = pool2.check("v")
+    bundle, _ = ip.display_formatter.format(report)
+    assert "odd rank: 1" in bundle["text/plain"]
+    assert "<table" in bundle["text/html"] and "v" in bundle["text/html"]
 
 
 def test_dtensors_across_ranks(pool2: distnb.Pool) -> None:

@@ -100,6 +100,22 @@ def test_a_collective_spans_both_nodes(two_nodes: distnb.Pool) -> None:
     assert "GROUP_RANK" in env.text() and "host" in env.text()
 
 
+def test_export_keeps_the_multi_node_layout(two_nodes: distnb.Pool, tmp_path: Path) -> None:
+    import nbformat
+
+    res = two_nodes.run("mn_e = rank * 10", timeout=30)
+    assert res.ok, res.text()
+    res = two_nodes.run("mn_f = mn_e + 1", ranks="2,3", timeout=30)
+    assert res.ok, res.text()
+    script = Path(two_nodes.export(str(tmp_path / "repro.py"), cells=f"{res.cell - 1}-{res.cell}")).read_text()
+    assert "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in script
+    assert "mn_e = rank * 10\n" in script and "if rank in {2, 3}:\n    mn_f = mn_e + 1" in script
+    nb = nbformat.read(two_nodes.export(str(tmp_path / "repro.ipynb"), cells=f"{res.cell - 1}-{res.cell}"), as_version=4)
+    assert "%dist_launch -n 2 --backend gloo --nnodes 2" in nb.cells[1].source
+    assert "4 ranks" in nb.cells[0].source
+    assert nb.cells[3].source.startswith("%%on_ranks 2,3\n")
+
+
 def test_stacks_and_memory_reach_the_other_node(two_nodes: distnb.Pool) -> None:
     stacks = two_nodes.stacks()
     assert sorted(s.rank for s in stacks.ranks) == [0, 1, 2, 3]

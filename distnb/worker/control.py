@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from distnb._frames import recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
 from distnb.security import Credentials
 from distnb.worker.collectives import SeqWatch, read_collectives
@@ -101,7 +102,7 @@ class ControlThread(threading.Thread):
                 # Rounded up: a 0 ms poll would spin until the next look is due.
                 wait_ms = None if self.seqs is None else max(0, math.ceil((self._next_watch - time.monotonic()) * 1000))
                 if self.sock.poll(wait_ms):
-                    self._serve_one(self.sock.recv_multipart())
+                    self._serve_one(recv_frames(self.sock))
                 if self.seqs is not None and time.monotonic() >= self._next_watch:
                     self._next_watch = time.monotonic() + WATCH_INTERVAL
                     self._watch()
@@ -124,7 +125,7 @@ class ControlThread(threading.Thread):
             except Exception as exc:  # e.g. FrameTooLarge: answer with the reason, keep serving
                 frames = self.codec.encode({"t": Msg.REPLY, "id": msg.get("id"), "rank": self.rank,
                                             "error": f"the reply could not be sent: {type(exc).__name__}: {exc}"})
-            self.sock.send_multipart(frames)
+            send_frames(self.sock, frames)
 
     def _watch(self) -> None:
         """Push new Flight Recorder entries when a group's sequence number moved, and the end of
@@ -190,7 +191,7 @@ class ControlThread(threading.Thread):
             if entries and not unchanged:
                 # "fr-poll…" replies are merged into the controller's log like its own polls.
                 reply.update(t=Msg.REPLY, id="fr-poll-push", rank=self.rank)
-                self.sock.send_multipart(self.codec.encode(reply))
+                send_frames(self.sock, self.codec.encode(reply))
         except zmq.ContextTerminated:
             raise
         except Exception:  # best effort: the controller's own poll still runs

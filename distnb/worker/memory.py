@@ -129,7 +129,8 @@ class MemorySampler:
     def _cuda(self) -> Any:
         torch = sys.modules.get("torch")
         # Never initialise CUDA ourselves: only report once the user's code has.
-        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        # is_initialized() first: it is a flag, while is_available() asks the driver every time.
+        if torch is None or not torch.cuda.is_initialized() or not torch.cuda.is_available():
             return None
         return torch.cuda
 

@@ -24,6 +24,7 @@ import zmq
 
 from distnb import _linux
 from distnb import protocol
+from distnb._frames import recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, exec_identity, socket_max_msgsize
 from distnb.security import Credentials
 from distnb.worker.checksum import checksum
@@ -85,7 +86,7 @@ class Rank:
     def send(self, msg: dict[str, Any]) -> None:
         frames = self.codec.encode(msg)
         with self.send_lock:
-            self.sock.send_multipart(frames, copy=False)
+            send_frames(self.sock, frames)
 
     def _send_display(self, cell: int, bundle: dict[str, str]) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -228,7 +229,8 @@ class Rank:
     def check(self, names: list[str]) -> dict[str, Any]:
         missing = [n for n in names if n not in self.ns]
         if missing:
-            return {"status": "error", "error": f"{', '.join(map(repr, missing))} not defined on rank {self.rank}"}
+            return {"status": "error", "error": f"{', '.join(map(repr, missing))} not defined on rank {self.rank}; "
+                    "define it in an %%on_ranks cell (or pool.run) first, or %dist_push it from the notebook."}
         try:
             return {"status": "ok", "checks": {n: checksum(self.ns[n]) for n in names}}
         except Exception as exc:
@@ -238,7 +240,8 @@ class Rank:
         out: dict[str, bytes] = {}
         for name in names:
             if name not in self.ns:
-                return {"status": "error", "error": f"name {name!r} is not defined on rank {self.rank}"}
+                return {"status": "error", "error": f"name {name!r} is not defined on rank {self.rank}; "
+                        "define it in an %%on_ranks cell (or pool.run) on that rank first."}
             value = self.ns[name]
             try:
                 import torch
@@ -274,7 +277,7 @@ class Rank:
         while True:
             msg: dict[str, Any] | None = None
             try:
-                frames = self.sock.recv_multipart()
+                frames = recv_frames(self.sock)
                 try:
                     msg = self.codec.decode(frames, self.guard)
                 except BadFrame:

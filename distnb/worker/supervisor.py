@@ -28,6 +28,7 @@ import time
 import zmq
 
 from distnb import _linux
+from distnb._frames import NOBLOCK, recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, socket_max_msgsize, supervisor_identity
 from distnb.security import Credentials
 
@@ -88,7 +89,7 @@ class Supervisor:
         self.stopping = False
 
     def send(self, msg: dict) -> None:
-        self.sock.send_multipart(self.codec.encode(msg), copy=False)
+        send_frames(self.sock, self.codec.encode(msg))
 
     def start_child(self) -> tuple[int, int, int, int]:
         out_r, out_w = os.pipe()
@@ -213,16 +214,37 @@ class Supervisor:
             open_fds.discard(fd)
             os.close(fd)
 
+        def drain_all() -> None:
+            for fd, stream in streams.items():
+                if fd in open_fds and not self._drain(fd, stream):
+                    close(fd)
+
+        os.set_blocking(events_r, False)
+
+        def pump_events() -> None:
+            """Forward the events waiting in the pipe, each after the output written before it."""
+            while events_r in open_fds:
+                try:
+                    data = os.read(events_r, _READ_SIZE)
+                except BlockingIOError:
+                    return
+                if not data:
+                    close(events_r)
+                for body in reader.feed(data):
+                    # The rank flushed its output before writing the event, so those bytes are
+                    # already in the pipes: forward them first, then the event.
+                    drain_all()
+                    self._forward_event(body)
+
         last_heard = time.monotonic()
         exit_reported = False
-        exit_seen = 0.0
         while True:
             events = dict(poller.poll(100))
             now = time.monotonic()
             if self.sock in events:
                 while True:
                     try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                        frames = recv_frames(self.sock, NOBLOCK)
                     except zmq.Again:
                         break
                     try:
@@ -246,27 +268,20 @@ class Supervisor:
                 else:
                     close(fault_r)
             if events_r in events and events_r in open_fds:
-                data = os.read(events_r, _READ_SIZE)
-                if not data:
-                    close(events_r)
-                for body in reader.feed(data):
-                    # The rank flushed its output before writing the event, so those bytes are
-                    # already in the pipes: forward them first, then the event.
-                    for fd, stream in streams.items():
-                        if fd in open_fds and not self._drain(fd, stream):
-                            close(fd)
-                    self._forward_event(body)
+                pump_events()
             if self.pending_fault and now >= self.fault_deadline:
                 self._finish_fault()
             rc = self.child.poll()
             if rc is not None and not exit_reported:
-                exit_seen = exit_seen or now
-                # Wait for EOF on the pipes so every byte the rank wrote is forwarded; a
-                # grandchild that inherited them caps that wait.
-                if not ({out_r, err_r} & open_fds) or now - exit_seen > 2.0:
-                    # When it died, not when we report: which rank died first is decided by this.
-                    self._report_exit(rc, time.time() - (now - exit_seen))
-                    exit_reported = True
+                # Reaped: every byte the rank wrote is in the pipes now, so take it all and report
+                # at once. (Waiting for EOF instead would wait on any grandchild that inherited
+                # the pipes, a DataLoader worker say, and delay the post-mortem.) What such a
+                # grandchild writes later is still forwarded, as output outside any cell.
+                if events_r in open_fds:
+                    pump_events()
+                drain_all()
+                self._report_exit(rc, time.time())
+                exit_reported = True
             if self.stopping or now - last_heard > self.heartbeat_timeout:
                 break
         self._stop_child()
