@@ -5,8 +5,10 @@
 * stacks: median latency of ``pool.stacks()`` over 8 ranks, 7 blocked in an all_reduce that the
   8th never joins (target ≤ 50 ms; py-spy on 8 PIDs takes 0.1–0.2 s here).
 * tracking: a 2-rank DDP loop (8 Linear layers, 64- and 1024-wide) with the Flight Recorder, distnb's
-  collective log, on (default) and off (TORCH_FR_BUFFER_SIZE=0), interleaved; and the cost per
-  collective of a tiny all_reduce (target < 3% on the DDP step).
+  collective log, on (default) and off (TORCH_FR_BUFFER_SIZE=0) in two pools alive together, runs
+  alternated, the median paired ratio with its quartiles; the cost per collective of a tiny
+  all_reduce on one rank (recorder alone, and with the control thread's pushes); and the estimate
+  collectives per step × cost per collective ÷ step time (target < 3% on the DDP step).
 * hang report: from the start of a rank-conditional all_reduce to the diagnosis, at default settings
   (the magic checks once a second after hang_after = 3 s; target ≤ 5 s).
 * watch (``--only-watch``, ~1 min): the cost of each rank pushing its new Flight Recorder entries
@@ -124,34 +126,61 @@ def stacks_latency(nproc: int, repeats: int = 30) -> dict[str, float]:
     return {"nproc": nproc, "median_ms": statistics.median(ts) * 1e3, "p90_ms": sorted(ts)[int(0.9 * (len(ts) - 1))] * 1e3}
 
 
+def _paired(pools: dict[str, distnb.Pool], code: str, rounds: int) -> dict[str, list]:
+    """Run ``code`` on each pool in turn, ``rounds`` times, alternating which goes first: both
+    pools live through the same drift of this machine's load, so their ratio per round is fair
+    (separate pools started one after the other differ by ±20% here)."""
+    out: dict[str, list] = {name: [] for name in pools}
+    for i in range(rounds):
+        for name in (list(pools) if i % 2 == 0 else list(reversed(pools))):
+            r = pools[name].run(code, timeout=600)
+            assert r.ok, r.text()
+            out[name].append(eval(r.values[0]))  # noqa: S307 - our own numbers
+    return out
+
+
+def _ratio_stats(on: list[float], off: list[float]) -> dict[str, float]:
+    pct = sorted((a / b - 1) * 100 for a, b in zip(on, off))
+    q = lambda f: pct[min(len(pct) - 1, int(round(f * (len(pct) - 1))))]  # noqa: E731
+    return {"on": statistics.median(on), "off": statistics.median(off),
+            "overhead_pct_median": statistics.median(pct), "overhead_pct_q25": q(0.25), "overhead_pct_q75": q(0.75)}
+
+
 def tracking_cost(rounds: int) -> dict[str, object]:
-    rows: dict[str, list[float]] = {"on64": [], "off64": [], "on1024": [], "off1024": [], "on_coll": [], "off_coll": []}
-    for _ in range(rounds):
-        for mode, env in (("on", {}), ("off", {"TORCH_FR_BUFFER_SIZE": "0"})):
-            with distnb.Pool(nproc=2, backend="gloo", env=env) as pool:
-                pool.run(DDP_BENCH)
-                r = pool.run("(bench(64, 300), bench(1024, 20), per_collective(2000))", timeout=600)
-                assert r.ok, r.text()
-                s64, s1024, coll = eval(r.values[0])  # noqa: S307 - our own tuple of floats
-                rows[f"{mode}64"].append(s64)
-                rows[f"{mode}1024"].append(s1024)
-                rows[f"{mode}_coll"].append(coll)
-    # Per-collective cost is clearest on one rank, where a tiny all_reduce takes ~10 µs.
-    rows["on_solo"], rows["off_solo"] = [], []
-    for _ in range(rounds):
-        for mode, env in (("on", {}), ("off", {"TORCH_FR_BUFFER_SIZE": "0"})):
-            with distnb.Pool(nproc=1, backend="gloo", env=env) as pool:
-                pool.run(DDP_BENCH)
-                r = pool.run("per_collective(20000)", timeout=600)
-                rows[f"{mode}_solo"].append(float(r.values[0]))
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    return {
-        "ddp64_ms": {"on": med["on64"] * 1e3, "off": med["off64"] * 1e3, "overhead_pct": (med["on64"] / med["off64"] - 1) * 100},
-        "ddp1024_ms": {"on": med["on1024"] * 1e3, "off": med["off1024"] * 1e3, "overhead_pct": (med["on1024"] / med["off1024"] - 1) * 100},
-        "tiny_all_reduce_us": {"on": med["on_coll"] * 1e6, "off": med["off_coll"] * 1e6, "per_collective_us": (med["on_coll"] - med["off_coll"]) * 1e6},
-        "one_rank_all_reduce_us": {"on": med["on_solo"] * 1e6, "off": med["off_solo"] * 1e6, "per_collective_us": (med["on_solo"] - med["off_solo"]) * 1e6},
-        "rounds": rounds,
-    }
+    """The Flight Recorder (distnb's collective log) on vs off (TORCH_FR_BUFFER_SIZE=0): the DDP
+    loop on 2 ranks (64- and 1024-wide), and a tiny all_reduce on 1 rank for the cost per
+    collective; plus the estimate collectives-per-step × cost-per-collective ÷ step time."""
+    out: dict[str, object] = {"rounds": rounds}
+    off = {"TORCH_FR_BUFFER_SIZE": "0"}
+    # One rank, a tiny all_reduce in a loop: the recorder alone, and with the control thread's
+    # pushes (DISTNB_FR_WATCH, on by default), against no recorder; three pools interleaved.
+    with (distnb.Pool(nproc=1, backend="gloo") as full, distnb.Pool(nproc=1, backend="gloo", env={"DISTNB_FR_WATCH": "0"}) as rec,
+          distnb.Pool(nproc=1, backend="gloo", env=off) as none):
+        for p in (full, rec, none):
+            p.run(DDP_BENCH)
+        solo = _paired({"default": full, "recorder_only": rec, "off": none}, "per_collective(20000)", rounds)
+        diff = {k: statistics.median((a - b) * 1e6 for a, b in zip(solo[k], solo["off"])) for k in ("default", "recorder_only")}
+        per_coll_us = diff["default"]
+        out["one_rank_all_reduce_us"] = {**{k: statistics.median(v) * 1e6 for k, v in solo.items()},
+                                         "per_collective_us": per_coll_us, "recorder_only_per_collective_us": diff["recorder_only"]}
+    with distnb.Pool(nproc=2, backend="gloo") as on2, distnb.Pool(nproc=2, backend="gloo", env=off) as off2:
+        for p in (on2, off2):
+            p.run(DDP_BENCH)
+        # Collectives one DDP step issues, read from the recorder itself.
+        counts = on2.run("from distnb.worker.collectives import read_collectives, CellClock\n"
+                         "def _n(): return max((e['id'] for e in read_collectives(-1, CellClock())['entries']), default=0)\n"
+                         "def per_step(width):\n    a = _n(); bench(width, 20); return (_n() - a) / 25\n"
+                         "(per_step(64), per_step(1024))")
+        per_step = eval(counts.values[0])  # noqa: S307
+        for width, steps in ((64, 300), (1024, 10)):
+            rows = _paired({"on": on2, "off": off2}, f"bench({width}, {steps})", rounds)
+            stats = _ratio_stats(rows["on"], rows["off"])
+            n = per_step[0 if width == 64 else 1]
+            step_off_us = stats["off"] * 1e6
+            stats.update(step_ms_on=stats.pop("on") * 1e3, step_ms_off=stats.pop("off") * 1e3, collectives_per_step=n,
+                         estimate_pct=n * per_coll_us / step_off_us * 100)
+            out[f"ddp{width}"] = stats
+    return out
 
 
 def hang_report_time() -> float:
@@ -187,7 +216,7 @@ def hang_report_time() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "hangs.json"))
     parser.add_argument("--only-tracking", action="store_true")
     parser.add_argument("--only-watch", action="store_true")

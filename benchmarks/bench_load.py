@@ -51,16 +51,29 @@ def cells(n: int) -> dict[str, object]:
     }
 
 
+def listening_ports() -> set[int]:
+    ports = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(name) as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if parts[3] == "0A":  # LISTEN
+                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def cycles(n: int) -> dict[str, object]:
     tmp = tempfile.gettempdir()
     pattern = os.path.join(tmp, f"distnb-{os.getpid()}-*")  # this process's pools only
     dirs_before = set(glob.glob(pattern)) | set(glob.glob(os.path.join(tmp, "torchelastic_*")))
     fd_before = fds(os.getpid())
     pids: list[int] = []
+    ports: list[int] = []
     t0 = time.perf_counter()
     for _ in range(n):
         pool = distnb.launch(nproc=2, backend="gloo")
         pids += pool.pids()
+        ports.append(int(pool.status().address.rsplit(":", 1)[1]))
         pool.run("x = torch.ones(1); dist.all_reduce(x)")
         pool.shutdown()
     dirs_after = set(glob.glob(pattern)) | set(glob.glob(os.path.join(tmp, "torchelastic_*")))
@@ -69,6 +82,7 @@ def cycles(n: int) -> dict[str, object]:
         "seconds_per_cycle": (time.perf_counter() - t0) / n,
         "processes_left": [p for p in pids if _linux.pid_alive(p)],
         "temp_dirs_left": sorted(dirs_after - dirs_before),
+        "controller_ports_still_listening": sorted(set(ports) & listening_ports()),
         "controller_fd_growth": fds(os.getpid()) - fd_before,
     }
 

@@ -132,6 +132,20 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     return fields if len(fields) > 19 else None
 
 
+_STATES = {
+    b"T": "stopped (SIGSTOP, Ctrl-Z or a job-control signal); SIGCONT resumes it",
+    b"t": "stopped by a debugger (ptrace)",
+    b"D": "in uninterruptible sleep in the kernel (disk or network file system I/O, or a driver call)",
+}
+
+
+def process_state(pid: int) -> str | None:
+    """Why a live process can't run Python at all, from its /proc state: stopped, traced, or in
+    uninterruptible sleep; None for a process that can run (or is gone)."""
+    fields = _stat_fields(pid)
+    return _STATES.get(fields[0]) if fields is not None else None
+
+
 # Field 22 of /proc/PID/stat (1-based, counting pid and comm) is the start time in clock ticks
 # since boot; in the fields after the command name (which start at field 3) it is index 19.
 _START = 22 - 3

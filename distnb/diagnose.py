@@ -40,7 +40,7 @@ class Position:
     """Where one rank is in the current cell."""
 
     rank: int
-    state: str  # finished · failed · dead · computing · collective
+    state: str  # finished · failed · dead · computing · collective · unresponsive (no stack at all) · idle
     op: str | None = None  # the collective it waits in
     seq: int | None = None  # per-group sequence number, when known
     group: str | None = None
@@ -77,6 +77,8 @@ class Position:
             return f"raised {self.detail}{at}"
         if self.state == "dead":
             return f"died: {self.detail}"
+        if self.state == "unresponsive":
+            return f"not answering: {self.detail}"
         return self.state
 
 
@@ -166,7 +168,12 @@ def diagnose(
     finished = [p for p in positions if p.state == "finished"]
     outside = [p for p in positions if p.state == "idle"]
     computing = [p for p in positions if p.state == "computing"]
+    silent = [p for p in positions if p.state == "unresponsive"]
     if not waiting:
+        if silent and elapsed >= hang_after:
+            s = silent[0]
+            return Diagnosis("hang", f"{format_ranks([p.rank for p in silent])} {'is' if len(silent) == 1 else 'are'} not answering: "
+                             f"{s.detail}.", positions, [p.rank for p in silent])
         if computing and elapsed >= hang_after:
             return Diagnosis("running", f"{format_ranks([p.rank for p in computing])} still running Python code (no rank is in a collective).", positions)
         return Diagnosis("ok", "no rank is waiting in a collective.", positions)
@@ -217,6 +224,14 @@ def diagnose(
             f"{'is' if len(absent) == 1 else 'are'} not part of this cell: a collective needs every rank of its group, "
             "so run the cell on all of them.",
             positions, absent,
+        )
+    if silent:
+        s = silent[0]
+        return Diagnosis(
+            "hang",
+            f"{w} {_waits(waiting)} in {waiting[0].op} for {format_ranks([p.rank for p in silent])}, which "
+            f"{'is' if len(silent) == 1 else 'are'} not answering at all: {s.detail}. Root cause: {format_ranks([p.rank for p in silent])}.",
+            positions, [p.rank for p in silent],
         )
     if computing and all(p.detail.startswith("importing") for p in computing):
         # A first use of e.g. torch._dynamo (DDP, compile) imports for seconds: slow, not hung yet.

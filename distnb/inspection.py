@@ -73,7 +73,7 @@ class Inspection:
             elif st.state == RankState.DEAD:
                 rs = RankStack(r, st.describe(), "dead")
             else:
-                rs = RankStack(r, st.describe(), "no answer (the process may be stopped, e.g. SIGSTOP)")
+                rs = RankStack(r, st.describe(), f"no answer: {self._why_silent(r)}")
             pending = self.collective_log.pending(r, st.cell) if st.state == RankState.RUNNING else None
             if pending is not None:
                 # How long by the rank's own clock: another machine's may be off from this one's.
@@ -115,6 +115,9 @@ class Inspection:
                 positions.append(Position(r, "dead", detail=_linux.signal_meaning(res.returncode)))
             else:
                 assert stacks is not None
+                if not stacks[r].threads:
+                    positions.append(Position(r, "unresponsive", since=elapsed, detail=self._why_silent(r)))
+                    continue
                 pos = position_from_stack(stacks[r])
                 # The rank tells which cell an entry belongs to by its own clock: no cross-machine
                 # clock comparison.
@@ -127,6 +130,15 @@ class Inspection:
                 pos.since = pos.since if pos.since is not None else elapsed
                 positions.append(pos)
         return diagnose(positions, self.config.hang_after if hang_after is None else hang_after, elapsed, log, self.first_death)
+
+    def _why_silent(self: Pool, rank: int) -> str:
+        """Words for a rank that gave no stack at all, neither from its control thread nor from
+        faulthandler: its process state when it runs on this machine."""
+        info = self._ranks[rank]
+        state = _linux.process_state(info.pid) if info.pid and not info.node else None
+        if state:
+            return f"its process (pid {info.pid}) is {state}"
+        return "neither its control thread nor faulthandler gave a stack (a process stopped, or stuck in the kernel)"
 
     def collectives(self: Pool, ranks: str | int | Iterable[int] | None = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
         """Every rank's collective sequence (from the Flight Recorder), side by side, with the

@@ -229,7 +229,7 @@ class DistMagics(Magics):
         def replayed(result: CellResult) -> None:
             first = result.code.strip().splitlines()[0] if result.code.strip() else ""
             status = "ok" if result.ok else "FAILED — replay stopped here"
-            print(f"replayed cell {result.cell} on {result.header().split(' on ', 1)[1].split(':')[0]}: {status}  | {first[:60]}")
+            print(f"replayed cell {result.cell} on {format_ranks(result.ranks)}: {status}  | {first[:60]}")
             if not result.ok:
                 print(result.outcome_text(), file=sys.stderr)
 

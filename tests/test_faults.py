@@ -247,7 +247,12 @@ def test_sigstopped_rank_shows_as_hung_with_others_stacks(pool2: distnb.Pool) ->
         report = pool.stacks()
         assert report[0].threads and "dist.all_reduce(x)" in report.text(), report.text()
         assert report[1].state.startswith("running") and not report[1].threads, report.text()
-        assert "no answer" in report[1].source or "faulthandler" in report[1].source, report.text()
+        assert f"no answer: its process (pid {pid}) is stopped (SIGSTOP" in report[1].source, report.text()
+        # The hang names the stopped rank as the one rank 0 waits for, and why it is silent.
+        diag = pool.diagnose(res, hang_after=0.5)
+        assert diag.kind == "hang" and diag.culprits == [1], diag.text()
+        assert "rank 0 waits in all_reduce for rank 1, which is not answering at all" in diag.summary, diag.text()
+        assert "rank 1: not answering: its process" in diag.text() and "SIGCONT resumes it" in diag.text(), diag.text()
     finally:
         os.kill(pid, signal.SIGCONT)
     pool.wait(res, timeout=30)

@@ -37,6 +37,12 @@ def test_diagnose_a_wait_that_just_began_is_not_the_whole_cell() -> None:
     assert d.kind == "ok"
 
 
+def test_diagnose_a_silent_rank_is_named_even_with_nobody_waiting() -> None:
+    d = diagnose([Position(0, "finished"), Position(1, "unresponsive", detail="its process (pid 7) is stopped")], 3.0, 4.0)
+    assert d.kind == "hang" and d.culprits == [1] and "rank 1 is not answering: its process (pid 7) is stopped" in d.summary
+    assert diagnose([Position(1, "unresponsive", detail="x")], 3.0, 1.0).kind == "ok"  # not yet past the threshold
+
+
 def test_diagnose_dead_rank_is_root_cause() -> None:
     d = diagnose([Position(0, "collective", op="all_reduce", since=4.0), Position(1, "dead", detail="killed (SIGKILL)")], 3.0, 4.0)
     assert d.kind == "hang" and d.culprits == [1] and "Root cause: rank 1" in d.summary

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 
 import pytest
 from IPython.core.error import UsageError
@@ -246,6 +247,30 @@ def test_export_writes_a_script(sh: Shell, tmp_path) -> None:
     target = tmp_path / "case.py"
     _, out, _ = sh.line("dist_export", str(target))
     assert target.exists() and "torchrun --nproc-per-node 2" in out
+
+
+def test_regroup_magic_gives_a_working_group(sh: Shell) -> None:
+    _, out, _ = sh.line("dist_regroup")
+    assert "every rank has a fresh default process group (2 ranks)" in out
+    out, err = sh.cell("", "rg = torch.ones(2) * (rank + 1); dist.all_reduce(rg); rg.tolist()")
+    assert "[3.0, 3.0]" in out and not err, (out, err)
+
+
+def test_restart_replay_magic_restores_state(sh: Shell) -> None:
+    sh.line("dist_restart")  # replay starts at the last launch: only this test's cells below
+    sh.cell("", "rp_a = 5")
+    sh.ip.user_ns["rp_b"] = 7
+    sh.line("dist_push", "rp_b")
+    sh.cell("1", "rp_c = rp_a * 10")
+    sh.cell("", "raise RuntimeError('not replayed')")
+    old = distnb.current_pool().pids()
+    _, out, err = sh.line("dist_restart", "--replay")
+    assert set(old).isdisjoint(distnb.current_pool().pids())
+    assert re.search(r"replayed cell \d+ on ranks 0,1: ok  \| rp_a = 5", out), out
+    assert re.search(r"replayed cell \d+ on rank 1: ok  \| rp_c = rp_a \* 10", out), out
+    assert "not replayed" not in out + err
+    assert distnb.current_pool().pull("rp_b") == {0: 7, 1: 7}
+    assert distnb.current_pool().pull("rp_c", ranks="1") == {1: 50}
 
 
 def test_restart_gives_fresh_ranks(sh: Shell) -> None:

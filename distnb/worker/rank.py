@@ -240,8 +240,7 @@ class Rank:
         out: dict[str, bytes] = {}
         for name in names:
             if name not in self.ns:
-                return {"status": "error", "error": f"name {name!r} is not defined on rank {self.rank}; "
-                        "define it in an %%on_ranks cell (or pool.run) on that rank first."}
+                return {"status": "error", "error": f"name {name!r} is not defined on rank {self.rank}"}
             value = self.ns[name]
             try:
                 import torch
