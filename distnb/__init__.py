@@ -10,13 +10,44 @@
 
 from __future__ import annotations
 
-from distnb.errors import DistnbError, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError
-from distnb.launch import LaunchConfig
-from distnb.pool import CellEvents, Pool, PoolState, current_pool, launch
-from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
-from distnb.worker.checksum import checksum
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The public names load on first use: a rank and its supervisor import ``distnb.worker…``, which
+# runs this file first, and must not pay for the controller (pool, launch, IPython glue: ~130 ms
+# of every launch) that they never use.
+_PUBLIC = {
+    "DistnbError": "distnb.errors", "LaunchError": "distnb.errors", "NoPoolError": "distnb.errors",
+    "PoolBrokenError": "distnb.errors", "PoolBusyError": "distnb.errors", "RemoteError": "distnb.errors",
+    "LaunchConfig": "distnb.launcher",
+    "CellEvents": "distnb.pool", "Pool": "distnb.pool", "PoolState": "distnb.pool", "current_pool": "distnb.pool",
+    "launch": "distnb.pool",
+    "CellResult": "distnb.results", "PoolStatus": "distnb.results", "RankResult": "distnb.results",
+    "RankState": "distnb.results", "RankStatus": "distnb.results",
+    "checksum": "distnb.worker.checksum",
+}
+
+if TYPE_CHECKING:
+    from distnb.errors import DistnbError, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError
+    from distnb.launcher import LaunchConfig
+    from distnb.pool import CellEvents, Pool, PoolState, current_pool, launch
+    from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
+    from distnb.worker.checksum import checksum
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distnb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
 
 __all__ = [
     "CellEvents",

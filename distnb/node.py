@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from distnb import __version__, _linux
-from distnb.launch import Launcher, LaunchConfig, Rendezvous
+from distnb.launcher import Launcher, LaunchConfig, Rendezvous
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, node_identity, socket_max_msgsize
 from distnb.security import Credentials, KeyFileError
 

@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Callable
 
 from distnb import _linux
-from distnb.launch import LaunchConfig, drain_lines
+from distnb.launcher import LaunchConfig, drain_lines
 
 __all__ = ["NodeInfo", "NodeState", "Nodes", "NodeStarters", "Starter", "join_command"]
 

@@ -20,7 +20,7 @@ from distnb.channel import Channel
 from distnb.collectives import CollectiveLog, describe
 from distnb.errors import LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError
 from distnb.inspection import Inspection
-from distnb.launch import LaunchConfig, Launcher, Rendezvous, is_loopback, split_host_port
+from distnb.launcher import LaunchConfig, Launcher, Rendezvous, is_loopback, split_host_port
 from distnb.nodes import Nodes, NodeStarters, connect_host, join_command
 from distnb.protocol import MAX_FRAME_BYTES, Msg, control_identity, exec_identity, node_identity, supervisor_identity
 from distnb.security import Credentials, default_key_file

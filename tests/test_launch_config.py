@@ -13,7 +13,7 @@ import pytest
 
 import distnb
 from distnb import _linux
-from distnb.launch import LaunchConfig, Launcher, Rendezvous, default_nproc
+from distnb.launcher import LaunchConfig, Launcher, Rendezvous, default_nproc
 from distnb.security import Credentials
 
 

@@ -252,28 +252,31 @@ class CellView:
         self._rank_max = (rank_max_chars, rank_max_lines)
         self._max_chars = max_chars
         self._fed = False
-        self.header = w.HTML()
-        self.diagnosis = w.HTML(layout=w.Layout(display="none"))
+        # Every widget left without a layout makes its own Layout widget (a comm and its state,
+        # ~0.5 ms each, per cell): the ones that are never restyled share one, the rank tabs another.
+        plain = w.Layout()
+        self.header = w.HTML(layout=plain)
+        self.diagnosis = w.HTML(layout=w.Layout(display="none"))  # its own: shown once a hang appears
         self.grouped = w.Output(layout=w.Layout(max_height="400px", overflow="auto"))
-        self.rank_outputs = {r: w.Output(layout=w.Layout(max_height="300px", overflow="auto")) for r in self.ranks}
+        tab_layout = w.Layout(max_height="300px", overflow="auto")
+        self.rank_outputs = {r: w.Output(layout=tab_layout) for r in self.ranks}
         if len(self.ranks) <= TAB_LIMIT:
-            self.selector: Any = w.Tab(children=[self.rank_outputs[r] for r in self.ranks])
-            for i, r in enumerate(self.ranks):
-                self.selector.set_title(i, f"rank {r}")
+            self.selector: Any = w.Tab(children=[self.rank_outputs[r] for r in self.ranks], layout=plain)
+            self.selector.titles = tuple(f"rank {r}" for r in self.ranks)
             per_rank: Any = self.selector
         else:
-            self.selector = w.Dropdown(options=[(f"rank {r}", r) for r in self.ranks], value=self.ranks[0], description="rank")
-            shown = w.Box([self.rank_outputs[self.ranks[0]]])
+            self.selector = w.Dropdown(options=[(f"rank {r}", r) for r in self.ranks], value=self.ranks[0], description="rank", layout=plain)
+            shown = w.Box([self.rank_outputs[self.ranks[0]]], layout=plain)
             self.selector.observe(lambda ch: setattr(shown, "children", [self.rank_outputs[ch["new"]]]), names="value")
-            per_rank = w.VBox([self.selector, shown])
-        self.outcome = w.HTML()
+            per_rank = w.VBox([self.selector, shown], layout=plain)
+        self.outcome = w.HTML(layout=plain)
         self.widget = w.VBox([
             self.header,
             self.diagnosis,
             self.grouped,
-            w.Accordion(children=[per_rank], titles=("per rank",)),
+            w.Accordion(children=[per_rank], titles=("per rank",), layout=plain),
             self.outcome,
-        ])
+        ], layout=plain)
         self._rank_bufs = {
             r: _OutputBuffer(self.rank_outputs[r], rank_max_chars, rank_max_lines, lambda r=r: self._rank_note(r))
             for r in self.ranks
