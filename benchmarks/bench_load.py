@@ -51,17 +51,6 @@ def cells(n: int) -> dict[str, object]:
     }
 
 
-def listening_ports() -> set[int]:
-    ports = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(name) as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                if parts[3] == "0A":  # LISTEN
-                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 def cycles(n: int) -> dict[str, object]:
     tmp = tempfile.gettempdir()
     pattern = os.path.join(tmp, f"distnb-{os.getpid()}-*")  # this process's pools only
@@ -82,7 +71,7 @@ def cycles(n: int) -> dict[str, object]:
         "seconds_per_cycle": (time.perf_counter() - t0) / n,
         "processes_left": [p for p in pids if _linux.pid_alive(p)],
         "temp_dirs_left": sorted(dirs_after - dirs_before),
-        "controller_ports_still_listening": sorted(set(ports) & listening_ports()),
+        "controller_ports_still_listening": sorted(set(ports) & _linux.listening_ports()),
         "controller_fd_growth": fds(os.getpid()) - fd_before,
     }
 

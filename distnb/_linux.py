@@ -299,6 +299,23 @@ def _proc_stats() -> list[tuple[int, list[bytes]]]:
     return out
 
 
+def listening_ports() -> set[int]:
+    """TCP ports some process on this machine listens on (IPv4 and IPv6), from /proc/net: what a
+    pool's controller leaves open, for the leak checks."""
+    ports = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                lines = f.readlines()[1:]
+        except OSError:  # no IPv6 on this machine
+            continue
+        for line in lines:
+            parts = line.split()
+            if parts[3] == "0A":  # TCP_LISTEN
+                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def session_pids(sid: int) -> list[int]:
     """Live (non-zombie) processes whose session id is ``sid``."""
     return [pid for pid, fields in _proc_stats() if int(fields[3]) == sid]

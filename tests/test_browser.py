@@ -31,10 +31,22 @@ DOC_SHOTS = ROOT / "docs" / "screenshots"
 # inherit it, so teardown can find exactly the processes a server fixture started.
 MARK = "DISTNB_BROWSER_TEST"
 
+# CI sets DISTNB_REQUIRE_BROWSER=1: there a missing browser is a failed install step, not a skip.
+REQUIRED = os.environ.get("DISTNB_REQUIRE_BROWSER") == "1"
+
 pytestmark = [
     pytest.mark.timeout(420),
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)"),
+    pytest.mark.skipif(not REQUIRED and not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)"),
 ]
+
+
+def playwright_api():
+    if REQUIRED:
+        import playwright.sync_api as api  # an ImportError here fails the test: CI installs it
+
+        assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing; .ci/run installs Debian's chromium"
+        return api
+    return pytest.importorskip("playwright.sync_api")
 
 
 def free_port() -> int:
@@ -172,7 +184,7 @@ def run_quickstart(sync_api, url: str, check) -> None:
 
 
 def test_quickstart_widgets_render_in_jupyterlab(lab: str, shots: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api")
+    sync_api = playwright_api()
 
     def snap(page) -> None:
         page.locator(".jp-Cell").nth(5).screenshot(path=str(shots / "cell_view.png"))
@@ -185,7 +197,7 @@ def test_quickstart_widgets_render_in_jupyterlab(lab: str, shots: Path) -> None:
 
 
 def test_quickstart_widgets_render_in_notebook7(notebook7: str, shots: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api")
+    sync_api = playwright_api()
 
     def snap(page) -> None:
         # Notebook 7's own single-document shell, not Lab's: its logo and its toolbar's kernel logo.

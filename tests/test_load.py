@@ -24,17 +24,6 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def listening_ports() -> set[int]:
-    ports = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(name) as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                if parts[3] == "0A":  # LISTEN
-                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 def test_500_cells_keep_memory_and_fds_flat() -> None:
     with distnb.Pool(nproc=4, backend="gloo") as pool:
         for _ in range(100):  # warm-up: allocator pools, caches, lazily created sockets
@@ -70,10 +59,10 @@ def test_launch_shutdown_cycles_leave_nothing() -> None:
         pool = distnb.launch(nproc=2, backend="gloo")
         seen += pool.pids()
         port = int(pool.status().address.rsplit(":", 1)[1])
-        assert port in listening_ports()
+        assert port in _linux.listening_ports()
         assert pool.run("x = torch.ones(1); dist.all_reduce(x); x.item()").values == {0: "2.0", 1: "2.0"}
         pool.shutdown()
-        assert port not in listening_ports()
+        assert port not in _linux.listening_ports()
     assert [p for p in seen if _linux.pid_alive(p)] == []
     assert set(glob.glob(mine)) == run_dirs_before
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "torchelastic_*"))) == elastic_before
