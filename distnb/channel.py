@@ -11,6 +11,7 @@ in the periodic tick is counted and kept (``errors``, ``last_error``) and the th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import sys
@@ -47,7 +48,11 @@ class Channel:
     """
 
     def __init__(self, creds: Credentials, on_message: OnMessage, bind: str = "127.0.0.1", port: int = 0, heartbeat: float = 1.0) -> None:
+        # The I/O thread signs as "C"; every other thread as "C<n>" with its own counter (see
+        # ``_local_ends``), so each sender's frames reach a peer in the order they were signed.
+        self._key = creds.key
         self._codec = Codec(creds.key, "C")
+        self._senders = itertools.count(1)
         self._guard = ReplayGuard()
         self._on_message = on_message
         self._heartbeat = heartbeat
@@ -89,16 +94,24 @@ class Channel:
         self._thread.start()
 
     # -- sending (any thread) -------------------------------------------------------------------
-    def _pusher(self) -> zmq.Socket:
+    def _local_ends(self) -> tuple[zmq.Socket, Codec]:
+        """This thread's hand-over socket and its own signer.
+
+        Peers drop a frame whose counter is not above the last one from its sender. Frames from
+        one thread reach the I/O thread in order, but two threads' frames can arrive in the
+        opposite order to the one they were signed in (and the I/O thread signs heartbeats and
+        polls of its own meanwhile): with one shared counter a peer would drop the later-arriving
+        one as a replay. One sender name and counter per thread keeps every sender in order."""
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self._inbox)
             self._local.sock = sock
+            self._local.codec = Codec(self._key, f"C{next(self._senders)}")
             with self._pushers_lock:
                 self._pushers.append(sock)
-        return sock
+        return sock, self._local.codec
 
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
         self.send_many((identity,), msg)
@@ -111,14 +124,16 @@ class Channel:
         ids = list(identities)
         if not ids:
             return
-        signed = self._codec.encode(msg)
         if threading.get_ident() == self._thread.ident:
             # Handlers on the I/O thread own the ROUTER: send directly, no hand-over socket.
-            self._route(ids, signed)
-        elif len(ids) == 1:
-            send_frames(self._pusher(), [ids[0], *signed])
+            self._route(ids, self._codec.encode(msg))
+            return
+        sock, codec = self._local_ends()
+        signed = codec.encode(msg)
+        if len(ids) == 1:
+            send_frames(sock, [ids[0], *signed])
         else:
-            send_frames(self._pusher(), [_FANOUT, b" ".join(ids), *signed])
+            send_frames(sock, [_FANOUT, b" ".join(ids), *signed])
 
     def _route(self, identities: list[bytes], signed: list[Any]) -> None:
         for identity in identities:

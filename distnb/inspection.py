@@ -52,7 +52,8 @@ class Inspection:
         msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1)}
         replies = self._request(control_identity, alive, msg, timeout, partial=True)
         self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
-        silent = [r for r in alive if r not in replies]
+        # A control thread that answered with an error instead of stacks gave no stack either.
+        silent = [r for r in alive if "stacks" not in replies.get(r, {})]
         dumps = self._request(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": 0.15}, 3.0, partial=True)
         cell_sources = {f"<cell-{c.cell}>": c.code for c in self.history[-200:]}
         status = {rs.rank: rs for rs in self.status().ranks}

@@ -32,8 +32,6 @@ def _usage_errors() -> Iterator[None]:
         yield
     except (DistnbError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    except OSError as exc:  # e.g. %dist_export into a folder that does not exist
-        raise UsageError(f"{exc.strerror or exc}: {exc.filename or ''} — pick a path in a folder you can write to.") from None
 
 
 def _parse(magic: Any, line: str) -> Any:
@@ -84,7 +82,7 @@ class _Progress:
 
 
 def _show_checks(reports: list[Any]) -> None:
-    """Each report as its table (HTML, divergent cells coloured) with its text twin underneath."""
+    """Each report as its table in a kernel (HTML, divergent entries coloured), as text elsewhere."""
     from IPython.display import display
 
     for report in reports:
@@ -281,7 +279,10 @@ class DistMagics(Magics):
         args = _parse(self.dist_export, line)
         pool = self._pool()
         with _usage_errors():
-            written = pool.export(args.path, cells=args.cells, include_failed=args.all)
+            try:
+                written = pool.export(args.path, cells=args.cells, include_failed=args.all)
+            except OSError as exc:  # e.g. a folder that does not exist
+                raise UsageError(f"can't write {args.path}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
         how = run_command(pool.config, written) if not written.endswith(".ipynb") else f"open {written}"
         print(f"wrote {written}; run it with: {how}")
 

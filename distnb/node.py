@@ -61,7 +61,8 @@ class NodeAgent:
             msg = self.codec.decode(frames, self.guard)
         except BadFrame:
             return None
-        return msg if msg.get("_s") == "C" else None
+        # The controller signs as "C" (its I/O thread) or "C<n>" (its other threads); peers never do.
+        return msg if str(msg.get("_s", "")).startswith("C") else None
 
     def _join(self) -> dict[str, Any] | None:
         hello = {"t": Msg.NODE_HELLO, "host": socket.gethostname(), "pid": os.getpid(), "version": __version__}

@@ -72,7 +72,11 @@ def test_check_magic_and_on_ranks_check(pool2: distnb.Pool, capsys) -> None:
     # a kernel also asks the text/html formatter that %load_ext distnb registered.
     [report] = pool2.check("v")
     html = ip.display_formatter.formatters["text/html"].lookup_by_type(type(report))(report)
-    assert html and "<table" in html and "v" in html
+    assert "check v:" in html and "<table" in html, html
+    from distnb.display.html import BAD
+
+    odd_row = next(row for row in html.split("<tr") if ">rank 1<" in row)
+    assert BAD in odd_row, html  # the odd rank's row is the one coloured as differing
 
 
 def test_dtensors_across_ranks(pool2: distnb.Pool) -> None:

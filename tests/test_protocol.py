@@ -460,7 +460,9 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
     pool.stacks(timeout=5)
     before_controller = channel.rejected
     before_workers = _worker_counts(pool)
-    pusher = channel._pusher()  # raw frames to a worker, through the I/O thread like any other
+    # Raw frames to a worker, through the I/O thread like any other; and the name this thread
+    # signs under, which every worker socket has heard from (cells, pulls and stacks come from here).
+    pusher, controller_codec = channel._local_ends()
 
     def frames_for(kind: str, sender: str, garbage: list[bytes], extra: int) -> tuple[list[bytes], int]:
         """(frames, how many of them the receiver must reject)."""
@@ -511,7 +513,8 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
                     # Signed with the pool's key but with a counter the controller passed long
                     # ago: a recorded frame played back. (A *future* counter would make the worker
                     # drop the controller's real frames, which is why counters come from the clock.)
-                    body = pickle.dumps({"t": Msg.STATUS, "_s": "C", "_n": extra, "id": "fuzz"}, protocol=pickle.HIGHEST_PROTOCOL)
+                    body = pickle.dumps({"t": Msg.STATUS, "_s": controller_codec.sender, "_n": extra, "id": "fuzz"},
+                                        protocol=pickle.HIGHEST_PROTOCOL)
                     frames = sign(key, body)
                 else:
                     frames, _ = frames_for(kind, "C", garbage, extra)

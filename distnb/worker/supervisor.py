@@ -166,6 +166,10 @@ class Supervisor:
             self.stopping = True
         elif t == Msg.FAULT_REQUEST:
             if child is not None and child.poll() is None:
+                if not self.pending_fault:
+                    # A dump nobody waits for any more (it came late: a rank that was stopped
+                    # when asked dumps on SIGCONT) must not pass for the answer to this request.
+                    self.fault_buf = b""
                 self.pending_fault.append(msg["id"])
                 self.fault_deadline = time.monotonic() + float(msg.get("wait", 0.3))
                 os.kill(child.pid, signal.SIGUSR1)
@@ -273,6 +277,7 @@ class Supervisor:
                 self._finish_fault()
             rc = self.child.poll()
             if rc is not None and not exit_reported:
+                died_at = time.time()  # before forwarding: which rank died first is decided by it
                 # Reaped: every byte the rank wrote is in the pipes now, so take it all and report
                 # at once. (Waiting for EOF instead would wait on any grandchild that inherited
                 # the pipes, a DataLoader worker say, and delay the post-mortem.) What such a
@@ -280,7 +285,7 @@ class Supervisor:
                 if events_r in open_fds:
                     pump_events()
                 drain_all()
-                self._report_exit(rc, time.time())
+                self._report_exit(rc, died_at)
                 exit_reported = True
             if self.stopping or now - last_heard > self.heartbeat_timeout:
                 break

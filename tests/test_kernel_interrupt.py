@@ -1,0 +1,103 @@
+"""A real Jupyter interrupt during a ``%%on_ranks`` cell: SIGINT to the kernel process, as the
+notebook's stop button sends it. The cell stops on the ranks; the kernel and the pool live on."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import cmdline, kill_pids, marked_processes, started_pids, wait_gone
+
+MARK = "DISTNB_INTERRUPT_TEST"
+
+
+class Kernel:
+    """One ipykernel with this test's mark in its environment (and so in its pool's)."""
+
+    def __init__(self, cwd: Path) -> None:
+        from jupyter_client.manager import KernelManager
+
+        self.token = uuid.uuid4().hex
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=str(cwd), env={**os.environ, MARK: self.token})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def execute(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> tuple[dict[str, Any], str, float]:
+        """Run ``code``; optionally interrupt the kernel ``interrupt_after`` seconds in. Returns the
+        reply's content, every text the cell showed (streams, text/plain of displays, errors) and
+        how long it took."""
+        msg_id = self.kc.execute(code)
+        t0 = time.monotonic()
+        interrupted = False
+        texts: list[str] = []
+        while True:
+            if interrupt_after is not None and not interrupted and time.monotonic() - t0 >= interrupt_after:
+                self.km.interrupt_kernel()
+                interrupted = True
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                assert time.monotonic() - t0 < timeout, f"the cell did not finish within {timeout} s:\n{''.join(texts)}"
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                texts.append(content["text"])
+            elif kind in ("display_data", "update_display_data", "execute_result"):
+                texts.append(content["data"].get("text/plain", "") + "\n")
+            elif kind == "error":
+                texts.append("\n".join(content["traceback"]) + "\n")
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        took = time.monotonic() - t0
+        while True:
+            reply = self.kc.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"], "".join(texts), took
+
+    def close(self) -> list[int]:
+        """Stop the kernel; return what it left behind (after killing it: ours, by PID)."""
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+        left = marked_processes(MARK, self.token)
+        started_pids.update(left)
+        survivors = wait_gone(left, 5.0)
+        details = [f"{p}: {cmdline(p)}" for p in survivors]
+        kill_pids(survivors)
+        return details
+
+
+@pytest.mark.timeout(240)
+def test_jupyter_interrupt_stops_the_cell_and_keeps_kernel_and_pool(leak_check, tmp_path: Path) -> None:
+    kernel = Kernel(tmp_path)
+    try:
+        content, out, _ = kernel.execute("%load_ext distnb\n%dist_launch -n 2 --backend gloo")
+        assert content["status"] == "ok", out
+        pids = kernel.execute("print(sorted(__import__('distnb').current_pool().pids()))")[1]
+
+        code = "%%on_ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)\nprint('never got here')"
+        content, out, took = kernel.execute(code, interrupt_after=3.0)
+        # The first interrupt reached the ranks: their sleep raised, and the cell ended long before 60 s.
+        assert took < 20, f"the interrupted cell took {took:.1f} s:\n{out}"
+        assert "sleeping" in out and "never got here" not in out, out
+        assert "KeyboardInterrupt" in out, out
+
+        # The kernel and the very same ranks carry on.
+        content, out, _ = kernel.execute("%%on_ranks\nrank * 10")
+        assert content["status"] == "ok" and "10" in out, out
+        content, out, _ = kernel.execute("pool = __import__('distnb').current_pool()\nprint(pool.state.value, sorted(pool.pids()))")
+        assert out.split()[0] == "ready" and out.split(None, 1)[1].strip() == pids.strip(), out
+        content, out, _ = kernel.execute("%dist_shutdown")
+        assert "no process left" in out, out
+    finally:
+        left = kernel.close()
+    assert not left, "the kernel left processes behind:\n  " + "\n  ".join(left)
