@@ -120,7 +120,8 @@ class _HangWatch:
             diag_text, kind = f"[distnb] could not diagnose: {exc}", "error"
         else:
             diag_text, kind = diag.text(), diag.kind
-        if kind in ("hang", "slow") and diag_text.split("\n")[0] != self._shown.split("\n")[0]:
+        # A failing diagnosis is said once too (same headline), so a broken watch is not silent.
+        if kind in ("hang", "slow", "error") and diag_text.split("\n")[0] != self._shown.split("\n")[0]:
             self._shown = diag_text
             if self._view is not None:
                 self._view.set_diagnosis(diag_text)

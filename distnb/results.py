@@ -431,6 +431,9 @@ class PoolStatus:
 
 #: Variables that are meant to differ between ranks.
 PER_RANK_ENV = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK"}
+#: torchrun's contract and the device mask: always listed, "<unset>" where a rank lacks one (an
+#: unset CUDA_VISIBLE_DEVICES is the usual way several ranks end up on GPU 0).
+CONTRACT_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclass
@@ -440,14 +443,17 @@ class EnvReport:
     env: dict[int, dict[str, str]]
     hosts: dict[int, str | None] = field(default_factory=dict)
 
+    def names(self) -> list[str]:
+        """Every variable some rank has, and torchrun's contract whether set or not."""
+        return sorted({k for e in self.env.values() for k in e} | set(CONTRACT_ENV))
+
     def differing(self) -> list[str]:
         """Names whose value is not the same on every rank (and is not meant to differ)."""
-        names = sorted({k for e in self.env.values() for k in e})
-        return [n for n in names if n not in PER_RANK_ENV and len({e.get(n) for e in self.env.values()}) > 1]
+        return [n for n in self.names() if n not in PER_RANK_ENV and len({e.get(n) for e in self.env.values()}) > 1]
 
     def text(self) -> str:
         ranks = sorted(self.env)
-        names = sorted({k for e in self.env.values() for k in e})
+        names = self.names()
         flagged = set(self.differing())
         width = max([20, *map(len, names)])
         lines = [f"environment of {format_ranks(ranks)}" + (f" — {len(flagged)} variable(s) differ between ranks: {', '.join(sorted(flagged))}" if flagged else "")]
@@ -457,7 +463,8 @@ class EnvReport:
         for name in names:
             values = group_by((r, self.env[r].get(name)) for r in ranks)
             if len(values) == 1:
-                lines.append(f"  {name:<{width}} {values[0][1]} (all ranks)")
+                value = values[0][1]
+                lines.append(f"  {name:<{width}} {'<unset>' if value is None else value} (all ranks)")
             elif name in PER_RANK_ENV and all(len(rs) == 1 for rs, _ in values):
                 lines.append(f"  {name:<{width}} " + ", ".join(f"{v}" for _, v in values) + " (per rank, as expected)")
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -495,6 +496,11 @@ def test_env_contract(pool3: distnb.Pool) -> None:
     assert {r: e["RANK"] for r, e in env.env.items()} == {0: "0", 1: "1", 2: "2"}
     assert all(e["WORLD_SIZE"] == "3" for e in env.env.values())
     assert env.differing() == []
+    # The contract is always listed; a device mask nobody set says so (this machine has no GPU
+    # and the test run sets none).
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        assert re.search(r"CUDA_VISIBLE_DEVICES +<unset> \(all ranks\)", env.text()), env.text()
+    assert "MASTER_PORT" in env.text() and "LOCAL_WORLD_SIZE" in env.text()
     pool.run("import os\nos.environ['NCCL_SOCKET_IFNAME'] = 'eth0' if rank == 0 else 'lo'")
     env = pool.env()
     assert env.differing() == ["NCCL_SOCKET_IFNAME"]
@@ -634,3 +640,34 @@ def test_regroup_after_a_collective_timeout_keeps_state() -> None:
             assert [(e["seq"], e["op"], e["done"]) for e in report.log.sequence(r, "0")] == [(1, "all_reduce", True)]
             assert report.log.pending(r) is None
         assert report.divergences() == [] and "agree" in report.text()
+
+
+def test_a_healthy_ddp_loop_is_never_called_a_hang(pool3: distnb.Pool) -> None:
+    """Several seconds of DDP training at the default threshold: ranks keep entering and leaving
+    the same collectives, one of them a little slower; the watch must not cry hang."""
+    pool = fresh(pool3)
+    setup = pool.run(
+        "import torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "torch.manual_seed(0)\nhl_model = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]))\n"
+        "hl_opt = torch.optim.SGD(hl_model.parameters(), lr=0.01)\nhl_x = torch.randn(64, 256)\n",
+        timeout=120,
+    )
+    assert setup.ok, setup.text()
+    res = pool.submit(
+        # A fixed step count: a loop run until each rank's own clock says stop would itself be an
+        # uneven loop (distnb rightly calls that a hang).
+        "import time\nsteps = 0\n"
+        "for _ in range(250):\n"
+        "    hl_opt.zero_grad(); hl_model(hl_x).sum().backward(); hl_opt.step(); steps += 1\n"
+        "    if rank == 1:\n        time.sleep(0.01)  # a slightly slower rank: the others wait for it every step\n"
+        "steps"
+    )
+    seen = []
+    while res.running:
+        diag = pool.diagnose(res)  # the pool's threshold: the default 3 s would apply; pool3 uses 1 s
+        seen.append(diag.kind)
+        assert diag.kind != "hang", diag.text()
+        time.sleep(0.5)
+    pool.wait(res, timeout=60)
+    assert res.ok, res.text()
+    assert len(seen) >= 8 and int(res.values[0]) > 10, (seen, res.values)

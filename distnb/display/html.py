@@ -107,8 +107,7 @@ def check_html(report: CheckReport) -> str:
 def env_html(report: EnvReport) -> str:
     differing = set(report.differing())
     ranks = sorted(report.env)
-    names = sorted({k for e in report.env.values() for k in e})
-    rows = [([_esc(n), *[_esc(report.env[r].get(n, "<unset>")) for r in ranks]], BAD if n in differing else "") for n in names]
+    rows = [([_esc(n), *[_esc(report.env[r].get(n, "<unset>")) for r in ranks]], BAD if n in differing else "") for n in report.names()]
     return table(["variable", *[f"rank {r}" for r in ranks]], rows, report.text().splitlines()[0])
 
 
