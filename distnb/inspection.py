@@ -19,7 +19,7 @@ from distnb.memory import MemoryReport
 from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, EnvReport, PoolState, RankState
-from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dump
+from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dumps
 
 if TYPE_CHECKING:
     from distnb.pool import Pool
@@ -79,10 +79,16 @@ class Inspection:
             if pending is not None:
                 # How long by the rank's own clock: another machine's may be off from this one's.
                 rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']}) for {self.collective_log.age(r, pending):.1f} s"
-            if native and info.pid and st.state != RankState.DEAD:
+            if native and info.pid and st.state != RankState.DEAD and info.node:
                 # py-spy runs here: a rank on another machine needs it run there.
-                rs.native = py_spy_dump(info.pid) if not info.node else f"rank {r} runs on {info.host}: run `py-spy dump --native --pid {info.pid}` there."
+                rs.native = f"rank {r} runs on {info.host}: run `py-spy dump --native --pid {info.pid}` there."
             out.append(rs)
+        if native:
+            by_rank = {rs.rank: rs for rs in out}
+            local = {r: pid for r in by_rank if (pid := self._ranks[r].pid) and not self._ranks[r].node
+                     and status[r].state != RankState.DEAD}
+            for r, text in py_spy_dumps(local).items():
+                by_rank[r].native = text
         return StackReport(out)
 
     def diagnose(self: Pool, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:

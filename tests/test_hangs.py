@@ -9,6 +9,7 @@ import time
 import pytest
 
 import distnb
+from distnb import _linux
 from distnb.diagnose import Position, diagnose, position_from_stack
 from distnb.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
 
@@ -292,7 +293,7 @@ def _held_within(pool: distnb.Pool, rank: int, cell: int, within: float, is_open
     return None
 
 
-def test_stacks_while_blocked_in_all_reduce_and_shutdown_works(pool3: distnb.Pool) -> None:
+def test_stacks_while_blocked_in_all_reduce_and_shutdown_of_the_hung_pool(pool3: distnb.Pool) -> None:
     pool = fresh(pool3)
     res = pool.submit("x = torch.ones(1)\nif rank != 2:\n    dist.all_reduce(x)\n")
     time.sleep(1.5)
@@ -306,6 +307,38 @@ def test_stacks_while_blocked_in_all_reduce_and_shutdown_works(pool3: distnb.Poo
     diag = wait_for_hang(pool, res)
     assert diag.culprits == [2] and "rank-conditional" in diag.summary
     assert "all_reduce #1 at cell line 3" in diag.summary
+    # Two ranks stay blocked in gloo: shutdown still ends every process, and the pool starts again.
+    pids = pool.pids()
+    pool.shutdown()
+    assert [p for p in pids if _linux.pid_alive(p)] == [] and pool.pids() == []
+    pool.start()
+
+
+def test_stacks_native_and_all_threads(pool3: distnb.Pool) -> None:
+    import shutil
+
+    pool = fresh(pool3)
+    res = pool.submit(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(20,), name='data-helper', daemon=True).start()\n"
+        "x = torch.ones(1)\nif rank != 2:\n    dist.all_reduce(x)\n"
+    )
+    time.sleep(1.5)
+    main_only = pool.stacks([0]).text()
+    assert "data-helper" not in main_only, main_only
+    every = pool.stacks([0], all_threads=True).text()
+    assert "data-helper" in every and "dist.all_reduce(x)" in every, every
+    if shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed (pip install distnb[native]); the test extra installs it")
+    t0 = time.monotonic()
+    report = pool.stacks(native=True)
+    took = time.monotonic() - t0
+    # py-spy's own view of each live rank: for a rank blocked in the all_reduce, the C++ wait
+    # under the cell's Python frame.
+    assert "native (py-spy):" in report.text()
+    assert "c10d::Work::wait" in report[0].native and "<cell-" in report[0].native, report[0].native
+    assert report[2].native, report.text()
+    assert took < 10, f"py-spy on 3 ranks took {took:.1f} s (they run at once)"
 
 
 def test_rank_that_raised_is_named_root_cause(pool3: distnb.Pool) -> None:
