@@ -174,6 +174,36 @@ def test_last_expression_values_and_displays(pool):
     assert res[2].value_text == "'after'"
 
 
+def test_a_silent_cell_ends_without_the_supervisor_and_nothing_else_does(pool):
+    """A cell that wrote and displayed nothing sends its result straight to the notebook; any
+    output (Python or fd level, stdout or stderr) or display keeps the ordered path through the
+    supervisor, so the result never overtakes it."""
+
+    def direct() -> dict[int, int]:
+        # Read inside a cell that is itself silent: each read adds one direct cell on every rank.
+        res = pool.run("import sys as _dd_s\n_dd_s.modules['__main__'].current.direct_done")
+        return {r: int(v) for r, v in res.values.items()}
+
+    cases = [
+        ("dd_a = rank * 7", True, {}),
+        ("dd_a + 1", True, {}),
+        ("print('dd out', rank)", False, {"stdout": "dd out {r}\n"}),
+        ("import sys\nprint('dd err', file=sys.stderr)", False, {"stderr": "dd err\n"}),
+        ("import os\nos.write(1, b'dd raw')", False, {"stdout": "dd raw"}),
+        ("display(rank)", False, {}),
+    ]
+    for code, silent, expected in cases:
+        before = direct()
+        res = pool.run(code)
+        after = direct()
+        assert res.ok, res.text()
+        took_direct = {r: after[r] - before[r] - 1 for r in ALL}  # less the reading cell itself
+        assert took_direct == {r: int(silent) for r in ALL}, (code, took_direct)
+        for stream, text in expected.items():
+            assert {r: getattr(res[r], stream) for r in ALL} == {r: text.format(r=r) for r in ALL}, (code, res.text())
+    assert pool.run("dd_a").values == {r: str(7 * r) for r in ALL}
+
+
 def test_streaming_output_arrives_in_order_while_the_cell_runs(pool):
     arrivals: list[tuple[float, int, str, str]] = []
     lock = threading.Lock()

@@ -6,7 +6,9 @@ so a rank stuck in rendezvous or NCCL init is visible to the controller.
 
 from __future__ import annotations
 
+import array
 import ctypes
+import fcntl
 import faulthandler
 import io
 import os
@@ -14,6 +16,7 @@ import pickle
 import signal
 import socket
 import sys
+import termios
 import threading
 import time
 import traceback
@@ -46,6 +49,61 @@ _REPLY_SLACK = 4096
 
 def _mb(n: int) -> str:
     return f"{n / (1024 * 1024):,.1f} MB"
+
+
+class _QuietCheck:
+    """May a cell's DONE go straight to the notebook instead of through the supervisor?
+
+    The supervisor forwards a rank's output and then its DONE, in that order, on one socket. A
+    DONE sent directly could overtake output still on its way — unless there is none. Checked
+    after the cell, all three mean nothing the cell wrote or displayed is in flight:
+
+    1. both output pipes are empty (FIONREAD: nothing left for the supervisor to read);
+    2. the supervisor's main thread is asleep (state S in /proc: not inside a read);
+    3. that thread read nothing since the cell began (its ``rchar`` in /proc/PID/task/PID/io
+       is unchanged: any output or display event, even one already forwarded, moved it).
+
+    Any doubt (another reading, /proc not readable) keeps the ordered path through the
+    supervisor. The direct path saves waking the supervisor and its ZMQ thread: on 2 cores at 8
+    ranks, about a quarter of a trivial cell's CPU.
+    """
+
+    def __init__(self) -> None:
+        sup = os.getppid()
+        self._buf = array.array("i", [0])
+        try:
+            self._stat = os.open(f"/proc/{sup}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            self._io = os.open(f"/proc/{sup}/task/{sup}/io", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._stat = self._io = -1
+
+    def _rchar(self) -> int | None:
+        data = os.pread(self._io, 512, 0)
+        return int(data[7 : data.index(b"\n")]) if data.startswith(b"rchar: ") else None
+
+    def mark(self) -> int | None:
+        """The supervisor's read count as a cell begins (None: the direct path is off)."""
+        if self._io < 0:
+            return None
+        try:
+            return self._rchar()
+        except (OSError, ValueError):
+            return None
+
+    def quiet_since(self, mark: int | None) -> bool:
+        if mark is None:
+            return False
+        try:
+            for fd in (1, 2):
+                fcntl.ioctl(fd, termios.FIONREAD, self._buf, True)
+                if self._buf[0]:
+                    return False
+            stat = os.pread(self._stat, 512, 0)
+            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"S":
+                return False
+            return self._rchar() == mark
+        except (OSError, ValueError):
+            return False
 
 
 def _reopen(fd: int) -> io.TextIOWrapper:
@@ -82,6 +140,8 @@ class Rank:
         self.control: ControlThread | None = None
         self.ns: dict[str, Any] = {}
         self.executor = Executor(self.ns, self._send_display, MemorySampler(self.local_rank))
+        self.quiet = _QuietCheck()
+        self.direct_done = 0  # cells whose DONE skipped the supervisor (tests and benchmarks read it)
 
     def send(self, msg: dict[str, Any]) -> None:
         frames = self.codec.encode(msg)
@@ -170,13 +230,22 @@ class Rank:
         t = msg["t"]
         if t == Msg.EXEC:
             cell = msg["cell"]
+            mark = self.quiet.mark()
             try:
                 reply = self.executor.run(cell, msg["code"])
             except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
                          "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}
             self.flush_output()
-            write_event(self.events_fd, {"t": Msg.DONE, "id": msg["id"], "cell": cell, **reply})
+            done = {"t": Msg.DONE, "id": msg["id"], "cell": cell, **reply}
+            if self.quiet.quiet_since(mark):
+                try:
+                    self.send(done)
+                    self.direct_done += 1
+                    return
+                except FrameTooLarge:
+                    pass  # the supervisor's path replaces an oversized DONE with a small one
+            write_event(self.events_fd, done)
         elif t == Msg.PUSH:
             try:
                 values = pickle.loads(msg["values"])
