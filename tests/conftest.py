@@ -85,13 +85,20 @@ def run_notebook(nb, cwd: str, var: str, on_cell_executed=None, timeout: float =
     try:
         client.execute(env={**os.environ, var: token})
     finally:
-        left = marked_processes(var, token)
-        started_pids.update(left)
-        survivors = wait_gone(left, 5.0)
-        details = [f"{p}: {cmdline(p)}" for p in survivors]
-        kill_pids(survivors)  # ours (they carry this run's token); don't leave them to the next test
-    assert not survivors, "the notebook left processes behind:\n  " + "\n  ".join(details)
+        left = reap_marked(var, token)
+    assert not left, "the notebook left processes behind:\n  " + "\n  ".join(left)
     return nb
+
+
+def reap_marked(var: str, token: str, timeout: float = 5.0) -> list[str]:
+    """After a kernel started with ``var=token`` is gone: give what it started ``timeout`` seconds
+    to exit, kill the rest (ours: they carry this run's token) and describe them, one per line."""
+    left = marked_processes(var, token)
+    started_pids.update(left)
+    survivors = wait_gone(left, timeout)
+    details = [f"{p}: {cmdline(p)}" for p in survivors]
+    kill_pids(survivors)  # don't leave them to the next test
+    return details
 
 
 def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import cmdline, kill_pids, marked_processes, started_pids, wait_gone
+from conftest import reap_marked
 
 MARK = "DISTNB_INTERRUPT_TEST"
 
@@ -64,16 +64,11 @@ class Kernel:
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply["content"], "".join(texts), took
 
-    def close(self) -> list[int]:
-        """Stop the kernel; return what it left behind (after killing it: ours, by PID)."""
+    def close(self) -> list[str]:
+        """Stop the kernel; describe what it left behind (killed by then: ours, by PID)."""
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=True)
-        left = marked_processes(MARK, self.token)
-        started_pids.update(left)
-        survivors = wait_gone(left, 5.0)
-        details = [f"{p}: {cmdline(p)}" for p in survivors]
-        kill_pids(survivors)
-        return details
+        return reap_marked(MARK, self.token)
 
 
 @pytest.mark.timeout(240)
