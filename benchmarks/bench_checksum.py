@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from distnb.worker.checksum import checksum, fingerprint
-from distnb.worker.memory import MemorySampler
+from distnb.worker.memory_sampler import MemorySampler
 
 
 def _sync(device: str) -> None:

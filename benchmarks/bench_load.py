@@ -19,7 +19,7 @@ import tempfile
 import time
 
 import distnb
-from distnb import _linux
+from distnb import _processes
 
 
 def rss(pid: int) -> int:
@@ -69,9 +69,9 @@ def cycles(n: int) -> dict[str, object]:
     return {
         "cycles": n,
         "seconds_per_cycle": (time.perf_counter() - t0) / n,
-        "processes_left": [p for p in pids if _linux.pid_alive(p)],
+        "processes_left": [p for p in pids if _processes.pid_alive(p)],
         "temp_dirs_left": sorted(dirs_after - dirs_before),
-        "controller_ports_still_listening": sorted(set(ports) & _linux.listening_ports()),
+        "controller_ports_still_listening": sorted(set(ports) & _processes.listening_ports()),
         "controller_fd_growth": fds(os.getpid()) - fd_before,
     }
 

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "DistnbError": "distnb.errors", "LaunchError": "distnb.errors", "NoPoolError": "distnb.errors",
     "PoolBrokenError": "distnb.errors", "PoolBusyError": "distnb.errors", "RemoteError": "distnb.errors",
-    "LaunchConfig": "distnb.launcher",
+    "LaunchConfig": "distnb.config",
     "CellEvents": "distnb.pool", "Pool": "distnb.pool", "PoolState": "distnb.pool", "current_pool": "distnb.pool",
     "launch": "distnb.pool",
     "CellResult": "distnb.results", "PoolStatus": "distnb.results", "RankResult": "distnb.results",
@@ -31,7 +31,7 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from distnb.errors import DistnbError, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError
-    from distnb.launcher import LaunchConfig
+    from distnb.config import LaunchConfig
     from distnb.pool import CellEvents, Pool, PoolState, current_pool, launch
     from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
     from distnb.worker.checksum import checksum

@@ -72,7 +72,7 @@ def doctor() -> int:
         print(f"backends   gloo={dist.is_gloo_available()} nccl={dist.is_nccl_available()}")
     except Exception as exc:
         print(f"torch      unusable: {exc}")
-    from distnb.launcher import default_nproc
+    from distnb.config import default_nproc
 
     print(f"default -n {default_nproc()}")
     return 0

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 import zmq
 
-from distnb._frames import NOBLOCK, recv_frames, send_frames
+from distnb._zmq_io import NOBLOCK, recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, parse_identity, socket_max_msgsize
 from distnb.security import Credentials
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from distnb._linux import signal_meaning
+from distnb._processes import signal_meaning
 from distnb.ranks import format_ranks
 from distnb.results import group_by
-from distnb.collectives import CollectiveReport, describe, signature
+from distnb.collective_log import CollectiveReport, describe, signature
 from distnb.stacks import RankStack, parse_faulthandler, short_path
 
 __all__ = ["Position", "Diagnosis", "diagnose", "position_from_stack", "collective_at_death", "COLLECTIVE_FUNCS"]

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Sequence, Union
 
-from distnb.launcher import DEBUG_ENV, LaunchConfig
+from distnb.config import DEBUG_ENV, LaunchConfig
 from distnb.ranks import format_ranks
 from distnb.results import CellRecord, CellResult, PushRecord
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-from distnb import _linux
-from distnb.checks import CheckReport, compare
-from distnb.collectives import CollectiveReport, describe
+from distnb import _processes
+from distnb.check_report import CheckReport, compare
+from distnb.collective_log import CollectiveReport, describe
 from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
 from distnb.errors import NoPoolError, RemoteError
-from distnb.memory import MemoryReport
+from distnb.memory_report import MemoryReport
 from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, EnvReport, PoolState, RankState
@@ -119,7 +119,7 @@ class Inspection:
                 positions.append(Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
                                           detail=f"{res.error['ename']}: {res.error['evalue'][:200]}"))
             elif res.status == "dead":
-                positions.append(Position(r, "dead", detail=_linux.signal_meaning(res.returncode)))
+                positions.append(Position(r, "dead", detail=_processes.signal_meaning(res.returncode)))
             else:
                 assert stacks is not None
                 if not stacks[r].threads:
@@ -142,7 +142,7 @@ class Inspection:
         """Words for a rank that gave no stack at all, neither from its control thread nor from
         faulthandler: its process state when it runs on this machine."""
         info = self._ranks[rank]
-        state = _linux.process_state(info.pid) if info.pid and not info.node else None
+        state = _processes.process_state(info.pid) if info.pid and not info.node else None
         if state:
             return f"its process (pid {info.pid}) is {state}"
         return "neither its control thread nor faulthandler gave a stack (a process stopped, or stuck in the kernel)"

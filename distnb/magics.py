@@ -16,8 +16,8 @@ from distnb.display.text import LivePrinter, stage_summary
 from distnb.display.widgets import CellView, widgets_available
 from distnb.errors import DistnbError, NoPoolError
 from distnb.export import run_command
-from distnb.launcher import LaunchConfig
-from distnb.memory import figure_png
+from distnb.config import LaunchConfig
+from distnb.memory_report import figure_png
 from distnb.pool import CellEvents, Pool, PoolState, current_pool
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, RankState

@@ -21,8 +21,9 @@ from typing import Any
 
 import zmq
 
-from distnb import __version__, _linux
-from distnb.launcher import Launcher, LaunchConfig, Rendezvous
+from distnb import __version__, _processes
+from distnb.config import LaunchConfig, Rendezvous
+from distnb.launcher import Launcher
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, node_identity, socket_max_msgsize
 from distnb.security import Credentials, KeyFileError
 
@@ -132,7 +133,7 @@ class NodeAgent:
                 next_beat = now + BEAT_EVERY
             rc = self.launcher.returncode()
             if rc is not None or self.stopping:
-                why = f"torchrun exited ({_linux.signal_meaning(rc)})" if rc is not None else f"stopped by {self.stopping}"
+                why = f"torchrun exited ({_processes.signal_meaning(rc)})" if rc is not None else f"stopped by {self.stopping}"
                 self.launcher.stop(grace=0.5)
                 while lines:
                     self._forward_line(lines.pop(0))

@@ -15,13 +15,14 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from distnb import _linux
+from distnb import _processes
 from distnb.channel import Channel
-from distnb.collectives import CollectiveLog, describe
+from distnb.collective_log import CollectiveLog, describe
 from distnb.errors import LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError
 from distnb.inspection import Inspection
-from distnb.launcher import LaunchConfig, Launcher, Rendezvous, is_loopback, split_host_port
-from distnb.nodes import Nodes, NodeStarters, connect_host, join_command
+from distnb.config import LaunchConfig, Rendezvous, is_loopback, split_host_port
+from distnb.launcher import Launcher
+from distnb.cluster import Nodes, NodeStarters, connect_host, join_command
 from distnb.protocol import MAX_FRAME_BYTES, Msg, control_identity, exec_identity, node_identity, supervisor_identity
 from distnb.security import Credentials, default_key_file
 from distnb.ranks import format_ranks, parse_ranks
@@ -280,7 +281,7 @@ class Pool(Inspection):
             if first.start_error:
                 why = first.start_error.rstrip()
             else:
-                why = f"its process {_linux.signal_meaning(first.returncode)}"
+                why = f"its process {_processes.signal_meaning(first.returncode)}"
                 tail = (first.stderr_tail or "\n".join(first.log)).strip()
                 if tail:
                     why += "; its last output:\n" + "\n".join(tail.splitlines()[-15:])
@@ -297,7 +298,7 @@ class Pool(Inspection):
         rc = self._launcher.returncode()
         if rc is not None:
             return (
-                f"torchrun exited ({_linux.signal_meaning(rc)}) before every rank was ready. "
+                f"torchrun exited ({_processes.signal_meaning(rc)}) before every rank was ready. "
                 f"Its last output:\n{self._launcher.tail_text(20)}\n"
                 "Check that torch.distributed works here (python -m distnb doctor), then launch again."
             )
@@ -697,7 +698,7 @@ class Pool(Inspection):
         if self.state == PoolState.BROKEN:
             dead = [i for i in self._ranks.values() if i.state == RankState.DEAD]
             first = self._ranks.get(self.first_death) if self.first_death is not None else (dead[0] if dead else None)
-            why = f"rank {first.rank} died ({_linux.signal_meaning(first.returncode)})" if first else "a rank died"
+            why = f"rank {first.rank} died ({_processes.signal_meaning(first.returncode)})" if first else "a rank died"
             raise PoolBrokenError(
                 f"the pool is broken: {why}, so collectives can't complete any more. "
                 "Run %dist_restart (pool.restart()) for fresh ranks, or %dist_restart --replay to re-run the cells that succeeded."

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable
 
-from distnb._linux import signal_meaning
+from distnb._processes import signal_meaning
 from distnb.ranks import format_ranks
 
 __all__ = [
@@ -254,7 +254,7 @@ class CellResult:
                     for rs, what in others))
         parts.extend(self._error_texts())
         if any(r.error and "OutOfMemoryError" in r.error.get("ename", "") for r in self.results.values()):
-            from distnb.memory import MemoryReport
+            from distnb.memory_report import MemoryReport
 
             samples = {r.rank: r.memory for r in self._ordered() if r.memory}
             # Ranks still blocked (waiting for the one that failed) have no end-of-cell sample:
@@ -281,7 +281,7 @@ class CellResult:
 
     def memory_text(self) -> str:
         """The compact memory line: peak range across ranks and any imbalance."""
-        from distnb.memory import memory_line
+        from distnb.memory_report import memory_line
 
         return memory_line({r.rank: r.memory for r in self._ordered() if r.memory})
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 import pytest
 
 import distnb
-from distnb import _linux
+from distnb import _processes
 
 # Every process a pool starts inherits this variable, so the leak check can tell this test run's
 # processes from anyone else's (another test run, a notebook) on the same machine.
@@ -51,7 +51,7 @@ def run_processes() -> list[int]:
         cmdline = _read(f"/proc/{name}/cmdline")
         if not any(p in cmdline for p in _PATTERNS):
             continue
-        if mark in _read(f"/proc/{name}/environ").split(b"\0") and _linux.pid_alive(int(name)):
+        if mark in _read(f"/proc/{name}/environ").split(b"\0") and _processes.pid_alive(int(name)):
             found.append(int(name))
     return sorted(found)
 
@@ -65,7 +65,7 @@ def marked_processes(var: str, value: str) -> set[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
-        if needle in _read(f"/proc/{name}/environ").split(b"\0") and _linux.pid_alive(int(name)):
+        if needle in _read(f"/proc/{name}/environ").split(b"\0") and _processes.pid_alive(int(name)):
             found.add(int(name))
     return found
 
@@ -106,7 +106,7 @@ def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
     pids = list(pids)
     deadline = time.monotonic() + timeout
     while True:
-        alive = [p for p in pids if _linux.pid_alive(p)]
+        alive = [p for p in pids if _processes.pid_alive(p)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
@@ -117,7 +117,7 @@ def pool_processes(pool: distnb.Pool) -> set[int]:
     pids = set(pool.pids())
     sids = {s for s in (session_id(p) for p in pids) if s is not None}
     for name in os.listdir("/proc"):
-        if name.isdigit() and session_id(int(name)) in sids and _linux.pid_alive(int(name)):
+        if name.isdigit() and session_id(int(name)) in sids and _processes.pid_alive(int(name)):
             pids.add(int(name))
     return pids
 
@@ -151,7 +151,7 @@ def leak_check():
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(f"{pool!r}.shutdown() raised {exc!r}")
     survivors = wait_gone(started_pids, 10.0)
-    strays = [p for p in run_processes() if _linux.pid_alive(p)]
+    strays = [p for p in run_processes() if _processes.pid_alive(p)]
     if strays:
         strays = wait_gone(strays, 10.0)
     leftover = sorted(set(survivors) | set(strays))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distnb import checks
-from distnb.checks import compare
+from distnb.check_report import compare
 from distnb.worker import checksum as ck
 from distnb.worker.checksum import checksum, fingerprint
 
@@ -361,5 +361,5 @@ def test_checks_module_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, distnb.checks, distnb.worker.checksum; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, distnb.check_report, distnb.worker.checksum; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import distnb
-from distnb import _linux
+from distnb import _processes
 from distnb.diagnose import Position, diagnose, position_from_stack
 from distnb.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
 
@@ -117,7 +117,7 @@ def _entry(rid: int, seq: int, op: str = "all_reduce", cell: int | None = 1, don
 
 
 def test_uneven_loops_are_recognised_however_much_history_the_log_let_go() -> None:
-    from distnb.collectives import CollectiveLog
+    from distnb.collective_log import CollectiveLog
 
     # After thousands of collectives the log holds only the recent ones: rank 1's last all_reduce is
     # #7002 though the log holds 3 of its entries. The count of entries held is no sequence number.
@@ -219,7 +219,7 @@ def test_headline_is_the_same_a_second_later() -> None:
 
 
 def test_collective_ages_use_the_ranks_clock() -> None:
-    from distnb.collectives import CollectiveLog
+    from distnb.collective_log import CollectiveLog
 
     # A rank on a machine whose clock runs 100 s ahead entered a collective 2 s ago (by its clock).
     log = CollectiveLog()
@@ -231,7 +231,7 @@ def test_collective_ages_use_the_ranks_clock() -> None:
 
 
 def test_a_regroup_starts_a_new_generation_of_the_log() -> None:
-    from distnb.collectives import CollectiveLog
+    from distnb.collective_log import CollectiveLog
 
     log = CollectiveLog()
     log.merge(0, {"entries": [_entry(1, 1), _entry(2, 2, done=False)]})  # #2 timed out, never retired
@@ -310,7 +310,7 @@ def test_stacks_while_blocked_in_all_reduce_and_shutdown_of_the_hung_pool(pool3:
     # Two ranks stay blocked in gloo: shutdown still ends every process, and the pool starts again.
     pids = pool.pids()
     pool.shutdown()
-    assert [p for p in pids if _linux.pid_alive(p)] == [] and pool.pids() == []
+    assert [p for p in pids if _processes.pid_alive(p)] == [] and pool.pids() == []
     pool.start()
 
 

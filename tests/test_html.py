@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-from distnb.checks import compare
-from distnb.collectives import CollectiveLog
+from distnb.check_report import compare
+from distnb.collective_log import CollectiveLog
 from distnb.display.html import BAD, WARN, check_html, collectives_html, env_html, memory_html, register, stacks_html, status_html
-from distnb.memory import MemoryReport
+from distnb.memory_report import MemoryReport
 from distnb.results import EnvReport, PoolStatus, RankState, RankStatus
 from distnb.stacks import Frame, RankStack, StackReport, ThreadStack
 from distnb.worker.checksum import checksum

@@ -12,8 +12,9 @@ import time
 import pytest
 
 import distnb
-from distnb import _linux
-from distnb.launcher import LaunchConfig, Launcher, Rendezvous, default_nproc
+from distnb import _processes
+from distnb.config import LaunchConfig, Rendezvous, default_nproc
+from distnb.launcher import Launcher
 from distnb.security import Credentials
 
 
@@ -165,7 +166,7 @@ def test_multi_node_config_defaults(monkeypatch):
     assert LaunchConfig(nproc=2, bind="0.0.0.0:6000").bind_port == 6000
     local = LaunchConfig(nproc=2, nnodes=3, local_nodes=True)
     assert local.backend == "gloo" and local.world_size == 6 and local.bind == "127.0.0.1"
-    from distnb.nodes import NodeStarters
+    from distnb.cluster import NodeStarters
 
     commands = NodeStarters.local_commands(local, "tcp://127.0.0.1:5555")
     assert len(commands) == 2 and commands[0][1:] == ["-m", "distnb.node", "--connect", "tcp://127.0.0.1:5555", "--key-file", "-"]
@@ -200,7 +201,7 @@ def _finish(*procs: subprocess.Popen, pids: tuple[int, ...] = ()) -> None:
             proc.kill()
         proc.wait(5)
     for pid in pids:
-        if _linux.pid_alive(pid):
+        if _processes.pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -208,22 +209,22 @@ def _finish(*procs: subprocess.Popen, pids: tuple[int, ...] = ()) -> None:
 def test_start_time_names_one_process():
     proc = _sleeper()
     try:
-        started = _linux.start_time(proc.pid)
+        started = _processes.start_time(proc.pid)
         # Independently: clock ticks since boot, so boot time + start time is about now.
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
         assert abs(boot + started / os.sysconf("SC_CLK_TCK") - time.time()) < 5, started
-        assert _linux.start_time(proc.pid) == started  # stable
-        assert _linux.same_process(proc.pid, started)
-        assert not _linux.same_process(proc.pid, started - 1) and not _linux.same_process(proc.pid, None)
+        assert _processes.start_time(proc.pid) == started  # stable
+        assert _processes.same_process(proc.pid, started)
+        assert not _processes.same_process(proc.pid, started - 1) and not _processes.same_process(proc.pid, None)
         proc.kill()
         deadline = time.monotonic() + 5
-        while _linux.same_process(proc.pid, started) and time.monotonic() < deadline:
+        while _processes.same_process(proc.pid, started) and time.monotonic() < deadline:
             time.sleep(0.01)  # a zombie until reaped: no longer "the same running process"
-        assert not _linux.same_process(proc.pid, started)
+        assert not _processes.same_process(proc.pid, started)
         proc.wait(5)
-        assert _linux.start_time(proc.pid) is None
-        assert not _linux.signal_process(proc.pid, started, signal.SIGTERM)  # gone: nothing sent
+        assert _processes.start_time(proc.pid) is None
+        assert not _processes.signal_process(proc.pid, started, signal.SIGTERM)  # gone: nothing sent
     finally:
         _finish(proc)
 
@@ -232,13 +233,13 @@ def test_start_time_names_one_process():
 def test_signal_process_checks_the_start_time_first():
     proc = _sleeper()
     try:
-        started = _linux.start_time(proc.pid)
+        started = _processes.start_time(proc.pid)
         # The number now names "another" process (a wrong start time stands in for PID reuse).
-        assert not _linux.signal_process(proc.pid, started + 1, signal.SIGKILL)
-        assert not _linux.signal_process(proc.pid, None, signal.SIGKILL)
+        assert not _processes.signal_process(proc.pid, started + 1, signal.SIGKILL)
+        assert not _processes.signal_process(proc.pid, None, signal.SIGKILL)
         time.sleep(0.1)
         assert proc.poll() is None, "a process with a different start time was signalled"
-        assert _linux.signal_process(proc.pid, started, signal.SIGTERM)
+        assert _processes.signal_process(proc.pid, started, signal.SIGTERM)
         assert proc.wait(5) == -signal.SIGTERM
     finally:
         _finish(proc)
@@ -248,13 +249,13 @@ def test_signal_process_checks_the_start_time_first():
 def test_known_processes_keep_the_first_start_time_and_act_like_a_set():
     a, b = _sleeper(), _sleeper()
     try:
-        known = _linux.KnownProcesses()
+        known = _processes.KnownProcesses()
         known.add(a.pid)
         known |= {b.pid}  # how the pool adds its node starters' PIDs
         assert set(known) == {a.pid, b.pid} and len(known) == 2 and a.pid in known
-        assert known.started(a.pid) == _linux.start_time(a.pid)
+        assert known.started(a.pid) == _processes.start_time(a.pid)
         known.add(a.pid)  # a second sighting does not overwrite the first
-        assert known.started(a.pid) == _linux.start_time(a.pid)
+        assert known.started(a.pid) == _processes.start_time(a.pid)
         assert known.alive() == sorted([a.pid, b.pid]) and known.is_alive(b.pid)
         b.kill()
         b.wait(5)
@@ -282,13 +283,13 @@ def test_stop_never_signals_a_reused_pid():
         launcher.known_pids.add(agent.pid)
         launcher.known_pids.add(leader.pid)
         launcher.known_pids.add(ours.pid)
-        launcher.known_pids.add(stranger.pid, started=_linux.start_time(stranger.pid) - 7)
+        launcher.known_pids.add(stranger.pid, started=_processes.start_time(stranger.pid) - 7)
         deadline = time.monotonic() + 5
-        while not (_linux.descendants(agent.pid) and _linux.session_pids(leader.pid)) and time.monotonic() < deadline:
+        while not (_processes.descendants(agent.pid) and _processes.session_pids(leader.pid)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        agent_child = _linux.descendants(agent.pid)
+        agent_child = _processes.descendants(agent.pid)
         leader.wait(5)  # reaped: its survivor lives on in the session it led
-        orphans = [p for p in _linux.session_pids(leader.pid) if p != leader.pid]
+        orphans = [p for p in _processes.session_pids(leader.pid) if p != leader.pid]
         assert len(agent_child) == 1 and len(orphans) == 1
         found = launcher._pool_pids()
         assert set(found) == {agent.pid, *agent_child, *orphans, ours.pid}, found
@@ -296,7 +297,7 @@ def test_stop_never_signals_a_reused_pid():
 
         assert launcher.stop(grace=0) == []
         assert agent.poll() is not None and ours.wait(5) == -signal.SIGTERM
-        assert not any(_linux.pid_alive(p) for p in agent_child + orphans)
+        assert not any(_processes.pid_alive(p) for p in agent_child + orphans)
         assert stranger.poll() is None, "stop() signalled a process that merely reused a known PID"
         assert not os.path.exists(launcher.run_dir)
     finally:

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 import distnb
-from distnb import _linux
+from distnb import _processes
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,11 +59,11 @@ def test_launch_shutdown_cycles_leave_nothing() -> None:
         pool = distnb.launch(nproc=2, backend="gloo")
         seen += pool.pids()
         port = int(pool.status().address.rsplit(":", 1)[1])
-        assert port in _linux.listening_ports()
+        assert port in _processes.listening_ports()
         assert pool.run("x = torch.ones(1); dist.all_reduce(x); x.item()").values == {0: "2.0", 1: "2.0"}
         pool.shutdown()
-        assert port not in _linux.listening_ports()
-    assert [p for p in seen if _linux.pid_alive(p)] == []
+        assert port not in _processes.listening_ports()
+    assert [p for p in seen if _processes.pid_alive(p)] == []
     assert set(glob.glob(mine)) == run_dirs_before
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "torchelastic_*"))) == elastic_before
     assert fds(os.getpid()) <= fds_before + 2  # the ZMQ context may keep an fd or two warm

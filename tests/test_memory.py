@@ -15,8 +15,8 @@ import types
 import pytest
 
 import distnb
-from distnb.memory import MemoryReport, imbalance, memory_line
-from distnb.worker.memory import MemorySampler
+from distnb.memory_report import MemoryReport, imbalance, memory_line
+from distnb.worker.memory_sampler import MemorySampler
 
 pytestmark = pytest.mark.timeout(120)
 MB = 1 << 20
@@ -35,7 +35,7 @@ def test_sampler_measures_a_cells_peak_in_process() -> None:
 
 _CHILD = """
 import json, sys
-from distnb.worker.memory import MemorySampler
+from distnb.worker.memory_sampler import MemorySampler
 sampler = MemorySampler()
 sampler.start()
 print(json.dumps(sampler.stop()))
@@ -112,7 +112,7 @@ def test_cuda_queries_name_the_ranks_device_from_any_thread(monkeypatch) -> None
     """%dist_memory is answered on the control thread, whose CUDA current device is 0."""
     cuda = _FakeCuda()
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
-    monkeypatch.setattr("distnb.worker.memory.MemorySampler._nvml_handle", lambda self: None)
+    monkeypatch.setattr("distnb.worker.memory_sampler.MemorySampler._nvml_handle", lambda self: None)
     # A cell thread bound to device 1 (as the rank does by LOCAL_RANK); the control thread asks.
     sampler = MemorySampler(local_rank=1)
     cuda.set_device(1)

@@ -19,7 +19,7 @@ import zmq
 import distnb
 from conftest import started_pids, track, wait_gone
 from distnb import pool as pool_module
-from distnb.nodes import NodeStarters
+from distnb.cluster import NodeStarters
 from distnb.protocol import Codec, Msg, supervisor_identity
 from distnb.security import Credentials
 

@@ -23,7 +23,7 @@ import pytest
 
 import distnb
 from distnb import CellEvents, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, PoolState, RankState, RemoteError
-from distnb import _linux
+from distnb import _processes
 
 from conftest import kill_pids, pool_processes, session_id, started_pids, track, wait_gone
 
@@ -54,14 +54,14 @@ def test_launch_and_shutdown_leave_no_process(fresh_pool):
     assert os.path.isdir(run_dir)
     everything = pool_processes(pool)
     sessions = {session_id(p) for p in everything}
-    assert all(_linux.pid_alive(p) for p in everything)
+    assert all(_processes.pid_alive(p) for p in everything)
 
     pool.shutdown()
     assert pool.state == PoolState.STOPPED
     assert pool.pids() == []
     assert not os.path.exists(run_dir), "torchrun's log folder was left behind"
     assert wait_gone(everything, 0.5) == []
-    in_sessions = [int(n) for n in os.listdir("/proc") if n.isdigit() and session_id(int(n)) in sessions and _linux.pid_alive(int(n))]
+    in_sessions = [int(n) for n in os.listdir("/proc") if n.isdigit() and session_id(int(n)) in sessions and _processes.pid_alive(int(n))]
     assert in_sessions == [], f"processes left in the pool's sessions: {in_sessions}"
     with pytest.raises(NoPoolError, match="start one"):
         distnb.current_pool()
@@ -358,7 +358,7 @@ def test_status_fields(pool):
     assert [r.rank for r in st.ranks] == ALL
     host = socket.gethostname()
     for r in st.ranks:
-        assert isinstance(r.pid, int) and r.pid in pool.pids() and _linux.pid_alive(r.pid)
+        assert isinstance(r.pid, int) and r.pid in pool.pids() and _processes.pid_alive(r.pid)
         assert r.host == host and r.device == "cpu" and r.local_rank == r.rank
         assert r.state == RankState.IDLE and r.describe() == "idle" and r.cell is None and r.returncode is None
     assert len({r.pid for r in st.ranks}) == 4
@@ -455,7 +455,7 @@ def test_killed_controller_leaves_no_workers(leak_check):
                 pytest.fail(f"the controller script did not start a pool:\n{err.read().decode(errors='replace')[-3000:]}")
             pids = json.loads(line)
             started_pids.update(pids)
-            assert len(pids) == 5 and all(_linux.pid_alive(p) for p in pids)
+            assert len(pids) == 5 and all(_processes.pid_alive(p) for p in pids)
             t0 = time.monotonic()
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
@@ -471,7 +471,7 @@ def test_killed_controller_leaves_no_workers(leak_check):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            kill_pids(p for p in pids if _linux.pid_alive(p))
+            kill_pids(p for p in pids if _processes.pid_alive(p))
 
 
 @pytest.mark.timeout(120)
@@ -526,6 +526,6 @@ def test_nccl_without_cuda_fails_to_start_cleanly(leak_check):
     assert pool.state == PoolState.STOPPED
     assert pool.pids() == []
     agent = pool.status().agent_pid
-    assert agent is not None and not _linux.pid_alive(agent)
+    assert agent is not None and not _processes.pid_alive(agent)
     with pytest.raises(NoPoolError):
         pool.run("1")

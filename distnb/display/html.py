@@ -10,9 +10,9 @@ from __future__ import annotations
 import html
 from typing import Any, Iterable, Sequence
 
-from distnb.checks import CheckReport
-from distnb.collectives import CollectiveReport, describe
-from distnb.memory import MemoryReport
+from distnb.check_report import CheckReport
+from distnb.collective_log import CollectiveReport, describe
+from distnb.memory_report import MemoryReport
 from distnb.ranks import format_ranks
 from distnb.results import EnvReport, PoolStatus, RankState
 from distnb.stacks import StackReport

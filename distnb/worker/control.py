@@ -23,10 +23,10 @@ from typing import Any
 
 import zmq
 
-from distnb._frames import recv_frames, send_frames
+from distnb._zmq_io import recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
 from distnb.security import Credentials
-from distnb.worker.collectives import SeqWatch, read_collectives
+from distnb.worker.flight_recorder import SeqWatch, read_collectives
 from distnb.worker.execute import Executor
 
 __all__ = ["ControlThread", "thread_stacks"]

@@ -14,8 +14,8 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
-from distnb.worker.collectives import CellClock
-from distnb.worker.memory import MemorySampler
+from distnb.worker.flight_recorder import CellClock
+from distnb.worker.memory_sampler import MemorySampler
 
 __all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
 

@@ -25,15 +25,15 @@ from typing import Any
 
 import zmq
 
-from distnb import _linux
+from distnb import _processes
 from distnb import protocol
-from distnb._frames import recv_frames, send_frames
+from distnb._zmq_io import recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, exec_identity, socket_max_msgsize
 from distnb.security import Credentials
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
 from distnb.worker.execute import Executor, mimebundle
-from distnb.worker.memory import MemorySampler
+from distnb.worker.memory_sampler import MemorySampler
 from distnb.worker.supervisor import write_event
 
 _libc = ctypes.CDLL(None)
@@ -157,7 +157,7 @@ class Rank:
         write_event(self.events_fd, {"t": Msg.DISPLAY, "cell": cell, "data": bundle})
 
     def setup_process(self) -> None:
-        _linux.set_parent_death_signal(signal.SIGKILL)
+        _processes.set_parent_death_signal(signal.SIGKILL)
         for stream in self.stdio:
             stream.reconfigure(errors="backslashreplace")  # type: ignore[attr-defined]
         faulthandler.enable(file=sys.stderr, all_threads=True)

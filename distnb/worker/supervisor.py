@@ -27,8 +27,8 @@ import time
 
 import zmq
 
-from distnb import _linux
-from distnb._frames import NOBLOCK, recv_frames, send_frames
+from distnb import _processes
+from distnb._zmq_io import NOBLOCK, recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, socket_max_msgsize, supervisor_identity
 from distnb.security import Credentials
 
@@ -109,7 +109,7 @@ class Supervisor:
             env=env,
             # The rank must never outlive its supervisor; SIGKILL because a rank blocked in a
             # collective would not act on SIGTERM.
-            preexec_fn=lambda: _linux.set_parent_death_signal(signal.SIGKILL),
+            preexec_fn=lambda: _processes.set_parent_death_signal(signal.SIGKILL),
         )
         for fd in (out_w, err_w, fault_w, events_w):
             os.close(fd)
@@ -188,7 +188,7 @@ class Supervisor:
         self.fault_buf = b""
 
     def run(self) -> int:
-        _linux.set_parent_death_signal(signal.SIGTERM)
+        _processes.set_parent_death_signal(signal.SIGTERM)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         self.send(

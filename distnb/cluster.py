@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from distnb import _linux
-from distnb.launcher import LaunchConfig, drain_lines
+from distnb import _processes
+from distnb.config import LaunchConfig
+from distnb.launcher import drain_lines
 
 __all__ = ["NodeInfo", "NodeState", "Nodes", "NodeStarters", "Starter", "join_command"]
 
@@ -169,7 +170,7 @@ class Starter:
             return f"{self.label}: running (pid {self.proc.pid})"
         self.drained.wait(1.0)  # the last words of a starter that just exited may still be in the pipe
         last = [line for line in self.tail if line.strip()][-3:]
-        return f"{self.label}: {_linux.signal_meaning(rc)}" + "".join(f"\n  | {line}" for line in last)
+        return f"{self.label}: {_processes.signal_meaning(rc)}" + "".join(f"\n  | {line}" for line in last)
 
 
 class NodeStarters:
@@ -209,7 +210,7 @@ class NodeStarters:
         ]
 
     def start(self, command: list[str], stdin_text: str | None = None, label: str = "") -> None:
-        proc = _linux.popen_with_parent_death(
+        proc = _processes.popen_with_parent_death(
             command,
             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -263,7 +264,7 @@ class NodeStarters:
             if not alive:
                 break
             for proc in alive:
-                for pid in {proc.pid, *_linux.session_pids(proc.pid)}:
+                for pid in {proc.pid, *_processes.session_pids(proc.pid)}:
                     try:
                         os.kill(pid, sig)
                     except ProcessLookupError:
