@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from distnb import checks
+from distnb import check_report as checks
 from distnb.check_report import compare
 from distnb.worker import checksum as ck
 from distnb.worker.checksum import checksum, fingerprint
