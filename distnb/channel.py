@@ -44,10 +44,19 @@ class Channel:
 
     ``on_message(kind, rank, msg)`` is called on the I/O thread with ``kind`` one of ``"x"``
     (rank main thread), ``"c"`` (rank control thread), ``"s"`` (rank supervisor) or ``"n"``
-    (node agent; ``rank`` is then the agent's id).
+    (node agent; ``rank`` is then the agent's id). ``on_tick()`` is called on the same thread
+    after each round of heartbeats (every ``heartbeat`` seconds).
     """
 
-    def __init__(self, creds: Credentials, on_message: OnMessage, bind: str = "127.0.0.1", port: int = 0, heartbeat: float = 1.0) -> None:
+    def __init__(
+        self,
+        creds: Credentials,
+        on_message: OnMessage,
+        on_tick: Callable[[], None] | None = None,
+        bind: str = "127.0.0.1",
+        port: int = 0,
+        heartbeat: float = 1.0,
+    ) -> None:
         # The I/O thread signs as "C"; every other thread as "C<n>" with its own counter (see
         # ``_local_ends``), so each sender's frames reach a peer in the order they were signed.
         self._key = creds.key
@@ -55,6 +64,7 @@ class Channel:
         self._senders = itertools.count(1)
         self._guard = ReplayGuard()
         self._on_message = on_message
+        self._on_tick = on_tick
         self._heartbeat = heartbeat
         self._ctx = zmq.Context(1)
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -193,8 +203,10 @@ class Channel:
                 send_frames(self._router, [peer, *self._codec.encode({"t": Msg.PING})])
             except zmq.ZMQError:
                 self.undeliverable += 1
+        if self._on_tick is None:
+            return
         try:
-            self._on_message("", -1, {"t": "tick"})
+            self._on_tick()
         except Exception:
             self._failed("the periodic check (tick)")
 

@@ -19,23 +19,44 @@ import pickle
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
+
+from distnb._text import mib
 
 __all__ = [
+    "BadFrame",
+    "CellDone",
+    "Codec",
+    "CollectivesPush",
+    "Display",
+    "Event",
+    "Exec",
+    "FrameTooLarge",
+    "Hello",
     "MAGIC",
     "MAX_FRAME_BYTES",
-    "BadFrame",
-    "Codec",
-    "FrameTooLarge",
     "Msg",
+    "NodeBeat",
+    "NodeExit",
+    "NodeHello",
+    "NodeOutput",
+    "NodeRefused",
+    "NodeStart",
+    "Output",
+    "RankExit",
+    "Ready",
     "ReplayGuard",
-    "new_key",
-    "exec_identity",
+    "Reply",
+    "Request",
+    "StartFailed",
+    "SupHello",
     "control_identity",
-    "supervisor_identity",
+    "exec_identity",
+    "new_key",
     "node_identity",
     "parse_identity",
     "socket_max_msgsize",
+    "supervisor_identity",
 ]
 
 MAGIC = b"DNB1"
@@ -70,55 +91,206 @@ def socket_max_msgsize() -> int:
     return MAX_FRAME_BYTES + _WIRE_SLACK
 
 
-def _mb(n: int) -> str:
-    return f"{n / (1024 * 1024):,.1f} MB"
-
-
 class Msg:
-    """Message type tags (plain strings on the wire).
+    """Message kinds (plain strings in each message's ``"t"``); the fields of each are the
+    ``TypedDict`` of the same name below.
 
-    Senders: C = controller, S = rank supervisor, R = rank process, N = node agent.
+    Who sends what, on which connection (identity prefix: ``x`` a rank's main thread, ``c`` its
+    control thread, ``s`` its supervisor, ``n`` a node agent, ``C…`` the controller):
     """
 
-    # S -> C
-    SUP_HELLO = "sup_hello"  # supervisor is up: rank, pid, host
+    # s -> C
+    SUP_HELLO = "sup_hello"  # the supervisor is up (pid, host, agent); again with the rank's child_pid
     OUTPUT = "output"  # a chunk of the rank's stdout/stderr
-    EVENT = "event"  # a rank's cell event (done, display), forwarded after its output
-    RANK_EXIT = "rank_exit"  # the rank process ended: returncode, stderr tail
-    FAULT_DUMP = "fault_dump"  # faulthandler text read by the supervisor
-    SUP_REPLY = "sup_reply"  # answer to a supervisor request
-    # R -> C (control socket)
+    EVENT = "event"  # a rank's CELL_DONE or DISPLAY, forwarded only after the output written before it
+    RANK_EXIT = "rank_exit"  # the rank process ended: returncode, time of death, stderr tail
+    # x -> C (HELLO, READY, START_FAILED; CELL_DONE of a silent cell; REPLY to PUSH/PULL/CHECK/REGROUP)
     HELLO = "hello"
     READY = "ready"
     START_FAILED = "start_failed"
+    CELL_DONE = "cell_done"  # a cell finished on the rank (value, error, duration, memory)
+    DISPLAY = "display"  # a rank's display() bundle (inside EVENT)
+    # x, c, s -> C: the answer to a request, matched to it by ``id``
     REPLY = "reply"
-    PONG = "pong"
-    # R -> C (exec socket)
-    DONE = "done"
-    DISPLAY = "display"
-    # C -> R / C -> S
+    # c -> C, unasked: new Flight Recorder entries, within ~50 ms of a collective being issued
+    COLLECTIVES_PUSH = "collectives_push"
+    # C -> x (main thread: runs in order with cells)
     EXEC = "exec"
     PUSH = "push"
     PULL = "pull"
     CHECK = "check"
     REGROUP = "regroup"
-    PING = "ping"
-    INTERRUPT = "interrupt"
+    # C -> c (control thread: answers while a cell runs)
     STACKS = "stacks"
-    STATUS = "status"
     ENV = "env"
     MEMORY = "memory"
     COLLECTIVES = "collectives"
-    SHUTDOWN = "shutdown"
-    FAULT_REQUEST = "fault_request"  # S: send SIGUSR1 so faulthandler dumps every thread
-    # N -> C (a node agent, ``python -m distnb.node``, on another machine)
-    NODE_HELLO = "node_hello"  # host, pid, distnb version
+    INTERRUPT = "interrupt"
+    # C -> s
+    PING = "ping"  # the controller's heartbeat (also to node agents)
+    FAULT_REQUEST = "fault_request"  # SIGUSR1 the rank so faulthandler dumps every thread
+    SHUTDOWN = "shutdown"  # also to node agents
+    # n -> C (a node agent, ``python -m distnb.node``, on another machine)
+    NODE_HELLO = "node_hello"
     NODE_BEAT = "node_beat"  # alive pids of its torchrun's process tree, twice a second
     NODE_OUTPUT = "node_output"  # lines of its torchrun agent's own output
-    NODE_EXIT = "node_exit"  # its torchrun ended: returncode, output tail
-    # C -> N
+    NODE_EXIT = "node_exit"  # its torchrun ended
+    # C -> n
     NODE_START = "node_start"  # the launch config and rendezvous to run torchrun with
     NODE_REFUSED = "node_refused"  # why this agent may not join (pool full, version mismatch)
+
+
+# -- message fields ------------------------------------------------------------------------------
+# One TypedDict per kind. ``t`` is the kind; the codec adds ``_s`` (sender) and ``_n`` (counter).
+# Requests carry an ``id`` that their REPLY repeats.
+
+
+class SupHello(TypedDict, total=False):
+    t: str
+    rank: int
+    pid: int
+    host: str
+    local_rank: int
+    group_rank: int  # torchrun's GROUP_RANK: the node's index in the job
+    agent: int  # the node agent that started it; 0: the controller's machine
+    child_pid: int  # in the second hello, once the rank process exists
+
+
+class Output(TypedDict):
+    t: str
+    stream: str  # "stdout" or "stderr"
+    data: bytes
+
+
+class Event(TypedDict):
+    t: str
+    body: bytes  # a pickled CellDone or Display, as the rank wrote it to its private events pipe
+
+
+class RankExit(TypedDict):
+    t: str
+    rank: int
+    returncode: int
+    stderr_tail: str
+    time: float  # the supervisor's wall clock when it reaped the rank
+
+
+class Hello(TypedDict):
+    t: str
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    host: str
+    main_ident: int | None
+
+
+class Ready(TypedDict):
+    t: str
+    rank: int
+    device: str
+    backend: str
+
+
+class StartFailed(TypedDict):
+    t: str
+    rank: int
+    error: str  # the traceback
+    summary: str
+
+
+class CellDone(TypedDict, total=False):
+    t: str
+    cell: int
+    status: str  # "ok", "error", "interrupted"
+    value: dict[str, str] | None  # a MIME bundle
+    error: dict[str, Any] | None  # ename, evalue, traceback, line
+    duration: float
+    memory: dict[str, Any] | None
+
+
+class Display(TypedDict):
+    t: str
+    cell: int
+    data: dict[str, str]
+
+
+class Reply(TypedDict, total=False):
+    """The answer to a request: ``id`` is the request's; the other fields depend on it (``status``
+    and ``error`` for the main thread's, the probe's data for the control thread's, ``text`` and
+    ``alive`` for a supervisor's faulthandler dump)."""
+
+    t: str
+    id: str
+    rank: int
+    status: str
+    error: str
+
+
+class CollectivesPush(TypedDict, total=False):
+    t: str
+    rank: int
+    entries: list[dict[str, Any]]
+    now: float
+    groups: dict[str, list[int]]
+
+
+class Exec(TypedDict):
+    t: str
+    cell: int
+    code: str
+
+
+class Request(TypedDict, total=False):
+    """PUSH (values), PULL (names), CHECK (names), REGROUP (generation), STACKS (all_threads,
+    collectives_since), ENV, MEMORY, COLLECTIVES (since), INTERRUPT (cell), FAULT_REQUEST (wait)."""
+
+    t: str
+    id: str
+    values: bytes
+    names: list[str]
+    generation: int
+    all_threads: bool
+    collectives_since: int
+    since: int
+    cell: int | None
+    wait: float
+
+
+class NodeHello(TypedDict):
+    t: str
+    host: str
+    pid: int
+    version: str
+
+
+class NodeBeat(TypedDict):
+    t: str
+    pids: list[int]
+    torchrun: int | None
+
+
+class NodeOutput(TypedDict):
+    t: str
+    lines: list[str]
+
+
+class NodeExit(TypedDict):
+    t: str
+    returncode: int | None
+    why: str
+    tail: str
+
+
+class NodeStart(TypedDict):
+    t: str
+    config: Any  # distnb.config.LaunchConfig (not imported here: this module stays dependency-free)
+    rdzv: Any  # distnb.config.Rendezvous
+
+
+class NodeRefused(TypedDict):
+    t: str
+    reason: str
 
 
 def new_key() -> bytes:
@@ -164,7 +336,7 @@ class FrameTooLarge(ValueError):
         self.size = size
         self.limit = limit
         super().__init__(
-            f"{what} of {_mb(size)} ({size:,} bytes pickled) exceeds distnb's limit of {_mb(limit)} per message; "
+            f"{what} of {mib(size)} ({size:,} bytes pickled) exceeds distnb's limit of {mib(limit)} per message; "
             "send less at a time (a slice or a summary), or save it to a file both sides can read "
             "(torch.save / torch.load). The limit can be raised with DISTNB_MAX_FRAME_BYTES before launching."
         )

@@ -170,30 +170,6 @@ def test_the_rank_that_died_first_is_the_root_cause_not_the_lowest() -> None:
     assert d.culprits == [2, 0]
 
 
-def test_first_death_follows_the_supervisors_clock_not_arrival_order() -> None:
-    from distnb.pool import CellEvents, _CellRun, _Rank
-    from distnb.results import CellResult, RankResult
-
-    # No processes: the controller's bookkeeping for two exit reports, the earlier death reported last
-    # (its supervisor waited for pipes a child of the rank kept open).
-    pool = distnb.Pool(nproc=2, backend="gloo")
-    pool.state = distnb.PoolState.READY
-    pool._ranks = {r: _Rank(r, state=distnb.RankState.RUNNING) for r in range(2)}
-    result = CellResult(cell=1, code="x", ranks=[0, 1], results={r: RankResult(r) for r in range(2)})
-    run = _CellRun(result, CellEvents())
-    result._run = run
-    pool.history.append(result)
-    for info in pool._ranks.values():
-        info.run = run
-    now = time.time()
-    pool._mark_dead(pool._ranks[1], when=now)
-    assert pool.first_death == 1 and result[1].first_death
-    pool._mark_dead(pool._ranks[0], when=now - 1.5)
-    assert pool.first_death == 0 and result[0].first_death and not result[1].first_death
-    assert "rank 0 died first" in result.text() and "rank 1 died first" not in result.text()
-    assert pool.state == distnb.PoolState.BROKEN
-
-
 def test_ranks_outside_the_cell_are_not_blamed_as_finished() -> None:
     # The cell runs on rank 0 only; rank 1 never had it, so it did not "finish without entering".
     d = diagnose([Position(0, "collective", op="all_reduce", seq=1, group="0", since=5.0), Position(1, "idle")], 3.0, 5.0)

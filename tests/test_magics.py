@@ -212,7 +212,7 @@ def test_push_pull_and_unknown_name(sh: Shell) -> None:
 def test_push_over_the_message_limit_says_what_to_do(sh: Shell, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pool_module, "MAX_FRAME_BYTES", 1 << 20)
     sh.ip.user_ns["too_big"] = b"x" * (2 << 20)
-    with pytest.raises(UsageError, match=r"the push is 2\.1 MB pickled \('too_big' 2\.1 MB\), over distnb's limit.*torch\.save"):
+    with pytest.raises(UsageError, match=r"the push is 2\.0 MiB pickled \('too_big' 2\.0 MiB\), over distnb's limit of 1\.0 MiB.*torch\.save"):
         sh.line("dist_push", "too_big")
     assert not any(p.names == ("too_big",) for p in pool_module._current.pushes)  # nothing recorded
 

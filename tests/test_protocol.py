@@ -102,7 +102,7 @@ def test_wrong_key_is_rejected_counted_and_never_unpickled():
 
 
 def test_frame_from_another_pool_is_rejected():
-    frames = Codec(new_key(), "x0").encode({"t": Msg.DONE})
+    frames = Codec(new_key(), "x0").encode({"t": Msg.CELL_DONE})
     rx = Codec(new_key(), "C")
     with pytest.raises(BadFrame):
         rx.decode(frames)
@@ -110,7 +110,7 @@ def test_frame_from_another_pool_is_rejected():
 
 
 def test_tampered_body_is_rejected():
-    frames = Codec(KEY, "x0").encode({"t": Msg.DONE, "value": 1})
+    frames = Codec(KEY, "x0").encode({"t": Msg.CELL_DONE, "value": 1})
     body = bytearray(frames[2])
     body[-2] ^= 0x01
     with pytest.raises(BadFrame, match="signature"):
@@ -132,7 +132,7 @@ def test_tampered_body_is_rejected():
     ids=["two-frames", "four-frames", "empty", "bad-magic", "short-sig", "no-sig", "truncated-body", "empty-body"],
 )
 def test_malformed_frames_are_rejected(mangle, match):
-    frames = Codec(KEY, "x0").encode({"t": Msg.DONE, "value": "x" * 100})
+    frames = Codec(KEY, "x0").encode({"t": Msg.CELL_DONE, "value": "x" * 100})
     rx = Codec(KEY, "C")
     with pytest.raises(BadFrame, match=match):
         rx.decode(mangle(frames))
@@ -175,7 +175,7 @@ def test_encode_refuses_a_message_the_receiver_would_drop(monkeypatch):
     assert isinstance(err, ValueError)  # callers that catch ValueError for bad input keep working
     assert err.limit == 2 << 20 and err.size > 3 << 20
     text = str(err)
-    assert "push message of 3.0 MB" in text and "limit of 2.0 MB" in text and "torch.save" in text
+    assert "push message of 3.0 MiB" in text and "limit of 2.0 MiB" in text and "torch.save" in text
     # Just under the limit still goes, and the codec is not left in a bad state.
     frames = tx.encode({"t": Msg.PUSH, "values": b"x" * ((2 << 20) - 200)})
     assert Codec(KEY, "x0").decode(frames)["t"] == Msg.PUSH
@@ -199,7 +199,7 @@ def test_frame_limit_can_be_set_by_environment(monkeypatch, value, expected):
 
 def test_replayed_frame_is_rejected_by_the_guard():
     tx, rx, guard = Codec(KEY, "x1"), Codec(KEY, "C"), ReplayGuard()
-    frames = tx.encode({"t": Msg.DONE, "status": "ok"})
+    frames = tx.encode({"t": Msg.CELL_DONE, "status": "ok"})
     assert rx.decode(frames, guard)["status"] == "ok"
     with pytest.raises(BadFrame, match="replayed"):
         rx.decode(frames, guard)
@@ -314,17 +314,20 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 @pytest.mark.timeout(30)
 def test_raising_callbacks_do_not_kill_the_io_thread(caplog):
-    """A bug in Pool._check_processes (the tick) or in a message handler used to end the I/O thread;
+    """A bug in the tracker's tick or in a message handler used to end the I/O thread;
     heartbeats then stopped and every worker shut itself down ~15 s later without a word."""
     creds = Credentials.new()
     handled: list[str] = []
 
     def on_message(kind: str, rank: int, msg: dict) -> None:
-        if msg["t"] in ("tick", "boom"):
-            raise RuntimeError(f"handler bug on {msg['t']}")
+        if msg["t"] == "boom":
+            raise RuntimeError("handler bug on boom")
         handled.append(msg["t"])
 
-    channel = Channel(creds, on_message, heartbeat=0.05)
+    def on_tick() -> None:
+        raise RuntimeError("handler bug on tick")
+
+    channel = Channel(creds, on_message, on_tick, heartbeat=0.05)
     ctx = zmq.Context()
     peer = ctx.socket(zmq.DEALER)
     peer.setsockopt(zmq.IDENTITY, b"s0")
@@ -413,7 +416,7 @@ def test_pull_of_a_value_over_the_frame_limit_says_what_to_do(small_pool):
     took = time.monotonic() - t0
     text = str(info.value)
     assert took < 10, f"the refusal took {took:.0f} s (it used to wait out the 60 s timeout)"
-    assert "'big_pull' on rank 0 is 1.5 MB pickled" in text and "limit of 1.0 MB" in text
+    assert "'big_pull' on rank 0 is 1.5 MiB pickled" in text and "limit of 1.0 MiB" in text
     assert "torch.save(big_pull" in text and "slice" in text
     assert small_pool.pull("small_pull")[1].shape == (4,)  # the socket is fine afterwards
 
@@ -495,11 +498,11 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
                 if kind in ("replay", "other-sender", "bad-identity"):
                     codec = rogue_codecs.get(identity) or Codec(key, identity.decode())
                     if kind == "other-sender":  # signed, but claims another peer's name
-                        frames = Codec(key, ["x0", "s1", "c0"][extra % 3]).encode({"t": Msg.PONG})
+                        frames = Codec(key, ["x0", "s1", "c0"][extra % 3]).encode({"t": Msg.REPLY})
                         sock.send_multipart(frames)
                         expected_controller += 1
                         continue
-                    frames = codec.encode({"t": Msg.PONG})
+                    frames = codec.encode({"t": Msg.REPLY})
                     sock.send_multipart(frames)  # accepted (from an unknown rank: ignored)
                     sock.send_multipart(frames)  # the same again: a replay
                     expected_controller += 2 if kind == "bad-identity" else 1
@@ -513,7 +516,7 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
                     # Signed with the pool's key but with a counter the controller passed long
                     # ago: a recorded frame played back. (A *future* counter would make the worker
                     # drop the controller's real frames, which is why counters come from the clock.)
-                    body = pickle.dumps({"t": Msg.STATUS, "_s": controller_codec.sender, "_n": extra, "id": "fuzz"},
+                    body = pickle.dumps({"t": Msg.STACKS, "_s": controller_codec.sender, "_n": extra, "id": "fuzz"},
                                         protocol=pickle.HIGHEST_PROTOCOL)
                     frames = sign(key, body)
                 else:
@@ -585,7 +588,7 @@ def test_supervisor_replaces_an_event_over_the_limit_so_the_cell_still_ends(monk
     sup = Supervisor()
     try:
         monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 1 << 20)
-        done = {"t": Msg.DONE, "id": "cell-9", "cell": 9, "status": "error", "duration": 0.5, "memory": {"rss": 1},
+        done = {"t": Msg.CELL_DONE, "cell": 9, "status": "error", "duration": 0.5, "memory": {"rss": 1},
                 "value": {"text/plain": "x" * (2 << 20)}, "error": {"ename": "E", "evalue": "v", "traceback": "tb", "line": 2}}
         sup._forward_event(pickle.dumps(done))
         display = {"t": Msg.DISPLAY, "cell": 9, "data": {"text/html": "y" * (2 << 20)}}
@@ -597,7 +600,7 @@ def test_supervisor_replaces_an_event_over_the_limit_so_the_cell_still_ends(monk
             frames = router.recv_multipart()
             assert frames[0] == b"s3"
             got.append(pickle.loads(rx.decode(frames[1:], guard)["body"]))
-        assert got[0]["t"] == Msg.DONE and (got[0]["id"], got[0]["cell"], got[0]["status"]) == ("cell-9", 9, "error")
+        assert got[0]["t"] == Msg.CELL_DONE and (got[0]["cell"], got[0]["status"]) == (9, "error")
         assert "over distnb's limit" in got[0]["value"]["text/plain"] and got[0]["error"]["ename"] == "E"
         assert got[1]["t"] == Msg.DISPLAY and got[1]["cell"] == 9 and "dropped" in got[1]["data"]["text/plain"]
     finally:

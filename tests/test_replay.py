@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import distnb
-from distnb.results import PushRecord
+from distnb import session
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -17,7 +17,7 @@ def test_replay_re_pushes_values_between_cells(fresh_pool) -> None:
     pool.push(ranks="1", only_one=5)
     assert pool.run("acc.append(scale * (rank + 1))").ok
     assert pool.run("1/0").failed == [0, 1]  # failed cells are not replayed
-    assert [type(s).__name__ for s in pool._since_launch()] == ["CellResult", "PushRecord", "PushRecord", "CellResult", "CellResult"]
+    assert [type(s).__name__ for s in pool.session.since_launch()] == ["CellResult", "PushRecord", "PushRecord", "CellResult", "CellResult"]
 
     pool.restart(replay=True)
     assert pool.pull("acc") == {0: [0, 10], 1: [1, 20]}
@@ -29,10 +29,11 @@ def test_replay_re_pushes_values_between_cells(fresh_pool) -> None:
     assert pool.pull("acc") == {0: [0, 10], 1: [1, 20]}
 
 
-def test_a_push_too_large_to_keep_stops_replay_with_a_clear_error(fresh_pool) -> None:
+def test_a_push_too_large_to_keep_stops_replay_with_a_clear_error(fresh_pool, monkeypatch) -> None:
     pool = fresh_pool(nproc=2)
+    monkeypatch.setattr(session, "KEEP_PUSH_BYTES", 0)  # every pushed value is let go at once
     pool.push(big=1)
-    pool.pushes[-1] = PushRecord(pool.pushes[-1].position, (0, 1), ("big",), None)  # as if let go
+    assert pool.pushes[-1].blob is None and pool.pushes[-1].names == ("big",)
     pool.run("x = big")
     with pytest.raises(distnb.RemoteError, match=r"values pushed before cell \d+ \(big\) were too large to keep; push them again"):
         pool.restart(replay=True)

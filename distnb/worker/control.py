@@ -189,8 +189,7 @@ class ControlThread(threading.Thread):
                 self._stuck_ids |= open_ids
             self._pushed_seqs, self._pushed_id, self._open_ids = seqs, max(self._pushed_id, newest), open_ids
             if entries and not unchanged:
-                # "fr-poll…" replies are merged into the controller's log like its own polls.
-                reply.update(t=Msg.REPLY, id="fr-poll-push", rank=self.rank)
+                reply.update(t=Msg.COLLECTIVES_PUSH, rank=self.rank)
                 send_frames(self.sock, self.codec.encode(reply))
         except zmq.ContextTerminated:
             raise
@@ -222,8 +221,6 @@ class ControlThread(threading.Thread):
                 # the caller one timeout, not one per question.
                 reply["collectives"] = read_collectives(int(msg["collectives_since"]), self.executor.clock)
             return reply
-        if t == Msg.STATUS:
-            return self.status()
         if t == Msg.MEMORY:
             # Safe from this thread: /proc reads and CUDA allocator counters take no user locks.
             return {"memory": self.executor.memory.stop()}

@@ -28,7 +28,8 @@ import zmq
 from distnb import _processes
 from distnb import protocol
 from distnb._zmq_io import recv_frames, send_frames
-from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, exec_identity, socket_max_msgsize
+from distnb._text import mib
+from distnb.protocol import BadFrame, CellDone, Codec, FrameTooLarge, Hello, Msg, Ready, ReplayGuard, StartFailed, exec_identity, socket_max_msgsize
 from distnb.security import Credentials
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
@@ -45,10 +46,6 @@ current: "Rank | None" = None
 
 #: Room left in a pull reply for the message around the pickled value (tags, id, counter).
 _REPLY_SLACK = 4096
-
-
-def _mb(n: int) -> str:
-    return f"{n / (1024 * 1024):,.1f} MB"
 
 
 class _QuietCheck:
@@ -237,7 +234,7 @@ class Rank:
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
                          "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}
             self.flush_output()
-            done = {"t": Msg.DONE, "id": msg["id"], "cell": cell, **reply}
+            done = CellDone(t=Msg.CELL_DONE, cell=cell, **reply)  # type: ignore[typeddict-item]
             if self.quiet.quiet_since(mark):
                 try:
                     self.send(done)
@@ -250,23 +247,27 @@ class Rank:
             try:
                 values = pickle.loads(msg["values"])
                 self.ns.update(values)
-                self.send({"t": Msg.DONE, "id": msg["id"], "status": "ok"})
+                self.reply(msg, {"status": "ok"})
             except Exception as exc:
-                self.send({"t": Msg.DONE, "id": msg["id"], "status": "error", "error": f"{type(exc).__name__}: {exc}"})
+                self.reply(msg, {"status": "error", "error": f"{type(exc).__name__}: {exc}"})
         elif t == Msg.PULL:
             reply = self.pull(msg["names"])
             try:
-                self.send({"t": Msg.DONE, "id": msg["id"], **reply})
+                self.reply(msg, reply)
             except FrameTooLarge as exc:
                 # Each value fitted on its own, together they do not: say which and how big.
-                sizes = ", ".join(f"{n!r} {_mb(len(b))}" for n, b in reply.get("values", {}).items())
-                self.send({"t": Msg.DONE, "id": msg["id"], "status": "error",
-                           "error": f"{sizes} on rank {self.rank} are {_mb(exc.size)} together, over distnb's limit of "
-                           f"{_mb(exc.limit)} per message; pull them one at a time."})
+                sizes = ", ".join(f"{n!r} {mib(len(b))}" for n, b in reply.get("values", {}).items())
+                self.reply(msg, {"status": "error",
+                           "error": f"{sizes} on rank {self.rank} are {mib(exc.size)} together, over distnb's limit of "
+                           f"{mib(exc.limit)} per message; pull them one at a time."})
         elif t == Msg.REGROUP:
-            self.send({"t": Msg.DONE, "id": msg["id"], **self.regroup(int(msg["generation"]))})
+            self.reply(msg, self.regroup(int(msg["generation"])))
         elif t == Msg.CHECK:
-            self.send({"t": Msg.DONE, "id": msg["id"], **self.check(msg["names"])})
+            self.reply(msg, self.check(msg["names"]))
+
+    def reply(self, request: dict[str, Any], fields: dict[str, Any]) -> None:
+        """Answer a request (PUSH, PULL, CHECK, REGROUP): the controller matches it by ``id``."""
+        self.send({**fields, "t": Msg.REPLY, "id": request["id"], "rank": self.rank})
 
     def regroup(self, generation: int) -> dict[str, Any]:
         """Replace a poisoned default process group (e.g. after a gloo timeout) with a fresh one on
@@ -325,8 +326,8 @@ class Rank:
                 # instead of waiting out its timeout for a frame that could never be sent.
                 return {
                     "status": "error",
-                    "error": f"{name!r} on rank {self.rank} is {_mb(exc.size)} pickled, over distnb's limit of "
-                    f"{_mb(exc.limit)} per message. Reduce it in a cell first (a slice, a summary such as "
+                    "error": f"{name!r} on rank {self.rank} is {mib(exc.size)} pickled, over distnb's limit of "
+                    f"{mib(exc.limit)} per message. Reduce it in a cell first (a slice, a summary such as "
                     f"{name}.shape or {name}.sum(), or .half()), or save it to disk on the rank "
                     f"(torch.save({name}, path)) and load the file in the notebook. (The limit can be raised "
                     "with DISTNB_MAX_FRAME_BYTES set before launching.)",
@@ -365,8 +366,8 @@ class Rank:
                       f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 if msg is not None and "id" in msg:
                     try:
-                        self.send({"t": Msg.DONE, "id": msg["id"], "status": "error",
-                                   "error": f"rank {self.rank} failed to handle the request: {type(exc).__name__}: {exc}"})
+                        self.reply(msg, {"status": "error",
+                                         "error": f"rank {self.rank} failed to handle the request: {type(exc).__name__}: {exc}"})
                     except Exception:
                         pass
 
@@ -377,15 +378,17 @@ def main() -> int:
     r.setup_process()
     control = r.control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor)
     control.start()
-    r.send({"t": Msg.HELLO, "rank": r.rank, "local_rank": r.local_rank, "world_size": r.world_size, "pid": os.getpid(), "host": socket.gethostname(), "main_ident": threading.main_thread().ident})
+    r.send(Hello(t=Msg.HELLO, rank=r.rank, local_rank=r.local_rank, world_size=r.world_size, pid=os.getpid(),  # type: ignore[arg-type]
+                 host=socket.gethostname(), main_ident=threading.main_thread().ident))
     try:
         info = r.init_distributed()
     except BaseException as exc:
-        r.send({"t": Msg.START_FAILED, "rank": r.rank, "error": "".join(traceback.format_exception(exc)), "summary": f"{type(exc).__name__}: {exc}"})
+        r.send(StartFailed(t=Msg.START_FAILED, rank=r.rank, error="".join(traceback.format_exception(exc)),  # type: ignore[arg-type]
+                           summary=f"{type(exc).__name__}: {exc}"))
         time.sleep(0.2)  # let the frame leave before exiting
         return 1
     control.state = "idle"
-    r.send({"t": Msg.READY, "rank": r.rank, **info})
+    r.send(Ready(t=Msg.READY, rank=r.rank, device=info["device"], backend=info["backend"]))  # type: ignore[arg-type]
     r.serve()
     return 0
 

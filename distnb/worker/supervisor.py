@@ -151,7 +151,7 @@ class Supervisor:
             if event.get("t") == Msg.DISPLAY:
                 small = {"t": Msg.DISPLAY, "cell": event.get("cell"), "data": {"text/plain": note}}
             else:  # DONE: keep what the notebook needs to finish the cell, nothing that could be big
-                small = {k: event.get(k) for k in ("t", "id", "cell", "status", "duration")}
+                small = {k: event.get(k) for k in ("t", "cell", "status", "duration")}
                 small["value"] = {"text/plain": note}
                 error = event.get("error")
                 if isinstance(error, dict):
@@ -174,7 +174,7 @@ class Supervisor:
                 self.fault_deadline = time.monotonic() + float(msg.get("wait", 0.3))
                 os.kill(child.pid, signal.SIGUSR1)
             else:
-                self.send({"t": Msg.SUP_REPLY, "id": msg["id"], "text": "", "alive": False})
+                self.send({"t": Msg.REPLY, "id": msg["id"], "rank": self.rank, "text": "", "alive": False})
         elif t == Msg.INTERRUPT:
             # Fallback path: the rank's own control thread normally delivers interrupts.
             if child is not None and child.poll() is None:
@@ -183,7 +183,7 @@ class Supervisor:
     def _finish_fault(self) -> None:
         text = self.fault_buf.decode("utf-8", "replace")
         for req in self.pending_fault:
-            self.send({"t": Msg.SUP_REPLY, "id": req, "text": text, "alive": True})
+            self.send({"t": Msg.REPLY, "id": req, "rank": self.rank, "text": text, "alive": True})
         self.pending_fault.clear()
         self.fault_buf = b""
 
@@ -199,7 +199,7 @@ class Supervisor:
                 "host": socket.gethostname(),
                 "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                 "group_rank": int(os.environ.get("GROUP_RANK", "0")),
-                "node": int(os.environ.get("DISTNB_NODE", "0")),  # 0: the controller's own machine
+                "agent": int(os.environ.get("DISTNB_NODE", "0")),  # 0: the controller's own machine
             }
         )
         out_r, err_r, fault_r, events_r = self.start_child()

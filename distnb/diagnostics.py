@@ -1,0 +1,225 @@
+"""What the pool can tell about its ranks while they run or hang: stacks, diagnoses, collective
+logs, memory, environments and checksums.
+
+:class:`Diagnostics` is composed into the pool and sees it only through :class:`PoolView`, a
+small explicit interface (the tracker, the session log, the config), so it can be tested by
+feeding a tracker messages and answering its requests, without processes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Protocol
+
+from distnb import _processes
+from distnb.check_report import CheckReport, compare
+from distnb.collective_log import CollectiveReport, describe
+from distnb.config import LaunchConfig
+from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
+from distnb.errors import NoCellError, NoPoolError, RemoteError
+from distnb.memory_report import MemoryReport
+from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
+from distnb.ranks import format_ranks, parse_ranks
+from distnb.results import CellResult, EnvReport, PoolState, RankState
+from distnb.session import SessionLog
+from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dumps
+from distnb.tracker import Tracker, run_of
+
+__all__ = ["Diagnostics", "PoolView"]
+
+Ranks = str | int | Iterable[int] | None
+
+
+class PoolView(Protocol):
+    """What diagnostics needs of a pool: its parts, read-only."""
+
+    @property
+    def config(self) -> LaunchConfig: ...
+
+    @property
+    def tracker(self) -> Tracker: ...
+
+    @property
+    def session(self) -> SessionLog: ...
+
+
+class Diagnostics:
+    def __init__(self, pool: PoolView) -> None:
+        self._pool = pool
+
+    @property
+    def _tracker(self) -> Tracker:
+        return self._pool.tracker
+
+    @property
+    def _world(self) -> int:
+        return self._pool.config.world_size
+
+    def _require_pool(self) -> None:
+        if self._tracker.state in (PoolState.NEW, PoolState.STOPPED):
+            raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+
+    # -- stacks ---------------------------------------------------------------------------------
+    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = 0.25) -> StackReport:
+        """Where every (or each given) rank is right now; works while cells run or hang.
+
+        The rank's control thread answers even while the main thread waits in a collective. A
+        rank whose main thread holds the GIL (a C loop) can't answer; its supervisor then asks
+        faulthandler for a dump with SIGUSR1. ``native`` adds py-spy's native frames.
+        """
+        self._require_pool()
+        tracker = self._tracker
+        log = tracker.collective_log
+        targets = parse_ranks(ranks, self._world)
+        alive = tracker.alive(targets)
+        # The collective log comes in the same answer: a rank that can't answer (a C loop holding
+        # the GIL) then costs one timeout here, not one more per question.
+        since = {r: log.last_id(r) for r in alive}
+        msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1)}
+        replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
+        self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
+        # A control thread that answered with an error instead of stacks gave no stack either.
+        silent = [r for r in alive if "stacks" not in replies.get(r, {})]
+        dumps = tracker.requests.ask(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": 0.15}, 3.0, partial=True)
+        sources = self._pool.session.recent_sources()
+        status = {rs.rank: rs for rs in tracker.rank_statuses()}
+        out = []
+        for r in targets:
+            st, info = status[r], tracker.ranks[r]
+            if "stacks" in replies.get(r, {}):
+                threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]]
+                rs = RankStack(r, st.describe(), "control thread", threads)
+            elif dumps.get(r, {}).get("text"):
+                threads = parse_faulthandler(dumps[r]["text"], sources, info.main_ident)
+                if not all_threads:
+                    threads = [t for t in threads if t.main] or threads[:1]
+                rs = RankStack(r, st.describe(), "faulthandler: the rank holds the GIL", threads)
+            elif st.state == RankState.DEAD:
+                rs = RankStack(r, st.describe(), "dead")
+            else:
+                rs = RankStack(r, st.describe(), f"no answer: {self.why_silent(r)}")
+            pending = log.pending(r, st.cell) if st.state == RankState.RUNNING else None
+            if pending is not None:
+                # How long by the rank's own clock: another machine's may be off from this one's.
+                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']}) for {log.age(r, pending):.1f} s"
+            if native and info.pid and st.state != RankState.DEAD and info.agent:
+                # py-spy runs here: a rank on another machine needs it run there.
+                rs.native = f"rank {r} runs on {info.host}: run `py-spy dump --native --pid {info.pid}` there."
+            out.append(rs)
+        if native:
+            by_rank = {rs.rank: rs for rs in out}
+            local = {r: pid for r in by_rank if (pid := tracker.ranks[r].pid) and not tracker.ranks[r].agent
+                     and status[r].state != RankState.DEAD}
+            for r, text in py_spy_dumps(local).items():
+                by_rank[r].native = text
+        return StackReport(out)
+
+    def why_silent(self, rank: int) -> str:
+        """Words for a rank that gave no stack at all, neither from its control thread nor from
+        faulthandler: its process state when it runs on this machine."""
+        info = self._tracker.ranks[rank]
+        state = _processes.process_state(info.pid) if info.pid and not info.agent else None
+        if state:
+            return f"its process (pid {info.pid}) is {state}"
+        return "neither its control thread nor faulthandler gave a stack (a process stopped, or stuck in the kernel)"
+
+    # -- diagnosis ------------------------------------------------------------------------------
+    def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:
+        """Is the (last) cell hung, and why? Names the ranks, collectives and cell lines involved.
+        ``hang_after`` (seconds) overrides the pool's threshold for this call."""
+        if result is None:
+            last = self._pool.session.last()
+            if not isinstance(last, CellResult):
+                raise NoCellError("no cell has run on this pool yet; run one with %%on_ranks (pool.run) first.")
+            result = last
+        tracker = self._tracker
+        elapsed = time.monotonic() - run_of(result).started
+        busy = [r for r in result.ranks if result.results[r].status == "running"]
+        alive = tracker.alive(list(range(self._world)))
+        # One round trip: stacks of every live rank (idle ones answer at once) with their collective
+        # logs, so a rank holding the GIL costs one timeout per diagnosis.
+        stacks = self.stacks(alive) if busy else None
+        log = self.collectives(refresh=not busy)
+        positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
+        threshold = self._pool.config.hang_after if hang_after is None else hang_after
+        return diagnose(positions, threshold, elapsed, log, tracker.first_death)
+
+    def _position(self, r: int, result: CellResult, stacks: StackReport | None, elapsed: float) -> Position:
+        res = result.results.get(r)
+        if res is None:
+            return Position(r, "idle")
+        if res.status == "ok":
+            return Position(r, "finished")
+        if res.status in ("error", "interrupted") and res.error:
+            lines = result.code.splitlines()
+            line = res.error.get("line")
+            return Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
+                            detail=f"{res.error['ename']}: {res.error['evalue'][:200]}")
+        if res.status == "dead":
+            return Position(r, "dead", detail=_processes.signal_meaning(res.returncode))
+        assert stacks is not None
+        if not stacks[r].threads:
+            return Position(r, "unresponsive", since=elapsed, detail=self.why_silent(r))
+        pos = position_from_stack(stacks[r])
+        # The rank tells which cell an entry belongs to by its own clock: no cross-machine clock comparison.
+        log = self._tracker.collective_log
+        pending = log.pending(r, result.cell)
+        if pending is not None:
+            pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
+            pos.shapes = describe(pending, with_op=False)
+            pos.sizes, pos.dtypes = pending.get("sizes"), pending.get("dtypes")
+            pos.since = log.age(r, pending)
+        pos.since = pos.since if pos.since is not None else elapsed
+        return pos
+
+    # -- collective log -------------------------------------------------------------------------
+    def collectives(self, ranks: Ranks = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
+        """Every rank's collective sequence (from the Flight Recorder), side by side, with the
+        first divergence marked. Works while ranks are blocked; dead ranks keep their last log."""
+        tracker = self._tracker
+        targets = parse_ranks(ranks, self._world)
+        if refresh and tracker.state not in (PoolState.NEW, PoolState.STOPPED):
+            alive = tracker.alive(targets)
+            since = {r: tracker.collective_log.last_id(r) for r in alive}
+            floor = min(since.values(), default=-1)
+            replies = tracker.requests.ask(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor}, 1.0, partial=True)
+            self._merge_collectives(replies, since)
+        return tracker.collective_log.report(targets, last)
+
+    def _merge_collectives(self, replies: dict[int, dict[str, Any]], since: dict[int, int]) -> None:
+        """Merge the ranks' log replies; each was asked from the lowest ``since`` of the batch, so
+        drop what a rank had already sent (entries still open may have changed: keep those)."""
+        with self._tracker.lock:
+            for r, reply in replies.items():
+                reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since.get(r, -1) or not e["done"]]
+                self._tracker.collective_log.merge(r, reply)
+
+    # -- memory, environment, checksums ---------------------------------------------------------
+    def memory(self, ranks: Ranks = None) -> MemoryReport:
+        """Each rank's memory now (asked live, works while cells run) and its peak per cell."""
+        self._require_pool()
+        targets = self._tracker.alive(parse_ranks(ranks, self._world))
+        replies = self._tracker.requests.ask(control_identity, targets, {"t": Msg.MEMORY}, 2.0, partial=True)
+        current = {r: m["memory"] for r, m in sorted(replies.items()) if "memory" in m}
+        return MemoryReport(current, self._pool.session.memory_timeline(targets))
+
+    def env(self, ranks: Ranks = None) -> EnvReport:
+        """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""
+        self._require_pool()
+        targets = self._tracker.alive(parse_ranks(ranks, self._world))
+        replies = self._tracker.requests.ask(control_identity, targets, {"t": Msg.ENV}, 5.0)
+        return EnvReport({r: m["env"] for r, m in sorted(replies.items())}, {r: self._tracker.ranks[r].host for r in targets})
+
+    def check(self, names: str | Iterable[str], ranks: Ranks = None) -> list[CheckReport]:
+        """Checksum names (tensors, modules, state dicts, optimizers) on every rank and compare:
+        identical, or which entries differ and which ranks are the odd ones out."""
+        names = [names] if isinstance(names, str) else list(names)
+        if not names:
+            raise ValueError("name at least one variable to check, e.g. pool.check('model').")
+        targets = parse_ranks(ranks, self._world)
+        self._tracker.ensure_idle(targets)
+        replies = self._tracker.requests.ask(exec_identity, targets, {"t": Msg.CHECK, "names": names}, 120.0)
+        errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
+        if errors:
+            raise RemoteError(f"check failed on {format_ranks(errors)}: {next(iter(errors.values()))}", errors=errors)
+        return [compare(n, {r: replies[r]["checks"][n] for r in targets}) for n in names]

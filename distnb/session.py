@@ -1,0 +1,125 @@
+"""The session log: every cell run and every value pushed, in order, for replay and export.
+
+Memory stays flat over long sessions: only the last :data:`KEEP_RESULTS` cells keep their full
+results (output, values, memory); older ones shrink to a :class:`CellRecord` (code, ranks,
+success), and pickled pushes beyond :data:`KEEP_PUSH_BYTES` in all are let go oldest first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Iterable, Union
+
+from distnb.config import LaunchConfig
+from distnb.results import CellRecord, CellResult, PushRecord
+
+__all__ = ["SessionLog", "Step", "KEEP_RESULTS", "KEEP_PUSH_BYTES"]
+
+#: Cells whose full results the log keeps; older ones keep only what replay and export need.
+KEEP_RESULTS = 100
+#: Pickled pushes kept for replay and export; beyond this the oldest are let go (and say so).
+KEEP_PUSH_BYTES = 256 << 20
+
+Step = Union[CellResult, CellRecord, PushRecord]
+
+
+class SessionLog:
+    """Cells and pushes of one pool, across its restarts (cell numbers keep counting)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cells = itertools.count(1)
+        self._history: list[CellResult | CellRecord] = []
+        self._pushes: list[PushRecord] = []
+        self._launch_index = 0
+
+    @property
+    def history(self) -> list[CellResult | CellRecord]:
+        """Every cell run, oldest first (a copy: the log is only changed through its methods)."""
+        return list(self._history)
+
+    @property
+    def pushes(self) -> list[PushRecord]:
+        return list(self._pushes)
+
+    @property
+    def launch_index(self) -> int:
+        """How many cells ran before the current launch."""
+        return self._launch_index
+
+    def __len__(self) -> int:
+        return len(self._history)
+
+    def last(self) -> CellResult | CellRecord | None:
+        return self._history[-1] if self._history else None
+
+    def mark_launch(self) -> None:
+        """A launch succeeded: replay and export start from here."""
+        self._launch_index = len(self._history)
+
+    def next_cell(self) -> int:
+        return next(self._cells)
+
+    def add_cell(self, result: CellResult) -> None:
+        with self._lock:
+            self._history.append(result)
+            old = len(self._history) - 1 - KEEP_RESULTS
+            if old >= 0:
+                cell = self._history[old]
+                if isinstance(cell, CellResult) and not cell.running:
+                    self._history[old] = CellRecord.of(cell)
+
+    def add_push(self, ranks: Iterable[int], names: tuple[str, ...], blob: bytes) -> None:
+        with self._lock:
+            self._pushes.append(PushRecord(len(self._history), tuple(ranks), names, blob))
+            kept = 0
+            for i in range(len(self._pushes) - 1, -1, -1):  # newest first: let the oldest go
+                old = self._pushes[i]
+                kept += len(old.blob or b"")
+                if old.blob is not None and kept > KEEP_PUSH_BYTES:
+                    self._pushes[i] = PushRecord(old.position, old.ranks, old.names, None)
+
+    def since_launch(self) -> list[Step]:
+        """Cells and pushes since the last launch, in the order they happened."""
+        with self._lock:
+            start, history = self._launch_index, list(self._history)
+            pushes = [p for p in self._pushes if p.position >= start]
+        steps: list[Step] = []
+        for i in range(start, len(history) + 1):
+            steps.extend(p for p in pushes if p.position == i)
+            if i < len(history):
+                steps.append(history[i])
+        return steps
+
+    def cell_at(self, position: int) -> str:
+        """The cell number at a history position, in words (``"the next cell"`` past the end)."""
+        return str(self._history[position].cell) if position < len(self._history) else "the next cell"
+
+    def recent_sources(self, n: int = 200) -> dict[str, str]:
+        """``{"<cell-N>": code}`` of the last ``n`` cells: stack frames in cells show their lines."""
+        return {f"<cell-{c.cell}>": c.code for c in self._history[-n:]}
+
+    def memory_timeline(self, ranks: list[int]) -> list[tuple[int, dict[int, dict]]]:
+        """Per cell since launch, each rank's memory sample (start, end, peak)."""
+        timeline = []
+        for cell in self._history[self._launch_index :]:
+            if isinstance(cell, CellResult):
+                samples = {r: res.memory for r, res in cell.results.items() if res.memory and r in ranks}
+                if samples:
+                    timeline.append((cell.cell, samples))
+        return timeline
+
+    def export(self, path: str, config: LaunchConfig, cells: str | None = None, include_failed: bool = False) -> str:
+        """Write the session's cells (since launch; by default those that succeeded) as a
+        standalone ``torchrun`` script, or as a notebook when ``path`` ends in ``.ipynb``."""
+        from distnb.export import export_notebook, export_script, select_cells, with_pushes
+
+        history = self.history
+        chosen = select_cells(history[self._launch_index :] if cells is None else history, cells, include_failed)  # type: ignore[arg-type]
+        if not chosen:
+            raise ValueError("there is no cell to export yet; run some with %%on_ranks first (or pass --all to include failed ones).")
+        # The cells read what %dist_push sent them: the pushes go in too, where they happened.
+        steps = with_pushes(history, chosen, self.pushes, self._launch_index)
+        writer = export_notebook if str(path).endswith(".ipynb") else export_script
+        return str(writer(steps, config, path))

@@ -1,0 +1,555 @@
+"""The controller's picture of its pool, fed by messages: the pool's and each rank's lifecycle.
+
+Every change of :class:`PoolState` and :class:`RankState` happens here, in :meth:`Tracker._move`
+and :meth:`Tracker._set_rank`, under the tracker's one lock. The I/O thread feeds it messages
+(:meth:`Tracker.on_message`) and ticks (:meth:`Tracker.on_tick`); the pool asks it to start,
+stop and begin cells. It sends through a :class:`~distnb.requests.Transport`, so a test can feed
+it messages and read what it sent without a process or a socket.
+
+Pool::
+
+    NEW ─► STARTING ─► READY ◄─► (BROKEN: a rank died) ─► STOPPING ─► STOPPED ─► STARTING …
+               └──────────────────────────────────────────►┘
+
+Rank::
+
+    LAUNCHED ─► STARTED ─► CONNECTED ─► IDLE ◄─► RUNNING       (any) ─► DEAD
+    (torchrun)  (supervisor) (hello)    (ready)  (a cell)
+"""
+
+from __future__ import annotations
+
+import codecs
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from distnb import _processes
+from distnb.cluster import Nodes
+from distnb.collective_log import CollectiveLog, describe
+from distnb.diagnose import collective_at_death
+from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
+from distnb.protocol import Msg, control_identity, supervisor_identity
+from distnb.ranks import format_ranks
+from distnb.requests import Requests, Transport
+from distnb.results import CellResult, PoolState, RankResult, RankState, RankStatus
+
+__all__ = ["CellEvents", "CellRun", "Liveness", "RankRecord", "Tracker", "OUTPUT_KEEP_BYTES"]
+
+#: Output kept per rank, per stream, per cell; the rest is counted, not stored.
+OUTPUT_KEEP_BYTES = 1 << 20
+
+_POOL_MOVES: dict[PoolState, set[PoolState]] = {
+    PoolState.NEW: {PoolState.STARTING},
+    PoolState.STARTING: {PoolState.READY, PoolState.STOPPING},
+    PoolState.READY: {PoolState.BROKEN, PoolState.STOPPING},
+    PoolState.BROKEN: {PoolState.STOPPING},
+    PoolState.STOPPING: {PoolState.STOPPED},
+    PoolState.STOPPED: {PoolState.STARTING},
+}
+_RANK_MOVES: dict[RankState, set[RankState]] = {
+    RankState.LAUNCHED: {RankState.STARTED, RankState.CONNECTED, RankState.IDLE, RankState.DEAD},
+    RankState.STARTED: {RankState.CONNECTED, RankState.IDLE, RankState.DEAD},
+    RankState.CONNECTED: {RankState.IDLE, RankState.DEAD},
+    RankState.IDLE: {RankState.RUNNING, RankState.DEAD},
+    RankState.RUNNING: {RankState.IDLE, RankState.DEAD},
+    RankState.DEAD: set(),
+}
+
+
+@dataclass
+class CellEvents:
+    """Callbacks for a running cell; all are called on distnb's I/O thread and must be quick."""
+
+    on_output: Callable[[int, str, str], None] | None = None  # (rank, "stdout"/"stderr", text)
+    on_display: Callable[[int, dict[str, str]], None] | None = None
+    on_rank_done: Callable[[RankResult], None] | None = None
+
+
+class CellRun:
+    """A cell in flight: which ranks still owe their CELL_DONE, and how much output was kept."""
+
+    def __init__(self, result: CellResult, events: CellEvents) -> None:
+        self.result = result
+        self.events = events
+        self.started = time.monotonic()
+        self.waiting_done = set(result.ranks)
+        self.kept = {(r, s): 0 for r in result.ranks for s in ("stdout", "stderr")}
+        self.finished = threading.Event()
+
+    def rank_finished(self, rank: int) -> bool:
+        return rank not in self.waiting_done
+
+
+def run_of(result: CellResult) -> CellRun:
+    """The live run behind a result the pool returned (``submit`` attaches it)."""
+    return result._run  # type: ignore[attr-defined, no-any-return]
+
+
+@dataclass
+class RankRecord:
+    """What the controller knows of one rank. ``agent`` is the node agent that started it (0: this
+    machine); ``group_rank`` is torchrun's node index."""
+
+    rank: int
+    state: RankState = RankState.LAUNCHED
+    supervisor_pid: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    local_rank: int | None = None
+    device: str | None = None
+    backend: str | None = None
+    returncode: int | None = None
+    start_error: str | None = None
+    stderr_tail: str = ""
+    died_at: float | None = None  # monotonic
+    main_ident: int | None = None
+    agent: int = 0
+    group_rank: int | None = None
+    agent_beats: int = 0  # its agent's beat count when the rank said hello
+    cause: str = ""  # why it died, when no exit code tells (a machine lost)
+    run: CellRun | None = None
+    log: list[str] = field(default_factory=list)  # output outside any cell (start-up, threads)
+    decoders: dict[str, Any] = field(default_factory=dict)
+
+    def decode(self, stream: str, data: bytes) -> str:
+        dec = self.decoders.get(stream)
+        if dec is None:
+            dec = self.decoders[stream] = codecs.getincrementaldecoder("utf-8")("replace")
+        return str(dec.decode(data))
+
+
+class Liveness(Protocol):
+    """What the tracker needs of the launcher: which processes it started live, and torchrun's exit."""
+
+    known_pids: _processes.KnownProcesses
+
+    def returncode(self) -> int | None: ...
+
+
+class Tracker:
+    """Pool and rank states, one lock, fed by messages. Read its state; never assign it."""
+
+    def __init__(self, world_size: int, log: CollectiveLog | None = None) -> None:
+        self.world_size = world_size
+        self.lock = threading.RLock()
+        #: Notified on every message and tick: ``start`` and ``shutdown`` wait on it.
+        self.changed = threading.Condition(self.lock)
+        self.collective_log = log if log is not None else CollectiveLog()
+        self.requests = Requests(lambda: self.transport)
+        self.nodes = Nodes(0)
+        self.transport: Transport | None = None
+        self.liveness: Liveness | None = None
+        #: ``handler(agent, msg)`` for node agents' messages (multi-node pools), under the lock.
+        self.node_handler: Callable[[int, dict[str, Any]], None] | None = None
+        self.ranks: dict[int, RankRecord] = {}
+        self.notes: list[str] = []  # for start()'s on_note, taken on the caller's thread
+        self._state = PoolState.NEW
+        self._first_death: int | None = None
+        self._first_death_result: RankResult | None = None
+        self._last_results: dict[int, RankResult] = {}
+        self._poll_dirty: set[int] = set()
+        self._ticks = 0
+
+    # -- the one place states change ------------------------------------------------------------
+    @property
+    def state(self) -> PoolState:
+        return self._state
+
+    @property
+    def first_death(self) -> int | None:
+        """The rank that died first (the root cause), by time of death."""
+        return self._first_death
+
+    def _move(self, state: PoolState) -> None:
+        if state not in _POOL_MOVES[self._state]:
+            raise RuntimeError(f"distnb bug: the pool can't go from {self._state.value} to {state.value}.")
+        self._state = state
+        self.changed.notify_all()
+
+    def _set_rank(self, info: RankRecord, state: RankState) -> None:
+        if state == info.state:
+            return
+        if state not in _RANK_MOVES[info.state]:
+            # Late or reordered messages (a READY after a death) must not revive a rank.
+            return
+        info.state = state
+        if state == RankState.DEAD and self._state == PoolState.READY:
+            self._move(PoolState.BROKEN)
+
+    # -- lifecycle (called by the pool) ---------------------------------------------------------
+    def begin_start(self, transport: Transport, nodes: Nodes) -> None:
+        with self.lock:
+            self._move(PoolState.STARTING)
+            self.transport, self.liveness, self.nodes = transport, None, nodes
+            self.ranks = {r: RankRecord(r) for r in range(self.world_size)}
+            self._first_death = None
+            self._first_death_result = None
+            self._last_results = {}
+            self.notes = []
+            self.collective_log.clear()
+
+    def mark_ready(self) -> bool:
+        """STARTING -> READY, atomically with the check that every rank is idle: a rank that died
+        after saying READY and before this must fail the start, not leave a READY pool with a
+        dead rank in it. False when not every rank is idle."""
+        with self.lock:
+            if any(i.state != RankState.IDLE for i in self.ranks.values()):
+                return False
+            self._move(PoolState.READY)
+            return True
+
+    def begin_stop(self) -> bool:
+        """-> STOPPING; False when there is nothing to stop (never started, or stopped)."""
+        with self.lock:
+            if self._state in (PoolState.NEW, PoolState.STOPPED, PoolState.STOPPING):
+                return False
+            self._move(PoolState.STOPPING)
+            return True
+
+    def stopped(self) -> None:
+        """Every rank dead, cells still waiting ended with them, -> STOPPED."""
+        with self.lock:
+            for info in self.ranks.values():
+                self._set_rank(info, RankState.DEAD)
+                if info.run is not None:
+                    self._finish_rank_dead(info)
+            self.transport = None
+            self._move(PoolState.STOPPED)
+
+    def note(self, text: str) -> None:
+        with self.lock:
+            self.notes.append(text)
+            del self.notes[:-50]
+
+    def take_notes(self) -> list[str]:
+        with self.lock:
+            notes, self.notes = self.notes, []
+            return notes
+
+    # -- cells ----------------------------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Raise unless the pool can run cells: :class:`PoolBrokenError` naming the first death."""
+        if self._state == PoolState.BROKEN:
+            dead = sorted(r for r, i in self.ranks.items() if i.state == RankState.DEAD)
+            first = self.ranks.get(self._first_death if self._first_death is not None else (dead[0] if dead else -1))
+            why = f"rank {first.rank} died ({_processes.signal_meaning(first.returncode)})" if first else "a rank died"
+            raise PoolBrokenError(
+                f"the pool is broken: {why}, so collectives can't complete any more. "
+                "Run %dist_restart (pool.restart()) for fresh ranks, or %dist_restart --replay to re-run the cells that succeeded.",
+                dead=dead, first_death=first.rank if first else None,
+            )
+        if self._state != PoolState.READY:
+            raise NoPoolError(f"the pool is {self._state.value}; start one with %dist_launch (distnb.launch()).")
+
+    def busy(self, ranks: list[int] | None = None) -> dict[int, int]:
+        """``{rank: cell}`` of the given (default: all) ranks still running a cell."""
+        with self.lock:
+            chosen = self.ranks if ranks is None else ranks
+            return {r: run.result.cell for r in chosen if (run := self.ranks[r].run) is not None}
+
+    def raise_if_busy(self, ranks: list[int]) -> None:
+        busy = self.busy(ranks)
+        if busy:
+            cells = sorted(set(busy.values()))
+            raise PoolBusyError(
+                f"{format_ranks(busy)} {'is' if len(busy) == 1 else 'are'} still running cell "
+                f"{', '.join(map(str, cells))}. Wait for it, see where it is with %dist_stacks, "
+                "interrupt it with pool.interrupt(), or %dist_restart.",
+                busy=busy,
+            )
+
+    def ensure_idle(self, ranks: list[int]) -> None:
+        """For requests that need the ranks' main threads: the pool usable and these ranks free."""
+        with self.lock:
+            self.check_usable()
+            self.raise_if_busy(ranks)
+
+    def begin_cell(self, result: CellResult, events: CellEvents) -> CellRun:
+        """Mark the result's ranks RUNNING (raising if the pool can't run it) and return its run."""
+        with self.lock:
+            self.ensure_idle(result.ranks)
+            run = CellRun(result, events)
+            result._run = run  # type: ignore[attr-defined]
+            for r in result.ranks:
+                info = self.ranks[r]
+                info.run = run
+                self._set_rank(info, RankState.RUNNING)
+                self._last_results[r] = result.results[r]
+            self._poll_dirty.update(result.ranks)
+            return run
+
+    # -- views ----------------------------------------------------------------------------------
+    def alive(self, ranks: list[int]) -> list[int]:
+        with self.lock:
+            return [r for r in ranks if r in self.ranks and self.ranks[r].state != RankState.DEAD]
+
+    def stages(self) -> dict[int, RankState]:
+        with self.lock:
+            return {r: info.state for r, info in self.ranks.items()}
+
+    def ranks_by_agent(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        with self.lock:
+            for r, info in sorted(self.ranks.items()):
+                if info.agent and info.supervisor_pid is not None:
+                    out.setdefault(info.agent, []).append(r)
+        return out
+
+    def rank_statuses(self) -> list[RankStatus]:
+        now = time.monotonic()
+        with self.lock:
+            return [
+                RankStatus(
+                    rank=r, state=info.state, pid=info.pid, host=info.host, device=info.device,
+                    cell=info.run.result.cell if info.run else None,
+                    elapsed=now - info.run.started if info.run else None,
+                    returncode=info.returncode, local_rank=info.local_rank, node=info.group_rank, cause=info.cause,
+                )
+                for r, info in sorted(self.ranks.items())
+            ]
+
+    def backend(self) -> str | None:
+        with self.lock:
+            return next((i.backend for i in self.ranks.values() if i.backend), None)
+
+    # -- messages (the I/O thread) --------------------------------------------------------------
+    def on_message(self, kind: str, rank: int, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        with self.lock:
+            if kind == "n":
+                if self.node_handler is not None:
+                    self.node_handler(rank, msg)
+            elif (info := self.ranks.get(rank)) is not None:
+                if t == Msg.REPLY:
+                    self.requests.deliver(rank, msg)
+                elif t == Msg.COLLECTIVES_PUSH:
+                    self.collective_log.merge(rank, msg)
+                elif kind == "s":
+                    self._on_supervisor(info, t, msg)
+                else:
+                    self._on_rank(info, t, msg)
+            self.changed.notify_all()
+
+    def _on_supervisor(self, info: RankRecord, t: str, msg: dict[str, Any]) -> None:
+        if t == Msg.OUTPUT:
+            text = info.decode(msg["stream"], msg["data"])
+            if text:
+                self._route_output(info, msg["stream"], text)
+        elif t == Msg.EVENT:
+            # Unsigned inside, but it reached us in a frame signed by the rank's supervisor,
+            # which read it from a pipe only its own child can write.
+            event = pickle.loads(msg["body"])
+            self._on_rank(info, event["t"], event)
+        elif t == Msg.SUP_HELLO:
+            self._on_sup_hello(info, msg)
+        elif t == Msg.RANK_EXIT:
+            info.returncode = msg["returncode"]
+            info.stderr_tail = msg.get("stderr_tail", "")
+            self._mark_dead(info, msg.get("time"))
+
+    def _on_sup_hello(self, info: RankRecord, msg: dict[str, Any]) -> None:
+        if "pid" in msg:
+            info.supervisor_pid = msg["pid"]
+            info.host = msg.get("host")
+            info.local_rank = msg.get("local_rank")
+            info.group_rank = msg.get("group_rank")
+            info.agent = int(msg.get("agent", 0))
+            if info.agent:
+                node = self.nodes.agents.get(info.agent)
+                info.agent_beats = node.beats if node else 0
+            elif self.liveness is not None:
+                self.liveness.known_pids.add(msg["pid"])
+            if self.transport is not None:
+                self.transport.heartbeat_peers.add(supervisor_identity(info.rank))
+            if info.state == RankState.LAUNCHED:
+                self._set_rank(info, RankState.STARTED)
+        if "child_pid" in msg:
+            info.pid = msg["child_pid"]
+            if self.liveness is not None and not info.agent:
+                self.liveness.known_pids.add(msg["child_pid"])
+
+    def _on_rank(self, info: RankRecord, t: str, msg: dict[str, Any]) -> None:
+        if t == Msg.CELL_DONE:
+            self._cell_done(info, msg)
+        elif t == Msg.DISPLAY:
+            run = info.run
+            if run is not None and run.result.cell == msg["cell"]:
+                run.result.results[info.rank].displays.append(msg["data"])
+                if run.events.on_display:
+                    run.events.on_display(info.rank, msg["data"])
+            else:
+                info.log.append(msg["data"].get("text/plain", ""))
+        elif t == Msg.HELLO:
+            info.pid, info.host, info.local_rank = msg["pid"], msg["host"], msg["local_rank"]
+            info.main_ident = msg.get("main_ident")
+            if info.state in (RankState.LAUNCHED, RankState.STARTED):
+                self._set_rank(info, RankState.CONNECTED)
+        elif t == Msg.READY:
+            info.device, info.backend = msg["device"], msg["backend"]
+            self._set_rank(info, RankState.IDLE)
+        elif t == Msg.START_FAILED:
+            info.start_error = msg.get("error") or msg.get("summary")
+
+    def _cell_done(self, info: RankRecord, msg: dict[str, Any]) -> None:
+        run = info.run
+        if run is None or run.result.cell != msg.get("cell"):
+            return  # a cell the controller stopped waiting for (restart, detach)
+        res = run.result.results[info.rank]
+        res.status = msg["status"]
+        res.value, res.error = msg.get("value"), msg.get("error")
+        res.duration, res.memory = msg.get("duration"), msg.get("memory")
+        res.finished_at = time.monotonic()
+        run.waiting_done.discard(info.rank)
+        if res.error and "OutOfMemoryError" in str(res.error.get("ename")) and run.waiting_done:
+            self._ask_memory_of_waiting(run)
+        self._maybe_finish(info)
+
+    def _ask_memory_of_waiting(self, run: CellRun) -> None:
+        """The others usually wait for an out-of-memory rank in a collective and will report no
+        end-of-cell memory: ask for theirs now, for the side-by-side comparison."""
+        if self.transport is None:
+            return
+        live = run.result.live_memory
+
+        def keep(rank: int, reply: dict[str, Any]) -> None:
+            if "memory" in reply:
+                live[rank] = reply["memory"]
+
+        req_id = self.requests.expect(keep, ttl=30.0)
+        self.transport.send_many(map(control_identity, sorted(run.waiting_done)), {"t": Msg.MEMORY, "id": req_id})
+
+    def _route_output(self, info: RankRecord, stream: str, text: str) -> None:
+        run = info.run
+        if run is None or info.rank not in run.waiting_done:
+            info.log.append(text)
+            del info.log[:-200]
+            return
+        res = run.result.results[info.rank]
+        key = (info.rank, stream)
+        room = OUTPUT_KEEP_BYTES - run.kept[key]
+        if room > 0:
+            kept = text[:room]
+            setattr(res, stream, getattr(res, stream) + kept)
+            run.kept[key] += len(kept)
+            if len(kept) < len(text):
+                res.output_truncated += len(text) - len(kept)
+        else:
+            res.output_truncated += len(text)
+        if run.events.on_output:
+            run.events.on_output(info.rank, stream, text)
+
+    def _maybe_finish(self, info: RankRecord) -> None:
+        run = info.run
+        if run is None or not run.rank_finished(info.rank):
+            return
+        info.run = None
+        if info.state == RankState.RUNNING:
+            self._set_rank(info, RankState.IDLE)
+        if run.events.on_rank_done:
+            run.events.on_rank_done(run.result.results[info.rank])
+        if all(run.rank_finished(r) for r in run.result.ranks):
+            run.result.elapsed = time.monotonic() - run.started
+            run.events = CellEvents()  # let go of the caller's callbacks (views, printers)
+            run.finished.set()
+
+    def _mark_dead(self, info: RankRecord, when: float | None = None) -> None:
+        if info.died_at is None:
+            # ``when`` is the supervisor's wall clock at its exit report. Reports can arrive out of
+            # order, so deaths are ordered by it — trusted only a few seconds back, so a machine
+            # whose clock is off can't reorder deaths by more than a report can be late.
+            late = min(max(0.0, time.time() - when), 5.0) if when is not None else 0.0
+            info.died_at = time.monotonic() - late
+        if self._state in (PoolState.READY, PoolState.STARTING, PoolState.BROKEN):
+            first = self.ranks.get(self._first_death) if self._first_death is not None else None
+            if first is None or first.died_at is None or info.died_at < first.died_at:
+                if self._first_death_result is not None:
+                    # Its post-mortem already said "died first": the report of an earlier death came later.
+                    self._first_death_result.first_death = False
+                    self._first_death_result = None
+                self._first_death = info.rank
+        self._set_rank(info, RankState.DEAD)
+        self._finish_rank_dead(info)
+
+    def _finish_rank_dead(self, info: RankRecord) -> None:
+        run = info.run
+        if run is None:
+            return
+        res = run.result.results[info.rank]
+        if res.status == "running":
+            res.status = "dead"
+            res.returncode = info.returncode
+            res.stderr_tail = info.stderr_tail
+            res.first_death = self._first_death == info.rank
+            if res.first_death:
+                self._first_death_result = res
+            res.cause = info.cause
+            res.finished_at = time.monotonic()
+            # As the rank last pushed it (within ~50 ms of entering) or the pool last polled it;
+            # the rank itself tells which cell an entry belongs to (no cross-machine clocks).
+            pending = self.collective_log.pending(info.rank, run.result.cell)
+            if pending is not None:
+                res.collective = f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
+            else:
+                # Died before the log could hear of it (gloo aborts within ms of a mismatch): the
+                # stack faulthandler printed on the fatal signal still says where.
+                res.collective = collective_at_death(info.stderr_tail, info.main_ident) or ""
+        run.waiting_done.discard(info.rank)
+        self._maybe_finish(info)
+
+    # -- the tick (the I/O thread, once a second) -----------------------------------------------
+    def on_tick(self) -> None:
+        with self.lock:
+            self.requests.prune()
+            if self._state in (PoolState.READY, PoolState.STARTING, PoolState.BROKEN):
+                self._check_nodes()
+                self._check_processes()
+                self._poll_collectives()
+            self.changed.notify_all()
+
+    def _check_nodes(self) -> None:
+        for node in self.nodes.check():
+            self.note(f"{node.name()} stopped answering: its ranks are taken for dead")
+            for info in self.ranks.values():
+                # Ranks that already reported a SIGTERM died because their machine's agent went.
+                if info.agent == node.agent_id and info.state == RankState.DEAD and not info.cause:
+                    info.cause = node.cause()
+                    res = self._last_results.get(info.rank)
+                    if res is not None and res.status == "dead":
+                        res.cause = info.cause
+
+    def _check_processes(self) -> None:
+        liveness = self.liveness
+        agent_rc = liveness.returncode() if liveness is not None else None
+        for info in self.ranks.values():
+            if info.state == RankState.DEAD:
+                continue
+            if info.agent:  # on another machine: its agent knows
+                cause = self.nodes.rank_gone(info.agent, info.supervisor_pid, info.agent_beats)
+                if cause:
+                    info.cause = cause
+                    self._mark_dead(info)
+                continue
+            if liveness is None:  # no launcher yet: nothing it started can have gone
+                continue
+            # By PID and start time: a reused number must not make a dead supervisor look alive.
+            sup_gone = info.supervisor_pid is not None and not liveness.known_pids.is_alive(info.supervisor_pid)
+            if sup_gone or agent_rc is not None and info.supervisor_pid is None:
+                # No exit report is coming: the supervisor itself is gone (killed with the agent).
+                self._mark_dead(info)
+
+    def _poll_collectives(self) -> None:
+        """Fetch new collective-log entries of ranks that ran cells, so the log survives a rank that
+        later dies abruptly. Running ranks push their own within ~50 ms (worker/control.py); this
+        is the backstop, every 5 s for them, since a full read of a rank's recorder costs ms."""
+        if self.transport is None:
+            return
+        self._ticks += 1
+        running = {r for r, i in self.ranks.items() if i.run is not None} if self._ticks % 5 == 0 else set()
+        targets = sorted(r for r in self._poll_dirty | running if self.ranks[r].state != RankState.DEAD)
+        self._poll_dirty = set()
+        for r in targets:
+            req_id = self.requests.expect(self.collective_log.merge, ttl=10.0)
+            self.transport.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": req_id, "since": self.collective_log.last_id(r)})
