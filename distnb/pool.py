@@ -31,7 +31,7 @@ from distnb.memory_report import MemoryReport
 from distnb.multinode import MultiNode
 from distnb.protocol import MAX_FRAME_BYTES, Msg, control_identity, exec_identity, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
-from distnb.results import CellRecord, CellResult, EnvReport, PoolState, PoolStatus, PushRecord, RankResult, RankState
+from distnb.results import CellRecord, CellResult, EnvReport, PoolState, PoolStatus, PushRecord, RankResult
 from distnb.security import Credentials
 from distnb.session import SessionLog
 from distnb.stacks import StackReport

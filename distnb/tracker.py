@@ -19,11 +19,9 @@ Rank::
 
 from __future__ import annotations
 
-import codecs
 import pickle
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from distnb import _processes
@@ -33,10 +31,11 @@ from distnb.diagnose import collective_at_death
 from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
 from distnb.protocol import Msg, control_identity, supervisor_identity
 from distnb.ranks import format_ranks
+from distnb.records import CellEvents, CellRun, RankRecord, run_of
 from distnb.requests import Requests, Transport
 from distnb.results import CellResult, PoolState, RankResult, RankState, RankStatus
 
-__all__ = ["CellEvents", "CellRun", "Liveness", "RankRecord", "Tracker", "OUTPUT_KEEP_BYTES"]
+__all__ = ["CellEvents", "CellRun", "Liveness", "RankRecord", "Tracker", "OUTPUT_KEEP_BYTES", "run_of"]
 
 #: Output kept per rank, per stream, per cell; the rest is counted, not stored.
 OUTPUT_KEEP_BYTES = 1 << 20
@@ -57,68 +56,6 @@ _RANK_MOVES: dict[RankState, set[RankState]] = {
     RankState.RUNNING: {RankState.IDLE, RankState.DEAD},
     RankState.DEAD: set(),
 }
-
-
-@dataclass
-class CellEvents:
-    """Callbacks for a running cell; all are called on distnb's I/O thread and must be quick."""
-
-    on_output: Callable[[int, str, str], None] | None = None  # (rank, "stdout"/"stderr", text)
-    on_display: Callable[[int, dict[str, str]], None] | None = None
-    on_rank_done: Callable[[RankResult], None] | None = None
-
-
-class CellRun:
-    """A cell in flight: which ranks still owe their CELL_DONE, and how much output was kept."""
-
-    def __init__(self, result: CellResult, events: CellEvents) -> None:
-        self.result = result
-        self.events = events
-        self.started = time.monotonic()
-        self.waiting_done = set(result.ranks)
-        self.kept = {(r, s): 0 for r in result.ranks for s in ("stdout", "stderr")}
-        self.finished = threading.Event()
-
-    def rank_finished(self, rank: int) -> bool:
-        return rank not in self.waiting_done
-
-
-def run_of(result: CellResult) -> CellRun:
-    """The live run behind a result the pool returned (``submit`` attaches it)."""
-    return result._run  # type: ignore[attr-defined, no-any-return]
-
-
-@dataclass
-class RankRecord:
-    """What the controller knows of one rank. ``agent`` is the node agent that started it (0: this
-    machine); ``group_rank`` is torchrun's node index."""
-
-    rank: int
-    state: RankState = RankState.LAUNCHED
-    supervisor_pid: int | None = None
-    pid: int | None = None
-    host: str | None = None
-    local_rank: int | None = None
-    device: str | None = None
-    backend: str | None = None
-    returncode: int | None = None
-    start_error: str | None = None
-    stderr_tail: str = ""
-    died_at: float | None = None  # monotonic
-    main_ident: int | None = None
-    agent: int = 0
-    group_rank: int | None = None
-    agent_beats: int = 0  # its agent's beat count when the rank said hello
-    cause: str = ""  # why it died, when no exit code tells (a machine lost)
-    run: CellRun | None = None
-    log: list[str] = field(default_factory=list)  # output outside any cell (start-up, threads)
-    decoders: dict[str, Any] = field(default_factory=dict)
-
-    def decode(self, stream: str, data: bytes) -> str:
-        dec = self.decoders.get(stream)
-        if dec is None:
-            dec = self.decoders[stream] = codecs.getincrementaldecoder("utf-8")("replace")
-        return str(dec.decode(data))
 
 
 class Liveness(Protocol):
