@@ -19,10 +19,11 @@ __version__ = "0.1.0"
 # runs this file first, and must not pay for the controller (pool, launch, IPython glue: ~130 ms
 # of every launch) that they never use.
 _PUBLIC = {
-    "DistnbError": "distnb.errors", "LaunchError": "distnb.errors", "NoPoolError": "distnb.errors",
-    "PoolBrokenError": "distnb.errors", "PoolBusyError": "distnb.errors", "RemoteError": "distnb.errors",
+    "DistnbError": "distnb.errors", "LaunchError": "distnb.errors", "NoAnswerError": "distnb.errors",
+    "NoCellError": "distnb.errors", "NoPoolError": "distnb.errors", "PoolBrokenError": "distnb.errors",
+    "PoolBusyError": "distnb.errors", "RemoteError": "distnb.errors", "ShutdownError": "distnb.errors",
     "LaunchConfig": "distnb.config",
-    "CellEvents": "distnb.pool", "Pool": "distnb.pool", "PoolState": "distnb.pool", "current_pool": "distnb.pool",
+    "CellEvents": "distnb.records", "Pool": "distnb.pool", "PoolState": "distnb.pool", "current_pool": "distnb.pool",
     "launch": "distnb.pool",
     "CellResult": "distnb.results", "PoolStatus": "distnb.results", "RankResult": "distnb.results",
     "RankState": "distnb.results", "RankStatus": "distnb.results",
@@ -30,9 +31,11 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
-    from distnb.errors import DistnbError, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError
+    from distnb.errors import (DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError,
+                               PoolBusyError, RemoteError, ShutdownError)
     from distnb.config import LaunchConfig
-    from distnb.pool import CellEvents, Pool, PoolState, current_pool, launch
+    from distnb.pool import Pool, PoolState, current_pool, launch
+    from distnb.records import CellEvents
     from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
     from distnb.worker.checksum import checksum
 
@@ -55,6 +58,8 @@ __all__ = [
     "DistnbError",
     "LaunchConfig",
     "LaunchError",
+    "NoAnswerError",
+    "NoCellError",
     "NoPoolError",
     "Pool",
     "PoolBrokenError",
@@ -65,6 +70,7 @@ __all__ = [
     "RankState",
     "RankStatus",
     "RemoteError",
+    "ShutdownError",
     "checksum",
     "current_pool",
     "launch",
