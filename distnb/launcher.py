@@ -56,14 +56,14 @@ class Launcher:
         creds: Credentials,
         on_line: Callable[[str], None] | None = None,
         rdzv: Rendezvous | None = None,
-        node: int = 0,
+        agent: int = 0,
     ) -> None:
         self.config = config
         self._address = address
         self._creds = creds
         self._on_line = on_line
         self.rdzv = rdzv
-        self.node = node
+        self.agent = agent  # the node agent running this launcher; 0: the controller's machine
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
         self._drain: threading.Thread | None = None
@@ -97,7 +97,7 @@ class Launcher:
         env.update(self._creds.env())
         env.update(
             DISTNB_ADDR=self._address,
-            DISTNB_NODE=str(self.node),
+            DISTNB_AGENT=str(self.agent),
             DISTNB_BACKEND=self.config.backend,
             DISTNB_PG_TIMEOUT=repr(self.config.pg_timeout),
             DISTNB_HEARTBEAT_TIMEOUT=repr(self.config.heartbeat_timeout),

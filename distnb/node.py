@@ -110,7 +110,7 @@ class NodeAgent:
                   f"{config.nproc} ranks (rendezvous {rdzv.endpoint})", flush=True)
             # The sender can't be touched from the output thread: hand lines to it through a list.
             lines: list[str] = []
-            self.launcher = Launcher(config, self.address, self.creds, on_line=lines.append, rdzv=rdzv, node=self.agent_id)
+            self.launcher = Launcher(config, self.address, self.creds, on_line=lines.append, rdzv=rdzv, agent=self.agent_id)
             self.launcher.start()
             return self._serve(config, lines)
         finally:

@@ -12,6 +12,7 @@ It composes the parts that do the work and keeps each to its job:
 from __future__ import annotations
 
 import atexit
+import inspect
 import pickle
 import time
 import weakref
@@ -457,6 +458,18 @@ def launch(config: LaunchConfig | None = None, on_progress: OnProgress | None = 
     """Start a pool and make it the current one: ``pool = distnb.launch(nproc=4)``. ``options``
     are :class:`Pool`'s (and :class:`~distnb.config.LaunchConfig`'s)."""
     return Pool(config, **options).start(on_progress)
+
+
+def _launch_signature() -> inspect.Signature:
+    """``launch``'s signature as callers should see it (``distnb.launch?``, editor tooltips): Pool's
+    options, spelled out, without repeating them here."""
+    pool = list(inspect.signature(Pool.__init__).parameters.values())[1:]  # without self
+    progress = inspect.Parameter("on_progress", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                 annotation="OnProgress | None")
+    return inspect.Signature([pool[0], progress, *pool[1:]], return_annotation="Pool")
+
+
+launch.__signature__ = _launch_signature()  # type: ignore[attr-defined]
 
 
 def current_pool() -> Pool:

@@ -121,13 +121,13 @@ def test_launcher_command_and_environment(monkeypatch):
     assert cmd[cmd.index("--log-dir") + 1] == launcher.run_dir
     assert launcher.pid is None and launcher.returncode() is None and launcher.stop() == []
     assert not os.path.exists(launcher.run_dir)  # no temp folder left behind
-    assert "--standalone" in cmd and "--rdzv-endpoint" not in cmd and env["DISTNB_NODE"] == "0"
+    assert "--standalone" in cmd and "--rdzv-endpoint" not in cmd and env["DISTNB_AGENT"] == "0"
 
 
 def test_multi_node_command_joins_the_rendezvous():
     cfg = LaunchConfig(nproc=2, backend="gloo", nnodes=3)
     rdzv = Rendezvous("10.0.0.1:29400", "distnb-abc", store_here=False, local_addr=None, join_timeout=60)
-    launcher = Launcher(cfg, "tcp://10.0.0.1:5555", Credentials(b"\x02" * 32), rdzv=rdzv, node=77)
+    launcher = Launcher(cfg, "tcp://10.0.0.1:5555", Credentials(b"\x02" * 32), rdzv=rdzv, agent=77)
     cmd = launcher.command()
     assert "--standalone" not in cmd
     assert cmd[cmd.index("--nnodes") + 1] == "3" and cmd[cmd.index("--nproc-per-node") + 1] == "2"
@@ -135,7 +135,7 @@ def test_multi_node_command_joins_the_rendezvous():
     assert cmd[cmd.index("--rdzv-id") + 1] == "distnb-abc"
     assert cmd[cmd.index("--rdzv-conf") + 1] == "join_timeout=60,is_host=false"
     assert "--local-addr" not in cmd
-    assert launcher.environment()["DISTNB_NODE"] == "77"
+    assert launcher.environment()["DISTNB_AGENT"] == "77"
     launcher.stop()
 
 

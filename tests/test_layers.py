@@ -112,3 +112,22 @@ def test_public_surface_is_pinned_and_loads() -> None:
     ]
     for name in distnb.__all__:
         assert getattr(distnb, name) is not None
+
+
+def test_pool_and_launch_spell_out_their_options() -> None:
+    import inspect
+
+    import pytest
+
+    options = set(inspect.signature(distnb.Pool).parameters) - {"config"}
+    fields = set(distnb.LaunchConfig.__dataclass_fields__)
+    assert options == fields, f"Pool's options and LaunchConfig's fields differ: {sorted(options ^ fields)}"
+    assert set(inspect.signature(distnb.launch).parameters) == options | {"config", "on_progress"}
+    with pytest.raises(TypeError, match="either a LaunchConfig or keyword options"):
+        distnb.Pool(distnb.LaunchConfig(nproc=1), nproc=2)
+    with pytest.raises(TypeError):
+        distnb.Pool(nprocs=2)  # type: ignore[call-arg]
+    pool = distnb.Pool(nproc=3, backend="gloo", hang_after=2.0)
+    assert pool.config == distnb.LaunchConfig(nproc=3, backend="gloo", hang_after=2.0)
+    with pytest.raises(AttributeError):
+        pool.state = distnb.PoolState.READY  # type: ignore[misc]

@@ -199,7 +199,7 @@ class Supervisor:
                 "host": socket.gethostname(),
                 "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                 "group_rank": int(os.environ.get("GROUP_RANK", "0")),
-                "agent": int(os.environ.get("DISTNB_NODE", "0")),  # 0: the controller's own machine
+                "agent": int(os.environ.get("DISTNB_AGENT", "0")),  # 0: the controller's own machine
             }
         )
         out_r, err_r, fault_r, events_r = self.start_child()
