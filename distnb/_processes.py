@@ -43,7 +43,7 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
         return False
 
 
-_spawn_queue: "queue.Queue[tuple[list[str], dict[str, Any], queue.Queue[Any]]]" = queue.Queue()
+_spawn_queue: queue.Queue[tuple[list[str], dict[str, Any], queue.Queue[Any]]] = queue.Queue()
 _spawner: threading.Thread | None = None
 _spawner_lock = threading.Lock()
 
@@ -57,7 +57,7 @@ def _spawn_loop() -> None:
             reply.put(exc)
 
 
-def popen_with_parent_death(args: list[str], sig: int = signal.SIGTERM, **kwargs: Any) -> "subprocess.Popen[bytes]":
+def popen_with_parent_death(args: list[str], sig: int = signal.SIGTERM, **kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen`` whose child gets ``sig`` when this process dies.
 
     The kernel sends the parent-death signal when the *thread* that forked exits, not the
@@ -69,7 +69,7 @@ def popen_with_parent_death(args: list[str], sig: int = signal.SIGTERM, **kwargs
         if _spawner is None or not _spawner.is_alive():
             _spawner = threading.Thread(target=_spawn_loop, name="distnb-spawner", daemon=True)
             _spawner.start()
-    reply: "queue.Queue[Any]" = queue.Queue()
+    reply: queue.Queue[Any] = queue.Queue()
     _spawn_queue.put((args, {**kwargs, "preexec_fn": lambda: set_parent_death_signal(sig)}, reply))
     out = reply.get()
     if isinstance(out, BaseException):
@@ -77,7 +77,7 @@ def popen_with_parent_death(args: list[str], sig: int = signal.SIGTERM, **kwargs
     return out
 
 
-_SIGNAL_MEANINGS = {
+_SIGNAL_MEANINGS: dict[int, str] = {
     signal.SIGKILL: "killed (SIGKILL: kill -9, or the kernel's OOM killer)",
     signal.SIGTERM: "terminated (SIGTERM)",
     signal.SIGABRT: "aborted (SIGABRT: a C++ assertion or abort(), e.g. gloo on mismatched tensors)",
@@ -242,7 +242,7 @@ class KnownProcesses(MutableSet[int]):
             return  # first sighting wins: a later read could already be of a reused number
         self._started[pid] = started if started is not None else start_time(pid)
 
-    def update(self, pids: "dict[int, int] | Iterable[int]") -> None:
+    def update(self, pids: dict[int, int] | Iterable[int]) -> None:
         """Add many: a ``{pid: start time}`` dict (from :func:`process_table`) or plain PIDs."""
         if isinstance(pids, dict):
             for pid, started in pids.items():

@@ -17,7 +17,8 @@ from distnb.results import group_by
 
 __all__ = ["CollectiveLog", "CollectiveReport", "Divergence", "describe", "signature"]
 
-_DTYPE_SHORT = {"Float": "f32", "Double": "f64", "Half": "f16", "BFloat16": "bf16", "Long": "i64", "Int": "i32", "Byte": "u8", "Bool": "bool", "Char": "i8", "Short": "i16"}
+_DTYPE_SHORT = {"Float": "f32", "Double": "f64", "Half": "f16", "BFloat16": "bf16", "Long": "i64", "Int": "i32",
+                "Byte": "u8", "Bool": "bool", "Char": "i8", "Short": "i16"}
 
 
 def describe(entry: dict[str, Any], with_op: bool = True) -> str:
@@ -111,7 +112,7 @@ class CollectiveLog:
         seqs = [e["seq"] for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]]
         return max(seqs) if seqs else None
 
-    def report(self, ranks: list[int], last: int | None = None) -> "CollectiveReport":
+    def report(self, ranks: list[int], last: int | None = None) -> CollectiveReport:
         return CollectiveReport(self, sorted(ranks), last)
 
 

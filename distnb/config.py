@@ -199,7 +199,7 @@ class LaunchConfig:
     def world_size(self) -> int:
         return int(self.nproc or 0) * self.nnodes
 
-    def with_changes(self, **changes: object) -> "LaunchConfig":
+    def with_changes(self, **changes: object) -> LaunchConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 

@@ -97,7 +97,7 @@ class Diagnosis:
         # Ranks waiting in the same place are one line even though their waits differ by a few ms.
         by_rank = {p.rank: p for p in self.positions}
         for ranks, _ in group_by((p.rank, p.where([])) for p in self.positions):
-            durations = [by_rank[r].since for r in ranks if by_rank[r].since is not None]
+            durations = [since for r in ranks if (since := by_rank[r].since) is not None]
             lines.append(f"  {format_ranks(ranks)}: {by_rank[ranks[0]].where(durations)}")
         return "\n".join(lines)
 

@@ -22,7 +22,7 @@ from distnb.security import Credentials
 __all__ = ["Launcher", "drain_lines"]
 
 
-def drain_lines(stream: IO[bytes], tail: "collections.deque[str]", on_line: Callable[[str], None] | None = None) -> None:
+def drain_lines(stream: IO[bytes], tail: collections.deque[str], on_line: Callable[[str], None] | None = None) -> None:
     """Read a child's output to its end: each line into ``tail`` and to ``on_line``."""
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")

@@ -43,7 +43,7 @@ __all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
 
 Ranks = str | int | Iterable[int] | None
 
-_live_pools: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 _current: Pool | None = None
 
 

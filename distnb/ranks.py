@@ -64,7 +64,7 @@ def format_ranks(ranks: Iterable[int]) -> str:
         return f"rank {rs[0]}"
     parts = []
     start = prev = rs[0]
-    for r in rs[1:] + [None]:  # type: ignore[list-item]
+    for r in [*rs[1:], None]:
         if r is not None and r == prev + 1:
             prev = r
             continue

@@ -39,7 +39,7 @@ class CellRun:
 
 def run_of(result: CellResult) -> CellRun:
     """The live run behind a result the pool returned (``submit`` attaches it)."""
-    return result._run  # type: ignore[attr-defined, no-any-return]
+    return result._run  # type: ignore[attr-defined]
 
 
 @dataclass

@@ -48,7 +48,7 @@ class Credentials:
     curve_client_secret: bytes | None = None
 
     @classmethod
-    def new(cls, curve: bool = False) -> "Credentials":
+    def new(cls, curve: bool = False) -> Credentials:
         if not curve:
             return cls(new_key())
         if not zmq.has("curve"):
@@ -61,7 +61,7 @@ class Credentials:
     def curve(self) -> bool:
         return self.curve_server_public is not None
 
-    def for_nodes(self) -> "Credentials":
+    def for_nodes(self) -> Credentials:
         """What other nodes get: everything but the server's secret key."""
         return replace(self, curve_server_secret=None)
 
@@ -75,7 +75,7 @@ class Credentials:
         return json.dumps(data)
 
     @classmethod
-    def loads(cls, text: str, source: str = "the key") -> "Credentials":
+    def loads(cls, text: str, source: str = "the key") -> Credentials:
         try:
             data = json.loads(text)
             if not isinstance(data, dict) or data.get("format") != _FORMAT:
@@ -101,7 +101,7 @@ class Credentials:
         return path
 
     @classmethod
-    def read(cls, path: str | os.PathLike[str] | IO[str]) -> "Credentials":
+    def read(cls, path: str | os.PathLike[str] | IO[str]) -> Credentials:
         """Read a key file (``"-"``: standard input), refusing one that other users can read."""
         if path == "-":
             return cls.loads(sys.stdin.readline(), "standard input")
@@ -129,10 +129,18 @@ class Credentials:
         return out
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | MutableMapping[str, str], pop: bool = False) -> "Credentials":
-        get = env.pop if pop and isinstance(env, MutableMapping) else env.get  # type: ignore[attr-defined]
-        key = bytes.fromhex(get("DISTNB_KEY"))  # type: ignore[operator]
-        server, public, secret = (get(n, None) for n in ("DISTNB_CURVE_SERVER", "DISTNB_CURVE_PUBLIC", "DISTNB_CURVE_SECRET"))  # type: ignore[operator]
+    def from_env(cls, env: Mapping[str, str] | MutableMapping[str, str], pop: bool = False) -> Credentials:
+        def take(name: str) -> str | None:
+            # Popped, so the key stays out of what the user's code and its subprocesses can read.
+            if pop and isinstance(env, MutableMapping):
+                return env.pop(name, None)
+            return env.get(name)
+
+        hex_key = take("DISTNB_KEY")
+        if hex_key is None:
+            raise KeyError("DISTNB_KEY")
+        key = bytes.fromhex(hex_key)
+        server, public, secret = (take(n) for n in ("DISTNB_CURVE_SERVER", "DISTNB_CURVE_PUBLIC", "DISTNB_CURVE_SECRET"))
         if server and public and secret:
             return cls(key, server.encode(), None, public.encode(), secret.encode())
         return cls(key)
@@ -145,7 +153,7 @@ class Credentials:
             sock.curve_publickey = self.curve_client_public
             sock.curve_secretkey = self.curve_client_secret
 
-    def secure_server(self, ctx: zmq.Context, sock: zmq.Socket) -> "HandshakeGate | None":
+    def secure_server(self, ctx: zmq.Context, sock: zmq.Socket) -> HandshakeGate | None:
         """Call before ``bind``. With CURVE, returns the gate that admits only the pool's client key."""
         if not self.curve:
             return None

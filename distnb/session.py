@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Iterable, Union
+from typing import Iterable
 
 from distnb.config import LaunchConfig
 from distnb.results import CellRecord, CellResult, PushRecord
@@ -21,7 +21,7 @@ KEEP_RESULTS = 100
 #: Pickled pushes kept for replay and export; beyond this the oldest are let go (and say so).
 KEEP_PUSH_BYTES = 256 << 20
 
-Step = Union[CellResult, CellRecord, PushRecord]
+Step = CellResult | CellRecord | PushRecord
 
 
 class SessionLog:

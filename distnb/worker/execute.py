@@ -118,7 +118,9 @@ class Executor:
             tree = ast.parse(code, filename, "exec")
             last: ast.Expression | None = None
             if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(code):
-                last = ast.Expression(tree.body.pop().value)
+                tail = tree.body.pop()
+                assert isinstance(tail, ast.Expr)
+                last = ast.Expression(tail.value)
             exec(compile(tree, filename, "exec"), self.ns)
             if last is not None:
                 value = eval(compile(last, filename, "eval"), self.ns)
@@ -127,10 +129,12 @@ class Executor:
                     reply["value"] = mimebundle(value)
         except KeyboardInterrupt:
             reply["status"] = "interrupted"
-            reply["error"] = self._error_info(*sys.exc_info(), filename=filename)
+            etype, evalue, tb = sys.exc_info()
+            reply["error"] = self._error_info(etype, evalue, tb, filename)
         except BaseException:  # SystemExit too: a cell must never end the rank silently
             reply["status"] = "error"
-            reply["error"] = self._error_info(*sys.exc_info(), filename=filename)
+            etype, evalue, tb = sys.exc_info()
+            reply["error"] = self._error_info(etype, evalue, tb, filename)
         finally:
             self.cell = None  # first: from here on a late SIGINT is ignored
             reply["duration"] = time.monotonic() - self.started

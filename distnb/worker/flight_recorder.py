@@ -100,7 +100,7 @@ def _dump() -> dict[str, Any]:
 
     if hasattr(c, "_dump_fr_trace"):
         return pickle.loads(c._dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
-    return json.loads(c._dump_fr_trace_json())
+    return json.loads(getattr(c, "_dump_fr_trace_json")())  # noqa: B009 - absent from torch's stubs
 
 
 def read_collectives(since: int, clock: CellClock) -> dict[str, Any]:
@@ -110,8 +110,10 @@ def read_collectives(since: int, clock: CellClock) -> dict[str, Any]:
     been open against it, never against its own clock (another machine's may be off by seconds).
     """
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # noqa: F401 - present since torch 2.5
-    except ImportError:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:  # a torch built without distributed support
+        c10d = None  # type: ignore[assignment]
+    if not hasattr(c10d, "_dump_fr_trace_json"):  # present since torch 2.5
         return {"unavailable": "this torch has no Flight Recorder (_dump_fr_trace_json); upgrade to torch >= 2.5"}
     try:
         dump = _dump()

@@ -41,7 +41,7 @@ _libc = ctypes.CDLL(None)
 
 #: The running rank (set by ``main``), for inspection from a cell when debugging distnb itself:
 #: ``sys.modules["__main__"].current`` (this module runs as ``__main__``).
-current: "Rank | None" = None
+current: Rank | None = None
 
 
 #: Room left in a pull reply for the message around the pickled value (tags, id, counter).
@@ -49,10 +49,10 @@ _REPLY_SLACK = 4096
 
 
 class _QuietCheck:
-    """May a cell's DONE go straight to the notebook instead of through the supervisor?
+    """May a cell's CELL_DONE go straight to the notebook instead of through the supervisor?
 
-    The supervisor forwards a rank's output and then its DONE, in that order, on one socket. A
-    DONE sent directly could overtake output still on its way — unless there is none. Checked
+    The supervisor forwards a rank's output and then its CELL_DONE, in that order, on one socket. A
+    CELL_DONE sent directly could overtake output still on its way — unless there is none. Checked
     after the cell, all three mean nothing the cell wrote or displayed is in flight:
 
     1. both output pipes are empty (FIONREAD: nothing left for the supervisor to read);
@@ -138,7 +138,7 @@ class Rank:
         self.ns: dict[str, Any] = {}
         self.executor = Executor(self.ns, self._send_display, MemorySampler(self.local_rank))
         self.quiet = _QuietCheck()
-        self.direct_done = 0  # cells whose DONE skipped the supervisor (tests and benchmarks read it)
+        self.direct_done = 0  # cells whose CELL_DONE skipped the supervisor (tests and benchmarks read it)
 
     def send(self, msg: dict[str, Any]) -> None:
         frames = self.codec.encode(msg)
@@ -156,7 +156,8 @@ class Rank:
     def setup_process(self) -> None:
         _processes.set_parent_death_signal(signal.SIGKILL)
         for stream in self.stdio:
-            stream.reconfigure(errors="backslashreplace")  # type: ignore[attr-defined]
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(errors="backslashreplace")
         faulthandler.enable(file=sys.stderr, all_threads=True)
         fault_fd = os.environ.pop("DISTNB_FAULT_FD", None)
         if fault_fd is not None:
@@ -241,7 +242,7 @@ class Rank:
                     self.direct_done += 1
                     return
                 except FrameTooLarge:
-                    pass  # the supervisor's path replaces an oversized DONE with a small one
+                    pass  # the supervisor's path replaces an oversized CELL_DONE with a small one
             write_event(self.events_fd, done)
         elif t == Msg.PUSH:
             try:
@@ -357,7 +358,7 @@ class Rank:
             except Exception as exc:
                 if msg is not None and msg.get("t") == Msg.EXEC:
                     # The cell itself can't fail here (the executor catches everything); this is
-                    # the events pipe or stdio failing, so no DONE could reach the notebook. Dying
+                    # the events pipe or stdio failing, so no CELL_DONE could reach the notebook. Dying
                     # is then the honest answer: the supervisor reports the exit and the cell ends.
                     raise
                 # Any other request this rank can't handle (a bug, a malformed message) must not

@@ -143,14 +143,14 @@ class Supervisor:
         try:
             self.send({"t": Msg.EVENT, "body": body})
         except FrameTooLarge as exc:
-            # Values and displays are capped on the rank, so this takes a bug; still, a DONE must
+            # Values and displays are capped on the rank, so this takes a bug; still, a CELL_DONE must
             # arrive or the notebook waits for ever. The body comes from our own child's private
             # pipe, so reading it here is as safe as the controller reading it.
             event = pickle.loads(body)
             note = f"<this rank's {event.get('t')} event was {exc.size:,} bytes pickled, over distnb's limit of {exc.limit:,}; dropped>"
             if event.get("t") == Msg.DISPLAY:
                 small = {"t": Msg.DISPLAY, "cell": event.get("cell"), "data": {"text/plain": note}}
-            else:  # DONE: keep what the notebook needs to finish the cell, nothing that could be big
+            else:  # CELL_DONE: keep what the notebook needs to finish the cell, nothing that could be big
                 small = {k: event.get(k) for k in ("t", "cell", "status", "duration")}
                 small["value"] = {"text/plain": note}
                 error = event.get("error")
