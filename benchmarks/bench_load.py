@@ -38,7 +38,7 @@ def cells(n: int) -> dict[str, object]:
         pids = {"controller": os.getpid(), **{f"rank {s.rank}": s.pid for s in pool.status().ranks}}
         before = {k: (rss(p), fds(p)) for k, p in pids.items()}
         times = []
-        for i in range(n):
+        for _ in range(n):
             t = time.perf_counter()
             pool.run("1")
             times.append(time.perf_counter() - t)

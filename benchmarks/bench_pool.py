@@ -184,7 +184,8 @@ def main() -> None:
         row = bench(n, ARGS.cells)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'N':>3} {'API ms (med/p90)':>18} {'magic ms (med/p90)':>20} {'kernel ms (med/p90)':>20} {'launch s':>9} {'bare s':>7} {'ratio':>6} {'stacks ms':>10}")
+    print(f"\n{'N':>3} {'API ms (med/p90)':>18} {'magic ms (med/p90)':>20} {'kernel ms (med/p90)':>20} "
+          f"{'launch s':>9} {'bare s':>7} {'ratio':>6} {'stacks ms':>10}")
     for r in rows:
         print(f"{r['nproc']:>3} {r['api_cell_ms_median']:>8.2f}/{r['api_cell_ms_p90']:<8.2f} {r['magic_cell_ms_median']:>9.2f}/{r['magic_cell_ms_p90']:<9.2f} "
               f"{r['kernel_cell_ms_median']:>9.2f}/{r['kernel_cell_ms_p90']:<9.2f} "

@@ -26,15 +26,14 @@ def demo(nproc: int) -> int:
 
     print(f"distnb demo: launching {nproc} CPU ranks under torchrun (gloo)…", flush=True)
     t0 = time.monotonic()
-    last = [""]
+    last: list[dict[str, list[int]]] = [{}]
 
     def progress(stages: dict) -> None:
-        from distnb.display.text import stage_summary
+        from distnb.display.text import stage_counts, stage_summary
 
-        line = stage_summary(stages, time.monotonic() - t0)
-        if line.split(": ", 1)[1] != last[0]:
-            last[0] = line.split(": ", 1)[1]
-            print("  " + line, flush=True)
+        if stage_counts(stages) != last[0]:
+            last[0] = stage_counts(stages)
+            print("  " + stage_summary(stages, time.monotonic() - t0), flush=True)
 
     with distnb.launch(nproc=nproc, backend="gloo", on_progress=progress) as pool:
         print(f"\n{pool.status().text()}\n", flush=True)

@@ -57,7 +57,7 @@ def _shard_id(leaf: dict[str, Any]) -> tuple[int, ...] | None:
     and replicated on others: its mesh coordinates on the non-replicated dimensions. Ranks with
     the same id hold replicas of one piece, which must be bitwise identical. None when the
     placement is not mixed (or the rank's coordinate is unknown)."""
-    placements = [p.strip() for p in (leaf.get("placement") or "").split(", ")]
+    placements = list(leaf.get("placements") or [])
     coord = leaf.get("mesh_coord")
     if coord is None or len(coord) != len(placements) or "Replicate()" not in placements:
         return None
@@ -202,7 +202,7 @@ class CheckReport:
         for c in self.checks:
             for ranks, _ in group_by((r, _row_key(leaf)) for r, leaf in sorted(c.leaves.items())):
                 leaf = c.leaves[ranks[0]] or {}
-                row = {"entry": c.path or self.name, "ranks": ranks, "status": c.status}
+                row: dict[str, Any] = {"entry": c.path or self.name, "ranks": ranks, "status": c.status}
                 row.update({k: leaf.get(k) for k in ("shape", "dtype", "sum", "norm", "nan", "inf", "fingerprint", "placement")})
                 if leaf.get("kind") != "tensor":
                     row["value"] = leaf.get("repr") or leaf.get("error") or ("missing" if not leaf else None)

@@ -86,22 +86,24 @@ class Diagnostics:
         out = []
         for r in targets:
             st, info = status[r], tracker.ranks[r]
+            state = st.describe(with_elapsed=False)
             if "stacks" in replies.get(r, {}):
                 threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]]
-                rs = RankStack(r, st.describe(), "control thread", threads)
+                rs = RankStack(r, state, "control thread", threads)
             elif dumps.get(r, {}).get("text"):
                 threads = parse_faulthandler(dumps[r]["text"], sources, info.main_ident)
                 if not all_threads:
                     threads = [t for t in threads if t.main] or threads[:1]
-                rs = RankStack(r, st.describe(), "faulthandler: the rank holds the GIL", threads)
+                rs = RankStack(r, state, "faulthandler: the rank holds the GIL", threads)
             elif st.state == RankState.DEAD:
-                rs = RankStack(r, st.describe(), "dead")
+                rs = RankStack(r, state, "dead")
             else:
-                rs = RankStack(r, st.describe(), f"no answer: {self.why_silent(r)}")
+                rs = RankStack(r, state, f"no answer: {self.why_silent(r)}")
             pending = log.pending(r, st.cell) if st.state == RankState.RUNNING else None
+            rs.state_since = st.elapsed
             if pending is not None:
-                # How long by the rank's own clock: another machine's may be off from this one's.
-                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']}) for {log.age(r, pending):.1f} s"
+                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']})"
+                rs.annotation_since = log.age(r, pending)  # by the rank's own clock: another machine's may be off
             if native and info.pid and st.state != RankState.DEAD and info.agent:
                 # py-spy runs here: a rank on another machine needs it run there.
                 rs.native = f"rank {r} runs on {info.host}: run `py-spy dump --native --pid {info.pid}` there."

@@ -7,15 +7,14 @@ import base64
 import pickle
 import textwrap
 from pathlib import Path
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence
 
 from distnb.config import DEBUG_ENV, LaunchConfig
-from distnb.ranks import format_ranks
-from distnb.results import CellRecord, CellResult, PushRecord
+from distnb.ranks import format_ranks, rank_span
+from distnb.results import CellRecord, CellResult, PushRecord, Step
 
 __all__ = ["export_notebook", "export_script", "run_command", "select_cells", "with_pushes"]
 
-Step = Union[CellResult, CellRecord, PushRecord]
 #: Pushed values larger than this go to a file beside the export instead of inline base64.
 INLINE_PUSH_BYTES = 64 * 1024
 
@@ -72,7 +71,7 @@ def select_cells(history: list[CellResult], spec: str | None = None, include_fai
         known = {c.cell for c in history}
         missing = sorted(wanted - known)
         if missing:
-            raise ValueError(f"cell(s) {', '.join(map(str, missing))} did not run in this session; cells run: {format_ranks(known).split(' ', 1)[-1]}.")
+            raise ValueError(f"cell(s) {', '.join(map(str, missing))} did not run in this session; cells run: {rank_span(known)}.")
         cells = [c for c in history if c.cell in wanted]
         return cells
     return [c for c in cells if include_failed or c.ok]

@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from distnb.display.text import LivePrinter, stage_summary
+from distnb.display.text import LivePrinter, stage_counts, stage_summary
 from distnb.display.widgets import CellView, widgets_available
 from distnb.errors import DistnbError, NoPoolError
 from distnb.export import run_command
@@ -61,14 +61,14 @@ class _Progress:
         self._start = time.monotonic()
         self._handle: Any = None
         self._in_kernel = in_kernel
-        self._last = ""
+        self._last: dict[str, list[int]] = {}
 
     def __call__(self, stages: dict[int, RankState]) -> None:
-        text = stage_summary(stages, time.monotonic() - self._start)
-        core = text.split(": ", 1)[-1]
-        if core == self._last:
+        counts = stage_counts(stages)
+        if counts == self._last:
             return
-        self._last = core
+        self._last = counts
+        text = stage_summary(stages, time.monotonic() - self._start)
         if self._in_kernel:
             from IPython.display import display
 
@@ -117,12 +117,14 @@ class _HangWatch:
         try:
             diag = self._pool.diagnose(result, hang_after=self._hang_after)
         except Exception as exc:  # diagnosis is best effort; the cell keeps streaming
-            diag_text, kind = f"[distnb] could not diagnose: {exc}", "error"
+            headline = f"could not diagnose: {exc}"
+            diag_text, kind = f"[distnb] {headline}", "error"
         else:
-            diag_text, kind = diag.text(), diag.kind
-        # A failing diagnosis is said once too (same headline), so a broken watch is not silent.
-        if kind in ("hang", "slow", "error") and diag_text.split("\n")[0] != self._shown.split("\n")[0]:
-            self._shown = diag_text
+            headline, diag_text, kind = diag.summary, diag.text(), diag.kind
+        # Said again only when the headline changes (it carries no durations); a failing diagnosis
+        # is said once too, so a broken watch is not silent.
+        if kind in ("hang", "slow", "error") and headline != self._shown:
+            self._shown = headline
             if self._view is not None:
                 self._view.set_diagnosis(diag_text)
             else:
@@ -143,6 +145,11 @@ class DistMagics(Magics):
     def _in_kernel(self) -> bool:
         return getattr(self.shell, "kernel", None) is not None
 
+    @property
+    def _user_ns(self) -> dict[str, Any]:
+        assert self.shell is not None  # magics run inside a shell
+        return self.shell.user_ns
+
     def _pool(self) -> Pool:
         with _usage_errors():
             return current_pool()
@@ -155,12 +162,16 @@ class DistMagics(Magics):
     @argument("--pg-timeout", type=float, default=None, metavar="SECONDS", help="The process group's collective timeout (default 1800).")
     @argument("--start-timeout", type=float, default=None, metavar="SECONDS", help="How long to wait for every rank to be ready (default 180).")
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report ranks disagreeing in collectives after this long (default 3).")
-    @argument("--debug", action="append", choices=["detail", "nccl"], help="detail: TORCH_DISTRIBUTED_DEBUG=DETAIL (mismatched collectives raise, naming the field); nccl: NCCL_DEBUG=INFO. Repeatable.")
-    @argument("--nnodes", type=int, default=None, metavar="K", help="Machines in the pool, this one included (default 1). Prints the command to run on the others.")
+    @argument("--debug", action="append", choices=["detail", "nccl"],
+              help="detail: TORCH_DISTRIBUTED_DEBUG=DETAIL (mismatched collectives raise, naming the field); nccl: NCCL_DEBUG=INFO. Repeatable.")
+    @argument("--nnodes", type=int, default=None, metavar="K",
+              help="Machines in the pool, this one included (default 1). Prints the command to run on the others.")
     @argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="torchrun's c10d rendezvous (default: this machine, a free port).")
-    @argument("--bind", default=None, metavar="ADDRESS[:PORT]", help="Where the controller listens (default 127.0.0.1; other machines need an address they can reach, e.g. 0.0.0.0).")
+    @argument("--bind", default=None, metavar="ADDRESS[:PORT]",
+              help="Where the controller listens (default 127.0.0.1; other machines need an address they can reach, e.g. 0.0.0.0).")
     @argument("--hosts", default=None, metavar="H1,H2", help="Start the other machines' node agents over ssh (nnodes = 1 + hosts).")
-    @argument("--local-nodes", action="store_true", help="Run the other nodes' agents on this machine too: rehearse a multi-node layout (RANK vs LOCAL_RANK, GROUP_RANK) on one box; gloo.")
+    @argument("--local-nodes", action="store_true",
+              help="Run the other nodes' agents on this machine too: rehearse a multi-node layout (RANK vs LOCAL_RANK, GROUP_RANK) on one box; gloo.")
     @argument("--slurm", action="store_true", help="Inside a Slurm allocation: start a node agent on every other node with srun.")
     @argument("--curve", action="store_true", help="Encrypt the control plane (CURVE) and admit only clients holding the pool's key.")
     @argument("--key-file", default=None, metavar="FILE", help="Where to write the key the other machines read (default ~/.distnb/keys/<pool>.key).")
@@ -340,8 +351,9 @@ class DistMagics(Magics):
         if not pool.history:
             raise UsageError("no cell has run on this pool yet: there is nothing to wait for. Run one with %%on_ranks (add --bg to keep the notebook free).")
         result = pool.history[-1]
+        assert isinstance(result, CellResult)  # the newest cells always keep their full results
         pool.wait(result, timeout=args.timeout)
-        self.shell.user_ns["_dist"] = result
+        self._user_ns["_dist"] = result
         print(result.text())
 
     @magic_arguments()
@@ -382,6 +394,7 @@ class DistMagics(Magics):
             return
         pool = self._pool()
         view = None
+        printer: LivePrinter
         if widgets_available():
             with _usage_errors():
                 view = CellView(-1, parse_ranks(args.ranks, pool.world_size))
@@ -392,7 +405,7 @@ class DistMagics(Magics):
             events = CellEvents(on_output=None if args.quiet else printer.feed, on_display=printer.display_bundle, on_rank_done=printer.rank_done)
         with _usage_errors():
             result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None)
-        self.shell.user_ns["_dist"] = result
+        self._user_ns["_dist"] = result
         if view is not None:
             view.cell = result.cell
             view.show()
@@ -430,7 +443,7 @@ class DistMagics(Magics):
     def dist_push(self, line: str) -> None:
         """Copy notebook variables into the ranks' namespaces."""
         args = _parse(self.dist_push, line)
-        ns = self.shell.user_ns
+        ns = self._user_ns
         missing = [n for n in args.names if n not in ns]
         if missing:
             raise UsageError(f"{', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} not defined in the notebook; define it first.")

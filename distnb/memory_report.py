@@ -6,9 +6,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb._text import MiB, size
 from distnb.ranks import format_ranks
 
-__all__ = ["MemoryReport", "memory_line", "imbalance", "fmt_bytes", "figure_png"]
+__all__ = ["Imbalance", "MemoryReport", "figure_png", "imbalance", "imbalances", "memory_line"]
 
 #: A rank is flagged when its peak is this many times the median …
 IMBALANCE_RATIO = 1.5
@@ -25,28 +26,34 @@ def figure_png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GB" else f"{n / size:.0f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _peak_key(samples: dict[int, dict[str, Any]]) -> str:
     """Compare CUDA peaks when the ranks use CUDA, else process RSS peaks."""
     return "cuda_peak" if any("cuda_peak" in s for s in samples.values()) else "rss_peak"
 
 
-def imbalance(samples: dict[int, dict[str, Any]]) -> list[str]:
-    """Sentences naming ranks whose peak stands out, e.g. 'rank 3 peaks at 1.9× the median'.
+@dataclass(frozen=True)
+class Imbalance:
+    """A rank whose peak stands out from the median of the others."""
 
-    Each rank is compared with the median of the *other* ranks, so one outlier among two ranks
-    is still seen.
-    """
+    rank: int
+    what: str  # "RSS peak" or "CUDA peak"
+    peak: float  # bytes
+    median: float  # bytes, of the other ranks
+
+    @property
+    def ratio(self) -> float:
+        return self.peak / self.median
+
+    def text(self) -> str:
+        return (f"rank {self.rank} peaks at {self.ratio:.1f}× the median {self.what} of the others "
+                f"({size(self.peak)} vs {size(self.median)})")
+
+
+def imbalances(samples: dict[int, dict[str, Any]]) -> list[Imbalance]:
+    """Ranks whose peak stands out. Each rank is compared with the median of the *other* ranks,
+    so one outlier among two ranks is still seen."""
     key = _peak_key(samples)
-    peaks = {r: s.get(key) for r, s in samples.items() if s.get(key) is not None}
+    peaks: dict[int, float] = {r: s[key] for r, s in samples.items() if s.get(key) is not None}
     if len(peaks) < 2:
         return []
     what = "CUDA peak" if key == "cuda_peak" else "RSS peak"
@@ -54,8 +61,13 @@ def imbalance(samples: dict[int, dict[str, Any]]) -> list[str]:
     for r, p in sorted(peaks.items()):
         med = statistics.median(v for q, v in peaks.items() if q != r)
         if med > 0 and p >= IMBALANCE_RATIO * med and p - med >= IMBALANCE_MIN_BYTES:
-            out.append(f"rank {r} peaks at {p / med:.1f}× the median {what} of the others ({fmt_bytes(p)} vs {fmt_bytes(med)})")
+            out.append(Imbalance(r, what, p, med))
     return out
+
+
+def imbalance(samples: dict[int, dict[str, Any]]) -> list[str]:
+    """The imbalances in words, e.g. 'rank 3 peaks at 1.9× the median RSS peak of the others …'."""
+    return [flag.text() for flag in imbalances(samples)]
 
 
 def memory_line(samples: dict[int, dict[str, Any]]) -> str:
@@ -66,21 +78,21 @@ def memory_line(samples: dict[int, dict[str, Any]]) -> str:
     for label, key in (("RSS peak", "rss_peak"), ("CUDA peak", "cuda_peak")):
         values = [s[key] for s in samples.values() if key in s]
         if values:
-            lo, hi = fmt_bytes(min(values)), fmt_bytes(max(values))
+            lo, hi = size(min(values)), size(max(values))
             parts.append(f"{label} {lo}" + (f"–{hi}" if hi != lo else ""))
     dev = [(s["device_used"], s["device_total"]) for s in samples.values() if "device_used" in s]
     if dev:
-        parts.append(f"device {fmt_bytes(max(u for u, _ in dev))} / {fmt_bytes(dev[0][1])}")
+        parts.append(f"device {size(max(u for u, _ in dev))} / {size(dev[0][1])}")
     flags = imbalance(samples)
     return "memory: " + " · ".join(parts) + ("  ⚠ " + "; ".join(flags) if flags else "")
 
 
 def _delta(sample: dict[str, Any], key: str) -> str:
-    """The change of ``key`` over the cell ("+300 MB"), from its ``<key>_start`` companion."""
+    """The change of ``key`` over the cell ("+300 MiB"), from its ``<key>_start`` companion."""
     start, end = sample.get(f"{key}_start"), sample.get(key)
     if start is None or end is None:
         return "-"
-    return ("+" if end >= start else "") + fmt_bytes(end - start)
+    return ("+" if end >= start else "") + size(end - start)
 
 
 @dataclass
@@ -97,8 +109,11 @@ class MemoryReport:
             out.update(samples)
         return out
 
+    def imbalances(self) -> list[Imbalance]:
+        return imbalances(self.last_cell() or self.current)
+
     def imbalance(self) -> list[str]:
-        return imbalance(self.last_cell() or self.current)
+        return [flag.text() for flag in self.imbalances()]
 
     def table(self) -> tuple[list[str], list[tuple[int, list[str]]]]:
         """Column names and each rank's row of cells, shared by :meth:`text` and the HTML view so
@@ -117,18 +132,18 @@ class MemoryReport:
         rows = []
         for r in ranks:
             now, cell = self.current.get(r, {}), last.get(r, {})
-            row = [str(r), fmt_bytes(now.get("rss")), fmt_bytes(cell.get("rss_peak")), _delta(cell, "rss")]
+            row = [str(r), size(now.get("rss")), size(cell.get("rss_peak")), _delta(cell, "rss")]
             src = now or cell  # "now" when the rank answered, else what its last cell ended with
             if cuda:
                 row += [
-                    fmt_bytes(src.get("cuda_allocated")),
+                    size(src.get("cuda_allocated")),
                     _delta(cell, "cuda_allocated"),
-                    fmt_bytes(src.get("cuda_reserved")),
-                    fmt_bytes(cell.get("cuda_peak")),
+                    size(src.get("cuda_reserved")),
+                    size(cell.get("cuda_peak")),
                 ]
             if device:
                 used = src.get("device_used")
-                row.append(f"{fmt_bytes(used)} / {fmt_bytes(src.get('device_total'))}" if used is not None else "-")
+                row.append(f"{size(used)} / {size(src.get('device_total'))}" if used is not None else "-")
             rows.append((r, row))
         return cols, rows
 
@@ -161,17 +176,17 @@ class MemoryReport:
         fig = Figure(figsize=(max(4.0, 0.6 * len(ranks) + 2), 3.0))
         ax = fig.add_subplot()
         xs = range(len(ranks))
-        now = [self.current.get(r, {}).get(now_key, 0) / (1 << 20) for r in ranks]
-        peak = [last.get(r, {}).get(key, 0) / (1 << 20) for r in ranks]
+        now = [self.current.get(r, {}).get(now_key, 0) / MiB for r in ranks]
+        peak = [last.get(r, {}).get(key, 0) / MiB for r in ranks]
         ax.bar([x - 0.2 for x in xs], now, width=0.4, label="now")
         ax.bar([x + 0.2 for x in xs], peak, width=0.4, label="peak (last cell)")
-        flagged = {int(f.split()[1]) for f in self.imbalance()}
+        flagged = {flag.rank for flag in self.imbalances()}
         for x, r in zip(xs, ranks):
             if r in flagged:
                 ax.annotate("⚠", (x + 0.2, peak[x]), ha="center", va="bottom", color="red")
         ax.set_xticks(list(xs), [str(r) for r in ranks])
         ax.set_xlabel("rank")
-        ax.set_ylabel("MB (CUDA)" if key == "cuda_peak" else "MB (RSS)")
+        ax.set_ylabel("MiB (CUDA)" if key == "cuda_peak" else "MiB (RSS)")
         ax.set_title("memory per rank")
         ax.legend(loc="best", fontsize="small")
         fig.tight_layout()
@@ -187,11 +202,11 @@ class MemoryReport:
         key = _peak_key(self.last_cell()) if self.timeline else "rss_peak"
         ranks = sorted({r for _c, s in self.timeline for r in s})
         for r in ranks:
-            pts = [(c, s[r][key] / (1 << 20)) for c, s in self.timeline if r in s and key in s[r]]
+            pts = [(c, s[r][key] / MiB) for c, s in self.timeline if r in s and key in s[r]]
             if pts:
                 ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=f"rank {r}")
         ax.set_xlabel("cell")
-        ax.set_ylabel("peak MB (CUDA)" if key == "cuda_peak" else "peak MB (RSS)")
+        ax.set_ylabel("peak MiB (CUDA)" if key == "cuda_peak" else "peak MiB (RSS)")
         ax.set_title("peak memory per cell")
         if ranks:
             ax.legend(loc="best", fontsize="small", ncol=2)

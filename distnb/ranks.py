@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-__all__ = ["parse_ranks", "format_ranks"]
+__all__ = ["format_ranks", "parse_ranks", "rank_span"]
 
 
 def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
@@ -60,8 +60,14 @@ def format_ranks(ranks: Iterable[int]) -> str:
     rs = sorted(set(ranks))
     if not rs:
         return "no ranks"
-    if len(rs) == 1:
-        return f"rank {rs[0]}"
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rank_span(rs)}"
+
+
+def rank_span(ranks: Iterable[int]) -> str:
+    """``[0,1,2,5]`` -> ``"0-2,5"``: the ranks alone, for a sentence that names them itself."""
+    rs = sorted(set(ranks))
+    if not rs:
+        return ""
     parts = []
     start = prev = rs[0]
     for r in [*rs[1:], None]:
@@ -71,4 +77,4 @@ def format_ranks(ranks: Iterable[int]) -> str:
         parts.append(str(start) if start == prev else (f"{start},{prev}" if prev == start + 1 else f"{start}-{prev}"))
         if r is not None:
             start = prev = r
-    return "ranks " + ",".join(parts)
+    return ",".join(parts)

@@ -13,15 +13,16 @@ from distnb._processes import signal_meaning
 from distnb.ranks import format_ranks
 
 __all__ = [
-    "RankState",
-    "RankResult",
+    "CellRecord",
     "CellResult",
-    "RankStatus",
+    "EnvReport",
     "PoolState",
     "PoolStatus",
-    "CellRecord",
     "PushRecord",
-    "EnvReport",
+    "RankResult",
+    "RankState",
+    "RankStatus",
+    "Step",
     "group_by",
     "merge_lines",
     "prefix_lines",
@@ -212,18 +213,19 @@ class CellResult:
         return {r: res.stdout for r, res in sorted(self.results.items())}
 
     # -- text -----------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """running · timed out · detached · ok · failed"""
+        if self.running:
+            return "timed out" if self.timed_out else ("detached" if self.detached else "running")
+        return "ok" if self.ok else "failed"
+
     def header(self) -> str:
         done = sum(1 for r in self.results.values() if r.status != "running")
-        if self.running:
-            state = "timed out" if self.timed_out else ("detached" if self.detached else "running")
-        elif self.ok:
-            state = "ok"
-        else:
-            state = "failed"
-        return f"cell {self.cell} on {format_ranks(self.ranks)}: {state}, {done}/{len(self.ranks)} done, {self.elapsed:.2f} s"
+        return f"cell {self.cell} on {format_ranks(self.ranks)}: {self.state}, {done}/{len(self.ranks)} done, {self.elapsed:.2f} s"
 
     def output_text(self) -> str:
-        parts = []
+        parts: list[str] = []
         for stream in ("stdout", "stderr"):
             items = [(r.rank, getattr(r, stream)) for r in self._ordered() if getattr(r, stream)]
             suffix = "" if stream == "stdout" else " stderr"
@@ -336,7 +338,7 @@ class CellRecord:
     ok: bool
 
     @classmethod
-    def of(cls, result: CellResult) -> "CellRecord":
+    def of(cls, result: CellResult) -> CellRecord:
         ranks = tuple(result.ranks)
         # Most cells run on the same rank set: share one tuple (and the code text of repeats).
         ranks = _SHARED.setdefault(ranks, ranks)
@@ -371,13 +373,14 @@ class RankStatus:
     node: int | None = None  # torchrun's GROUP_RANK: which machine
     cause: str = ""
 
-    def describe(self) -> str:
+    def describe(self, with_elapsed: bool = True) -> str:
+        """In words: ``running cell 3 for 2.0 s`` (the duration left out with ``with_elapsed=False``)."""
         if self.state == RankState.DEAD:
             why = [signal_meaning(self.returncode)] if self.returncode is not None else []
             why += [self.cause] if self.cause else []
             return f"dead: {'; '.join(why)}" if why else "dead"
         if self.state == RankState.RUNNING and self.cell is not None:
-            return f"running cell {self.cell} for {self.elapsed or 0.0:.1f} s"
+            return f"running cell {self.cell}" + (f" for {self.elapsed or 0.0:.1f} s" if with_elapsed else "")
         return self.state.value
 
 
@@ -456,7 +459,8 @@ class EnvReport:
         names = self.names()
         flagged = set(self.differing())
         width = max([20, *map(len, names)])
-        lines = [f"environment of {format_ranks(ranks)}" + (f" — {len(flagged)} variable(s) differ between ranks: {', '.join(sorted(flagged))}" if flagged else "")]
+        differ = f" — {len(flagged)} variable(s) differ between ranks: {', '.join(sorted(flagged))}" if flagged else ""
+        lines = [f"environment of {format_ranks(ranks)}{differ}"]
         if self.hosts:
             for hs, host in group_by((r, self.hosts.get(r)) for r in ranks):
                 lines.append(f"  {'host':<{width}} {host or '?'} ({format_ranks(hs)})")
@@ -478,3 +482,7 @@ class EnvReport:
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())
+
+
+#: One thing a session did, in order: a cell (full result, or its record once let go) or a push.
+Step = CellResult | CellRecord | PushRecord

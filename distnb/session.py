@@ -12,16 +12,15 @@ import threading
 from typing import Iterable
 
 from distnb.config import LaunchConfig
-from distnb.results import CellRecord, CellResult, PushRecord
+from distnb.results import CellRecord, CellResult, PushRecord, Step
 
-__all__ = ["SessionLog", "Step", "KEEP_RESULTS", "KEEP_PUSH_BYTES"]
+__all__ = ["KEEP_PUSH_BYTES", "KEEP_RESULTS", "SessionLog"]
 
 #: Cells whose full results the log keeps; older ones keep only what replay and export need.
 KEEP_RESULTS = 100
 #: Pickled pushes kept for replay and export; beyond this the oldest are let go (and say so).
 KEEP_PUSH_BYTES = 256 << 20
 
-Step = CellResult | CellRecord | PushRecord
 
 
 class SessionLog:

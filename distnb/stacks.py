@@ -68,17 +68,27 @@ class ThreadStack:
 @dataclass
 class RankStack:
     rank: int
-    state: str  # idle · running cell k for t s · dead: … · no answer
+    state: str  # idle · running cell k · dead: … · no answer (durations apart, in state_since)
     source: str  # "control thread", "faulthandler", or why there is no stack
     threads: list[ThreadStack] = field(default_factory=list)
     annotation: str = ""  # e.g. the collective the rank is in
     native: str = ""
+    state_since: float | None = None  # seconds in that state (a running cell)
+    annotation_since: float | None = None  # seconds in that collective, by the rank's clock
+
+    @property
+    def state_text(self) -> str:
+        return self.state + (f" for {self.state_since:.1f} s" if self.state_since is not None else "")
+
+    @property
+    def annotation_text(self) -> str:
+        return self.annotation + (f" for {self.annotation_since:.1f} s" if self.annotation and self.annotation_since is not None else "")
 
     def signature(self) -> tuple[Any, ...]:
-        """What makes two ranks' stacks 'the same' for grouping."""
+        """What makes two ranks' stacks 'the same' for grouping: where, never for how long."""
         return (
-            self.state.split(" for ")[0],
-            self.annotation.split(" for ")[0],
+            self.state,
+            self.annotation,
             tuple((t.name, tuple((f.filename, f.lineno, f.name) for f in t.user_frames())) for t in self.threads),
         )
 
@@ -117,9 +127,9 @@ class StackReport:
     def text(self) -> str:
         out = [f"stacks of {format_ranks([r.rank for r in self.ranks])} (most recent call last)"]
         for ranks, rs in self.groups():
-            head = f"── {format_ranks(ranks)}: {rs.state}"
+            head = f"── {format_ranks(ranks)}: {rs.state_text}"
             if rs.annotation:
-                head += f" — {rs.annotation}"
+                head += f" — {rs.annotation_text}"
             if rs.source != "control thread":
                 head += f" [{rs.source}]"
             out.append(head)

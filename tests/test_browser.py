@@ -35,6 +35,7 @@ MARK = "DISTNB_BROWSER_TEST"
 REQUIRED = os.environ.get("DISTNB_REQUIRE_BROWSER") == "1"
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(420),
     pytest.mark.skipif(not REQUIRED and not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)"),
 ]
@@ -92,7 +93,7 @@ def jupyter_server(app: str, tmp_path_factory: pytest.TempPathFactory):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"jupyter {app} did not start:\n{log_path.read_text()[-3000:]}")
+                    raise RuntimeError(f"jupyter {app} did not start:\n{log_path.read_text()[-3000:]}") from None
                 time.sleep(0.3)
         yield url
     finally:

@@ -297,9 +297,9 @@ def test_nan_and_inf_are_called_out_even_when_identical() -> None:
     assert "rank 1: 3 NaN in layer.weight" in report.text() and report.odd_ranks == [1]
 
 
-def _dtensor_summary(fp: str, placement: str, local: list[int] = [2]) -> dict:
-    return {"kind": "tensor", "shape": [4], "local_shape": local, "dtype": "float32", "device": "cpu",
-            "placement": placement, "sum": 1.0, "norm": 1.0, "min": 0.0, "max": 1.0, "nan": 0, "inf": 0, "fingerprint": fp}
+def _dtensor_summary(fp: str, placement: str, local: tuple[int, ...] = (2,)) -> dict:
+    return {"kind": "tensor", "shape": [4], "local_shape": list(local), "dtype": "float32", "device": "cpu",
+            "placement": placement, "placements": placement.split(", "), "sum": 1.0, "norm": 1.0, "min": 0.0, "max": 1.0, "nan": 0, "inf": 0, "fingerprint": fp}
 
 
 def test_sharded_entries_are_compared_as_shards() -> None:
@@ -307,7 +307,7 @@ def test_sharded_entries_are_compared_as_shards() -> None:
     report = compare("dt", {0: a, 1: b})
     assert report.identical and report.sharded == ["dt"] and "1 sharded, compared as shards" in report.text()
     assert len(report.to_rows()) == 2  # one row per distinct shard
-    uneven = compare("dt", {0: a, 1: _dtensor_summary("c" * 32, "Shard(0)", local=[1])})
+    uneven = compare("dt", {0: a, 1: _dtensor_summary("c" * 32, "Shard(0)", local=(1,))})
     assert uneven.identical  # uneven sharding: local shapes may differ, the global one may not
     wrong = compare("dt", {0: a, 1: _dtensor_summary("b" * 32, "Shard(1)")})
     assert not wrong.identical and wrong.odd_ranks == [1]

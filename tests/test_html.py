@@ -86,12 +86,12 @@ def test_memory_html_has_the_text_forms_columns() -> None:
     for col in ("Δ RSS (last cell)", "CUDA alloc", "Δ CUDA alloc (last cell)", "reserved", "CUDA peak (last cell)", "device used/total"):
         assert col in cols and f">{col}</th>" in out
         assert col in report.text()  # the text form has the same columns
-    assert "+300 MB" in out and "+400 MB" in out  # RSS and rank 1's CUDA allocated change over the cell
-    assert "1.00 GB" in out and "2.00 GB / 80.00 GB" in out
+    assert "+300 MiB" in out and "+400 MiB" in out  # RSS and rank 1's CUDA allocated change over the cell
+    assert "1.00 GiB" in out and "2.00 GiB / 80.00 GiB" in out
     assert f"<tr style='{BAD}'><td style='text-align:left;padding:2px 8px;vertical-align:top'>1</td>" in out  # rank 1 peaks high
     # CPU-only data: no CUDA or device columns, in either form.
     cpu = MemoryReport({0: {"rss": 200 * mb}}, [(1, {0: {"rss": 200 * mb, "rss_start": 100 * mb, "rss_peak": 250 * mb}})])
-    assert "CUDA" not in memory_html(cpu) and "device" not in memory_html(cpu) and "+100 MB" in memory_html(cpu)
+    assert "CUDA" not in memory_html(cpu) and "device" not in memory_html(cpu) and "+100 MiB" in memory_html(cpu)
 
 
 def test_register_installs_formatters() -> None:

@@ -133,7 +133,7 @@ def test_imbalance_needs_ratio_and_absolute_gap() -> None:
     base = {r: {"rss_peak": 200 * MB} for r in range(4)}
     assert imbalance(base) == []
     base[3] = {"rss_peak": 390 * MB}
-    assert imbalance(base) == ["rank 3 peaks at 1.9× the median RSS peak of the others (390 MB vs 200 MB)"]
+    assert imbalance(base) == ["rank 3 peaks at 1.9× the median RSS peak of the others (390 MiB vs 200 MiB)"]
     small = {0: {"rss_peak": 1 * MB}, 1: {"rss_peak": 10 * MB}}
     assert imbalance(small) == []  # 10× but only 9 MB apart: noise
 
@@ -141,13 +141,6 @@ def test_imbalance_needs_ratio_and_absolute_gap() -> None:
 def test_cuda_peaks_are_compared_when_present() -> None:
     samples = {r: {"rss_peak": 300 * MB, "cuda_peak": (2000 if r == 1 else 1000) * MB} for r in range(3)}
     assert "CUDA peak" in memory_line(samples) and "rank 1 peaks at 2.0× the median CUDA peak of the others" in memory_line(samples)
-
-
-@pytest.fixture(scope="module")
-def pool3():
-    with distnb.Pool(nproc=3, backend="gloo") as pool:
-        yield pool
-    assert pool.pids() == []
 
 
 def test_rank_allocating_300mb_is_flagged(pool3: distnb.Pool) -> None:
@@ -161,7 +154,7 @@ def test_rank_allocating_300mb_is_flagged(pool3: distnb.Pool) -> None:
     assert set(report.current) == {0, 1, 2}
     assert any(flag.startswith("rank 2 peaks at") for flag in report.imbalance())
     text = report.text()
-    assert "rank 2 peaks at" in text and "+300 MB" in text
+    assert "rank 2 peaks at" in text and "+300 MiB" in text
     for fig in (report.plot_bars(), report.plot_timeline()):
         png = io.BytesIO()
         fig.savefig(png, format="png")
@@ -182,7 +175,7 @@ def test_oom_error_brings_everyones_memory(pool3: distnb.Pool) -> None:
     text = res.text()
     section = text.split("out of memory — every rank's memory for comparison:\n", 1)[1]
     for r in (0, 1, 2):
-        assert re.search(rf"^\s*{r}\s+\d+ MB\s+\d+ MB", section, re.M), f"rank {r} missing from the comparison:\n{text}"
+        assert re.search(rf"^\s*{r}\s+\d+ MiB\s+\d+ MiB", section, re.M), f"rank {r} missing from the comparison:\n{text}"
     # Rank 1 joins the all_reduce the others wait in: the cell ends for them, the pool is fine.
     assert pool3.run("dist.all_reduce(oom_x)", ranks="1", timeout=30).ok
     assert pool3.wait(res, timeout=30).running == []
@@ -199,3 +192,14 @@ def test_cuda_memory_is_sampled_per_cell() -> None:
         assert mem["cuda_peak"] >= 256 * MB and mem["cuda_allocated"] >= 256 * MB
         assert mem.get("device_total", 0) > 0  # NVML sees the device
         assert "CUDA peak" in res.memory_text()
+
+
+def test_imbalance_is_data_first_and_its_words_come_from_it() -> None:
+    from distnb.memory_report import Imbalance, imbalances
+
+    samples = {0: {"cuda_peak": 1000 * MB}, 1: {"cuda_peak": 3000 * MB}, 2: {"cuda_peak": 1100 * MB}}
+    (flag,) = imbalances(samples)
+    assert flag == Imbalance(rank=1, what="CUDA peak", peak=3000 * MB, median=1050 * MB)
+    assert flag.text() == "rank 1 peaks at 2.9× the median CUDA peak of the others (2.93 GiB vs 1.03 GiB)"
+    report = MemoryReport({r: {"rss": 100 * MB} for r in range(3)}, [(4, samples)])
+    assert [f.rank for f in report.imbalances()] == [1] and report.imbalance() == [flag.text()]

@@ -53,7 +53,7 @@ def stacks_html(report: StackReport) -> str:
     for ranks, rs in report.groups():
         frames = "<br>".join(_esc(line.strip()) for line in rs.body())
         style = BUSY if rs.annotation else (BAD if rs.source != "control thread" else "")
-        rows.append(([_esc(format_ranks(ranks)), _esc(rs.state) + (f"<br><b>{_esc(rs.annotation)}</b>" if rs.annotation else ""), frames], style))
+        rows.append(([_esc(format_ranks(ranks)), _esc(rs.state_text) + (f"<br><b>{_esc(rs.annotation_text)}</b>" if rs.annotation else ""), frames], style))
     return table(["ranks", "state", "stack (most recent call last)"], rows, "stacks")
 
 
@@ -75,7 +75,8 @@ def collectives_html(report: CollectiveReport) -> str:
                 e = seqs[r].get(seq)
                 cells.append("—" if e is None else _esc(describe(e)) + ("" if e["done"] else " ⏳"))
             div = divs.get(group)
-            style = BAD if div is not None and div.seq == seq else (WARN if any(e is not None and not e["done"] for e in (seqs[r].get(seq) for r in members)) else "")
+            open_here = any(e is not None and not e["done"] for e in (seqs[r].get(seq) for r in members))
+            style = BAD if div is not None and div.seq == seq else (WARN if open_here else "")
             rows.append((cells, style))
         parts.append(table(["#", *[f"rank {r}" for r in members]], rows, f"group {group} ({format_ranks(members)})"))
     return "".join(parts)
@@ -88,7 +89,7 @@ def check_html(report: CheckReport) -> str:
     checks = {c.path or report.name: c for c in report.checks}
     rows = []
     for row in report.to_rows():
-        check = checks.get(row.get("entry"))
+        check = checks.get(str(row.get("entry")))
         ranks = row.get("ranks", [])
         style = ""
         if row.get("status") == "differs":
@@ -116,10 +117,10 @@ def memory_html(report: MemoryReport) -> str:
     the last cell, CUDA allocated with its change, reserved and peak, NVML device used/total);
     ranks flagged for imbalance are highlighted."""
     cols, rows = report.table()
-    flags = report.imbalance()
-    flagged = {int(f.split()[1]) for f in flags}
+    flags = report.imbalances()
+    flagged = {flag.rank for flag in flags}
     body = [([_esc(c) for c in cells], BAD if r in flagged else "") for r, cells in rows]
-    notes = "".join(f"<div style='color:#cf222e'>⚠ {_esc(f)}</div>" for f in flags)
+    notes = "".join(f"<div style='color:#cf222e'>⚠ {_esc(flag.text())}</div>" for flag in flags)
     return table(cols, body, f"memory of {format_ranks([r for r, _ in rows])}") + notes
 
 

@@ -17,15 +17,16 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Iterable, TextIO
+from typing import TYPE_CHECKING, Iterable, Mapping, TextIO
 
-from distnb.ranks import format_ranks
-from distnb.results import RankResult, group_by, prefix_lines
+from distnb._text import size
+from distnb.ranks import format_ranks, rank_span
+from distnb.results import RankResult, RankState, group_by, prefix_lines
 
 if TYPE_CHECKING:
     from distnb.results import CellResult
 
-__all__ = ["LivePrinter", "stage_summary", "LINE_KEEP", "kept_per_stream"]
+__all__ = ["LINE_KEEP", "LivePrinter", "kept_per_stream", "stage_counts", "stage_summary"]
 
 #: Of a very long line, this many characters of its start and of its end are shown.
 LINE_KEEP = 4096
@@ -36,25 +37,29 @@ MAX_DISPLAYS = 50
 _MERGE_BELOW = 1024
 
 
-def stage_summary(stages: dict[int, object], elapsed: float) -> str:
-    """``launching 4 ranks (3.2 s): ready 2 · connected 1 · started 1``."""
+_STAGE_ORDER = ("ready", "connected", "started", "launched", "dead")
+
+
+def stage_counts(stages: Mapping[int, RankState]) -> dict[str, list[int]]:
+    """The ranks in each start-up stage, furthest first (``idle`` is called ``ready`` here):
+    what a progress line shows, and what tells that it changed."""
     counts: dict[str, list[int]] = {}
     for rank, stage in sorted(stages.items()):
-        name = getattr(stage, "value", str(stage))
-        counts.setdefault("ready" if name == "idle" else name, []).append(rank)
-    order = ["ready", "connected", "started", "launched", "dead"]
-    parts = [f"{name} {format_ranks(counts[name]).split(' ', 1)[1]}" for name in order if name in counts]
+        counts.setdefault("ready" if stage == RankState.IDLE else stage.value, []).append(rank)
+    return {name: counts[name] for name in _STAGE_ORDER if name in counts}
+
+
+def stage_summary(stages: Mapping[int, RankState], elapsed: float) -> str:
+    """``launching 4 ranks (3.2 s): ready 2 · connected 1 · started 1``."""
+    parts = [f"{name} {rank_span(ranks)}" for name, ranks in stage_counts(stages).items()]
     return f"launching {len(stages)} ranks ({elapsed:.1f} s): " + " · ".join(parts)
 
 
 def kept_per_stream() -> str:
     """How much output the pool keeps per rank and stream in a cell's result, in words."""
-    try:  # the pool's constant, so the note cannot drift from what is really kept
-        from distnb.pool import OUTPUT_KEEP_BYTES
-    except Exception:  # pragma: no cover - the pool module is always there in practice
-        OUTPUT_KEEP_BYTES = 1 << 20
-    mb = OUTPUT_KEEP_BYTES / (1 << 20)
-    return f"{mb:g} MB" if mb >= 1 else f"{OUTPUT_KEEP_BYTES >> 10} kB"
+    from distnb.tracker import OUTPUT_KEEP_BYTES  # the tracker's constant: the note can't drift from it
+
+    return size(OUTPUT_KEEP_BYTES)
 
 
 def _hidden(n: int) -> str:
@@ -338,7 +343,7 @@ class LivePrinter:
             where.append("every display in _dist[rank].displays")
         return f"[distnb] {'; '.join(parts)}; the cell's result (_dist) keeps {' and '.join(where)}."
 
-    def outcome_text(self, result: "CellResult") -> str:
+    def outcome_text(self, result: CellResult) -> str:
         """The cell's outcome without what was already shown live: death notes and, when every
         display of the cell was shown, the displays."""
         outcome = result.outcome_text()

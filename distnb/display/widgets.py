@@ -14,6 +14,7 @@ saying how much was left out and that the cell's result (``_dist``) keeps it.
 
 from __future__ import annotations
 
+import functools
 import html
 import itertools
 import threading
@@ -201,7 +202,7 @@ class _WidgetPrinter(LivePrinter):
     """The grouped view: a LivePrinter whose lines go to the view's grouped Output widget, with
     lines not printed by every rank marked, and a plain copy kept for the text twin."""
 
-    def __init__(self, view: "CellView", **kwargs: Any) -> None:
+    def __init__(self, view: CellView, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._view = view
         self.plain: list[str] = []  # what the grouped view shows, as text (bounded by the caps)
@@ -278,7 +279,7 @@ class CellView:
             self.outcome,
         ], layout=plain)
         self._rank_bufs = {
-            r: _OutputBuffer(self.rank_outputs[r], rank_max_chars, rank_max_lines, lambda r=r: self._rank_note(r))
+            r: _OutputBuffer(self.rank_outputs[r], rank_max_chars, rank_max_lines, functools.partial(self._rank_note, r))
             for r in self.ranks
         }
         # The printer caps the grouped text; this cap only bounds displays added beside it.
@@ -389,7 +390,7 @@ class CellView:
             self._closed = True
             self._done = {r for r, rr in result.results.items() if rr.status != "running"}
         self._sync(final=True)
-        self.update_header(result.header().split(": ", 1)[1].split(",")[0])
+        self.update_header(result.state)
         outcome = self.printer.outcome_text(result)
         colour = "#cf222e" if result.failed or result.running else "#24292f"
         self.outcome.value = f"<pre style='color:{colour};margin:0'>{html.escape(outcome)}</pre>" if outcome else ""

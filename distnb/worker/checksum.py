@@ -347,11 +347,13 @@ def tensor_summary(t: Any) -> dict[str, Any]:
         "dtype": _dtype_name(t),
         "device": str(t.device),
         "placement": None,
+        "placements": None,
     }
     try:
         dtensor = _dtensor_class()
         if dtensor is not None and isinstance(t, dtensor):
-            out["placement"] = ", ".join(_placement(p) for p in t.placements)
+            out["placements"] = [_placement(p) for p in t.placements]
+            out["placement"] = ", ".join(out["placements"])
             out["mesh_shape"] = list(t.device_mesh.shape)
             coord = t.device_mesh.get_coordinate()  # where this rank sits: replicas of one shard share it on the sharded dims
             if coord is not None:
