@@ -1,5 +1,9 @@
-"""Shared fixtures: one session-wide 4-rank pool, fresh pools for destructive tests, and a
-session-end check that no process of distnb's outlives the test run."""
+"""Shared fixtures: pools shared by every module that asks for the same options, fresh pools for
+destructive tests, one ``wait_until``, and a session-end check that no process of distnb's
+outlives the test run.
+
+End-to-end tests (anything that starts a process) are marked ``slow``: ``python -m pytest -m
+"not slow"`` is the fast loop."""
 
 from __future__ import annotations
 
@@ -101,6 +105,45 @@ def reap_marked(var: str, token: str, timeout: float = 5.0) -> list[str]:
     return details
 
 
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, poll: float = 0.01) -> None:
+    """Poll ``predicate`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def usable(pool: distnb.Pool) -> distnb.Pool:
+    """The pool, restarted first if an earlier test left it broken, hung or busy."""
+    if pool.state != distnb.PoolState.READY or any(s.state == distnb.RankState.RUNNING for s in pool.status().ranks):
+        pool.restart()
+    return pool
+
+
+class SharedPools:
+    """One live pool per set of options, shared by every test module that asks for it (a launch
+    costs seconds on 2 cores); tracked for the leak check and shut down at the session's end."""
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[tuple[str, object], ...], distnb.Pool] = {}
+
+    def get(self, **options: object) -> distnb.Pool:
+        options.setdefault("backend", "gloo")
+        key = tuple(sorted(options.items()))
+        pool = self._pools.get(key)
+        if pool is None or pool.state in (distnb.PoolState.STOPPED, distnb.PoolState.NEW):
+            pool = self._pools[key] = distnb.Pool(**options)  # type: ignore[arg-type]
+            _pools.append(pool)
+            pool.start()
+        return usable(track(pool))
+
+    def shutdown(self) -> None:
+        for pool in self._pools.values():
+            started_pids.update(pool.pids())
+            pool.shutdown()
+
+
 def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
     """Wait until none of ``pids`` is alive; return the survivors."""
     pids = list(pids)
@@ -168,11 +211,29 @@ def _session_leak_check(leak_check):
 
 
 @pytest.fixture(scope="session")
-def pool4(leak_check) -> distnb.Pool:
-    """A 4-rank gloo pool shared by the whole session; tests use unique variable names."""
-    pool = track(distnb.launch(nproc=4, backend="gloo"))
-    yield pool
-    pool.shutdown()
+def shared_pools(leak_check) -> SharedPools:
+    pools = SharedPools()
+    yield pools
+    pools.shutdown()
+
+
+@pytest.fixture
+def pool4(shared_pools: SharedPools) -> distnb.Pool:
+    """4 gloo ranks, shared by the whole session (a majority to name an odd rank against, a 2×2
+    mesh); tests use unique variable names."""
+    return shared_pools.get(nproc=4)
+
+
+@pytest.fixture
+def pool3(shared_pools: SharedPools) -> distnb.Pool:
+    """3 gloo ranks that call a hang after 1 s, shared by the session."""
+    return shared_pools.get(nproc=3, hang_after=1.0)
+
+
+@pytest.fixture
+def pool2(shared_pools: SharedPools) -> distnb.Pool:
+    """2 gloo ranks that call a hang after 1 s, shared by the session."""
+    return shared_pools.get(nproc=2, hang_after=1.0)
 
 
 @pytest.fixture
@@ -207,3 +268,15 @@ def fresh_pool(leak_check) -> Callable[..., distnb.Pool]:
         started_pids.update(pids)
         pool.shutdown()
         assert not wait_gone(pids, 5.0), f"processes of {pool!r} survived shutdown"
+
+
+#: Fixtures that start a pool: a test asking for one is end-to-end, whatever its module says.
+_POOL_FIXTURES = {"pool", "pool2", "pool3", "pool4", "fresh_pool", "shared_pools", "small_pool", "sh", "two_nodes"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that starts a pool as ``slow``, so ``-m "not slow"`` can't pick one up by
+    accident; modules that start kernels, browsers or subprocesses mark themselves."""
+    for item in items:
+        if _POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -6,57 +6,49 @@ import pytest
 
 import distnb
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    """Four ranks: a majority to name the odd one against, and a 2×2 device mesh."""
-    with distnb.Pool(nproc=4, backend="gloo") as pool:
-        yield pool
-    assert pool.pids() == []
-
-
-def test_seeded_differently_is_named(pool2: distnb.Pool) -> None:
-    pool2.run("torch.manual_seed(1 if rank == 2 else 0)\nw = torch.randn(64)\nsame = torch.arange(8.0)")
-    [w, same] = pool2.check(["w", "same"])
+def test_seeded_differently_is_named(pool4: distnb.Pool) -> None:
+    pool4.run("torch.manual_seed(1 if rank == 2 else 0)\nw = torch.randn(64)\nsame = torch.arange(8.0)")
+    [w, same] = pool4.check(["w", "same"])
     assert not w.identical and w.differing == [""] and same.identical
     assert w.odd_ranks == [2] and "odd rank: 2" in w.header(), w.text()
     with pytest.raises(distnb.RemoteError, match="not defined"):
-        pool2.check("nope")
+        pool4.check("nope")
 
 
-def test_ddp_replicas_identical_after_a_step(pool2: distnb.Pool) -> None:
-    res = pool2.run(
+def test_ddp_replicas_identical_after_a_step(pool4: distnb.Pool) -> None:
+    res = pool4.run(
         "import torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
         "torch.manual_seed(rank)\nnet = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))\n"
         "ddp = DDP(net)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
         "ddp(torch.randn(16, 8) + rank).sum().backward()\nopt.step()\n"
     )
     assert res.ok, res.text()
-    [report] = pool2.check("net")
+    [report] = pool4.check("net")
     assert report.identical, report.text()  # DDP broadcast the weights and averaged the gradients
 
 
-def test_batchnorm_buffers_diverge_without_sync(pool2: distnb.Pool) -> None:
-    res = pool2.run(
+def test_batchnorm_buffers_diverge_without_sync(pool4: distnb.Pool) -> None:
+    res = pool4.run(
         "import torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
         "torch.manual_seed(0)\nbn_net = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), broadcast_buffers=False)\n"
         "bn_net(torch.randn(16, 4) * (rank + 1)).sum().backward()\n"
     )
     assert res.ok, res.text()
-    [report] = pool2.check("bn_net")
+    [report] = pool4.check("bn_net")
     assert "module.1.running_mean" in " ".join(report.differing) and not report.identical
     # With broadcast_buffers (DDP's default) rank 0's buffers reach every rank before each forward;
     # a last forward on identical input then leaves identical buffers everywhere.
-    pool2.run("bn_net2 = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))\n"
+    pool4.run("bn_net2 = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))\n"
               "bn_net2(torch.randn(16, 4) * (rank + 1)).sum().backward()\n"
               "bn_net2(torch.ones(2, 4)).sum().backward()")
-    [report] = pool2.check("bn_net2")
+    [report] = pool4.check("bn_net2")
     assert not any("running" in p or "num_batches" in p for p in report.differing), report.text()
 
 
-def test_check_magic_and_on_ranks_check(pool2: distnb.Pool, capsys) -> None:
+def test_check_magic_and_on_ranks_check(pool4: distnb.Pool, capsys) -> None:
     from IPython.testing.globalipapp import start_ipython
     from IPython import get_ipython
 
@@ -70,7 +62,7 @@ def test_check_magic_and_on_ranks_check(pool2: distnb.Pool, capsys) -> None:
     assert "check same: identical on ranks 0-3" in capsys.readouterr().out
     # In a kernel the same display is the coloured table: a terminal shell renders only text/plain,
     # a kernel also asks the text/html formatter that %load_ext distnb registered.
-    [report] = pool2.check("v")
+    [report] = pool4.check("v")
     html = ip.display_formatter.formatters["text/html"].lookup_by_type(type(report))(report)
     assert "check v:" in html and "<table" in html, html
     from distnb.display.html import BAD
@@ -79,8 +71,8 @@ def test_check_magic_and_on_ranks_check(pool2: distnb.Pool, capsys) -> None:
     assert BAD in odd_row, html  # the odd rank's row is the one coloured as differing
 
 
-def test_dtensors_across_ranks(pool2: distnb.Pool) -> None:
-    res = pool2.run(
+def test_dtensors_across_ranks(pool4: distnb.Pool) -> None:
+    res = pool4.run(
         "from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh\n"
         "mesh = init_device_mesh('cpu', (4,))\n"
         "torch.manual_seed(0)\ndt_shard = distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])\n"
@@ -88,17 +80,17 @@ def test_dtensors_across_ranks(pool2: distnb.Pool) -> None:
         "dt_bad = DTensor.from_local(torch.ones(4) * (2 if rank == 1 else 1), mesh, [Replicate()], run_check=False)\n"
     )
     assert res.ok, res.text()
-    shard, rep, bad = pool2.check(["dt_shard", "dt_rep", "dt_bad"])
+    shard, rep, bad = pool4.check(["dt_shard", "dt_rep", "dt_bad"])
     assert shard.identical and shard.sharded == ["dt_shard"], shard.text()
     assert {tuple(r["ranks"]) for r in shard.to_rows()} == {(0,), (1,), (2,), (3,)}  # uneven shards: 2, 2, 1, 0 rows
     assert rep.identical and rep.sharded == [], rep.text()
     assert not bad.identical and bad.odd_ranks == [1], bad.text()
 
 
-def test_mixed_placement_replicas_of_one_shard_are_compared(pool2: distnb.Pool) -> None:
+def test_mixed_placement_replicas_of_one_shard_are_compared(pool4: distnb.Pool) -> None:
     """On a 2×2 mesh with [Shard(0), Replicate()], ranks 0,1 hold one shard and ranks 2,3 the
     other: shards differ by design, but the two replicas of each shard must not."""
-    res = pool2.run(
+    res = pool4.run(
         "mesh2d = init_device_mesh('cpu', (2, 2))\n"
         "torch.manual_seed(0)\nhybrid = distribute_tensor(torch.randn(4, 3), mesh2d, [Shard(0), Replicate()])\n"
         "local = hybrid.to_local().clone()\n"
@@ -106,7 +98,7 @@ def test_mixed_placement_replicas_of_one_shard_are_compared(pool2: distnb.Pool) 
         "hybrid_bad = DTensor.from_local(local, mesh2d, [Shard(0), Replicate()], run_check=False)\n"
     )
     assert res.ok, res.text()
-    good, bad = pool2.check(["hybrid", "hybrid_bad"])
+    good, bad = pool4.check(["hybrid", "hybrid_bad"])
     assert good.identical and good.sharded == ["hybrid"], good.text()
     assert not bad.identical and bad.odd_ranks == [3], bad.text()
     assert "replicas of one shard differ, odd rank: 3" in bad.header(), bad.text()

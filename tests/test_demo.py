@@ -11,6 +11,8 @@ import pytest
 
 from conftest import kill_pids, marked_processes, started_pids, wait_gone
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("nproc", [4, 1])

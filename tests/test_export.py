@@ -15,7 +15,7 @@ from conftest import run_notebook
 from distnb.export import _show_last_value, select_cells
 from nbtext import outputs_text
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CELLS = [
     ("x = torch.full((2,), float(rank))\ndist.all_reduce(x)\nprint('sum', x.tolist())", None),

@@ -9,23 +9,9 @@ import time
 import pytest
 
 import distnb
+from conftest import usable, wait_until
 
-pytestmark = pytest.mark.timeout(150)
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = distnb.Pool(nproc=2, backend="gloo", hang_after=1.0)
-    pool.start()
-    yield pool
-    pool.shutdown()
-    assert pool.pids() == []
-
-
-def usable(pool: distnb.Pool) -> distnb.Pool:
-    if pool.state != distnb.PoolState.READY or any(s.state.value == "running" for s in pool.status().ranks):
-        pool.restart()
-    return pool
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 def test_segfault_is_a_post_mortem_with_the_python_stack(pool2: distnb.Pool) -> None:
@@ -121,7 +107,8 @@ def test_recursion_error_is_a_normal_error(pool2: distnb.Pool) -> None:
 
 def test_cell_that_forks(pool2: distnb.Pool) -> None:
     pool = usable(pool2)
-    res = pool.run("import os\npid = os.fork()\nif pid == 0:\n    print('child says hi', flush=True)\n    os._exit(0)\nos.waitpid(pid, 0)\n'parent ok'", timeout=30)
+    code = "import os\npid = os.fork()\nif pid == 0:\n    print('child says hi', flush=True)\n    os._exit(0)\nos.waitpid(pid, 0)\n'parent ok'"
+    res = pool.run(code, timeout=30)
     assert res.ok and res.values[0] == "'parent ok'"
     assert "child says hi" in res[0].stdout
     assert pool.run("rank").ok
@@ -132,14 +119,6 @@ def _sigints(pool: distnb.Pool) -> dict[int, int]:
     res = pool.run("import sys as _s\n_s.modules['__main__'].current.executor.sigints", timeout=20)
     assert res.ok, res.text()
     return {r: int(v) for r, v in res.values.items()}
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 _CATCH_FIVE = """
@@ -165,10 +144,10 @@ def test_repeated_interrupts(pool2: distnb.Pool) -> None:
     before = _sigints(pool)
     res = pool.submit(_CATCH_FIVE)
     # Inside the loop first: an interrupt that beats the cell's start cancels the whole cell instead.
-    _wait_for(lambda: all(res[r].stdout.startswith("ready") for r in (0, 1)), 10, "the cell to start")
+    wait_until(lambda: all(res[r].stdout.startswith("ready") for r in (0, 1)), 10, "the cell to start")
     for i in range(1, 6):
         pool.interrupt()
-        _wait_for(lambda: all(f"caught {i}\n" in res[r].stdout for r in (0, 1)), 10,
+        wait_until(lambda i=i: all(f"caught {i}\n" in res[r].stdout for r in (0, 1)), 10,
                   f"interrupt {i} to reach both ranks (stdout: {res.stdout})")
         # Longer than the control thread's 0.25 s re-send: a second delivery would show up here.
         time.sleep(0.4)

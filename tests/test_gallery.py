@@ -15,6 +15,8 @@ import pytest
 from conftest import run_notebook
 from nbtext import outputs_text
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 GALLERY = Path(__file__).resolve().parent.parent / "notebooks" / "gallery"
 NOTEBOOKS = sorted(GALLERY.glob("[0-9]*.ipynb"))
 

@@ -9,28 +9,13 @@ import time
 import pytest
 
 import distnb
+from conftest import usable
 from distnb import _processes
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 # -- end to end ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool3():
-    pool = distnb.Pool(nproc=3, backend="gloo", hang_after=1.0)
-    pool.start()
-    yield pool
-    pool.shutdown()
-    assert pool.pids() == []
-
-
-def fresh(pool: distnb.Pool) -> distnb.Pool:
-    """A usable pool: restart it if an earlier scenario left it hung or broken."""
-    if pool.state != distnb.PoolState.READY or any(s.state.value == "running" for s in pool.status().ranks):
-        pool.restart()
-    return pool
-
-
 def wait_for_hang(pool: distnb.Pool, result: distnb.CellResult, within: float = 15.0):
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -54,7 +39,7 @@ def _held_within(pool: distnb.Pool, rank: int, cell: int, within: float, is_open
 
 
 def test_stacks_while_blocked_in_all_reduce_and_shutdown_of_the_hung_pool(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     res = pool.submit("x = torch.ones(1)\nif rank != 2:\n    dist.all_reduce(x)\n")
     time.sleep(1.5)
     t0 = time.monotonic()
@@ -77,7 +62,7 @@ def test_stacks_while_blocked_in_all_reduce_and_shutdown_of_the_hung_pool(pool3:
 def test_stacks_native_and_all_threads(pool3: distnb.Pool) -> None:
     import shutil
 
-    pool = fresh(pool3)
+    pool = usable(pool3)
     pool.submit(
         "import threading, time\n"
         "threading.Thread(target=time.sleep, args=(20,), name='data-helper', daemon=True).start()\n"
@@ -102,7 +87,7 @@ def test_stacks_native_and_all_threads(pool3: distnb.Pool) -> None:
 
 
 def test_rank_that_raised_is_named_root_cause(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     res = pool.submit("x = torch.ones(1)\nif rank == 1:\n    raise ValueError('bad batch')\ndist.all_reduce(x)\n")
     diag = wait_for_hang(pool, res)
     assert diag.culprits == [1] and "ValueError: bad batch" in diag.summary
@@ -110,14 +95,14 @@ def test_rank_that_raised_is_named_root_cause(pool3: distnb.Pool) -> None:
 
 
 def test_different_collectives_name_the_odd_rank(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     res = pool.submit("x = torch.ones(1)\nif rank == 0:\n    dist.broadcast(x, 0)\nelse:\n    dist.barrier()\n")
     diag = wait_for_hang(pool, res)
     assert diag.culprits == [0] and "broadcast" in diag.summary and "barrier" in diag.summary
 
 
 def test_stack_of_rank_holding_the_gil(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     # Catastrophic regex backtracking runs in C and never releases the GIL (~5 s here).
     res = pool.submit("import re\nre.match(r'(a+)+$', 'a' * 26 + 'b')", ranks=[1])
     time.sleep(0.5)
@@ -135,7 +120,7 @@ def test_stack_of_rank_holding_the_gil(pool3: distnb.Pool) -> None:
 
 
 def test_stack_of_rank_in_a_busy_python_loop(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     # Pure Python gives the GIL up every few ms: the control thread answers, no faulthandler needed.
     res = pool.submit("import time\nend = time.time() + 2.5\nwhile time.time() < end:\n    pass\n", ranks=[1])
     time.sleep(0.5)
@@ -149,7 +134,7 @@ def test_stack_of_rank_in_a_busy_python_loop(pool3: distnb.Pool) -> None:
 
 
 def test_rank_killed_mid_cell_is_reported_first(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     code = (
         "import os, signal, sys, time\nx = torch.ones(1)\n"
         "if rank == 1:\n    print('going down', file=sys.stderr, flush=True)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -175,7 +160,7 @@ def test_death_is_reported_at_once_while_a_grandchild_holds_the_pipes(pool3: dis
     import os
     import signal
 
-    pool = fresh(pool3)
+    pool = usable(pool3)
     code = (
         "import os, signal, subprocess, sys\nx = torch.ones(1)\n"
         "if rank == 1:\n"
@@ -205,7 +190,7 @@ def test_death_inside_a_collective_names_it(pool3: distnb.Pool) -> None:
     import os
     import signal
 
-    pool = fresh(pool3)
+    pool = usable(pool3)
     res = pool.submit("import time\nx = torch.ones(2)\nif rank == 0:\n    time.sleep(6)\ndist.all_reduce(x)")
     # The rank pushes its log within ~50 ms of entering the all_reduce; nobody asks it here.
     held = _held_within(pool, 1, res.cell, 3.0)
@@ -221,7 +206,7 @@ def test_death_inside_a_collective_names_it(pool3: distnb.Pool) -> None:
 
 
 def test_controller_holds_a_collective_within_a_fraction_of_a_second(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     # Each rank pushes a new entry itself within ~50 ms, and its end once the rank has left it;
     # the pool's own poll comes once a second, so three trials all this quick would be luck
     # without the pushes (~4% for the entry alone).
@@ -239,7 +224,7 @@ def test_controller_holds_a_collective_within_a_fraction_of_a_second(pool3: dist
 
 
 def test_same_hang_a_second_later_has_the_same_headline(pool3: distnb.Pool, tmp_path) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     flag = tmp_path / "go"
     # Rank 2 computes (polls a file) while ranks 0,1 wait for it in the all_reduce.
     code = (f"import os, time\nx = torch.ones(2)\nif rank == 2:\n    while not os.path.exists({str(flag)!r}):\n"
@@ -259,7 +244,7 @@ def test_same_hang_a_second_later_has_the_same_headline(pool3: distnb.Pool, tmp_
 
 
 def test_a_rank_outside_the_cell_is_named_not_blamed_as_finished(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     res = pool.submit("x = torch.ones(2)\ndist.all_reduce(x)", ranks=[0, 1])
     diag = wait_for_hang(pool, res)
     assert "rank 2, which is not part of this cell" in diag.summary and "finished" not in diag.summary, diag.text()
@@ -284,7 +269,7 @@ def test_restart_replay_restores_state(pool3: distnb.Pool) -> None:
 
 
 def test_env_contract(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     env = pool.env()
     assert {r: e["RANK"] for r, e in env.env.items()} == {0: "0", 1: "1", 2: "2"}
     assert all(e["WORLD_SIZE"] == "3" for e in env.env.values())
@@ -309,17 +294,8 @@ def test_detail_mode_names_shape_mismatch() -> None:
 
 
 # -- two ranks: mismatches that abort or hang with no majority -------------------------------------
-@pytest.fixture(scope="module")
-def pool2():
-    pool = distnb.Pool(nproc=2, backend="gloo", hang_after=1.0)
-    pool.start()
-    yield pool
-    pool.shutdown()
-    assert pool.pids() == []
-
-
 def test_barrier_against_all_reduce_names_both_ranks(pool2: distnb.Pool) -> None:
-    pool = fresh(pool2)
+    pool = usable(pool2)
     res = pool.submit("x = torch.ones(1)\nif rank == 0:\n    dist.barrier()\nelse:\n    dist.all_reduce(x)")
     diag = wait_for_hang(pool, res)
     # One rank each: nothing says which side is wrong, so neither is picked.
@@ -329,7 +305,7 @@ def test_barrier_against_all_reduce_names_both_ranks(pool2: distnb.Pool) -> None
 
 
 def test_gloo_shape_mismatch_without_detail_aborts_and_is_explained(pool2: distnb.Pool) -> None:
-    pool = fresh(pool2)
+    pool = usable(pool2)
     t0 = time.monotonic()
     res = pool.run("batch = torch.ones(64 if rank == 0 else 48, 16)\ndist.all_reduce(batch)", timeout=30)
     assert time.monotonic() - t0 < 10 and not res.running
@@ -343,7 +319,7 @@ def test_gloo_shape_mismatch_without_detail_aborts_and_is_explained(pool2: distn
 
 
 def test_dtype_mismatch_is_named_from_the_log_of_the_rank_that_aborted(pool2: distnb.Pool) -> None:
-    pool = fresh(pool2)
+    pool = usable(pool2)
     # Rank 0 (float32) waits first; rank 1 arrives 0.5 s later with float64 and gloo aborts rank 0.
     code = ("import time\nx = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)\n"
             "if rank == 1:\n    time.sleep(0.5)\ndist.all_reduce(x)")
@@ -362,7 +338,7 @@ def test_dtype_mismatch_is_named_from_the_log_of_the_rank_that_aborted(pool2: di
 def test_uneven_loop_lengths_and_collective_log(pool3: distnb.Pool) -> None:
     # Earlier cells' collectives (if any ran on this pool) are counted by sequence number, not by
     # the entries the log holds.
-    pool = fresh(pool3)
+    pool = usable(pool3)
     pool.run("x = torch.ones(2)\nfor i in range(3):\n    dist.all_reduce(x)\n", timeout=30)
     res = pool.submit("x = torch.ones(2)\nfor i in range(5 if rank == 0 else 4):\n    dist.all_reduce(x)\n")
     diag = wait_for_hang(pool, res)
@@ -380,7 +356,7 @@ def test_uneven_loop_lengths_and_collective_log(pool3: distnb.Pool) -> None:
 
 
 def test_subgroup_missing_member(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     res = pool.submit("g = dist.new_group([0, 1])\nx = torch.ones(2)\nif rank == 0:\n    dist.all_reduce(x, group=g)\n")
     diag = wait_for_hang(pool, res)
     assert diag.summary.startswith("sub-group collective missing a member: rank 0 waits in all_reduce #1"), diag.summary
@@ -388,7 +364,7 @@ def test_subgroup_missing_member(pool3: distnb.Pool) -> None:
 
 
 def test_ddp_internal_collectives_are_logged(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     code = (
         "import torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
         "ddp_model = DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))\n"
@@ -405,7 +381,7 @@ def test_ddp_internal_collectives_are_logged(pool3: distnb.Pool) -> None:
 
 
 def test_shape_mismatch_is_named_from_the_collective_log(pool3: distnb.Pool) -> None:
-    pool = fresh(pool3)
+    pool = usable(pool3)
     res = pool.submit("x = torch.ones(3 if rank == 0 else 4)\ndist.all_reduce(x)")
     diag = wait_for_hang(pool, res)
     assert re.match(r"shape mismatch at collective #\d+ on group 0: ", diag.summary), diag.summary
@@ -438,7 +414,7 @@ def test_regroup_after_a_collective_timeout_keeps_state() -> None:
 def test_a_healthy_ddp_loop_is_never_called_a_hang(pool3: distnb.Pool) -> None:
     """Several seconds of DDP training at the default threshold: ranks keep entering and leaving
     the same collectives, one of them a little slower; the watch must not cry hang."""
-    pool = fresh(pool3)
+    pool = usable(pool3)
     setup = pool.run(
         "import torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
         "torch.manual_seed(0)\nhl_model = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]))\n"

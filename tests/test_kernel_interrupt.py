@@ -14,6 +14,8 @@ import pytest
 
 from conftest import reap_marked
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 MARK = "DISTNB_INTERRUPT_TEST"
 
 

@@ -12,7 +12,7 @@ import pytest
 import distnb
 from distnb import _processes
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def rss(pid: int) -> int:

@@ -13,7 +13,7 @@ import distnb
 from conftest import wait_gone
 from distnb import pool as pool_module
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 class Shell:

@@ -23,7 +23,7 @@ from distnb.cluster import NodeStarters
 from distnb.protocol import Codec, Msg, supervisor_identity
 from distnb.security import Credentials
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 HERE = Path(__file__).resolve().parent
 

@@ -14,6 +14,8 @@ from nbtext import outputs_text
 
 from conftest import marked_processes, wait_gone
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
 MARK = "DISTNB_QUICKSTART_TEST"

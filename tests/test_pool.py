@@ -25,19 +25,13 @@ import distnb
 from distnb import CellEvents, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, PoolState, RankState, RemoteError
 from distnb import _processes
 
-from conftest import kill_pids, pool_processes, session_id, started_pids, track, wait_gone
+from conftest import kill_pids, pool_processes, session_id, started_pids, track, wait_gone, wait_until
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ALL = [0, 1, 2, 3]
 #: How long a pool may outlive its killed controller (parent-death signal path, not heartbeats).
 CONTROLLER_DEATH_CLEANUP_S = 5.0
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- lifecycle ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distnb
+from conftest import wait_until
 from distnb import RemoteError, protocol
 from distnb.channel import Channel
 from distnb.protocol import (
@@ -304,14 +305,6 @@ def test_fuzz_signed_dicts_only_raise_badframe(msg, use_guard):
 # -- the controller's I/O thread survives its handlers ---------------------------------------------
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-
-
 @pytest.mark.timeout(30)
 def test_raising_callbacks_do_not_kill_the_io_thread(caplog):
     """A bug in the tracker's tick or in a message handler used to end the I/O thread;
@@ -337,7 +330,7 @@ def test_raising_callbacks_do_not_kill_the_io_thread(caplog):
         peer.connect(channel.address)
         channel.heartbeat_peers.add(b"s0")
         with caplog.at_level(logging.DEBUG, logger="distnb"):
-            _wait_for(lambda: channel.errors >= 3, 10, "three failing ticks")
+            wait_until(lambda: channel.errors >= 3, 10, "three failing ticks")
             assert channel.alive and "handler bug on tick" in channel.last_error and "periodic check" in channel.last_error
             # Heartbeats keep flowing after the failures (they are what keeps the workers alive).
             codec, guard = Codec(creds.key, "s0"), ReplayGuard()
@@ -351,9 +344,9 @@ def test_raising_callbacks_do_not_kill_the_io_thread(caplog):
             before = channel.errors
             peer.send_multipart(codec.encode({"t": "boom"}))
             peer.send_multipart(codec.encode({"t": "after"}))
-            _wait_for(lambda: "after" in handled, 10, "the message after the failing one")
+            wait_until(lambda: "after" in handled, 10, "the message after the failing one")
             assert channel.errors > before and channel.alive
-            _wait_for(lambda: "handler bug on boom" in (channel.last_error or "") or channel.errors > before + 50, 10,
+            wait_until(lambda: "handler bug on boom" in (channel.last_error or "") or channel.errors > before + 50, 10,
                       "the handler's traceback")
         # One ERROR record per failure site, however often it fails; repeats only at DEBUG.
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "handler bug" in r.getMessage()]
@@ -527,7 +520,7 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
     try:
         t0 = time.monotonic()
         throw()
-        _wait_for(lambda: channel.rejected >= before_controller + expected_controller, 15,
+        wait_until(lambda: channel.rejected >= before_controller + expected_controller, 15,
                   f"{expected_controller} rejections at the controller (have {channel.rejected - before_controller})")
         time.sleep(0.2)
         assert channel.rejected == before_controller + expected_controller  # and nothing more

@@ -7,7 +7,7 @@ import pytest
 import distnb
 from distnb import session
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_replay_re_pushes_values_between_cells(fresh_pool) -> None:

@@ -396,6 +396,7 @@ from distnb.display.widgets import widgets_available
 print("in a kernel:", get_ipython().kernel is not None, "| widgets:", widgets_available())'''
 
 
+@pytest.mark.slow  # a real kernel
 @pytest.mark.timeout(240)
 def test_a_kernel_without_ipywidgets_uses_the_text_path(tmp_path: Path) -> None:
     nb = nbformat.v4.new_notebook()
