@@ -152,6 +152,7 @@ class RankResult:
     first_death: bool = False
     collective: str = ""  # the collective a dead rank was in, from its last polled log
     cause: str = ""  # why it died when no exit code tells (its machine lost)
+    direct: bool = False  # its CELL_DONE came straight from the rank (a silent cell), not via its supervisor
 
     def death_text(self) -> str:
         """Post-mortem of a rank that died during the cell."""

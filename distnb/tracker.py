@@ -267,7 +267,7 @@ class Tracker:
                 elif kind == "s":
                     self._on_supervisor(info, t, msg)
                 else:
-                    self._on_rank(info, t, msg)
+                    self._on_rank(info, t, msg, direct=True)
             self.changed.notify_all()
 
     def _on_supervisor(self, info: RankRecord, t: str, msg: dict[str, Any]) -> None:
@@ -308,9 +308,9 @@ class Tracker:
             if self.liveness is not None and not info.agent:
                 self.liveness.known_pids.add(msg["child_pid"])
 
-    def _on_rank(self, info: RankRecord, t: str, msg: dict[str, Any]) -> None:
+    def _on_rank(self, info: RankRecord, t: str, msg: dict[str, Any], direct: bool = False) -> None:
         if t == Msg.CELL_DONE:
-            self._cell_done(info, msg)
+            self._cell_done(info, msg, direct)
         elif t == Msg.DISPLAY:
             run = info.run
             if run is not None and run.result.cell == msg["cell"]:
@@ -330,7 +330,7 @@ class Tracker:
         elif t == Msg.START_FAILED:
             info.start_error = msg.get("error") or msg.get("summary")
 
-    def _cell_done(self, info: RankRecord, msg: dict[str, Any]) -> None:
+    def _cell_done(self, info: RankRecord, msg: dict[str, Any], direct: bool) -> None:
         run = info.run
         if run is None or run.result.cell != msg.get("cell"):
             return  # a cell the controller stopped waiting for (restart, detach)
@@ -338,7 +338,7 @@ class Tracker:
         res.status = msg["status"]
         res.value, res.error = msg.get("value"), msg.get("error")
         res.duration, res.memory = msg.get("duration"), msg.get("memory")
-        res.finished_at = time.monotonic()
+        res.finished_at, res.direct = time.monotonic(), direct
         run.waiting_done.discard(info.rank)
         if res.error and "OutOfMemoryError" in str(res.error.get("ename")) and run.waiting_done:
             self._ask_memory_of_waiting(run)

@@ -173,11 +173,6 @@ def test_a_silent_cell_ends_without_the_supervisor_and_nothing_else_does(pool):
     output (Python or fd level, stdout or stderr) or display keeps the ordered path through the
     supervisor, so the result never overtakes it."""
 
-    def direct() -> dict[int, int]:
-        # Read inside a cell that is itself silent: each read adds one direct cell on every rank.
-        res = pool.run("import sys as _dd_s\n_dd_s.modules['__main__'].current.direct_done")
-        return {r: int(v) for r, v in res.values.items()}
-
     cases = [
         ("dd_a = rank * 7", True, {}),
         ("dd_a + 1", True, {}),
@@ -187,12 +182,16 @@ def test_a_silent_cell_ends_without_the_supervisor_and_nothing_else_does(pool):
         ("display(rank)", False, {}),
     ]
     for code, silent, expected in cases:
-        before = direct()
-        res = pool.run(code)
-        after = direct()
-        assert res.ok, res.text()
-        took_direct = {r: after[r] - before[r] - 1 for r in ALL}  # less the reading cell itself
-        assert took_direct == {r: int(silent) for r in ALL}, (code, took_direct)
+        # A silent cell may still take the ordered path when its supervisor happened to read
+        # something meanwhile (a heartbeat): that is the check erring on the safe side, so a silent
+        # cell gets three tries. A cell with output must never go direct, on any try.
+        for _ in range(3 if silent else 1):
+            res = pool.run(code)
+            assert res.ok, res.text()
+            took_direct = {r: res[r].direct for r in ALL}
+            if not silent or all(took_direct.values()):
+                break
+        assert took_direct == {r: silent for r in ALL}, (code, took_direct)
         for stream, text in expected.items():
             assert {r: getattr(res[r], stream) for r in ALL} == {r: text.format(r=r) for r in ALL}, (code, res.text())
     assert pool.run("dd_a").values == {r: str(7 * r) for r in ALL}

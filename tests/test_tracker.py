@@ -131,6 +131,7 @@ def test_output_goes_to_the_running_cell_and_a_done_finishes_each_rank() -> None
     # A silent cell's DONE comes straight from the rank's main thread.
     tracker.on_message("x", 1, done(1))
     assert not result.running and tracker.busy() == {}
+    assert not result[0].direct and result[1].direct, "which path each result took"
     assert [h[0] for h in heard] == [0, 0]
 
 

@@ -138,7 +138,6 @@ class Rank:
         self.ns: dict[str, Any] = {}
         self.executor = Executor(self.ns, self._send_display, MemorySampler(self.local_rank))
         self.quiet = _QuietCheck()
-        self.direct_done = 0  # cells whose CELL_DONE skipped the supervisor (tests and benchmarks read it)
 
     def send(self, msg: dict[str, Any]) -> None:
         frames = self.codec.encode(msg)
@@ -238,8 +237,7 @@ class Rank:
             done = CellDone(t=Msg.CELL_DONE, cell=cell, **reply)  # type: ignore[typeddict-item]
             if self.quiet.quiet_since(mark):
                 try:
-                    self.send(done)
-                    self.direct_done += 1
+                    self.send(done)  # the controller marks the result ``direct``
                     return
                 except FrameTooLarge:
                     pass  # the supervisor's path replaces an oversized CELL_DONE with a small one
