@@ -92,8 +92,9 @@ def socket_max_msgsize() -> int:
 
 
 class Msg:
-    """Message kinds (plain strings in each message's ``"t"``); the fields of each are the
-    ``TypedDict`` of the same name below.
+    """Message kinds (plain strings in each message's ``"t"``). Each kind's fields are a
+    ``TypedDict`` below, named after it (``SupHello`` for SUP_HELLO, ``CellDone`` for CELL_DONE …;
+    ``Request`` covers every request the controller sends, ``Reply`` every answer).
 
     Who sends what, on which connection (identity prefix: ``x`` a rank's main thread, ``c`` its
     control thread, ``s`` its supervisor, ``n`` a node agent, ``C…`` the controller):
