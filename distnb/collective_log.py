@@ -10,30 +10,52 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from distnb.ranks import format_ranks
 from distnb.results import group_by
 
-__all__ = ["CollectiveLog", "CollectiveReport", "Divergence", "describe", "signature"]
+__all__ = ["CollectiveLog", "CollectiveReport", "Divergence", "args_text", "describe", "odd_ones", "signature"]
+
+P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
 _DTYPE_SHORT = {"Float": "f32", "Double": "f64", "Half": "f16", "BFloat16": "bf16", "Long": "i64", "Int": "i32",
                 "Byte": "u8", "Bool": "bool", "Char": "i8", "Short": "i16"}
 
 
+def args_text(args: dict[str, Any] | None) -> str:
+    """``src=1``, ``op=MAX``: the arguments a call was given, the usual reduce op (SUM) left out."""
+    return " ".join(f"{k}={v}" for k, v in (args or {}).items() if v is not None and not (k == "op" and v == "SUM"))
+
+
+def odd_ones(values: dict[int, Any]) -> list[int]:
+    """Ranks whose value differs from the one most ranks share; every rank on a tie (nothing
+    says which side is wrong)."""
+    groups = group_by((r, repr(v)) for r, v in sorted(values.items()))
+    sizes = sorted((len(rs) for rs, _ in groups), reverse=True)
+    if len(groups) < 2:
+        return []
+    if sizes[0] == sizes[1]:
+        return sorted(values)
+    majority = next(rs for rs, _ in groups if len(rs) == sizes[0])
+    return sorted(r for r in values if r not in majority)
+
+
 def describe(entry: dict[str, Any], with_op: bool = True) -> str:
-    """``all_reduce [3] f32`` (shapes and dtypes of the inputs)."""
+    """``all_reduce [3] f32`` (shapes and dtypes of the inputs), ``broadcast [2] f32 src=1``."""
     shapes = " ".join("[" + ",".join(map(str, s)) + "]" for s in entry.get("sizes", [])[:4])
     if len(entry.get("sizes", [])) > 4:
         shapes += f" +{len(entry['sizes']) - 4}"
     dtypes = sorted({_DTYPE_SHORT.get(d, d) for d in entry.get("dtypes", [])})
-    parts = ([entry["op"]] if with_op else []) + ([shapes] if shapes else []) + ([",".join(dtypes)] if dtypes else [])
+    args = args_text(entry.get("args"))
+    parts = ([entry["op"]] if with_op else []) + ([shapes] if shapes else []) + ([",".join(dtypes)] if dtypes else []) + ([args] if args else [])
     return " ".join(parts)
 
 
 def signature(entry: dict[str, Any]) -> tuple[Any, ...]:
     """What must match across ranks at one position of a group's sequence."""
-    return (entry["op"], tuple(tuple(s) for s in entry.get("sizes", [])), tuple(entry.get("dtypes", [])))
+    return (entry["op"], tuple(tuple(s) for s in entry.get("sizes", [])), tuple(entry.get("dtypes", [])),
+            tuple(sorted((k, repr(v)) for k, v in (entry.get("args") or {}).items())))
 
 
 @dataclass
@@ -43,6 +65,12 @@ class CollectiveLog:
     entries: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # rank -> id -> entry
     groups: dict[str, list[int]] = field(default_factory=dict)
     unavailable: str | None = None
+    # Per rank, the watched calls (worker/call_log.py) by number: point-to-point, group creation,
+    # and the arguments of rooted and reducing collectives.
+    calls: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    # Ranks that died inside a collective (by the stack they printed) before its entry reached
+    # the controller: op name. Their missing entry is not "never entered".
+    died_in: dict[int, str] = field(default_factory=dict)
     # Per rank, the record id below which entries belong to process groups that no longer exist
     # (a regroup names its new default group "0" again and restarts its sequence at 1).
     floors: dict[int, int] = field(default_factory=dict)
@@ -54,7 +82,18 @@ class CollectiveLog:
         ids = self.entries.get(rank)
         return max(max(ids) if ids else -1, self.floors.get(rank, -1))
 
+    def last_call(self, rank: int) -> int:
+        calls = self.calls.get(rank)
+        return max(calls) if calls else -1
+
     def merge(self, rank: int, reply: dict[str, Any]) -> None:
+        if reply.get("calls"):
+            mine_calls = self.calls.setdefault(rank, {})
+            for c in reply["calls"]:
+                mine_calls[c["n"]] = c
+            if len(mine_calls) > 5000:
+                for n in sorted(mine_calls)[: len(mine_calls) - 5000]:
+                    del mine_calls[n]
         if "unavailable" in reply:
             self.unavailable = reply["unavailable"]
             return
@@ -74,6 +113,8 @@ class CollectiveLog:
         """Forget everything (a fresh launch: new processes, record ids from 0 again)."""
         self.entries.clear()
         self.groups.clear()
+        self.calls.clear()
+        self.died_in.clear()
         self.floors.clear()
         self._skew.clear()
         self.unavailable = None
@@ -84,6 +125,7 @@ class CollectiveLog:
         that never completed stays in its recorder)."""
         self.entries.clear()
         self.groups.clear()
+        self.calls.clear()  # the ranks cleared theirs: group names and counts start over
         self.floors.update(floors)
 
     def age(self, rank: int, entry: dict[str, Any]) -> float:
@@ -103,6 +145,19 @@ class CollectiveLog:
         open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"] and (cell is None or e.get("cell") == cell)]
         return max(open_, key=lambda e: e["id"]) if open_ else None
 
+    def open_calls(self, rank: int) -> list[dict[str, Any]]:
+        """Watched calls the rank is in now (a blocking send/recv, new_group) or has not seen
+        complete (an isend/irecv), oldest first."""
+        return sorted((c for c in self.calls.get(rank, {}).values() if c["end"] is None), key=lambda c: c["n"])
+
+    def creations(self, rank: int) -> dict[int, dict[str, Any]]:
+        """The rank's ``new_group`` calls by torch's group counter before each (1 = the first
+        after init_process_group): every rank must make the same ones in the same order."""
+        return {c["count"]: c for c in self.calls.get(rank, {}).values() if c["op"] == "new_group" and c.get("count") is not None}
+
+    def p2p(self, rank: int) -> list[dict[str, Any]]:
+        return sorted((c for c in self.calls.get(rank, {}).values() if c["op"] in P2P_OPS), key=lambda c: c["n"])
+
     def sequence(self, rank: int, group: str) -> list[dict[str, Any]]:
         return sorted((e for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]), key=lambda e: e["seq"])
 
@@ -116,12 +171,27 @@ class CollectiveLog:
         return CollectiveReport(self, sorted(ranks), last)
 
 
+#: What must match at one position of a group's sequence, in the order a difference is named.
+_KINDS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "op": lambda e: e["op"],
+    "shape": lambda e: e.get("sizes"),
+    "dtype": lambda e: e.get("dtypes"),
+    "args": lambda e: e.get("args"),
+}
+
+
 @dataclass
 class Divergence:
     group: str
     seq: int
-    kind: str  # missing · op · shape · dtype
+    kind: str  # missing · op · shape · dtype · args
     by_rank: dict[int, dict[str, Any] | None]
+
+    def odd(self) -> list[int]:
+        """The ranks that stand out by majority (every rank involved on a tie)."""
+        if self.kind == "missing":
+            return odd_ones({r: e is None for r, e in self.by_rank.items()})
+        return odd_ones({r: _KINDS[self.kind](e) for r, e in self.by_rank.items() if e is not None})
 
     def text(self, members: list[int]) -> str:
         present = {r: e for r, e in self.by_rank.items() if e is not None}
@@ -131,8 +201,11 @@ class Divergence:
             sample = next(iter(present.values()))
             return f"{where}: {format_ranks(present)} entered {sample['op']}, {format_ranks(absent)} never did"
         groups = group_by((r, describe(e)) for r, e in sorted(present.items()))
-        what = {"op": "different ops", "shape": "different shapes", "dtype": "different dtypes"}[self.kind]
-        return f"{where}: {what}: " + "; ".join(f"{format_ranks(rs)} {d}" for rs, d in groups)
+        what = {"op": "different ops", "shape": "different shapes", "dtype": "different dtypes", "args": "different arguments"}[self.kind]
+        odd = self.odd()
+        blame = f" (the odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)})" if odd and len(odd) < len(present) else ""
+        died = f"; {format_ranks(absent)} died inside it before {'its' if len(absent) == 1 else 'their'} entry reached distnb" if absent else ""
+        return f"{where}: {what}: " + "; ".join(f"{format_ranks(rs)} {d}" for rs, d in groups) + blame + died
 
 
 @dataclass
@@ -160,15 +233,17 @@ class CollectiveReport:
                 at = {r: seqs[r].get(seq) for r in members}
                 if all(e is None for e in at.values()):
                     continue
-                if any(e is None for e in at.values()):
+                present = [e for e in at.values() if e is not None]
+                # A rank that died inside this op before its entry reached distnb did enter it.
+                inside = {r for r, e in at.items() if e is None and self.log.died_in.get(r) in {x["op"] for x in present}
+                          and (not seqs[r] or max(seqs[r]) < seq)}
+                if any(e is None and r not in inside for r, e in at.items()):
                     # A rank whose log starts later (ring buffer) is not "missing" it.
-                    if all(e is not None or (seqs[r] and min(seqs[r]) > seq) for r, e in at.items()):
+                    if all(e is not None or r in inside or (seqs[r] and min(seqs[r]) > seq) for r, e in at.items()):
                         continue
                     out.append(Divergence(group, seq, "missing", at))
                     break
-                present = [e for e in at.values() if e is not None]
-                kinds = [("op", lambda e: e["op"]), ("shape", lambda e: e.get("sizes")), ("dtype", lambda e: e.get("dtypes"))]
-                kind = next((k for k, key in kinds if len({repr(key(e)) for e in present}) > 1), None)
+                kind = next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in present if k != "args" or "args" in e}) > 1), None)
                 if kind:
                     out.append(Divergence(group, seq, kind, at))
                     break

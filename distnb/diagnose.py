@@ -7,145 +7,18 @@ ranks involved. The positions come from stacks and, where available, the ranks' 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from distnb._processes import signal_meaning
+from distnb.collective_log import CollectiveReport, args_text, describe, odd_ones, signature
+from distnb.group_creation import creation_mismatch
+from distnb.p2p import match_p2p
+from distnb.position import COLLECTIVE_FUNCS, Diagnosis, Position, collective_at_death, position_from_stack
 from distnb.ranks import format_ranks
 from distnb.results import group_by
-from distnb.collective_log import CollectiveReport, describe, signature
-from distnb.stacks import RankStack, parse_faulthandler, short_path
+from distnb.steps import uneven_steps
 
 __all__ = ["Position", "Diagnosis", "diagnose", "position_from_stack", "collective_at_death", "COLLECTIVE_FUNCS"]
-
-#: Public torch.distributed functions that block until peers arrive.
-COLLECTIVE_FUNCS = {
-    "all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_into_tensor",
-    "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce",
-    "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-    "batch_isend_irecv", "new_group", "init_process_group", "destroy_process_group",
-}
-
-
-def _duration(seconds: list[float]) -> str:
-    if not seconds:
-        return ""
-    lo, hi = min(seconds), max(seconds)
-    return f" for {lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f" for {lo:.1f}–{hi:.1f} s"
-
-
-@dataclass
-class Position:
-    """Where one rank is in the current cell."""
-
-    rank: int
-    state: str  # finished · failed · dead · computing · collective · unresponsive (no stack at all) · idle
-    op: str | None = None  # the collective it waits in
-    seq: int | None = None  # per-group sequence number, when known
-    group: str | None = None
-    shapes: str | None = None
-    since: float | None = None  # seconds in the collective (or in the cell)
-    line: int | None = None  # cell line
-    code: str = ""  # the cell line's text
-    detail: str = ""  # error summary, exit meaning …
-    sizes: list[list[int]] | None = None  # input shapes of the collective, when the log knows them
-    dtypes: list[str] | None = None
-
-    def collective(self) -> str:
-        """``all_reduce #4 at cell line 3``."""
-        seq = f" #{self.seq}" if self.seq is not None else ""
-        return f"{self.op}{seq}" + (f" at cell line {self.line}" if self.line else "")
-
-    def where(self, durations: list[float] | None = None) -> str:
-        """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration."""
-        at = f" at cell line {self.line}" + (f" ({self.code.strip()})" if self.code.strip() else "") if self.line else ""
-        if self.state == "collective":
-            seq = f" #{self.seq}" if self.seq is not None else ""
-            grp = f" on group {self.group}" if self.group else ""
-            shp = f" {self.shapes}" if self.shapes else ""
-            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
-            return f"waiting in {self.op}{seq}{grp}{shp}{dur}{at}"
-        if self.state == "computing":
-            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
-            return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){dur}{at}"
-        if self.state == "finished":
-            return "finished the cell"
-        if self.state == "idle":
-            return "idle: not part of this cell"
-        if self.state == "failed":
-            return f"raised {self.detail}{at}"
-        if self.state == "dead":
-            return f"died: {self.detail}"
-        if self.state == "unresponsive":
-            return f"not answering: {self.detail}"
-        return self.state
-
-
-@dataclass
-class Diagnosis:
-    kind: str  # ok · slow · hang · running
-    # The headline. It names the situation, never a duration, so the same hang diagnosed a second
-    # later has the same headline (the live watch prints a diagnosis again only when it changes);
-    # durations are in the per-rank lines of text().
-    summary: str
-    positions: list[Position] = field(default_factory=list)
-    culprits: list[int] = field(default_factory=list)
-
-    def text(self) -> str:
-        lines = [f"[distnb] {self.summary}"]
-        # Ranks waiting in the same place are one line even though their waits differ by a few ms.
-        by_rank = {p.rank: p for p in self.positions}
-        for ranks, _ in group_by((p.rank, p.where([])) for p in self.positions):
-            durations = [since for r in ranks if (since := by_rank[r].since) is not None]
-            lines.append(f"  {format_ranks(ranks)}: {by_rank[ranks[0]].where(durations)}")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text())
-
-
-def position_from_stack(stack: RankStack, cell_code: str = "") -> Position:
-    """A rank's position read off its stack: the outermost torch.distributed collective frame."""
-    main = next((t for t in stack.threads if t.main), None)
-    frames = main.user_frames() if main else []
-    cell_frames = [f for f in frames if f.is_cell]
-    line = cell_frames[-1].lineno if cell_frames else None
-    code = cell_frames[-1].line if cell_frames else ""
-    op = next(
-        (f.name for f in frames if f.filename.endswith("distributed_c10d.py") and f.name in COLLECTIVE_FUNCS),
-        None,
-    )
-    if op is not None:
-        return Position(stack.rank, "collective", op=op, line=line, code=code)
-    return Position(stack.rank, "computing", line=line, code=code, detail=_importing(frames))
-
-
-def collective_at_death(stderr: str, main_ident: int | None = None) -> str | None:
-    """``all_reduce at cell line 2 (…)``: the collective the main thread was in when faulthandler
-    printed its stack on a fatal signal (SIGABRT, SIGSEGV), from a dead rank's last stderr."""
-    if "File " not in stderr:
-        return None
-    threads = parse_faulthandler(stderr, None, main_ident)
-    main = next((t for t in threads if t.main), None)
-    if main is None:
-        return None
-    pos = position_from_stack(RankStack(-1, "", "faulthandler", [main]))
-    if pos.state != "collective":
-        return None
-    return f"{pos.op}" + (f" at cell line {pos.line}" if pos.line else "") + " (from the stack it printed as it died)"
-
-
-def _importing(frames: list[Any]) -> str:
-    """``importing torch/_dynamo/__init__.py`` when the rank is inside an import, else ``""``."""
-    inside = [i for i, f in enumerate(frames) if f.filename.startswith("<frozen importlib")]
-    if not inside:
-        return ""
-    module = next((f for f in reversed(frames[inside[0]:]) if f.name == "<module>" and not f.filename.startswith("<")), None)
-    return f"importing {short_path(module.filename)}" if module else "importing a module"
 
 
 def diagnose(
@@ -184,6 +57,9 @@ def diagnose(
     w = format_ranks([p.rank for p in waiting])
     if dead:
         d = next((p for p in dead if p.rank == first_death), dead[0])
+        victim = _victim(d, log)
+        if victim is not None:
+            return Diagnosis("hang", victim[0], positions, victim[1])
         later = [p.rank for p in dead if p is not d]
         then = f", then {format_ranks(later)}" if later else ""
         return Diagnosis(
@@ -192,6 +68,16 @@ def diagnose(
             f"and can't finish. Root cause: rank {d.rank}.",
             positions, [d.rank, *later],
         )
+    if log is not None:
+        moving = {p.rank for p in computing}
+        mismatch = creation_mismatch(log.log, [p.rank for p in positions if p.state != "idle"], moving)
+        if mismatch is not None:
+            return Diagnosis("hang", mismatch.text(), positions, mismatch.odd)
+    if any(p.peers for p in waiting):
+        found = match_p2p(positions)
+        if found.sentences:
+            return Diagnosis("hang", "point-to-point calls without a partner: " + "; ".join(found.sentences) + ".",
+                             positions, found.culprits)
     if failed:
         f = failed[0]
         return Diagnosis(
@@ -249,7 +135,41 @@ def diagnose(
             "(slow, stuck in a loop, or about to skip it).",
             positions, [p.rank for p in computing],
         )
+    if waiting[0].op == "new_group":
+        # Group creation is a store rendezvous that takes milliseconds: a long wait with every
+        # rank at the same creation is not "slow".
+        return Diagnosis(
+            "hang",
+            f"every rank waits in new_group{waiting[0].at()}, with the same members on every rank as far as distnb saw, and it has "
+            "not completed: a rank may have created a group under another name earlier (outside distnb's view) — check with "
+            "%dist_stacks and %dist_collectives.",
+            positions,
+        )
     return Diagnosis("slow", f"every rank is in the same collective ({waiting[0].op}): slow but consistent, not a hang.", positions)
+
+
+def _victim(dead: Position, log: CollectiveReport | None) -> tuple[str, list[int]] | None:
+    """A rank that died inside a collective whose ranks disagree (gloo aborts the rank that
+    receives data it can't fit): the odd rank of the mismatch is the root cause, not the victim."""
+    if log is None:
+        return None
+    for div in log.divergences():
+        present = [e for e in div.by_rank.values() if e is not None]
+        entry = div.by_rank.get(dead.rank) or (present[0] if log.log.died_in.get(dead.rank) and dead.rank in div.by_rank else None)
+        if div.kind == "missing" or entry is None:
+            continue
+        odd = div.odd()
+        if not odd or dead.rank in odd or len(odd) == len([e for e in div.by_rank.values() if e]):
+            continue
+        what = {"op": "different ops", "shape": "shape mismatch", "dtype": "dtype mismatch", "args": "argument mismatch"}[div.kind]
+        detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by((r, describe(e)) for r, e in sorted(div.by_rank.items()) if e))
+        return (
+            f"rank {dead.rank} died ({dead.detail}) inside {entry['op']} #{div.seq} on group {div.group}, a {what}: {detail}. "
+            f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out; rank {dead.rank} is a victim "
+            "(gloo aborts a rank that receives data its own tensor can't hold).",
+            odd,
+        )
+    return None
 
 
 def _waits(ranks: list[Position]) -> str:
@@ -259,7 +179,7 @@ def _waits(ranks: list[Position]) -> str:
 def _place(p: Position) -> tuple[Any, ...]:
     """What must be equal for ranks to be in the same collective."""
     shapes = (_tup(p.sizes), _tup(p.dtypes)) if p.sizes is not None or p.dtypes is not None else p.shapes
-    return (p.op, p.seq, p.group, shapes)
+    return (p.op, p.seq, p.group, shapes, args_text(p.args))
 
 
 def _tup(x: Any) -> Any:
@@ -286,6 +206,9 @@ def _differences(waiting: list[Position]) -> list[str]:
             out.append("dtype")
     elif distinct(lambda p: p.shapes):
         out.append("shape or dtype")  # only their description is known
+    for key in sorted({k for p in waiting for k in (p.args or {})}):
+        if distinct(lambda p: (p.args or {}).get(key)):
+            out.append(key)
     return out
 
 
@@ -299,7 +222,8 @@ def _disagree(waiting: list[Position], positions: list[Position]) -> Diagnosis:
         p = by_rank[ranks[0]]
         seq = f" #{p.seq}" if p.seq is not None else ""
         grp = f" on group {p.group}" if p.group is not None and "group" in diffs else ""
-        return f"{format_ranks(ranks)} in {p.op}{seq}{grp}" + (f" {p.shapes}" if p.shapes else "")
+        args = args_text(p.args)
+        return f"{format_ranks(ranks)} in {p.op}{seq}{grp}" + (f" {p.shapes}" if p.shapes else "") + (f" {args}" if args else "")
 
     if "op" in diffs:
         kind = "different collectives"
@@ -341,17 +265,16 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
     entered = {r: e for r, e in theirs.items() if e is not None}
     if entered:
         # They did enter #k, with something else: a mismatch that let them finish (or abort).
-        mine = log.log.pending(waiting[0].rank) or {}
-        kind = "different ops" if any(e["op"] != head.op for e in entered.values()) else _mismatch(mine, list(entered.values()))
-        detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by(
-            [(p.rank, describe(log.log.pending(p.rank) or {"op": p.op or "?"})) for p in waiting]
-            + [(r, describe(e)) for r, e in entered.items()]))
-        return Diagnosis(
-            "hang",
-            f"{kind} at collective #{head.seq} on group {head.group}: {detail}. "
-            f"{format_ranks(list(entered))} completed {'it' if len(entered) == 1 else 'them'} anyway; the others wait.",
-            positions, list(entered),
-        )
+        at = {p.rank: log.log.pending(p.rank) or {"op": p.op or "?"} for p in waiting} | entered
+        kind = "different ops" if any(e["op"] != head.op for e in entered.values()) else _mismatch(list(at.values()))
+        detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by((r, describe(e)) for r, e in sorted(at.items())))
+        odd = odd_ones({r: signature(e) if "sizes" in e else e["op"] for r, e in at.items()})
+        done = f"{format_ranks(list(entered))} completed it anyway; the others wait."
+        if odd and len(odd) < len(at):
+            blame = f"The odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)} ({done[:-1]})."
+        else:
+            odd, blame = list(entered), done
+        return Diagnosis("hang", f"{kind} at {head.op} #{head.seq} on group {head.group}: {detail}. {blame}", positions, odd)
     w = format_ranks([p.rank for p in waiting])
     if head.group != "0" and absent:
         return Diagnosis(
@@ -363,28 +286,31 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
     if not absent:
         return None
     pending = log.log.pending(head.rank) or {}
-    # Same op, exactly one call short (by sequence number: the log may have let old entries go),
-    # and in the same cell: a loop that ran once less on those ranks.
-    last = {r: log.log.sequence(r, head.group)[-1:] for r in absent}
-    if all(
-        log.log.last_seq(r, head.group) == head.seq - 1 and last[r] and last[r][0]["op"] == head.op
-        and last[r][0].get("cell") == pending.get("cell")
-        for r in absent
-    ):
-        cell = pending.get("cell")
+    cell = pending.get("cell")
+    # One collective short (by sequence number: the log may have let old entries go), in the same
+    # cell: a loop that ran fewer times on those ranks — one op per step, or a step of several
+    # (FSDP's all_gathers and reduce_scatters).
+    if cell is not None and all(log.log.last_seq(r, head.group) == head.seq - 1 for r in absent):
         seq = log.log.sequence(absent[0], head.group)
         # Counting the cell's calls needs all of them: no gap, and the log reaching back before the cell.
         whole = len(seq) == seq[-1]["seq"] - seq[0]["seq"] + 1 and (seq[0]["seq"] == 1 or seq[0].get("cell") != cell)
-        calls = [e for e in seq if e["op"] == head.op and e.get("cell") == cell]
-        if cell is not None and whole and calls:
-            made = f"made {len(calls) + 1} {head.op} calls on group {head.group}, {format_ranks(absent)} stopped after {len(calls)}"
-        else:
+        ahead = [e["op"] for e in log.log.sequence(head.rank, head.group) if e.get("cell") == cell]
+        behind = [e["op"] for e in seq if e.get("cell") == cell]
+        steps = uneven_steps(ahead, behind) if whole else None
+        made = None
+        if steps is not None and len(steps[0]) == 1:
+            made = f"made {steps[1]} {head.op} calls on group {head.group}, {format_ranks(absent)} stopped after {steps[2]}"
+        elif steps is not None:
+            made = (f"ran {steps[1]} steps of ({', '.join(steps[0])}) on group {head.group}, {format_ranks(absent)} "
+                    f"stopped after {steps[2]}")
+        elif seq and seq[-1]["op"] == head.op and seq[-1].get("cell") == cell:
             made = f"reached {head.op} #{head.seq} on group {head.group}, {format_ranks(absent)} stopped after #{head.seq - 1}"
-        return Diagnosis(
-            "hang",
-            f"uneven loop lengths: {w} {made} (a data loader or loop with a different length per rank).",
-            positions, absent,
-        )
+        if made is not None:
+            return Diagnosis(
+                "hang",
+                f"uneven loop lengths: {w} {made} (a data loader or loop with a different length per rank).",
+                positions, absent,
+            )
     return Diagnosis(
         "hang",
         f"rank-conditional collective: {w} entered {head.collective()} on group {head.group}, but "
@@ -393,15 +319,20 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
     )
 
 
-def _mismatch(mine: dict[str, Any], theirs: list[dict[str, Any]]) -> str:
-    """``shape mismatch``, ``dtype mismatch`` or both: what differs between the same op's calls."""
-    if not mine:
+def _mismatch(entries: list[dict[str, Any]]) -> str:
+    """``shape mismatch``, ``dtype mismatch``, ``argument mismatch (src)``: what differs between
+    the same op's calls."""
+    if any("sizes" not in e for e in entries):
         return "shape or dtype mismatch"
-    shapes = any(signature(e)[1] != signature(mine)[1] for e in theirs)
-    dtypes = any(signature(e)[2] != signature(mine)[2] for e in theirs)
+    shapes = len({signature(e)[1] for e in entries}) > 1
+    dtypes = len({signature(e)[2] for e in entries}) > 1
     if shapes and dtypes:
         return "shape and dtype mismatch"
-    return "dtype mismatch" if dtypes else "shape mismatch" if shapes else "mismatch"
+    if dtypes or shapes:
+        return "dtype mismatch" if dtypes else "shape mismatch"
+    keys = sorted({k for e in entries for k in (e.get("args") or {})})
+    args = [k for k in keys if len({repr((e.get("args") or {}).get(k)) for e in entries if e.get("args") is not None}) > 1]
+    return f"argument mismatch ({', '.join(args)})" if args else "mismatch"
 
 
 def exit_detail(returncode: int | None) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Protocol
 
 from distnb import _processes
 from distnb.check_report import CheckReport, compare
-from distnb.collective_log import CollectiveReport, describe
+from distnb.collective_log import P2P_OPS, CollectiveReport, describe
 from distnb.config import LaunchConfig
 from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
 from distnb.errors import NoCellError, NoPoolError, RemoteError
@@ -75,7 +75,8 @@ class Diagnostics:
         # The collective log comes in the same answer: a rank that can't answer (a C loop holding
         # the GIL) then costs one timeout here, not one more per question.
         since = {r: log.last_id(r) for r in alive}
-        msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1)}
+        msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1),
+               "calls_since": min((log.last_call(r) for r in alive), default=-1)}
         replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
         self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
         # A control thread that answered with an error instead of stacks gave no stack either.
@@ -162,15 +163,20 @@ class Diagnostics:
         assert stacks is not None
         if not stacks[r].threads:
             return Position(r, "unresponsive", since=elapsed, detail=self.why_silent(r))
-        pos = position_from_stack(stacks[r])
+        pos = position_from_stack(stacks[r], result.cell)
         # The rank tells which cell an entry belongs to by its own clock: no cross-machine clock comparison.
         log = self._tracker.collective_log
         pending = log.pending(r, result.cell)
         if pending is not None:
             pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
             pos.shapes = describe(pending, with_op=False)
-            pos.sizes, pos.dtypes = pending.get("sizes"), pending.get("dtypes")
+            pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
             pos.since = log.age(r, pending)
+        # Point-to-point calls have no recorder entry on gloo: the rank's own record of the call.
+        peers = [c for c in log.open_calls(r) if c["op"] in P2P_OPS]
+        if peers and (pos.op in P2P_OPS or pos.state == "computing" and ".wait(" in pos.code):
+            pos.state, pos.op, pos.peers = "collective", peers[-1]["op"], peers
+            pos.since = log.age(r, {"t": peers[0]["t"] / 1e9})
         pos.since = pos.since if pos.since is not None else elapsed
         return pos
 
@@ -184,7 +190,8 @@ class Diagnostics:
             alive = tracker.alive(targets)
             since = {r: tracker.collective_log.last_id(r) for r in alive}
             floor = min(since.values(), default=-1)
-            replies = tracker.requests.ask(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor}, 1.0, partial=True)
+            calls = min((tracker.collective_log.last_call(r) for r in alive), default=-1)
+            replies = tracker.requests.ask(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor, "calls_since": calls}, 1.0, partial=True)
             self._merge_collectives(replies, since)
         return tracker.collective_log.report(targets, last)
 

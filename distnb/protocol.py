@@ -229,11 +229,17 @@ class Reply(TypedDict, total=False):
 
 
 class CollectivesPush(TypedDict, total=False):
+    """Also the reply to COLLECTIVES: Flight Recorder entries (each with the ``args`` of the call
+    that made it, when watched), the watched calls (point-to-point, group creation) and the
+    rank's clock."""
+
     t: str
     rank: int
     entries: list[dict[str, Any]]
+    calls: list[dict[str, Any]]
     now: float
     groups: dict[str, list[int]]
+    unavailable: str
 
 
 class Exec(TypedDict):
@@ -244,7 +250,8 @@ class Exec(TypedDict):
 
 class Request(TypedDict, total=False):
     """PUSH (values), PULL (names), CHECK (names), REGROUP (generation), STACKS (all_threads,
-    collectives_since), ENV, MEMORY, COLLECTIVES (since), INTERRUPT (cell), FAULT_REQUEST (wait)."""
+    collectives_since, calls_since), ENV, MEMORY, COLLECTIVES (since, calls_since), INTERRUPT
+    (cell), FAULT_REQUEST (wait)."""
 
     t: str
     id: str
@@ -253,6 +260,7 @@ class Request(TypedDict, total=False):
     generation: int
     all_threads: bool
     collectives_since: int
+    calls_since: int
     since: int
     cell: int | None
     wait: float

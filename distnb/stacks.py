@@ -33,6 +33,14 @@ class Frame:
         return self.filename.startswith("<cell-")
 
     @property
+    def cell(self) -> int | None:
+        """The cell a frame's code came from (``<cell-3>`` → 3)."""
+        try:
+            return int(self.filename[len("<cell-") : -1]) if self.is_cell else None
+        except ValueError:
+            return None
+
+    @property
     def is_internal(self) -> bool:
         return self.filename.startswith(_DISTNB_DIR) or "/distnb/worker/" in self.filename or self.filename.endswith(_BOOTSTRAP)
 

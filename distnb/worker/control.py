@@ -88,6 +88,7 @@ class ControlThread(threading.Thread):
         self._pushed_seqs: tuple[tuple[str, int], ...] | None = None
         self._seen_seqs: tuple[tuple[str, int], ...] | None = None
         self._pushed_id = -1  # the newest record already pushed
+        self._pushed_call = -1  # the newest watched call already pushed (worker/call_log.py)
         self._open_ids: set[int] = set()  # records pushed as not yet completed
         self._stuck_ids: set[int] = set()  # open ones not worth re-reading for
         self._was_running = False
@@ -165,7 +166,7 @@ class ControlThread(threading.Thread):
             watched = self._open_ids - self._stuck_ids
             since = min(min(watched) - 1, self._pushed_id) if watched else self._pushed_id
             t0 = time.perf_counter()
-            reply = read_collectives(since, self.executor.clock)
+            reply = read_collectives(since, self.executor.clock, self.executor.calls, self._pushed_call)
             took = time.perf_counter() - t0
             self.watch_dumps += 1
             self.watch_seconds += took
@@ -175,7 +176,10 @@ class ControlThread(threading.Thread):
                 self.seqs = None
                 return
             newest = max((e["id"] for e in entries), default=-1)
-            if moved and newest <= self._pushed_id:
+            calls = reply.get("calls", [])
+            newest_call = max((c["n"] for c in calls), default=-1)
+            # Point-to-point calls and group creation move a group's counter without an entry.
+            if moved and newest <= self._pushed_id and newest_call <= self._pushed_call:
                 # The look raced ahead of the recorder (counter moved, entry not yet written):
                 # look again next time.
                 return
@@ -188,7 +192,8 @@ class ControlThread(threading.Thread):
                 # the controller's own poll follows them from here.
                 self._stuck_ids |= open_ids
             self._pushed_seqs, self._pushed_id, self._open_ids = seqs, max(self._pushed_id, newest), open_ids
-            if entries and not unchanged:
+            self._pushed_call = max(self._pushed_call, newest_call)
+            if (entries or calls) and not unchanged:
                 reply.update(t=Msg.COLLECTIVES_PUSH, rank=self.rank)
                 send_frames(self.sock, self.codec.encode(reply))
         except zmq.ContextTerminated:
@@ -219,13 +224,14 @@ class ControlThread(threading.Thread):
             if "collectives_since" in msg:
                 # In the same answer, so a rank that can't answer (a C loop holding the GIL) costs
                 # the caller one timeout, not one per question.
-                reply["collectives"] = read_collectives(int(msg["collectives_since"]), self.executor.clock)
+                reply["collectives"] = read_collectives(int(msg["collectives_since"]), self.executor.clock,
+                                                        self.executor.calls, int(msg.get("calls_since", -1)))
             return reply
         if t == Msg.MEMORY:
             # Safe from this thread: /proc reads and CUDA allocator counters take no user locks.
             return {"memory": self.executor.memory.stop()}
         if t == Msg.COLLECTIVES:
-            return read_collectives(int(msg.get("since", -1)), self.executor.clock)
+            return read_collectives(int(msg.get("since", -1)), self.executor.clock, self.executor.calls, int(msg.get("calls_since", -1)))
         if t == Msg.ENV:
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
         if t == Msg.INTERRUPT:

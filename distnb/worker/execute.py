@@ -14,6 +14,7 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
+from distnb.worker.call_log import CallLog
 from distnb.worker.flight_recorder import CellClock
 from distnb.worker.memory_sampler import MemorySampler
 
@@ -85,6 +86,7 @@ class Executor:
         self.ns = namespace
         self.memory = memory or MemorySampler()
         self.clock = CellClock()
+        self.calls = CallLog(CELL_PREFIX)
         self._send_display = send_display
         self.cell: int | None = None
         self.started = 0.0

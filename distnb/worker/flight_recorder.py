@@ -20,6 +20,8 @@ import pickle
 import time
 from typing import Any
 
+from distnb.worker.call_log import CallLog
+
 __all__ = ["CellClock", "SeqWatch", "read_collectives"]
 
 
@@ -103,8 +105,19 @@ def _dump() -> dict[str, Any]:
     return json.loads(getattr(c, "_dump_fr_trace_json")())  # noqa: B009 - absent from torch's stubs
 
 
-def read_collectives(since: int, clock: CellClock) -> dict[str, Any]:
-    """Entries newer than record ``since`` plus every entry not yet retired (its state may change).
+def _completed(e: dict[str, Any]) -> bool:
+    """NCCL moves an entry's ``state`` to "completed" (and retires timed-out works too, so
+    ``retired`` alone proves nothing there); gloo never moves ``state`` past "scheduled" and
+    retires an entry when its work completes."""
+    if str(e.get("profiling_name", "")).startswith("nccl:"):
+        return e.get("state") == "completed"
+    return bool(e.get("retired")) or e.get("state") == "completed"
+
+
+def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None, calls_since: int = -1) -> dict[str, Any]:
+    """Entries newer than record ``since`` plus every entry not yet retired (its state may change),
+    each with the arguments of the call that created it (``calls``), and the watched calls newer
+    than ``calls_since`` (point-to-point and group creation, which the recorder does not see).
 
     ``now`` is this rank's wall clock at the read: the controller measures how long an entry has
     been open against it, never against its own clock (another machine's may be off by seconds).
@@ -113,20 +126,23 @@ def read_collectives(since: int, clock: CellClock) -> dict[str, Any]:
         from torch._C import _distributed_c10d as c10d
     except ImportError:  # a torch built without distributed support
         c10d = None  # type: ignore[assignment]
+    extra: dict[str, Any] = {"calls": calls.since(calls_since)} if calls is not None else {}
     if not hasattr(c10d, "_dump_fr_trace_json"):  # present since torch 2.5
-        return {"unavailable": "this torch has no Flight Recorder (_dump_fr_trace_json); upgrade to torch >= 2.5"}
+        return {**extra, "unavailable": "this torch has no Flight Recorder (_dump_fr_trace_json); upgrade to torch >= 2.5"}
     try:
         dump = _dump()
     except Exception as exc:
-        return {"unavailable": f"the Flight Recorder could not be read: {exc}"}
+        return {**extra, "unavailable": f"the Flight Recorder could not be read: {exc}"}
     now = time.time()
     entries = []
+    created = []
     for e in dump.get("entries", []):
         rid = int(e["record_id"])
         if rid <= since and e.get("retired", True):
             continue
         p2p = bool(e.get("is_p2p"))
-        t = int(e.get("time_created_ns", 0)) / 1e9
+        created.append(int(e.get("time_created_ns", 0)))
+        t = created[-1] / 1e9
         entries.append(
             {
                 "id": rid,
@@ -138,8 +154,11 @@ def read_collectives(since: int, clock: CellClock) -> dict[str, Any]:
                 "sizes": [list(s) for s in e.get("input_sizes", [])],
                 "dtypes": list(e.get("input_dtypes", [])),
                 "t": t,
-                "done": bool(e.get("retired")),
+                "done": _completed(e),
+                "state": str(e.get("state", "")),
                 "cell": clock.cell_at(t),
             }
         )
-    return {"entries": entries, "groups": _groups(), "now": now}
+    if calls is not None:
+        calls.annotate(entries, created)
+    return {"entries": entries, "groups": _groups(), "now": now, **extra}

@@ -31,6 +31,7 @@ from distnb._zmq_io import recv_frames, send_frames
 from distnb._text import mib
 from distnb.protocol import BadFrame, CellDone, Codec, FrameTooLarge, Hello, Msg, Ready, ReplayGuard, StartFailed, exec_identity, socket_max_msgsize
 from distnb.security import Credentials
+from distnb.worker.call_log import install
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
 from distnb.worker.execute import Executor, mimebundle
@@ -196,6 +197,8 @@ class Rank:
         if backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
+        if os.environ.get("DISTNB_CALL_LOG", "1") != "0":  # benchmarks compare without it
+            install(self.executor.calls)
         self.ns.update(
             torch=torch,
             dist=dist,
@@ -279,6 +282,7 @@ class Rank:
             backend = dist.get_backend()
         except Exception as exc:
             return {"status": "error", "error": f"rank {self.rank} has no default process group to replace: {exc}"}
+        self.executor.calls.reset()  # group names and counts start over with the new group
         try:
             dist.destroy_process_group()
         except Exception:
