@@ -18,7 +18,7 @@ from distnb.ranks import format_ranks
 from distnb.results import group_by
 from distnb.steps import uneven_steps
 
-__all__ = ["Position", "Diagnosis", "diagnose", "position_from_stack", "collective_at_death", "COLLECTIVE_FUNCS"]
+__all__ = ["Position", "Diagnosis", "diagnose", "position_from_stack", "collective_at_death", "victim", "COLLECTIVE_FUNCS"]
 
 
 def diagnose(
@@ -57,9 +57,9 @@ def diagnose(
     w = format_ranks([p.rank for p in waiting])
     if dead:
         d = next((p for p in dead if p.rank == first_death), dead[0])
-        victim = _victim(d, log)
-        if victim is not None:
-            return Diagnosis("hang", victim[0], positions, victim[1])
+        victim_of = victim(d, log)
+        if victim_of is not None:
+            return Diagnosis("hang", victim_of[0], positions, victim_of[1])
         later = [p.rank for p in dead if p is not d]
         then = f", then {format_ranks(later)}" if later else ""
         return Diagnosis(
@@ -148,7 +148,7 @@ def diagnose(
     return Diagnosis("slow", f"every rank is in the same collective ({waiting[0].op}): slow but consistent, not a hang.", positions)
 
 
-def _victim(dead: Position, log: CollectiveReport | None) -> tuple[str, list[int]] | None:
+def victim(dead: Position, log: CollectiveReport | None) -> tuple[str, list[int]] | None:
     """A rank that died inside a collective whose ranks disagree (gloo aborts the rank that
     receives data it can't fit): the odd rank of the mismatch is the root cause, not the victim."""
     if log is None:

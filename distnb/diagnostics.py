@@ -15,7 +15,7 @@ from distnb import _processes
 from distnb.check_report import CheckReport, compare
 from distnb.collective_log import P2P_OPS, CollectiveReport, describe
 from distnb.config import LaunchConfig
-from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack
+from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack, victim
 from distnb.errors import NoCellError, NoPoolError, RemoteError
 from distnb.memory_report import MemoryReport
 from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
@@ -146,6 +146,17 @@ class Diagnostics:
         positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
         threshold = self._pool.config.hang_after if hang_after is None else hang_after
         return diagnose(positions, threshold, elapsed, log, tracker.first_death)
+
+    def death_note(self, result: CellResult) -> str:
+        """For a cell in which a rank died inside a collective whose ranks disagree: the odd rank
+        that caused it, in words (a gloo abort kills a neighbour, not the rank that was wrong)."""
+        dead = [r for r in result.ranks if result.results[r].status == "dead"]
+        if not dead:
+            return ""
+        first = self._tracker.first_death if self._tracker.first_death in dead else dead[0]
+        report = self.collectives(refresh=True)
+        found = victim(Position(first, "dead", detail=_processes.signal_meaning(result.results[first].returncode)), report)
+        return found[0] if found else ""
 
     def _position(self, r: int, result: CellResult, stacks: StackReport | None, elapsed: float) -> Position:
         res = result.results.get(r)

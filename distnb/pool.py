@@ -332,6 +332,9 @@ class Pool:
                 interrupted = True
                 self.interrupt(result.running)
         result.elapsed = time.monotonic() - run.started
+        if run.finished.is_set() and result.failed and not run.death_checked:
+            run.death_checked = True
+            result.root_cause = self._diagnostics.death_note(result)
         if on_tick is not None:
             on_tick(result)
         return result

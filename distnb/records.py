@@ -32,6 +32,7 @@ class CellRun:
         self.waiting_done = set(result.ranks)
         self.kept = {(r, s): 0 for r in result.ranks for s in ("stdout", "stderr")}
         self.finished = threading.Event()
+        self.death_checked = False  # the pool looked once for the root cause behind a death in it
 
     def rank_finished(self, rank: int) -> bool:
         return rank not in self.waiting_done

@@ -137,7 +137,9 @@ class RankResult:
     """What one rank did with one cell."""
 
     rank: int
-    status: str = "running"  # running · ok · error · interrupted · dead
+    # running · ok · error · interrupted · dead · stranded (still blocked waiting for a dead rank;
+    # the cell ended for the notebook, the pool is broken)
+    status: str = "running"
     stdout: str = ""
     stderr: str = ""
     value: dict[str, str] | None = None
@@ -150,7 +152,7 @@ class RankResult:
     stderr_tail: str = ""  # a dead rank's last stderr lines (from its supervisor)
     memory: dict[str, Any] | None = None  # RSS/CUDA/NVML sampled at the cell's start and end
     first_death: bool = False
-    collective: str = ""  # the collective a dead rank was in, from its last polled log
+    collective: str = ""  # the collective a dead (or stranded) rank was in, from its last polled log
     cause: str = ""  # why it died when no exit code tells (its machine lost)
     direct: bool = False  # its CELL_DONE came straight from the rank (a silent cell), not via its supervisor
 
@@ -185,6 +187,9 @@ class CellResult:
     timed_out: bool = False
     detached: bool = False  # the caller stopped waiting (second interrupt) with ranks busy
     notes: list[str] = field(default_factory=list)
+    # Who caused a death when it was not the rank that died (a mismatch gloo aborted a neighbour
+    # for), in words; shown right after the post-mortems.
+    root_cause: str = ""
     # Memory of ranks still running when another ran out of memory (asked live at that moment).
     live_memory: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -246,9 +251,12 @@ class CellResult:
         # Root cause first: a death usually explains the errors of the ranks that waited for it.
         dead = [r for r in sorted(self._ordered(), key=lambda r: not r.first_death) if r.status == "dead"]
         parts.extend(r.death_text() for r in dead)
+        if self.root_cause:
+            parts.append(self.root_cause)
         if dead:
             others = group_by(
-                (r.rank, f"raised {r.error['ename']}" if r.error else {"ok": "finished the cell", "running": "still running"}.get(r.status, r.status))
+                (r.rank, f"raised {r.error['ename']}" if r.error else f"stranded in {r.collective}" if r.status == "stranded"
+                 else {"ok": "finished the cell", "running": "still running"}.get(r.status, r.status))
                 for r in self._ordered() if r.status != "dead"
             )
             if others:

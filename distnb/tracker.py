@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 from distnb import _processes
 from distnb.cluster import Nodes
-from distnb.collective_log import CollectiveLog, describe
+from distnb.collective_log import P2P_OPS, CollectiveLog, describe
 from distnb.position import collective_at_death, position_at_death
 from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
 from distnb.protocol import Msg, control_identity, supervisor_identity
@@ -39,6 +39,9 @@ __all__ = ["CellEvents", "CellRun", "Liveness", "RankRecord", "Tracker", "OUTPUT
 
 #: Output kept per rank, per stream, per cell; the rest is counted, not stored.
 OUTPUT_KEEP_BYTES = 1 << 20
+#: Seconds after a death before a cell whose remaining ranks all wait for a dead one ends (the
+#: tick comes once a second: the notebook hears within ~2 s).
+STRAND_AFTER = 1.0
 
 _POOL_MOVES: dict[PoolState, set[PoolState]] = {
     PoolState.NEW: {PoolState.STARTING},
@@ -447,7 +450,52 @@ class Tracker:
                 self._check_nodes()
                 self._check_processes()
                 self._poll_collectives()
+            if self._state == PoolState.BROKEN:
+                self._end_stranded_cells()
             self.changed.notify_all()
+
+    def _end_stranded_cells(self) -> None:
+        """A dead rank leaves the ranks waiting for it blocked until the group's timeout (or
+        forever): once every rank the cell still waits for is blocked in a collective or
+        point-to-point call with a dead member, end the cell for the notebook (STRAND_AFTER
+        seconds after the first death, so an error the survivors raise themselves comes first)."""
+        deaths = [i.died_at for i in self.ranks.values() if i.died_at is not None]
+        if not deaths or time.monotonic() - min(deaths) < STRAND_AFTER:
+            return
+        dead = {r for r, i in self.ranks.items() if i.state == RankState.DEAD}
+        for run in {id(i.run): i.run for i in self.ranks.values() if i.run is not None}.values():
+            blocked = {r: why for r in sorted(run.waiting_done) if (why := self._blocked_on(r, run.result.cell, dead))}
+            if not blocked or len(blocked) < len(run.waiting_done):
+                continue
+            now = time.monotonic()
+            for r, why in blocked.items():
+                res = run.result.results[r]
+                res.status, res.collective, res.finished_at = "stranded", why, now
+                run.waiting_done.discard(r)
+            run.result.notes.append(
+                f"the cell ended {now - min(deaths):.1f} s after the first death: {format_ranks(blocked)} "
+                f"{'stays' if len(blocked) == 1 else 'stay'} blocked waiting for {format_ranks(dead)}, and the pool is broken. "
+                "%dist_restart (pool.restart()) starts over; add --replay to run the cells since launch again."
+            )
+            run.result.elapsed = now - run.started
+            run.events = CellEvents()
+            run.finished.set()
+
+    def _blocked_on(self, rank: int, cell: int, dead: set[int]) -> str:
+        """What ``rank`` waits in when a dead rank is needed there, in words (else "")."""
+        log = self.collective_log
+        pending = log.pending(rank, cell)
+        if pending is not None:
+            members = set(log.groups.get(pending["group"], dead))  # a group distnb can't name: assume it holds them
+            if members & dead:
+                return f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
+        for call in log.open_calls(rank):
+            peer = call.get("args", {}).get("dst" if call["op"] in ("send", "isend") else "src")
+            if call["op"] in P2P_OPS and (peer is None or peer in dead):
+                return f"{call['op']} {'to' if P2P_OPS[call['op']] == 'send' else 'from'} rank {peer}"
+            if call["op"] == "new_group":
+                return "new_group"
+        return ""
 
     def _check_nodes(self) -> None:
         for node in self.nodes.check():
