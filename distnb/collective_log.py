@@ -134,6 +134,11 @@ class CollectiveLog:
         skew = max(samples) if samples else 0.0
         return max(0.0, time.time() + skew - entry["t"])
 
+    def offset(self, rank: int) -> float:
+        """The rank's clock minus the controller's, seconds (0 until a reply says otherwise)."""
+        samples = self._skew.get(rank)
+        return max(samples) if samples else 0.0
+
     def local_time(self, rank: int, entry: dict[str, Any]) -> float:
         """When the rank recorded ``entry``, on the controller's clock (to order ranks' entries)."""
         samples = self._skew.get(rank)

@@ -8,6 +8,7 @@ feeding a tracker messages and answering its requests, without processes.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Iterable, Protocol
 
@@ -22,6 +23,8 @@ from distnb.protocol import Msg, control_identity, exec_identity, supervisor_ide
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult, EnvReport, PoolState, RankState
 from distnb.session import SessionLog
+from distnb.profile_report import ProfileReport, RankTime, merge_traces
+from distnb.stragglers import StragglerReport, arrivals
 from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dumps
 from distnb.tracker import Tracker, run_of
 
@@ -145,7 +148,56 @@ class Diagnostics:
         log = self.collectives(refresh=not busy)
         positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
         threshold = self._pool.config.hang_after if hang_after is None else hang_after
-        return diagnose(positions, threshold, elapsed, log, tracker.first_death)
+        diag = diagnose(positions, threshold, elapsed, log, tracker.first_death)
+        if diag.kind == "ok" and busy:
+            # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
+            report = StragglerReport("0", list(result.ranks), arrivals(tracker.collective_log, "0", list(result.ranks), 200, result.cell))
+            rank = report.straggler()
+            if rank is not None:
+                return Diagnosis("slow", f"rank {rank} is a straggler: it arrives last at most collectives of this cell and the others "
+                                 "wait for it (see %dist_timeline).", positions, [rank], [f"  {report.summary()}"])
+        return diag
+
+    def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
+        """Per-rank time of a cell run with ``profile=True``; see :meth:`distnb.Pool.profile`."""
+        missing = {r: "the rank did not finish the cell" if res.status == "running" else "the cell was not run with profile=True"
+                   for r, res in result.results.items() if not res.profile}
+        errors = {r: f"the profiler failed: {res.profile['error']}" for r, res in result.results.items()
+                  if res.profile and "error" in res.profile}
+        profiles = {r: res.profile for r, res in result.results.items() if res.profile and "error" not in res.profile}
+        if not profiles:
+            raise ValueError(f"cell {result.cell} has no profile ({next(iter({**missing, **errors}.values()), 'no ranks')}); "
+                             "run it with %%on_ranks --profile (pool.run(code, profile=True)).")
+        ranks = sorted(profiles)
+        log = self.collectives(ranks).log
+        waits = {r: 0.0 for r in ranks}
+        for a in arrivals(log, "0", ranks, None, result.cell):
+            end = max(a.times.values())
+            for r in ranks:
+                waits[r] += end - a.times[r]
+        times = [RankTime(r, result.results[r].duration or 0.0, profiles[r]["collective_s"], min(waits[r], profiles[r]["collective_s"]))
+                 for r in ranks]
+        path = None
+        traces = {r: p["trace"] for r, p in profiles.items() if "trace" in p}
+        if traces:
+            path = merge_traces(traces, {r: log.offset(r) for r in traces},
+                                trace_path or os.path.join("distnb-traces", f"cell-{result.cell}.json"))
+        far = {r: f"its trace is too big to send; it is at {p['trace_path']} on {self._tracker.ranks[r].host}"
+               for r, p in profiles.items() if "trace_path" in p}
+        return ProfileReport(result.cell, times, {r: p["ops"] for r, p in profiles.items()}, path, {**missing, **errors, **far})
+
+    def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
+        """Who arrives last at the recent collectives of ``group``: per rank, the share of
+        collectives it was last at, how late, and the share of time the others waited."""
+        if last < 1:
+            raise ValueError(f"last must be a positive count of collectives, not {last}; e.g. last=200.")
+        report = self.collectives(ranks)
+        members = report.members(group) if group in report.log.groups else report.ranks
+        if group not in report.group_names():
+            known = ", ".join(report.group_names()) or "none yet"
+            raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); run some first, "
+                             "or pick one of those.")
+        return StragglerReport(group, members, arrivals(report.log, group, members, last))
 
     def death_note(self, result: CellResult) -> str:
         """For a cell in which a rank died inside a collective whose ranks disagree: the odd rank

@@ -332,6 +332,26 @@ class DistMagics(Magics):
             return pool.collectives(args.ranks, last=args.last)
 
     @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to compare: 0,2 · 1-3 · all (default: the group's members).")
+    @argument("--last", type=int, default=200, metavar="K", help="The last K collectives (default 200).")
+    @argument("--group", default="0", metavar="NAME", help="Process group name as in %%dist_collectives (default 0, the world).")
+    @argument("--no-plot", action="store_true", help="Text only.")
+    @line_magic
+    def dist_timeline(self, line: str) -> None:
+        """Arrival skew per rank over recent collectives: who arrives last, how late, how long the others wait (text and plot)."""
+        args = _parse(self.dist_timeline, line)
+        if args.last < 1:
+            raise UsageError("--last takes a positive count, e.g. --last 200.")
+        pool = self._pool()
+        with _usage_errors():
+            report = pool.stragglers(args.ranks, group=args.group, last=args.last)
+        from IPython.display import Image, display
+
+        display(report)
+        if report.collectives and not args.no_plot:
+            display(Image(data=figure_png(report.plot()), format="png"))
+
+    @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
     @line_magic
     def dist_env(self, line: str) -> Any:
@@ -373,6 +393,8 @@ class DistMagics(Magics):
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report a hang once ranks disagree this long (default: the pool's, 3 s).")
     @argument("--check", default=None, metavar="NAMES", help="After the cell, compare these variables across ranks (comma-separated).")
     @argument("--bg", action="store_true", help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist).")
+    @argument("--profile", action="store_true",
+              help="Run under torch.profiler on every rank: time in compute, collectives and waiting per rank, top ops, one merged trace.")
     @cell_magic
     def on_ranks(self, line: str, cell: str) -> None:
         """Run the cell on every rank (or the given ones), streaming per-rank output live.
@@ -404,7 +426,7 @@ class DistMagics(Magics):
             printer = LivePrinter()
             events = CellEvents(on_output=None if args.quiet else printer.feed, on_display=printer.display_bundle, on_rank_done=printer.rank_done)
         with _usage_errors():
-            result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None)
+            result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None, profile=args.profile)
         self._user_ns["_dist"] = result
         if view is not None:
             view.cell = result.cell
@@ -425,6 +447,14 @@ class DistMagics(Magics):
         if args.check and not result.running and pool.state == PoolState.READY:
             with _usage_errors():
                 _show_checks(pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks))
+        if args.profile and not result.running:
+            from IPython.display import Image, display
+
+            with _usage_errors():
+                report = pool.profile(result)
+            display(report)
+            if report.times:
+                display(Image(data=figure_png(report.plot()), format="png"))
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
         for note in (printer.cap_note(), result.truncation_note()):

@@ -25,6 +25,8 @@ from distnb.cluster import Nodes
 from distnb.collective_log import CollectiveLog, CollectiveReport
 from distnb.config import LaunchConfig
 from distnb.diagnose import Diagnosis
+from distnb.stragglers import StragglerReport
+from distnb.profile_report import ProfileReport
 from distnb.diagnostics import Diagnostics
 from distnb.errors import LaunchError, NoPoolError, RemoteError, ShutdownError
 from distnb.launcher import Launcher
@@ -285,8 +287,9 @@ class Pool:
         self.shutdown()
 
     # -- cells ----------------------------------------------------------------------------------
-    def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None) -> CellResult:
-        """Start a cell on the ranks and return its live :class:`CellResult` at once."""
+    def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None, profile: bool = False) -> CellResult:
+        """Start a cell on the ranks and return its live :class:`CellResult` at once. ``profile``
+        runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`)."""
         compile(code, "<cell>", "exec")  # a SyntaxError is raised here, once, before anything is sent
         targets = parse_ranks(ranks, self.world_size)
         with self._tracker.lock:
@@ -296,7 +299,10 @@ class Pool:
             self._tracker.begin_cell(result, events or CellEvents())
             self._session.add_cell(result)
         assert self._channel is not None
-        self._channel.send_many(map(exec_identity, targets), {"t": Msg.EXEC, "cell": cell, "code": code})
+        msg: dict[str, Any] = {"t": Msg.EXEC, "cell": cell, "code": code}
+        if profile:
+            msg["profile"] = True
+        self._channel.send_many(map(exec_identity, targets), msg)
         return result
 
     def wait(
@@ -339,9 +345,17 @@ class Pool:
             on_tick(result)
         return result
 
-    def run(self, code: str, ranks: Ranks = None, timeout: float | None = None, events: CellEvents | None = None) -> CellResult:
+    def run(self, code: str, ranks: Ranks = None, timeout: float | None = None, events: CellEvents | None = None,
+            profile: bool = False) -> CellResult:
         """Run ``code`` on the ranks (all by default) and return per-rank output, value and error."""
-        return self.wait(self.submit(code, ranks, events), timeout)
+        return self.wait(self.submit(code, ranks, events, profile), timeout)
+
+    def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
+        """Per rank, where a cell run with ``profile=True`` spent its time (compute, collectives,
+        waiting for peers), its top ops with the ranks that differ, and one merged Chrome trace
+        (a process row per rank, clocks aligned) written to ``trace_path`` (default:
+        ``distnb-traces/cell-N.json`` under the current folder)."""
+        return self._diagnostics.profile(result, trace_path)
 
     def interrupt(self, ranks: Iterable[int] | None = None) -> list[int]:
         """Send a KeyboardInterrupt to the cell running on the given (default: all busy) ranks."""
@@ -428,6 +442,11 @@ class Pool:
 
     def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:
         return self._diagnostics.diagnose(result, hang_after)
+
+    def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
+        """Who arrives last at the recent collectives of ``group`` (from the Flight Recorder's
+        entries, clocks aligned): the straggler with figures, a text table and ``.plot()``."""
+        return self._diagnostics.stragglers(ranks, group, last)
 
     def collectives(self, ranks: Ranks = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
         return self._diagnostics.collectives(ranks, last, refresh)

@@ -106,6 +106,7 @@ class Diagnosis:
     summary: str
     positions: list[Position] = field(default_factory=list)
     culprits: list[int] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)  # more lines under the per-rank ones (figures)
 
     def text(self) -> str:
         lines = [f"[distnb] {self.summary}"]
@@ -114,6 +115,7 @@ class Diagnosis:
         for ranks, _ in group_by((p.rank, p.where([])) for p in self.positions):
             durations = [since for r in ranks if (since := by_rank[r].since) is not None]
             lines.append(f"  {format_ranks(ranks)}: {by_rank[ranks[0]].where(durations)}")
+        lines.extend(self.details)
         return "\n".join(lines)
 
     def __repr__(self) -> str:

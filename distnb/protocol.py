@@ -208,6 +208,7 @@ class CellDone(TypedDict, total=False):
     error: dict[str, Any] | None  # ename, evalue, traceback, line
     duration: float
     memory: dict[str, Any] | None
+    profile: dict[str, Any]  # with EXEC's ``profile``: collective time, top ops, the zlib'd Chrome trace
 
 
 class Display(TypedDict):
@@ -242,10 +243,11 @@ class CollectivesPush(TypedDict, total=False):
     unavailable: str
 
 
-class Exec(TypedDict):
+class Exec(TypedDict, total=False):
     t: str
     cell: int
     code: str
+    profile: bool  # run under torch.profiler (%%on_ranks --profile)
 
 
 class Request(TypedDict, total=False):

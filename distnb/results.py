@@ -155,6 +155,7 @@ class RankResult:
     collective: str = ""  # the collective a dead (or stranded) rank was in, from its last polled log
     cause: str = ""  # why it died when no exit code tells (its machine lost)
     direct: bool = False  # its CELL_DONE came straight from the rank (a silent cell), not via its supervisor
+    profile: dict[str, Any] | None = None  # with --profile: what worker/profiling.py measured
 
     def death_text(self) -> str:
         """Post-mortem of a rank that died during the cell."""

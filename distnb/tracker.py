@@ -340,7 +340,7 @@ class Tracker:
         res = run.result.results[info.rank]
         res.status = msg["status"]
         res.value, res.error = msg.get("value"), msg.get("error")
-        res.duration, res.memory = msg.get("duration"), msg.get("memory")
+        res.duration, res.memory, res.profile = msg.get("duration"), msg.get("memory"), msg.get("profile")
         res.finished_at, res.direct = time.monotonic(), direct
         run.waiting_done.discard(info.rank)
         if res.error and "OutOfMemoryError" in str(res.error.get("ename")) and run.waiting_done:

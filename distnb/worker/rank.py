@@ -36,6 +36,7 @@ from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
 from distnb.worker.execute import Executor, mimebundle
 from distnb.worker.memory_sampler import MemorySampler
+from distnb.worker.profiling import run_profiled
 from distnb.worker.supervisor import write_event
 
 _libc = ctypes.CDLL(None)
@@ -232,7 +233,10 @@ class Rank:
             cell = msg["cell"]
             mark = self.quiet.mark()
             try:
-                reply = self.executor.run(cell, msg["code"])
+                if msg.get("profile"):
+                    reply = run_profiled(lambda: self.executor.run(cell, msg["code"]))
+                else:
+                    reply = self.executor.run(cell, msg["code"])
             except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
                          "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}

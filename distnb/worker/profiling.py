@@ -1,0 +1,62 @@
+"""``%%on_ranks --profile``: run a cell under ``torch.profiler`` and bring back what the
+controller needs — time in collectives, the top ops, and the Chrome trace (compressed).
+
+The trace's timestamps are wall-clock µs after ``baseTimeNanoseconds`` (Kineto's convention), so
+the controller can put every rank on its own clock with the offsets it already measures.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zlib
+from typing import Any, Callable
+
+__all__ = ["run_profiled", "TRACE_CAP"]
+
+#: Compressed trace bytes sent back in the cell's reply; a larger trace stays in a file on the
+#: rank's machine and only its path comes back.
+TRACE_CAP = 8 << 20
+_COMM_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
+
+
+def run_profiled(run: Callable[[], dict[str, Any]], top: int = 15) -> dict[str, Any]:
+    """``run()`` (the cell) under the profiler; its reply gains ``profile``."""
+    import torch
+    from torch import profiler as tp
+
+    activities = [tp.ProfilerActivity.CPU]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        activities.append(tp.ProfilerActivity.CUDA)
+    with tp.profile(activities=activities) as prof:
+        reply = run()
+    try:
+        reply["profile"] = _summary(prof, top)
+    except Exception as exc:  # the cell's own result matters more than its profile
+        reply["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return reply
+
+
+def _summary(prof: Any, top: int) -> dict[str, Any]:
+    comm = 0.0
+    device_comm = 0.0
+    for e in prof.events():
+        if e.name.startswith(_COMM_PREFIXES) and e.cpu_parent is None:
+            comm += e.cpu_time_total / 1e6
+            device_comm += getattr(e, "device_time_total", 0.0) / 1e6
+    ops = []
+    for k in sorted(prof.key_averages(), key=lambda k: k.self_cpu_time_total, reverse=True)[:top]:
+        ops.append({"name": k.key, "count": int(k.count), "self_s": k.self_cpu_time_total / 1e6,
+                    "total_s": k.cpu_time_total / 1e6, "device_s": getattr(k, "device_time_total", 0.0) / 1e6})
+    fd, path = tempfile.mkstemp(prefix="distnb-trace-", suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as f:
+        packed = zlib.compress(f.read(), 3)
+    out: dict[str, Any] = {"collective_s": comm, "device_collective_s": device_comm, "ops": ops}
+    if len(packed) <= TRACE_CAP:
+        out["trace"] = packed
+        os.unlink(path)
+    else:
+        out["trace_path"] = path  # too big to send: left on this machine
+    return out
