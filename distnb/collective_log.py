@@ -82,6 +82,16 @@ class CollectiveLog:
         ids = self.entries.get(rank)
         return max(max(ids) if ids else -1, self.floors.get(rank, -1))
 
+    def cursor(self, rank: int) -> int:
+        """Where the next read of the rank's recorder starts: after the newest record held, or
+        before the oldest one still held as open among the recent ones — the rank re-sends open
+        entries only while they are open, so one that completed after its last read would stay
+        "entered, not completed" here for good."""
+        ids = self.entries.get(rank, {})
+        recent = sorted(ids)[-200:]
+        open_ = [i for i in recent if not ids[i]["done"]]
+        return min(self.last_id(rank), open_[0] - 1) if open_ else self.last_id(rank)
+
     def last_call(self, rank: int) -> int:
         calls = self.calls.get(rank)
         return max(calls) if calls else -1
@@ -154,6 +164,22 @@ class CollectiveLog:
         """Watched calls the rank is in now (a blocking send/recv, new_group) or has not seen
         complete (an isend/irecv), oldest first."""
         return sorted((c for c in self.calls.get(rank, {}).values() if c["end"] is None), key=lambda c: c["n"])
+
+    def blocked_on(self, rank: int, cell: int, dead: set[int]) -> str:
+        """What ``rank`` waits in, in words, when one of the ``dead`` ranks is needed there (its
+        collective's group holds one, or its send/recv names one); "" when none is."""
+        pending = self.pending(rank, cell)
+        if pending is not None:
+            members = set(self.groups.get(pending["group"], dead))  # a group distnb can't name: assume it holds them
+            if members & dead:
+                return f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
+        for call in self.open_calls(rank):
+            peer = call.get("args", {}).get("dst" if call["op"] in ("send", "isend") else "src")
+            if call["op"] in P2P_OPS and (peer is None or peer in dead):
+                return f"{call['op']} {'to' if P2P_OPS[call['op']] == 'send' else 'from'} rank {peer}"
+            if call["op"] == "new_group":
+                return "new_group"
+        return ""
 
     def creations(self, rank: int) -> dict[int, dict[str, Any]]:
         """The rank's ``new_group`` calls by torch's group counter before each (1 = the first

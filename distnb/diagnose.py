@@ -207,7 +207,7 @@ def _differences(waiting: list[Position]) -> list[str]:
     elif distinct(lambda p: p.shapes):
         out.append("shape or dtype")  # only their description is known
     for key in sorted({k for p in waiting for k in (p.args or {})}):
-        if distinct(lambda p: (p.args or {}).get(key)):
+        if distinct(lambda p, key=key: (p.args or {}).get(key)):
             out.append(key)
     return out
 

@@ -77,7 +77,7 @@ class Diagnostics:
         alive = tracker.alive(targets)
         # The collective log comes in the same answer: a rank that can't answer (a C loop holding
         # the GIL) then costs one timeout here, not one more per question.
-        since = {r: log.last_id(r) for r in alive}
+        since = {r: log.cursor(r) for r in alive}
         msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1),
                "calls_since": min((log.last_call(r) for r in alive), default=-1)}
         replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
@@ -251,7 +251,7 @@ class Diagnostics:
         targets = parse_ranks(ranks, self._world)
         if refresh and tracker.state not in (PoolState.NEW, PoolState.STOPPED):
             alive = tracker.alive(targets)
-            since = {r: tracker.collective_log.last_id(r) for r in alive}
+            since = {r: tracker.collective_log.cursor(r) for r in alive}
             floor = min(since.values(), default=-1)
             calls = min((tracker.collective_log.last_call(r) for r in alive), default=-1)
             replies = tracker.requests.ask(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor, "calls_since": calls}, 1.0, partial=True)

@@ -70,10 +70,16 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
     culprits: set[int] = set()
     explained_sends: set[int] = set()
     for j, r in free_recvs:
-        i = _peer(r)
+        peer = _peer(r)
         # Someone sends to j, just not what j asked for: j's src (or tag) is the likely mistake.
         to_me = [(k, s) for k, s in lonely_sends if _peer(s) == j]
-        if i is not None and any(k == i for k, _ in to_me):
+        if peer is None:
+            if not to_me:
+                sentences.append(f"rank {j} waits to receive from any rank, and no rank sends to it")
+                culprits.add(j)
+            continue
+        i = peer
+        if any(k == i for k, _ in to_me):
             k, s = next((k, s) for k, s in to_me if k == i)
             sentences.append(f"rank {j} receives from rank {i} with tag {_tag(r)}, but rank {i} sends to it with tag {_tag(s)}: "
                              "the tags must match")
@@ -90,10 +96,6 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
             culprits.add(j)
             explained_sends.update(id(s) for _, s in to_me)
             continue
-        if i is None:
-            sentences.append(f"rank {j} waits to receive from any rank, and no rank sends to it")
-            culprits.add(j)
-            continue
         # Nobody sends to j. If i sends to someone else, i's dst is the likely mistake.
         theirs = [s for k, s in lonely_sends if k == i]
         if theirs:
@@ -104,9 +106,9 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
             sentences.append(f"rank {j} waits to receive from rank {i}, which {_elsewhere(by_rank.get(i))} without sending to it")
         culprits.add(i)
     for i, s in lonely_sends:
-        if id(s) in explained_sends:
+        dst = _peer(s)
+        if id(s) in explained_sends or dst is None:
             continue
-        j = _peer(s)
-        sentences.append(f"rank {i} sends to rank {j}, which {_elsewhere(by_rank.get(j))} without receiving from it")
-        culprits.add(j if j is not None else i)
+        sentences.append(f"rank {i} sends to rank {dst}, which {_elsewhere(by_rank.get(dst))} without receiving from it")
+        culprits.add(dst)
     return P2PFinding(sentences, sorted(culprits), matched)

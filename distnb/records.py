@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from distnb.ranks import format_ranks
 from distnb.results import CellResult, RankResult, RankState
 
 __all__ = ["CellEvents", "CellRun", "RankRecord", "run_of"]
@@ -36,6 +37,23 @@ class CellRun:
 
     def rank_finished(self, rank: int) -> bool:
         return rank not in self.waiting_done
+
+    def strand(self, blocked: dict[int, str], dead: list[int], since_death: float) -> None:
+        """End the cell for the notebook while ``blocked`` ranks (rank → what they wait in) stay
+        blocked waiting for ``dead`` ones: the pool is broken, nothing else can free them."""
+        now = time.monotonic()
+        for r, why in blocked.items():
+            res = self.result.results[r]
+            res.status, res.collective, res.finished_at = "stranded", why, now
+            self.waiting_done.discard(r)
+        self.result.notes.append(
+            f"the cell ended {since_death:.1f} s after the first death: {format_ranks(blocked)} "
+            f"{'stays' if len(blocked) == 1 else 'stay'} blocked waiting for {format_ranks(dead)}, and the pool is broken. "
+            "%dist_restart (pool.restart()) starts over; add --replay to run the cells since launch again."
+        )
+        self.result.elapsed = now - self.started
+        self.events = CellEvents()
+        self.finished.set()
 
 
 def run_of(result: CellResult) -> CellRun:

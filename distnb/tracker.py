@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 from distnb import _processes
 from distnb.cluster import Nodes
-from distnb.collective_log import P2P_OPS, CollectiveLog, describe
+from distnb.collective_log import CollectiveLog, describe
 from distnb.position import collective_at_death, position_at_death
 from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
 from distnb.protocol import Msg, control_identity, supervisor_identity
@@ -455,47 +455,17 @@ class Tracker:
             self.changed.notify_all()
 
     def _end_stranded_cells(self) -> None:
-        """A dead rank leaves the ranks waiting for it blocked until the group's timeout (or
-        forever): once every rank the cell still waits for is blocked in a collective or
-        point-to-point call with a dead member, end the cell for the notebook (STRAND_AFTER
-        seconds after the first death, so an error the survivors raise themselves comes first)."""
+        """Ranks waiting for a dead one stay blocked until the group's timeout (or forever): once
+        every rank the cell still waits for is, end the cell for the notebook (STRAND_AFTER after
+        the first death, so an error the survivors raise themselves comes first)."""
         deaths = [i.died_at for i in self.ranks.values() if i.died_at is not None]
         if not deaths or time.monotonic() - min(deaths) < STRAND_AFTER:
             return
         dead = {r for r, i in self.ranks.items() if i.state == RankState.DEAD}
         for run in {id(i.run): i.run for i in self.ranks.values() if i.run is not None}.values():
-            blocked = {r: why for r in sorted(run.waiting_done) if (why := self._blocked_on(r, run.result.cell, dead))}
-            if not blocked or len(blocked) < len(run.waiting_done):
-                continue
-            now = time.monotonic()
-            for r, why in blocked.items():
-                res = run.result.results[r]
-                res.status, res.collective, res.finished_at = "stranded", why, now
-                run.waiting_done.discard(r)
-            run.result.notes.append(
-                f"the cell ended {now - min(deaths):.1f} s after the first death: {format_ranks(blocked)} "
-                f"{'stays' if len(blocked) == 1 else 'stay'} blocked waiting for {format_ranks(dead)}, and the pool is broken. "
-                "%dist_restart (pool.restart()) starts over; add --replay to run the cells since launch again."
-            )
-            run.result.elapsed = now - run.started
-            run.events = CellEvents()
-            run.finished.set()
-
-    def _blocked_on(self, rank: int, cell: int, dead: set[int]) -> str:
-        """What ``rank`` waits in when a dead rank is needed there, in words (else "")."""
-        log = self.collective_log
-        pending = log.pending(rank, cell)
-        if pending is not None:
-            members = set(log.groups.get(pending["group"], dead))  # a group distnb can't name: assume it holds them
-            if members & dead:
-                return f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
-        for call in log.open_calls(rank):
-            peer = call.get("args", {}).get("dst" if call["op"] in ("send", "isend") else "src")
-            if call["op"] in P2P_OPS and (peer is None or peer in dead):
-                return f"{call['op']} {'to' if P2P_OPS[call['op']] == 'send' else 'from'} rank {peer}"
-            if call["op"] == "new_group":
-                return "new_group"
-        return ""
+            blocked = {r: why for r in sorted(run.waiting_done) if (why := self.collective_log.blocked_on(r, run.result.cell, dead))}
+            if blocked and len(blocked) == len(run.waiting_done):
+                run.strand(blocked, sorted(dead), time.monotonic() - min(deaths))
 
     def _check_nodes(self) -> None:
         for node in self.nodes.check():
@@ -540,5 +510,5 @@ class Tracker:
         self._poll_dirty = set()
         for r in targets:
             req_id = self.requests.expect(self.collective_log.merge, ttl=10.0)
-            self.transport.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": req_id, "since": self.collective_log.last_id(r),
+            self.transport.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": req_id, "since": self.collective_log.cursor(r),
                                                       "calls_since": self.collective_log.last_call(r)})

@@ -309,3 +309,19 @@ def test_shutdown_then_cells_are_usage_errors(sh: Shell) -> None:
     sh.ip.run_line_magic("load_ext", "distnb")
     with pytest.raises(UsageError, match="dist_launch"):
         sh.cell("", "1")
+
+
+def test_timeline_and_profile_magics(sh, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the merged trace goes to ./distnb-traces/
+    out, err = sh.cell("", "import time\ntl_x = torch.ones(4)\nfor _ in range(30):\n    if rank == 1:\n"
+                           "        time.sleep(0.01)\n    dist.all_reduce(tl_x)")
+    _, out, err = sh.line("dist_timeline", "--last 30 --no-plot")
+    assert "rank 1 arrives last at" in out and "time waiting for peers" in out, out + err
+    with pytest.raises(UsageError, match="positive"):
+        sh.line("dist_timeline", "--last 0")
+    with pytest.raises(UsageError, match="no collective recorded on group 'zz'"):
+        sh.line("dist_timeline", "--group zz")
+    out, err = sh.cell("--profile", "pr_y = torch.ones(8) @ torch.ones(8)\ndist.all_reduce(torch.ones(2))")
+    assert "profile of cell" in out and "compute (ms)" in out, out + err
+    traces = list((tmp_path / "distnb-traces").glob("cell-*.json"))
+    assert len(traces) == 1 and str(traces[0].name) in out

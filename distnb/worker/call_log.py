@@ -63,7 +63,7 @@ def _plain(value: Any) -> Any:
 
 def _caller(prefix: str) -> tuple[int | None, int | None, str]:
     """The innermost cell frame calling torch.distributed: (cell, line, function)."""
-    frame = sys._getframe(3)
+    frame: Any = sys._getframe(3)
     depth = 0
     while frame is not None and depth < 48:
         name = frame.f_code.co_filename

@@ -1,0 +1,153 @@
+"""Desyncs end to end on a real 4-rank gloo pool: each class of issue 16 diagnosed in words with
+the odd rank by majority, a dead rank ending the cell, a straggler named (never as hung), and a
+profiled cell. The pure cases are in test_desync.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+import distnb
+from conftest import usable, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def hang(pool: distnb.Pool, code: str, within: float = 20.0) -> distnb.CellResult:
+    """Submit ``code`` and return (result, diagnosis) once the pool calls it a hang (after 1 s)."""
+    res = pool.submit(code)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        diag = pool.diagnose(res, hang_after=1.0)
+        if diag.kind == "hang":
+            return res, diag
+        time.sleep(0.3)
+    raise AssertionError(f"no hang within {within} s; last: {diag.text()}")
+
+
+def test_broadcast_with_another_src_names_the_odd_rank(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    _, diag = hang(pool, "bx = torch.ones(2)\ndist.broadcast(bx, 1 if rank == 2 else 0)")
+    assert diag.summary.startswith("argument mismatch (src) at broadcast #"), diag.summary
+    assert "rank 2 broadcast [2] f32 src=1" in diag.summary and "The odd one out: rank 2" in diag.summary
+    assert diag.culprits == [2]
+    [div] = pool.collectives().divergences()
+    assert div.kind == "args" and div.odd() == [2]
+
+
+def test_a_different_reduce_op_is_a_divergence_though_nothing_hangs(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    res = pool.run("rx = torch.ones(2) * (rank + 1)\n"
+                   "dist.all_reduce(rx, op=dist.ReduceOp.MAX if rank == 1 else dist.ReduceOp.SUM)", timeout=30)
+    assert res.ok, res.text()
+    divs = [d for d in pool.collectives().divergences() if d.kind == "args"]
+    assert divs and divs[-1].odd() == [1], pool.collectives().text()
+    assert "op=MAX" in pool.collectives().text()
+
+
+def test_recv_from_the_wrong_peer_names_the_receiver(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    _, diag = hang(pool, "px = torch.ones(2)\nif rank == 0:\n    dist.send(px, 1)\nif rank == 1:\n    dist.recv(px, 2)\n")
+    assert diag.culprits == [1], diag.text()
+    assert "rank 1 waits to receive from rank 2, which finished the cell, while rank 0 sends to rank 1" in diag.summary
+    assert "rank 0: sending to rank 1" in diag.text() and "rank 1: receiving from rank 2" in diag.text()
+
+
+def test_a_skipped_new_group_names_the_rank_out_of_step(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    _, diag = hang(pool, "ga = dist.new_group([0, 1]) if rank != 2 else None\ngb = dist.new_group([2, 3])\n"
+                         "dist.all_reduce(torch.ones(1), group=gb)")
+    assert diag.summary.startswith("group creation out of step at process group #"), diag.summary
+    assert "rank 2 called new_group([2, 3])" in diag.summary and "The odd one out: rank 2" in diag.summary
+    assert diag.culprits == [2]
+
+
+def test_an_abort_in_a_dtype_mismatch_blames_the_odd_rank_not_the_victim(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    t0 = time.monotonic()
+    res = pool.run("vx = torch.ones(4, dtype=torch.float64 if rank == 2 else torch.float32)\ndist.all_reduce(vx)", timeout=60)
+    assert time.monotonic() - t0 < 15 and not res.running, res.text()
+    dead = [r for r in res.ranks if res[r].status == "dead"]
+    assert dead and 2 not in dead, res.text()  # gloo aborts a neighbour that received f64
+    assert "Root cause: rank 2, the odd one out" in res.root_cause and "is a victim" in res.root_cause, res.text()
+    assert res.text().index("Root cause: rank 2") < res.text().index("what became of the others")
+
+
+def test_a_killed_rank_ends_the_cell_within_two_seconds(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    res = pool.submit("kx = torch.ones(2)\nif rank == 1:\n    import time; time.sleep(60)\ndist.all_reduce(kx)")
+    wait_until(lambda: all(pool.collective_log.pending(r, res.cell) for r in (0, 2, 3)), 10, "ranks 0,2,3 in the all_reduce")
+    os.kill(pool.status().ranks[1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    pool.wait(res, timeout=30)
+    took = time.monotonic() - killed
+    assert not res.running and res[1].status == "dead", res.text()
+    assert took < 3.0, f"the cell ended {took:.1f} s after the death"
+    stranded = [r for r in (0, 2, 3) if res[r].status == "stranded"]
+    assert stranded, res.text()
+    assert "stranded in all_reduce [2] f32" in res.text() and "%dist_restart" in res.text()
+    assert pool.state == distnb.PoolState.BROKEN
+
+
+def test_a_line_in_a_function_from_an_earlier_cell_names_that_cell(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    defined = pool.run("def sync_step(t):\n    t = t * 2\n    dist.all_reduce(t)\n    return t\n")
+    _, diag = hang(pool, "if rank != 3:\n    sync_step(torch.ones(2))\n")
+    assert f"in sync_step() (cell {defined.cell} line 3)" in diag.summary, diag.summary
+    assert diag.culprits == [3]
+
+
+def test_an_fsdp_like_loop_one_step_short_is_an_uneven_loop(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    pool.run("def shard_step(p):\n    full = torch.zeros(8)\n    dist.all_gather_into_tensor(full, p)\n"
+             "    dist.reduce_scatter_tensor(p, full)\n")
+    _, diag = hang(pool, "fp = torch.ones(2)\nfor _ in range(4 if rank == 0 else 5):\n    shard_step(fp)\n")
+    assert diag.summary.startswith("uneven loop lengths: ranks 1-3 ran 5 steps of ("), diag.summary
+    assert "rank 0 stopped after 4" in diag.summary and diag.culprits == [0]
+
+
+def test_a_slow_rank_is_a_straggler_never_a_hang(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    res = pool.submit("import time\nsx = torch.ones(8)\nfor _ in range(80):\n"
+                      "    if rank == 3:\n        time.sleep(0.025)\n    dist.all_reduce(sx)\n")
+    seen = []
+    while res.running:
+        diag = pool.diagnose(res, hang_after=1.0)
+        seen.append(diag)
+        assert diag.kind != "hang", diag.text()
+        time.sleep(0.4)
+    pool.wait(res, timeout=60)
+    assert res.ok, res.text()
+    assert any("rank 3 is a straggler" in d.summary for d in seen), [d.summary for d in seen]
+    report = pool.stragglers(last=60)
+    assert report.straggler() == 3, report.text()
+    assert report.summary().startswith("rank 3 arrives last at "), report.summary()
+    assert "ranks 0-2 spend" in report.summary()
+    with pytest.raises(ValueError, match="no collective recorded on group"):
+        pool.stragglers(group="no-such-group")
+
+
+def test_profile_shows_time_per_rank_and_one_merged_trace(pool4: distnb.Pool, tmp_path) -> None:
+    pool = usable(pool4)
+    res = pool.run("import time\nqx = torch.randn(64, 64)\nfor _ in range(10):\n    qy = qx @ qx\n"
+                   "    if rank == 3:\n        time.sleep(0.02)\n    dist.all_reduce(qy)\n", profile=True, timeout=60)
+    assert res.ok, res.text()
+    report = pool.profile(res, str(tmp_path / "trace.json"))
+    times = {t.rank: t for t in report.times}
+    assert sorted(times) == [0, 1, 2, 3]
+    # Rank 3 sleeps 0.2 s before its all_reduces; the others spend that waiting for it.
+    assert times[3].compute > 0.15 and all(times[r].waiting > 0.1 for r in (0, 1, 2)), report.text()
+    # The profiler's first start costs each rank a different time, so even rank 3 may wait at
+    # the first all_reduce; it waits least.
+    assert times[3].waiting < min(times[r].waiting for r in (0, 1, 2)), report.text()
+    assert "rank 3 computes longest" in report.text()
+    data = json.load(open(report.trace_path))
+    rows = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e.get("name") == "process_name"}
+    assert rows == {r: f"rank {r}" for r in range(4)}
+    assert any(e.get("name", "").startswith("gloo:all_reduce") for e in data["traceEvents"])
+    with pytest.raises(ValueError, match="--profile"):
+        pool.profile(pool.run("1"))
