@@ -28,6 +28,13 @@ def args_text(args: dict[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in (args or {}).items() if v is not None and not (k == "op" and v == "SUM"))
 
 
+def _peer_text(call: dict[str, Any]) -> str:
+    args = call.get("args", {})
+    peer = args.get("dst" if P2P_OPS[call["op"]] == "send" else "src")
+    local = args.get("group_dst" if P2P_OPS[call["op"]] == "send" else "group_src")
+    return f"rank {peer}" if peer is not None else f"group rank {local}" if local is not None else "any"
+
+
 def odd_ones(values: dict[int, Any]) -> list[int]:
     """Ranks whose value differs from the one most ranks share; every rank on a tie (nothing
     says which side is wrong)."""
@@ -292,7 +299,8 @@ class CollectiveReport:
         if self.log.unavailable:
             return f"collective log unavailable: {self.log.unavailable}"
         groups = self.group_names()
-        if not groups:
+        p2p = self._p2p_lines()
+        if not groups and not p2p:
             return f"no collective recorded on {format_ranks(self.ranks)} yet."
         divs = {d.group: d for d in self.divergences()}
         lines = []
@@ -321,14 +329,29 @@ class CollectiveReport:
                     if e is None:
                         cells.append("—")
                     else:
-                        cell = describe(e) + ("" if e["done"] else " ⏳")
+                        odd = div is not None and div.seq == seq and r in div.odd() and div.kind != "missing"
+                        cell = ("✗ " if odd else "") + describe(e) + ("" if e["done"] else " ⏳")
                         if e.get("cell") is not None:
                             cell += f" c{e['cell']}"
                         cells.append(cell)
                 mark = "  ◀ first divergence" if div is not None and div.seq == seq else ""
                 lines.append(f"  {seq:>3}  " + "".join(c[: width - 1].ljust(width) for c in cells) + mark)
-        lines.append("(⏳ entered, not completed · cN: issued in cell N · — never entered)")
+        lines.extend(p2p)
+        lines.append("(⏳ entered, not completed · cN: issued in cell N · — never entered · ✗ the odd one out)")
         return "\n".join(lines)
+
+    def _p2p_lines(self) -> list[str]:
+        """The ranks' recent send/recv calls (gloo's recorder does not see them; distnb does)."""
+        keep = self.last or 8
+        rows = []
+        for r in self.ranks:
+            calls = self.log.p2p(r)[-keep:]
+            if calls:
+                rows.append(f"  rank {r}: " + ", ".join(
+                    f"{c['op']} {'→' if P2P_OPS[c['op']] == 'send' else '←'} "
+                    f"{_peer_text(c)}{' ⏳' if c['end'] is None else ''}" + (f" c{c['cell']}" if c.get("cell") is not None else "")
+                    for c in calls))
+        return ["── point-to-point (last calls per rank)", *rows] if rows else []
 
     def __repr__(self) -> str:
         return self.text()

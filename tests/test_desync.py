@@ -49,6 +49,7 @@ def test_a_different_reduce_op_diverges_but_sum_is_not_spelled_out() -> None:
     [div] = log.report([0, 1, 2]).divergences()
     assert div.kind == "args" and div.odd() == [1] and "all_reduce [4] f32 op=MAX" in div.text([0, 1, 2])
     assert "op=SUM" not in div.text([0, 1, 2])
+    assert "✗ all_reduce [4] f32 op=MAX" in log.report([0, 1, 2]).text()  # the odd entry flagged in the table
 
 
 def test_waiting_ranks_with_different_roots_are_an_argument_mismatch() -> None:

@@ -55,6 +55,8 @@ def test_recv_from_the_wrong_peer_names_the_receiver(pool4: distnb.Pool) -> None
     assert diag.culprits == [1], diag.text()
     assert "rank 1 waits to receive from rank 2, which finished the cell, while rank 0 sends to rank 1" in diag.summary
     assert "rank 0: sending to rank 1" in diag.text() and "rank 1: receiving from rank 2" in diag.text()
+    text = pool.collectives().text()
+    assert "── point-to-point" in text and "rank 0: send → rank 1 ⏳" in text and "rank 1: recv ← rank 2 ⏳" in text, text
 
 
 def test_a_skipped_new_group_names_the_rank_out_of_step(pool4: distnb.Pool) -> None:

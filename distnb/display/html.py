@@ -71,10 +71,11 @@ def collectives_html(report: CollectiveReport) -> str:
         rows = []
         for seq in shown:
             cells = [_esc(seq)]
+            div = divs.get(group)
+            odd = div.odd() if div is not None and div.seq == seq and div.kind != "missing" else []
             for r in members:
                 e = seqs[r].get(seq)
-                cells.append("—" if e is None else _esc(describe(e)) + ("" if e["done"] else " ⏳"))
-            div = divs.get(group)
+                cells.append("—" if e is None else ("✗ " if r in odd else "") + _esc(describe(e)) + ("" if e["done"] else " ⏳"))
             open_here = any(e is not None and not e["done"] for e in (seqs[r].get(seq) for r in members))
             style = BAD if div is not None and div.seq == seq else (WARN if open_here else "")
             rows.append((cells, style))
