@@ -319,9 +319,8 @@ class CollectiveReport:
                          + ", ".join(f"rank {r} {len(seqs[r])}" for r in members) + " collectives"
                          + (f" (last {len(shown)} shown)" if len(shown) < len(all_seqs) else ""))
             cols = [f"rank {r}" for r in members]
-            width = 24
-            lines.append("    #  " + "".join(c.ljust(width) for c in cols))
             div = divs.get(group)
+            rows = []
             for seq in shown:
                 cells = []
                 for r in members:
@@ -334,7 +333,11 @@ class CollectiveReport:
                         if e.get("cell") is not None:
                             cell += f" c{e['cell']}"
                         cells.append(cell)
-                mark = "  ◀ first divergence" if div is not None and div.seq == seq else ""
+                rows.append((seq, cells, "  ◀ first divergence" if div is not None and div.seq == seq else ""))
+            # Wide enough for the entries shown (arguments make them longer), within reason.
+            width = min(40, max([24, *(len(c) + 2 for _, cells, _ in rows for c in cells)]))
+            lines.append("    #  " + "".join(c.ljust(width) for c in cols))
+            for seq, cells, mark in rows:
                 lines.append(f"  {seq:>3}  " + "".join(c[: width - 1].ljust(width) for c in cells) + mark)
         lines.extend(p2p)
         lines.append("(⏳ entered, not completed · cN: issued in cell N · — never entered · ✗ the odd one out)")
