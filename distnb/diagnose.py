@@ -78,6 +78,12 @@ def diagnose(
         if found.sentences:
             return Diagnosis("hang", "point-to-point calls without a partner: " + "; ".join(found.sentences) + ".",
                              positions, found.culprits)
+        # Every open send/recv has its partner: those ranks are transferring, not hung.
+        waiting = [p for p in waiting if not p.peers]
+        if not waiting:
+            return Diagnosis("slow", "send/recv in progress: every open call has its partner (a large transfer, or a slow link).",
+                             positions)
+        w = format_ranks([p.rank for p in waiting])
     if failed:
         f = failed[0]
         return Diagnosis(

@@ -79,6 +79,11 @@ def test_tags_that_differ_and_pairs_that_match() -> None:
     assert ok.sentences == [] and sorted(ok.matched) == [(0, 1), (2, 3)]
 
 
+def test_matched_pairs_in_progress_are_not_a_hang() -> None:
+    d = diagnose([_p2p(0, "send", 1), _p2p(1, "recv", 0), Position(2, "finished")], 3.0, 5.0)
+    assert d.kind == "slow" and "every open call has its partner" in d.summary, d.summary
+
+
 def test_diagnose_prefers_pairs_to_collective_blame() -> None:
     d = diagnose([_p2p(0, "send", 1), _p2p(1, "recv", 2), Position(2, "finished"), Position(3, "finished")], 3.0, 5.0)
     assert d.kind == "hang" and d.culprits == [1] and d.summary.startswith("point-to-point calls without a partner"), d.summary
