@@ -68,6 +68,14 @@ def diagnose(
             f"and can't finish. Root cause: rank {d.rank}.",
             positions, [d.rank, *later],
         )
+    if failed:
+        f = failed[0]
+        return Diagnosis(
+            "hang",
+            f"{format_ranks([p.rank for p in failed])} raised {f.detail} and left the cell; {w} {_waits(waiting)} in "
+            f"{waiting[0].op} for {'it' if len(failed) == 1 else 'them'}. Root cause: the error on {format_ranks([p.rank for p in failed])}.",
+            positions, [p.rank for p in failed],
+        )
     if log is not None:
         moving = {p.rank for p in computing}
         mismatch = creation_mismatch(log.log, [p.rank for p in positions if p.state != "idle"], moving)
@@ -84,14 +92,6 @@ def diagnose(
             return Diagnosis("slow", "send/recv in progress: every open call has its partner (a large transfer, or a slow link).",
                              positions)
         w = format_ranks([p.rank for p in waiting])
-    if failed:
-        f = failed[0]
-        return Diagnosis(
-            "hang",
-            f"{format_ranks([p.rank for p in failed])} raised {f.detail} and left the cell; {w} {_waits(waiting)} in "
-            f"{waiting[0].op} for {'it' if len(failed) == 1 else 'them'}. Root cause: the error on {format_ranks([p.rank for p in failed])}.",
-            positions, [p.rank for p in failed],
-        )
     if finished and log is not None:
         refined = _refine_missing(waiting, finished, log, positions)
         if refined is not None:
