@@ -270,3 +270,36 @@ def test_diagnostics_name_the_rank_that_never_came_from_messages_alone() -> None
     diagnosis = Diagnostics(view).diagnose()  # type: ignore[arg-type]
     assert diagnosis.kind == "hang" and diagnosis.culprits == [1], diagnosis.text()
     assert "all_reduce" in diagnosis.text()
+
+
+def test_ranks_blocked_on_a_dead_rank_end_the_cell_on_the_tick(monkeypatch) -> None:
+    import distnb.tracker as tracker_module
+
+    tracker, _ = ready(3)
+    result = cell(tracker)
+    entry = {"op": "all_reduce", "group": "0", "seq": 1, "done": False, "cell": 1, "sizes": [[2]], "dtypes": ["Float"], "t": 1.0}
+    for r in (0, 2):
+        tracker.on_message("c", r, {"t": Msg.COLLECTIVES_PUSH, "rank": r, "entries": [{**entry, "id": 0}], "now": 2.0,
+                                    "groups": {"0": [0, 1, 2]}})
+    tracker.on_message("s", 1, exit_report(1, time.time()))
+    assert tracker.state == PoolState.BROKEN and result[1].status == "dead" and result.running == [0, 2]
+    tracker.on_tick()
+    assert result.running == [0, 2], "ended before STRAND_AFTER: the survivors' own error would be lost"
+    monkeypatch.setattr(tracker_module, "STRAND_AFTER", 0.0)
+    tracker.on_tick()
+    assert result.running == [] and [result[r].status for r in (0, 2)] == ["stranded", "stranded"]
+    assert "stranded in all_reduce [2] f32 (#1 on group 0)" in result.text()
+    assert "blocked waiting for rank 1" in result.text() and "%dist_restart" in result.text()
+
+
+def test_a_survivor_still_computing_keeps_the_cell_open(monkeypatch) -> None:
+    import distnb.tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "STRAND_AFTER", 0.0)
+    tracker, _ = ready(3)
+    result = cell(tracker)
+    entry = {"id": 0, "op": "all_reduce", "group": "0", "seq": 1, "done": False, "cell": 1, "t": 1.0}
+    tracker.on_message("c", 0, {"t": Msg.COLLECTIVES_PUSH, "rank": 0, "entries": [entry], "now": 2.0, "groups": {"0": [0, 1, 2]}})
+    tracker.on_message("s", 1, exit_report(1, time.time()))
+    tracker.on_tick()
+    assert result.running == [0, 2]  # rank 2 may still finish or raise on its own
