@@ -104,8 +104,11 @@ def diagnose(
             "(a collective inside `if rank == …`, or one rank ran fewer loop iterations).",
             positions, [p.rank for p in finished],
         )
-    if len(group_by((p.rank, _place(p)) for p in waiting)) > 1:
-        return _disagree(waiting, positions)
+    # A rank seen in an op without its sequence number (caught between two entries) is no evidence
+    # of a different call when others are in that op.
+    known = [p for p in waiting if p.seq is not None or not any(q.seq is not None and q.op == p.op for q in waiting)]
+    if len(group_by((p.rank, _place(p)) for p in known)) > 1:
+        return _disagree(known, positions)
     absent = _not_in_cell(waiting, outside, log)
     if absent:
         head = waiting[0]

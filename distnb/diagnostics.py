@@ -235,6 +235,15 @@ class Diagnostics:
             pos.shapes = describe(pending, with_op=False)
             pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
             pos.since = log.age(r, pending)
+        elif pos.state == "collective":
+            # In a collective by its stack, with no open entry: one torch does not record (new_group),
+            # or the stack was taken as the rank went from one collective to the next. Its wait is
+            # the call's (when watched), or just began — never the whole cell's.
+            call = next((c for c in reversed(log.open_calls(r)) if c["op"] == pos.op), None)
+            if call is not None:
+                pos.since = log.age(r, {"t": call["t"] / 1e9})
+            elif log.entries.get(r):
+                pos.since = 0.0
         # Point-to-point calls have no recorder entry on gloo: the rank's own record of the call.
         peers = [c for c in log.open_calls(r) if c["op"] in P2P_OPS]
         if peers and (pos.op in P2P_OPS or pos.state == "computing" and ".wait(" in pos.code):

@@ -18,7 +18,8 @@ __all__ = ["CreationMismatch", "creation_mismatch"]
 
 def _members(call: dict[str, Any]) -> str:
     ranks = call.get("args", {}).get("ranks")
-    return "all ranks" if ranks is None else f"[{', '.join(map(str, ranks))}]"
+    # torch sorts the members (sort_ranks=True): [1, 0] and [0, 1] are the same group.
+    return "all ranks" if ranks is None else f"[{', '.join(map(str, sorted(ranks)))}]"
 
 
 def _where(call: dict[str, Any]) -> str:

@@ -17,9 +17,17 @@ def step_pattern(ops: list[str]) -> list[str] | None:
 def uneven_steps(ahead: list[str], behind: list[str]) -> tuple[list[str], int, int] | None:
     """``(step, steps ahead, steps behind)`` when ``behind`` (a rank's ops in the cell, all done)
     stopped at a step boundary that ``ahead`` (a rank now waiting in its next op) went past: a
-    loop that ran fewer times on one rank. ``ahead`` includes the op it waits in."""
-    step = step_pattern(ahead)
-    if step is None or not behind or ahead[: len(behind)] != behind or len(behind) % len(step):
+    loop that ran fewer times on one rank. ``ahead`` includes the op it waits in. Ops before the
+    loop (a broadcast of the initial weights, say) may precede it on both."""
+    if not behind or ahead[: len(behind)] != behind:
         return None
-    period = len(step)
-    return step, -(-len(ahead) // period), len(behind) // period
+    # The loop starts where the ops begin to repeat (the first such place: a later one would
+    # cut a step in two).
+    start = next((i for i in range(len(behind)) if step_pattern(ahead[i:]) is not None), None)
+    if start is None:
+        return None
+    step = step_pattern(ahead[start:])
+    assert step is not None
+    if (len(behind) - start) % len(step):
+        return None
+    return step, -(-(len(ahead) - start) // len(step)), (len(behind) - start) // len(step)

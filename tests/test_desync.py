@@ -84,6 +84,12 @@ def test_matched_pairs_in_progress_are_not_a_hang() -> None:
     assert d.kind == "slow" and "every open call has its partner" in d.summary, d.summary
 
 
+def test_a_rank_caught_between_two_entries_is_no_different_call() -> None:
+    positions = [Position(r, "collective", op="all_reduce", seq=69, group="0", since=0.0) for r in (0, 1, 3)]
+    positions.insert(2, Position(2, "collective", op="all_reduce", since=2.0))
+    assert diagnose(positions, 1.0, 2.0).kind != "hang"
+
+
 def test_diagnose_prefers_pairs_to_collective_blame() -> None:
     d = diagnose([_p2p(0, "send", 1), _p2p(1, "recv", 2), Position(2, "finished"), Position(3, "finished")], 3.0, 5.0)
     assert d.kind == "hang" and d.culprits == [1] and d.summary.startswith("point-to-point calls without a partner"), d.summary
@@ -108,6 +114,11 @@ def test_a_skipped_new_group_names_the_rank_out_of_step() -> None:
     assert d.kind == "hang" and d.culprits == [2] and "group creation out of step" in d.summary
 
 
+def test_members_in_another_order_are_the_same_group() -> None:
+    calls = {0: [_creation(1, 1, [0, 1], 1)], 1: [_creation(1, 1, [1, 0], 1)]}
+    assert creation_mismatch(_log({0: [], 1: []}, calls), [0, 1]) is None
+
+
 def test_a_rank_still_computing_is_not_yet_out_of_step() -> None:
     calls = {r: [_creation(1, 1, [0, 1], 1, None)] for r in (0, 1, 3)}
     log = _log({r: [] for r in range(4)}, calls)
@@ -128,6 +139,8 @@ def test_step_patterns() -> None:
     assert uneven_steps(["ag", "ag", "rs"] * 4 + ["ag"], ["ag", "ag", "rs"] * 4) == (["ag", "ag", "rs"], 5, 4)
     assert uneven_steps(["ar"] * 5, ["ar"] * 4) == (["ar"], 5, 4)
     assert uneven_steps(["ag", "rs"] * 3, ["ag", "rs", "ag"]) is None  # not at a step boundary
+    # A broadcast before the loop: the steps are counted after it.
+    assert uneven_steps(["bc"] + ["ag", "rs"] * 3 + ["ag"], ["bc"] + ["ag", "rs"] * 3) == (["ag", "rs"], 4, 3)
 
 
 def test_an_fsdp_loop_one_step_short_is_an_uneven_loop() -> None:

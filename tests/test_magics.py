@@ -50,6 +50,10 @@ class Shell:
 @pytest.fixture(scope="module")
 def sh():
     shell = Shell()
+    # A shared pool another module restarted last is "current" (start() makes it so): the magics
+    # here launch their own, which %dist_launch refuses while another is ready. The shared pool
+    # stays tracked by its owner.
+    pool_module._current = None
     try:
         shell.line("dist_launch", "-n 2 --backend gloo")
         yield shell
@@ -313,6 +317,9 @@ def test_shutdown_then_cells_are_usage_errors(sh: Shell) -> None:
 
 def test_timeline_and_profile_magics(sh, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # the merged trace goes to ./distnb-traces/
+    current = pool_module._current
+    if current is None or current.state != distnb.PoolState.READY:  # an earlier test shut it down
+        sh.line("dist_launch", "-n 2 --backend gloo")
     out, err = sh.cell("", "import time\ntl_x = torch.ones(4)\nfor _ in range(30):\n    if rank == 1:\n"
                            "        time.sleep(0.01)\n    dist.all_reduce(tl_x)")
     _, out, err = sh.line("dist_timeline", "--last 30 --no-plot")

@@ -190,7 +190,7 @@ GALLERY: list[Notebook] = [
             Md("## Without a debug mode (2): a small mismatch hangs — after a wrong answer"),
             Code(f"{HANG}\nx = torch.ones(3 if rank == 0 else 4)          # BUG: 3 elements on rank 0, 4 on rank 1\n"
                  "dist.all_reduce(x)\nx",
-                 ["shape mismatch at collective #1 on group 0",
+                 ["shape mismatch at all_reduce #1 on group 0",
                   "rank 0 all_reduce [3] f32", "rank 1 all_reduce [4] f32",
                   "rank 0 completed it anyway; the others wait",
                   "Out[rank 0]: tensor([2., 2., 2.])"]),
