@@ -98,7 +98,7 @@ class ProfileReport:
         """Stacked bars per rank: compute, collectives (transfer), waiting for peers."""
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(6.0, 0.5 * len(self.times) + 1.2))
+        fig = Figure(figsize=(7.5, 0.5 * len(self.times) + 1.2))
         ax = fig.add_subplot()
         ys = list(range(len(self.times)))
         compute = [t.compute * 1000 for t in self.times]
@@ -111,7 +111,7 @@ class ProfileReport:
         ax.invert_yaxis()
         ax.set_xlabel("ms")
         ax.set_title(f"time per rank, cell {self.cell}")
-        ax.legend(loc="best", fontsize="small")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
         fig.tight_layout()
         return fig
 
