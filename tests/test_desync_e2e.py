@@ -97,7 +97,8 @@ def test_a_killed_rank_ends_the_cell_within_two_seconds(pool4: distnb.Pool) -> N
     pool.wait(res, timeout=30)
     took = time.monotonic() - killed
     assert not res.running and res[1].status == "dead", res.text()
-    assert took < 3.0, f"the cell ended {took:.1f} s after the death"
+    # ~2 s by design (1 s grace, then the next 1 s tick); the margin is for 2 loaded CI cores.
+    assert took < 3.5, f"the cell ended {took:.1f} s after the death"
     stranded = [r for r in (0, 2, 3) if res[r].status == "stranded"]
     assert stranded, res.text()
     assert "stranded in all_reduce [2] f32" in res.text() and "%dist_restart" in res.text()
