@@ -8,6 +8,7 @@ carries the rank's ``now``, and :meth:`CollectiveLog.age` measures against that.
 from __future__ import annotations
 
 import collections
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -15,7 +16,8 @@ from typing import Any, Callable
 from distnb.ranks import format_ranks
 from distnb.results import group_by
 
-__all__ = ["CollectiveLog", "CollectiveReport", "Divergence", "args_text", "describe", "odd_ones", "signature"]
+__all__ = ["CollectiveLog", "CollectiveReport", "Divergence", "P2P_OPS", "args_text", "describe", "odd_ones", "peer_of", "peer_words",
+           "signature"]
 
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
@@ -28,11 +30,16 @@ def args_text(args: dict[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in (args or {}).items() if v is not None and not (k == "op" and v == "SUM"))
 
 
-def _peer_text(call: dict[str, Any]) -> str:
-    args = call.get("args", {})
-    peer = args.get("dst" if P2P_OPS[call["op"]] == "send" else "src")
-    local = args.get("group_dst" if P2P_OPS[call["op"]] == "send" else "group_src")
-    return f"rank {peer}" if peer is not None else f"group rank {local}" if local is not None else "any"
+def peer_of(call: dict[str, Any]) -> int | None:
+    """The global rank a send goes to or a recv takes from (None: any rank, or only a group rank)."""
+    return call.get("args", {}).get("dst" if P2P_OPS[call["op"]] == "send" else "src")
+
+
+def peer_words(call: dict[str, Any]) -> str:
+    """``rank 1``, ``group rank 2``, ``any rank``: a send/recv call's peer."""
+    peer = peer_of(call)
+    local = call.get("args", {}).get("group_dst" if P2P_OPS[call["op"]] == "send" else "group_src")
+    return f"rank {peer}" if peer is not None else f"group rank {local}" if local is not None else "any rank"
 
 
 def odd_ones(values: dict[int, Any]) -> list[int]:
@@ -95,8 +102,7 @@ class CollectiveLog:
         entries only while they are open, so one that completed after its last read would stay
         "entered, not completed" here for good."""
         ids = self.entries.get(rank, {})
-        recent = sorted(ids)[-200:]
-        open_ = [i for i in recent if not ids[i]["done"]]
+        open_ = sorted(i for i in heapq.nlargest(200, ids) if not ids[i]["done"])
         return min(self.last_id(rank), open_[0] - 1) if open_ else self.last_id(rank)
 
     def last_call(self, rank: int) -> int:
@@ -147,9 +153,7 @@ class CollectiveLog:
 
     def age(self, rank: int, entry: dict[str, Any]) -> float:
         """Seconds since the rank recorded ``entry``, by the rank's own clock."""
-        samples = self._skew.get(rank)
-        skew = max(samples) if samples else 0.0
-        return max(0.0, time.time() + skew - entry["t"])
+        return max(0.0, time.time() + self.offset(rank) - entry["t"])
 
     def offset(self, rank: int) -> float:
         """The rank's clock minus the controller's, seconds (0 until a reply says otherwise)."""
@@ -158,8 +162,7 @@ class CollectiveLog:
 
     def local_time(self, rank: int, entry: dict[str, Any]) -> float:
         """When the rank recorded ``entry``, on the controller's clock (to order ranks' entries)."""
-        samples = self._skew.get(rank)
-        return entry["t"] - (max(samples) if samples else 0.0)
+        return entry["t"] - self.offset(rank)
 
     def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None:
         """The collective the rank entered most recently and has not completed (in ``cell``, when
@@ -181,8 +184,7 @@ class CollectiveLog:
             if members & dead:
                 return f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
         for call in self.open_calls(rank):
-            peer = call.get("args", {}).get("dst" if call["op"] in ("send", "isend") else "src")
-            if call["op"] in P2P_OPS and (peer is None or peer in dead):
+            if call["op"] in P2P_OPS and ((peer := peer_of(call)) is None or peer in dead):
                 return f"{call['op']} {'to' if P2P_OPS[call['op']] == 'send' else 'from'} rank {peer}"
             if call["op"] == "new_group":
                 return "new_group"
@@ -320,6 +322,7 @@ class CollectiveReport:
                          + (f" (last {len(shown)} shown)" if len(shown) < len(all_seqs) else ""))
             cols = [f"rank {r}" for r in members]
             div = divs.get(group)
+            odd = div.odd() if div is not None and div.kind != "missing" else []
             rows = []
             for seq in shown:
                 cells = []
@@ -328,8 +331,8 @@ class CollectiveReport:
                     if e is None:
                         cells.append("—")
                     else:
-                        odd = div is not None and div.seq == seq and r in div.odd() and div.kind != "missing"
-                        cell = ("✗ " if odd else "") + describe(e) + ("" if e["done"] else " ⏳")
+                        flag = div is not None and div.seq == seq and r in odd
+                        cell = ("✗ " if flag else "") + describe(e) + ("" if e["done"] else " ⏳")
                         if e.get("cell") is not None:
                             cell += f" c{e['cell']}"
                         cells.append(cell)
@@ -352,7 +355,7 @@ class CollectiveReport:
             if calls:
                 rows.append(f"  rank {r}: " + ", ".join(
                     f"{c['op']} {'→' if P2P_OPS[c['op']] == 'send' else '←'} "
-                    f"{_peer_text(c)}{' ⏳' if c['end'] is None else ''}" + (f" c{c['cell']}" if c.get("cell") is not None else "")
+                    f"{peer_words(c)}{' ⏳' if c['end'] is None else ''}" + (f" c{c['cell']}" if c.get("cell") is not None else "")
                     for c in calls))
         return ["── point-to-point (last calls per rank)", *rows] if rows else []
 

@@ -170,11 +170,7 @@ class Diagnostics:
                              "run it with %%on_ranks --profile (pool.run(code, profile=True)).")
         ranks = sorted(profiles)
         log = self.collectives(ranks).log
-        waits = {r: 0.0 for r in ranks}
-        for a in arrivals(log, "0", ranks, None, result.cell):
-            end = max(a.times.values())
-            for r in ranks:
-                waits[r] += end - a.times[r]
+        waits = StragglerReport("0", ranks, arrivals(log, "0", ranks, None, result.cell)).waiting()
         times = [RankTime(r, result.results[r].duration or 0.0, profiles[r]["collective_s"], min(waits[r], profiles[r]["collective_s"]))
                  for r in ranks]
         path = None

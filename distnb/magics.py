@@ -34,6 +34,13 @@ def _usage_errors() -> Iterator[None]:
         raise UsageError(str(exc)) from None
 
 
+def _show_figure(fig: Any) -> None:
+    """A matplotlib Figure inline as PNG (no %matplotlib inline needed)."""
+    from IPython.display import Image, display
+
+    display(Image(data=figure_png(fig), format="png"))
+
+
 def _parse(magic: Any, line: str) -> Any:
     """``parse_argstring`` whose errors end with where to read the flags."""
     try:
@@ -309,13 +316,13 @@ class DistMagics(Magics):
         pool = self._pool()
         with _usage_errors():
             report = pool.memory(args.ranks)
-        from IPython.display import Image, display
+        from IPython.display import display
 
         display(report)
         if args.plot or args.timeline:
             figs = ([report.plot_bars()] if args.plot else []) + ([report.plot_timeline()] if args.timeline else [])
             for fig in figs:
-                display(Image(data=figure_png(fig), format="png"))
+                _show_figure(fig)
         return None
 
     @magic_arguments()
@@ -345,11 +352,11 @@ class DistMagics(Magics):
         pool = self._pool()
         with _usage_errors():
             report = pool.stragglers(args.ranks, group=args.group, last=args.last)
-        from IPython.display import Image, display
+        from IPython.display import display
 
         display(report)
         if report.collectives and not args.no_plot:
-            display(Image(data=figure_png(report.plot()), format="png"))
+            _show_figure(report.plot())
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
@@ -448,13 +455,13 @@ class DistMagics(Magics):
             with _usage_errors():
                 _show_checks(pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks))
         if args.profile and not result.running:
-            from IPython.display import Image, display
+            from IPython.display import display
 
             with _usage_errors():
                 report = pool.profile(result)
             display(report)
             if report.times:
-                display(Image(data=figure_png(report.plot()), format="png"))
+                _show_figure(report.plot())
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
         for note in (printer.cap_note(), result.truncation_note()):

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.position import Position
+from distnb.collective_log import P2P_OPS, peer_of
+from distnb.position import Position, p2p_text
 
 __all__ = ["P2PFinding", "match_p2p"]
 
@@ -21,11 +22,6 @@ class P2PFinding:
     sentences: list[str]
     culprits: list[int]
     matched: list[tuple[int, int]]  # (sender, receiver) pairs that match and should complete
-
-
-def _peer(call: dict[str, Any]) -> int | None:
-    args = call.get("args", {})
-    return args.get("dst") if call["op"] in ("send", "isend") else args.get("src")
 
 
 def _tag(call: dict[str, Any]) -> int:
@@ -38,29 +34,23 @@ def _elsewhere(p: Position | None) -> str:
     if p.state == "collective" and not p.peers:
         return f"waits in {p.collective()}"
     if p.state == "collective":
-        return "is itself " + " and ".join(_describe(c) for c in p.peers)
+        return "is itself " + " and ".join(p2p_text(c) for c in p.peers)
     return {"finished": "finished the cell", "computing": "is running Python code", "idle": "is not part of this cell",
             "failed": f"raised {p.detail}", "dead": "died"}.get(p.state, p.state)
-
-
-def _describe(call: dict[str, Any]) -> str:
-    peer = _peer(call)
-    who = f"rank {peer}" if peer is not None else "any rank"
-    return f"sending to {who}" if call["op"] in ("send", "isend") else f"receiving from {who}"
 
 
 def match_p2p(positions: list[Position]) -> P2PFinding:
     """Pair every open send with a receive on its peer (same tag; a receive from any rank takes
     any sender) and explain every call left without a partner."""
     by_rank = {p.rank: p for p in positions}
-    sends = [(p.rank, c) for p in positions for c in p.peers if c["op"] in ("send", "isend")]
-    recvs = [(p.rank, c) for p in positions for c in p.peers if c["op"] in ("recv", "irecv")]
+    sends = [(p.rank, c) for p in positions for c in p.peers if P2P_OPS[c["op"]] == "send"]
+    recvs = [(p.rank, c) for p in positions for c in p.peers if P2P_OPS[c["op"]] == "recv"]
     matched: list[tuple[int, int]] = []
     free_recvs = list(recvs)
     lonely_sends = []
     for i, s in sends:
-        j = _peer(s)
-        partner = next((rc for rc in free_recvs if rc[0] == j and _peer(rc[1]) in (i, None) and _tag(rc[1]) == _tag(s)), None)
+        j = peer_of(s)
+        partner = next((rc for rc in free_recvs if rc[0] == j and peer_of(rc[1]) in (i, None) and _tag(rc[1]) == _tag(s)), None)
         if partner is None:
             lonely_sends.append((i, s))
         else:
@@ -70,9 +60,9 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
     culprits: set[int] = set()
     explained_sends: set[int] = set()
     for j, r in free_recvs:
-        peer = _peer(r)
+        peer = peer_of(r)
         # Someone sends to j, just not what j asked for: j's src (or tag) is the likely mistake.
-        to_me = [(k, s) for k, s in lonely_sends if _peer(s) == j]
+        to_me = [(k, s) for k, s in lonely_sends if peer_of(s) == j]
         if peer is None:
             if not to_me:
                 sentences.append(f"rank {j} waits to receive from any rank, and no rank sends to it")
@@ -99,14 +89,14 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
         # Nobody sends to j. If i sends to someone else, i's dst is the likely mistake.
         theirs = [s for k, s in lonely_sends if k == i]
         if theirs:
-            sentences.append(f"rank {j} waits to receive from rank {i}, which is sending to rank {_peer(theirs[0])} instead: "
-                             f"rank {i}'s send most likely names the wrong peer (dst={_peer(theirs[0])})")
+            sentences.append(f"rank {j} waits to receive from rank {i}, which is sending to rank {peer_of(theirs[0])} instead: "
+                             f"rank {i}'s send most likely names the wrong peer (dst={peer_of(theirs[0])})")
             explained_sends.update(id(s) for s in theirs)
         else:
             sentences.append(f"rank {j} waits to receive from rank {i}, which {_elsewhere(by_rank.get(i))} without sending to it")
         culprits.add(i)
     for i, s in lonely_sends:
-        dst = _peer(s)
+        dst = peer_of(s)
         if id(s) in explained_sends or dst is None:
             continue
         sentences.append(f"rank {i} sends to rank {dst}, which {_elsewhere(by_rank.get(dst))} without receiving from it")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb.collective_log import P2P_OPS, peer_words
 from distnb.ranks import format_ranks
 from distnb.results import group_by
 from distnb.stacks import RankStack, parse_faulthandler, short_path
@@ -63,6 +64,11 @@ class Position:
             cell = f"cell {self.line_cell} " if self.line_cell is not None else "cell "
             return f" in {self.func}() ({cell}line {self.line})"
         return f" at cell {self.line_cell} line {self.line}" if other else f" at cell line {self.line}"
+
+    def death_words(self) -> str:
+        """``all_reduce at cell line 2 (from the stack it printed as it died)``: a position read
+        from a dead rank's last stack."""
+        return f"{self.op}{self.at()} (from the stack it printed as it died)"
 
     def collective(self) -> str:
         """``all_reduce #4 at cell line 3``."""
@@ -127,13 +133,8 @@ class Diagnosis:
 
 def p2p_text(call: dict[str, Any]) -> str:
     """``sending to rank 1``, ``receiving from rank 2 (tag 3)``, ``receiving from any rank``."""
-    args = call.get("args", {})
-    sending = call["op"] in ("send", "isend")
-    peer = args.get("dst" if sending else "src")
-    local = args.get("group_dst" if sending else "group_src")
-    who = f"rank {peer}" if peer is not None else f"group rank {local}" if local is not None else "any rank"
-    tag = f" (tag {args['tag']})" if args.get("tag") else ""
-    return f"{'sending to' if sending else 'receiving from'} {who}{tag}"
+    tag = call.get("args", {}).get("tag")
+    return f"{'sending to' if P2P_OPS[call['op']] == 'send' else 'receiving from'} {peer_words(call)}" + (f" (tag {tag})" if tag else "")
 
 
 def position_from_stack(stack: RankStack, cell: int | None = None) -> Position:
@@ -171,7 +172,7 @@ def position_at_death(stderr: str, main_ident: int | None = None) -> Position | 
 def collective_at_death(stderr: str, main_ident: int | None = None) -> str | None:
     """``all_reduce at cell line 2 (…)``: :func:`position_at_death` in words."""
     pos = position_at_death(stderr, main_ident)
-    return None if pos is None else f"{pos.op}{pos.at()} (from the stack it printed as it died)"
+    return None if pos is None else pos.death_words()
 
 
 def _importing(frames: list[Any]) -> str:

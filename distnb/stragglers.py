@@ -84,12 +84,16 @@ class StragglerReport:
             return 0.0
         return max(max(a.times.values()) for a in self.collectives) - self.collectives[0].first
 
+    def waiting(self) -> dict[int, float]:
+        """Per rank, seconds spent between its arrival and the last one's, summed."""
+        return {r: sum(max(a.times.values()) - a.times[r] for a in self.collectives) for r in self.ranks}
+
     def waiting_share(self) -> dict[int, float]:
         """Per rank, the share of the window's wall time it spent waiting for the last arrival."""
         span = self.span()
         if span <= 0:
             return {r: 0.0 for r in self.ranks}
-        return {r: sum(max(a.times.values()) - a.times[r] for a in self.collectives) / span for r in self.ranks}
+        return {r: w / span for r, w in self.waiting().items()}
 
     def straggler(self) -> int | None:
         share = self.last_share()

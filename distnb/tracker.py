@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol
 from distnb import _processes
 from distnb.cluster import Nodes
 from distnb.collective_log import CollectiveLog, describe
-from distnb.position import collective_at_death, position_at_death
+from distnb.position import position_at_death
 from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
 from distnb.protocol import Msg, control_identity, supervisor_identity
 from distnb.ranks import format_ranks
@@ -436,7 +436,7 @@ class Tracker:
                 # Died before the log could hear of it (gloo aborts within ms of a mismatch): the
                 # stack faulthandler printed on the fatal signal still says where.
                 died_in = position_at_death(info.stderr_tail, info.main_ident)
-                res.collective = collective_at_death(info.stderr_tail, info.main_ident) or ""
+                res.collective = died_in.death_words() if died_in is not None else ""
                 if died_in is not None and died_in.op:
                     self.collective_log.died_in[info.rank] = died_in.op
         run.waiting_done.discard(info.rank)
