@@ -17,7 +17,7 @@ from distnb.ranks import format_ranks
 from distnb.results import group_by
 
 __all__ = ["CollectiveLog", "CollectiveReport", "Divergence", "P2P_OPS", "args_text", "describe", "odd_ones", "peer_of", "peer_words",
-           "signature"]
+           "signature", "state_mark", "RECORDER_NAMES"]
 
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
@@ -66,6 +66,18 @@ def describe(entry: dict[str, Any], with_op: bool = True) -> str:
     return " ".join(parts)
 
 
+#: distnb's recorder names (worker/flight_recorder.py) in words.
+RECORDER_NAMES = {"nccl": "NCCL", "fr": "gloo (and other non-NCCL)"}
+
+
+def state_mark(entry: dict[str, Any]) -> str:
+    """`` ⏳`` for an entry not completed, `` ⏸`` for an NCCL one still queued behind other GPU
+    work (its kernel has not started: the stream is busy before it), ``""`` when done."""
+    if entry["done"]:
+        return ""
+    return " ⏸" if entry.get("queued") else " ⏳"
+
+
 def signature(entry: dict[str, Any]) -> tuple[Any, ...]:
     """What must match across ranks at one position of a group's sequence."""
     return (entry["op"], tuple(tuple(s) for s in entry.get("sizes", [])), tuple(entry.get("dtypes", [])),
@@ -79,6 +91,9 @@ class CollectiveLog:
     entries: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # rank -> id -> entry
     groups: dict[str, list[int]] = field(default_factory=dict)
     unavailable: str | None = None
+    # Recorders some rank could not read (e.g. NCCL's on a torch without it), and why: the log
+    # then lacks those collectives, and says so.
+    missing: dict[str, str] = field(default_factory=dict)
     # Per rank, the watched calls (worker/call_log.py) by number: point-to-point, group creation,
     # and the arguments of rooted and reducing collectives.
     calls: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
@@ -120,6 +135,8 @@ class CollectiveLog:
         if "unavailable" in reply:
             self.unavailable = reply["unavailable"]
             return
+        self.unavailable = None
+        self.missing.update(reply.get("missing", {}))
         if "now" in reply:
             self._skew.setdefault(rank, collections.deque(maxlen=16)).append(float(reply["now"]) - time.time())
         floor = self.floors.get(rank, -1)
@@ -141,6 +158,7 @@ class CollectiveLog:
         self.floors.clear()
         self._skew.clear()
         self.unavailable = None
+        self.missing.clear()
 
     def new_generation(self, floors: dict[int, int]) -> None:
         """The ranks replaced their process groups (regroup): forget the old groups' entries and
@@ -302,8 +320,9 @@ class CollectiveReport:
             return f"collective log unavailable: {self.log.unavailable}"
         groups = self.group_names()
         p2p = self._p2p_lines()
+        gaps = [f"(not in this log: {RECORDER_NAMES.get(rec, rec)} collectives — {why})" for rec, why in sorted(self.log.missing.items())]
         if not groups and not p2p:
-            return f"no collective recorded on {format_ranks(self.ranks)} yet."
+            return "\n".join([f"no collective recorded on {format_ranks(self.ranks)} yet.", *gaps])
         divs = {d.group: d for d in self.divergences()}
         lines = []
         first = min(divs.values(), key=self._when) if divs else None
@@ -332,7 +351,7 @@ class CollectiveReport:
                         cells.append("—")
                     else:
                         flag = div is not None and div.seq == seq and r in odd
-                        cell = ("✗ " if flag else "") + describe(e) + ("" if e["done"] else " ⏳")
+                        cell = ("✗ " if flag else "") + describe(e) + state_mark(e)
                         if e.get("cell") is not None:
                             cell += f" c{e['cell']}"
                         cells.append(cell)
@@ -343,7 +362,8 @@ class CollectiveReport:
             for seq, cells, mark in rows:
                 lines.append(f"  {seq:>3}  " + "".join(c[: width - 1].ljust(width) for c in cells) + mark)
         lines.extend(p2p)
-        lines.append("(⏳ entered, not completed · cN: issued in cell N · — never entered · ✗ the odd one out)")
+        lines.extend(gaps)
+        lines.append("(⏳ entered, not completed · ⏸ queued on the GPU, not started · cN: issued in cell N · — never entered · ✗ the odd one out)")
         return "\n".join(lines)
 
     def _p2p_lines(self) -> list[str]:

@@ -97,6 +97,9 @@ class LaunchConfig:
         local_nodes: run every other node's agent on this machine too: a multi-node layout (RANK
             differs from LOCAL_RANK, GROUP_RANK per node, a rendezvous across torchruns) rehearsed
             on one box. The simulated nodes share this machine's devices, so the backend is gloo.
+        share_gpus: put several ranks on each GPU (``nproc`` may exceed the GPUs; ranks take
+            ``LOCAL_RANK % GPUs``): NCCL with each rank posing as its own host and talking over
+            loopback sockets. To rehearse an NCCL hang with 4 ranks on one GPU; slow, one machine.
         debug: debug switches: ``"detail"`` (TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched
             collectives raise an error naming the field instead of aborting the process) and
             ``"nccl"`` (NCCL_DEBUG=INFO with the init, network and collective subsystems).
@@ -119,6 +122,7 @@ class LaunchConfig:
     key_file: str | None = None
     node_python: str | None = None
     local_nodes: bool = False
+    share_gpus: bool = False
 
     def __post_init__(self) -> None:
         if self.nproc is None:
@@ -146,6 +150,13 @@ class LaunchConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
             object.__setattr__(self, name, float(value))
         self._check_nodes()
+        if self.share_gpus:
+            if self.backend == "gloo":
+                raise ValueError("share_gpus shares GPUs between NCCL ranks; gloo ranks need no GPU: drop share_gpus.")
+            if self.nnodes > 1:
+                raise ValueError("share_gpus runs NCCL over loopback, so on one machine only; drop nnodes/hosts/slurm, "
+                                 "or drop share_gpus and give each rank its own GPU.")
+            object.__setattr__(self, "backend", "nccl")
 
     def _check_nodes(self) -> None:
         hosts = (self.hosts,) if isinstance(self.hosts, str) else tuple(self.hosts)

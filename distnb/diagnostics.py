@@ -26,6 +26,7 @@ from distnb.session import SessionLog
 from distnb.profile_report import ProfileReport, RankTime, merge_traces
 from distnb.stragglers import StragglerReport, arrivals
 from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dumps
+from distnb.sync_check import mismatch_text
 from distnb.tracker import Tracker, run_of
 
 __all__ = ["Diagnostics", "PoolView"]
@@ -205,6 +206,12 @@ class Diagnostics:
         report = self.collectives(refresh=True)
         found = victim(Position(first, "dead", detail=_processes.signal_meaning(result.results[first].returncode)), report)
         return found[0] if found else ""
+
+    def desync_note(self, result: CellResult) -> str:
+        """The end-of-cell count mismatches in words, with the collectives involved (the log is
+        refreshed first: the rank ahead pushed its entry within ~50 ms, maybe not yet)."""
+        report = self.collectives(result.ranks, refresh=True)
+        return " ".join(mismatch_text(m, report.log) for m in result.desync)
 
     def _position(self, r: int, result: CellResult, stacks: StackReport | None, elapsed: float) -> Position:
         res = result.results.get(r)

@@ -43,6 +43,39 @@ def _sweep_orphaned_run_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def nccl_environment(run_dir: str) -> dict[str, str]:
+    """NCCL's watchdog settings for interactive debugging (documented in ``%dist_launch?``).
+
+    NCCL's defaults suit batch jobs: at a collective timeout the watchdog aborts the communicator
+    *and ends the process* (the others follow minutes later), after sleeping 4 ×
+    ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (60 s); the heartbeat monitor kills a rank whose
+    watchdog looks stuck. In a notebook every namespace would be lost. So: abort only the
+    communicator (the rank lives; the next collective on that group raises, and distnb's
+    ``%dist_regroup`` builds a new one), no heartbeat kill, the timeout dump written into the
+    pool's run folder (distnb reads it for the post-mortem), a short dump wait, and per-collective
+    GPU start times (the collective log tells "queued behind other GPU work" from "running").
+    """
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort the communicator, keep the process
+        "TORCH_NCCL_ENABLE_MONITORING": "0",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": os.path.join(run_dir, FR_DUMP_PREFIX),
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+        "TORCH_NCCL_ENABLE_TIMING": "1",
+    }
+
+
+#: Where the watchdog writes each rank's Flight Recorder at a timeout: ``<run dir>/<prefix><rank>``.
+FR_DUMP_PREFIX = "nccl_trace_rank_"
+
+#: Several ranks on one GPU (``share_gpus``): NCCL refuses two ranks on one device unless each
+#: looks like its own host (``NCCL_HOSTID``, set per rank by the rank itself), and then must not
+#: use the same-host transports (peer-to-peer, shared memory) or InfiniBand: only sockets on
+#: loopback remain. Real collectives, real hangs; slow (~4.5 ms per small all_reduce at 2 ranks,
+#: ~18 ms at 4, on an H100).
+SHARED_GPU_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+
+
 class Launcher:
     """Runs ``python -m torch.distributed.run ... -m distnb.worker`` in its own process session:
     on the controller's machine for the pool, and inside each node agent for another machine."""
@@ -108,6 +141,11 @@ class Launcher:
         # short: every read converts the whole ring (~35 ms for 2000 entries, ~9 ms for 500),
         # ranks push new entries within ~50 ms, and the controller keeps 5000 per rank itself.
         env.setdefault("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "500"))
+        if self.config.backend != "gloo":
+            for key, value in nccl_environment(self.run_dir).items():
+                env.setdefault(key, value)  # the user's own --env / environment wins
+        if self.config.share_gpus:
+            env.update(SHARED_GPU_ENV, DISTNB_SHARE_GPUS="1")
         return env
 
     def start(self) -> None:

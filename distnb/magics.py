@@ -179,6 +179,8 @@ class DistMagics(Magics):
     @argument("--hosts", default=None, metavar="H1,H2", help="Start the other machines' node agents over ssh (nnodes = 1 + hosts).")
     @argument("--local-nodes", action="store_true",
               help="Run the other nodes' agents on this machine too: rehearse a multi-node layout (RANK vs LOCAL_RANK, GROUP_RANK) on one box; gloo.")
+    @argument("--share-gpus", action="store_true",
+              help="Several NCCL ranks per GPU over loopback (e.g. -n 4 on one GPU): rehearse NCCL hangs on fewer GPUs; slow.")
     @argument("--slurm", action="store_true", help="Inside a Slurm allocation: start a node agent on every other node with srun.")
     @argument("--curve", action="store_true", help="Encrypt the control plane (CURVE) and admit only clients holding the pool's key.")
     @argument("--key-file", default=None, metavar="FILE", help="Where to write the key the other machines read (default ~/.distnb/keys/<pool>.key).")
@@ -188,7 +190,15 @@ class DistMagics(Magics):
         """Start a persistent torchrun pool; returns once every rank's process group is ready.
 
         Multi-node: ``%dist_launch --nnodes 2 -n 4 --bind 0.0.0.0`` prints the one command to run on
-        the other machine; ``--hosts node2`` starts it over ssh, ``--slurm`` with srun."""
+        the other machine; ``--hosts node2`` starts it over ssh, ``--slurm`` with srun.
+
+        NCCL pools get watchdog settings for interactive work (any you set yourself win): at a
+        collective timeout (``--pg-timeout``) NCCL aborts that group's communicator but every rank
+        stays alive with its namespace (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, heartbeat monitor off);
+        each rank's Flight Recorder is dumped into the pool's run folder and read for the
+        post-mortem (TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE); the dump wait is 4 s,
+        not 60 (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000); GPU start times are recorded
+        (TORCH_NCCL_ENABLE_TIMING=1). Then ``%dist_regroup`` builds a new group."""
         args = _parse(self.dist_launch, line)
         with contextlib.suppress(NoPoolError):
             pool = current_pool()
@@ -204,7 +214,7 @@ class DistMagics(Magics):
             options["hosts"] = tuple(h for h in args.hosts.split(",") if h.strip())
             if not options["hosts"]:
                 raise UsageError("--hosts needs at least one host name, e.g. --hosts node2,node3.")
-        options.update(slurm=args.slurm, curve=args.curve, local_nodes=args.local_nodes)
+        options.update(slurm=args.slurm, curve=args.curve, local_nodes=args.local_nodes, share_gpus=args.share_gpus)
         try:
             config = LaunchConfig(**options)
         except ValueError as exc:
@@ -212,7 +222,7 @@ class DistMagics(Magics):
             text = str(exc)
             for name, flag in (("nproc", "-n/--nproc"), ("pg_timeout", "--pg-timeout"), ("start_timeout", "--start-timeout"), ("hang_after", "--hang-after"),
                                ("nnodes", "--nnodes"), ("rdzv_endpoint", "--rdzv-endpoint"), ("hosts", "--hosts"), ("slurm", "--slurm"),
-                               ("local_nodes", "--local-nodes")):
+                               ("local_nodes", "--local-nodes"), ("share_gpus", "--share-gpus")):
                 if text.startswith(name + " "):
                     text = flag + text[len(name):]
                 text = text.replace(f" {name} ", f" {flag} ").replace(f"({name} ", f"({flag} ")

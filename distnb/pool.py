@@ -271,6 +271,7 @@ class Pool:
         log = self._tracker.collective_log
         with self._tracker.lock:
             log.new_generation({r: log.last_id(r) for r in targets})
+            self._tracker.desync = []
         replies = self._tracker.requests.ask(exec_identity, targets, {"t": Msg.REGROUP, "generation": self._regroups},
                                              self._config.pg_timeout + 30)
         errors = _errors_of(replies)
@@ -338,9 +339,12 @@ class Pool:
                 interrupted = True
                 self.interrupt(result.running)
         result.elapsed = time.monotonic() - run.started
-        if run.finished.is_set() and result.failed and not run.death_checked:
+        if run.finished.is_set() and not run.death_checked:
             run.death_checked = True
-            result.root_cause = self._diagnostics.death_note(result)
+            if result.failed:
+                result.root_cause = self._diagnostics.death_note(result)
+            if result.desync:
+                result.desync_note = self._diagnostics.desync_note(result)
         if on_tick is not None:
             on_tick(result)
         return result

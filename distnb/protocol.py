@@ -209,6 +209,7 @@ class CellDone(TypedDict, total=False):
     duration: float
     memory: dict[str, Any] | None
     profile: dict[str, Any]  # with EXEC's ``profile``: collective time, top ops, the zlib'd Chrome trace
+    sync: dict[str, Any] | None  # collectives issued per group and groups created (worker/group_state.py)
 
 
 class Display(TypedDict):

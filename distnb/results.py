@@ -156,6 +156,7 @@ class RankResult:
     cause: str = ""  # why it died when no exit code tells (its machine lost)
     direct: bool = False  # its CELL_DONE came straight from the rank (a silent cell), not via its supervisor
     profile: dict[str, Any] | None = None  # with --profile: what worker/profiling.py measured
+    sync: dict[str, Any] | None = None  # collectives issued per group at the cell's end (worker/group_state.py)
 
     def death_text(self) -> str:
         """Post-mortem of a rank that died during the cell."""
@@ -191,6 +192,10 @@ class CellResult:
     # Who caused a death when it was not the rank that died (a mismatch gloo aborted a neighbour
     # for), in words; shown right after the post-mortems.
     root_cause: str = ""
+    # Ranks that finished the cell with different collective or group-creation counts
+    # (sync_check.CountMismatch), and the words for them, with the entries involved.
+    desync: list[Any] = field(default_factory=list)
+    desync_note: str = ""
     # Memory of ranks still running when another ran out of memory (asked live at that moment).
     live_memory: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -265,6 +270,8 @@ class CellResult:
                     f"{format_ranks(rs)} {'is' if len(rs) == 1 else 'are'} {what}" if what == "still running" else f"{format_ranks(rs)} {what}"
                     for rs, what in others))
         parts.extend(self._error_texts())
+        if self.desync_note:
+            parts.append("[distnb] desync at the end of the cell: " + self.desync_note)
         if any(r.error and "OutOfMemoryError" in r.error.get("ename", "") for r in self.results.values()):
             from distnb.memory_report import MemoryReport
 

@@ -33,6 +33,7 @@ from distnb.protocol import Msg, control_identity, supervisor_identity
 from distnb.ranks import format_ranks
 from distnb.records import CellEvents, CellRun, RankRecord, run_of
 from distnb.requests import Requests, Transport
+from distnb.sync_check import CountMismatch, carry_over, count_mismatches
 from distnb.results import CellResult, PoolState, RankResult, RankState, RankStatus
 
 __all__ = ["CellEvents", "CellRun", "Liveness", "RankRecord", "Tracker", "OUTPUT_KEEP_BYTES", "run_of"]
@@ -92,6 +93,7 @@ class Tracker:
         self._last_results: dict[int, RankResult] = {}
         self._poll_dirty: set[int] = set()
         self._ticks = 0
+        self.desync: list[CountMismatch] = []  # the last cell's end-of-cell count mismatches
 
     # -- the one place states change ------------------------------------------------------------
     @property
@@ -129,6 +131,7 @@ class Tracker:
             self._first_death_result = None
             self._last_results = {}
             self.notes = []
+            self.desync = []
             self.collective_log.clear()
 
     def mark_ready(self) -> bool:
@@ -340,7 +343,7 @@ class Tracker:
         res = run.result.results[info.rank]
         res.status = msg["status"]
         res.value, res.error = msg.get("value"), msg.get("error")
-        res.duration, res.memory, res.profile = msg.get("duration"), msg.get("memory"), msg.get("profile")
+        res.duration, res.memory, res.profile, res.sync = msg.get("duration"), msg.get("memory"), msg.get("profile"), msg.get("sync")
         res.finished_at, res.direct = time.monotonic(), direct
         run.waiting_done.discard(info.rank)
         if res.error and "OutOfMemoryError" in str(res.error.get("ename")) and run.waiting_done:
@@ -392,6 +395,8 @@ class Tracker:
             run.events.on_rank_done(run.result.results[info.rank])
         if all(run.rank_finished(r) for r in run.result.ranks):
             run.result.elapsed = time.monotonic() - run.started
+            found = count_mismatches({r: res.sync for r, res in run.result.results.items() if res.status != "dead"})
+            run.result.desync = self.desync = carry_over(found, self.desync, run.result.cell)
             run.events = CellEvents()  # let go of the caller's callbacks (views, printers)
             run.finished.set()
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from distnb.worker.call_log import CallLog
 from distnb.worker.flight_recorder import CellClock
+from distnb.worker.group_state import group_errors, sync_state
 from distnb.worker.memory_sampler import MemorySampler
 
 __all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
@@ -109,6 +110,7 @@ class Executor:
         linecache.cache.pop(cell_filename(cell_id - _KEEP_SOURCES), None)
         reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}
         self.memory.start()
+        failed_before = group_errors()
         self.clock.start(cell_id, time.time())
         self.started = time.monotonic()
         try:
@@ -142,6 +144,11 @@ class Executor:
             reply["duration"] = time.monotonic() - self.started
             reply["memory"] = self.memory.stop()
             self.clock.end(time.time())
+            reply["sync"] = sync_state(self.calls)
+        failed = {g: e for g, e in group_errors().items() if g not in failed_before}
+        if failed and reply["status"] == "ok":
+            reply["status"] = "error"
+            reply["error"] = _group_failure(failed)
         return reply
 
     @staticmethod
@@ -174,3 +181,20 @@ class Executor:
             "traceback": _cap("".join(lines)),
             "line": line,
         }
+
+
+def _group_failure(failed: dict[str, str]) -> dict[str, Any]:
+    """The cell's error when NCCL gave up on a group while it ran: the host syncs that waited for
+    the aborted collectives returned without raising, and their values are garbage."""
+    names = ", ".join(f"group {g} ({e.lower().replace('_', ' ')})" for g, e in sorted(failed.items()))
+    return {
+        "ename": "DistBackendError",
+        "evalue": f"NCCL aborted the communicator of {names} during this cell: "
+                  + ("a collective did not complete within --pg-timeout (Watchdog caught collective operation timeout). "
+                     if "TIMEOUT" in failed.values() else "a communication error (a peer failed, or the network). ")
+                  + "Values from collectives on it since are garbage, and the group is unusable: %dist_regroup "
+                  "(pool.regroup()) builds a new one and keeps every rank's namespace.",
+        "traceback": "",
+        "line": None,
+    }
+

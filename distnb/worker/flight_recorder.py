@@ -2,8 +2,9 @@
 
 The Flight Recorder records every collective when it is issued — explicit ``dist.*`` calls and the
 ones DDP/FSDP issue from C++ alike — at about 2 µs each, and can be read from another thread while
-the main thread is blocked in a collective (gloo and NCCL waits release the GIL). An entry that is
-not ``retired`` was entered but has not completed.
+the main thread is blocked in a collective (gloo and NCCL waits release the GIL). Each backend writes
+its own recorder (NCCL the CUDA one, gloo the other); an entry's ``state`` and ``retired`` say
+whether it completed (see :func:`_completed`).
 
 Reading is not free: the recorder converts its whole ring buffer on every dump, ~15–30 µs per entry
 held (about 1 ms for 50 entries, 30–50 ms for a full 2000-entry buffer on this machine), so reads
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 import bisect
 import collections
-import json
+import os
 import pickle
+import threading
 import time
 from typing import Any
 
 from distnb.worker.call_log import CallLog
 
-__all__ = ["CellClock", "SeqWatch", "read_collectives"]
+__all__ = ["CellClock", "DUMPERS", "RecordIds", "SeqWatch", "dump_recorders", "entry_view", "read_collectives"]
 
 
 class CellClock:
@@ -94,15 +96,67 @@ class SeqWatch:
             return None  # e.g. a group being destroyed right now: look again next time
 
 
-def _dump() -> dict[str, Any]:
-    """The recorder's contents. The pickle form without C++ stack traces is ~3× cheaper than the
-    JSON one (no symbolising, no JSON round trip); it comes from this process, so unpickling it is
-    as safe as the JSON."""
-    from torch._C import _distributed_c10d as c
+#: The recorders a rank may hold, by distnb's name for them → the pickle dumper torch exposes.
+#: ``ProcessGroupNCCL`` writes the CUDA instance (``FlightRecorderCUDA``); gloo (and any other
+#: backend) the ``c10::Event`` one. A pool on NCCL with a gloo side group for CPU tensors has both.
+DUMPERS = {"nccl": "_dump_nccl_trace", "fr": "_dump_fr_trace"}
 
-    if hasattr(c, "_dump_fr_trace"):
-        return pickle.loads(c._dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
-    return json.loads(getattr(c, "_dump_fr_trace_json")())  # noqa: B009 - absent from torch's stubs
+
+def _backends() -> set[str]:
+    """The backends this rank's live process groups use ("nccl", "gloo", …)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    out: set[str] = set()
+    try:
+        for backend, _ in list(c10d._world.pg_map.values()):
+            # "nccl", "gloo", or a per-device spec such as "cpu:gloo,cuda:nccl"
+            out.update(part.rsplit(":", 1)[-1] for part in str(backend).lower().split(","))
+    except Exception:
+        pass
+    return out
+
+
+def _buffer_off() -> str | None:
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        if os.environ.get(var, "").strip() == "0":
+            return f"{var}=0 turns the Flight Recorder off on this rank; relaunch without it (distnb sets 500 by default)"
+    return None
+
+
+def dump_recorders() -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Every recorder this rank's groups write, read: ``({recorder: dump}, {recorder: why it can't
+    be read})``. The pickle form without C++ stack traces is ~3× cheaper than the JSON one (no
+    symbolising, no JSON round trip); it comes from this process, so unpickling it is safe."""
+    try:
+        from torch._C import _distributed_c10d as c
+    except ImportError:
+        return {}, {"fr": "this torch has no distributed support"}
+    used = _backends()
+    wanted = ["nccl"] if "nccl" in used else []
+    if used - {"nccl"} or not used:
+        wanted.append("fr")
+    dumps: dict[str, dict[str, Any]] = {}
+    missing: dict[str, str] = {}
+    off = _buffer_off()
+    for rec in wanted:
+        dumper = getattr(c, DUMPERS[rec], None)
+        if off is not None:
+            missing[rec] = off
+        elif dumper is None:
+            what = "NCCL's recorder (_dump_nccl_trace)" if rec == "nccl" else "a Flight Recorder (_dump_fr_trace)"
+            missing[rec] = f"this torch ({_torch_version()}) has no {what}; torch >= 2.5 records collectives"
+        else:
+            try:
+                dumps[rec] = pickle.loads(dumper(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+            except Exception as exc:
+                missing[rec] = f"the {rec} recorder could not be read: {type(exc).__name__}: {exc}"
+    return dumps, missing
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def _completed(e: dict[str, Any]) -> bool:
@@ -114,51 +168,97 @@ def _completed(e: dict[str, Any]) -> bool:
     return bool(e.get("retired")) or e.get("state") == "completed"
 
 
-def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None, calls_since: int = -1) -> dict[str, Any]:
-    """Entries newer than record ``since`` plus every entry not yet retired (its state may change),
-    each with the arguments of the call that created it (``calls``), and the watched calls newer
-    than ``calls_since`` (point-to-point and group creation, which the recorder does not see).
+_TIMING = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0").lower() in ("1", "true", "yes")
+
+
+def _ns(value: Any) -> float | None:
+    return int(value) / 1e9 if value else None
+
+
+class RecordIds:
+    """distnb's ids for the entries of every recorder: one increasing sequence in order of
+    creation, so the controller's cursor ("everything after id N") spans recorders whose own
+    record ids each start at 0. Entries that left their ring buffer are forgotten."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, int], int] = {}
+        self._newest: dict[str, int] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def assign(self, dumps: dict[str, dict[str, Any]]) -> list[tuple[int, str, dict[str, Any]]]:
+        """``(id, recorder, entry)`` for every entry of ``dumps``, oldest id first."""
+        with self._lock:
+            fresh = [(int(e.get("time_created_ns", 0)), rec, e) for rec, d in dumps.items() for e in d.get("entries", [])
+                     if int(e["record_id"]) > self._newest.get(rec, -1)]
+            for _, rec, e in sorted(fresh, key=lambda x: x[0]):
+                self._ids[(rec, int(e["record_id"]))] = self._next
+                self._next += 1
+                self._newest[rec] = max(self._newest.get(rec, -1), int(e["record_id"]))
+            out = [(self._ids[(rec, int(e["record_id"]))], rec, e) for rec, d in dumps.items() for e in d.get("entries", [])]
+            if len(self._ids) > len(out) + 1000:  # keep only what the ring buffers still hold
+                held = {(rec, int(e["record_id"])) for _, rec, e in out}
+                self._ids = {k: v for k, v in self._ids.items() if k in held}
+        return sorted(out, key=lambda x: x[0])
+
+
+#: The recorders are this process's singletons, and so are distnb's ids for their entries.
+IDS = RecordIds()
+
+
+def entry_view(did: int, rec: str, e: dict[str, Any], clock: CellClock) -> dict[str, Any]:
+    """A recorder entry as the controller keeps it (JSON-able, a few hundred bytes)."""
+    p2p = bool(e.get("is_p2p"))
+    t = int(e.get("time_created_ns", 0)) / 1e9
+    return {
+        "id": did,
+        "rec": rec,
+        "group": str(e["process_group"][0]),
+        "desc": str(e["process_group"][1]),
+        "seq": int(e["p2p_seq_id"] if p2p else e["collective_seq_id"]),
+        "p2p": p2p,
+        "op": str(e.get("profiling_name", "?")).split(":")[-1],
+        "sizes": [list(s) for s in e.get("input_sizes", [])],
+        "dtypes": list(e.get("input_dtypes", [])),
+        "t": t,
+        "done": _completed(e),
+        "state": str(e.get("state", "")),
+        # When the GPU started and finished it, as the watchdog saw (NCCL with TORCH_NCCL_ENABLE_TIMING=1).
+        "started": _ns(e.get("time_discovered_started_ns")),
+        "ended": _ns(e.get("time_discovered_completed_ns")),
+        # Not started on the GPU yet (other work before it on the stream). Only timing tells
+        # "scheduled" from "started"; without it every open NCCL entry reads "scheduled".
+        "queued": rec == "nccl" and e.get("state") == "scheduled" and _TIMING,
+        "cell": clock.cell_at(t),
+    }
+
+
+def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None, calls_since: int = -1,
+                     ids: RecordIds = IDS) -> dict[str, Any]:
+    """Entries newer than id ``since`` plus every entry not yet completed (its state may change),
+    from every recorder the rank's groups write, each with the arguments of the call that created
+    it (``calls``), and the watched calls newer than ``calls_since`` (point-to-point and group
+    creation, which the recorder does not see).
 
     ``now`` is this rank's wall clock at the read: the controller measures how long an entry has
     been open against it, never against its own clock (another machine's may be off by seconds).
+    ``missing`` names the recorders that could not be read, and why.
     """
-    try:
-        from torch._C import _distributed_c10d as c10d
-    except ImportError:  # a torch built without distributed support
-        c10d = None  # type: ignore[assignment]
     extra: dict[str, Any] = {"calls": calls.since(calls_since)} if calls is not None else {}
-    if not hasattr(c10d, "_dump_fr_trace_json"):  # present since torch 2.5
-        return {**extra, "unavailable": "this torch has no Flight Recorder (_dump_fr_trace_json); upgrade to torch >= 2.5"}
-    try:
-        dump = _dump()
-    except Exception as exc:
-        return {**extra, "unavailable": f"the Flight Recorder could not be read: {exc}"}
+    dumps, missing = dump_recorders()
+    if not dumps:
+        return {**extra, "unavailable": "; ".join(f"{why}" for why in missing.values()) or "no Flight Recorder could be read"}
     now = time.time()
     entries = []
     created = []
-    for e in dump.get("entries", []):
-        rid = int(e["record_id"])
-        if rid <= since and e.get("retired", True):
+    for did, rec, e in ids.assign(dumps):
+        if did <= since and _completed(e):
             continue
-        p2p = bool(e.get("is_p2p"))
+        entries.append(entry_view(did, rec, e, clock))
         created.append(int(e.get("time_created_ns", 0)))
-        t = created[-1] / 1e9
-        entries.append(
-            {
-                "id": rid,
-                "group": str(e["process_group"][0]),
-                "desc": str(e["process_group"][1]),
-                "seq": int(e["p2p_seq_id"] if p2p else e["collective_seq_id"]),
-                "p2p": p2p,
-                "op": str(e.get("profiling_name", "?")).split(":")[-1],
-                "sizes": [list(s) for s in e.get("input_sizes", [])],
-                "dtypes": list(e.get("input_dtypes", [])),
-                "t": t,
-                "done": _completed(e),
-                "state": str(e.get("state", "")),
-                "cell": clock.cell_at(t),
-            }
-        )
     if calls is not None:
         calls.annotate(entries, created)
-    return {"entries": entries, "groups": _groups(), "now": now, **extra}
+    reply = {"entries": entries, "groups": _groups(), "now": now, **extra}
+    if missing:
+        reply["missing"] = missing
+    return reply

@@ -183,15 +183,20 @@ class Rank:
             if not torch.cuda.is_available():
                 raise RuntimeError("--backend nccl needs CUDA, but torch.cuda.is_available() is False on this rank; use --backend gloo.")
             count = torch.cuda.device_count()
-            if self.local_rank >= count:
+            shared = os.environ.get("DISTNB_SHARE_GPUS") == "1"
+            if self.local_rank >= count and not shared:
                 raise RuntimeError(
                     f"LOCAL_RANK {self.local_rank} has no GPU: only {count} visible "
-                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); launch fewer ranks."
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); launch fewer ranks, "
+                    "or --share-gpus to rehearse several NCCL ranks per GPU."
                 )
-            device = torch.device("cuda", self.local_rank)
+            if shared:
+                # NCCL's duplicate-GPU check and its transport choice key on this host hash.
+                os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-distnb-rank{self.local_rank}"
+            device = torch.device("cuda", self.local_rank % count)
             torch.cuda.set_device(device)  # by LOCAL_RANK, before the process group exists
             # The control thread answers %dist_memory, and its own current device is 0.
-            self.executor.memory.device = self.local_rank
+            self.executor.memory.device = device.index
         else:
             device = torch.device("cpu")
         kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=self.pg_timeout)}
@@ -276,8 +281,13 @@ class Rank:
         self.send({**fields, "t": Msg.REPLY, "id": request["id"], "rank": self.rank})
 
     def regroup(self, generation: int) -> dict[str, Any]:
-        """Replace a poisoned default process group (e.g. after a gloo timeout) with a fresh one on
-        the same rendezvous store, keeping the process and its namespace."""
+        """Replace a poisoned default process group (a timeout, an aborted communicator) with a
+        fresh one on the same rendezvous store, keeping the process and its namespace.
+
+        NCCL: the old communicators are aborted, not destroyed (destroying one with a kernel
+        stuck on it can hang), and the new group initialises eagerly on this rank's device. The
+        new group lives under a store prefix of its own, so the old group's keys (a timeout-dump
+        marker, say) can't reach it."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
@@ -287,10 +297,16 @@ class Rank:
         except Exception as exc:
             return {"status": "error", "error": f"rank {self.rank} has no default process group to replace: {exc}"}
         self.executor.calls.reset()  # group names and counts start over with the new group
+        device = self.ns.get("device")
+        nccl = "nccl" in str(backend)
         try:
-            dist.destroy_process_group()
+            if nccl:
+                c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
         except Exception:
             pass  # a poisoned group may fail to shut down cleanly; the new one does not need it
+        kwargs: dict[str, Any] = {"device_id": device} if nccl else {}
         try:
             dist.init_process_group(
                 backend,
@@ -298,6 +314,7 @@ class Rank:
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=timedelta(seconds=self.pg_timeout),
+                **kwargs,
             )
         except Exception as exc:
             return {"status": "error", "error": f"rank {self.rank} could not build a new process group: {type(exc).__name__}: {exc}"}

@@ -1,0 +1,77 @@
+"""What a rank can say cheaply about its process groups at the end of every cell: how many
+collectives it has issued on each, how many groups it has created, and which groups NCCL's
+watchdog has given up on.
+
+The counts are compared across ranks by the controller (``distnb/sync_check.py``) the moment a
+cell finishes everywhere: a rank-conditional collective that every rank got past (NCCL returns at
+enqueue, gloo's ``async_op=True`` too) shows as one rank ahead, before anything hangs. Reading
+them costs a few µs; nothing here imports torch or touches a device.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from distnb.worker.call_log import CallLog
+
+__all__ = ["group_errors", "sync_state"]
+
+
+def _c10d() -> Any:
+    return sys.modules.get("torch.distributed.distributed_c10d")  # never import torch from here
+
+
+def _is_nccl(c10d: Any, pg: Any) -> bool:
+    entry = c10d._world.pg_map.get(pg)
+    return entry is not None and "nccl" in str(entry[0]).lower()
+
+
+def sync_state(calls: CallLog) -> dict[str, Any] | None:
+    """``{"seqs": {group name: collectives issued}, "created": groups created}``, or None before
+    torch.distributed is up.
+
+    A group's sequence number counts its collectives; gloo's counts point-to-point calls too (NCCL
+    keeps those apart), so the calls distnb saw are taken out there — a send on one rank and a recv
+    on another are not a desync. Groups made with ``use_local_synchronization`` are created by
+    their members only, so they are left out of the creation count.
+    """
+    c10d = _c10d()
+    if c10d is None:
+        return None
+    try:
+        seqs: dict[str, int] = {}
+        for pg, name in list(c10d._world.pg_names.items()):
+            n = int(pg._get_sequence_number_for_group())
+            if not _is_nccl(c10d, pg):
+                n -= calls.p2p_counts.get(str(name), 0)
+            seqs[str(name)] = n
+        return {"seqs": seqs, "created": int(c10d._world.group_count) - calls.local_groups}
+    except Exception:  # no group yet, a group being destroyed, a backend without a counter
+        return None
+
+
+def group_errors() -> dict[str, str]:
+    """NCCL groups whose communicator failed (a collective timed out, a peer's error): group name →
+    the error type. distnb runs NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so the watchdog
+    aborts the communicator and the rank lives on — but a host sync after the abort returns
+    garbage without raising; the cell is made to raise instead (``Executor``)."""
+    c10d = _c10d()
+    if c10d is None:
+        return {}
+    out: dict[str, str] = {}
+    try:
+        import torch
+
+        for pg, name in list(c10d._world.pg_names.items()):
+            if not _is_nccl(c10d, pg):
+                continue
+            get_error = getattr(pg._get_backend(torch.device("cuda")), "get_error", None)
+            if get_error is None:
+                continue  # a torch without it: the collective log still shows the group's state
+            error = get_error()
+            if getattr(error, "name", "SUCCESS") != "SUCCESS":
+                out[str(name)] = str(error.name)
+    except Exception:
+        pass
+    return out
