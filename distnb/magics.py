@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from distnb.display.text import LivePrinter, stage_counts, stage_summary
+from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import CellView, widgets_available
 from distnb.errors import DistnbError, NoPoolError
 from distnb.export import run_command
@@ -20,7 +20,7 @@ from distnb.config import LaunchConfig
 from distnb.memory_report import figure_png
 from distnb.pool import CellEvents, Pool, PoolState, current_pool
 from distnb.ranks import format_ranks, parse_ranks
-from distnb.results import CellResult, RankState
+from distnb.results import CellResult
 
 __all__ = ["DistMagics", "load", "unload"]
 
@@ -59,33 +59,6 @@ def _env_pairs(items: list[str] | None) -> dict[str, str]:
             raise UsageError(f"--env takes KEY=VALUE (e.g. --env NCCL_DEBUG=INFO), not {item!r}.")
         env[key] = value
     return env
-
-
-class _Progress:
-    """One updating line while the pool starts (a display handle in a kernel, lines elsewhere)."""
-
-    def __init__(self, in_kernel: bool) -> None:
-        self._start = time.monotonic()
-        self._handle: Any = None
-        self._in_kernel = in_kernel
-        self._last: dict[str, list[int]] = {}
-
-    def __call__(self, stages: dict[int, RankState]) -> None:
-        counts = stage_counts(stages)
-        if counts == self._last:
-            return
-        self._last = counts
-        text = stage_summary(stages, time.monotonic() - self._start)
-        if self._in_kernel:
-            from IPython.display import display
-
-            bundle = {"text/plain": text}
-            if self._handle is None:
-                self._handle = display(bundle, raw=True, display_id=True)
-            else:
-                self._handle.update(bundle, raw=True)
-        else:
-            print(text)
 
 
 def _show_checks(reports: list[Any]) -> None:
@@ -228,7 +201,7 @@ class DistMagics(Magics):
                 text = text.replace(f" {name} ", f" {flag} ").replace(f"({name} ", f"({flag} ")
             raise UsageError(text) from None
         with _usage_errors():
-            pool = Pool(config).start(on_progress=_Progress(self._in_kernel()), on_note=_print_note)
+            pool = Pool(config).start(on_progress=StartProgress(self._in_kernel()), on_note=_print_note)
         print(pool.status().text())
 
     @magic_arguments()
@@ -261,7 +234,7 @@ class DistMagics(Magics):
                 print(result.outcome_text(), file=sys.stderr)
 
         with _usage_errors():
-            pool.restart(on_progress=_Progress(self._in_kernel()), replay=args.replay, on_replay=replayed, on_note=_print_note)
+            pool.restart(on_progress=StartProgress(self._in_kernel()), replay=args.replay, on_replay=replayed, on_note=_print_note)
         print(pool.status().text())
 
     @magic_arguments()

@@ -80,6 +80,7 @@ class Pool:
         key_file: str | None = None,
         node_python: str | None = None,
         local_nodes: bool | None = None,
+        share_gpus: bool | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "config") and v is not None}
         if config is not None and options:

@@ -14,7 +14,7 @@ PACKAGE = Path(distnb.__file__).parent
 LAYERS: list[set[str]] = [
     {"_text", "_processes", "_zmq_io", "protocol", "security", "ranks", "errors", "config"},
     {"results", "worker"},  # the worker package: rank processes and supervisors
-    {"collective_log", "diagnose", "position", "p2p", "group_creation", "steps", "stragglers", "profile_report",
+    {"collective_log", "diagnose", "position", "p2p", "group_creation", "steps", "stragglers", "profile_report", "sync_check",
      "stacks", "check_report", "memory_report", "cluster", "launcher", "channel",
      "requests", "records", "export", "session", "node"},
     {"tracker"},

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Iterable, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, TextIO
 
 from distnb._text import size
 from distnb.ranks import format_ranks, rank_span
@@ -26,7 +26,7 @@ from distnb.results import RankResult, RankState, group_by, prefix_lines
 if TYPE_CHECKING:
     from distnb.results import CellResult
 
-__all__ = ["LINE_KEEP", "LivePrinter", "kept_per_stream", "stage_counts", "stage_summary"]
+__all__ = ["LINE_KEEP", "LivePrinter", "StartProgress", "kept_per_stream", "stage_counts", "stage_summary"]
 
 #: Of a very long line, this many characters of its start and of its end are shown.
 LINE_KEEP = 4096
@@ -364,3 +364,30 @@ def _remove_once(text: str, part: str) -> str:
     if part + "\n" in text:
         return text.replace(part + "\n", "", 1)
     return text.replace(part, "", 1)
+
+
+class StartProgress:
+    """One updating line while the pool starts (a display handle in a kernel, lines elsewhere)."""
+
+    def __init__(self, in_kernel: bool) -> None:
+        self._start = time.monotonic()
+        self._handle: Any = None
+        self._in_kernel = in_kernel
+        self._last: dict[str, list[int]] = {}
+
+    def __call__(self, stages: dict[int, RankState]) -> None:
+        counts = stage_counts(stages)
+        if counts == self._last:
+            return
+        self._last = counts
+        text = stage_summary(stages, time.monotonic() - self._start)
+        if self._in_kernel:
+            from IPython.display import display
+
+            bundle = {"text/plain": text}
+            if self._handle is None:
+                self._handle = display(bundle, raw=True, display_id=True)
+            else:
+                self._handle.update(bundle, raw=True)
+        else:
+            print(text)
