@@ -17,7 +17,7 @@ from distnb.ranks import format_ranks
 from distnb.results import group_by
 
 __all__ = ["CollectiveLog", "CollectiveReport", "Divergence", "P2P_OPS", "args_text", "describe", "odd_ones", "peer_of", "peer_words",
-           "signature", "state_mark", "RECORDER_NAMES"]
+           "issued_words", "signature", "state_mark", "RECORDER_NAMES"]
 
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
@@ -76,6 +76,15 @@ def state_mark(entry: dict[str, Any]) -> str:
     if entry["done"]:
         return ""
     return " ⏸" if entry.get("queued") else " ⏳"
+
+
+def issued_words(entry: dict[str, Any]) -> str:
+    """``issued in cell 3, line 4`` (the call's own cell and line when the call log matched it),
+    ``issued in cell 3``, or ``issued outside distnb's cells``."""
+    cell = entry.get("call_cell", entry.get("cell"))
+    if cell is None:
+        return "issued outside distnb's cells"
+    return f"issued in cell {cell}" + (f", line {entry['line']}" if entry.get("line") and entry.get("call_cell") is not None else "")
 
 
 def signature(entry: dict[str, Any]) -> tuple[Any, ...]:
@@ -187,6 +196,14 @@ class CollectiveLog:
         given: the rank attributed it to that cell by its own clock)."""
         open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"] and (cell is None or e.get("cell") == cell)]
         return max(open_, key=lambda e: e["id"]) if open_ else None
+
+    def stuck(self, rank: int) -> dict[str, Any] | None:
+        """The rank's oldest collective not completed, from whichever cell issued it. A group runs
+        its collectives in order, so its oldest open one is the one its peers must join first;
+        NCCL (and gloo's ``async_op=True``) return to the host long before — the host then waits
+        at a sync (``.item()``, ``.cpu()``, ``work.wait()``), not in the collective."""
+        open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"]]
+        return min(open_, key=lambda e: e["id"]) if open_ else None
 
     def open_calls(self, rank: int) -> list[dict[str, Any]]:
         """Watched calls the rank is in now (a blocking send/recv, new_group) or has not seen

@@ -14,18 +14,19 @@ from typing import Any, Iterable, Protocol
 
 from distnb import _processes
 from distnb.check_report import CheckReport, compare
-from distnb.collective_log import P2P_OPS, CollectiveReport, describe
+from distnb.collective_log import P2P_OPS, CollectiveReport, describe, issued_words
 from distnb.config import LaunchConfig
 from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack, victim
 from distnb.errors import NoCellError, NoPoolError, RemoteError
 from distnb.memory_report import MemoryReport
 from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
-from distnb.results import CellResult, EnvReport, PoolState, RankState
+from distnb.results import CellResult, EnvReport, PoolState, RankState, is_timeout
 from distnb.session import SessionLog
 from distnb.profile_report import ProfileReport, RankTime, merge_traces
 from distnb.stragglers import StragglerReport, arrivals
 from distnb.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dumps
+from distnb.nccl_report import dump_marks, read_dumps, seq_blame
 from distnb.sync_check import mismatch_text
 from distnb.tracker import Tracker, run_of
 
@@ -45,6 +46,9 @@ class PoolView(Protocol):
 
     @property
     def session(self) -> SessionLog: ...
+
+    @property
+    def run_dir(self) -> str | None: ...
 
 
 class Diagnostics:
@@ -105,10 +109,14 @@ class Diagnostics:
             else:
                 rs = RankStack(r, state, f"no answer: {self.why_silent(r)}")
             pending = log.pending(r, st.cell) if st.state == RankState.RUNNING else None
+            stuck = log.stuck(r) if pending is None else None
             rs.state_since = st.elapsed
             if pending is not None:
                 rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']})"
                 rs.annotation_since = log.age(r, pending)  # by the rank's own clock: another machine's may be off
+            elif stuck is not None:
+                rs.annotation = f"{describe(stuck)} #{stuck['seq']} on group {stuck['group']} not completed ({issued_words(stuck)})"
+                rs.annotation_since = log.age(r, stuck)
             if native and info.pid and st.state != RankState.DEAD and info.agent:
                 # py-spy runs here: a rank on another machine needs it run there.
                 rs.native = f"rank {r} runs on {info.host}: run `py-spy dump --native --pid {info.pid}` there."
@@ -207,6 +215,35 @@ class Diagnostics:
         found = victim(Position(first, "dead", detail=_processes.signal_meaning(result.results[first].returncode)), report)
         return found[0] if found else ""
 
+    def conclude(self, result: CellResult) -> None:
+        """Once a cell has finished everywhere: the root cause of deaths and timeouts, and the
+        words for an end-of-cell desync."""
+        if result.failed:
+            result.root_cause = self.death_note(result) or self.timeout_note(result)
+        if result.desync:
+            result.desync_note = self.desync_note(result)
+
+    def timeout_note(self, result: CellResult) -> str:
+        """After a collective timeout: who never arrived, by sequence numbers — from the Flight
+        Recorder dumps NCCL's watchdog wrote into the run folder, else from the collective log.
+        The rank that timed out first waited; it is not the root cause."""
+        timed_out = [r for r, res in sorted(result.results.items()) if res.error and is_timeout(res.error)]
+        if not timed_out:
+            return ""
+        run_dir = self._pool.run_dir
+        dumps = read_dumps(run_dir, newer_than=result.started) if run_dir else {}
+        log = self.collectives(refresh=True).log
+        if dumps:
+            marks = {r: dump_marks(d.get("entries", [])) for r, d in dumps.items()}
+            source = f"the Flight Recorder dumps of {format_ranks(dumps)} at the timeout"
+        else:
+            marks = {r: [(e["group"], e["seq"], e["op"]) for e in log.entries.get(r, {}).values() if not e["p2p"]] for r in result.ranks}
+            source = "distnb's collective log"
+        blames = seq_blame(marks, {g: m for g, m in log.groups.items()})
+        if not blames:
+            return ""
+        return f"[distnb] {blames[0].text(timed_out)} (from {source})"
+
     def desync_note(self, result: CellResult) -> str:
         """The end-of-cell count mismatches in words, with the collectives involved (the log is
         refreshed first: the rank ahead pushed its entry within ~50 ms, maybe not yet)."""
@@ -238,6 +275,13 @@ class Diagnostics:
             pos.shapes = describe(pending, with_op=False)
             pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
             pos.since = log.age(r, pending)
+        elif pos.state == "computing" and (stuck := log.stuck(r)) is not None:
+            # Not in torch.distributed by its stack, with a collective still open: NCCL (or an
+            # async_op work) returned to the host at enqueue, and the host now waits at a sync.
+            pos.state, pos.op, pos.seq, pos.group = "collective", stuck["op"], stuck["seq"], stuck["group"]
+            pos.shapes, pos.sizes, pos.dtypes, pos.args = describe(stuck, with_op=False), stuck.get("sizes"), stuck.get("dtypes"), stuck.get("args")
+            pos.issued = issued_words(stuck)
+            pos.since = log.age(r, stuck)
         elif pos.state == "collective":
             # In a collective by its stack, with no open entry: one torch does not record (new_group),
             # or the stack was taken as the rank went from one collective to the next. Its wait is

@@ -105,6 +105,11 @@ class Pool:
         return self._tracker
 
     @property
+    def run_dir(self) -> str | None:
+        """This launch's folder (torchrun's logs, NCCL's timeout dumps); None when not running."""
+        return self._launcher.run_dir if self._launcher is not None else None
+
+    @property
     def session(self) -> SessionLog:
         return self._session
 
@@ -342,10 +347,7 @@ class Pool:
         result.elapsed = time.monotonic() - run.started
         if run.finished.is_set() and not run.death_checked:
             run.death_checked = True
-            if result.failed:
-                result.root_cause = self._diagnostics.death_note(result)
-            if result.desync:
-                result.desync_note = self._diagnostics.desync_note(result)
+            self._diagnostics.conclude(result)
         if on_tick is not None:
             on_tick(result)
         return result

@@ -78,6 +78,11 @@ class Position:
     def where(self, durations: list[float] | None = None) -> str:
         """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration."""
         at = self.at() + (f" ({self.code.strip()})" if self.code.strip() else "") if self.line else ""
+        if self.state == "collective" and self.issued:
+            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
+            shp = f" {self.shapes}" if self.shapes else ""
+            return (f"waiting for {self.op}{f' #{self.seq}' if self.seq is not None else ''} on group {self.group}{shp} "
+                    f"({self.issued}){dur}, now blocked{at or ' at a host sync'}")
         if self.state == "collective" and self.peers:
             dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
             return f"{' and '.join(p2p_text(c) for c in self.peers)}{dur}{at}"

@@ -10,6 +10,7 @@ from enum import Enum
 from typing import Any, Iterable
 
 from distnb._processes import signal_meaning
+from distnb.nccl_report import watchdog_cause
 from distnb.ranks import format_ranks
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "RankStatus",
     "Step",
     "group_by",
+    "is_timeout",
     "merge_lines",
     "prefix_lines",
 ]
@@ -44,6 +46,11 @@ _DIGITS = re.compile(r"\d+")
 
 #: Error texts that mean a collective timed out (gloo's and NCCL's words).
 _TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
+
+
+def is_timeout(error: dict[str, Any]) -> bool:
+    """Did this cell error come from a collective timing out (gloo's or NCCL's words)?"""
+    return any(m in error.get("evalue", "") for m in _TIMEOUT_MARKS)
 
 
 def group_by(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
@@ -164,6 +171,9 @@ class RankResult:
         why = signal_meaning(self.returncode) if self.returncode is not None else ""
         why = f"{why}; {self.cause}" if why and self.cause else why or self.cause or "gone without an exit report"
         text = f"rank {self.rank} died{first}: {why}"
+        watchdog = watchdog_cause(self.stderr_tail or self.stderr)
+        if watchdog:
+            text += f" — {watchdog}"
         if self.collective:
             text += f", while in {self.collective}"
         tail = "\n".join(salient_lines(self.stderr_tail or self.stderr))
@@ -280,7 +290,7 @@ class CellResult:
             # their memory as asked the moment the error arrived stands in for it.
             merged = {**self.live_memory, **samples}
             parts.append("out of memory — every rank's memory for comparison:\n" + MemoryReport(merged, [(self.cell, merged)]).text())
-        if any(r.error and any(m in r.error.get("evalue", "") for m in _TIMEOUT_MARKS) for r in self.results.values()):
+        if any(r.error and is_timeout(r.error) for r in self.results.values()):
             parts.append(
                 "a collective timed out: this process group is now unusable. %dist_regroup (pool.regroup()) "
                 "builds a fresh one and keeps every rank's state; %dist_restart --replay starts over."
