@@ -16,6 +16,7 @@ import torch
 from distnb import check_report as checks
 from distnb.check_report import compare
 from distnb.worker import checksum as ck
+from distnb.worker import fingerprint as fp
 from distnb.worker.checksum import checksum, fingerprint
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore:Sparse:UserWarning")]
@@ -87,9 +88,9 @@ def _reference_sums(t: torch.Tensor) -> list[int]:
     data = t.contiguous().reshape(-1).view(torch.uint8).tolist()
     data += [0] * (-len(data) % (4 * ck.WIDTH))
     words = [int.from_bytes(bytes(data[k : k + 4]), "little", signed=True) for k in range(0, len(data), 4)]
-    cols = ck._columns("cpu").to(torch.int64).tolist()
+    cols = fp._columns("cpu").to(torch.int64).tolist()
     nrows = len(words) // ck.WIDTH
-    rows = ck._rows(0, nrows, "cpu").tolist()
+    rows = fp._rows(0, nrows, "cpu").tolist()
     acc = [0, 0, 0, 0]
     for r in range(nrows):
         row = words[r * ck.WIDTH : (r + 1) * ck.WIDTH]
@@ -106,16 +107,50 @@ def test_float64_products_are_exact(fill: str) -> None:
     else:
         t = torch.full((3 * ck.WIDTH,), -(2**31), dtype=torch.int32)
         t[::2] = 2**31 - 1
-    assert ck._sums(t)[0] == _reference_sums(t)
+    assert fp.sums(t)[0] == _reference_sums(t)
 
 
 def test_block_and_span_sizes_do_not_change_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
     t = torch.randn(9 * ck.WIDTH * 16 + 5)  # > _PAD_WHOLE_BYTES: main rows plus a tail
     ref = fingerprint(t)
-    monkeypatch.setattr(ck, "_CPU_BLOCK_ROWS", 3)
-    monkeypatch.setattr(ck, "_SPAN_ROWS", 7)
-    monkeypatch.setattr(ck, "_row_weights", {})
+    monkeypatch.setattr(fp, "_CPU_BLOCK_ROWS", 3)
+    monkeypatch.setattr(fp, "_SPAN_ROWS", 7)
+    monkeypatch.setattr(fp, "_row_weights", {})
     assert fingerprint(t) == ref
+
+
+def test_strided_expanded_and_fp8_tensors_are_read_in_bounded_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces far smaller than the tensor: the fingerprint is that of the contiguous copy, the
+    copies made are bounded by the piece size (an expanded tensor is never materialised)."""
+    monkeypatch.setattr(fp, "PIECE_BYTES", 3000)  # not a multiple of a row: partial rows carry over
+    torch.manual_seed(0)
+    m = torch.randn(300, 77)
+    cases = {"transposed": m.t(), "sliced": m[::3, 5:60], "expanded": torch.randn(1, 501).expand(400, 501),
+             "3-d permuted": torch.randn(6, 50, 40).permute(2, 0, 1)}
+    for name, t in cases.items():
+        assert not t.is_contiguous()
+        assert fingerprint(t) == fingerprint(t.contiguous()), name
+        assert checksum(t)["fingerprint"] == fingerprint(t.contiguous()), name
+    sizes = [p.numel() * p.element_size() for p in fp.pieces(cases["expanded"])]
+    assert max(sizes) <= 3000 and sum(sizes) == 400 * 501 * 4
+    if hasattr(torch, "float8_e4m3fn"):
+        f8 = (torch.randn(1000, 33) * 4).to(torch.float8_e4m3fn)
+        s8 = checksum(f8)
+        ref = f8.float()
+        assert s8["fingerprint"] == fingerprint(f8) and s8["dtype"] == "float8_e4m3fn"
+        assert abs(s8["sum"] - ref.double().sum().item()) < 1e-3 * s8["norm"] and s8["min"] == ref.min().item()
+        assert abs(s8["norm"] - ref.double().norm().item()) < 1e-3 * s8["norm"]
+
+
+def test_a_failing_statistic_keeps_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(t: object) -> None:
+        raise RuntimeError("aminmax not implemented for this dtype")
+
+    monkeypatch.setattr(ck, "_stat_tensors", broken)
+    t = torch.arange(10.0)
+    s = checksum(t)
+    assert s["fingerprint"] == fingerprint(t) and s["sum"] is None
+    assert "aminmax not implemented" in s["stats_error"]
 
 
 def test_odd_offsets_and_views() -> None:

@@ -4,234 +4,30 @@
 picklable, JSON-able dict: shape, dtype, device, DTensor placement, sum, norm, min, max, NaN/Inf
 counts and a bitwise ``fingerprint``. Only a handful of scalars leave the device.
 
-The fingerprint reads the tensor's bytes as int32 words laid out in rows of ``_WIDTH`` and takes,
-per row, the plain sum and two weighted sums with small distinct integer weights. Those are
-float64 matrix products (``words @ W``) whose every partial sum stays below 2**53, so they are
-*exact* integers: no rounding, no dependence on summation order, the same on CPU and GPU, and
-fast (one int32→float64 copy and one GEMM per block, both in cache). The per-row results are then
-combined with per-row int64 weights, wrapping mod 2**64, and hashed with shape and dtype.
-What that guarantees (not merely makes likely):
-  * any change of one word (a flipped bit, an element off by one ulp) changes the plain sum;
-  * two words swapped within a row change the weighted row sums (the weights are distinct), and
-    the row multiplier is odd, so the change survives mod 2**64;
-  * two words swapped across rows r1, r2 change ``sum((2r+1) * rowsum)`` by ``2(r1-r2)δ``, which
-    is non-zero mod 2**64 for any tensor under 2**32 rows (16 TiB).
-Wider changes (elements of 8+ bytes swapped, many edits) are caught by the pseudo-random row
-weights with probability about 1 - 2**-60. This module never imports controller code, and
+The fingerprint is :mod:`distnb.worker.fingerprint`'s. This module never imports controller code, and
 imports torch only when called (``import distnb`` and the rank's start must not pull it in).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
-import struct
 import sys
 from typing import Any
 
+from distnb.worker.fingerprint import MASK as _MASK
+from distnb.worker.fingerprint import PIECE_BYTES as _PIECE_BYTES
+from distnb.worker.fingerprint import WIDTH, dense as _dense, digest as _digest, fetch as _fetch, fingerprint, pieces as _pieces, sums as _sums
+from distnb.worker.fingerprint import sum_tensor as _sum_tensor
+
 __all__ = ["checksum", "fingerprint", "tensor_summary", "WIDTH"]
 
-WIDTH = _WIDTH = 1024  # int32 words per row; weights are < 4096, so a row's dot product is < 2**53
-_CPU_BLOCK_ROWS = 64  # per thread: 64 × 1024 float64 = 512 KiB, the converted block stays in L2
-_GPU_BLOCK_ROWS = 4096  # 32 MiB float64 per block on a GPU: few launches, bounded scratch memory
-_SPAN_ROWS = 1 << 16  # rows whose results are combined at once (bounds the per-row scratch)
-_PAD_WHOLE_BYTES = 1 << 16  # smaller tensors are padded in one copy: one block, fewest ops
-_MASK = (1 << 64) - 1
 _REPR_CAP = 200
 _MAX_ENTRIES = 100_000  # a container with more leaves is cut off (noted), not walked forever
 _MAX_DEPTH = 16
 
-_col_weights: dict[str, Any] = {}  # device → (WIDTH, 4) float64: ones, ones, w1, w2
-_row_weights: dict[str, Any] = {}  # device → (_SPAN_ROWS, 4) int64 for the first span
-
-
-# -- weights ------------------------------------------------------------------------------------
-def _splitmix(seed: int):
-    """A tiny, fixed PRNG: weights must be identical on every rank, torch version and device."""
-    state = seed & _MASK
-    while True:
-        state = (state + 0x9E3779B97F4A7C15) & _MASK
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-        yield z ^ (z >> 31)
-
-
-def _distinct_weights(seed: int) -> list[int]:
-    # Distinct magnitudes from 1..4095 with random signs: a swap inside a row always changes the
-    # dot product, and sum(|w|) < 2**22 keeps every partial sum of int32 × w exact in float64.
-    rng = _splitmix(seed)
-    pool = list(range(1, 4096))
-    for i in range(len(pool) - 1, 0, -1):  # Fisher-Yates
-        j = next(rng) % (i + 1)
-        pool[i], pool[j] = pool[j], pool[i]
-    return [w if next(rng) & 1 else -w for w in pool[:_WIDTH]]
-
-
-def _columns(device: Any) -> Any:
-    """(WIDTH, 4) float64 [1, 1, w1, w2]: the plain row sum twice (it gets two row weightings)."""
-    import torch
-
-    key = str(device)
-    cols = _col_weights.get(key)
-    if cols is None:
-        ones = [1] * _WIDTH
-        w = torch.tensor([ones, ones, _distinct_weights(1), _distinct_weights(2)], dtype=torch.float64)
-        cols = _col_weights[key] = w.t().contiguous().to(device)
-    return cols
-
-
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-_G, _M1, _M2 = (_signed(v) for v in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-
-
-def _mix_rows(start: int, stop: int, device: Any) -> Any:
-    """(stop-start, 4) int64 row weights [1, 2r+1, m1(r), m2(r)]: m odd, pseudo-random.
-
-    int64 tensor arithmetic wraps the same way on every device, so any device computes them.
-    """
-    import torch
-
-    r = torch.arange(start, stop, dtype=torch.int64, device=device)
-    out = [torch.ones_like(r), 2 * r + 1]
-    for salt in (1, 2):
-        z = (r + salt * 0x51ED27) * _G
-        z = (z ^ (z >> 30)) * _M1
-        z = (z ^ (z >> 27)) * _M2
-        out.append((z ^ (z >> 31)) | 1)
-    return torch.stack(out, 1)
-
-
-def _rows(start: int, stop: int, device: Any) -> Any:
-    if stop <= _SPAN_ROWS:
-        key = str(device)
-        table = _row_weights.get(key)
-        if table is None:
-            table = _row_weights[key] = _mix_rows(0, _SPAN_ROWS, "cpu").to(device)
-        return table[start:stop]
-    return _mix_rows(start, stop, device)
-
-
-# -- fingerprint --------------------------------------------------------------------------------
-def _words(t: Any) -> tuple[Any, Any, int]:
-    """(main rows as an (R, WIDTH) int32 view or None, padded tail (k, WIDTH) int32 or None, nbytes).
-
-    The main part is a view of the tensor's own memory; only the tail (< 4 KiB, or a whole tensor
-    under 64 KiB) is copied.
-    """
-    import torch
-
-    flat = t.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    raw = flat.view(torch.uint8)
-    nbytes = raw.numel()
-    row = 4 * _WIDTH
-    if raw.storage_offset() % 4:  # an odd slice of a larger buffer: int32 views need alignment
-        raw = raw.clone()
-    main_rows = nbytes // row if nbytes > _PAD_WHOLE_BYTES else 0
-    main = raw[: main_rows * row].view(torch.int32).view(main_rows, _WIDTH) if main_rows else None
-    rest = nbytes - main_rows * row
-    tail = None
-    if rest:
-        rest_bytes = raw[main_rows * row :] if main_rows else raw
-        padded = torch.constant_pad_nd(rest_bytes, [0, -rest % row])  # zeros; nbytes goes into the digest
-        tail = padded.view(torch.int32).view(-1, _WIDTH)
-    return main, tail, nbytes
-
-
-def _sum_tensor(t: Any) -> tuple[Any, int]:
-    """The fingerprint's four wrapping int64 sums as a device tensor (no host sync), and nbytes."""
-    import torch
-
-    if t.device.type == "mps":  # MPS has no float64: the one case that reads the tensor on the host
-        t = t.cpu()
-    main, tail, nbytes = _words(t)
-    dev = t.device
-    cols = _columns(dev)
-    block = _GPU_BLOCK_ROWS if dev.type != "cpu" else _CPU_BLOCK_ROWS * max(1, torch.get_num_threads())
-    totals = []
-    row0 = 0
-    buf = None
-    for part in (p for p in (main, tail) if p is not None):
-        for s0 in range(0, part.shape[0], _SPAN_ROWS):
-            span = part[s0 : s0 + _SPAN_ROWS]
-            n = span.shape[0]
-            if n <= block:  # one block: let torch allocate, fewer ops
-                y = span.to(torch.float64) @ cols  # int32 → float64 is exact; partial sums < 2**53
-            else:  # reuse one cache-sized float64 block; results go straight into y
-                y = torch.empty(n, 4, dtype=torch.float64, device=dev)
-                if buf is None:
-                    buf = torch.empty(block, _WIDTH, dtype=torch.float64, device=dev)
-                for b0 in range(0, n, block):
-                    words = span[b0 : b0 + block]
-                    scratch = buf[: words.shape[0]]
-                    scratch.copy_(words)
-                    torch.mm(scratch, cols, out=y[b0 : b0 + words.shape[0]])
-            rows = _rows(row0 + s0, row0 + s0 + n, dev)
-            totals.append((y.to(torch.int64) * rows).sum(0))  # int64 arithmetic wraps mod 2**64
-        row0 += part.shape[0]
-    if not totals:
-        return torch.zeros(4, dtype=torch.int64, device=dev), nbytes
-    return (totals[0] if len(totals) == 1 else torch.stack(totals).sum(0)), nbytes
-
-
-def _fetch(ints: list[Any], floats: list[Any]) -> tuple[list[int], list[float]]:
-    """All of a summary's scalars in one device→host copy (each .item() is a sync on a GPU).
-
-    Floats travel as their int64 bit patterns so one int64 tensor carries both kinds exactly.
-    """
-    import torch
-
-    parts = []
-    if ints:  # cat promotes mixed integer dtypes (an int64 sum, a uint8 min) to int64
-        parts.append(torch.cat([x.reshape(-1) for x in ints]).to(torch.int64))
-    if floats:
-        parts.append(torch.cat([x.reshape(-1) for x in floats]).to(torch.float64).view(torch.int64))
-    if not parts:
-        return [], []
-    vals = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-    n_int = parts[0].numel() if ints else 0
-    n_float = len(vals) - n_int
-    as_floats = list(struct.unpack(f"<{n_float}d", struct.pack(f"<{n_float}q", *vals[n_int:])))
-    return vals[:n_int], as_floats
-
-
-def _digest(*fields: Any) -> str:
-    return hashlib.blake2b(repr(fields).encode(), digest_size=16).hexdigest()
-
-
-def _sums(t: Any) -> tuple[list[int], int]:
-    """The four sums as Python ints (one host sync)."""
-    acc, nbytes = _sum_tensor(t)
-    return [v & _MASK for v in _fetch([acc], [])[0]], nbytes
-
-
-def fingerprint(t: Any) -> str:
-    """Hex digest of a dense tensor's exact bits, shape and dtype, computed on its device.
-
-    Equal bits (and shape and dtype) give equal fingerprints; -0.0 and 0.0, or two NaN payloads,
-    differ, since this is about bits, not values.
-    """
-    t = _dense(t.detach())
-    sums, nbytes = _sums(t)
-    return _digest(_dtype_name(t), tuple(t.shape), nbytes, sums)
-
-
 def _dtype_name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
-
-
-def _dense(t: Any) -> Any:
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -259,11 +55,7 @@ def _stat_tensors(t: Any) -> tuple[list[Any], list[Any]]:
         except (RuntimeError, NotImplementedError):  # e.g. uint64 on CPU
             return [t.sum()], [sq]
         return [t.sum(), mn, mx], [sq]
-    return [], _float_parts(_float_work(t))
-
-
-def _float_work(t: Any) -> Any:
-    return t if str(t.dtype) in _NATIVE_FLOATS else t.float()  # float8 & co. lack reductions
+    return [], _float_stats(t) or []
 
 
 def _float_parts(work: Any) -> list[Any]:
@@ -273,6 +65,40 @@ def _float_parts(work: Any) -> list[Any]:
     acc = torch.float32 if work.element_size() < 4 else None
     mn, mx = torch.aminmax(work)
     return [work.sum(dtype=acc), torch.linalg.vector_norm(work, dtype=acc), mn, mx]
+
+
+def _float_stats(t: Any, finite_only: bool = False) -> list[Any] | None:
+    """[sum, norm, min, max] as 0-dim device tensors (None: no element). float8 & co. have no
+    reductions: they are converted to float32 a piece at a time (bounded scratch), and the
+    pieces' figures combined."""
+    import torch
+
+    native = str(t.dtype) in _NATIVE_FLOATS
+    parts = []
+    for piece in [t] if native else _pieces(t, _PIECE_BYTES // 4):
+        work = piece if native else piece.float()
+        if finite_only:
+            work = work[torch.isfinite(work)]
+        if work.numel():
+            parts.append(_float_parts(work))
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    cols = list(zip(*parts))
+    return [torch.stack([x.double() for x in cols[0]]).sum(), torch.linalg.vector_norm(torch.stack([x.double() for x in cols[1]])),
+            torch.stack([x.float() for x in cols[2]]).min(), torch.stack([x.float() for x in cols[3]]).max()]
+
+
+def _nonfinite(t: Any) -> tuple[int, int]:
+    """NaN and ±Inf counts, piece by piece for the types that must be converted first."""
+    import torch
+
+    native = str(t.dtype) in _NATIVE_FLOATS
+    nan = inf = 0
+    for piece in [t] if native else _pieces(t, _PIECE_BYTES // 4):
+        work = piece if native else piece.float()
+        nan += int(torch.isnan(work).sum().item())
+        inf += int(torch.isinf(work).sum().item())
+    return nan, inf
 
 
 def _stats_from(t: Any, ints: list[int], floats: list[float]) -> dict[str, Any]:
@@ -297,12 +123,11 @@ def _stats_from(t: Any, ints: list[int], floats: list[float]) -> dict[str, Any]:
     elif all(map(math.isfinite, floats)):
         out.update(zip(_STAT_NAMES, floats))
     else:
-        work = _float_work(t)
-        nan, inf = int(torch.isnan(work).sum().item()), int(torch.isinf(work).sum().item())
+        nan, inf = _nonfinite(t)
         out.update(zip(_STAT_NAMES, floats), nan=nan, inf=inf)
         if nan or inf:  # then the figures describe the finite elements; the counts say what was left out
-            finite = work[torch.isfinite(work)]
-            values = _fetch([], _float_parts(finite))[1] if finite.numel() else [None] * 4
+            finite = _float_stats(t, finite_only=True)
+            values = _fetch([], finite)[1] if finite else [None] * 4
             out.update(zip(_STAT_NAMES, values))
     # Strict JSON: a figure that is still not finite (complex NaN, a float32 norm that overflowed)
     # becomes None; the NaN/Inf counts say why.
@@ -371,11 +196,19 @@ def tensor_summary(t: Any) -> dict[str, Any]:
         if t.layout != _strided():
             return _sparse_summary(t, out)
         acc, nbytes = _sum_tensor(t)
-        ints, floats = _stat_tensors(t)
+        try:
+            ints, floats = _stat_tensors(t)
+        except Exception as exc:  # a dtype without some reduction: the fingerprint still stands
+            ints, floats = [], []
+            out.update(_stats_none(), stats_error=f"statistics failed: {type(exc).__name__}: {exc}"[:_REPR_CAP])
         ivals, fvals = _fetch([acc, *ints], floats)  # one sync for everything
         sums = [v & _MASK for v in ivals[:4]]
         out["fingerprint"] = _digest(_dtype_name(t), tuple(t.shape), nbytes, sums)  # as fingerprint(t)
-        out.update(_stats_from(t, ivals[4:], fvals))
+        if "stats_error" not in out:
+            try:
+                out.update(_stats_from(t, ivals[4:], fvals))
+            except Exception as exc:
+                out.update(_stats_none(), stats_error=f"statistics failed: {type(exc).__name__}: {exc}"[:_REPR_CAP])
     except Exception as exc:  # a tensor subclass or device we cannot read: say so, keep the rest
         out.setdefault("fingerprint", None)
         out["error"] = f"{type(exc).__name__}: {exc}"[:_REPR_CAP]
