@@ -82,7 +82,7 @@ def memory_line(samples: dict[int, dict[str, Any]]) -> str:
             parts.append(f"{label} {lo}" + (f"–{hi}" if hi != lo else ""))
     dev = [(s["device_used"], s["device_total"]) for s in samples.values() if "device_used" in s]
     if dev:
-        parts.append(f"device {size(max(u for u, _ in dev))} / {size(dev[0][1])}")
+        parts.append(f"GPU (NVML) {size(max(u for u, _ in dev))} / {size(dev[0][1])}")
     flags = imbalance(samples)
     return "memory: " + " · ".join(parts) + ("  ⚠ " + "; ".join(flags) if flags else "")
 
@@ -128,7 +128,7 @@ class MemoryReport:
         if cuda:
             cols += ["CUDA alloc", "Δ CUDA alloc (last cell)", "reserved", "CUDA peak (last cell)"]
         if device:
-            cols += ["device used/total"]
+            cols += ["GPU used/total (NVML)"]
         rows = []
         for r in ranks:
             now, cell = self.current.get(r, {}), last.get(r, {})
@@ -154,6 +154,9 @@ class MemoryReport:
         lines = [f"memory of {format_ranks([r for r, _ in rows])}"]
         lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
         lines += [f"  ⚠ {flag}" for flag in self.imbalance()]
+        if "CUDA alloc" in cols:
+            lines.append("  (CUDA columns: PyTorch's caching allocator; GPU used (NVML): everything on the device — the CUDA "
+                         "context, NCCL's buffers, other libraries and processes)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -83,7 +83,7 @@ def test_memory_html_has_the_text_forms_columns() -> None:
     report = MemoryReport({r: dict(s) for r, s in cell.items()}, [(4, cell)])
     out = memory_html(report)
     cols, rows = report.table()
-    for col in ("Δ RSS (last cell)", "CUDA alloc", "Δ CUDA alloc (last cell)", "reserved", "CUDA peak (last cell)", "device used/total"):
+    for col in ("Δ RSS (last cell)", "CUDA alloc", "Δ CUDA alloc (last cell)", "reserved", "CUDA peak (last cell)", "GPU used/total (NVML)"):
         assert col in cols and f">{col}</th>" in out
         assert col in report.text()  # the text form has the same columns
     assert "+300 MiB" in out and "+400 MiB" in out  # RSS and rank 1's CUDA allocated change over the cell

@@ -16,6 +16,7 @@ import pytest
 
 import distnb
 from distnb.memory_report import MemoryReport, imbalance, memory_line
+from distnb.worker import memory_sampler
 from distnb.worker.memory_sampler import MemorySampler
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,6 +36,7 @@ def test_sampler_measures_a_cells_peak_in_process() -> None:
 
 _CHILD = """
 import json, sys
+from distnb.worker import memory_sampler
 from distnb.worker.memory_sampler import MemorySampler
 sampler = MemorySampler()
 sampler.start()
@@ -99,6 +101,12 @@ class _FakeCuda:
 
     memory_reserved = max_memory_allocated = memory_allocated
 
+    def memory_stats(self, device: int) -> dict[str, int]:
+        self.asked.append(device)
+        self.peak = max(getattr(self, "peak", 0), self.memory_allocated(device))
+        return {"allocated_bytes.all.current": (device + 1) * MB, "reserved_bytes.all.current": (device + 1) * MB,
+                "allocated_bytes.all.peak": self.peak, "reserved_bytes.all.peak": self.peak}
+
 
 def _on_another_thread(fn):
     out: list = []
@@ -112,7 +120,8 @@ def test_cuda_queries_name_the_ranks_device_from_any_thread(monkeypatch) -> None
     """%dist_memory is answered on the control thread, whose CUDA current device is 0."""
     cuda = _FakeCuda()
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
-    monkeypatch.setattr("distnb.worker.memory_sampler.MemorySampler._nvml_handle", lambda self: None)
+    monkeypatch.setattr("distnb.worker.memory_sampler.MemorySampler._nvml_handle", lambda self, cuda: None)
+    monkeypatch.setattr("distnb.worker.memory_sampler._peaks", memory_sampler._UserPeaks())
     # A cell thread bound to device 1 (as the rank does by LOCAL_RANK); the control thread asks.
     sampler = MemorySampler(local_rank=1)
     cuda.set_device(1)
@@ -127,6 +136,36 @@ def test_cuda_queries_name_the_ranks_device_from_any_thread(monkeypatch) -> None
     # The cell thread follows a cell that switches devices.
     cuda.set_device(0)
     assert sampler.stop()["cuda_device"] == 0 and _on_another_thread(sampler.stop)["cuda_device"] == 0
+
+
+def test_per_cell_peak_resets_leave_the_users_own_peak_reading_alone() -> None:
+    """distnb resets the allocator's peak at each cell start; the user's max_memory_allocated()
+    still answers the peak since *their* last reset (or the process start)."""
+    stats = {"allocated_bytes.all.peak": 0, "reserved_bytes.all.peak": 0}
+    resets: list[object] = []
+    cuda = types.SimpleNamespace(
+        memory_stats=lambda dev=None: dict(stats),
+        reset_peak_memory_stats=lambda dev=None: (resets.append(dev), stats.update({k: 0 for k in stats})),
+        _utils=types.SimpleNamespace(_get_device_index=lambda d, optional=True: 0 if d is None else int(d)),
+    )
+    peaks = memory_sampler._UserPeaks()
+
+    def cell_start() -> None:  # what MemorySampler.start does
+        peaks.carry(0, cuda.memory_stats(0))
+        peaks.install(cuda)
+        peaks.raw_reset(0)
+
+    cell_start()
+    stats["allocated_bytes.all.peak"] = 700 * MB  # cell 1 peaks at 700 MiB
+    cell_start()
+    stats["allocated_bytes.all.peak"] = 100 * MB  # cell 2 only at 100
+    assert cuda.max_memory_allocated() == 700 * MB  # the user's reading spans both cells
+    assert cuda.memory_stats(0)["allocated_bytes.all.peak"] == 100 * MB  # distnb's per-cell figure
+    cuda.reset_peak_memory_stats()  # the user's own reset starts their window afresh
+    assert cuda.max_memory_allocated() == 0 and resets[-1] is None
+    cell_start()
+    stats["allocated_bytes.all.peak"] = 50 * MB
+    assert cuda.max_memory_allocated(0) == 50 * MB
 
 
 def test_imbalance_needs_ratio_and_absolute_gap() -> None:

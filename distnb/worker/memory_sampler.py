@@ -144,7 +144,7 @@ class MemorySampler:
             self.device = self.local_rank if self.local_rank < count else int(cuda.current_device())
         return self.device
 
-    def _nvml_handle(self) -> Any:
+    def _nvml_handle(self, cuda: Any) -> Any:
         if self._nvml_tried:
             return self._nvml
         self._nvml_tried = True
@@ -152,15 +152,7 @@ class MemorySampler:
             import pynvml
 
             pynvml.nvmlInit()
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-            ids = [v.strip() for v in visible.split(",") if v.strip()]
-            index = self.device if self.device is not None else self.local_rank
-            target = ids[index] if index < len(ids) else str(index)
-            if target.isdigit():
-                handle = pynvml.nvmlDeviceGetHandleByIndex(int(target))
-            else:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(target)
-            self._nvml = (pynvml, handle)
+            self._nvml = (pynvml, _nvml_device(pynvml, cuda, self.device if self.device is not None else self.local_rank))
         except Exception:
             self._nvml = None
         return self._nvml
@@ -175,9 +167,12 @@ class MemorySampler:
         cuda = self._cuda()
         if cuda is not None:
             dev = self._device_index(cuda)
-            cuda.reset_peak_memory_stats(dev)
-            self._start["cuda_allocated"] = cuda.memory_allocated(dev)
-            self._start["cuda_reserved"] = cuda.memory_reserved(dev)
+            stats = cuda.memory_stats(dev)
+            _peaks.carry(dev, stats)  # the user's own max_memory_allocated() keeps its meaning
+            _peaks.install(cuda)
+            _peaks.raw_reset(dev)
+            self._start["cuda_allocated"] = stats.get("allocated_bytes.all.current", 0)
+            self._start["cuda_reserved"] = stats.get("reserved_bytes.all.current", 0)
 
     def stop(self) -> dict[str, Any]:
         """At a cell's end (the cell's thread), or any time from another thread for a live reading."""
@@ -191,20 +186,84 @@ class MemorySampler:
         cuda = self._cuda()
         if cuda is not None:
             dev = self._device_index(cuda)
+            stats = cuda.memory_stats(dev)  # one call: each accessor below would make its own
             out.update(
                 cuda_device=dev,
-                cuda_allocated=cuda.memory_allocated(dev),
-                cuda_reserved=cuda.memory_reserved(dev),
-                cuda_peak=cuda.max_memory_allocated(dev),
+                cuda_allocated=stats.get("allocated_bytes.all.current", 0),
+                cuda_reserved=stats.get("reserved_bytes.all.current", 0),
+                cuda_peak=stats.get("allocated_bytes.all.peak", 0),
                 cuda_allocated_start=self._start.get("cuda_allocated", 0),
                 cuda_reserved_start=self._start.get("cuda_reserved", 0),
             )
-            nvml = self._nvml_handle()
+            nvml = self._nvml_handle(cuda)
             if nvml is not None:
                 pynvml, handle = nvml
                 try:
+                    # What the device holds in all: PyTorch's allocator plus the CUDA context, NCCL's
+                    # buffers and anything else on the GPU (other processes too).
                     info = pynvml.nvmlDeviceGetMemoryInfo(handle)
                     out.update(device_used=int(info.used), device_total=int(info.total))
                 except Exception:
                     pass
         return out
+
+
+def _nvml_device(pynvml: Any, cuda: Any, index: int) -> Any:
+    """The NVML handle of CUDA device ``index`` of this process, found by the UUID CUDA reports:
+    NVML numbers every GPU of the machine, CUDA only the visible ones, in its own order
+    (CUDA_VISIBLE_DEVICES by index or UUID, Slurm's cgroups, MIG instances)."""
+    uuid = str(getattr(cuda.get_device_properties(index), "uuid", "") or "")
+    for name in (uuid, f"GPU-{uuid}", f"MIG-{uuid}") if uuid else ():
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except Exception:
+            continue
+    ids = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    target = ids[index] if index < len(ids) else str(index)
+    return pynvml.nvmlDeviceGetHandleByIndex(int(target)) if target.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(target)
+
+
+class _UserPeaks:
+    """Keeps ``torch.cuda.max_memory_allocated()`` / ``max_memory_reserved()`` meaning what the
+    user expects although distnb resets the allocator's peak at every cell start (that is how it
+    reports a per-cell peak): the peak seen at each of distnb's resets is carried, and the two
+    functions, wrapped, answer the larger of it and the allocator's own. The user's own
+    ``reset_peak_memory_stats()`` clears the carried peak. (``memory_stats()["…peak"]`` is the
+    allocator's raw, per-cell figure.)"""
+
+    def __init__(self) -> None:
+        self.carried: dict[int, dict[str, int]] = {}
+        self.installed = False
+        self.raw_reset: Any = None  # the allocator's own reset, unwrapped
+
+    def carry(self, dev: int, stats: dict[str, Any]) -> None:
+        mine = self.carried.setdefault(dev, {})
+        for key in ("allocated_bytes.all.peak", "reserved_bytes.all.peak"):
+            mine[key] = max(mine.get(key, 0), int(stats.get(key, 0)))
+
+    def install(self, cuda: Any) -> None:
+        if self.installed:
+            return
+        self.installed = True
+
+        def index(device: Any) -> int:
+            return int(cuda._utils._get_device_index(device, optional=True))
+
+        def peak(key: str) -> Any:
+            def read(device: Any = None) -> int:
+                dev = index(device)
+                return max(int(cuda.memory_stats(dev).get(key, 0)), self.carried.get(dev, {}).get(key, 0))
+            return read
+
+        self.raw_reset = original = cuda.reset_peak_memory_stats
+
+        def reset(device: Any = None) -> None:
+            self.carried.pop(index(device), None)
+            original(device)
+
+        cuda.max_memory_allocated = peak("allocated_bytes.all.peak")
+        cuda.max_memory_reserved = peak("reserved_bytes.all.peak")
+        cuda.reset_peak_memory_stats = reset
+
+
+_peaks = _UserPeaks()
