@@ -96,6 +96,8 @@ class Diagnostics:
         for r in targets:
             st, info = status[r], tracker.ranks[r]
             state = st.describe(with_elapsed=False)
+            if replies.get(r, {}).get("busy"):
+                state = f"busy in {replies[r]['busy']}"  # idle to the tracker, but its main thread is taken
             if "stacks" in replies.get(r, {}):
                 threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]]
                 rs = RankStack(r, state, "control thread", threads)

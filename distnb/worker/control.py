@@ -26,7 +26,7 @@ import zmq
 from distnb._zmq_io import recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
 from distnb.security import Credentials
-from distnb.worker.flight_recorder import SeqWatch, read_collectives
+from distnb.worker.flight_recorder import SeqWatch, open_nccl, read_collectives
 from distnb.worker.execute import Executor
 
 __all__ = ["ControlThread", "thread_stacks"]
@@ -43,6 +43,8 @@ WATCH_INTERVAL = 0.05
 #: 2000-entry Flight Recorder takes ~50 ms, so pushes then come at most every ~2.5 s (the
 #: controller's 1 s poll still runs); with the few entries of a typical notebook, every 50 ms.
 WATCH_CPU_SHARE = 0.02
+#: Seconds an interrupted cell may stay put before distnb aborts the rank's NCCL communicators.
+ESCALATE_AFTER = 2.0
 
 
 def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
@@ -205,7 +207,8 @@ class ControlThread(threading.Thread):
         ex = self.executor
         cell = ex.cell
         return {
-            "state": "running" if cell is not None else self.state,
+            "state": "running" if cell is not None else "busy" if ex.busy else self.state,
+            "busy": ex.busy,
             "cell": cell,
             "elapsed": time.monotonic() - ex.started if cell is not None else None,
             "pid": os.getpid(),
@@ -216,6 +219,29 @@ class ControlThread(threading.Thread):
         with ex.lock:
             if ex.cell == cell and ex.sigints == sigints:
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
+    def _escalate(self, cell: int, sigints: int) -> None:
+        """The interrupt has not landed: a Python signal handler can't run while the main thread
+        waits in a CUDA sync, and the sync waits for an NCCL collective whose peers never come.
+        Aborting this rank's communicators ends the collective, the sync returns, the pending
+        KeyboardInterrupt is raised in the cell, and the namespace stays; the group is then
+        unusable until %dist_regroup."""
+        ex = self.executor
+        with ex.lock:
+            if ex.cell != cell or ex.sigints != sigints:
+                return
+        waiting = open_nccl()
+        if not waiting:
+            return  # not an NCCL wait (a long kernel, C code): an abort would not help
+        from torch.distributed import distributed_c10d as c10d
+
+        print(f"distnb: rank {self.rank} did not react to the interrupt for {ESCALATE_AFTER:.0f} s while its GPU waited for "
+              f"{waiting}: aborting its NCCL communicators so the cell can stop (the namespace stays; %dist_regroup "
+              "builds a new process group).", file=sys.stderr, flush=True)
+        try:
+            c10d._abort_process_group()
+        except Exception as exc:
+            print(f"distnb: the abort failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         t = msg["t"]
@@ -244,9 +270,10 @@ class ControlThread(threading.Thread):
                     delivered = True
                     # A signal landing just before a blocking call (e.g. sleep) is only acted on when
                     # the call returns; if the handler has not run shortly after, signal once more.
-                    nudge = threading.Timer(0.25, self._nudge, (ex.cell, ex.sigints))
-                    nudge.daemon = True
-                    nudge.start()
+                    for after, then in ((0.25, self._nudge), (ESCALATE_AFTER, self._escalate)):
+                        timer = threading.Timer(after, then, (ex.cell, ex.sigints))
+                        timer.daemon = True
+                        timer.start()
                 elif ex.cell is None and cell is not None:
                     ex.interrupt_cell = cell  # the cell's EXEC has not arrived yet: interrupt it on arrival
                     delivered = True

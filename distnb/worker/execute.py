@@ -95,6 +95,7 @@ class Executor:
         self.lock = threading.Lock()
         self.interrupt_cell: int | None = None
         self.sigints = 0  # KeyboardInterrupts raised by the SIGINT handler
+        self.busy = ""  # what the main thread does for distnb outside a cell ("distnb's check")
         self.ns.setdefault("__name__", "__main__")
         self.ns["display"] = self.display
 

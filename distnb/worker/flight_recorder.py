@@ -24,7 +24,7 @@ from typing import Any
 
 from distnb.worker.call_log import CallLog
 
-__all__ = ["CellClock", "DUMPERS", "RecordIds", "SeqWatch", "dump_recorders", "entry_view", "read_collectives"]
+__all__ = ["CellClock", "DUMPERS", "RecordIds", "SeqWatch", "dump_recorders", "entry_view", "open_nccl", "read_collectives"]
 
 
 class CellClock:
@@ -262,3 +262,13 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
     if missing:
         reply["missing"] = missing
     return reply
+
+
+def open_nccl(limit: int = 3) -> str:
+    """The NCCL collectives of this rank not completed, in words (``all_reduce #2 on group 0``),
+    oldest first; ``""`` when none (or NCCL's recorder can't be read)."""
+    dumps, _ = dump_recorders()
+    entries = [e for e in dumps.get("nccl", {}).get("entries", []) if not _completed(e)]
+    words = [f"{str(e.get('profiling_name', '?')).split(':')[-1]} #{e.get('collective_seq_id')} on group {e['process_group'][0]}"
+             for e in sorted(entries, key=lambda e: int(e["record_id"]))[:limit]]
+    return ", ".join(words) + (" …" if len(entries) > limit else "")

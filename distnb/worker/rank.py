@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -35,6 +35,7 @@ from distnb.worker.call_log import install
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
 from distnb.worker.execute import Executor, mimebundle
+from distnb.worker.flight_recorder import open_nccl
 from distnb.worker.memory_sampler import MemorySampler
 from distnb.worker.profiling import run_profiled
 from distnb.worker.supervisor import write_event
@@ -44,6 +45,27 @@ _libc = ctypes.CDLL(None)
 #: The running rank (set by ``main``), for inspection from a cell when debugging distnb itself:
 #: ``sys.modules["__main__"].current`` (this module runs as ``__main__``).
 current: Rank | None = None
+
+
+#: Seconds a check or pull waits for the rank's GPU to finish queued work before saying it is busy.
+DEVICE_WAIT = 3.0
+
+
+def _device_busy(bound: float) -> str:
+    """``""`` when the rank's current CUDA stream has no unfinished work (or CUDA is not in use);
+    else the open NCCL collectives in words (``"busy"`` when there are none to name). An event
+    recorded on the stream completes once everything queued before it has."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return ""
+    event = torch.cuda.Event()
+    event.record()
+    deadline = time.monotonic() + bound
+    while not event.query():
+        if time.monotonic() > deadline:
+            return open_nccl() or "busy"
+        time.sleep(0.005)
+    return ""
 
 
 #: Room left in a pull reply for the message around the pickled value (tags, id, counter).
@@ -262,7 +284,7 @@ class Rank:
             except Exception as exc:
                 self.reply(msg, {"status": "error", "error": f"{type(exc).__name__}: {exc}"})
         elif t == Msg.PULL:
-            reply = self.pull(msg["names"])
+            reply = self.on_device("distnb's pull", lambda: self.pull(msg["names"]))
             try:
                 self.reply(msg, reply)
             except FrameTooLarge as exc:
@@ -274,7 +296,23 @@ class Rank:
         elif t == Msg.REGROUP:
             self.reply(msg, self.regroup(int(msg["generation"])))
         elif t == Msg.CHECK:
-            self.reply(msg, self.check(msg["names"]))
+            self.reply(msg, self.on_device("distnb's check", lambda: self.check(msg["names"])))
+
+    def on_device(self, what: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run a request that may read GPU tensors, on the main thread between cells. Work still
+        queued on the GPU (an NCCL collective whose peers never came) would block any read: wait
+        for it DEVICE_WAIT seconds at most, then answer that the device is busy, and why."""
+        self.executor.busy = what
+        try:
+            busy = _device_busy(DEVICE_WAIT)
+            if busy:
+                return {"status": "error", "error": f"rank {self.rank}'s GPU is still busy with queued work after {DEVICE_WAIT:.0f} s"
+                        f"{' (not completed: ' + busy + ')' if busy != 'busy' else ''}: reading its tensors now would block the "
+                        "rank until that work ends. See %dist_collectives; a collective whose peers never came needs them, or "
+                        "an interrupt (which aborts it) and %dist_regroup."}
+            return work()
+        finally:
+            self.executor.busy = ""
 
     def reply(self, request: dict[str, Any], fields: dict[str, Any]) -> None:
         """Answer a request (PUSH, PULL, CHECK, REGROUP): the controller matches it by ``id``."""
