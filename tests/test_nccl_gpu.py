@@ -51,7 +51,7 @@ def test_nccl_collectives_appear_with_states_and_a_queued_one_shows_while_the_ho
     assert "all_reduce [2] f32 ⏸" in text, text  # queued on the GPU, not started
     gpu1.wait(res, timeout=60)
     assert res.ok, res.text()
-    assert "⏸" not in gpu1.collectives().text()
+    assert "f32 ⏸" not in gpu1.collectives().text()  # (the legend names the mark)
 
 
 def test_memory_nvml_and_the_users_own_peak(gpu1: distnb.Pool) -> None:
@@ -136,3 +136,18 @@ def test_dead_rank_is_the_root_cause(shared2: distnb.Pool) -> None:
                       timeout=90)
     text = res.text()
     assert res[1].status == "dead" and "rank 1 died" in text, text
+
+
+def test_four_ranks_on_one_gpu_name_the_rank_that_never_came(leak_check) -> None:
+    with distnb.Pool(nproc=4, share_gpus=True, pg_timeout=600, hang_after=1.0) as pool:
+        res = pool.submit("q = torch.ones(2, device=device)\nif rank != 2:\n    dist.all_reduce(q)\n    q.sum().item()\n")
+        wait_until(lambda: pool.diagnose(res).kind == "hang", 20, "the hang diagnosis", poll=0.2)
+        diag = pool.diagnose(res)
+        assert "rank 2 finished the cell without entering it" in diag.text() and diag.culprits == [2], diag.text()
+        assert "ranks 0,1,3: waiting for all_reduce #1 on group 0" in diag.text(), diag.text()
+        pool.interrupt()
+        pool.wait(res, timeout=60)
+        assert sorted(r for r in res.ranks if res[r].status == "interrupted") == [0, 1, 3], res.text()
+        pool.regroup()
+        again = pool.run("q = torch.ones(2, device=device) * rank\ndist.all_reduce(q)\nq.sum().item()")
+        assert again.ok and set(again.values.values()) == {"12.0"}, again.text()
