@@ -77,6 +77,7 @@ def hang_to_diagnosis(share: bool, rounds: int) -> dict[str, object]:
     times = []
     with distnb.Pool(**options) as pool:  # type: ignore[arg-type]
         dev = "device" if share else "'cpu'"
+        assert pool.run(f"warm = torch.ones(1, device={dev})\ndist.all_reduce(warm)").ok  # NCCL connects at the first collective
         for i in range(rounds):
             res = pool.submit(f"h{i} = torch.ones(2, device={dev})\nif rank == 0:\n    dist.all_reduce(h{i})\n    h{i}.sum().item()\n")
             t0 = time.monotonic()
@@ -88,7 +89,10 @@ def hang_to_diagnosis(share: bool, rounds: int) -> dict[str, object]:
             if share:
                 pool.interrupt()  # escalates to an abort after 2 s
             pool.wait(res, timeout=60)
+            if res.running:
+                raise RuntimeError(f"the hung cell did not end:\n{res.text()}\n{pool.stacks(all_threads=True).text()}")
             pool.regroup()
+            assert pool.run("dist.all_reduce(warm)").ok
     return {"backend": "nccl (2 ranks, one shared GPU)" if share else "gloo (2 ranks)", "hang_after_s": 1.0,
             "seconds": [round(t, 2) for t in times], "median_s": round(statistics.median(times), 2) if times else None}
 

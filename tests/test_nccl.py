@@ -73,7 +73,7 @@ def _fake_c10d(monkeypatch: pytest.MonkeyPatch, backends: list[str], **dumpers: 
     pgs = {object(): (b, None) for b in backends}
     world = types.SimpleNamespace(pg_map=pgs, pg_names={pg: str(i) for i, pg in enumerate(pgs)})
     monkeypatch.setitem(sys.modules, "torch.distributed.distributed_c10d", types.SimpleNamespace(_world=world))
-    monkeypatch.setattr(fr, "_backends", lambda: {b.rsplit(":", 1)[-1] for b in backends})
+    monkeypatch.setattr(fr, "backends_in_use", lambda: {b.rsplit(":", 1)[-1] for b in backends})
     c = types.SimpleNamespace(**dumpers)
     monkeypatch.setitem(sys.modules, "torch._C._distributed_c10d", c)
     monkeypatch.setattr(sys.modules["torch._C"], "_distributed_c10d", c, raising=False)

@@ -131,6 +131,20 @@ def test_interrupt_of_a_rank_stuck_behind_nccl_aborts_and_keeps_the_namespace(sh
     assert shared2.run("dist.all_reduce(k)\nk.sum().item()").ok
 
 
+def test_interrupt_inside_a_groups_first_collective_aborts_too(leak_check) -> None:
+    """A group's first collective connects its ranks: the host waits inside the call itself,
+    before any recorder entry exists. The interrupt escalates there too."""
+    with distnb.Pool(nproc=2, share_gpus=True, pg_timeout=600, hang_after=1.0) as pool:
+        res = pool.submit("f = torch.ones(2, device=device)\nif rank == 0:\n    dist.all_reduce(f)\n    f.sum().item()\n")
+        wait_until(lambda: pool.diagnose(res).kind == "hang", 20, "the hang diagnosis", poll=0.2)
+        pool.interrupt()
+        pool.wait(res, timeout=30)
+        assert not res.running and res[0].status in ("interrupted", "error"), res.text()
+        assert "still entering" in res[0].stderr, res.text()
+        pool.regroup()
+        assert pool.run("dist.all_reduce(f)\nf.sum().item()").values == {0: "4.0", 1: "4.0"}
+
+
 def test_dead_rank_is_the_root_cause(shared2: distnb.Pool) -> None:
     res = shared2.run("import os\nd = torch.ones(2, device=device)\nif rank == 1:\n    os._exit(3)\ndist.all_reduce(d)\nd.sum().item()",
                       timeout=90)
@@ -140,11 +154,15 @@ def test_dead_rank_is_the_root_cause(shared2: distnb.Pool) -> None:
 
 def test_four_ranks_on_one_gpu_name_the_rank_that_never_came(leak_check) -> None:
     with distnb.Pool(nproc=4, share_gpus=True, pg_timeout=600, hang_after=1.0) as pool:
-        res = pool.submit("q = torch.ones(2, device=device)\nif rank != 2:\n    dist.all_reduce(q)\n    q.sum().item()\n")
+        # A first collective connects the ranks (the host waits inside that call for its peers);
+        # after it, NCCL returns at enqueue and the host waits at its next sync.
+        assert pool.run("q = torch.ones(2, device=device)\ndist.all_reduce(q)").ok
+        res = pool.submit("if rank != 2:\n    dist.all_reduce(q)\n    q.sum().item()\n")
         wait_until(lambda: pool.diagnose(res).kind == "hang", 20, "the hang diagnosis", poll=0.2)
         diag = pool.diagnose(res)
         assert "rank 2 finished the cell without entering it" in diag.text() and diag.culprits == [2], diag.text()
-        assert "ranks 0,1,3: waiting for all_reduce #1 on group 0" in diag.text(), diag.text()
+        assert "ranks 0,1,3: waiting for all_reduce #2 on group 0" in diag.text(), diag.text()
+        assert "now blocked at cell line 3 (q.sum().item())" in diag.text(), diag.text()
         pool.interrupt()
         pool.wait(res, timeout=60)
         assert sorted(r for r in res.ranks if res[r].status == "interrupted") == [0, 1, 3], res.text()

@@ -26,7 +26,7 @@ import zmq
 from distnb._zmq_io import recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
 from distnb.security import Credentials
-from distnb.worker.flight_recorder import SeqWatch, open_nccl, read_collectives
+from distnb.worker.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
 from distnb.worker.execute import Executor
 
 __all__ = ["ControlThread", "thread_stacks"]
@@ -231,6 +231,10 @@ class ControlThread(threading.Thread):
             if ex.cell != cell or ex.sigints != sigints:
                 return
         waiting = open_nccl()
+        if not waiting and _main_in_collective() and "nccl" in backends_in_use():
+            # Inside the call itself, before its entry exists: NCCL connects to the group's
+            # peers at its first collective, and the host waits there for peers that never come.
+            waiting = "a collective it is still entering (connecting to its peers)"
         if not waiting:
             return  # not an NCCL wait (a long kernel, C code): an abort would not help
         from torch.distributed import distributed_c10d as c10d

@@ -24,7 +24,7 @@ from typing import Any
 
 from distnb.worker.call_log import CallLog
 
-__all__ = ["CellClock", "DUMPERS", "RecordIds", "SeqWatch", "dump_recorders", "entry_view", "open_nccl", "read_collectives"]
+__all__ = ["CellClock", "DUMPERS", "RecordIds", "SeqWatch", "dump_recorders", "backends_in_use", "entry_view", "open_nccl", "read_collectives"]
 
 
 class CellClock:
@@ -102,7 +102,7 @@ class SeqWatch:
 DUMPERS = {"nccl": "_dump_nccl_trace", "fr": "_dump_fr_trace"}
 
 
-def _backends() -> set[str]:
+def backends_in_use() -> set[str]:
     """The backends this rank's live process groups use ("nccl", "gloo", …)."""
     from torch.distributed import distributed_c10d as c10d
 
@@ -131,7 +131,7 @@ def dump_recorders() -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         from torch._C import _distributed_c10d as c
     except ImportError:
         return {}, {"fr": "this torch has no distributed support"}
-    used = _backends()
+    used = backends_in_use()
     wanted = ["nccl"] if "nccl" in used else []
     if used - {"nccl"} or not used:
         wanted.append("fr")
