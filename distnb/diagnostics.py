@@ -272,18 +272,19 @@ class Diagnostics:
         # The rank tells which cell an entry belongs to by its own clock: no cross-machine clock comparison.
         log = self._tracker.collective_log
         pending = log.pending(r, result.cell)
-        if pending is not None:
-            pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
-            pos.shapes = describe(pending, with_op=False)
-            pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
-            pos.since = log.age(r, pending)
-        elif pos.state == "computing" and (stuck := log.stuck(r)) is not None:
+        stuck = log.stuck(r) if pos.state == "computing" else None
+        if stuck is not None:
             # Not in torch.distributed by its stack, with a collective still open: NCCL (or an
             # async_op work) returned to the host at enqueue, and the host now waits at a sync.
             pos.state, pos.op, pos.seq, pos.group = "collective", stuck["op"], stuck["seq"], stuck["group"]
             pos.shapes, pos.sizes, pos.dtypes, pos.args = describe(stuck, with_op=False), stuck.get("sizes"), stuck.get("dtypes"), stuck.get("args")
             pos.issued = issued_words(stuck)
             pos.since = log.age(r, stuck)
+        elif pending is not None:
+            pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
+            pos.shapes = describe(pending, with_op=False)
+            pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
+            pos.since = log.age(r, pending)
         elif pos.state == "collective":
             # In a collective by its stack, with no open entry: one torch does not record (new_group),
             # or the stack was taken as the rank went from one collective to the next. Its wait is

@@ -73,7 +73,7 @@ class Position:
     def collective(self) -> str:
         """``all_reduce #4 at cell line 3``."""
         seq = f" #{self.seq}" if self.seq is not None else ""
-        return f"{self.op}{seq}" + self.at()
+        return f"{self.op}{seq} ({self.issued})" if self.issued else f"{self.op}{seq}" + self.at()
 
     def where(self, durations: list[float] | None = None) -> str:
         """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration."""
