@@ -113,7 +113,12 @@ def test_timeout_keeps_every_rank_blames_who_never_came_and_regroup_recovers(sha
     assert res[0].status == "error" and res[0].error["ename"] == "DistBackendError", text
     assert "rank 1 never arrived at all_reduce" in text and "Root cause: rank 1" in text, text
     assert shared2.state == distnb.PoolState.READY and all(s.state != distnb.RankState.DEAD for s in shared2.status().ranks)
-    shared2.regroup()
+    try:
+        shared2.regroup()
+    except distnb.NoAnswerError:
+        for r in (0, 1):
+            print(f"--- rank {r} log:\n" + "".join(shared2.tracker.ranks[r].log[-60:]))
+        raise
     again = shared2.run("w = torch.ones(2, device=device) * (rank + 1)\ndist.all_reduce(w)\nw.sum().item()")
     assert again.ok and set(again.values.values()) == {"6.0"}, again.text()
 

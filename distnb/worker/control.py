@@ -237,15 +237,13 @@ class ControlThread(threading.Thread):
             waiting = "a collective it is still entering (connecting to its peers)"
         if not waiting:
             return  # not an NCCL wait (a long kernel, C code): an abort would not help
-        from torch.distributed import distributed_c10d as c10d
+        from distnb.worker.group_abort import abort_backends
 
         print(f"distnb: rank {self.rank} did not react to the interrupt for {ESCALATE_AFTER:.0f} s while its GPU waited for "
               f"{waiting}: aborting its NCCL communicators so the cell can stop (the namespace stays; %dist_regroup "
               "builds a new process group).", file=sys.stderr, flush=True)
-        try:
-            c10d._abort_process_group()
-        except Exception as exc:
-            print(f"distnb: the abort failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if not abort_backends(timeout=10.0):
+            print("distnb: the abort has not finished after 10 s; %dist_restart if the cell stays stuck.", file=sys.stderr, flush=True)
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         t = msg["t"]

@@ -47,6 +47,12 @@ _libc = ctypes.CDLL(None)
 current: Rank | None = None
 
 
+#: Seconds a regroup waits for the old NCCL communicators to abort before abandoning them.
+ABORT_WAIT = 10.0
+
+#: Seconds into a regroup after which the rank prints every thread's stack (to its log).
+REGROUP_STACKS_AFTER = 20.0
+
 #: Seconds a check or pull waits for the rank's GPU to finish queued work before saying it is busy.
 DEVICE_WAIT = 3.0
 
@@ -329,6 +335,8 @@ class Rank:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
+        from distnb.worker.group_abort import abort_backends, forget_groups
+
         try:
             store = c10d._get_default_store()
             backend = dist.get_backend()
@@ -337,9 +345,16 @@ class Rank:
         self.executor.calls.reset()  # group names and counts start over with the new group
         device = self.ns.get("device")
         nccl = "nccl" in str(backend)
+        # A regroup that hangs (a communicator that won't abort, a peer that never joins) says where.
+        faulthandler.dump_traceback_later(REGROUP_STACKS_AFTER, file=sys.stderr)
+        print(f"distnb: rank {self.rank} replacing its process groups ({'abort' if nccl else 'destroy'}, then a new group)",
+              file=sys.stderr, flush=True)
         try:
             if nccl:
-                c10d._abort_process_group()
+                if not abort_backends(ABORT_WAIT):
+                    print(f"distnb: rank {self.rank}'s old NCCL communicators did not abort within {ABORT_WAIT:.0f} s; "
+                          "abandoning them", file=sys.stderr, flush=True)
+                forget_groups()
             else:
                 dist.destroy_process_group()
         except Exception:
@@ -356,6 +371,8 @@ class Rank:
             )
         except Exception as exc:
             return {"status": "error", "error": f"rank {self.rank} could not build a new process group: {type(exc).__name__}: {exc}"}
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         return {"status": "ok", "backend": backend}
 
     def check(self, names: list[str]) -> dict[str, Any]:
