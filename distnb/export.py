@@ -43,7 +43,8 @@ if backend == "nccl":
     torch.cuda.set_device(device)
 else:
     device = torch.device("cpu")
-dist.init_process_group(backend, timeout=timedelta(seconds={pg_timeout!r}))
+# device_id: NCCL creates its communicator now (eagerly) on this rank's own GPU.
+dist.init_process_group(backend, timeout=timedelta(seconds={pg_timeout!r}), device_id=device if backend == "nccl" else None)
 
 
 def display(*objs):

@@ -153,7 +153,7 @@ def test_end_of_cell_counts_name_the_rank_ahead_and_the_entries() -> None:
     assert count_mismatches({0: {"seqs": {"0": 2}, "created": 1}, 1: {"seqs": {"0": 2}, "created": 1}}) == []
 
 
-def test_sync_state_takes_gloo_point_to_point_calls_out_and_skips_local_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_state_takes_gloo_point_to_point_calls_out(monkeypatch: pytest.MonkeyPatch) -> None:
     class PG:
         def __init__(self, seq: int) -> None:
             self.seq = seq
@@ -166,8 +166,7 @@ def test_sync_state_takes_gloo_point_to_point_calls_out_and_skips_local_groups(m
     monkeypatch.setitem(sys.modules, "torch.distributed.distributed_c10d", types.SimpleNamespace(_world=world))
     calls = CallLog("<cell-")
     calls.p2p_counts.update({"0": 2, "1": 3})
-    calls.local_groups = 1
-    assert sync_state(calls) == {"seqs": {"0": 3, "1": 7}, "created": 3}
+    assert sync_state(calls) == {"seqs": {"0": 3, "1": 7}, "created": 4}
 
 
 def test_interactive_nccl_settings_and_shared_gpus() -> None:
@@ -192,3 +191,31 @@ def test_a_host_waiting_at_a_sync_for_an_earlier_collective_is_described_so() ->
                    code="loss.item()", running=4, line_cell=4, issued="issued in cell 3, line 4")
     assert pos.where() == ("waiting for all_reduce #2 on group 0 [4] f32 (issued in cell 3, line 4) for 12.0 s, "
                            "now blocked at cell line 1 (loss.item())")
+
+
+def test_a_bounded_abort_then_forgetting_the_groups_lets_a_new_group_start() -> None:
+    """The regroup path of an NCCL pool, run on gloo in a 1-rank process: backends aborted on a
+    helper thread, the groups forgotten the way torch's own abort does, a new group on a fresh
+    store prefix with the same names."""
+    import os
+    import subprocess
+
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from distnb.worker.group_abort import abort_backends, forget_groups\n"
+        "store = dist.HashStore()\n"
+        "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+        "side = dist.new_group([0])\n"
+        "assert abort_backends(10.0)\n"
+        "forget_groups()\n"
+        "assert not dist.is_initialized()\n"
+        "dist.init_process_group('gloo', store=dist.PrefixStore('distnb/regroup/1', store), rank=0, world_size=1)\n"
+        "t = torch.ones(2); dist.all_reduce(t); again = dist.new_group([0])\n"
+        "from torch.distributed import distributed_c10d as c10d\n"
+        "print(t.tolist(), sorted(c10d._world.pg_names.values()))\n"
+    )
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1.0, 1.0] ['0', '1']", out.stdout

@@ -41,7 +41,7 @@ WATCHED: dict[str, tuple[str, ...]] = {
     "recv": ("src", "group_src", "tag"),
     "isend": ("dst", "group_dst", "tag"),
     "irecv": ("src", "group_src", "tag"),
-    "new_group": ("ranks", "use_local_synchronization"),
+    "new_group": ("ranks",),
 }
 P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 _ASYNC = {"isend", "irecv"}
@@ -83,10 +83,8 @@ class CallLog:
         self._next = itertools.count(1)
         self._lock = threading.Lock()
         self.installed = False
-        # Since the last reset, never trimmed: point-to-point calls per group name, and the
-        # new_group calls made with use_local_synchronization (only members make those).
+        # Point-to-point calls per group name since the last reset (never trimmed).
         self.p2p_counts: collections.Counter[str] = collections.Counter()
-        self.local_groups = 0
 
     def begin(self, fn: str, group: Any, args: dict[str, Any]) -> dict[str, Any]:
         cell, line, func = _caller(self._prefix)
@@ -96,7 +94,6 @@ class CallLog:
         }
         if fn == "new_group":
             rec["count"] = _group_count()
-            self.local_groups += bool(args.get("use_local_synchronization"))
         elif fn in P2P:
             self.p2p_counts[rec["group"]] += 1
         self._records.append(rec)
@@ -115,7 +112,6 @@ class CallLog:
             self._records.clear()
             self._works.clear()
             self.p2p_counts.clear()
-            self.local_groups = 0
 
     def since(self, n: int) -> list[dict[str, Any]]:
         """Records newer than ``n`` plus every one still open (it may have ended since)."""

@@ -33,8 +33,8 @@ def sync_state(calls: CallLog) -> dict[str, Any] | None:
 
     A group's sequence number counts its collectives; gloo's counts point-to-point calls too (NCCL
     keeps those apart), so the calls distnb saw are taken out there — a send on one rank and a recv
-    on another are not a desync. Groups made with ``use_local_synchronization`` are created by
-    their members only, so they are left out of the creation count.
+    on another are not a desync. torch's group counter leaves out the groups made with
+    ``use_local_synchronization`` (only their members create those, under hashed names).
     """
     c10d = _c10d()
     if c10d is None:
@@ -46,7 +46,7 @@ def sync_state(calls: CallLog) -> dict[str, Any] | None:
             if not _is_nccl(c10d, pg):
                 n -= calls.p2p_counts.get(str(name), 0)
             seqs[str(name)] = n
-        return {"seqs": seqs, "created": int(c10d._world.group_count) - calls.local_groups}
+        return {"seqs": seqs, "created": int(c10d._world.group_count)}
     except Exception:  # no group yet, a group being destroyed, a backend without a counter
         return None
 
