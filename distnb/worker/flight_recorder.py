@@ -182,7 +182,6 @@ class RecordIds:
 
     def __init__(self) -> None:
         self._ids: dict[tuple[str, int], int] = {}
-        self._newest: dict[str, int] = {}
         self._next = 0
         self._lock = threading.Lock()
 
@@ -190,11 +189,10 @@ class RecordIds:
         """``(id, recorder, entry)`` for every entry of ``dumps``, oldest id first."""
         with self._lock:
             fresh = [(int(e.get("time_created_ns", 0)), rec, e) for rec, d in dumps.items() for e in d.get("entries", [])
-                     if int(e["record_id"]) > self._newest.get(rec, -1)]
+                     if (rec, int(e["record_id"])) not in self._ids]
             for _, rec, e in sorted(fresh, key=lambda x: x[0]):
                 self._ids[(rec, int(e["record_id"]))] = self._next
                 self._next += 1
-                self._newest[rec] = max(self._newest.get(rec, -1), int(e["record_id"]))
             out = [(self._ids[(rec, int(e["record_id"]))], rec, e) for rec, d in dumps.items() for e in d.get("entries", [])]
             if len(self._ids) > len(out) + 1000:  # keep only what the ring buffers still hold
                 held = {(rec, int(e["record_id"])) for _, rec, e in out}
