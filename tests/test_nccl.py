@@ -219,3 +219,36 @@ def test_a_bounded_abort_then_forgetting_the_groups_lets_a_new_group_start() -> 
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[1.0, 1.0] ['0', '1']", out.stdout
+
+
+def test_a_check_on_a_gpu_still_busy_says_so_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose GPU still has queued work (an NCCL collective whose peers never came) would
+    block in any tensor read: the check waits DEVICE_WAIT at most, then names the open work, and
+    while it waits the rank reports itself busy in distnb's check."""
+    from distnb.worker import rank as rank_mod
+    from distnb.worker.control import ControlThread
+    from distnb.worker.execute import Executor
+
+    class Event:
+        def record(self) -> None: ...
+
+        def query(self) -> bool:
+            return False  # the queued collective never completes
+
+    cuda = types.SimpleNamespace(is_initialized=lambda: True, Event=Event)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(rank_mod, "DEVICE_WAIT", 0.2)
+    monkeypatch.setattr(rank_mod, "open_nccl", lambda: "all_reduce #3 on group 0")
+    executor = Executor({}, lambda cell, bundle: None)
+    control = object.__new__(ControlThread)
+    control.executor, control.state = executor, "idle"
+    seen: list[dict] = []
+    rank = object.__new__(rank_mod.Rank)
+    rank.rank, rank.executor = 2, executor
+    reply = rank.on_device("distnb's check", lambda: seen.append(control.status()) or {"status": "ok"})
+    assert reply["status"] == "error" and not seen
+    assert reply["error"].startswith("rank 2's GPU is still busy with queued work after 0 s (not completed: all_reduce #3 on group 0)")
+    assert executor.busy == ""  # cleared after
+    monkeypatch.setattr(Event, "query", lambda self: True)
+    assert rank.on_device("distnb's check", lambda: seen.append(control.status()) or {"status": "ok"}) == {"status": "ok"}
+    assert seen[0]["state"] == "busy" and seen[0]["busy"] == "distnb's check"
