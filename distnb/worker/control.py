@@ -12,6 +12,7 @@ that second, which is exactly the one a post-mortem needs.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -61,6 +62,21 @@ def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
     return out
 
 
+def _poke(fd: int) -> None:
+    try:
+        os.write(fd, b"!")
+    except OSError:
+        pass  # already poked (the pipe is full), or shutting down
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+
+
 def _main_in_collective() -> bool:
     """Is the main thread inside a torch.distributed call right now (e.g. blocked in a collective)?"""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
@@ -100,11 +116,24 @@ class ControlThread(threading.Thread):
         self.watch_seconds = 0.0
 
     def run(self) -> None:
+        # An idle rank's control thread sleeps until a request comes or a cell starts (the
+        # executor writes to this pipe): no wake-ups at all between cells.
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        self.executor.wake = functools.partial(_poke, wake_w)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
         while True:
             try:
+                idle = self.executor.cell is None and not self._was_running
                 # Rounded up: a 0 ms poll would spin until the next look is due.
-                wait_ms = None if self.seqs is None else max(0, math.ceil((self._next_watch - time.monotonic()) * 1000))
-                if self.sock.poll(wait_ms):
+                wait_ms = None if self.seqs is None or idle else max(0, math.ceil((self._next_watch - time.monotonic()) * 1000))
+                events = dict(poller.poll(wait_ms))
+                if wake_r in events:
+                    _drain(wake_r)
+                if self.sock in events:
                     self._serve_one(recv_frames(self.sock))
                 if self.seqs is not None and time.monotonic() >= self._next_watch:
                     self._next_watch = time.monotonic() + WATCH_INTERVAL

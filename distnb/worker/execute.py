@@ -96,6 +96,7 @@ class Executor:
         self.interrupt_cell: int | None = None
         self.sigints = 0  # KeyboardInterrupts raised by the SIGINT handler
         self.busy = ""  # what the main thread does for distnb outside a cell ("distnb's check")
+        self.wake: Callable[[], None] | None = None  # wakes the control thread's watch as a cell starts
         self.ns.setdefault("__name__", "__main__")
         self.ns["display"] = self.display
 
@@ -118,6 +119,8 @@ class Executor:
             with self.lock:
                 self.cell = cell_id
                 pending, self.interrupt_cell = self.interrupt_cell == cell_id, None
+            if self.wake is not None:
+                self.wake()
             if pending:
                 raise KeyboardInterrupt
             tree = ast.parse(code, filename, "exec")
