@@ -83,6 +83,8 @@ def test_magics_document_themselves(sh: Shell) -> None:
     assert "--nnodes K" in info["docstring"] and "--hosts H1,H2" in info["docstring"] and "--curve" in info["docstring"]
     help_text = sh.ip.find_line_magic("dist_launch").parser.format_help()
     assert "-n NPROC, --nproc NPROC, --nproc-per-node NPROC" in help_text and "--start-timeout" in help_text and "--hang-after" in help_text
+    # %dist_launch? documents the NCCL watchdog settings distnb chooses, and --share-gpus.
+    assert "--share-gpus" in help_text and "TORCH_NCCL_ASYNC_ERROR_HANDLING=2" in help_text and "TORCH_FR_DUMP_TEMP_FILE" in help_text
     on_ranks_help = sh.ip.find_cell_magic("on_ranks").parser.format_help()
     assert all(flag in on_ranks_help for flag in ("--timeout", "--quiet", "ranks"))
     for kind in ("line", "cell"):
