@@ -241,7 +241,7 @@ class Diagnostics:
         else:
             marks = {r: [(e["group"], e["seq"], e["op"]) for e in log.entries.get(r, {}).values() if not e["p2p"]] for r in result.ranks}
             source = "distnb's collective log"
-        blames = seq_blame(marks, {g: m for g, m in log.groups.items()})
+        blames = seq_blame(marks, log.groups)
         if not blames:
             return ""
         return f"[distnb] {blames[0].text(timed_out)} (from {source})"

@@ -78,22 +78,19 @@ class Position:
     def where(self, durations: list[float] | None = None) -> str:
         """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration."""
         at = self.at() + (f" ({self.code.strip()})" if self.code.strip() else "") if self.line else ""
+        dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
         if self.state == "collective" and self.issued:
-            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
             shp = f" {self.shapes}" if self.shapes else ""
             return (f"waiting for {self.op}{f' #{self.seq}' if self.seq is not None else ''} on group {self.group}{shp} "
                     f"({self.issued}){dur}, now blocked{at or ' at a host sync'}")
         if self.state == "collective" and self.peers:
-            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
             return f"{' and '.join(p2p_text(c) for c in self.peers)}{dur}{at}"
         if self.state == "collective":
             seq = f" #{self.seq}" if self.seq is not None else ""
             grp = f" on group {self.group}" if self.group else ""
             shp = f" {self.shapes}" if self.shapes else ""
-            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
             return f"waiting in {self.op}{seq}{grp}{shp}{dur}{at}"
         if self.state == "computing":
-            dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
             return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){dur}{at}"
         if self.state == "finished":
             return "finished the cell"

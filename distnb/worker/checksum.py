@@ -15,20 +15,22 @@ import re
 import sys
 from typing import Any
 
+from distnb.worker import fingerprint as _fp
 from distnb.worker.fingerprint import MASK as _MASK
-from distnb.worker.fingerprint import PIECE_BYTES as _PIECE_BYTES
-from distnb.worker.fingerprint import WIDTH, dense as _dense, digest as _digest, fetch as _fetch, fingerprint, pieces as _pieces, sums as _sums
+from distnb.worker.fingerprint import WIDTH, fingerprint
+from distnb.worker.fingerprint import dense as _dense
+from distnb.worker.fingerprint import digest as _digest
+from distnb.worker.fingerprint import dtype_name as _dtype_name
+from distnb.worker.fingerprint import fetch as _fetch
+from distnb.worker.fingerprint import pieces as _pieces
 from distnb.worker.fingerprint import sum_tensor as _sum_tensor
+from distnb.worker.fingerprint import sums as _sums
 
 __all__ = ["checksum", "fingerprint", "tensor_summary", "WIDTH"]
 
 _REPR_CAP = 200
 _MAX_ENTRIES = 100_000  # a container with more leaves is cut off (noted), not walked forever
 _MAX_DEPTH = 16
-
-def _dtype_name(t: Any) -> str:
-    return str(t.dtype).replace("torch.", "")
-
 
 # -- statistics ---------------------------------------------------------------------------------
 _NATIVE_FLOATS = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
@@ -75,7 +77,7 @@ def _float_stats(t: Any, finite_only: bool = False) -> list[Any] | None:
 
     native = str(t.dtype) in _NATIVE_FLOATS
     parts = []
-    for piece in [t] if native else _pieces(t, _PIECE_BYTES // 4):
+    for piece in [t] if native else _pieces(t, _fp.PIECE_BYTES // 4):
         work = piece if native else piece.float()
         if finite_only:
             work = work[torch.isfinite(work)]
@@ -94,7 +96,7 @@ def _nonfinite(t: Any) -> tuple[int, int]:
 
     native = str(t.dtype) in _NATIVE_FLOATS
     nan = inf = 0
-    for piece in [t] if native else _pieces(t, _PIECE_BYTES // 4):
+    for piece in [t] if native else _pieces(t, _fp.PIECE_BYTES // 4):
         work = piece if native else piece.float()
         nan += int(torch.isnan(work).sum().item())
         inf += int(torch.isinf(work).sum().item())

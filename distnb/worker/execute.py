@@ -201,4 +201,3 @@ def _group_failure(failed: dict[str, str]) -> dict[str, Any]:
         "traceback": "",
         "line": None,
     }
-

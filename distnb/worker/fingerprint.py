@@ -24,7 +24,7 @@ import hashlib
 import struct
 from typing import Any
 
-__all__ = ["fingerprint", "dense", "digest", "fetch", "pieces", "sum_tensor", "sums", "WIDTH", "MASK", "PIECE_BYTES"]
+__all__ = ["fingerprint", "dense", "dtype_name", "digest", "fetch", "pieces", "sum_tensor", "sums", "WIDTH", "MASK", "PIECE_BYTES"]
 
 WIDTH = _WIDTH = 1024  # int32 words per row; weights are < 4096, so a row's dot product is < 2**53
 _CPU_BLOCK_ROWS = 64  # per thread: 64 × 1024 float64 = 512 KiB, the converted block stays in L2
@@ -240,10 +240,10 @@ def fingerprint(t: Any) -> str:
     """
     t = dense(t.detach())
     words, nbytes = sums(t)
-    return digest(_dtype_name(t), tuple(t.shape), nbytes, words)
+    return digest(dtype_name(t), tuple(t.shape), nbytes, words)
 
 
-def _dtype_name(t: Any) -> str:
+def dtype_name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
 

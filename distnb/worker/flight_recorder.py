@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from distnb.worker.call_log import CallLog
+from distnb.worker.group_state import group_backends
 
 __all__ = ["CellClock", "DUMPERS", "RecordIds", "SeqWatch", "dump_recorders", "backends_in_use", "entry_view", "open_nccl", "read_collectives"]
 
@@ -108,9 +109,8 @@ def backends_in_use() -> set[str]:
 
     out: set[str] = set()
     try:
-        for backend, _ in list(c10d._world.pg_map.values()):
-            # "nccl", "gloo", or a per-device spec such as "cpu:gloo,cuda:nccl"
-            out.update(part.rsplit(":", 1)[-1] for part in str(backend).lower().split(","))
+        for pg in list(c10d._world.pg_map):
+            out |= group_backends(c10d, pg)
     except Exception:
         pass
     return out

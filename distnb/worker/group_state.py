@@ -5,7 +5,8 @@ watchdog has given up on.
 The counts are compared across ranks by the controller (``distnb/sync_check.py``) the moment a
 cell finishes everywhere: a rank-conditional collective that every rank got past (NCCL returns at
 enqueue, gloo's ``async_op=True`` too) shows as one rank ahead, before anything hangs. Reading
-them costs a few µs; nothing here imports torch or touches a device.
+them costs a few µs; nothing here touches a device, and torch is imported only once
+torch.distributed already is.
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ from typing import Any
 
 from distnb.worker.call_log import CallLog
 
-__all__ = ["group_errors", "sync_state"]
+__all__ = ["group_backends", "group_errors", "sync_state"]
 
 
 def _c10d() -> Any:
     return sys.modules.get("torch.distributed.distributed_c10d")  # never import torch from here
 
 
-def _is_nccl(c10d: Any, pg: Any) -> bool:
+def group_backends(c10d: Any, pg: Any) -> set[str]:
+    """The backends of one process group: "nccl", "gloo", or several for a per-device spec such
+    as "cpu:gloo,cuda:nccl"."""
     entry = c10d._world.pg_map.get(pg)
-    return entry is not None and "nccl" in str(entry[0]).lower()
+    return {part.rsplit(":", 1)[-1] for part in str(entry[0]).lower().split(",")} if entry is not None else set()
+
+
+def _is_nccl(c10d: Any, pg: Any) -> bool:
+    return "nccl" in group_backends(c10d, pg)
 
 
 def sync_state(calls: CallLog) -> dict[str, Any] | None:
