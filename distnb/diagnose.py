@@ -42,6 +42,9 @@ def diagnose(
     outside = [p for p in positions if p.state == "idle"]
     computing = [p for p in positions if p.state == "computing"]
     silent = [p for p in positions if p.state == "unresponsive"]
+    paused = [p for p in positions if p.state == "paused"]
+    if paused:
+        return _paused(paused, waiting, positions)
     if not waiting:
         if silent and elapsed >= hang_after:
             s = silent[0]
@@ -155,6 +158,18 @@ def diagnose(
             positions,
         )
     return Diagnosis("slow", f"every rank is in the same collective ({waiting[0].op}): slow but consistent, not a hang.", positions)
+
+
+def _paused(paused: list[Position], waiting: list[Position], positions: list[Position]) -> Diagnosis:
+    """Ranks waiting for the notebook (pdb, input()) are not hung, and neither are those waiting for them."""
+    first = paused[0]
+    one = len(paused) == 1
+    at = first.at() if all(p.at() == first.at() for p in paused) else ""
+    summary = f"{format_ranks([p.rank for p in paused])} {'is' if one else 'are'} {first.detail}{at}"
+    if waiting:
+        summary += (f"; {format_ranks([p.rank for p in waiting])} {_waits(waiting)} for {'it' if one else 'them'} "
+                    f"in {waiting[0].collective()}")
+    return Diagnosis("paused", summary + " — not a hang: answer the prompt (c continues), or interrupt the cell.", positions)
 
 
 def victim(dead: Position, log: CollectiveReport | None) -> tuple[str, list[int]] | None:

@@ -17,6 +17,7 @@ from distnb.check_report import CheckReport, compare
 from distnb.collective_log import P2P_OPS, CollectiveReport, describe, issued_words
 from distnb.config import LaunchConfig
 from distnb.diagnose import Diagnosis, Position, diagnose, position_from_stack, victim
+from distnb.position import position_paused
 from distnb.errors import NoCellError, NoPoolError, RemoteError
 from distnb.memory_report import MemoryReport
 from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
@@ -100,7 +101,9 @@ class Diagnostics:
                 state = f"busy in {replies[r]['busy']}"  # idle to the tracker, but its main thread is taken
             if "stacks" in replies.get(r, {}):
                 threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]]
-                rs = RankStack(r, state, "control thread", threads)
+                rs = RankStack(r, state, "control thread", threads, paused=replies[r].get("paused"))
+                if rs.paused:
+                    rs.annotation = "paused in the debugger" if rs.paused["kind"] == "pdb" else "waiting for a line for input()"
             elif dumps.get(r, {}).get("text"):
                 threads = parse_faulthandler(dumps[r]["text"], sources, info.main_ident)
                 if not all_threads:
@@ -268,6 +271,8 @@ class Diagnostics:
         assert stacks is not None
         if not stacks[r].threads:
             return Position(r, "unresponsive", since=elapsed, detail=self.why_silent(r))
+        if (paused := stacks[r].paused) is not None:
+            return position_paused(r, paused, result.cell)
         pos = position_from_stack(stacks[r], result.cell)
         # The rank tells which cell an entry belongs to by its own clock: no cross-machine clock comparison.
         log = self._tracker.collective_log

@@ -6,49 +6,22 @@ import contextlib
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import CellView, widgets_available
-from distnb.errors import DistnbError, NoPoolError
-from distnb.export import run_command
+from distnb.errors import NoPoolError
 from distnb.config import LaunchConfig
-from distnb.memory_report import figure_png
+from distnb.magic_support import current, parse as _parse, show_checks, show_figure, usage_errors as _usage_errors
 from distnb.pool import CellEvents, Pool, PoolState, current_pool
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellResult
 
 __all__ = ["DistMagics", "load", "unload"]
-
-
-@contextlib.contextmanager
-def _usage_errors() -> Iterator[None]:
-    """Turn distnb's own errors into UsageError: a clear message, no traceback."""
-    try:
-        yield
-    except (DistnbError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _show_figure(fig: Any) -> None:
-    """A matplotlib Figure inline as PNG (no %matplotlib inline needed)."""
-    from IPython.display import Image, display
-
-    display(Image(data=figure_png(fig), format="png"))
-
-
-def _parse(magic: Any, line: str) -> Any:
-    """``parse_argstring`` whose errors end with where to read the flags."""
-    try:
-        return parse_argstring(magic, line)
-    except UsageError as exc:
-        name = magic.__name__
-        prefix = "%%" if name == "on_ranks" else "%"
-        raise UsageError(f"{str(exc).rstrip('.')}. Run {prefix}{name}? for its flags.") from None
 
 
 def _env_pairs(items: list[str] | None) -> dict[str, str]:
@@ -59,14 +32,6 @@ def _env_pairs(items: list[str] | None) -> dict[str, str]:
             raise UsageError(f"--env takes KEY=VALUE (e.g. --env NCCL_DEBUG=INFO), not {item!r}.")
         env[key] = value
     return env
-
-
-def _show_checks(reports: list[Any]) -> None:
-    """Each report as its table in a kernel (HTML, divergent entries coloured), as text elsewhere."""
-    from IPython.display import display
-
-    for report in reports:
-        display(report)
 
 
 def _print_note(text: str) -> None:
@@ -91,8 +56,8 @@ class _HangWatch:
         else:
             self._printer.flush()
         now = time.monotonic()
-        if now < self._next or not result.running:
-            return
+        if now < self._next or not result.running or self._pool.debugger.pending(result):
+            return  # (the debugger console says where paused ranks are)
         self._next = now + 1.0
         try:
             diag = self._pool.diagnose(result, hang_after=self._hang_after)
@@ -103,7 +68,7 @@ class _HangWatch:
             headline, diag_text, kind = diag.summary, diag.text(), diag.kind
         # Said again only when the headline changes (it carries no durations); a failing diagnosis
         # is said once too, so a broken watch is not silent.
-        if kind in ("hang", "slow", "error") and headline != self._shown:
+        if kind in ("hang", "slow", "error", "paused") and headline != self._shown:
             self._shown = headline
             if self._view is not None:
                 self._view.set_diagnosis(diag_text)
@@ -113,14 +78,14 @@ class _HangWatch:
 
 def _follow(pool: Pool, result: CellResult, view: Any) -> None:
     """Keep a background cell's widget view updating until the cell ends."""
-    pool.wait(result, on_tick=view.tick, tick=0.25)
+    pool.wait(result, on_tick=view.tick, tick=0.25, ask=None)  # prompts wait for %dist_wait, on the kernel's thread
     view.finish(result)
 
 
 @magics_class
 class DistMagics(Magics):
-    """``%dist_launch``, ``%%on_ranks``, ``%dist_status``, ``%dist_stacks``, ``%dist_env``,
-    ``%dist_push``, ``%dist_pull``, ``%dist_wait``, ``%dist_restart`` and ``%dist_shutdown``."""
+    """``%dist_launch``, ``%%on_ranks``, ``%dist_status``, ``%dist_push``, ``%dist_pull``, ``%dist_wait``,
+    ``%dist_restart``, ``%dist_regroup`` and ``%dist_shutdown`` (the rest: inspect_magics.py)."""
 
     def _in_kernel(self) -> bool:
         return getattr(self.shell, "kernel", None) is not None
@@ -131,8 +96,7 @@ class DistMagics(Magics):
         return self.shell.user_ns
 
     def _pool(self) -> Pool:
-        with _usage_errors():
-            return current_pool()
+        return current()
 
     # -- launch / lifecycle ---------------------------------------------------------------------
     @magic_arguments()
@@ -248,110 +212,6 @@ class DistMagics(Magics):
         print(f"every rank has a fresh default process group ({pool.world_size} ranks); rebuild objects that held the old one (e.g. DDP).")
 
     @magic_arguments()
-    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
-    @argument("--native", action="store_true", help="Add native (C/C++) frames through py-spy, when installed.")
-    @argument("--all-threads", action="store_true", help="Show every Python thread, not only the one running cells.")
-    @line_magic
-    def dist_stacks(self, line: str) -> Any:
-        """Where is every rank right now? Works while a cell runs or hangs; identical stacks are grouped."""
-        args = _parse(self.dist_stacks, line)
-        pool = self._pool()
-        with _usage_errors():
-            return pool.stacks(args.ranks, all_threads=args.all_threads, native=args.native)
-
-    @magic_arguments()
-    @argument("names", nargs="+", help="Tensors, modules, state dicts or optimizers defined on the ranks.")
-    @argument("--ranks", default=None, help="Only these ranks: 0,2 · 1-3 · all.")
-    @line_magic
-    def dist_check(self, line: str) -> None:
-        """Compare tensors across ranks by bitwise fingerprint, sum, norm, NaN/Inf: identical, or the odd ranks."""
-        args = _parse(self.dist_check, line)
-        pool = self._pool()
-        with _usage_errors():
-            reports = pool.check(args.names, ranks=args.ranks)
-        _show_checks(reports)
-
-    @magic_arguments()
-    @argument("path", help="Where to write: a .py script for torchrun, or a .ipynb notebook.")
-    @argument("--cells", default=None, metavar="RANGE", help="Cell numbers to export, e.g. 3-7,9 (default: every cell that succeeded since launch).")
-    @argument("--all", action="store_true", help="Include the cells that failed.")
-    @line_magic
-    def dist_export(self, line: str) -> None:
-        """Write the cells run so far as a standalone script (torchrun --nproc-per-node N PATH) or notebook."""
-        args = _parse(self.dist_export, line)
-        pool = self._pool()
-        with _usage_errors():
-            try:
-                written = pool.export(args.path, cells=args.cells, include_failed=args.all)
-            except OSError as exc:  # e.g. a folder that does not exist
-                raise UsageError(f"can't write {args.path}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
-        how = run_command(pool.config, written) if not written.endswith(".ipynb") else f"open {written}"
-        print(f"wrote {written}; run it with: {how}")
-
-    @magic_arguments()
-    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
-    @argument("--plot", action="store_true", help="Bar chart of current and peak memory per rank.")
-    @argument("--timeline", action="store_true", help="Each rank's peak memory per cell.")
-    @line_magic
-    def dist_memory(self, line: str) -> Any:
-        """Per-rank memory: RSS (and CUDA allocated/reserved/peak, NVML device use on GPUs); flags imbalance."""
-        args = _parse(self.dist_memory, line)
-        pool = self._pool()
-        with _usage_errors():
-            report = pool.memory(args.ranks)
-        from IPython.display import display
-
-        display(report)
-        if args.plot or args.timeline:
-            figs = ([report.plot_bars()] if args.plot else []) + ([report.plot_timeline()] if args.timeline else [])
-            for fig in figs:
-                _show_figure(fig)
-        return None
-
-    @magic_arguments()
-    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
-    @argument("--last", type=int, default=None, metavar="K", help="Only the last K collectives of each group.")
-    @line_magic
-    def dist_collectives(self, line: str) -> Any:
-        """Each rank's collective sequence (incl. DDP/FSDP internals) side by side; the first divergence marked."""
-        args = _parse(self.dist_collectives, line)
-        if args.last is not None and args.last < 1:
-            raise UsageError("--last takes a positive count, e.g. --last 10.")
-        pool = self._pool()
-        with _usage_errors():
-            return pool.collectives(args.ranks, last=args.last)
-
-    @magic_arguments()
-    @argument("ranks", nargs="?", default=None, help="Ranks to compare: 0,2 · 1-3 · all (default: the group's members).")
-    @argument("--last", type=int, default=200, metavar="K", help="The last K collectives (default 200).")
-    @argument("--group", default="0", metavar="NAME", help="Process group name as in %%dist_collectives (default 0, the world).")
-    @argument("--no-plot", action="store_true", help="Text only.")
-    @line_magic
-    def dist_timeline(self, line: str) -> None:
-        """Arrival skew per rank over recent collectives: who arrives last, how late, how long the others wait (text and plot)."""
-        args = _parse(self.dist_timeline, line)
-        if args.last < 1:
-            raise UsageError("--last takes a positive count, e.g. --last 200.")
-        pool = self._pool()
-        with _usage_errors():
-            report = pool.stragglers(args.ranks, group=args.group, last=args.last)
-        from IPython.display import display
-
-        display(report)
-        if report.collectives and not args.no_plot:
-            _show_figure(report.plot())
-
-    @magic_arguments()
-    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
-    @line_magic
-    def dist_env(self, line: str) -> Any:
-        """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* per rank; flags differences."""
-        args = _parse(self.dist_env, line)
-        pool = self._pool()
-        with _usage_errors():
-            return pool.env(args.ranks)
-
-    @magic_arguments()
     @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Stop waiting after this long.")
     @line_magic
     def dist_wait(self, line: str) -> None:
@@ -383,6 +243,7 @@ class DistMagics(Magics):
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report a hang once ranks disagree this long (default: the pool's, 3 s).")
     @argument("--check", default=None, metavar="NAMES", help="After the cell, compare these variables across ranks (comma-separated).")
     @argument("--bg", action="store_true", help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist).")
+    @argument("--pdb", action="store_true", help="A rank that raises stops in the debugger at the error, its namespace alive.")
     @argument("--profile", action="store_true",
               help="Run under torch.profiler on every rank: time in compute, collectives and waiting per rank, top ops, one merged trace.")
     @cell_magic
@@ -391,6 +252,10 @@ class DistMagics(Magics):
 
         The result is kept in the notebook variable ``_dist`` (a :class:`distnb.CellResult`).
         Ctrl-C interrupts the cell on the ranks; a second Ctrl-C stops waiting.
+
+        ``breakpoint()`` (or ``pdb.set_trace()``) pauses the ranks that reach it and ``input()`` asks
+        for a line: both are answered at the notebook's prompt, labelled by rank. The console's own
+        commands: ``list`` (paused ranks), ``attach R``, ``ranks R: CMD``, ``detach``, ``help``.
         """
         args = _parse(self.on_ranks, line)
         args.ranks = " ".join(args.ranks) or None  # "0, 1" and "0 2" arrive as two words
@@ -416,7 +281,7 @@ class DistMagics(Magics):
             printer = LivePrinter()
             events = CellEvents(on_output=None if args.quiet else printer.feed, on_display=printer.display_bundle, on_rank_done=printer.rank_done)
         with _usage_errors():
-            result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None, profile=args.profile)
+            result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None, profile=args.profile, pdb=args.pdb)
         self._user_ns["_dist"] = result
         if view is not None:
             view.cell = result.cell
@@ -436,7 +301,7 @@ class DistMagics(Magics):
             self._show_outcome(result, printer)
         if args.check and not result.running and pool.state == PoolState.READY:
             with _usage_errors():
-                _show_checks(pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks))
+                show_checks(pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks))
         if args.profile and not result.running:
             from IPython.display import display
 
@@ -444,7 +309,7 @@ class DistMagics(Magics):
                 report = pool.profile(result)
             display(report)
             if report.times:
-                _show_figure(report.plot())
+                show_figure(report.plot())
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
         for note in (printer.cap_note(), result.truncation_note()):
@@ -486,7 +351,10 @@ class DistMagics(Magics):
 def load(ipython: Any) -> None:
     from distnb.display.html import register
 
+    from distnb.inspect_magics import InspectMagics
+
     ipython.register_magics(DistMagics)
+    ipython.register_magics(InspectMagics)
     register(ipython)
 
 

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import atexit
 import inspect
-import pickle
 import time
 import weakref
 from typing import Any, Callable, Iterable
 
-from distnb._text import mib
 from distnb.channel import Channel
 from distnb.check_report import CheckReport
 from distnb.cluster import Nodes
 from distnb.collective_log import CollectiveLog, CollectiveReport
 from distnb.config import LaunchConfig
+from distnb.debugger import Ask, Debugger, read_line
 from distnb.diagnose import Diagnosis
 from distnb.stragglers import StragglerReport
 from distnb.profile_report import ProfileReport
@@ -32,7 +31,7 @@ from distnb.errors import LaunchError, NoPoolError, RemoteError, ShutdownError
 from distnb.launcher import Launcher
 from distnb.memory_report import MemoryReport
 from distnb.multinode import MultiNode
-from distnb.protocol import MAX_FRAME_BYTES, Msg, control_identity, exec_identity, supervisor_identity
+from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellRecord, CellResult, EnvReport, PoolState, PoolStatus, PushRecord, RankResult
 from distnb.security import Credentials
@@ -40,6 +39,7 @@ from distnb.session import SessionLog
 from distnb.stacks import StackReport
 from distnb.startup import OnNote, OnProgress, wait_ready
 from distnb.tracker import CellEvents, Tracker, run_of
+from distnb.values import errors_of, fetch_value, pack_values, send_values
 
 __all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
 
@@ -89,6 +89,7 @@ class Pool:
         self._tracker = Tracker(self._config.world_size, CollectiveLog())
         self._session = SessionLog()
         self._diagnostics = Diagnostics(self)
+        self._debugger = Debugger(self)
         self._channel: Channel | None = None
         self._launcher: Launcher | None = None
         self._multinode: MultiNode | None = None
@@ -108,6 +109,11 @@ class Pool:
     def run_dir(self) -> str | None:
         """This launch's folder (torchrun's logs, NCCL's timeout dumps); None when not running."""
         return self._launcher.run_dir if self._launcher is not None else None
+
+    @property
+    def debugger(self) -> Debugger:
+        """Ranks waiting for a line (pdb, ``input()``) and the means to answer them."""
+        return self._debugger
 
     @property
     def session(self) -> SessionLog:
@@ -280,7 +286,7 @@ class Pool:
             self._tracker.desync = []
         replies = self._tracker.requests.ask(exec_identity, targets, {"t": Msg.REGROUP, "generation": self._regroups},
                                              self._config.pg_timeout + 30)
-        errors = _errors_of(replies)
+        errors = errors_of(replies)
         if errors:
             raise RemoteError(f"regroup failed on {format_ranks(errors)}: {next(iter(errors.values()))} "
                               "Use %dist_restart --replay instead.", errors=errors)
@@ -294,23 +300,31 @@ class Pool:
         self.shutdown()
 
     # -- cells ----------------------------------------------------------------------------------
-    def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None, profile: bool = False) -> CellResult:
+    def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None, profile: bool = False,
+               pdb: bool = False) -> CellResult:
         """Start a cell on the ranks and return its live :class:`CellResult` at once. ``profile``
-        runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`)."""
+        runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`); with ``pdb``
+        a rank that raises stops in the debugger at the error (:meth:`wait` answers it)."""
         compile(code, "<cell>", "exec")  # a SyntaxError is raised here, once, before anything is sent
-        targets = parse_ranks(ranks, self.world_size)
+        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb})
+
+    def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True) -> CellResult:
         with self._tracker.lock:
             self._tracker.ensure_idle(targets)
             cell = self._session.next_cell()
             result = CellResult(cell=cell, code=code, ranks=targets, results={r: RankResult(r) for r in targets})
             self._tracker.begin_cell(result, events or CellEvents())
-            self._session.add_cell(result)
+            if record:
+                self._session.add_cell(result)
         assert self._channel is not None
-        msg: dict[str, Any] = {"t": Msg.EXEC, "cell": cell, "code": code}
-        if profile:
-            msg["profile"] = True
-        self._channel.send_many(map(exec_identity, targets), msg)
+        self._channel.send_many(map(exec_identity, targets), {"t": Msg.EXEC, "cell": cell, "code": code, **{k: v for k, v in flags.items() if v}})
         return result
+
+    def debug(self, rank: int | None = None, ask: Ask | None = read_line) -> CellResult:
+        """Post-mortem: the debugger on ``rank`` (default: the root-cause rank of the last cell
+        that raised) at the frame of its last error, its namespace alive; answered by ``ask``."""
+        target = self._debugger.post_mortem_rank(self._session.history) if rank is None else parse_ranks(rank, self.world_size)[0]
+        return self.wait(self._start("", [target], None, {"debug_last": True}, record=False), ask=ask)
 
     def wait(
         self,
@@ -318,14 +332,20 @@ class Pool:
         timeout: float | None = None,
         on_tick: Callable[[CellResult], None] | None = None,
         tick: float = 0.1,
+        ask: Ask | None = read_line,
     ) -> CellResult:
-        """Wait for a submitted cell. The first Ctrl-C interrupts the ranks; a second stops waiting."""
+        """Wait for a submitted cell. The first Ctrl-C interrupts the ranks; a second stops waiting.
+        Ranks paused in the debugger or in ``input()`` are answered with lines from ``ask``
+        (default ``input()``; see :class:`~distnb.debugger.Debugger`); None leaves them to
+        :attr:`debugger`."""
         run = run_of(result)
         # From this call, not the cell's start: %dist_wait --timeout on an old background cell waits.
         deadline = None if timeout is None else time.monotonic() + timeout
         interrupted = False
         while not run.finished.is_set():
             try:
+                if ask is not None and not interrupted and self._debugger.pending(result):
+                    self._debugger.console(result, ask, before_prompt=None if on_tick is None else lambda: on_tick(result))
                 wait_for = tick if deadline is None else max(0.0, min(tick, deadline - time.monotonic()))
                 if run.finished.wait(wait_for):
                     break
@@ -353,9 +373,10 @@ class Pool:
         return result
 
     def run(self, code: str, ranks: Ranks = None, timeout: float | None = None, events: CellEvents | None = None,
-            profile: bool = False) -> CellResult:
-        """Run ``code`` on the ranks (all by default) and return per-rank output, value and error."""
-        return self.wait(self.submit(code, ranks, events, profile), timeout)
+            profile: bool = False, pdb: bool = False, ask: Ask | None = read_line) -> CellResult:
+        """Run ``code`` on the ranks (all by default) and return per-rank output, value and error;
+        ``breakpoint()`` and ``input()`` in it are answered by ``ask`` (see :meth:`wait`)."""
+        return self.wait(self.submit(code, ranks, events, profile, pdb), timeout, ask=ask)
 
     def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
         """Per rank, where a cell run with ``profile=True`` spent its time (compute, collectives,
@@ -378,48 +399,20 @@ class Pool:
     # -- values in and out ----------------------------------------------------------------------
     def push(self, ranks: Ranks = None, **values: Any) -> None:
         """Copy notebook values into every (or the given) rank's namespace."""
-        if not values:
-            raise ValueError("name at least one value to push, e.g. pool.push(lr=0.1).")
-        for name, value in values.items():
-            try:
-                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:
-                raise ValueError(
-                    f"{name!r} can't be sent to the ranks: {type(exc).__name__}: {exc}. "
-                    "Push picklable data (tensors, numbers, dicts) or build the object in a cell."
-                ) from None
+        blob = pack_values(values)
         targets = parse_ranks(ranks, self.world_size)
         self._tracker.ensure_idle(targets)
-        blob = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
-        room = MAX_FRAME_BYTES - 4096  # the message's own fields and signature
-        if len(blob) > room:
-            sizes = ", ".join(f"{n!r} {mib(len(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)))}" for n, v in values.items())
-            raise ValueError(
-                f"the push is {mib(len(blob))} pickled ({sizes}), over distnb's limit of {mib(room)} per message. "
-                "Push fewer names at a time, send a smaller value, or save it to a file the ranks can read "
-                "(torch.save(value, path), then torch.load(path) in a cell); DISTNB_MAX_FRAME_BYTES raises the limit."
-            )
         self._push_blob(blob, targets, tuple(values))
         self._session.add_push(targets, tuple(values), blob)
 
     def _push_blob(self, blob: bytes, targets: list[int], names: tuple[str, ...]) -> None:
-        replies = self._tracker.requests.ask(exec_identity, targets, {"t": Msg.PUSH, "values": blob}, 60.0)
-        errors = _errors_of(replies)
-        if errors:
-            raise RemoteError(f"push of {', '.join(names)} failed on {format_ranks(errors)}: {next(iter(errors.values()))}",
-                              errors=errors)
+        send_values(self._tracker.requests, blob, targets, names)
 
     def pull(self, name: str, ranks: Ranks = None) -> dict[int, Any]:
         """``{rank: value}`` of a name in each (or the given) rank's namespace."""
         targets = parse_ranks(ranks, self.world_size)
         self._tracker.ensure_idle(targets)
-        replies = self._tracker.requests.ask(exec_identity, targets, {"t": Msg.PULL, "names": [name]}, 60.0)
-        errors = _errors_of(replies)
-        if errors:
-            first = next(iter(errors.values()))
-            hint = " Check the spelling, or define it in an %%on_ranks cell first." if "is not defined" in first else ""
-            raise RemoteError(f"pull of {name!r} failed on {format_ranks(errors)}: {first}.{hint}", errors=errors)
-        return {r: pickle.loads(replies[r]["values"][name]) for r in targets}
+        return fetch_value(self._tracker.requests, name, targets)
 
     # -- status and inspection ------------------------------------------------------------------
     def status(self) -> PoolStatus:
@@ -477,10 +470,6 @@ class Pool:
 
 for _name in ("stacks", "diagnose", "collectives", "memory", "env", "check"):
     getattr(Pool, _name).__doc__ = getattr(Diagnostics, _name).__doc__
-
-
-def _errors_of(replies: dict[int, dict[str, Any]]) -> dict[int, str]:
-    return {r: str(m.get("error")) for r, m in sorted(replies.items()) if m.get("status") != "ok"}
 
 
 def launch(config: LaunchConfig | None = None, on_progress: OnProgress | None = None, **options: Any) -> Pool:

@@ -35,7 +35,7 @@ class Position:
     """Where one rank is in the current cell."""
 
     rank: int
-    state: str  # finished · failed · dead · computing · collective · unresponsive (no stack at all) · idle
+    state: str  # finished · failed · dead · computing · collective · unresponsive (no stack at all) · idle · paused
     op: str | None = None  # the collective it waits in
     seq: int | None = None  # per-group sequence number, when known
     group: str | None = None
@@ -92,6 +92,8 @@ class Position:
             return f"waiting in {self.op}{seq}{grp}{shp}{dur}{at}"
         if self.state == "computing":
             return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){dur}{at}"
+        if self.state == "paused":
+            return f"{self.detail}{dur}{at}"
         if self.state == "finished":
             return "finished the cell"
         if self.state == "idle":
@@ -156,6 +158,16 @@ def position_from_stack(stack: RankStack, cell: int | None = None) -> Position:
     if op is not None:
         return Position(stack.rank, "collective", op=op, **where)
     return Position(stack.rank, "computing", detail=_importing(frames), **where)
+
+
+def position_paused(rank: int, paused: dict[str, Any], cell: int | None) -> Position:
+    """A rank waiting for the notebook's line: pdb's next command, or ``input()``."""
+    w = paused.get("where") or {}
+    doing = "paused in the debugger" if paused.get("kind") == "pdb" else "waiting for input()"
+    if w and w.get("cell") is None:  # stepped into library code
+        doing += f" in {w.get('func')}() ({w.get('file')}:{w.get('line')})"
+    return Position(rank, "paused", detail=doing, since=paused.get("since"), line=w.get("line") if w.get("cell") is not None else None,
+                    code=w.get("code", ""), func=w.get("func", ""), line_cell=w.get("cell"), running=cell)
 
 
 def position_at_death(stderr: str, main_ident: int | None = None) -> Position | None:

@@ -49,6 +49,8 @@ __all__ = [
     "Reply",
     "Request",
     "StartFailed",
+    "StdinReply",
+    "StdinRequest",
     "SupHello",
     "control_identity",
     "exec_identity",
@@ -111,6 +113,7 @@ class Msg:
     START_FAILED = "start_failed"
     CELL_DONE = "cell_done"  # a cell finished on the rank (value, error, duration, memory)
     DISPLAY = "display"  # a rank's display() bundle (inside EVENT)
+    STDIN_REQUEST = "stdin_request"  # a cell wants a line: pdb's next command or input() (inside EVENT)
     # x, c, s -> C: the answer to a request, matched to it by ``id``
     REPLY = "reply"
     # c -> C, unasked: new Flight Recorder entries, within ~50 ms of a collective being issued
@@ -121,6 +124,7 @@ class Msg:
     PULL = "pull"
     CHECK = "check"
     REGROUP = "regroup"
+    STDIN_REPLY = "stdin_reply"  # the line for a STDIN_REQUEST (read by the cell waiting for it)
     # C -> c (control thread: answers while a cell runs)
     STACKS = "stacks"
     ENV = "env"
@@ -212,6 +216,26 @@ class CellDone(TypedDict, total=False):
     sync: dict[str, Any] | None  # collectives issued per group and groups created (worker/group_state.py)
 
 
+class StdinRequest(TypedDict):
+    t: str
+    id: int  # per rank; the STDIN_REPLY repeats it
+    cell: int
+    kind: str  # "pdb" (the debugger's next command) or "input" (input(), sys.stdin)
+    prompt: str
+    output: str  # what pdb wrote since the last command (its answer to it)
+    where: dict[str, Any] | None  # file, line, func, cell, code, context: where pdb stands
+    mode: str  # "breakpoint" or "post_mortem"
+
+
+class StdinReply(TypedDict, total=False):
+    t: str
+    id: int
+    text: str
+    detach: bool  # pdb: continue, and ignore this cell's remaining breakpoints
+    eof: bool  # no line can be had (no input box): input() raises EOFError, pdb continues detached
+    why: str
+
+
 class Display(TypedDict):
     t: str
     cell: int
@@ -249,6 +273,8 @@ class Exec(TypedDict, total=False):
     cell: int
     code: str
     profile: bool  # run under torch.profiler (%%on_ranks --profile)
+    pdb: bool  # an exception opens the debugger at its frame (%%on_ranks --pdb)
+    debug_last: bool  # instead of code: the debugger at the last error's frame (%dist_debug)
 
 
 class Request(TypedDict, total=False):

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from distnb.prompts import Prompt
 from distnb.ranks import format_ranks
 from distnb.results import CellResult, RankResult, RankState
 
@@ -34,6 +35,7 @@ class CellRun:
         self.kept = {(r, s): 0 for r in result.ranks for s in ("stdout", "stderr")}
         self.finished = threading.Event()
         self.death_checked = False  # the pool looked once for the root cause behind a death in it
+        self.prompts: dict[int, Prompt] = {}  # each rank's latest request for a line (debugger, input())
 
     def rank_finished(self, rank: int) -> bool:
         return rank not in self.waiting_done

@@ -29,6 +29,7 @@ from distnb.cluster import Nodes
 from distnb.collective_log import CollectiveLog, describe
 from distnb.position import position_at_death
 from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
+from distnb.prompts import Prompt
 from distnb.protocol import Msg, control_identity, supervisor_identity
 from distnb.ranks import format_ranks
 from distnb.records import CellEvents, CellRun, RankRecord, run_of
@@ -317,9 +318,10 @@ class Tracker:
     def _on_rank(self, info: RankRecord, t: str, msg: dict[str, Any], direct: bool = False) -> None:
         if t == Msg.CELL_DONE:
             self._cell_done(info, msg, direct)
+        elif t == Msg.STDIN_REQUEST and (run := info.run) is not None and run.result.cell == msg["cell"]:
+            run.prompts[info.rank] = Prompt.of(info.rank, msg)
         elif t == Msg.DISPLAY:
-            run = info.run
-            if run is not None and run.result.cell == msg["cell"]:
+            if (run := info.run) is not None and run.result.cell == msg["cell"]:
                 run.result.results[info.rank].displays.append(msg["data"])
                 if run.events.on_display:
                     run.events.on_display(info.rank, msg["data"])

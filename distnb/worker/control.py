@@ -235,9 +235,12 @@ class ControlThread(threading.Thread):
     def status(self) -> dict[str, Any]:
         ex = self.executor
         cell = ex.cell
+        paused = ex.debug.prompter.paused if ex.debug is not None else None
         return {
             "state": "running" if cell is not None else "busy" if ex.busy else self.state,
             "busy": ex.busy,
+            # {kind, where, since}: waiting for the notebook's line (pdb or input()), not hung
+            "paused": dict(paused, since=time.monotonic() - paused["since"]) if paused else None,
             "cell": cell,
             "elapsed": time.monotonic() - ex.started if cell is not None else None,
             "pid": os.getpid(),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import bdb
+import cmd
+import pdb
 import io
 import linecache
 import os
@@ -15,6 +18,7 @@ from types import TracebackType
 from typing import Any, Callable
 
 from distnb.worker.call_log import CallLog
+from distnb.worker.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.flight_recorder import CellClock
 from distnb.worker.group_state import group_errors, sync_state
 from distnb.worker.memory_sampler import MemorySampler
@@ -26,6 +30,8 @@ _TEXT_CAP = 64 * 1024
 _KEEP_SOURCES = 1000
 # distnb's own frames (e.g. the SIGINT handler that raises KeyboardInterrupt) are hidden from tracebacks.
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# pdb's and bdb's frames between a cell's line and the BdbQuit its ``q`` raises there.
+_DEBUGGER_FILES = {bdb.__file__, pdb.__file__, cmd.__file__}
 
 
 def cell_filename(cell_id: int) -> str:
@@ -97,6 +103,8 @@ class Executor:
         self.sigints = 0  # KeyboardInterrupts raised by the SIGINT handler
         self.busy = ""  # what the main thread does for distnb outside a cell ("distnb's check")
         self.wake: Callable[[], None] | None = None  # wakes the control thread's watch as a cell starts
+        self.debug: Hooks | None = None  # breakpoint(), input() and post-mortems answered from the notebook
+        self.last_traceback: TracebackType | None = None  # of the last cell that raised, for %dist_debug
         self.ns.setdefault("__name__", "__main__")
         self.ns["display"] = self.display
 
@@ -105,7 +113,10 @@ class Executor:
         for obj in objs:
             self._send_display(self.cell if self.cell is not None else -1, mimebundle(obj))
 
-    def run(self, cell_id: int, code: str) -> dict[str, Any]:
+    def run(self, cell_id: int, code: str, post_mortem: bool = False, body: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Run ``code`` as cell ``cell_id``; with ``post_mortem``, an exception opens the debugger
+        at its frame (the namespace alive) before the cell reports it. ``body`` runs instead of
+        code (distnb's own work in a cell's clothes: interruptible, reported like one)."""
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         # Keep the sources of recent cells only: a long session must not grow without bound.
@@ -121,27 +132,29 @@ class Executor:
                 pending, self.interrupt_cell = self.interrupt_cell == cell_id, None
             if self.wake is not None:
                 self.wake()
+            if self.debug is not None:
+                self.debug.prompter.begin_cell()
             if pending:
                 raise KeyboardInterrupt
-            tree = ast.parse(code, filename, "exec")
-            last: ast.Expression | None = None
-            if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(code):
-                tail = tree.body.pop()
-                assert isinstance(tail, ast.Expr)
-                last = ast.Expression(tail.value)
-            exec(compile(tree, filename, "exec"), self.ns)
-            if last is not None:
-                value = eval(compile(last, filename, "eval"), self.ns)
-                if value is not None:
-                    self.ns["_"] = value
-                    reply["value"] = mimebundle(value)
-        except KeyboardInterrupt:
+            try:
+                value = body() if body is not None else self._exec(code, filename)
+            finally:
+                if self.debug is not None:
+                    self.debug.end_cell()  # before any of distnb's own code runs: no stepping into it
+            if value is not None:
+                self.ns["_"] = value
+                reply["value"] = mimebundle(value)
+        except (KeyboardInterrupt, DebugInterrupt):
             reply["status"] = "interrupted"
             etype, evalue, tb = sys.exc_info()
-            reply["error"] = self._error_info(etype, evalue, tb, filename)
+            reply["error"] = self._error_info(KeyboardInterrupt, KeyboardInterrupt(), tb, filename)
         except BaseException:  # SystemExit too: a cell must never end the rank silently
             reply["status"] = "error"
             etype, evalue, tb = sys.exc_info()
+            if evalue is not None and not quit_error(evalue) and body is None:
+                self.last_traceback = tb
+                if post_mortem and self.debug is not None:
+                    self._post_mortem(tb)
             reply["error"] = self._error_info(etype, evalue, tb, filename)
         finally:
             self.cell = None  # first: from here on a late SIGINT is ignored
@@ -155,6 +168,37 @@ class Executor:
             reply["error"] = _group_failure(failed)
         return reply
 
+    def _exec(self, code: str, filename: str) -> Any:
+        """Run the cell's statements; the value of its last expression, if it ends with one."""
+        tree = ast.parse(code, filename, "exec")
+        last: ast.Expression | None = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(code):
+            tail = tree.body.pop()
+            assert isinstance(tail, ast.Expr)
+            last = ast.Expression(tail.value)
+        exec(compile(tree, filename, "exec"), self.ns)
+        return eval(compile(last, filename, "eval"), self.ns) if last is not None else None
+
+    def _post_mortem(self, tb: TracebackType | None) -> None:
+        assert self.debug is not None
+        try:
+            self.debug.post_mortem(tb)
+        except (KeyboardInterrupt, DebugInterrupt, bdb.BdbQuit):
+            pass  # the error is the cell's outcome whatever happened in the debugger
+
+    def debug_last(self, cell_id: int) -> dict[str, Any]:
+        """``%dist_debug``: as cell ``cell_id``, the debugger at the frame of the last error."""
+        tb = self.last_traceback
+
+        def body() -> None:
+            if tb is None:
+                raise LookupError("no cell has raised on this rank since it started, so there is nothing to debug "
+                                  "post-mortem; %%on_ranks --pdb stops at the next error instead.")
+            assert self.debug is not None
+            self.debug.post_mortem(tb)
+
+        return self.run(cell_id, "", body=body)
+
     @staticmethod
     def _error_info(etype: type[BaseException] | None, evalue: BaseException | None, tb: TracebackType | None, filename: str) -> dict[str, Any]:
         # Drop distnb's own frames: start at the first frame of the cell.
@@ -162,7 +206,7 @@ class Executor:
         while first is not None and not first.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
             first = first.tb_next
         te = traceback.TracebackException(etype, evalue, first)  # type: ignore[arg-type]
-        te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.startswith(_PKG_DIR)])
+        te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.startswith(_PKG_DIR) and f.filename not in _DEBUGGER_FILES])
         lines = list(te.format())
         line = None
         walker = first
@@ -176,6 +220,8 @@ class Executor:
             text = str(evalue)
         except Exception:
             text = "<str() of the exception failed>"
+        if quit_error(evalue or Exception()):
+            text = "quit from the debugger (q): the cell stopped there on this rank"
         if isinstance(evalue, SystemExit):
             text = f"SystemExit({evalue.code!r}) was raised in the cell; the rank keeps running"
             lines.append(f"(distnb caught {text.split(' was')[0]}: the rank keeps running.)\n")

@@ -34,6 +34,7 @@ from distnb.security import Credentials
 from distnb.worker.call_log import install
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
+from distnb.worker.debug import Prompter, install as install_debugger
 from distnb.worker.execute import Executor, mimebundle
 from distnb.worker.flight_recorder import open_nccl
 from distnb.worker.memory_sampler import MemorySampler
@@ -168,6 +169,7 @@ class Rank:
         self.ns: dict[str, Any] = {}
         self.executor = Executor(self.ns, self._send_display, MemorySampler(self.local_rank))
         self.quiet = _QuietCheck()
+        self.executor.debug = install_debugger(Prompter(self._ask, self._answer, lambda: self.executor.cell))
 
     def send(self, msg: dict[str, Any]) -> None:
         frames = self.codec.encode(msg)
@@ -181,6 +183,25 @@ class Rank:
             return
         self.flush_output()
         write_event(self.events_fd, {"t": Msg.DISPLAY, "cell": cell, "data": bundle})
+
+    def _ask(self, request: dict[str, Any]) -> None:
+        """A cell wants a line from the notebook: after everything it printed so far."""
+        self.flush_output()
+        write_event(self.events_fd, request)
+
+    def _answer(self, request_id: int) -> dict[str, Any]:
+        """The notebook's line for request ``request_id``, read on the main thread (which owns this
+        socket, and in a cell has nothing else to read from it)."""
+        while True:
+            try:
+                msg = self.codec.decode(recv_frames(self.sock), self.guard)
+            except BadFrame:
+                continue
+            if msg["t"] == Msg.STDIN_REPLY and msg.get("id") == request_id:
+                return msg
+            if "id" in msg and msg["t"] != Msg.STDIN_REPLY:
+                self.reply(msg, {"status": "error", "error": f"rank {self.rank} is running cell {self.executor.cell} and waits for a "
+                                 "line from the notebook (debugger or input()); answer it first."})
 
     def setup_process(self) -> None:
         _processes.set_parent_death_signal(signal.SIGKILL)
@@ -266,10 +287,12 @@ class Rank:
             cell = msg["cell"]
             mark = self.quiet.mark()
             try:
-                if msg.get("profile"):
-                    reply = run_profiled(lambda: self.executor.run(cell, msg["code"]))
+                if msg.get("debug_last"):
+                    reply = self.executor.debug_last(cell)
+                elif msg.get("profile"):
+                    reply = run_profiled(lambda: self.executor.run(cell, msg["code"], bool(msg.get("pdb"))))
                 else:
-                    reply = self.executor.run(cell, msg["code"])
+                    reply = self.executor.run(cell, msg["code"], bool(msg.get("pdb")))
             except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
                          "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}

@@ -1,0 +1,229 @@
+"""A rank's debugger and stdin: ``breakpoint()``, ``pdb.set_trace()``, post-mortems and ``input()``
+in a cell, answered from the notebook.
+
+The main thread runs the cell; while it waits for a line it owns its socket to the notebook (no
+other request reaches a rank in a cell). A request for a line leaves through the events pipe, like
+a ``display()``, so it reaches the notebook after everything the cell printed before it; the line
+comes back on the main thread's own socket as a STDIN_REPLY. pdb writes into a buffer that goes
+with the next request: each command's answer arrives whole, and ranks' answers can be compared.
+"""
+
+from __future__ import annotations
+
+import bdb
+import builtins
+import io
+import itertools
+import linecache
+import os
+import pdb
+import sys
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import Any, Callable
+
+from distnb.protocol import Msg
+
+__all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "install", "quit_error"]
+
+#: Lines of source either side of the paused line sent with each prompt.
+CONTEXT = 2
+
+
+class DebugInterrupt(BaseException):
+    """An interrupt that reached a rank paused in pdb. pdb's command loop swallows
+    KeyboardInterrupt (it cancels a command), so the interrupt travels as this instead and
+    the executor reports the cell as interrupted."""
+
+
+class Prompter:
+    """Asks the notebook for lines on behalf of the cell running on the main thread.
+
+    ``send`` hands a request to the notebook (in order with the cell's output); ``receive``
+    blocks for the answer to request ``id``. ``cell`` tells which cell is running (None: none).
+    """
+
+    def __init__(self, send: Callable[[dict[str, Any]], None], receive: Callable[[int], dict[str, Any]],
+                 cell: Callable[[], int | None]) -> None:
+        self._send, self._receive, self._cell = send, receive, cell
+        self._ids = itertools.count(1)
+        self.detached = False  # the notebook said: ignore this cell's remaining breakpoints
+        self.paused: dict[str, Any] | None = None  # what the rank waits for, for %dist_stacks and the hang watch
+        self.mode = "breakpoint"
+
+    def begin_cell(self) -> None:
+        self.detached, self.mode = False, "breakpoint"
+
+    def usable(self) -> str:
+        """``""`` when a line can be asked for now, else why not."""
+        if threading.current_thread() is not threading.main_thread():
+            return "only the thread running the cell can read from the notebook"
+        if self._cell() is None:
+            return "no cell is running on this rank"
+        return ""
+
+    def ask(self, kind: str, prompt: str, output: str = "", where: dict[str, Any] | None = None) -> dict[str, Any]:
+        cell = self._cell()
+        request_id = next(self._ids)
+        request = {"t": Msg.STDIN_REQUEST, "id": request_id, "cell": cell, "kind": kind, "prompt": prompt,
+                   "output": output, "where": where, "mode": self.mode}
+        self.paused = {"kind": kind, "where": where, "since": time.monotonic()}
+        try:
+            self._send(request)
+            return self._receive(request_id)
+        finally:
+            self.paused = None
+
+    # -- input() and sys.stdin -------------------------------------------------------------------
+    def input(self, prompt: object = "") -> str:
+        why = self.usable()
+        if why:
+            raise EOFError(f"input() on this rank can't be answered: {why}.")
+        sys.stdout.flush()
+        answer = self.ask("input", str(prompt))
+        if answer.get("eof"):
+            raise EOFError(f"input() got no answer: {answer.get('why') or 'the notebook has no input box here'}.")
+        return str(answer.get("text", ""))
+
+
+class _Stdin(io.TextIOBase):
+    """``sys.stdin`` of a rank: a read asks the notebook for a line (as ``input()`` does)."""
+
+    def __init__(self, prompter: Prompter) -> None:
+        self._prompter = prompter
+
+    def readable(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
+        try:
+            return self._prompter.input("") + "\n"
+        except EOFError:
+            return ""
+
+    def read(self, size: int | None = -1) -> str:
+        return self.readline()
+
+
+class _PdbIn(io.TextIOBase):
+    """pdb's stdin: its prompt and everything it wrote since the last command go to the notebook."""
+
+    def __init__(self, debugger: RankPdb) -> None:
+        self._pdb = debugger
+
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
+        return self._pdb.next_command()
+
+
+def _cell_module(frame: FrameType) -> bool:
+    return frame.f_code.co_name == "<module>" and frame.f_code.co_filename.startswith("<cell-")
+
+
+def _where(frame: FrameType, lineno: int) -> dict[str, Any]:
+    filename = frame.f_code.co_filename
+    lines = linecache.getlines(filename, frame.f_globals)
+    cell = int(filename[6:-1]) if filename.startswith("<cell-") and filename[6:-1].isdigit() else None
+    context = [(n, lines[n - 1].rstrip("\n")) for n in range(max(1, lineno - CONTEXT), min(len(lines), lineno + CONTEXT) + 1)]
+    return {"file": filename, "line": lineno, "func": frame.f_code.co_name, "cell": cell,
+            "code": lines[lineno - 1].strip() if 0 < lineno <= len(lines) else "", "context": context}
+
+
+class RankPdb(pdb.Pdb):
+    """pdb reading its commands from the notebook. Never installs its own SIGINT handler (the
+    rank's turns a notebook interrupt into one), skips distnb's frames when stepping, and stops
+    tracing when the cell ends (the executor calls :meth:`end`)."""
+
+    def __init__(self, prompter: Prompter) -> None:
+        self.out = io.StringIO()
+        stdin: Any = _PdbIn(self)  # a readline() is all pdb uses of it
+        super().__init__(stdin=stdin, stdout=self.out, skip=["distnb.*", "zmq.*"], nosigint=True, readrc=False)
+        self.prompter = prompter
+
+    # A cell runs as two code objects, its statements then its last expression (for its value):
+    # stepping from one into the other must look like going to the next line, not a return and a call.
+    def user_call(self, frame: FrameType, argument_list: Any) -> None:
+        if not _cell_module(frame):
+            super().user_call(frame, argument_list)
+
+    def user_return(self, frame: FrameType, return_value: Any) -> None:
+        if not _cell_module(frame):
+            super().user_return(frame, return_value)
+
+    def next_command(self) -> str:
+        text, prompt = self.out.getvalue(), self.prompt
+        self.out.seek(0)
+        self.out.truncate()
+        if text.endswith(prompt):
+            text = text[: -len(prompt)]
+        where = _where(*self.stack[self.curindex]) if self.stack else None
+        try:
+            answer = self.prompter.ask("pdb", prompt, text, where)
+        except KeyboardInterrupt:
+            raise DebugInterrupt from None
+        if answer.get("detach") or answer.get("eof"):
+            self.prompter.detached = True
+            self.clear_all_breaks()
+            return "continue\n"
+        return str(answer.get("text", "")) + "\n"
+
+
+class Hooks:
+    """What a rank replaces so that a cell's debugger and stdin reach the notebook."""
+
+    def __init__(self, prompter: Prompter) -> None:
+        self.prompter = prompter
+        self.active: RankPdb | None = None
+
+    def _usable(self, what: str) -> bool:
+        why = self.prompter.usable()
+        if why:
+            print(f"distnb: {what} ignored: {why}.", file=sys.stderr, flush=True)
+        return not why and not self.prompter.detached
+
+    def set_trace(self, frame: FrameType | None = None, **_: Any) -> None:
+        if os.environ.get("PYTHONBREAKPOINT") == "0" or not self._usable("breakpoint()"):
+            return
+        self.active = self.active or RankPdb(self.prompter)
+        self.active.set_trace(frame or sys._getframe(1))
+
+    def breakpoint(self, *args: Any, **kwargs: Any) -> None:
+        self.set_trace(sys._getframe(1))
+
+    def post_mortem(self, tb: TracebackType | None = None) -> None:
+        tb = tb or sys.exc_info()[2] or getattr(sys, "last_traceback", None)
+        if tb is None:
+            raise ValueError("a traceback to debug is needed: call post_mortem() inside an except block.")
+        if not self._usable("post_mortem()"):
+            return
+        debugger = RankPdb(self.prompter)
+        self.prompter.mode = "post_mortem"
+        try:
+            debugger.reset()
+            debugger.interaction(None, tb)
+        finally:
+            self.prompter.mode = "breakpoint"
+
+    def end_cell(self) -> None:
+        """The cell's code has returned: no more tracing (the rest is distnb's)."""
+        if self.active is not None:
+            sys.settrace(None)
+            self.active = None
+
+
+def quit_error(evalue: BaseException) -> bool:
+    """Did the user quit pdb (``q``) in this cell?"""
+    return isinstance(evalue, bdb.BdbQuit)
+
+
+def install(prompter: Prompter) -> Hooks:
+    """Route ``breakpoint()``, ``pdb.set_trace``/``post_mortem``/``pm``, ``input()`` and
+    ``sys.stdin`` of this process to the notebook."""
+    hooks = Hooks(prompter)
+    sys.breakpointhook = hooks.breakpoint
+    pdb.set_trace = hooks.set_trace
+    pdb.post_mortem = hooks.post_mortem  # type: ignore[assignment]
+    pdb.pm = lambda: hooks.post_mortem(getattr(sys, "last_traceback", None))
+    builtins.input = prompter.input
+    sys.stdin = _Stdin(prompter)
+    return hooks
