@@ -78,7 +78,7 @@ def parse_command(line: str, world_size: int) -> Command:
         return Command("attach", parse_ranks(rest, world_size))
     if head == "detach":
         return Command("detach", parse_ranks(rest, world_size) if rest else None)
-    if head == "ranks" and ":" in rest:
+    if head == "ranks" and rest:  # (bare ``ranks`` goes to pdb: a variable of that name)
         spec, text = _split_spec(rest)
         return Command("send", parse_ranks(spec, world_size), text.strip())
     return Command("send", None, line)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from distnb.ranks import format_ranks
+
 __all__ = [
     "DistnbError",
     "LaunchError",
@@ -60,6 +62,13 @@ class PoolBusyError(DistnbError):
     def __init__(self, message: str, *, busy: Mapping[int, int] | None = None) -> None:
         super().__init__(message)
         self.busy = dict(busy or {})
+
+    @classmethod
+    def of(cls, busy: Mapping[int, int]) -> PoolBusyError:
+        """The error for ``busy`` (rank → its cell), saying what to do."""
+        cells = ", ".join(map(str, sorted(set(busy.values()))))
+        return cls(f"{format_ranks(busy)} {'is' if len(busy) == 1 else 'are'} still running cell {cells}. Wait for it, see "
+                   "where it is with %dist_stacks, interrupt it with pool.interrupt(), or %dist_restart.", busy=busy)
 
 
 class RemoteError(DistnbError):

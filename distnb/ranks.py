@@ -9,7 +9,8 @@ __all__ = ["format_ranks", "parse_ranks", "rank_span"]
 
 
 def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
-    """Sorted, de-duplicated ranks from a spec; raises ValueError with a hint on bad input."""
+    """Sorted, de-duplicated ranks from a spec (``0``, ``"0,2"``, ``"1-3"``, ``"0:8:2"``, ``"all"``);
+    raises ValueError with a hint on bad input."""
     if spec is None:
         return list(range(world_size))
     if isinstance(spec, bool):
@@ -25,6 +26,11 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
         for part in re.split(r"\s*,\s*|\s+", text):
             lo, sep, hi = part.partition("-")
             try:
+                if ":" in part:  # "0:8:2", a Python slice of the world (as Monarch writes rank sets)
+                    if part.count(":") > 2:
+                        raise ValueError(part)
+                    items.extend(range(world_size)[slice(*(int(x) if x else None for x in part.split(":")))])
+                    continue
                 if sep and lo:  # "1-3"
                     a, b = int(lo), int(hi)
                     if a > b:
@@ -36,7 +42,7 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
                 if "backwards" in str(exc):
                     raise
                 raise ValueError(
-                    f"can't read {part!r} in rank spec {spec!r}; use ranks like 0, 0,2, 1-3 or all."
+                    f"can't read {part!r} in rank spec {spec!r}; use ranks like 0, 0,2, 1-3, 0:8:2 or all."
                 ) from None
     else:
         items = []

@@ -31,7 +31,6 @@ from distnb.position import position_at_death
 from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
 from distnb.prompts import Prompt
 from distnb.protocol import Msg, control_identity, supervisor_identity
-from distnb.ranks import format_ranks
 from distnb.records import CellEvents, CellRun, RankRecord, run_of
 from distnb.requests import Requests, Transport
 from distnb.sync_check import CountMismatch, carry_over, count_mismatches
@@ -197,13 +196,7 @@ class Tracker:
     def raise_if_busy(self, ranks: list[int]) -> None:
         busy = self.busy(ranks)
         if busy:
-            cells = sorted(set(busy.values()))
-            raise PoolBusyError(
-                f"{format_ranks(busy)} {'is' if len(busy) == 1 else 'are'} still running cell "
-                f"{', '.join(map(str, cells))}. Wait for it, see where it is with %dist_stacks, "
-                "interrupt it with pool.interrupt(), or %dist_restart.",
-                busy=busy,
-            )
+            raise PoolBusyError.of(busy)
 
     def ensure_idle(self, ranks: list[int]) -> None:
         """For requests that need the ranks' main threads: the pool usable and these ranks free."""

@@ -16,11 +16,11 @@ LAYERS: list[set[str]] = [
     {"results", "worker", "nccl_report"},  # the worker package: rank processes and supervisors
     {"collective_log", "diagnose", "position", "p2p", "group_creation", "steps", "stragglers", "profile_report", "sync_check",
      "stacks", "check_report", "memory_report", "cluster", "launcher", "channel",
-     "requests", "records", "export", "session", "node"},
-    {"tracker"},
-    {"diagnostics", "multinode", "startup"},
+     "requests", "records", "export", "session", "node", "prompts"},
+    {"tracker", "values"},
+    {"diagnostics", "multinode", "startup", "debugger"},
     {"pool"},
-    {"display", "magics", "__main__", "__init__"},
+    {"display", "magics", "magic_support", "inspect_magics", "__main__", "__init__"},
 ]
 #: What the worker package (and the node agent's rank side) may import from the rest of distnb.
 WORKER_MAY_IMPORT = {"_text", "_processes", "_zmq_io", "protocol", "security"}

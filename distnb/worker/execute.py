@@ -152,7 +152,7 @@ class Executor:
             reply["status"] = "error"
             etype, evalue, tb = sys.exc_info()
             if evalue is not None and not quit_error(evalue) and body is None:
-                self.last_traceback = tb
+                self.last_traceback = _from_cell(tb) or tb
                 if post_mortem and self.debug is not None:
                     self._post_mortem(tb)
             reply["error"] = self._error_info(etype, evalue, tb, filename)
@@ -201,10 +201,7 @@ class Executor:
 
     @staticmethod
     def _error_info(etype: type[BaseException] | None, evalue: BaseException | None, tb: TracebackType | None, filename: str) -> dict[str, Any]:
-        # Drop distnb's own frames: start at the first frame of the cell.
-        first = tb
-        while first is not None and not first.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
-            first = first.tb_next
+        first = _from_cell(tb)  # without distnb's own frames
         te = traceback.TracebackException(etype, evalue, first)  # type: ignore[arg-type]
         te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.startswith(_PKG_DIR) and f.filename not in _DEBUGGER_FILES])
         lines = list(te.format())
@@ -231,6 +228,14 @@ class Executor:
             "traceback": _cap("".join(lines)),
             "line": line,
         }
+
+
+def _from_cell(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the cell's own frame on: the debugger's ``up`` stops at the cell."""
+    first = tb
+    while first is not None and not first.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
+        first = first.tb_next
+    return first
 
 
 def _group_failure(failed: dict[str, str]) -> dict[str, Any]:
