@@ -40,6 +40,9 @@ Ask = Callable[[str], str]
 #: Seconds the console waits for ranks to answer a command before prompting the others again
 #: (a rank stepping into a collective waits for ranks that are paused: it answers only later).
 SETTLE = 1.0
+#: Seconds the console gives the other ranks of the cell to reach the breakpoint the first one hit,
+#: so that ranks stopping together are prompted together.
+GATHER = 0.25
 
 HELP = """distnb's debugger console (pdb's own commands go to the chosen ranks; pdb's help: h):
   list                 the paused ranks, where each stands, and what the others do
@@ -201,6 +204,7 @@ class Debugger:
         world = self._pool.config.world_size
         chosen: list[int] | None = None
         said: object = None
+        self.settle(result, result.ranks, GATHER)
         while True:
             waiting = self.pending(result)
             if not waiting:
