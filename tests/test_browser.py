@@ -56,6 +56,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def debugger_notebook(path: Path) -> None:
+    """A breakpoint on rank 1 of 2 before a collective, for the debugger's round trip in Lab."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(code) for code in (
+        "%load_ext distnb\n%dist_launch -n 2 --backend gloo",
+        "%%on_ranks\ndbg_x = rank + 40\nif rank == 1:\n    breakpoint()\ndbg_y = dbg_x + 1\n"
+        "t = torch.tensor([float(dbg_y)])\ndist.all_reduce(t)\nprint('sum', t.item())",
+        "%dist_shutdown",
+    )]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+
+
 def jupyter_server(app: str, tmp_path_factory: pytest.TempPathFactory):
     """Start ``jupyter lab`` or ``jupyter notebook`` (Notebook 7: the same jupyter_server flags) on
     127.0.0.1 with private config/runtime/settings dirs and no token; yield its URL; stop it and
@@ -64,6 +79,7 @@ def jupyter_server(app: str, tmp_path_factory: pytest.TempPathFactory):
     served = tmp_path_factory.mktemp("served")
     # Serve a copy: the frontend's autosave must never write outputs into the repository's notebook.
     shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", served / "quickstart.ipynb")
+    debugger_notebook(served / "debugger.ipynb")
     port = free_port()
     mark = uuid.uuid4().hex
     env = {
@@ -211,3 +227,41 @@ def test_quickstart_widgets_render_in_notebook7(notebook7: str, shots: Path) -> 
 
     run_quickstart(sync_api, f"{notebook7}/notebooks/quickstart.ipynb", snap)
     assert (shots / "notebook7.png").stat().st_size > 10_000
+
+
+def test_a_debugger_command_typed_into_jupyterlabs_input_box(lab: str, shots: Path) -> None:
+    """Run All stops at rank 1's breakpoint: Lab shows its input box with the rank's prompt; a pdb
+    command typed there is answered, labelled by rank; c lets the cell (and the notebook) finish."""
+    sync_api = playwright_api()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{lab}/lab/tree/debugger.ipynb")
+            page.wait_for_selector(".jp-Notebook", timeout=60_000)
+            page.wait_for_function(
+                """() => { const k = document.querySelector('.jp-Toolbar-kernelName');
+                           const s = document.querySelector('.jp-Notebook-ExecutionIndicator');
+                           return k && !k.textContent.includes('No Kernel') && s && s.getAttribute('data-status') === 'idle'; }""",
+                timeout=60_000,
+            )
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_text("Run All Cells", exact=True).click()
+            box = page.locator(".jp-Stdin-input")
+            box.wait_for(timeout=120_000)
+            assert "[rank 1] (Pdb)" in page.locator(".jp-Stdin-prompt").inner_text()
+            notebook = page.locator(".jp-Notebook")
+            assert "rank 1 is paused in the debugger at cell 1 line 4 (dbg_y = dbg_x + 1)" in notebook.inner_text()
+            box.fill("p dbg_x * 2")
+            box.press("Enter")
+            page.wait_for_function("() => document.querySelector('.jp-Notebook').innerText.includes('[rank 1] 82')", timeout=30_000)
+            # Lab keeps the answered box (with its line) and adds a new one for the next prompt.
+            page.wait_for_function("() => document.querySelectorAll('.jp-Stdin-input').length === 2", timeout=30_000)
+            page.locator(".jp-Stdin-input").last.fill("c")
+            page.locator(".jp-Stdin-input").last.press("Enter")
+            page.wait_for_function("() => document.querySelector('.jp-Notebook').innerText.includes('pool stopped')", timeout=120_000)
+            page.locator(".jp-Cell").nth(1).screenshot(path=str(shots / "debugger.png"))
+        finally:
+            browser.close()
+    assert (shots / "debugger.png").stat().st_size > 5_000

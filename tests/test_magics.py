@@ -90,7 +90,7 @@ def test_magics_document_themselves(sh: Shell) -> None:
     assert all(flag in on_ranks_help for flag in ("--timeout", "--quiet", "ranks"))
     for kind in ("line", "cell"):
         for name, fn in magics[kind].items():
-            if getattr(fn, "__self__", None).__class__.__name__ == "DistMagics":
+            if getattr(fn, "__self__", None).__class__.__name__ in ("DistMagics", "InspectMagics"):
                 assert (fn.__doc__ or "").strip(), f"%{name} has no docstring"
 
 
