@@ -8,7 +8,6 @@ from typing import Any, Callable
 import pytest
 
 import distnb
-from distnb.debugger import parse_command
 
 
 class Console:
@@ -184,33 +183,3 @@ def test_a_paused_rank_the_others_wait_for_times_out_as_the_console_warned(fresh
     assert result[0].status == "error" and result[1].error["ename"] == "BdbQuit"
     pool.regroup()
     assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
-
-
-@pytest.mark.parametrize(("line", "kind", "ranks", "text"), [
-    ("p x", "send", None, "p x"),
-    ("list", "list", None, ""),
-    ("list 10", "send", None, "list 10"),  # pdb's own list, with an argument
-    ("attach 2", "attach", [2], ""),
-    ("attach 1-3", "attach", [1, 2, 3], ""),
-    ("ranks 0-3: n", "send", [0, 1, 2, 3], "n"),
-    ("ranks 0:4:2: p x", "send", [0, 2], "p x"),
-    ("ranks all: c", "send", [0, 1, 2, 3], "c"),
-    ("detach", "detach", None, ""),
-    ("detach 1,3", "detach", [1, 3], ""),
-    ("help", "help", None, ""),
-])
-def test_console_commands(line: str, kind: str, ranks: list[int] | None, text: str) -> None:
-    cmd = parse_command(line, 4)
-    assert (cmd.kind, cmd.ranks, cmd.text) == (kind, ranks, text)
-
-
-@pytest.mark.parametrize(("line", "error"), [
-    ("attach", "attach which rank"),
-    ("attach 7", "out of range"),
-    ("ranks 1:2:3:4: n", "can't read"),
-    ("ranks 0-1 p x", "write the ranks, a colon and the command"),
-    ("ranks x: n", "can't read 'x'"),
-])
-def test_bad_console_commands_say_what_to_type(line: str, error: str) -> None:
-    with pytest.raises(ValueError, match=error):
-        parse_command(line, 4)
