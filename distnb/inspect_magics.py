@@ -131,7 +131,8 @@ class InspectMagics(Magics):
         """Post-mortem: pdb at the frame where the last failing cell raised on a rank, its namespace alive.
 
         Type pdb commands at the prompt (p, w, u/d, l, pp …); c or q ends it. %%on_ranks --pdb
-        instead stops every rank that raises at its error while the cell runs."""
+        instead stops every rank that raises at its error while the cell runs. (An out-of-memory
+        error's frames are not kept: they would hold the memory; use --pdb for those.)"""
         args = parse(self.dist_debug, line)
         pool = current()
         with usage_errors():

@@ -183,3 +183,20 @@ def test_a_paused_rank_the_others_wait_for_times_out_as_the_console_warned(fresh
     assert result[0].status == "error" and result[1].error["ename"] == "BdbQuit"
     pool.regroup()
     assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
+
+
+def test_a_front_end_drives_the_paused_ranks_through_pool_debugger(pool: distnb.Pool) -> None:
+    """No console: the cell is submitted, its prompts read and answered through the API."""
+    result = pool.submit("dbg_api = rank * 3\nif rank == 1:\n    breakpoint()\ndbg_api += 1\ndbg_api")
+    pool.wait(result, timeout=0.3, ask=None)  # returns: nobody answers prompts here
+    debugger = pool.debugger
+    assert debugger.settle(result, [1], timeout=10) == []
+    [prompt] = debugger.pending(result)
+    assert (prompt.rank, prompt.kind, prompt.mode, prompt.place()) == (1, "pdb", "breakpoint", f"cell {result.cell} line 4 (dbg_api += 1)")
+    debugger.answer(prompt, "p dbg_api")
+    assert debugger.settle(result, [1], timeout=10) == []
+    [prompt] = debugger.pending(result)
+    assert prompt.output == "3\n"
+    debugger.answer(prompt, "c")
+    pool.wait(result, timeout=30, ask=None)
+    assert result.ok and result.values == {0: "1", 1: "4", 2: "7", 3: "10"}

@@ -29,6 +29,8 @@ __all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "install", "quit_er
 
 #: Lines of source either side of the paused line sent with each prompt.
 CONTEXT = 2
+#: Characters of one pdb answer sent to the notebook (``pp`` of a huge object); the rest is counted.
+ANSWER_CAP = 256 * 1024
 
 
 class DebugInterrupt(BaseException):
@@ -156,6 +158,8 @@ class RankPdb(pdb.Pdb):
         self.out.truncate()
         if text.endswith(prompt):
             text = text[: -len(prompt)]
+        if len(text) > ANSWER_CAP:
+            text = text[:ANSWER_CAP] + f"\n… [{len(text) - ANSWER_CAP:,} more characters not shown]\n"
         where = _where(*self.stack[self.curindex]) if self.stack else None
         try:
             answer = self.prompter.ask("pdb", prompt, text, where)

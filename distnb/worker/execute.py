@@ -152,7 +152,8 @@ class Executor:
             reply["status"] = "error"
             etype, evalue, tb = sys.exc_info()
             if evalue is not None and not quit_error(evalue) and body is None:
-                self.last_traceback = _from_cell(tb) or tb
+                # Not an out-of-memory error's: its frames hold the very tensors that filled the device.
+                self.last_traceback = None if "OutOfMemoryError" in type(evalue).__name__ else _from_cell(tb) or tb
                 if post_mortem and self.debug is not None:
                     self._post_mortem(tb)
             reply["error"] = self._error_info(etype, evalue, tb, filename)
