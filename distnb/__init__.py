@@ -28,12 +28,16 @@ _PUBLIC = {
     "CellResult": "distnb.results", "PoolStatus": "distnb.results", "RankResult": "distnb.results",
     "RankState": "distnb.results", "RankStatus": "distnb.results",
     "checksum": "distnb.worker.checksum",
+    "Debugger": "distnb.debugger", "Prompt": "distnb.prompts", "Diagnosis": "distnb.position",
 }
 
 if TYPE_CHECKING:
     from distnb.errors import (DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError,
                                PoolBusyError, RemoteError, ShutdownError)
     from distnb.config import LaunchConfig
+    from distnb.debugger import Debugger
+    from distnb.position import Diagnosis
+    from distnb.prompts import Prompt
     from distnb.pool import Pool, PoolState, current_pool, launch
     from distnb.records import CellEvents
     from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
@@ -55,6 +59,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "CellEvents",
     "CellResult",
+    "Debugger",
+    "Diagnosis",
     "DistnbError",
     "LaunchConfig",
     "LaunchError",
@@ -66,6 +72,7 @@ __all__ = [
     "PoolBusyError",
     "PoolState",
     "PoolStatus",
+    "Prompt",
     "RankResult",
     "RankState",
     "RankStatus",

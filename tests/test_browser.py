@@ -156,6 +156,22 @@ def shots(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def run_all(page, url: str) -> None:
+    """Open the notebook at ``url``, wait for an idle kernel, and Run All Cells."""
+    page.goto(url)
+    # The kernel must be up (its name no longer "No Kernel") and idle before Run All: both
+    # frontends share Lab's toolbar kernel name and execution indicator (it reads "connecting" first).
+    page.wait_for_selector(".jp-Notebook", timeout=60_000)
+    page.wait_for_function(
+        """() => { const k = document.querySelector('.jp-Toolbar-kernelName');
+                   const s = document.querySelector('.jp-Notebook-ExecutionIndicator');
+                   return k && !k.textContent.includes('No Kernel') && s && s.getAttribute('data-status') === 'idle'; }""",
+        timeout=60_000,
+    )
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_text("Run All Cells", exact=True).click()
+
+
 def run_quickstart(sync_api, url: str, check) -> None:
     """Open ``url`` (the quickstart in Lab or Notebook 7), wait for an idle kernel, Run All Cells,
     check distnb's widgets, then call ``check(page)`` for the frontend's own checks and screenshots."""
@@ -168,18 +184,7 @@ def run_quickstart(sync_api, url: str, check) -> None:
         )
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(url)
-            # The kernel must be up (its name no longer "No Kernel") and idle before Run All: both
-            # frontends share Lab's toolbar kernel name and execution indicator (it reads "connecting" first).
-            page.wait_for_selector(".jp-Notebook", timeout=60_000)
-            page.wait_for_function(
-                """() => { const k = document.querySelector('.jp-Toolbar-kernelName');
-                           const s = document.querySelector('.jp-Notebook-ExecutionIndicator');
-                           return k && !k.textContent.includes('No Kernel') && s && s.getAttribute('data-status') === 'idle'; }""",
-                timeout=60_000,
-            )
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.get_by_text("Run All Cells", exact=True).click()
+            run_all(page, url)
             page.wait_for_function(
                 "() => document.querySelector('.jp-Notebook').innerText.includes('pool stopped')", timeout=300_000
             )
@@ -238,16 +243,7 @@ def test_a_debugger_command_typed_into_jupyterlabs_input_box(lab: str, shots: Pa
                                     args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"])
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{lab}/lab/tree/debugger.ipynb")
-            page.wait_for_selector(".jp-Notebook", timeout=60_000)
-            page.wait_for_function(
-                """() => { const k = document.querySelector('.jp-Toolbar-kernelName');
-                           const s = document.querySelector('.jp-Notebook-ExecutionIndicator');
-                           return k && !k.textContent.includes('No Kernel') && s && s.getAttribute('data-status') === 'idle'; }""",
-                timeout=60_000,
-            )
-            page.get_by_role("menuitem", name="Run", exact=True).click()
-            page.get_by_text("Run All Cells", exact=True).click()
+            run_all(page, f"{lab}/lab/tree/debugger.ipynb")
             box = page.locator(".jp-Stdin-input")
             box.wait_for(timeout=120_000)
             assert "[rank 1] (Pdb)" in page.locator(".jp-Stdin-prompt").inner_text()

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import pytest
 
+import kernels
 from conftest import reap_marked
 
 pytestmark = pytest.mark.slow  # every test here starts a kernel or a shell, and a pool
@@ -20,19 +21,12 @@ MARK = "DISTNB_DEBUGGER_TEST"
 INTERRUPT = "<interrupt the kernel>"
 
 
-class Frontend:
+class Frontend(kernels.Kernel):
     """One ipykernel (with this test's mark in its environment, and so in its pool's) driven as a
     notebook front-end: stdin requests answered from a script of lines, every text collected."""
 
     def __init__(self, cwd: Path) -> None:
-        from jupyter_client.manager import KernelManager
-
-        self.token = uuid.uuid4().hex
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(cwd=str(cwd), env={**os.environ, MARK: self.token})
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
+        super().__init__(cwd, MARK)
         self.prompts: list[str] = []
         self.lines: list[str | Callable[[str], str]] = []
 
@@ -65,11 +59,6 @@ class Frontend:
 
         reply = self.kc.execute_interactive(code, allow_stdin=allow_stdin, stdin_hook=stdin, output_hook=output, timeout=120)
         return reply["content"], "".join(texts)
-
-    def close(self) -> list[str]:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
-        return reap_marked(MARK, self.token)
 
 
 @pytest.mark.timeout(300)

@@ -3,34 +3,25 @@ notebook's stop button sends it. The cell stops on the ranks; the kernel and the
 
 from __future__ import annotations
 
-import os
 import queue
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import reap_marked
+import kernels
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 MARK = "DISTNB_INTERRUPT_TEST"
 
 
-class Kernel:
+class Kernel(kernels.Kernel):
     """One ipykernel with this test's mark in its environment (and so in its pool's)."""
 
     def __init__(self, cwd: Path) -> None:
-        from jupyter_client.manager import KernelManager
-
-        self.token = uuid.uuid4().hex
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(cwd=str(cwd), env={**os.environ, MARK: self.token})
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
+        super().__init__(cwd, MARK)
 
     def execute(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> tuple[dict[str, Any], str, float]:
         """Run ``code``; optionally interrupt the kernel ``interrupt_after`` seconds in. Returns the
@@ -65,12 +56,6 @@ class Kernel:
             reply = self.kc.get_shell_msg(timeout=30)
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply["content"], "".join(texts), took
-
-    def close(self) -> list[str]:
-        """Stop the kernel; describe what it left behind (killed by then: ours, by PID)."""
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
-        return reap_marked(MARK, self.token)
 
 
 @pytest.mark.timeout(240)
