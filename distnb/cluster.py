@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from distnb import _processes
-from distnb.config import LaunchConfig
+from distnb import _processes, network
+from distnb.config import LaunchConfig, is_loopback
 from distnb.launcher import drain_lines
 
 __all__ = ["NodeInfo", "NodeState", "Nodes", "NodeStarters", "Starter", "join_command"]
@@ -143,11 +143,32 @@ class Nodes:
         return "\n".join(lines)
 
 
-def connect_host(bind_host: str) -> str:
-    """The name other machines reach this controller by."""
-    if bind_host in ("0.0.0.0", "::", ""):
-        return socket.getfqdn()
-    return bind_host
+def connect_host(config: LaunchConfig) -> str:
+    """The address other machines reach this controller at.
+
+    A specific ``bind`` address is it. Bound to every interface, the address this machine's routing
+    uses towards the first ssh host is (it reaches that host, so that host reaches it back), else
+    this machine's name, which must resolve to an address other machines can reach: a name that
+    resolves to loopback (Debian's ``127.0.1.1 host`` line) would send every agent and rank to
+    their own machine."""
+    bind = config.bind_host
+    if bind not in ("0.0.0.0", "::", ""):
+        return bind
+    for host in config.hosts:
+        source = network.source_address(host)
+        if source and not is_loopback(source):
+            return source
+    name = socket.getfqdn()
+    addrs = network.resolve(name)
+    if config.local_nodes or any(not is_loopback(a.split("%")[0]) for a in addrs):
+        return name
+    usable = [f"{i} {a}" for i, al in network.interfaces().items() for a in al if not is_loopback(a) and not a.startswith("fe80")]
+    raise RuntimeError(
+        f"this machine's name {name!r} resolves to {', '.join(addrs) or 'nothing'}, which the other machines can't reach. "
+        "Bind this machine's address on the network they share, e.g. --bind "
+        f"{usable[0].split()[1] if usable else 'ADDRESS'}" + (f" (this machine has: {'; '.join(usable)})" if usable else "")
+        + ", or fix the name in /etc/hosts or DNS."
+    )
 
 
 def join_command(address: str, key_file: str, python: str | None = None) -> str:

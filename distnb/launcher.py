@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import IO, Callable
 
-from distnb import _processes
+from distnb import _processes, network
 from distnb.config import DEBUG_ENV, LaunchConfig, Rendezvous
 from distnb.security import Credentials
 
@@ -146,6 +146,10 @@ class Launcher:
                 env.setdefault(key, value)  # the user's own --env / environment wins
         if self.config.share_gpus:
             env.update(SHARED_GPU_ENV, DISTNB_SHARE_GPUS="1")
+        if self.rdzv is not None and self.rdzv.local_addr:
+            # Pin gloo's and NCCL's sockets to the interface this node reaches the others on; the
+            # hostname's address (their default) may be loopback or unknown to the other machines.
+            env.update(network.socket_env(self.rdzv.local_addr, env))
         return env
 
     def start(self) -> None:

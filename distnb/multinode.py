@@ -12,6 +12,7 @@ import socket
 import time
 from typing import Any
 
+from distnb import network
 from distnb.cluster import NodeStarters, connect_host, join_command
 from distnb.config import LaunchConfig, Rendezvous, is_loopback, split_host_port
 from distnb.protocol import Msg, node_identity
@@ -29,6 +30,16 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def _local_addr(config: LaunchConfig, host: str) -> str | None:
+    """This machine's address for torchrun's ``--local-addr``: published as MASTER_ADDR if this node
+    becomes the rendezvous' rank 0, and the interface gloo binds here (launcher)."""
+    if is_loopback(config.bind_host) or is_loopback(host):
+        return "127.0.0.1"
+    mine = {a for addrs in network.interfaces().values() for a in addrs}
+    # A name (bound to every interface): the first address it resolves to that is this machine's.
+    return next((a for a in network.resolve(host) if a in mine and not is_loopback(a)), None)
+
+
 class MultiNode:
     """The controller's side of one multi-node launch."""
 
@@ -40,20 +51,24 @@ class MultiNode:
         self.nodes = tracker.nodes  # the tracker judges remote ranks' liveness by it
         self.starters: NodeStarters | None = None
         run_id = f"distnb-{secrets.token_hex(6)}"
-        host = connect_host(config.bind_host)
+        host = connect_host(config)
         #: What other machines connect to.
         self.address = f"tcp://{host}:{channel_address.rsplit(':', 1)[1]}"
+        problem = network.missing_interface({**os.environ, **config.env})
+        if problem:
+            raise RuntimeError(problem)
         self.key_file: str | None = str(creds.write(config.key_file or default_key_file(run_id)))
         self.join_command = join_command(self.address, self.key_file, config.node_python)
         endpoint = config.rdzv_endpoint or f"{host}:{_free_port(config.bind_host)}"
         rdzv_host = split_host_port(endpoint, "rendezvous endpoint")[0]
         # This machine hosts the rendezvous store when the endpoint names it, so an agent that
         # joins first can't take the store with it when it leaves.
-        here = rdzv_host in (host, config.bind_host, "localhost") or is_loopback(rdzv_host)
-        local_addr = "127.0.0.1" if is_loopback(config.bind_host) else None
-        #: The rendezvous torchrun uses here, and the one sent to the agents.
-        self.rdzv = Rendezvous(endpoint, run_id, True if here else None, local_addr, config.start_timeout)
-        self._agent_rdzv = Rendezvous(endpoint, run_id, False if here else None, local_addr, config.start_timeout)
+        here = rdzv_host in (host, config.bind_host) or network.is_local(rdzv_host)
+        #: The rendezvous torchrun uses here, and the one sent to the agents (each adds its own
+        #: local_addr: the address it reaches this machine from).
+        self.rdzv = Rendezvous(endpoint, run_id, True if here else None, _local_addr(config, host), config.start_timeout)
+        self._agent_rdzv = Rendezvous(endpoint, run_id, False if here else None, "127.0.0.1" if is_loopback(host) else None,
+                                      config.start_timeout)
         if not config.local_nodes:
             tracker.note(f"waiting for {config.nnodes - 1} other node(s); on each, run:\n  {self.join_command}\n"
                          f"(the key file must be readable there: shared home, or copy it with `scp {self.key_file} NODE:{self.key_file}`)")

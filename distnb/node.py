@@ -11,6 +11,7 @@ stops answering, or when it is itself signalled.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import signal
@@ -21,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from distnb import __version__, _processes
+from distnb import __version__, _processes, network
 from distnb.config import LaunchConfig, Rendezvous
 from distnb.launcher import Launcher
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, node_identity, socket_max_msgsize
@@ -93,6 +94,20 @@ class NodeAgent:
             )
         return None
 
+    def _local_rendezvous(self, rdzv: Rendezvous) -> Rendezvous:
+        """The rendezvous with this node's own address: the one it reaches the controller from
+        (its hostname may not resolve on the other machines, or resolve to loopback)."""
+        if rdzv.local_addr:
+            return rdzv
+        host = self.address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        return dataclasses.replace(rdzv, local_addr=network.source_address(host))
+
+    def _refuse_start(self, why: str) -> int:
+        """End before starting torchrun, saying why to the controller (its launch fails with it)."""
+        print(f"distnb node: {why}", file=sys.stderr)
+        self.send({"t": Msg.NODE_EXIT, "returncode": 2, "why": why, "tail": ""})
+        return 2
+
     def _forward_line(self, line: str) -> None:
         print(line, flush=True)
         self.send({"t": Msg.NODE_OUTPUT, "lines": [line[:2000]]})
@@ -105,7 +120,10 @@ class NodeAgent:
             if start is None:
                 return 2
             config: LaunchConfig = start["config"]
-            rdzv: Rendezvous = start["rdzv"]
+            rdzv: Rendezvous = self._local_rendezvous(start["rdzv"])
+            problem = network.missing_interface({**os.environ, **config.env})
+            if problem:
+                return self._refuse_start(problem)
             print(f"distnb node: joined the pool at {self.address} as node agent {self.agent_id}; starting "
                   f"{config.nproc} ranks (rendezvous {rdzv.endpoint})", flush=True)
             # The sender can't be touched from the output thread: hand lines to it through a list.
@@ -160,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.connect.startswith("tcp://"):
         parser.error(f"--connect takes tcp://HOST:PORT, not {args.connect!r}")
+    host = args.connect[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if not network.resolve(host):
+        print(f"distnb node: this machine can't resolve {host!r}, the controller's name in --connect. Launch the pool with "
+              "--bind set to the notebook machine's IP address on the network the machines share, or make the name "
+              "resolvable here (/etc/hosts, DNS).", file=sys.stderr)
+        return 2
     try:
         creds = Credentials.read(args.key_file)
     except KeyFileError as exc:

@@ -12,7 +12,7 @@ PACKAGE = Path(distnb.__file__).parent
 
 #: Lowest first; a module may import its own layer (without a cycle) and the ones below it.
 LAYERS: list[set[str]] = [
-    {"_text", "_processes", "_zmq_io", "protocol", "security", "ranks", "errors", "config"},
+    {"_text", "_processes", "_zmq_io", "protocol", "security", "ranks", "errors", "config", "network"},
     {"results", "worker", "nccl_report"},  # the worker package: rank processes and supervisors
     {"collective_log", "diagnose", "position", "p2p", "group_creation", "steps", "stragglers", "profile_report", "sync_check",
      "stacks", "check_report", "memory_report", "cluster", "launcher", "channel",

@@ -1,0 +1,210 @@
+"""Multi-node for real: two hosts made of network namespaces on a private bridge (see netns.py),
+the notebook's controller on ``hosta`` (an IPython shell with distnb's magics, netns_shell.py),
+Debian's sshd on ``hostb``. ``%dist_launch --hosts`` starts hostb's node agent over real ssh, ranks
+on the two hosts meet over the bridge (no loopback between them), and a link taken down mid-cell
+is a lost machine, named within the documented bound.
+
+Needs root and iproute2 (skipped otherwise, unless DISTNB_REQUIRE_NETNS=1, as in CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from distnb import _processes
+from conftest import RUN_MARK, cmdline, started_pids
+from netns import Cluster, netns_unavailable
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+HERE = Path(__file__).resolve().parent
+
+
+def _unavailable() -> str | None:
+    why = netns_unavailable()
+    if why is None and shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists():
+        why = "no sshd (Debian: apt-get install openssh-server)"
+    return why
+
+
+class Notebook:
+    """The controller's IPython shell on a test host: cells in, output and success out."""
+
+    def __init__(self, net: Cluster, host: str, env: dict[str, str]) -> None:
+        self.proc = net.popen(host, [sys.executable, str(HERE / "netns_shell.py")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.until("\0READY", 60)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put(raw.decode(errors="replace").rstrip("\n"))
+
+    def until(self, marker: str, timeout: float) -> str:
+        """Output up to the first line containing ``marker``."""
+        got: list[str] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {marker!r} within {timeout} s; output so far:\n" + "\n".join(got)) from None
+            got.append(line)
+            self.log.append(line)
+            if marker in line:
+                return "\n".join(got)
+
+    def send(self, code: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(code.encode() + b"\n\0END\n")
+        self.proc.stdin.flush()
+
+    def run(self, code: str, timeout: float = 60, ok: bool = True) -> str:
+        self.send(code)
+        out = self.until("\0DONE", timeout)
+        assert out.endswith("ok") == ok, out
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.run("%dist_shutdown", timeout=40)
+            except AssertionError:
+                pass
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture(scope="module")
+def net(leak_check, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    why = _unavailable()
+    if why:
+        if os.environ.get("DISTNB_REQUIRE_NETNS") == "1":
+            pytest.fail(f"DISTNB_REQUIRE_NETNS=1 but {why}")
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("netns")
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "id")], check=True, timeout=20)
+    cluster = Cluster(["hosta", "hostb"], tmp)
+    try:
+        # Sessions are marked like every process of this test run, so the leak check sees them too.
+        cluster.start_sshd("hostb", (tmp / "id.pub").read_text(), {RUN_MARK: os.environ[RUN_MARK]})
+        cluster.ssh = (f"ssh -i {tmp / 'id'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "  # type: ignore[attr-defined]
+                       "-o LogLevel=ERROR -o ConnectTimeout=5")
+        yield cluster
+    finally:
+        cluster.close()
+    assert not cluster.leftovers(), f"the test network outlived its teardown: {cluster.leftovers()}"
+
+
+@pytest.fixture(scope="module")
+def nb(net: Cluster) -> Iterator[Notebook]:
+    env = {**os.environ, "DISTNB_SSH": net.ssh}  # type: ignore[attr-defined]
+    book = Notebook(net, "hosta", env)
+    try:
+        yield book
+    finally:
+        book.close()
+        started_pids.update(net.pids("hosta") + net.pids("hostb"))
+
+
+def distnb_pids(net: Cluster, host: str) -> list[str]:
+    """distnb's processes (agent, torchrun, supervisors, ranks) left in ``host``."""
+    return [f"{p}: {cmdline(p)}" for p in net.pids(host) if re.search(r"distnb\.(node|worker)|torch\.distributed\.run", cmdline(p))]
+
+
+def test_launch_over_real_ssh_spans_both_hosts(net: Cluster, nb: Notebook) -> None:
+    a, b = net.hosts["hosta"], net.hosts["hostb"]
+    out = nb.run(f"%dist_launch --nnodes 2 -n 2 --backend gloo --hosts {b.addr} --bind {a.addr} --curve --start-timeout 90", timeout=120)
+    assert f"started node agents over ssh on {b.addr}" in out and "node 1 of 1 joined: the node agent on hostb" in out, out
+    out = nb.run("%%on_ranks\nimport os, socket\nt = torch.tensor([float(rank + 1)]); dist.all_reduce(t)\n"
+                 "print(int(t.item()), socket.gethostname(), os.environ['MASTER_ADDR'], os.environ.get('GLOO_SOCKET_IFNAME'))")
+    assert f"[ranks 0,1] 10 hosta {a.addr} {a.iface}" in out, out
+    assert f"[ranks 2,3] 10 hostb {a.addr} {b.iface}" in out, out
+
+
+WRONG_KEY_CLIENT = """
+import sys, time, zmq
+import distnb
+from distnb.protocol import Codec, Msg
+from distnb.security import Credentials
+creds = Credentials.read(sys.argv[2])
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+public, secret = zmq.curve_keypair()  # not the pool's client key
+sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = creds.curve_server_public, public, secret
+sock.connect(sys.argv[1])
+sock.send_multipart(Codec(creds.key, "n9").encode({"t": Msg.NODE_HELLO, "host": "x", "pid": 1, "version": distnb.__version__}))
+time.sleep(2)
+print("answered" if sock.poll(100) else "no answer")
+"""
+
+
+def pool_info(nb: Notebook) -> dict:
+    out = nb.run("import distnb, json\n_p = distnb.current_pool()\n"
+                 "print('INFO', json.dumps({'address': _p.status().address, 'key_file': _p.key_file, 'rejected': _p.status().rejected}))")
+    return json.loads(out.split("INFO ", 1)[1].splitlines()[0])
+
+
+def test_curve_refuses_a_wrong_key_client_across_the_bridge(net: Cluster, nb: Notebook) -> None:
+    """From hostb's address, a client holding the signing key but not the pool's CURVE client key."""
+    before = pool_info(nb)
+    assert before["address"].startswith(f"tcp://{net.hosts['hosta'].addr}:")
+    out = subprocess.run(net.command("hostb", [sys.executable, "-c", WRONG_KEY_CLIENT, before["address"], before["key_file"]]),
+                         capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "no answer", out.stdout + out.stderr
+    assert pool_info(nb)["rejected"] > before["rejected"]
+    assert "refused" in nb.run("%dist_status")
+
+
+def test_a_link_down_mid_cell_is_a_lost_machine(net: Cluster, nb: Notebook) -> None:
+    nb.send("%%on_ranks\nimport time\nprint('go', flush=True)\n"
+            "for _ in range(1200):\n    x = torch.ones(1); dist.all_reduce(x); time.sleep(0.05)")
+    nb.until("go", 30)
+    cut = time.monotonic()
+    net.set_link("hostb", up=False)
+    try:
+        out = nb.until("\0DONE", 30)
+        took = time.monotonic() - cut
+        # Lost after 3 s of silence (README), noticed at the next tick; the stranded ranks end the cell.
+        assert took < 9, f"the cell took {took:.1f} s to end after the link went down:\n{out}"
+        assert re.search(r"lost with its machine: the node agent on hostb \(pid \d+\) stopped answering", out), out
+        print(f"cell ended {took:.1f} s after the link went down")
+        status = nb.run("%dist_status")
+        assert "lost, ranks 2,3" in status, status
+        old = [int(p.split(":")[0]) for p in distnb_pids(net, "hosta")]
+    finally:
+        net.set_link("hostb", up=True)
+    # The broken pool's processes are stopped first, then the same configuration starts again.
+    out = nb.run("%dist_restart", timeout=120)
+    assert "node 1 of 1 joined: the node agent on hostb" in out, out
+    assert old and not [p for p in old if _processes.pid_alive(p)], "the broken pool's processes outlived %dist_restart"
+    out = nb.run("%%on_ranks\nt = torch.tensor([float(rank + 1)]); dist.all_reduce(t); print(int(t.item()))")
+    assert "[ranks 0-3] 10" in out, out
+    nb.run("%dist_shutdown")
+    left = distnb_pids(net, "hosta")
+    assert not left, "left on the notebook's host after shutdown:\n" + "\n".join(left)
+    # hostb's old agent heard nothing since the link went down: it stops its ranks after the
+    # heartbeat timeout (15 s); the new one stopped at shutdown.
+    deadline = time.monotonic() + 25
+    while distnb_pids(net, "hostb") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not distnb_pids(net, "hostb"), "\n".join(distnb_pids(net, "hostb"))
