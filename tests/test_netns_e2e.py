@@ -25,6 +25,7 @@ import pytest
 from distnb import _processes
 from conftest import RUN_MARK, cmdline, started_pids
 from netns import Cluster, netns_unavailable
+from slurm_cluster import Slurm, slurm_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -41,8 +42,8 @@ def _unavailable() -> str | None:
 class Notebook:
     """The controller's IPython shell on a test host: cells in, output and success out."""
 
-    def __init__(self, net: Cluster, host: str, env: dict[str, str]) -> None:
-        self.proc = net.popen(host, [sys.executable, str(HERE / "netns_shell.py")], stdin=subprocess.PIPE,
+    def __init__(self, net: Cluster, host: str, env: dict[str, str], prefix: tuple[str, ...] = ()) -> None:
+        self.proc = net.popen(host, [*prefix, sys.executable, str(HERE / "netns_shell.py")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
@@ -208,3 +209,37 @@ def test_a_link_down_mid_cell_is_a_lost_machine(net: Cluster, nb: Notebook) -> N
     while distnb_pids(net, "hostb") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not distnb_pids(net, "hostb"), "\n".join(distnb_pids(net, "hostb"))
+
+
+@pytest.fixture(scope="module")
+def slurm(net: Cluster) -> Slurm:
+    why = slurm_unavailable()
+    if why:
+        if os.environ.get("DISTNB_REQUIRE_NETNS") == "1":
+            pytest.fail(f"DISTNB_REQUIRE_NETNS=1 but {why}")
+        pytest.skip(why)
+    # Its daemons run in the hosts, so the cluster's teardown stops them with everything else.
+    return Slurm(net, net.workdir / "slurm")
+
+
+def test_slurm_allocation_runs_an_all_reduce(net: Cluster, slurm: Slurm) -> None:
+    """The notebook inside `salloc -N 2` on hosta; `%dist_launch --slurm` starts hostb's agent with srun."""
+    a = net.hosts["hosta"]
+    book = Notebook(net, "hosta", slurm.env, prefix=("salloc", "-N", "2", "--quiet"))
+    try:
+        # Bound to every interface, this host's name must resolve to an address the others reach:
+        # here it resolves to nothing, and the launch says what to bind instead.
+        out = book.run("%dist_launch --slurm -n 2 --backend gloo --bind 0.0.0.0", ok=False)
+        assert "this machine's name 'hosta' resolves to nothing" in out and f"--bind {a.addr}" in out, out
+        out = book.run(f"%dist_launch --slurm -n 2 --backend gloo --bind {a.addr} --start-timeout 90", timeout=120)
+        assert "started 1 node agent(s) with srun" in out and "node 1 of 1 joined: the node agent on hostb" in out, out
+        out = book.run("%%on_ranks\nimport os, socket\nt = torch.tensor([float(rank + 1)]); dist.all_reduce(t)\n"
+                       "print(int(t.item()), socket.gethostname(), os.environ['SLURM_JOB_ID'])")
+        assert re.search(r"\[ranks 0,1\] 10 hosta \d+", out) and re.search(r"\[ranks 2,3\] 10 hostb \d+", out), out
+        book.run("%dist_shutdown")
+        deadline = time.monotonic() + 10
+        while (distnb_pids(net, "hostb") or distnb_pids(net, "hosta")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not distnb_pids(net, "hostb") + distnb_pids(net, "hosta")
+    finally:
+        book.close()
