@@ -290,6 +290,12 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
     if entered:
         # They did enter #k, with something else: a mismatch that let them finish (or abort).
         at = {p.rank: log.log.pending(p.rank) or {"op": p.op or "?"} for p in waiting} | entered
+        if all("sizes" in e for e in at.values()) and len({signature(e) for e in at.values()}) == 1:
+            # The same call everywhere: gloo's ranks leave an all_reduce at different times, and on a
+            # slow link the last ones are still moving data when the first have finished.
+            return Diagnosis("slow", f"every rank entered the same {head.op} #{head.seq} on group {head.group}; "
+                             f"{format_ranks(list(entered))} finished it, {format_ranks([p.rank for p in waiting])} "
+                             "are still finishing it (a large transfer or a slow link): slow, not a hang.", positions)
         kind = "different ops" if any(e["op"] != head.op for e in entered.values()) else _mismatch(list(at.values()))
         detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by((r, describe(e)) for r, e in sorted(at.items())))
         odd = odd_ones({r: signature(e) if "sizes" in e else e["op"] for r, e in at.items()})

@@ -103,6 +103,14 @@ class Cluster:
         out = _ip("netns", "pids", self.hosts[name].netns, check=False).stdout
         return [int(p) for p in out.split()]
 
+    def shape(self, name: str, rate: str | None) -> None:
+        """Limit host ``name``'s link to ``rate`` (e.g. "4mbit") both ways with tbf, or lift the
+        limit (None). tbf, not netem: kernels without sch_netem (CONFIG_NET_SCH_NETEM) have tbf."""
+        host = self.hosts[name]
+        for prefix, dev in ((["ip", "netns", "exec", host.netns], host.iface), ([], host.veth)):
+            args = ["replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "16kbit", "latency", "2s"] if rate else ["del", "dev", dev, "root"]
+            subprocess.run([*prefix, "tc", "qdisc", *args], check=rate is not None, capture_output=True, timeout=20)
+
     def set_link(self, name: str, up: bool) -> None:
         _ip("link", "set", self.hosts[name].veth, "up" if up else "down")
 

@@ -23,6 +23,7 @@ from typing import Iterator
 import pytest
 
 from distnb import _processes
+from distnb.ranks import parse_ranks
 from conftest import RUN_MARK, cmdline, started_pids
 from netns import Cluster, netns_unavailable
 from slurm_cluster import Slurm, slurm_unavailable
@@ -174,6 +175,24 @@ def test_curve_refuses_a_wrong_key_client_across_the_bridge(net: Cluster, nb: No
     assert out.stdout.strip() == "no answer", out.stdout + out.stderr
     assert pool_info(nb)["rejected"] > before["rejected"]
     assert "refused" in nb.run("%dist_status")
+
+
+def test_a_slow_link_is_slow_not_a_hang(net: Cluster, nb: Notebook) -> None:
+    """hostb's link limited to 4 Mbit/s (tbf: this kernel has no sch_netem for delay): a 2 MB
+    all_reduce takes seconds, and the hang watch calls it slow throughout, never a hang or a mismatch."""
+    net.shape("hostb", "4mbit")
+    try:
+        started = time.monotonic()
+        out = nb.run("%%on_ranks --hang-after 1\nt = torch.ones(500_000); dist.all_reduce(t); print(int(t[0]))", timeout=60)
+        took = time.monotonic() - started
+    finally:
+        net.shape("hostb", None)
+    print(f"all_reduce of 2 MB over 4 Mbit/s: {took:.1f} s")
+    # The ranks leave the all_reduce at different times, so their lines may come in several groups.
+    printed = [r for spec in re.findall(r"^\[ranks? ([\d,-]+)\] 4$", out, re.M) for r in parse_ranks(spec, 4)]
+    assert sorted(printed) == [0, 1, 2, 3], out
+    assert "slow, not a hang" in out and "mismatch" not in out, out
+    assert took > 2, f"the link was not slow ({took:.1f} s)"
 
 
 def test_a_link_down_mid_cell_is_a_lost_machine(net: Cluster, nb: Notebook) -> None:
