@@ -16,6 +16,7 @@ from distnb.config import LaunchConfig
 from distnb.errors import LaunchError
 from distnb.launcher import Launcher
 from distnb.multinode import MultiNode
+from distnb.network import SOCKET_IFNAME_VARS
 from distnb.results import RankState
 from distnb.tracker import Tracker
 
@@ -66,18 +67,49 @@ def start_failure(tracker: Tracker, launcher: Launcher, multinode: MultiNode | N
             tail = (first.stderr_tail or "\n".join(first.log)).strip()
             if tail:
                 why += "; its last output:\n" + "\n".join(tail.splitlines()[-15:])
-        return LaunchError(f"rank {first.rank} failed to start: {why}\nThe other ranks were stopped.", rank=first.rank)
+        return LaunchError(f"rank {first.rank} failed to start: {why}\nThe other ranks were stopped."
+                           + _mesh_hint(why, launcher, multinode), rank=first.rank)
     remote = multinode.start_failure() if multinode is not None else None
     if remote is not None:
-        return LaunchError(remote)
+        return LaunchError(remote + _rendezvous_hint(remote, launcher, multinode))
     rc = launcher.returncode()
     if rc is not None:
         return LaunchError(
             f"torchrun exited ({_processes.signal_meaning(rc)}) before every rank was ready. "
             f"Its last output:\n{launcher.tail_text(20)}\n"
             "Check that torch.distributed works here (python -m distnb doctor), then launch again."
+            + _rendezvous_hint(launcher.tail_text(20), launcher, multinode)
         )
     return None
+
+
+def _network(launcher: Launcher, multinode: MultiNode) -> str:
+    """What this machine told torchrun and the backends about the network."""
+    env = launcher.environment()
+    pinned = ", ".join(f"{v}={env[v]}" for v in SOCKET_IFNAME_VARS if env.get(v)) or "no GLOO_SOCKET_IFNAME"
+    return f"this machine: --local-addr {multinode.rdzv.local_addr or '(its name)'}, {pinned}; rendezvous {multinode.rdzv.endpoint}"
+
+
+def _mesh_hint(error: str, launcher: Launcher, multinode: MultiNode | None) -> str:
+    """A rank's process group could not connect its peers: say which addresses it was given."""
+    if multinode is None or not any(w in error for w in ("connectFullMesh", "timed out connecting", "Connection refused")):
+        return ""
+    loopback = " A rank was given a loopback address (remote=[127.…]) for a peer on another machine." if "remote=[127." in error else ""
+    return (f"\nThe ranks could not connect to each other across machines.{loopback} Here {_network(launcher, multinode)}; "
+            "the other machines use the interface that reaches this one. Let TCP through between the machines (gloo and "
+            "NCCL pick ports at random), and set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (--env) only to an interface every "
+            "machine has, never lo.")
+
+
+def _rendezvous_hint(text: str, launcher: Launcher, multinode: MultiNode | None) -> str:
+    """torchrun's words for an unreachable rendezvous, in terms of what the user can change."""
+    if multinode is None or not any(w in text for w in ("MASTER_ADDR", "DistStoreError", "RendezvousTimeoutError", "RendezvousConnectionError")):
+        return ""
+    return ("\nThe machines' torchruns could not complete the c10d rendezvous: every machine must reach the rendezvous "
+            "endpoint, and the address the first node publishes as MASTER_ADDR (its --local-addr, set by distnb to the "
+            f"address each node reaches the notebook's machine from). Here {_network(launcher, multinode)}. Check the "
+            "firewall between the machines (the rendezvous port and the controller's port), or give --rdzv-endpoint "
+            "ADDRESS:PORT with an address every machine reaches.")
 
 
 def _timeout(tracker: Tracker, launcher: Launcher, config: LaunchConfig, multinode: MultiNode | None,
@@ -85,6 +117,12 @@ def _timeout(tracker: Tracker, launcher: Launcher, config: LaunchConfig, multino
     missing = {r: s.value for r, s in stages.items() if s != RankState.IDLE}
     detail = ", ".join(f"rank {r}: {s}" for r, s in missing.items())
     nodes = multinode.timeout_text(launcher.pid) if multinode is not None else ""
+    if multinode is not None and missing and all(s == RankState.CONNECTED.value for s in missing.values()):
+        nodes += ("Every rank reached the notebook, but the process group did not form: the ranks could not connect to "
+                  f"each other. Here {_network(launcher, multinode)}; the other "
+                  "machines use the interface that reaches this one. Let TCP through between the machines on that network "
+                  "(gloo and NCCL pick ports at random), or set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (--env) to an "
+                  "interface name every machine has.\n")
     return LaunchError(
         f"the pool did not start within {config.start_timeout:g} s ({detail}).\n{nodes}"
         f"torchrun's last output:\n{launcher.tail_text(15)}\n"

@@ -132,6 +132,27 @@ def distnb_pids(net: Cluster, host: str) -> list[str]:
     return [f"{p}: {cmdline(p)}" for p in net.pids(host) if re.search(r"distnb\.(node|worker)|torch\.distributed\.run", cmdline(p))]
 
 
+def test_one_interface_name_for_every_host_is_refused_by_the_host_without_it(net: Cluster, nb: Notebook) -> None:
+    """The issue's launch: the notebook host's interface pinned for every host with --env."""
+    a, b = net.hosts["hosta"], net.hosts["hostb"]
+    started = time.monotonic()
+    out = nb.run(f"%dist_launch --nnodes 2 -n 1 --backend gloo --hosts {b.addr} --bind {a.addr} --rdzv-endpoint {a.addr}:29411 "
+                 f"--env GLOO_SOCKET_IFNAME={a.iface} --start-timeout 60", timeout=90, ok=False)
+    assert time.monotonic() - started < 30, out
+    assert f"GLOO_SOCKET_IFNAME={a.iface} names an interface hostb does not have; its interfaces: lo" in out, out
+    assert f"{b.iface} ({b.addr}" in out and "Drop GLOO_SOCKET_IFNAME from --env" in out, out
+
+
+def test_ranks_that_cannot_reach_each_other_are_told_why(net: Cluster, nb: Notebook) -> None:
+    """Every host's gloo pinned to loopback: the ranks reach the notebook but never each other."""
+    a, b = net.hosts["hosta"], net.hosts["hostb"]
+    out = nb.run(f"%dist_launch --nnodes 2 -n 1 --backend gloo --hosts {b.addr} --bind {a.addr} --env GLOO_SOCKET_IFNAME=lo "
+                 "--start-timeout 40", timeout=60, ok=False)
+    assert "Gloo connectFullMesh failed" in out, out
+    assert "The ranks could not connect to each other across machines. A rank was given a loopback address" in out, out
+    assert f"--local-addr {a.addr}, GLOO_SOCKET_IFNAME=lo, NCCL_SOCKET_IFNAME=net-hosta" in out, out
+
+
 def test_launch_over_real_ssh_spans_both_hosts(net: Cluster, nb: Notebook) -> None:
     a, b = net.hosts["hosta"], net.hosts["hostb"]
     out = nb.run(f"%dist_launch --nnodes 2 -n 2 --backend gloo --hosts {b.addr} --bind {a.addr} --curve --start-timeout 90", timeout=120)
