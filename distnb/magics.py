@@ -13,7 +13,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from distnb.display.text import LivePrinter, StartProgress
-from distnb.display.widgets import CellView, widgets_available
+from distnb.display.cell_display import CellDisplay
+from distnb.display.widgets import widgets_available
 from distnb.errors import NoPoolError
 from distnb.config import LaunchConfig
 from distnb.magic_support import current, parse as _parse, show_checks, show_figure, usage_errors as _usage_errors
@@ -41,7 +42,7 @@ def _print_note(text: str) -> None:
 class _HangWatch:
     """While a cell runs: flush live output, and once ranks disagree for a while, say why."""
 
-    def __init__(self, pool: Pool, result: CellResult, hang_after: float, printer: LivePrinter, view: Any = None) -> None:
+    def __init__(self, pool: Pool, result: CellResult, hang_after: float, printer: LivePrinter, view: CellDisplay | None = None) -> None:
         self._pool = pool
         self._result = result
         self._hang_after = hang_after
@@ -56,7 +57,10 @@ class _HangWatch:
         else:
             self._printer.flush()
         now = time.monotonic()
-        if now < self._next or not result.running or self._pool.debugger.pending(result):
+        paused = bool(self._pool.debugger.pending(result))
+        if paused and self._view is not None:
+            self._view.go_live()  # the user is about to be asked: show what the ranks printed so far
+        if now < self._next or not result.running or paused:
             return  # (the debugger console says where paused ranks are)
         self._next = now + 1.0
         try:
@@ -76,7 +80,7 @@ class _HangWatch:
                 print(diag_text, file=sys.stderr)
 
 
-def _follow(pool: Pool, result: CellResult, view: Any) -> None:
+def _follow(pool: Pool, result: CellResult, view: CellDisplay) -> None:
     """Keep a background cell's widget view updating until the cell ends."""
     pool.wait(result, on_tick=view.tick, tick=0.25, ask=None)  # prompts wait for %dist_wait, on the kernel's thread
     view.finish(result)
@@ -270,26 +274,24 @@ class DistMagics(Magics):
             print("[distnb] nothing was sent to the ranks.", file=sys.stderr)
             return
         pool = self._pool()
-        view = None
-        printer: LivePrinter
+        view: CellDisplay | None = None
+        printer = LivePrinter()
         if widgets_available():
             with _usage_errors():
-                view = CellView(-1, parse_ranks(args.ranks, pool.world_size))
-            printer = view.printer
+                view = CellDisplay(parse_ranks(args.ranks, pool.world_size), output=not args.quiet)
             events = CellEvents(on_output=None if args.quiet else view.feed, on_display=view.display_bundle, on_rank_done=view.rank_done)
         else:
-            printer = LivePrinter()
             events = CellEvents(on_output=None if args.quiet else printer.feed, on_display=printer.display_bundle, on_rank_done=printer.rank_done)
         with _usage_errors():
             result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None, profile=args.profile, pdb=args.pdb)
         self._user_ns["_dist"] = result
         if view is not None:
             view.cell = result.cell
-            view.show()
         if args.bg:
             print(f"cell {result.cell} is running in the background on {format_ranks(result.ranks)}; "
                   "_dist holds its live result; %dist_stacks shows where it is, %dist_wait shows its output.")
             if view is not None:
+                view.go_live()
                 threading.Thread(target=_follow, args=(pool, result, view), name="distnb-view", daemon=True).start()
             return
         watch = _HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, printer, view)

@@ -172,9 +172,10 @@ def run_all(page, url: str) -> None:
     page.get_by_text("Run All Cells", exact=True).click()
 
 
-def run_quickstart(sync_api, url: str, check) -> None:
+def run_quickstart(sync_api, url: str, check, live_shot: Path | None = None) -> None:
     """Open ``url`` (the quickstart in Lab or Notebook 7), wait for an idle kernel, Run All Cells,
-    check distnb's widgets, then call ``check(page)`` for the frontend's own checks and screenshots."""
+    check distnb's live and finished views (a screenshot of the live one to ``live_shot``), then call
+    ``check(page)`` for the frontend's own checks and screenshots."""
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
@@ -185,21 +186,30 @@ def run_quickstart(sync_api, url: str, check) -> None:
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             run_all(page, url)
+            # A cell that runs past its first ticks (the hang, 4 s) gets the live widget view:
+            # per-rank tabs and the diagnosis, drawn by the frontend's widget manager.
+            tabs = page.locator(".jp-OutputArea .lm-TabBar-tab, .jp-OutputArea .p-TabBar-tab")
+            tabs.filter(has_text="rank 1").first.wait_for(state="attached", timeout=300_000)  # (in the closed "per rank")
+            assert tabs.filter(has_text="rank 0").count() >= 1
+            if live_shot is not None:
+                page.locator(".jp-Cell").nth(9).screenshot(path=str(live_shot))
             page.wait_for_function(
                 "() => document.querySelector('.jp-Notebook').innerText.includes('pool stopped')", timeout=300_000
             )
             text = page.locator(".jp-Notebook").inner_text()
-            # The live cell view: per-rank tabs, grouped output, diagnosis, memory plot.
-            tabs = page.locator(".jp-OutputArea .lm-TabBar-tab, .jp-OutputArea .p-TabBar-tab")
-            assert tabs.filter(has_text="rank 0").count() >= 1 and tabs.filter(has_text="rank 1").count() >= 1
+            # Every finished cell handed its widgets back, leaving its static view: grouped output,
+            # diagnosis, memory plot, and a <details> per rank.
+            assert tabs.count() == 0, "a finished cell still shows widgets"
             assert "[ranks 0,1] hello from the pool" in text
             assert "rank-conditional collective" in text
             assert page.locator(".jp-OutputArea img[src^='data:image/png']").count() >= 1
             hello = page.locator(".jp-Cell").nth(5)  # the cell printing from every rank
-            hello.get_by_text("per rank").click()
-            hello.get_by_text("rank 1", exact=True).click()
+            assert "rank 1 of 2 on cpu" in hello.inner_text()  # the grouped output
+            hello.locator("summary", has_text="per rank").click()
+            rank1 = hello.locator("details details", has_text="rank 1")
+            rank1.locator("summary").click()
             page.wait_for_timeout(300)
-            assert "rank 1 of 2 on cpu" in hello.inner_text()
+            assert "rank 1 of 2 on cpu" in rank1.inner_text() and "hello from the pool" in rank1.inner_text()
             check(page)
         finally:
             browser.close()
@@ -213,8 +223,8 @@ def test_quickstart_widgets_render_in_jupyterlab(lab: str, shots: Path) -> None:
         page.locator(".jp-Cell").nth(9).screenshot(path=str(shots / "hang_diagnosis.png"))
         page.screenshot(path=str(shots / "quickstart.png"), full_page=False)
 
-    run_quickstart(sync_api, f"{lab}/lab/tree/quickstart.ipynb", snap)
-    for name in ("cell_view.png", "hang_diagnosis.png", "quickstart.png"):
+    run_quickstart(sync_api, f"{lab}/lab/tree/quickstart.ipynb", snap, live_shot=shots / "live_view.png")
+    for name in ("cell_view.png", "hang_diagnosis.png", "quickstart.png", "live_view.png"):
         assert (shots / name).stat().st_size > 10_000
 
 

@@ -101,7 +101,7 @@ def test_breakpoint_input_and_post_mortem_in_a_real_kernel(leak_check, tmp_path:
 
         # Post-mortem at the root-cause rank, then --pdb.
         content, out = fe.run("%%on_ranks\ndef dbg_f(v):\n    dbg_local = v * 2\n    raise KeyError(dbg_local)\nif rank == 3:\n    dbg_f(5)")
-        assert "KeyError" in fe.run("print(_dist.text())")[1]  # (the cell's own view is a widget)
+        assert "KeyError" in fe.run("print(_dist.text())")[1]  # _dist holds the failed cell
         fe.prompts.clear()
         content, out = fe.run("%dist_debug", "p dbg_local", "q")
         assert fe.prompts == ["[rank 3] (Pdb) "] * 2 and "rank 3 is in post-mortem at dbg_f() (cell" in out and "[rank 3] 10" in out, out

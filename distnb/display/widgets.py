@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from distnb.display.static import STATE_COLOURS
 from distnb.display.text import LivePrinter, kept_per_stream
 from distnb.ranks import format_ranks
 from distnb.results import CellResult, RankResult, prefix_lines
@@ -43,7 +44,6 @@ SYNC_RATE = 1 << 20
 #: colours render in JupyterLab, Notebook 7 and VS Code output; the mark survives without them).
 DIFF_START, DIFF_END = "\x1b[35m≠ ", "\x1b[0m"
 
-_STATE_COLOURS = {"running": "#1f6feb", "ok": "#1a7f37", "failed": "#cf222e", "timed out": "#9a6700", "detached": "#9a6700"}
 
 
 def widgets_available() -> bool:
@@ -236,14 +236,16 @@ class CellView:
         rank_max_lines: int = RANK_MAX_LINES,
         max_lines: int = GROUPED_MAX_LINES,
         max_chars: int = GROUPED_MAX_CHARS,
+        started: float | None = None,
     ) -> None:
+        """``started``: when the cell started (``time.monotonic()``), if before this view."""
         import ipywidgets as w
 
         self.cell = cell
         self.ranks = list(ranks)
         self._lock = threading.Lock()
         self._done: set[int] = set()
-        self._start = time.monotonic()
+        self._start = time.monotonic() if started is None else started
         self._result: CellResult | None = None
         self._diagnosis = ""
         self._handle: Any = None
@@ -374,7 +376,7 @@ class CellView:
         with self._lock:
             done = len(self._done)
         elapsed = (self._result.elapsed if self._result else time.monotonic() - self._start)
-        colour = _STATE_COLOURS.get(state, "#57606a")
+        colour = STATE_COLOURS.get(state, "#57606a")
         self.header.value = (
             f"<b>cell {self.cell}</b> on {html.escape(format_ranks(self.ranks))} · "
             f"<span style='color:{colour}'><b>{html.escape(state)}</b></span> · {elapsed:.2f} s · "
@@ -407,11 +409,13 @@ class CellView:
         self._twin_sent, self._twin_at = text, now
         self._handle.update(self)
 
-    def show(self) -> None:
-        """Display the view, keeping a handle so that :meth:`finish` can refresh its text twin."""
+    def show(self) -> Any:
+        """Display the view, keeping a handle so that :meth:`finish` can refresh its text twin;
+        returns the handle."""
         from IPython.display import display
 
         self._handle = display(self, display_id=True)
+        return self._handle
 
     # -- display --------------------------------------------------------------------------------
     def text(self) -> str:
