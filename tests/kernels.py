@@ -28,3 +28,15 @@ class Kernel:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=True)
         return reap_marked(self.mark, self.token)
+
+    def run(self, code: str, timeout: float = 120) -> str:
+        """Run ``code`` to the end; return what its streams printed (raising if it failed)."""
+        texts: list[str] = []
+
+        def output(msg: dict) -> None:
+            if msg["msg_type"] == "stream":
+                texts.append(msg["content"]["text"])
+
+        reply = self.kc.execute_interactive(code, output_hook=output, timeout=timeout)
+        assert reply["content"]["status"] == "ok", (code, reply["content"])
+        return "".join(texts)

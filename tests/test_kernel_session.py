@@ -1,0 +1,46 @@
+"""A long notebook session in a real kernel: finished cells hand their widgets back, and the
+kernel's GC-tracked objects grow only by the small record each cell keeps for replay and export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kernels
+
+pytestmark = pytest.mark.slow  # a kernel and a pool
+
+MARK = "DISTNB_SESSION_TEST"
+PROBE = ("import gc, json\nfrom ipywidgets.widgets.widget import _instances\ngc.collect()\n"
+         "print(json.dumps({'widgets': len(_instances), 'objects': len(gc.get_objects())}))")
+
+
+@pytest.mark.timeout(300)
+def test_hundreds_of_cells_leave_no_widget_and_little_else(leak_check, tmp_path: Path) -> None:
+    kernel = kernels.Kernel(tmp_path, MARK)
+    try:
+        kernel.run("%load_ext distnb\n%dist_launch -n 2 --backend gloo")
+        for _ in range(120):  # past the session log's 100 full results: older cells shrink to records
+            kernel.run("%%on_ranks\nx = 1")
+        before = json.loads(kernel.run(PROBE))
+        # A slow cell goes live (widgets), a failing one and one with output stay static.
+        kernel.run("%%on_ranks\nimport time\ntime.sleep(1.0)\nprint('slow', rank)")
+        assert json.loads(kernel.run("from ipywidgets.widgets.widget import _instances\nprint(len(_instances))")) == before["widgets"]
+        kernel.run("%%on_ranks\nif rank == 1:\n    raise ValueError('x')")
+        cells = 300
+        for i in range(cells):
+            kernel.run(f"%%on_ranks\nx = {i}\nprint(x) if x % 50 == 0 else None")
+        after = json.loads(kernel.run(PROBE))
+        assert after["widgets"] == before["widgets"], (before, after)
+        for i in range(cells):  # the kernel's own floor: the same cells, run in the notebook
+            kernel.run(f"x = {i}\nprint(x) if x % 50 == 0 else None")
+        floor = json.loads(kernel.run(PROBE))
+        # Beyond the kernel's own history (a tuple and a list per cell), distnb keeps one CellRecord
+        # per cell (for %dist_restart --replay and %dist_export), and nothing else.
+        extra = (after["objects"] - before["objects"]) - (floor["objects"] - after["objects"])
+        assert extra <= cells + 30, (before, after, floor)
+        kernel.run("%dist_shutdown")
+    finally:
+        assert not kernel.close()
