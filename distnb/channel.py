@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import zmq
 
 from distnb._zmq_io import NOBLOCK, recv_frames, send_frames
-from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, parse_identity, socket_max_msgsize
+from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, generation_of, parse_identity, socket_max_msgsize
 from distnb.security import Credentials
 
 __all__ = ["Channel"]
@@ -61,6 +61,9 @@ class Channel:
         # ``_local_ends``), so each sender's frames reach a peer in the order they were signed.
         self._key = creds.key
         self._codec = Codec(creds.key, "C")
+        #: Which ranks' connections (exec, control) messages go to and come from: 0 for the ranks
+        #: torchrun started, N after the Nth respawn (see protocol.exec_identity).
+        self.generation = 0
         self._senders = itertools.count(1)
         self._guard = ReplayGuard()
         self._on_message = on_message
@@ -146,7 +149,10 @@ class Channel:
             send_frames(sock, [_FANOUT, b" ".join(ids), *signed])
 
     def _route(self, identities: list[bytes], signed: list[Any]) -> None:
+        generation = self.generation
         for identity in identities:
+            if generation and identity[:1] in (b"x", b"c"):
+                identity = b"%s.%d" % (identity, generation)  # the ranks' current connections (exec_identity)
             try:
                 send_frames(self._router, [identity, *signed])
             except zmq.ZMQError:  # peer not (or no longer) connected
@@ -229,6 +235,8 @@ class Channel:
             msg = self._codec.decode(frames[1:])
             if msg.get("_s") != frames[0].decode():
                 raise BadFrame("sender name does not match its connection")
+            if kind in ("x", "c") and generation_of(frames[0]) != self.generation:
+                return  # signed, but from a rank a respawn replaced, heard late: its pool is gone
             # Only now: a frame carrying another peer's name must not move that peer's counter
             # forward, or the real peer's next frames would all look like replays.
             self._guard.check(msg["_s"], msg["_n"])

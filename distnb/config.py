@@ -100,6 +100,9 @@ class LaunchConfig:
         share_gpus: put several ranks on each GPU (``nproc`` may exceed the GPUs; ranks take
             ``LOCAL_RANK % GPUs``): NCCL with each rank posing as its own host and talking over
             loopback sockets. To rehearse an NCCL hang with 4 ranks on one GPU; slow, one machine.
+        spares: keep a spare process per rank that has imported torch already, so that a restart
+            starts fresh ranks under the running torchrun in about a second (one idle Python with
+            torch per rank; started once the pool is ready).
         debug: debug switches: ``"detail"`` (TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched
             collectives raise an error naming the field instead of aborting the process) and
             ``"nccl"`` (NCCL_DEBUG=INFO with the init, network and collective subsystems).
@@ -123,6 +126,7 @@ class LaunchConfig:
     node_python: str | None = None
     local_nodes: bool = False
     share_gpus: bool = False
+    spares: bool = True
 
     def __post_init__(self) -> None:
         if self.nproc is None:

@@ -122,6 +122,8 @@ class DistMagics(Magics):
               help="Run the other nodes' agents on this machine too: rehearse a multi-node layout (RANK vs LOCAL_RANK, GROUP_RANK) on one box; gloo.")
     @argument("--share-gpus", action="store_true",
               help="Several NCCL ranks per GPU over loopback (e.g. -n 4 on one GPU): rehearse NCCL hangs on fewer GPUs; slow.")
+    @argument("--no-spares", action="store_true",
+              help="Don't keep a spare process per rank (torch imported, idle) that makes %%dist_restart take about a second.")
     @argument("--slurm", action="store_true", help="Inside a Slurm allocation: start a node agent on every other node with srun.")
     @argument("--curve", action="store_true", help="Encrypt the control plane (CURVE) and admit only clients holding the pool's key.")
     @argument("--key-file", default=None, metavar="FILE", help="Where to write the key the other machines read (default ~/.distnb/keys/<pool>.key).")
@@ -155,7 +157,7 @@ class DistMagics(Magics):
             options["hosts"] = tuple(h for h in args.hosts.split(",") if h.strip())
             if not options["hosts"]:
                 raise UsageError("--hosts needs at least one host name, e.g. --hosts node2,node3.")
-        options.update(slurm=args.slurm, curve=args.curve, local_nodes=args.local_nodes, share_gpus=args.share_gpus)
+        options.update(slurm=args.slurm, curve=args.curve, local_nodes=args.local_nodes, share_gpus=args.share_gpus, spares=not args.no_spares)
         try:
             config = LaunchConfig(**options)
         except ValueError as exc:
@@ -184,12 +186,15 @@ class DistMagics(Magics):
 
     @magic_arguments()
     @argument("--replay", action="store_true", help="Re-run, in order, the cells that succeeded since launch.")
+    @argument("--full", action="store_true", help="Restart torchrun and the supervisors too (what a restart falls back to by itself when one is gone).")
     @line_magic
     def dist_restart(self, line: str) -> None:
-        """Replace every rank with a fresh one, same configuration (namespaces start empty).
+        """Replace every rank with a fresh process, same configuration (namespaces start empty).
 
-        Works on a pool with hung or dead ranks. With --replay, the cells that succeeded since
-        launch run again, so the pool is back at the step before the failure.
+        Works on a pool with hung or dead ranks. The fresh ranks start under the running torchrun
+        from spares that imported torch already (about a second); where a supervisor, torchrun or a
+        machine is gone — or with --full — everything restarts. With --replay, the cells that
+        succeeded since launch run again, so the pool is back at the step before the failure.
         """
         args = _parse(self.dist_restart, line)
         pool = self._pool()
@@ -202,7 +207,7 @@ class DistMagics(Magics):
                 print(result.outcome_text(), file=sys.stderr)
 
         with _usage_errors():
-            pool.restart(on_progress=StartProgress(self._in_kernel()), replay=args.replay, on_replay=replayed, on_note=_print_note)
+            pool.restart(on_progress=StartProgress(self._in_kernel()), replay=args.replay, on_replay=replayed, on_note=_print_note, full=args.full)
         print(pool.status().text())
 
     @magic_arguments()

@@ -37,7 +37,7 @@ from distnb.results import CellRecord, CellResult, EnvReport, PoolState, PoolSta
 from distnb.security import Credentials
 from distnb.session import SessionLog
 from distnb.stacks import StackReport
-from distnb.startup import OnNote, OnProgress, wait_ready
+from distnb.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.tracker import CellEvents, Tracker, run_of
 from distnb.values import errors_of, fetch_value, pack_values, send_values
 
@@ -81,6 +81,7 @@ class Pool:
         node_python: str | None = None,
         local_nodes: bool | None = None,
         share_gpus: bool | None = None,
+        spares: bool | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "config") and v is not None}
         if config is not None and options:
@@ -94,6 +95,7 @@ class Pool:
         self._launcher: Launcher | None = None
         self._multinode: MultiNode | None = None
         self._regroups = 0
+        self._respawns = 0
         _live_pools.add(self)
 
     # -- read-only views of the parts -----------------------------------------------------------
@@ -197,6 +199,7 @@ class Pool:
         except BaseException:
             self._teardown()
             raise
+        request_spares(self._channel, config)
         self._session.mark_launch()
         _current = self
         return self
@@ -242,32 +245,33 @@ class Pool:
         replay: bool = False,
         on_replay: Callable[[CellResult], None] | None = None,
         on_note: OnNote | None = None,
+        full: bool = False,
     ) -> Pool:
         """Fresh ranks with the same configuration (cell numbers keep counting).
+
+        Fresh rank processes start under the running torchrun and supervisors, from spares that
+        have imported torch already (see :attr:`LaunchConfig.spares`); where that can't be done (a
+        supervisor or torchrun gone, a machine lost) or ``full`` is asked, everything restarts.
 
         With ``replay``, the cells that succeeded since the last launch are re-run in order on
         the same ranks, with the values pushed between them, bringing the fresh pool back to the
         state before a failure. Replay stops at the first cell that fails this time.
         """
         steps = self._session.since_launch() if replay else []
-        self.shutdown()
-        self.start(on_progress, on_note)
-        for old in steps:
-            if isinstance(old, PushRecord):
-                if old.blob is None:
-                    raise RemoteError(
-                        f"replay stopped: the values pushed before cell {self._session.cell_at(old.position)} "
-                        f"({', '.join(old.names)}) were too large to keep; push them again and re-run from there."
-                    )
-                self._push_blob(old.blob, list(old.ranks), old.names)
-                self._session.add_push(old.ranks, old.names, old.blob)  # again: a later replay starts here
-            elif old.ok:
-                result = self.run(old.code, old.ranks)
-                if on_replay is not None:
-                    on_replay(result)
-                if not result.ok:
-                    break
+        if full or not self._respawn(on_progress, on_note):
+            self.shutdown()
+            self.start(on_progress, on_note)
+        self._session.replay(steps, lambda code, ranks: self.run(code, ranks), self._push_blob, on_replay)
         return self
+
+    def _respawn(self, on_progress: OnProgress | None, on_note: OnNote | None) -> bool:
+        if self._channel is None or self._launcher is None or self._launcher.returncode() is not None:
+            return False
+        self._respawns += 1
+        if not respawn(self._tracker, self._channel, self._launcher, self._config, self._multinode, self._respawns, on_progress, on_note):
+            return False
+        self._session.mark_launch()
+        return True
 
     def regroup(self) -> None:
         """Recover from a collective timeout without restarting processes: every rank replaces its

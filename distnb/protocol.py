@@ -54,6 +54,7 @@ __all__ = [
     "SupHello",
     "control_identity",
     "exec_identity",
+    "generation_of",
     "new_key",
     "node_identity",
     "parse_identity",
@@ -134,6 +135,8 @@ class Msg:
     # C -> s
     PING = "ping"  # the controller's heartbeat (also to node agents)
     FAULT_REQUEST = "fault_request"  # SIGUSR1 the rank so faulthandler dumps every thread
+    RESPAWN = "respawn"  # kill the rank; its spare (or a new process) joins process group generation N
+    SPARE = "spare"  # start a spare rank process (torch imported, waiting) for the next RESPAWN
     SHUTDOWN = "shutdown"  # also to node agents
     # n -> C (a node agent, ``python -m distnb.node``, on another machine)
     NODE_HELLO = "node_hello"
@@ -158,7 +161,8 @@ class SupHello(TypedDict, total=False):
     local_rank: int
     group_rank: int  # torchrun's GROUP_RANK: the node's index in the job
     agent: int  # the node agent that started it; 0: the controller's machine
-    child_pid: int  # in the second hello, once the rank process exists
+    child_pid: int  # in the second hello, once the rank process exists (again after each RESPAWN)
+    spare: bool  # with child_pid: the rank is a spare that had imported torch already
 
 
 class Output(TypedDict):
@@ -280,7 +284,7 @@ class Exec(TypedDict, total=False):
 class Request(TypedDict, total=False):
     """PUSH (values), PULL (names), CHECK (names), REGROUP (generation), STACKS (all_threads,
     collectives_since, calls_since), ENV, MEMORY, COLLECTIVES (since, calls_since), INTERRUPT
-    (cell), FAULT_REQUEST (wait)."""
+    (cell), FAULT_REQUEST (wait); to supervisors, unanswered: RESPAWN (generation), SPARE."""
 
     t: str
     id: str
@@ -336,12 +340,15 @@ def new_key() -> bytes:
     return secrets.token_bytes(32)
 
 
-def exec_identity(rank: int) -> bytes:
-    return b"x%d" % rank
+def exec_identity(rank: int, generation: int = 0) -> bytes:
+    """A rank's main-thread connection. Ranks respawned under a running torchrun (generation N > 0)
+    connect as ``x3.N``: a fresh name, so the controller's ROUTER never sees it while the old
+    rank's connection may still be open (ZMQ then silently ignores the newcomer for good)."""
+    return b"x%d" % rank if not generation else b"x%d.%d" % (rank, generation)
 
 
-def control_identity(rank: int) -> bytes:
-    return b"c%d" % rank
+def control_identity(rank: int, generation: int = 0) -> bytes:
+    return b"c%d" % rank if not generation else b"c%d.%d" % (rank, generation)
 
 
 def supervisor_identity(rank: int) -> bytes:
@@ -353,10 +360,18 @@ def node_identity(agent_id: int) -> bytes:
 
 
 def parse_identity(identity: bytes) -> tuple[str, int]:
-    """``b"x3"`` -> ``("x", 3)``; raises :class:`BadFrame` for anything else."""
-    if len(identity) < 2 or len(identity) > 24 or identity[:1] not in (b"x", b"c", b"s", b"n") or not identity[1:].isdigit():
+    """``b"x3"`` (or ``b"x3.2"``) -> ``("x", 3)``; raises :class:`BadFrame` for anything else."""
+    name, dot, generation = identity.partition(b".")
+    if (len(identity) < 2 or len(identity) > 24 or name[:1] not in (b"x", b"c", b"s", b"n") or not name[1:].isdigit()
+            or dot and (name[:1] not in (b"x", b"c") or not generation.isdigit())):
         raise BadFrame(f"unknown peer identity {identity[:16]!r}")
-    return identity[:1].decode(), int(identity[1:])
+    return name[:1].decode(), int(name[1:])
+
+
+def generation_of(identity: bytes) -> int:
+    """The respawn generation a rank's connection belongs to (0: the ranks torchrun started)."""
+    _, dot, generation = identity.partition(b".")
+    return int(generation) if dot and generation.isdigit() else 0
 
 
 class BadFrame(Exception):

@@ -40,6 +40,21 @@ class CellRun:
     def rank_finished(self, rank: int) -> bool:
         return rank not in self.waiting_done
 
+    def add_output(self, rank: int, stream: str, text: str, keep: int) -> None:
+        """Keep up to ``keep`` characters per rank and stream in the result (the rest is counted),
+        and pass every chunk on to the caller's view."""
+        res = self.result.results[rank]
+        room = keep - self.kept[(rank, stream)]
+        if room > 0:
+            kept = text[:room]
+            setattr(res, stream, getattr(res, stream) + kept)
+            self.kept[(rank, stream)] += len(kept)
+            res.output_truncated += len(text) - len(kept)
+        else:
+            res.output_truncated += len(text)
+        if self.events.on_output:
+            self.events.on_output(rank, stream, text)
+
     def strand(self, blocked: dict[int, str], dead: list[int], since_death: float) -> None:
         """End the cell for the notebook while ``blocked`` ranks (rank → what they wait in) stay
         blocked waiting for ``dead`` ones: the pool is broken, nothing else can free them."""

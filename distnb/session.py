@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 from distnb.config import LaunchConfig
+from distnb.errors import RemoteError
 from distnb.results import CellRecord, CellResult, PushRecord, Step
 
 __all__ = ["KEEP_PUSH_BYTES", "KEEP_RESULTS", "SessionLog"]
@@ -90,6 +91,26 @@ class SessionLog:
             if i < len(history):
                 steps.append(history[i])
         return steps
+
+    def replay(self, steps: list[Step], run: Callable[[str, Sequence[int]], CellResult],
+               push: Callable[[bytes, list[int], tuple[str, ...]], None], on_replay: Callable[[CellResult], None] | None = None) -> None:
+        """Do ``steps`` (:meth:`since_launch`) again on fresh ranks: each push, and each cell that
+        had succeeded, stopping at the first cell that fails this time."""
+        for old in steps:
+            if isinstance(old, PushRecord):
+                if old.blob is None:
+                    raise RemoteError(
+                        f"replay stopped: the values pushed before cell {self.cell_at(old.position)} "
+                        f"({', '.join(old.names)}) were too large to keep; push them again and re-run from there."
+                    )
+                push(old.blob, list(old.ranks), old.names)
+                self.add_push(old.ranks, old.names, old.blob)  # again: a later replay starts here
+            elif old.ok:
+                result = run(old.code, old.ranks)
+                if on_replay is not None:
+                    on_replay(result)
+                if not result.ok:
+                    break
 
     def cell_at(self, position: int) -> str:
         """The cell number at a history position, in words (``"the next cell"`` past the end)."""

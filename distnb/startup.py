@@ -12,18 +12,23 @@ import time
 from typing import Callable
 
 from distnb import _processes
+from distnb.channel import Channel
 from distnb.config import LaunchConfig
 from distnb.errors import LaunchError
 from distnb.launcher import Launcher
 from distnb.multinode import MultiNode
 from distnb.network import SOCKET_IFNAME_VARS
+from distnb.protocol import Msg, supervisor_identity
 from distnb.results import RankState
 from distnb.tracker import Tracker
 
-__all__ = ["wait_ready", "OnProgress", "OnNote"]
+__all__ = ["wait_ready", "respawn", "request_spares", "OnProgress", "OnNote", "RESPAWN_TIMEOUT"]
 
 OnProgress = Callable[[dict[int, RankState]], None]
 OnNote = Callable[[str], None]
+
+#: Seconds a respawn may take before the restart falls back to starting torchrun anew.
+RESPAWN_TIMEOUT = 60.0
 
 
 def wait_ready(
@@ -33,9 +38,10 @@ def wait_ready(
     multinode: MultiNode | None,
     on_progress: OnProgress | None = None,
     on_note: OnNote | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Return once the tracker has turned READY; raise :class:`LaunchError` on any failure."""
-    deadline = time.monotonic() + config.start_timeout
+    deadline = time.monotonic() + (config.start_timeout if timeout is None else timeout)
     last: dict[int, RankState] | None = None
     with tracker.changed:
         while True:
@@ -54,6 +60,33 @@ def wait_ready(
             if time.monotonic() > deadline:
                 raise _timeout(tracker, launcher, config, multinode, stages)
             tracker.changed.wait(0.1)
+
+
+def respawn(tracker: Tracker, channel: Channel, launcher: Launcher, config: LaunchConfig, multinode: MultiNode | None,
+            generation: int, on_progress: OnProgress | None = None, on_note: OnNote | None = None) -> bool:
+    """Fresh rank processes under the running torchrun: each supervisor kills its rank and wakes
+    its spare (or starts a new process), which joins process group ``generation`` under a store
+    prefix of its own. True once every rank is ready; False where a full restart is needed (a
+    supervisor gone; or the respawn failed, said through ``on_note``)."""
+    if not tracker.begin_respawn():
+        return False
+    channel.generation = generation
+    channel.send_many(map(supervisor_identity, range(config.world_size)), {"t": Msg.RESPAWN, "generation": generation})
+    try:
+        wait_ready(tracker, launcher, config, multinode, on_progress, on_note, timeout=min(config.start_timeout, RESPAWN_TIMEOUT))
+    except LaunchError as exc:
+        if on_note is not None:
+            on_note(f"fresh ranks under the running torchrun failed ({str(exc).splitlines()[0]}); starting torchrun anew")
+        return False
+    request_spares(channel, config)
+    return True
+
+
+def request_spares(channel: Channel, config: LaunchConfig) -> None:
+    """Each supervisor starts a spare for the next restart (once the ranks are ready, so that the
+    spares' imports don't slow the start)."""
+    if config.spares:
+        channel.send_many(map(supervisor_identity, range(config.world_size)), {"t": Msg.SPARE})
 
 
 def start_failure(tracker: Tracker, launcher: Launcher, multinode: MultiNode | None) -> LaunchError | None:

@@ -10,6 +10,7 @@ Pool::
 
     NEW ─► STARTING ─► READY ◄─► (BROKEN: a rank died) ─► STOPPING ─► STOPPED ─► STARTING …
                └──────────────────────────────────────────►┘
+    READY, BROKEN ─► STARTING: a respawn (fresh rank processes, torchrun and supervisors kept)
 
 Rank::
 
@@ -22,10 +23,11 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from distnb import _processes
 from distnb.cluster import Nodes
+from distnb.liveness import Liveness, supervisor_gone
 from distnb.collective_log import CollectiveLog, describe
 from distnb.position import position_at_death
 from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
@@ -47,8 +49,8 @@ STRAND_AFTER = 1.0
 _POOL_MOVES: dict[PoolState, set[PoolState]] = {
     PoolState.NEW: {PoolState.STARTING},
     PoolState.STARTING: {PoolState.READY, PoolState.STOPPING},
-    PoolState.READY: {PoolState.BROKEN, PoolState.STOPPING},
-    PoolState.BROKEN: {PoolState.STOPPING},
+    PoolState.READY: {PoolState.BROKEN, PoolState.STOPPING, PoolState.STARTING},  # STARTING: a respawn
+    PoolState.BROKEN: {PoolState.STOPPING, PoolState.STARTING},
     PoolState.STOPPING: {PoolState.STOPPED},
     PoolState.STOPPED: {PoolState.STARTING},
 }
@@ -60,14 +62,6 @@ _RANK_MOVES: dict[RankState, set[RankState]] = {
     RankState.RUNNING: {RankState.IDLE, RankState.DEAD},
     RankState.DEAD: set(),
 }
-
-
-class Liveness(Protocol):
-    """What the tracker needs of the launcher: which processes it started live, and torchrun's exit."""
-
-    known_pids: _processes.KnownProcesses
-
-    def returncode(self) -> int | None: ...
 
 
 class Tracker:
@@ -126,13 +120,37 @@ class Tracker:
         with self.lock:
             self._move(PoolState.STARTING)
             self.transport, self.liveness, self.nodes = transport, None, nodes
-            self.ranks = {r: RankRecord(r) for r in range(self.world_size)}
-            self._first_death = None
-            self._first_death_result = None
-            self._last_results = {}
-            self.notes = []
-            self.desync = []
-            self.collective_log.clear()
+            self._reset({r: RankRecord(r) for r in range(self.world_size)})
+
+    def _reset(self, ranks: dict[int, RankRecord]) -> None:
+        """What a new set of rank processes starts from."""
+        self.ranks = ranks
+        self._first_death = None
+        self._first_death_result = None
+        self._last_results = {}
+        self.notes = []
+        self.desync = []
+        self.collective_log.clear()
+
+    def begin_respawn(self) -> bool:
+        """READY/BROKEN -> STARTING for fresh rank processes under the same supervisors (which
+        stay up: their records are kept, the ranks' are new). Cells still running end as dead
+        ("its pool was restarted"). False, changing nothing, where a supervisor is gone."""
+        with self.lock:
+            if self._state not in (PoolState.READY, PoolState.BROKEN):
+                return False
+            if any(i.supervisor_pid is None or supervisor_gone(i, self.nodes, self.liveness) is not None for i in self.ranks.values()):
+                return False
+            for info in self.ranks.values():
+                if info.run is not None and info.state != RankState.DEAD:
+                    info.cause = "its pool was restarted"
+                    info.state = RankState.DEAD
+                    self._finish_rank_dead(info)
+            self._move(PoolState.STARTING)
+            self._reset({r: RankRecord(r, RankState.STARTED, supervisor_pid=i.supervisor_pid, host=i.host, local_rank=i.local_rank,
+                                       agent=i.agent, group_rank=i.group_rank, agent_beats=i.agent_beats)
+                         for r, i in self.ranks.items()})
+            return True
 
     def mark_ready(self) -> bool:
         """STARTING -> READY, atomically with the check that every rank is idle: a rank that died
@@ -365,19 +383,7 @@ class Tracker:
             info.log.append(text)
             del info.log[:-200]
             return
-        res = run.result.results[info.rank]
-        key = (info.rank, stream)
-        room = OUTPUT_KEEP_BYTES - run.kept[key]
-        if room > 0:
-            kept = text[:room]
-            setattr(res, stream, getattr(res, stream) + kept)
-            run.kept[key] += len(kept)
-            if len(kept) < len(text):
-                res.output_truncated += len(text) - len(kept)
-        else:
-            res.output_truncated += len(text)
-        if run.events.on_output:
-            run.events.on_output(info.rank, stream, text)
+        run.add_output(info.rank, stream, text, OUTPUT_KEEP_BYTES)
 
     def _maybe_finish(self, info: RankRecord) -> None:
         run = info.run
@@ -479,23 +485,10 @@ class Tracker:
                         res.cause = info.cause
 
     def _check_processes(self) -> None:
-        liveness = self.liveness
-        agent_rc = liveness.returncode() if liveness is not None else None
         for info in self.ranks.values():
-            if info.state == RankState.DEAD:
-                continue
-            if info.agent:  # on another machine: its agent knows
-                cause = self.nodes.rank_gone(info.agent, info.supervisor_pid, info.agent_beats)
-                if cause:
-                    info.cause = cause
-                    self._mark_dead(info)
-                continue
-            if liveness is None:  # no launcher yet: nothing it started can have gone
-                continue
-            # By PID and start time: a reused number must not make a dead supervisor look alive.
-            sup_gone = info.supervisor_pid is not None and not liveness.known_pids.is_alive(info.supervisor_pid)
-            if sup_gone or agent_rc is not None and info.supervisor_pid is None:
+            if info.state != RankState.DEAD and (cause := supervisor_gone(info, self.nodes, self.liveness)) is not None:
                 # No exit report is coming: the supervisor itself is gone (killed with the agent).
+                info.cause = cause or info.cause
                 self._mark_dead(info)
 
     def _poll_collectives(self) -> None:

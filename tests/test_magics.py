@@ -270,9 +270,9 @@ def test_restart_replay_magic_restores_state(sh: Shell) -> None:
     sh.line("dist_push", "rp_b")
     sh.cell("1", "rp_c = rp_a * 10")
     sh.cell("", "raise RuntimeError('not replayed')")
-    old = distnb.current_pool().pids()
+    old = rank_pids()
     _, out, err = sh.line("dist_restart", "--replay")
-    assert set(old).isdisjoint(distnb.current_pool().pids())
+    assert set(old).isdisjoint(rank_pids())
     assert re.search(r"replayed cell \d+ on ranks 0,1: ok  \| rp_a = 5", out), out
     assert re.search(r"replayed cell \d+ on rank 1: ok  \| rp_c = rp_a \* 10", out), out
     assert "not replayed" not in out + err
@@ -280,13 +280,20 @@ def test_restart_replay_magic_restores_state(sh: Shell) -> None:
     assert distnb.current_pool().pull("rp_c", ranks="1") == {1: 50}
 
 
+def rank_pids() -> list[int]:
+    return [r.pid for r in distnb.current_pool().status().ranks]
+
+
 def test_restart_gives_fresh_ranks(sh: Shell) -> None:
     sh.cell("", "marker = 1")
-    old = distnb.current_pool().pids()
+    old, agent = rank_pids(), distnb.current_pool().status().agent_pid
     _, out, _ = sh.line("dist_restart")
-    assert "pool ready" in out and set(old).isdisjoint(distnb.current_pool().pids())
+    assert "pool ready" in out and set(old).isdisjoint(rank_pids()) and distnb.current_pool().status().agent_pid == agent
     out, err = sh.cell("", "marker")
     assert "NameError" in err
+    old = distnb.current_pool().pids()  # torchrun, supervisors and ranks
+    _, out, _ = sh.line("dist_restart", "--full")
+    assert "pool ready" in out and set(old).isdisjoint(distnb.current_pool().pids())
 
 
 def test_shutdown_then_cells_are_usage_errors(sh: Shell) -> None:

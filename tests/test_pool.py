@@ -79,14 +79,14 @@ def test_context_manager_and_progress(leak_check):
 
 
 @pytest.mark.timeout(120)
-def test_restart_gives_new_processes_and_a_fresh_namespace(fresh_pool):
+def test_full_restart_gives_new_processes_and_a_fresh_namespace(fresh_pool):
     pool = fresh_pool(nproc=2)
     first = pool.run("rs_var = rank + 1\nrs_var")
     assert first.values == {0: "1", 1: "2"}
     old_pids = set(pool.pids())
     old_rank_pids = {r.pid for r in pool.status().ranks}
 
-    pool.restart()
+    pool.restart(full=True)
     track(pool)
     assert pool.state == PoolState.READY
     assert wait_gone(old_pids, 1.0) == []

@@ -94,11 +94,12 @@ class ControlThread(threading.Thread):
         self.rank = rank
         self.executor = executor
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, control_identity(rank))
+        name = control_identity(rank, int(os.environ.get("DISTNB_GENERATION", "0")))  # see exec_identity
+        self.sock.setsockopt(zmq.IDENTITY, name)
         self.sock.setsockopt(zmq.LINGER, 0)
         creds.secure_client(self.sock)
         self.sock.connect(addr)
-        self.codec = Codec(creds.key, f"c{rank}")
+        self.codec = Codec(creds.key, name.decode())
         self.guard = ReplayGuard()
         self.state = "starting"
         # DISTNB_FR_WATCH=0 turns the pushes off (benchmarks compare; the 1 s poll remains).

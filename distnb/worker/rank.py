@@ -37,6 +37,7 @@ from distnb.worker.control import ControlThread
 from distnb.worker.debug import Prompter, install as install_debugger
 from distnb.worker.execute import Executor, mimebundle
 from distnb.worker.flight_recorder import open_nccl
+from distnb.worker.regroup import regroup
 from distnb.worker.memory_sampler import MemorySampler
 from distnb.worker.profiling import run_profiled
 from distnb.worker.supervisor import write_event
@@ -47,12 +48,6 @@ _libc = ctypes.CDLL(None)
 #: ``sys.modules["__main__"].current`` (this module runs as ``__main__``).
 current: Rank | None = None
 
-
-#: Seconds a regroup waits for the old NCCL communicators to abort before abandoning them.
-ABORT_WAIT = 10.0
-
-#: Seconds into a regroup after which the rank prints every thread's stack (to its log).
-REGROUP_STACKS_AFTER = 20.0
 
 #: Seconds a check or pull waits for the rank's GPU to finish queued work before saying it is busy.
 DEVICE_WAIT = 3.0
@@ -157,11 +152,12 @@ class Rank:
         # bigger than any legitimate one is refused by libzmq instead of being buffered whole.
         self.ctx.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, exec_identity(self.rank))
+        self.generation = int(os.environ.get("DISTNB_GENERATION", "0"))
+        self.sock.setsockopt(zmq.IDENTITY, exec_identity(self.rank, self.generation))
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.creds.secure_client(self.sock)
         self.sock.connect(self.addr)
-        self.codec = Codec(self.creds.key, f"x{self.rank}")
+        self.codec = Codec(self.creds.key, exec_identity(self.rank, self.generation).decode())
         self.guard = ReplayGuard()
         self.send_lock = threading.Lock()
         self.stdio = (sys.stdout, sys.stderr)
@@ -251,6 +247,13 @@ class Rank:
         kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=self.pg_timeout)}
         if backend == "nccl":
             kwargs["device_id"] = device
+        if self.generation:
+            # A respawned rank (%dist_restart, torchrun kept): torchrun's store still holds the first
+            # group's keys, so this one lives under a prefix of its own.
+            from torch.distributed.rendezvous import rendezvous
+
+            store, _, _ = next(rendezvous("env://", timeout=timedelta(seconds=self.pg_timeout)))
+            kwargs.update(store=dist.PrefixStore(f"distnb/restart/{self.generation}", store), rank=self.rank, world_size=self.world_size)
         dist.init_process_group(**kwargs)
         if os.environ.get("DISTNB_CALL_LOG", "1") != "0":  # benchmarks compare without it
             install(self.executor.calls)
@@ -348,55 +351,7 @@ class Rank:
         self.send({**fields, "t": Msg.REPLY, "id": request["id"], "rank": self.rank})
 
     def regroup(self, generation: int) -> dict[str, Any]:
-        """Replace a poisoned default process group (a timeout, an aborted communicator) with a
-        fresh one on the same rendezvous store, keeping the process and its namespace.
-
-        NCCL: the old communicators are aborted, not destroyed (destroying one with a kernel
-        stuck on it can hang), and the new group initialises eagerly on this rank's device. The
-        new group lives under a store prefix of its own, so the old group's keys (a timeout-dump
-        marker, say) can't reach it."""
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        from distnb.worker.group_abort import abort_backends, forget_groups
-
-        try:
-            store = c10d._get_default_store()
-            backend = dist.get_backend()
-        except Exception as exc:
-            return {"status": "error", "error": f"rank {self.rank} has no default process group to replace: {exc}"}
-        self.executor.calls.reset()  # group names and counts start over with the new group
-        device = self.ns.get("device")
-        nccl = "nccl" in str(backend)
-        # A regroup that hangs (a communicator that won't abort, a peer that never joins) says where.
-        faulthandler.dump_traceback_later(REGROUP_STACKS_AFTER, file=sys.stderr)
-        print(f"distnb: rank {self.rank} replacing its process groups ({'abort' if nccl else 'destroy'}, then a new group)",
-              file=sys.stderr, flush=True)
-        try:
-            if nccl:
-                if not abort_backends(ABORT_WAIT):
-                    print(f"distnb: rank {self.rank}'s old NCCL communicators did not abort within {ABORT_WAIT:.0f} s; "
-                          "abandoning them", file=sys.stderr, flush=True)
-                forget_groups()
-            else:
-                dist.destroy_process_group()
-        except Exception:
-            pass  # a poisoned group may fail to shut down cleanly; the new one does not need it
-        kwargs: dict[str, Any] = {"device_id": device} if nccl else {}
-        try:
-            dist.init_process_group(
-                backend,
-                store=dist.PrefixStore(f"distnb/regroup/{generation}", store),
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=self.pg_timeout),
-                **kwargs,
-            )
-        except Exception as exc:
-            return {"status": "error", "error": f"rank {self.rank} could not build a new process group: {type(exc).__name__}: {exc}"}
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        return {"status": "ok", "backend": backend}
+        return regroup(self.rank, self.world_size, self.pg_timeout, self.ns.get("device"), self.executor.calls, generation)
 
     def check(self, names: list[str]) -> dict[str, Any]:
         missing = [n for n in names if n not in self.ns]
@@ -474,8 +429,25 @@ class Rank:
                         pass
 
 
+def wait_as_spare(fd: int) -> bool:
+    """A spare rank: import torch now, then wait until the supervisor makes this process the rank
+    (``%dist_restart`` then skips the import). The word is the environment to add, pickled by our
+    own supervisor on a private pipe. False: the pipe closed without it (the spare is not needed)."""
+    import torch.distributed  # noqa: F401  (the import is what a spare is for)
+
+    with os.fdopen(fd, "rb") as pipe:
+        word = pipe.read()
+    if not word:
+        return False
+    os.environ.update(pickle.loads(word))
+    return True
+
+
 def main() -> int:
     global current
+    spare = os.environ.pop("DISTNB_SPARE_FD", None)
+    if spare is not None and not wait_as_spare(int(spare)):
+        return 0
     r = current = Rank()
     r.setup_process()
     control = r.control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor)

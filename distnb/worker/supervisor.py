@@ -63,6 +63,78 @@ class _EventReader:
         return out
 
 
+class Child:
+    """A rank process and the read ends of its pipes (stdout, stderr, faulthandler dumps, events)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], out_r: int, err_r: int, fault_r: int, events_r: int, wake_w: int = -1) -> None:
+        self.proc = proc
+        self.streams = {out_r: "stdout", err_r: "stderr"}
+        self.fault_r, self.events_r, self.wake_w = fault_r, events_r, wake_w
+        self.open_fds = {out_r, err_r, fault_r, events_r}
+        self.reader = _EventReader()
+        self.exit_reported = False
+        self.pidfd = -1
+        self.idle_ms = 100
+        self._watched = False
+
+    def watch(self, poller: zmq.Poller) -> None:
+        for fd in self.open_fds:
+            poller.register(fd, zmq.POLLIN)
+        self._watched = True
+        # The rank's exit wakes the loop through a pidfd (Linux >= 5.3): no polling for it, so an
+        # idle supervisor sleeps a second at a time. Without one, look every 100 ms.
+        try:
+            self.pidfd = os.pidfd_open(self.proc.pid)
+            poller.register(self.pidfd, zmq.POLLIN)
+            self.idle_ms = IDLE_POLL_MS
+        except (AttributeError, OSError):
+            self.pidfd, self.idle_ms = -1, 100
+
+    def unwatch_exit(self, poller: zmq.Poller) -> None:
+        """Stop watching the pidfd: it stays readable once the rank has exited."""
+        if self.pidfd >= 0:
+            poller.unregister(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd, self.idle_ms = -1, 100
+
+    def close(self, fd: int, poller: zmq.Poller) -> None:
+        if self._watched:
+            poller.unregister(fd)
+        self.open_fds.discard(fd)
+        os.close(fd)
+
+    def wake(self, env: dict[str, str]) -> bool:
+        """Tell a spare to become the rank, with ``env`` added to its environment; False if it is gone."""
+        if self.proc.poll() is not None or self.wake_w < 0:
+            return False
+        try:
+            os.write(self.wake_w, pickle.dumps(env))
+        except OSError:
+            return False
+        finally:
+            os.close(self.wake_w)
+            self.wake_w = -1
+        return True
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:  # stuck in the kernel: the controller's checks will name it
+            pass
+
+    def discard(self, poller: zmq.Poller) -> None:
+        """Kill it (if alive) and close every pipe."""
+        self.kill()
+        self.unwatch_exit(poller)
+        for fd in list(self.open_fds):
+            self.close(fd, poller)
+        if self.wake_w >= 0:
+            os.close(self.wake_w)
+            self.wake_w = -1
+
+
 class Supervisor:
     def __init__(self) -> None:
         self.rank = int(os.environ["RANK"])
@@ -80,7 +152,10 @@ class Supervisor:
         self.sock.setsockopt(zmq.LINGER, 2000)
         creds.secure_client(self.sock)
         self.sock.connect(self.addr)
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: subprocess.Popen[bytes] | None = None  # the rank process now
+        self.current: Child | None = None  # it, with its pipes
+        self.spare: Child | None = None  # a rank process that has imported torch, waiting (see _respawn)
+        self.poller = zmq.Poller()
         self.stderr_tail: collections.deque[bytes] = collections.deque()
         self.stderr_tail_bytes = 0
         self.pending_fault: list[str] = []  # request ids waiting for a faulthandler dump
@@ -91,7 +166,8 @@ class Supervisor:
     def send(self, msg: dict) -> None:
         send_frames(self.sock, self.codec.encode(msg))
 
-    def start_child(self) -> tuple[int, int, int, int]:
+    def start_child(self, spare: bool = False) -> Child:
+        """A rank process with its pipes; a ``spare`` imports torch, then waits for :meth:`Child.wake`."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         fault_r, fault_w = os.pipe()
@@ -100,22 +176,29 @@ class Supervisor:
         env["DISTNB_FAULT_FD"] = str(fault_w)
         env["DISTNB_EVENTS_FD"] = str(events_w)
         env["PYTHONUNBUFFERED"] = "1"
-        self.child = subprocess.Popen(
+        passed = [fault_w, events_w]
+        wake_r = wake_w = -1
+        if spare:
+            wake_r, wake_w = os.pipe()
+            env["DISTNB_SPARE_FD"] = str(wake_r)
+            passed.append(wake_r)
+        proc = subprocess.Popen(
             [sys.executable, "-m", "distnb.worker.rank"],
             stdin=subprocess.DEVNULL,
             stdout=out_w,
             stderr=err_w,
-            pass_fds=(fault_w, events_w),
+            pass_fds=passed,
             env=env,
             # The rank must never outlive its supervisor; SIGKILL because a rank blocked in a
             # collective would not act on SIGTERM.
             preexec_fn=lambda: _processes.set_parent_death_signal(signal.SIGKILL),
         )
-        for fd in (out_w, err_w, fault_w, events_w):
+        for fd in (out_w, err_w, *passed):
             os.close(fd)
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)  # drained to EAGAIN before each event is forwarded
-        return out_r, err_r, fault_r, events_r
+        os.set_blocking(events_r, False)
+        return Child(proc, out_r, err_r, fault_r, events_r, wake_w)
 
     def _keep_tail(self, data: bytes) -> None:
         self.stderr_tail.append(data)
@@ -179,6 +262,11 @@ class Supervisor:
             # Fallback path: the rank's own control thread normally delivers interrupts.
             if child is not None and child.poll() is None:
                 os.kill(child.pid, signal.SIGINT)
+        elif t == Msg.RESPAWN:
+            self._respawn(int(msg["generation"]))
+        elif t == Msg.SPARE:
+            if self.spare is None or self.spare.proc.poll() is not None:
+                self.spare = self.start_child(spare=True)
 
     def _finish_fault(self) -> None:
         text = self.fault_buf.decode("utf-8", "replace")
@@ -199,59 +287,17 @@ class Supervisor:
                 "host": socket.gethostname(),
                 "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                 "group_rank": int(os.environ.get("GROUP_RANK", "0")),
-                "agent": int(os.environ.get("DISTNB_AGENT", "0")),  # 0: the controller's own machine
+                "agent": int(os.environ.get("DISTNB_AGENT", "0")),  # 0: the controller's machine
             }
         )
-        out_r, err_r, fault_r, events_r = self.start_child()
-        assert self.child is not None
-        self.send({"t": Msg.SUP_HELLO, "rank": self.rank, "child_pid": self.child.pid})
-        streams = {out_r: "stdout", err_r: "stderr"}
-        reader = _EventReader()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        for fd in (out_r, err_r, fault_r, events_r):
-            poller.register(fd, zmq.POLLIN)
-        open_fds = {out_r, err_r, fault_r, events_r}
-
-        def close(fd: int) -> None:
-            poller.unregister(fd)
-            open_fds.discard(fd)
-            os.close(fd)
-
-        def drain_all() -> None:
-            for fd, stream in streams.items():
-                if fd in open_fds and not self._drain(fd, stream):
-                    close(fd)
-
-        os.set_blocking(events_r, False)
-
-        def pump_events() -> None:
-            """Forward the events waiting in the pipe, each after the output written before it."""
-            while events_r in open_fds:
-                try:
-                    data = os.read(events_r, _READ_SIZE)
-                except BlockingIOError:
-                    return
-                if not data:
-                    close(events_r)
-                for body in reader.feed(data):
-                    # The rank flushed its output before writing the event, so those bytes are
-                    # already in the pipes: forward them first, then the event.
-                    drain_all()
-                    self._forward_event(body)
-
-        # The rank's exit wakes the loop through a pidfd (Linux >= 5.3): no polling for it, so an
-        # idle supervisor sleeps a second at a time. Without one, look every 100 ms as before.
-        try:
-            pidfd = os.pidfd_open(self.child.pid)
-            poller.register(pidfd, zmq.POLLIN)
-            idle_ms = IDLE_POLL_MS
-        except (AttributeError, OSError):
-            pidfd, idle_ms = -1, 100
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self._adopt(self.start_child(), spare=False)
         last_heard = time.monotonic()
-        exit_reported = False
         while True:
-            events = dict(poller.poll(FAULT_POLL_MS if self.pending_fault else idle_ms))
+            child = self.current
+            assert child is not None
+            events = dict(self.poller.poll(FAULT_POLL_MS if self.pending_fault else child.idle_ms))
             now = time.monotonic()
             if self.sock in events:
                 while True:
@@ -269,42 +315,90 @@ class Supervisor:
                     except Exception as exc:  # a bad request must not end the supervisor (torchrun would stop every rank)
                         print(f"distnb supervisor {self.rank}: could not handle {msg.get('t')!r}: {type(exc).__name__}: {exc}",
                               file=sys.stderr, flush=True)
-            for fd, stream in streams.items():
-                if fd in events and fd in open_fds and not self._drain(fd, stream):
-                    close(fd)
-            if fault_r in events and fault_r in open_fds:
-                data = os.read(fault_r, _READ_SIZE)
+                child = self.current  # (a RESPAWN replaces it)
+                assert child is not None
+            for fd, stream in child.streams.items():
+                if fd in events and fd in child.open_fds and not self._drain(fd, stream):
+                    child.close(fd, self.poller)
+            if child.fault_r in events and child.fault_r in child.open_fds:
+                data = os.read(child.fault_r, _READ_SIZE)
                 if data:
                     self.fault_buf += data
                     self.fault_deadline = max(self.fault_deadline, now + 0.05)
                 else:
-                    close(fault_r)
-            if events_r in events and events_r in open_fds:
-                pump_events()
+                    child.close(child.fault_r, self.poller)
+            if child.events_r in events and child.events_r in child.open_fds:
+                self._pump_events(child)
             if self.pending_fault and now >= self.fault_deadline:
                 self._finish_fault()
-            rc = self.child.poll()
-            if rc is not None and not exit_reported:
+            rc = child.proc.poll()
+            if rc is not None and not child.exit_reported:
                 died_at = time.time()  # before forwarding: which rank died first is decided by it
                 # Reaped: every byte the rank wrote is in the pipes now, so take it all and report
                 # at once. (Waiting for EOF instead would wait on any grandchild that inherited
                 # the pipes, a DataLoader worker say, and delay the post-mortem.) What such a
                 # grandchild writes later is still forwarded, as output outside any cell.
-                if events_r in open_fds:
-                    pump_events()
-                drain_all()
+                self._pump_events(child)
+                self._drain_all(child)
                 self._report_exit(rc, died_at)
-                exit_reported = True
-                if pidfd >= 0:  # stays readable once the rank has exited: stop watching it
-                    poller.unregister(pidfd)
-                    os.close(pidfd)
-                    pidfd, idle_ms = -1, 100
+                child.exit_reported = True
+                child.unwatch_exit(self.poller)
             if self.stopping or now - last_heard > self.heartbeat_timeout:
                 break
         self._stop_child()
+        if self.spare is not None:
+            self.spare.discard(self.poller)
         self.sock.close(linger=500)
         self.ctx.term()
         return 0
+
+    def _drain_all(self, child: Child) -> None:
+        for fd, stream in child.streams.items():
+            if fd in child.open_fds and not self._drain(fd, stream):
+                child.close(fd, self.poller)
+
+    def _pump_events(self, child: Child) -> None:
+        """Forward the events waiting in the pipe, each after the output written before it."""
+        while child.events_r in child.open_fds:
+            try:
+                data = os.read(child.events_r, _READ_SIZE)
+            except BlockingIOError:
+                return
+            if not data:
+                child.close(child.events_r, self.poller)
+            for body in child.reader.feed(data):
+                # The rank flushed its output before writing the event, so those bytes are
+                # already in the pipes: forward them first, then the event.
+                self._drain_all(child)
+                self._forward_event(body)
+
+    def _adopt(self, child: Child, spare: bool) -> None:
+        """Make ``child`` the rank this supervisor watches and forwards."""
+        self.child, self.current = child.proc, child
+        child.watch(self.poller)
+        self.send({"t": Msg.SUP_HELLO, "rank": self.rank, "child_pid": child.proc.pid, "spare": spare})
+
+    def _respawn(self, generation: int) -> None:
+        """A fresh rank in place of the current one (``%dist_restart`` without restarting torchrun):
+        the old one is killed — it is thrown away, so it is not reported as a death — and the
+        spare, which has imported torch already, joins a new process group under a store prefix of
+        its own; without a spare, a new process is started."""
+        old = self.current
+        if old is not None:  # what it had not sent yet belongs to the pool being thrown away
+            old.discard(self.poller)
+        self.pending_fault.clear()
+        self.fault_buf = b""
+        self.stderr_tail.clear()
+        self.stderr_tail_bytes = 0
+        spare, self.spare = self.spare, None
+        update = {"DISTNB_GENERATION": str(generation)}
+        if spare is not None and spare.wake(update):
+            self._adopt(spare, spare=True)
+            return
+        if spare is not None:
+            spare.discard(self.poller)
+        os.environ.update(update)
+        self._adopt(self.start_child(), spare=False)
 
     def _report_exit(self, rc: int, died_at: float) -> None:
         tail = b"".join(self.stderr_tail).decode("utf-8", "replace")

@@ -1,0 +1,69 @@
+"""Replace a rank's poisoned default process group with a fresh one, keeping the process."""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+from datetime import timedelta
+from typing import Any
+
+from distnb.worker.call_log import CallLog
+
+__all__ = ["ABORT_WAIT", "REGROUP_STACKS_AFTER", "regroup"]
+
+#: Seconds a regroup waits for the old NCCL communicators to abort before abandoning them.
+ABORT_WAIT = 10.0
+
+#: Seconds into a regroup after which the rank prints every thread's stack (to its log).
+REGROUP_STACKS_AFTER = 20.0
+
+
+def regroup(rank: int, world_size: int, pg_timeout: float, device: Any, calls: CallLog, generation: int) -> dict[str, Any]:
+    """Replace a poisoned default process group (a timeout, an aborted communicator) with a
+    fresh one on the same rendezvous store, keeping the process and its namespace.
+
+    NCCL: the old communicators are aborted, not destroyed (destroying one with a kernel
+    stuck on it can hang), and the new group initialises eagerly on this rank's device. The
+    new group lives under a store prefix of its own, so the old group's keys (a timeout-dump
+    marker, say) can't reach it."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from distnb.worker.group_abort import abort_backends, forget_groups
+
+    try:
+        store = c10d._get_default_store()
+        backend = dist.get_backend()
+    except Exception as exc:
+        return {"status": "error", "error": f"rank {rank} has no default process group to replace: {exc}"}
+    calls.reset()  # group names and counts start over with the new group
+    nccl = "nccl" in str(backend)
+    # A regroup that hangs (a communicator that won't abort, a peer that never joins) says where.
+    faulthandler.dump_traceback_later(REGROUP_STACKS_AFTER, file=sys.stderr)
+    print(f"distnb: rank {rank} replacing its process groups ({'abort' if nccl else 'destroy'}, then a new group)",
+          file=sys.stderr, flush=True)
+    try:
+        if nccl:
+            if not abort_backends(ABORT_WAIT):
+                print(f"distnb: rank {rank}'s old NCCL communicators did not abort within {ABORT_WAIT:.0f} s; "
+                      "abandoning them", file=sys.stderr, flush=True)
+            forget_groups()
+        else:
+            dist.destroy_process_group()
+    except Exception:
+        pass  # a poisoned group may fail to shut down cleanly; the new one does not need it
+    kwargs: dict[str, Any] = {"device_id": device} if nccl else {}
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"distnb/regroup/{generation}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+            **kwargs,
+        )
+    except Exception as exc:
+        return {"status": "error", "error": f"rank {rank} could not build a new process group: {type(exc).__name__}: {exc}"}
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return {"status": "ok", "backend": backend}

@@ -1,0 +1,85 @@
+"""``%dist_restart`` under the running torchrun: fresh rank processes from spares that imported
+torch already, a new process group under its own store prefix and connection names; the fall
+back to a full restart where that can't be done."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import wait_gone, wait_until
+from distnb import PoolState
+from distnb.protocol import BadFrame, control_identity, exec_identity, generation_of, parse_identity
+
+pytestmark = pytest.mark.slow
+
+
+def supervisors(pool) -> dict[int, int]:
+    return {r: info.supervisor_pid for r, info in pool.tracker.ranks.items()}
+
+
+def rank_pids(pool) -> dict[int, int]:
+    return {s.rank: s.pid for s in pool.status().ranks}
+
+
+def test_a_respawned_rank_connects_under_a_name_of_its_generation() -> None:
+    assert exec_identity(3) == b"x3" and exec_identity(3, 2) == b"x3.2" and control_identity(3, 2) == b"c3.2"
+    assert parse_identity(b"x3.2") == ("x", 3) and generation_of(b"x3.2") == 2 and generation_of(b"x3") == 0
+    for bad in (b"s3.2", b"n1.1", b"x3.", b"x3.a", b"x.2"):
+        with pytest.raises(BadFrame):
+            parse_identity(bad)
+
+
+@pytest.mark.timeout(180)
+def test_restart_replaces_only_the_rank_processes_and_works_again_and_again(fresh_pool) -> None:
+    pool = fresh_pool(nproc=3)
+    agent, sups = pool.status().agent_pid, supervisors(pool)
+    first = pool.run("rs_var = rank + 1\nrs_var")
+    for round_ in range(3):
+        old = rank_pids(pool)
+        pool.restart()
+        assert pool.state == PoolState.READY
+        assert pool.status().agent_pid == agent and supervisors(pool) == sups  # torchrun and supervisors kept
+        new = rank_pids(pool)
+        assert not set(new.values()) & set(old.values()) and wait_gone(list(old.values()), 2.0) == []
+        res = pool.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n('rs_var' in globals(), t.item(), __import__('os').getpid())")
+        assert res.ok, res.text()
+        assert {r: v for r, v in res.values.items()} == {r: f"(False, 6.0, {new[r]})" for r in range(3)}
+        assert res.cell > first.cell
+        if round_ == 0:
+            time.sleep(0.5)  # the next restart may find its spares still importing torch: it waits for them
+
+
+@pytest.mark.timeout(180)
+def test_a_broken_pool_restarts_under_the_same_torchrun(fresh_pool) -> None:
+    pool = fresh_pool(nproc=2)
+    agent = pool.status().agent_pid
+    os.kill(rank_pids(pool)[1], signal.SIGKILL)
+    wait_until(lambda: pool.state == PoolState.BROKEN, 10, "the pool to notice the death")
+    pool.restart(replay=False)
+    assert pool.state == PoolState.READY and pool.status().agent_pid == agent
+    assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_without_spares_still_keeps_torchrun(fresh_pool) -> None:
+    pool = fresh_pool(nproc=2, spares=False)
+    agent = pool.status().agent_pid
+    pool.run("gone = 1")
+    pool.restart()
+    assert pool.status().agent_pid == agent
+    assert pool.run("'gone' in globals()").values == {0: "False", 1: "False"}
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_supervisor_means_a_full_restart(fresh_pool) -> None:
+    pool = fresh_pool(nproc=2)
+    agent = pool.status().agent_pid
+    os.kill(supervisors(pool)[1], signal.SIGKILL)  # torchrun then stops the job
+    wait_until(lambda: pool.state == PoolState.BROKEN, 15, "the pool to notice the lost supervisor")
+    pool.restart()
+    assert pool.state == PoolState.READY and pool.status().agent_pid != agent
+    assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
