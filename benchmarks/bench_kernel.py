@@ -12,7 +12,8 @@ engines; interleaved round-robin, so that this VM's drift hits every kind alike:
 
 Then: the idle CPU of the pool and of the ipyparallel cluster, a long session of ``%%on_ranks``
 cells (live widgets, the kernel's GC-tracked objects and RSS every so often, p99/median), and
-``%dist_restart`` (and ``--replay``) times.
+``%dist_restart`` (and ``--replay``) times, beside ``%dist_restart --full`` (torchrun started anew,
+as every restart did before spares).
 
     python benchmarks/bench_kernel.py [--ranks 8] [--cells 200] [--session 2000] [--out benchmarks/results/kernel.json]
 
@@ -156,6 +157,7 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=200)
     parser.add_argument("--session", type=int, default=2000)
     parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=10.0, help="Seconds idle before a timed restart (spares import torch meanwhile).")
     parser.add_argument("--idle", type=float, default=10.0)
     parser.add_argument("--no-ipyparallel", action="store_true")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernel.json"))
@@ -189,12 +191,22 @@ def main() -> None:
             pool_pids = tree(agent)
             report["idle_cpu_ms_per_s"]["ipyparallel"] = idle_cpu(k, [p for p in tree(k.pid) - pool_pids - {k.pid}], args.idle)
         report["session"] = session(k, args.session)
-        restarts = []
+        # Restarts alternated with full ones (torchrun started anew), each after a pause in which
+        # the spares finish importing torch; then one right after another (spares still importing).
+        quick, full, back_to_back = [], [], []
         for _ in range(args.restarts):
-            restarts.append(k.execute("%dist_restart")[0])
-        report["restart_s"] = restarts
+            time.sleep(args.settle)
+            quick.append(k.execute("%dist_restart")[0])
+            time.sleep(args.settle)
+            full.append(k.execute("%dist_restart --full")[0])
+            back_to_back.append(k.execute("%dist_restart")[0])
+        report["restart_s"] = {"quick": quick, "full": full, "quick_right_after_a_restart": back_to_back}
         k.execute("%%on_ranks\ny = rank")
-        report["restart_replay_s"] = [k.execute("%dist_restart --replay")[0] for _ in range(args.restarts)]
+        replays = []
+        for _ in range(args.restarts):
+            time.sleep(args.settle)
+            replays.append(k.execute("%dist_restart --replay")[0])
+        report["restart_replay_s"] = replays
         if ipp:
             k.execute("cluster.stop_cluster_sync()")
         k.execute("%dist_shutdown")

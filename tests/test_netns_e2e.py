@@ -163,6 +163,13 @@ def test_launch_over_real_ssh_spans_both_hosts(net: Cluster, nb: Notebook) -> No
                  "print(int(t.item()), socket.gethostname(), os.environ['MASTER_ADDR'], os.environ.get('GLOO_SOCKET_IFNAME'))")
     assert f"[ranks 0,1] 10 hosta {a.addr} {a.iface}" in out, out
     assert f"[ranks 2,3] 10 hostb {a.addr} {b.iface}" in out, out
+    # A restart keeps both machines' torchruns and supervisors (no node agent starts again): fresh
+    # ranks join a new process group across the bridge, under its own prefix in the same store.
+    out = nb.run("%dist_restart", timeout=120)
+    assert "pool ready" in out and "joined" not in out, out
+    out = nb.run("%%on_ranks\nimport socket\nt = torch.tensor([float(rank + 1)]); dist.all_reduce(t)\n"
+                 "print(int(t.item()), socket.gethostname(), 'os' in globals())")
+    assert "[ranks 0,1] 10 hosta False" in out and "[ranks 2,3] 10 hostb False" in out, out
 
 
 WRONG_KEY_CLIENT = """

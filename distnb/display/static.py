@@ -67,6 +67,7 @@ class StaticCell:
         self.result = result
         self.diagnosis = diagnosis
         self.output = output
+        self._outcome_text: str | None = None
 
     def _grouped(self) -> tuple[str, str]:
         text, cut = _cut(self.result.output_text() if self.output else "", GROUPED_MAX_CHARS)
@@ -77,7 +78,7 @@ class StaticCell:
     def text(self) -> str:
         result = self.result
         output, note = self._grouped()
-        parts = [self.diagnosis, result.header(), output, note, result.truncation_note(), result.outcome_text()]
+        parts = [self.diagnosis, result.header(), output, note, result.truncation_note(), self._full_outcome()]
         return "\n".join(p for p in parts if p)
 
     def html(self) -> str:
@@ -133,11 +134,16 @@ class StaticCell:
         """The outcome less the displays' text (shown above as themselves)."""
         result = self.result
         if not any(r.displays for r in result.results.values()):
-            return result.outcome_text()
+            return self._full_outcome()
         from dataclasses import replace
 
         bare = {r: replace(rr, displays=[]) for r, rr in result.results.items()}
         return replace(result, results=bare).outcome_text()
+
+    def _full_outcome(self) -> str:
+        if self._outcome_text is None:  # the text and the HTML form both show it
+            self._outcome_text = self.result.outcome_text()
+        return self._outcome_text
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, str]:
         return {"text/plain": self.text(), "text/html": self.html()}
