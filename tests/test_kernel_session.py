@@ -29,6 +29,12 @@ def test_hundreds_of_cells_leave_no_widget_and_little_else(leak_check, tmp_path:
         kernel.run("%%on_ranks\nimport time\ntime.sleep(1.0)\nprint('slow', rank)")
         assert json.loads(kernel.run("from ipywidgets.widgets.widget import _instances\nprint(len(_instances))")) == before["widgets"]
         kernel.run("%%on_ranks\nif rank == 1:\n    raise ValueError('x')")
+        # A background cell is live at once; once it ends, its follower hands the widgets back too.
+        assert "running in the background" in kernel.run("%%on_ranks --bg\nimport time\ntime.sleep(1.0)")
+        assert "ok" in kernel.run("%dist_wait")
+        kernel.run("import time\nfrom ipywidgets.widgets.widget import _instances\nt = time.monotonic()\n"
+                   f"while len(_instances) != {before['widgets']} and time.monotonic() - t < 5:\n    time.sleep(0.05)")
+        assert json.loads(kernel.run("print(len(_instances))")) == before["widgets"]
         cells = 300
         for i in range(cells):
             kernel.run(f"%%on_ranks\nx = {i}\nprint(x) if x % 50 == 0 else None")

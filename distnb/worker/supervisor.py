@@ -177,7 +177,7 @@ class Supervisor:
         env["DISTNB_EVENTS_FD"] = str(events_w)
         env["PYTHONUNBUFFERED"] = "1"
         passed = [fault_w, events_w]
-        wake_r = wake_w = -1
+        wake_w = -1
         if spare:
             wake_r, wake_w = os.pipe()
             env["DISTNB_SPARE_FD"] = str(wake_r)
@@ -265,7 +265,10 @@ class Supervisor:
         elif t == Msg.RESPAWN:
             self._respawn(int(msg["generation"]))
         elif t == Msg.SPARE:
-            if self.spare is None or self.spare.proc.poll() is not None:
+            if self.spare is not None and self.spare.proc.poll() is not None:
+                self.spare.discard(self.poller)  # died while waiting (its pipes go with it)
+                self.spare = None
+            if self.spare is None:
                 self.spare = self.start_child(spare=True)
 
     def _finish_fault(self) -> None:
