@@ -83,3 +83,15 @@ def test_a_lost_supervisor_means_a_full_restart(fresh_pool) -> None:
     pool.restart()
     assert pool.state == PoolState.READY and pool.status().agent_pid != agent
     assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_cell_ends_with_the_restart_that_replaces_its_ranks(fresh_pool) -> None:
+    pool = fresh_pool(nproc=2)
+    hung = pool.run("import time\nif rank == 0:\n    t = torch.ones(1); dist.all_reduce(t)\nelse:\n    time.sleep(600)", timeout=1.5)
+    assert hung.running == [0, 1]
+    pool.restart()
+    assert pool.state == PoolState.READY and not hung.running
+    assert {r: (v.status, v.cause) for r, v in hung.results.items()} == {r: ("dead", "its pool was restarted") for r in (0, 1)}
+    assert "rank 0 died: its pool was restarted, while in all_reduce" in hung.outcome_text()
+    assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
