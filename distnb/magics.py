@@ -42,24 +42,24 @@ def _print_note(text: str) -> None:
 class _HangWatch:
     """While a cell runs: flush live output, and once ranks disagree for a while, say why."""
 
-    def __init__(self, pool: Pool, result: CellResult, hang_after: float, printer: LivePrinter, view: CellDisplay | None = None) -> None:
+    def __init__(self, pool: Pool, result: CellResult, hang_after: float, view: CellDisplay | LivePrinter) -> None:
         self._pool = pool
         self._result = result
         self._hang_after = hang_after
-        self._printer = printer
         self._view = view
         self._next = time.monotonic() + min(hang_after, 1.0)
         self._shown = ""
 
     def tick(self, result: CellResult) -> None:
-        if self._view is not None:
-            self._view.tick(result)
+        view = self._view
+        if isinstance(view, CellDisplay):
+            view.tick(result)
         else:
-            self._printer.flush()
+            view.flush()
         now = time.monotonic()
         paused = bool(self._pool.debugger.pending(result))
-        if paused and self._view is not None:
-            self._view.go_live()  # the user is about to be asked: show what the ranks printed so far
+        if paused and isinstance(view, CellDisplay):
+            view.go_live()  # the user is about to be asked: show what the ranks printed so far
         if now < self._next or not result.running or paused:
             return  # (the debugger console says where paused ranks are)
         self._next = now + 1.0
@@ -74,8 +74,8 @@ class _HangWatch:
         # is said once too, so a broken watch is not silent.
         if kind in ("hang", "slow", "error", "paused") and headline != self._shown:
             self._shown = headline
-            if self._view is not None:
-                self._view.set_diagnosis(diag_text)
+            if isinstance(view, CellDisplay):
+                view.set_diagnosis(diag_text)
             else:
                 print(diag_text, file=sys.stderr)
 
@@ -279,33 +279,33 @@ class DistMagics(Magics):
             print("[distnb] nothing was sent to the ranks.", file=sys.stderr)
             return
         pool = self._pool()
-        view: CellDisplay | None = None
-        printer = LivePrinter()
+        view: CellDisplay | LivePrinter
         if widgets_available():
             with _usage_errors():
                 view = CellDisplay(parse_ranks(args.ranks, pool.world_size), output=not args.quiet)
-            events = CellEvents(on_output=None if args.quiet else view.feed, on_display=view.display_bundle, on_rank_done=view.rank_done)
         else:
-            events = CellEvents(on_output=None if args.quiet else printer.feed, on_display=printer.display_bundle, on_rank_done=printer.rank_done)
+            view = LivePrinter()
+        events = CellEvents(on_output=None if args.quiet else view.feed, on_display=view.display_bundle, on_rank_done=view.rank_done)
         with _usage_errors():
-            result = pool.submit(cell, args.ranks, events if (view is not None or not args.bg) else None, profile=args.profile, pdb=args.pdb)
+            result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
+                                 profile=args.profile, pdb=args.pdb)
         self._user_ns["_dist"] = result
-        if view is not None:
+        if isinstance(view, CellDisplay):
             view.cell = result.cell
         if args.bg:
             print(f"cell {result.cell} is running in the background on {format_ranks(result.ranks)}; "
                   "_dist holds its live result; %dist_stacks shows where it is, %dist_wait shows its output.")
-            if view is not None:
+            if isinstance(view, CellDisplay):
                 view.go_live()
                 threading.Thread(target=_follow, args=(pool, result, view), name="distnb-view", daemon=True).start()
             return
-        watch = _HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, printer, view)
+        watch = _HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, view)
         pool.wait(result, timeout=args.timeout, on_tick=watch.tick)
-        if view is not None:
+        if isinstance(view, CellDisplay):
             view.finish(result)
         else:
-            printer.flush(final=True)
-            self._show_outcome(result, printer)
+            view.flush(final=True)
+            self._show_outcome(result, view)
         if args.check and not result.running and pool.state == PoolState.READY:
             with _usage_errors():
                 show_checks(pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks))
