@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import zmq
 
 from distnb._zmq_io import NOBLOCK, recv_frames, send_frames
-from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, generation_of, parse_identity, socket_max_msgsize
+from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, generation_of, in_generation, parse_identity, socket_max_msgsize
 from distnb.security import Credentials
 
 __all__ = ["Channel"]
@@ -151,8 +151,7 @@ class Channel:
     def _route(self, identities: list[bytes], signed: list[Any]) -> None:
         generation = self.generation
         for identity in identities:
-            if generation and identity[:1] in (b"x", b"c"):
-                identity = b"%s.%d" % (identity, generation)  # the ranks' current connections (exec_identity)
+            identity = in_generation(identity, generation)  # the ranks' current connections
             try:
                 send_frames(self._router, [identity, *signed])
             except zmq.ZMQError:  # peer not (or no longer) connected

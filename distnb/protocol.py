@@ -55,6 +55,7 @@ __all__ = [
     "control_identity",
     "exec_identity",
     "generation_of",
+    "in_generation",
     "new_key",
     "node_identity",
     "parse_identity",
@@ -162,7 +163,6 @@ class SupHello(TypedDict, total=False):
     group_rank: int  # torchrun's GROUP_RANK: the node's index in the job
     agent: int  # the node agent that started it; 0: the controller's machine
     child_pid: int  # in the second hello, once the rank process exists (again after each RESPAWN)
-    spare: bool  # with child_pid: the rank is a spare that had imported torch already
 
 
 class Output(TypedDict):
@@ -340,15 +340,21 @@ def new_key() -> bytes:
     return secrets.token_bytes(32)
 
 
+def in_generation(identity: bytes, generation: int) -> bytes:
+    """A rank's connection name in respawn generation N: ranks respawned under a running torchrun
+    connect as ``x3.N``/``c3.N``, a fresh name, so the controller's ROUTER never sees it while the
+    old rank's connection may still be open (ZMQ then silently ignores the newcomer for good).
+    Supervisors and node agents keep their names."""
+    return b"%s.%d" % (identity, generation) if generation and identity[:1] in (b"x", b"c") else identity
+
+
 def exec_identity(rank: int, generation: int = 0) -> bytes:
-    """A rank's main-thread connection. Ranks respawned under a running torchrun (generation N > 0)
-    connect as ``x3.N``: a fresh name, so the controller's ROUTER never sees it while the old
-    rank's connection may still be open (ZMQ then silently ignores the newcomer for good)."""
-    return b"x%d" % rank if not generation else b"x%d.%d" % (rank, generation)
+    """A rank's main-thread connection (see :func:`in_generation`)."""
+    return in_generation(b"x%d" % rank, generation)
 
 
 def control_identity(rank: int, generation: int = 0) -> bytes:
-    return b"c%d" % rank if not generation else b"c%d.%d" % (rank, generation)
+    return in_generation(b"c%d" % rank, generation)
 
 
 def supervisor_identity(rank: int) -> bytes:

@@ -41,7 +41,8 @@ def wait_ready(
     timeout: float | None = None,
 ) -> None:
     """Return once the tracker has turned READY; raise :class:`LaunchError` on any failure."""
-    deadline = time.monotonic() + (config.start_timeout if timeout is None else timeout)
+    timeout = config.start_timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
     last: dict[int, RankState] | None = None
     with tracker.changed:
         while True:
@@ -58,7 +59,7 @@ def wait_ready(
             if tracker.mark_ready():
                 return
             if time.monotonic() > deadline:
-                raise _timeout(tracker, launcher, config, multinode, stages)
+                raise _timeout(tracker, launcher, timeout, multinode, stages)
             tracker.changed.wait(0.1)
 
 
@@ -145,7 +146,7 @@ def _rendezvous_hint(text: str, launcher: Launcher, multinode: MultiNode | None)
             "ADDRESS:PORT with an address every machine reaches.")
 
 
-def _timeout(tracker: Tracker, launcher: Launcher, config: LaunchConfig, multinode: MultiNode | None,
+def _timeout(tracker: Tracker, launcher: Launcher, timeout: float, multinode: MultiNode | None,
              stages: dict[int, RankState]) -> LaunchError:
     missing = {r: s.value for r, s in stages.items() if s != RankState.IDLE}
     detail = ", ".join(f"rank {r}: {s}" for r, s in missing.items())
@@ -157,7 +158,7 @@ def _timeout(tracker: Tracker, launcher: Launcher, config: LaunchConfig, multino
                   "(gloo and NCCL pick ports at random), or set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (--env) to an "
                   "interface name every machine has.\n")
     return LaunchError(
-        f"the pool did not start within {config.start_timeout:g} s ({detail}).\n{nodes}"
+        f"the pool did not start within {timeout:g} s ({detail}).\n{nodes}"
         f"torchrun's last output:\n{launcher.tail_text(15)}\n"
         "Raise --start-timeout if the machine is just slow, or check the output above.",
         missing=missing,

@@ -144,7 +144,7 @@ class Tracker:
             for info in self.ranks.values():
                 if info.run is not None and info.state != RankState.DEAD:
                     info.cause = "its pool was restarted"
-                    info.state = RankState.DEAD
+                    self._set_rank(info, RankState.DEAD)  # (a READY pool turns BROKEN, then STARTING)
                     self._finish_rank_dead(info)
             self._move(PoolState.STARTING)
             self._reset({r: RankRecord(r, RankState.STARTED, supervisor_pid=i.supervisor_pid, host=i.host, local_rank=i.local_rank,

@@ -10,6 +10,7 @@ and its ``text/plain`` twin, built from the :class:`~distnb.results.CellResult` 
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import re
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from distnb.ranks import format_ranks
 from distnb.results import CellResult, group_by
 
-__all__ = ["StaticCell", "GROUPED_MAX_CHARS", "RANK_MAX_CHARS", "STATE_COLOURS"]
+__all__ = ["StaticCell", "GROUPED_MAX_CHARS", "RANK_MAX_CHARS", "diagnosis_html", "header_html"]
 
 #: What a finished cell keeps in the notebook file: the grouped output and each rank's section are
 #: cut past these (the result, ``_dist``, keeps more), so a chatty cell can't bloat the .ipynb.
@@ -45,6 +46,20 @@ def _pre(text: str, colour: str = "") -> str:
     return f"{_PRE}<span{style}>{html.escape(_ANSI.sub('', text))}</span></pre>"
 
 
+def header_html(cell: int, ranks: list[int], state: str, elapsed: float, done: int) -> str:
+    """The cell's header line, the same live (widgets.py) and finished."""
+    colour = STATE_COLOURS.get(state, "#57606a")
+    return (f"<b>cell {cell}</b> on {html.escape(format_ranks(ranks))} · "
+            f"<span style='color:{colour}'><b>{html.escape(state)}</b></span> · {elapsed:.2f} s · {done}/{len(ranks)} ranks done")
+
+
+def diagnosis_html(text: str) -> str:
+    """A hang diagnosis: its headline in bold, the per-rank lines under it."""
+    first, _, rest = text.partition("\n")
+    return ("<div style='border-left:4px solid #cf222e;padding:4px 8px;background:#fff5f5'>"
+            f"<b>{html.escape(first)}</b>{_pre(rest) if rest else ''}</div>")
+
+
 def _display_html(bundle: dict[str, str]) -> str:
     """The richest form of one display that a static page can show without running anything."""
     for mime in ("image/png", "image/jpeg"):
@@ -67,32 +82,32 @@ class StaticCell:
         self.result = result
         self.diagnosis = diagnosis
         self.output = output
-        self._outcome_text: str | None = None
 
+    # The text and the HTML form both show these: computed once.
+    @functools.cached_property
     def _grouped(self) -> tuple[str, str]:
         text, cut = _cut(self.result.output_text() if self.output else "", GROUPED_MAX_CHARS)
         note = (f"[distnb] {cut:,} more characters of grouped output not shown here; "
                 "the cell's result (_dist) keeps them: _dist[rank].stdout / .stderr.") if cut else ""
         return text, note
 
+    @functools.cached_property
+    def _full_outcome(self) -> str:
+        return self.result.outcome_text()
+
     def text(self) -> str:
         result = self.result
-        output, note = self._grouped()
-        parts = [self.diagnosis, result.header(), output, note, result.truncation_note(), self._full_outcome()]
+        output, note = self._grouped
+        parts = [self.diagnosis, result.header(), output, note, result.truncation_note(), self._full_outcome]
         return "\n".join(p for p in parts if p)
 
     def html(self) -> str:
         result = self.result
-        colour = STATE_COLOURS.get(result.state, "#57606a")
         done = sum(1 for r in result.results.values() if r.status != "running")
-        out = [f"<div class='distnb-cell'><div><b>cell {result.cell}</b> on {html.escape(format_ranks(result.ranks))} · "
-               f"<span style='color:{colour}'><b>{html.escape(result.state)}</b></span> · {result.elapsed:.2f} s · "
-               f"{done}/{len(result.ranks)} ranks done</div>"]
+        out = [f"<div class='distnb-cell'><div>{header_html(result.cell, result.ranks, result.state, result.elapsed, done)}</div>"]
         if self.diagnosis:
-            first, _, rest = self.diagnosis.partition("\n")
-            out.append("<div style='border-left:4px solid #cf222e;padding:4px 8px;background:#fff5f5'>"
-                       f"<b>{html.escape(first)}</b>{_pre(rest) if rest else ''}</div>")
-        output, note = self._grouped()
+            out.append(diagnosis_html(self.diagnosis))
+        output, note = self._grouped
         if output:
             out.append(_pre(output))
         for line in (note, result.truncation_note()):
@@ -134,16 +149,11 @@ class StaticCell:
         """The outcome less the displays' text (shown above as themselves)."""
         result = self.result
         if not any(r.displays for r in result.results.values()):
-            return self._full_outcome()
+            return self._full_outcome
         from dataclasses import replace
 
         bare = {r: replace(rr, displays=[]) for r, rr in result.results.items()}
         return replace(result, results=bare).outcome_text()
-
-    def _full_outcome(self) -> str:
-        if self._outcome_text is None:  # the text and the HTML form both show it
-            self._outcome_text = self.result.outcome_text()
-        return self._outcome_text
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, str]:
         return {"text/plain": self.text(), "text/html": self.html()}

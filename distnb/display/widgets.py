@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from distnb.display.static import STATE_COLOURS
+from distnb.display.static import diagnosis_html, header_html
 from distnb.display.text import LivePrinter, kept_per_stream
 from distnb.ranks import format_ranks
 from distnb.results import CellResult, RankResult, prefix_lines
@@ -361,11 +361,7 @@ class CellView:
 
     def set_diagnosis(self, text: str) -> None:
         self._diagnosis = text
-        first, _, rest = text.partition("\n")
-        self.diagnosis.value = (
-            "<div style='border-left:4px solid #cf222e;padding:4px 8px;background:#fff5f5'>"
-            f"<b>{html.escape(first)}</b><pre style='margin:2px 0'>{html.escape(rest)}</pre></div>"
-        )
+        self.diagnosis.value = diagnosis_html(text)
         self.diagnosis.layout.display = None
         # Frontends without a widget manager (jupyter console, nbconvert) see only the text twin;
         # a hang is worth telling them while it lasts. Not on every tick: an update makes
@@ -376,12 +372,7 @@ class CellView:
         with self._lock:
             done = len(self._done)
         elapsed = (self._result.elapsed if self._result else time.monotonic() - self._start)
-        colour = STATE_COLOURS.get(state, "#57606a")
-        self.header.value = (
-            f"<b>cell {self.cell}</b> on {html.escape(format_ranks(self.ranks))} · "
-            f"<span style='color:{colour}'><b>{html.escape(state)}</b></span> · {elapsed:.2f} s · "
-            f"{done}/{len(self.ranks)} ranks done"
-        )
+        self.header.value = header_html(self.cell, self.ranks, state, elapsed, done)
 
     def finish(self, result: CellResult) -> None:
         """The cell ended, timed out or was detached: show everything buffered, the outcome and

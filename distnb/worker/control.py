@@ -89,12 +89,13 @@ def _main_in_collective() -> bool:
 
 
 class ControlThread(threading.Thread):
-    def __init__(self, ctx: zmq.Context, addr: str, creds: Credentials, rank: int, executor: Executor) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0) -> None:
+        """``generation``: the rank's respawn generation, in its connection's name (protocol.in_generation)."""
         super().__init__(name="distnb-control", daemon=True)
         self.rank = rank
         self.executor = executor
         self.sock = ctx.socket(zmq.DEALER)
-        name = control_identity(rank, int(os.environ.get("DISTNB_GENERATION", "0")))  # see exec_identity
+        name = control_identity(rank, generation)
         self.sock.setsockopt(zmq.IDENTITY, name)
         self.sock.setsockopt(zmq.LINGER, 0)
         creds.secure_client(self.sock)

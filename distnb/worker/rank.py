@@ -450,7 +450,7 @@ def main() -> int:
         return 0
     r = current = Rank()
     r.setup_process()
-    control = r.control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor)
+    control = r.control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor, r.generation)
     control.start()
     r.send(Hello(t=Msg.HELLO, rank=r.rank, local_rank=r.local_rank, world_size=r.world_size, pid=os.getpid(),  # type: ignore[arg-type]
                  host=socket.gethostname(), main_ident=threading.main_thread().ident))

@@ -152,8 +152,7 @@ class Supervisor:
         self.sock.setsockopt(zmq.LINGER, 2000)
         creds.secure_client(self.sock)
         self.sock.connect(self.addr)
-        self.child: subprocess.Popen[bytes] | None = None  # the rank process now
-        self.current: Child | None = None  # it, with its pipes
+        self.current: Child | None = None  # the rank process now, with its pipes
         self.spare: Child | None = None  # a rank process that has imported torch, waiting (see _respawn)
         self.poller = zmq.Poller()
         self.stderr_tail: collections.deque[bytes] = collections.deque()
@@ -162,6 +161,11 @@ class Supervisor:
         self.fault_buf = b""
         self.fault_deadline = 0.0
         self.stopping = False
+
+    @property
+    def child(self) -> subprocess.Popen[bytes] | None:
+        """The rank process now."""
+        return self.current.proc if self.current is not None else None
 
     def send(self, msg: dict) -> None:
         send_frames(self.sock, self.codec.encode(msg))
@@ -293,9 +297,8 @@ class Supervisor:
                 "agent": int(os.environ.get("DISTNB_AGENT", "0")),  # 0: the controller's machine
             }
         )
-        self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
-        self._adopt(self.start_child(), spare=False)
+        self._adopt(self.start_child())
         last_heard = time.monotonic()
         while True:
             child = self.current
@@ -318,8 +321,10 @@ class Supervisor:
                     except Exception as exc:  # a bad request must not end the supervisor (torchrun would stop every rank)
                         print(f"distnb supervisor {self.rank}: could not handle {msg.get('t')!r}: {type(exc).__name__}: {exc}",
                               file=sys.stderr, flush=True)
-                child = self.current  # (a RESPAWN replaces it)
-                assert child is not None
+                if self.current is not child:
+                    # A RESPAWN: this poll's events were the old rank's pipes, whose numbers the new
+                    # rank's may reuse (its fault pipe blocks on read): poll again for the new ones.
+                    continue
             for fd, stream in child.streams.items():
                 if fd in events and fd in child.open_fds and not self._drain(fd, stream):
                     child.close(fd, self.poller)
@@ -375,11 +380,11 @@ class Supervisor:
                 self._drain_all(child)
                 self._forward_event(body)
 
-    def _adopt(self, child: Child, spare: bool) -> None:
+    def _adopt(self, child: Child) -> None:
         """Make ``child`` the rank this supervisor watches and forwards."""
-        self.child, self.current = child.proc, child
+        self.current = child
         child.watch(self.poller)
-        self.send({"t": Msg.SUP_HELLO, "rank": self.rank, "child_pid": child.proc.pid, "spare": spare})
+        self.send({"t": Msg.SUP_HELLO, "rank": self.rank, "child_pid": child.proc.pid})
 
     def _respawn(self, generation: int) -> None:
         """A fresh rank in place of the current one (``%dist_restart`` without restarting torchrun):
@@ -396,12 +401,12 @@ class Supervisor:
         spare, self.spare = self.spare, None
         update = {"DISTNB_GENERATION": str(generation)}
         if spare is not None and spare.wake(update):
-            self._adopt(spare, spare=True)
+            self._adopt(spare)
             return
         if spare is not None:
             spare.discard(self.poller)
         os.environ.update(update)
-        self._adopt(self.start_child(), spare=False)
+        self._adopt(self.start_child())
 
     def _report_exit(self, rc: int, died_at: float) -> None:
         tail = b"".join(self.stderr_tail).decode("utf-8", "replace")
