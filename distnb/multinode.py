@@ -35,7 +35,7 @@ def _local_addr(config: LaunchConfig, host: str) -> str | None:
     becomes the rendezvous' rank 0, and the interface gloo binds here (launcher)."""
     if is_loopback(config.bind_host) or is_loopback(host):
         return "127.0.0.1"
-    mine = {a for addrs in network.interfaces().values() for a in addrs}
+    mine = network.local_addresses()
     # A name (bound to every interface): the first address it resolves to that is this machine's.
     return next((a for a in network.resolve(host) if a in mine and not is_loopback(a)), None)
 

@@ -18,8 +18,8 @@ import ipaddress
 import socket
 import struct
 
-__all__ = ["SOCKET_IFNAME_VARS", "interface_of", "interfaces", "is_local", "missing_interface", "resolve", "socket_env",
-           "source_address"]
+__all__ = ["SOCKET_IFNAME_VARS", "interface_of", "interfaces", "is_local", "local_addresses", "missing_interface", "resolve",
+           "socket_env", "source_address"]
 
 #: The variables that pin a backend's sockets to one interface.
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -71,6 +71,11 @@ def interfaces() -> dict[str, list[str]]:
     return found
 
 
+def local_addresses() -> set[str]:
+    """Every address of this machine's interfaces."""
+    return {a for addrs in interfaces().values() for a in addrs}
+
+
 def interface_of(addr: str) -> str | None:
     """The interface that holds ``addr``, or None."""
     try:
@@ -85,7 +90,7 @@ def interface_of(addr: str) -> str | None:
 
 def is_local(host: str) -> bool:
     """``host`` names this machine: it resolves to loopback or to an address of an interface here."""
-    mine = {a for addrs in interfaces().values() for a in addrs}
+    mine = local_addresses()
     return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in mine for a in resolve(host))
 
 

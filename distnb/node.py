@@ -99,8 +99,7 @@ class NodeAgent:
         (its hostname may not resolve on the other machines, or resolve to loopback)."""
         if rdzv.local_addr:
             return rdzv
-        host = self.address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-        return dataclasses.replace(rdzv, local_addr=network.source_address(host))
+        return dataclasses.replace(rdzv, local_addr=network.source_address(_host_of(self.address)))
 
     def _refuse_start(self, why: str) -> int:
         """End before starting torchrun, saying why to the controller (its launch fails with it)."""
@@ -170,6 +169,11 @@ class NodeAgent:
                 self.stopping = "the controller (shutdown)"
 
 
+def _host_of(address: str) -> str:
+    """The host of ``tcp://HOST:PORT`` (an IPv6 address without its brackets)."""
+    return address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distnb.node", description=__doc__.split("\n\n")[1] if __doc__ else None)
     parser.add_argument("--connect", required=True, metavar="tcp://HOST:PORT", help="the controller's address, as %%dist_launch printed it")
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.connect.startswith("tcp://"):
         parser.error(f"--connect takes tcp://HOST:PORT, not {args.connect!r}")
-    host = args.connect[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    host = _host_of(args.connect)
     if not network.resolve(host):
         print(f"distnb node: this machine can't resolve {host!r}, the controller's name in --connect. Launch the pool with "
               "--bind set to the notebook machine's IP address on the network the machines share, or make the name "
