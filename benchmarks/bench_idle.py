@@ -3,7 +3,7 @@ at 8 ranks).
 
     python benchmarks/bench_idle.py [--nproc 8] [--seconds 20] [--label NAME] [--out FILE]
 
-Starts a pool, runs one cell, waits 2 s, then reads utime+stime of every thread of every pool
+Starts a pool, runs one cell, waits until the spares have imported torch, then reads utime+stime of every thread of every pool
 process (/proc/PID/task/TID/stat, 10 ms ticks) over ``--seconds``. ``--out`` merges this run under
 ``--label`` into the JSON file, so runs of two versions (say, ``git stash`` and back: an editable
 install maps ``distnb`` to the working tree whatever PYTHONPATH says) land side by side;
@@ -63,11 +63,26 @@ def _tree(pids: list[int]) -> set[int]:
     return out
 
 
+def _total(pids: set[int]) -> float:
+    return sum(sum(_threads(p).values()) for p in pids if os.path.exists(f"/proc/{p}"))
+
+
+def _settle(pool: distnb.Pool, quiet: float = 0.05, limit: float = 120.0) -> set[int]:
+    """Wait until the pool's tree uses under ``quiet`` s of CPU in a second: the spares (one per
+    rank, started once the pool is ready) import torch first, which is start-up, not idle."""
+    deadline = time.monotonic() + limit
+    while True:
+        pids = _tree(pool.pids())
+        before = _total(pids)
+        time.sleep(1.0)
+        if _total(pids) - before < quiet or time.monotonic() > deadline:
+            return _tree(pool.pids())
+
+
 def measure(nproc: int, seconds: float) -> dict[str, float]:
     with distnb.Pool(nproc=nproc, backend="gloo") as pool:
         assert pool.run("x = 1").ok
-        time.sleep(2.0)
-        pids = _tree(pool.pids())
+        pids = _settle(pool)
         before = {p: _threads(p) for p in pids}
         mine = time.process_time()
         time.sleep(seconds)

@@ -56,6 +56,7 @@ class Channel:
         bind: str = "127.0.0.1",
         port: int = 0,
         heartbeat: float = 1.0,
+        ping_every: float | None = None,
     ) -> None:
         # The I/O thread signs as "C"; every other thread as "C<n>" with its own counter (see
         # ``_local_ends``), so each sender's frames reach a peer in the order they were signed.
@@ -69,6 +70,10 @@ class Channel:
         self._on_message = on_message
         self._on_tick = on_tick
         self._heartbeat = heartbeat
+        #: Peers are pinged at most this often (a tick, at least): every wake costs each supervisor
+        #: ~0.1 ms of CPU, and an idle pool should sleep (see LaunchConfig.ping_interval).
+        self._ping_every = heartbeat if ping_every is None else max(heartbeat, ping_every)
+        self._next_ping = 0.0
         self._ctx = zmq.Context(1)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -93,7 +98,7 @@ class Channel:
         self._local = threading.local()
         self._pushers: list[zmq.Socket] = []
         self._pushers_lock = threading.Lock()
-        #: Peers (supervisors, node agents) pinged every heartbeat so they know the controller lives.
+        #: Peers (supervisors, node agents) pinged every ``ping_every`` so they know the controller lives.
         self.heartbeat_peers: set[bytes] = set()
         self._rejected = 0
         self.undeliverable = 0
@@ -203,7 +208,12 @@ class Channel:
 
     def _beat(self) -> None:
         """Heartbeats first (workers shut down without them), then the pool's periodic checks."""
-        for peer in list(self.heartbeat_peers):
+        now = time.monotonic()
+        # A tick that comes early by less than a poll's rounding still pings: not a tick later.
+        pinging = now >= self._next_ping - self._heartbeat / 2
+        if pinging:
+            self._next_ping = now + self._ping_every
+        for peer in list(self.heartbeat_peers) if pinging else ():
             try:
                 send_frames(self._router, [peer, *self._codec.encode({"t": Msg.PING})])
             except zmq.ZMQError:

@@ -162,6 +162,13 @@ class LaunchConfig:
                                  "or drop share_gpus and give each rank its own GPU.")
             object.__setattr__(self, "backend", "nccl")
 
+    @property
+    def ping_interval(self) -> float:
+        """How often the controller pings supervisors and node agents: five pings within
+        ``heartbeat_timeout``, and no more often than needed (each wakes every supervisor), from
+        once a second to once every 3 s."""
+        return min(3.0, max(1.0, self.heartbeat_timeout / 5))
+
     def _check_nodes(self) -> None:
         hosts = (self.hosts,) if isinstance(self.hosts, str) else tuple(self.hosts)
         hosts = tuple(h.strip() for h in hosts if h.strip())

@@ -177,7 +177,8 @@ class Pool:
         self._channel = self._launcher = self._multinode = None
         try:
             creds = Credentials.new(curve=config.curve)
-            self._channel = Channel(creds, tracker.on_message, tracker.on_tick, bind=config.bind_host, port=config.bind_port)
+            self._channel = Channel(creds, tracker.on_message, tracker.on_tick, bind=config.bind_host, port=config.bind_port,
+                                    ping_every=config.ping_interval)
         except (OSError, RuntimeError) as exc:
             raise LaunchError(str(exc)) from None
         tracker.begin_start(self._channel, Nodes(config.nnodes - 1))

@@ -36,6 +36,7 @@ from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
 from distnb.worker.debug import Prompter, install as install_debugger
 from distnb.worker.execute import Executor, mimebundle
+from distnb.worker import gloo_idle
 from distnb.worker.flight_recorder import open_nccl
 from distnb.worker.regroup import regroup
 from distnb.worker.memory_sampler import MemorySampler
@@ -254,6 +255,7 @@ class Rank:
 
             store, _, _ = next(rendezvous("env://", timeout=timedelta(seconds=self.pg_timeout)))
             kwargs.update(store=dist.PrefixStore(f"distnb/restart/{self.generation}", store), rank=self.rank, world_size=self.world_size)
+        gloo_idle.install()  # before the first group: an idle gloo group costs ~nothing then
         dist.init_process_group(**kwargs)
         if os.environ.get("DISTNB_CALL_LOG", "1") != "0":  # benchmarks compare without it
             install(self.executor.calls)

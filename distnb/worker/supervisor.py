@@ -141,6 +141,8 @@ class Supervisor:
         self.addr = os.environ["DISTNB_ADDR"]
         creds = Credentials.from_env(os.environ)
         self.heartbeat_timeout = float(os.environ.get("DISTNB_HEARTBEAT_TIMEOUT", "15"))
+        # The controller's silence is noticed within a quarter of the timeout past it.
+        self.deadline_ms = max(1, int(self.heartbeat_timeout * 250))
         self.codec = Codec(creds.key, f"s{self.rank}")
         self.guard = ReplayGuard()
         self.ctx = zmq.Context(1)
@@ -303,7 +305,7 @@ class Supervisor:
         while True:
             child = self.current
             assert child is not None
-            events = dict(self.poller.poll(FAULT_POLL_MS if self.pending_fault else child.idle_ms))
+            events = dict(self.poller.poll(FAULT_POLL_MS if self.pending_fault else min(child.idle_ms, self.deadline_ms)))
             now = time.monotonic()
             if self.sock in events:
                 while True:
@@ -426,9 +428,9 @@ class Supervisor:
             child.wait(5.0)
 
 
-#: How long an idle supervisor sleeps between looks at its heartbeat deadline (its rank's exit,
-#: output and requests wake it at once).
-IDLE_POLL_MS = 1000
+#: How long an idle supervisor sleeps between looks at its heartbeat deadline, at most (its rank's
+#: exit, output, requests and the controller's pings wake it at once).
+IDLE_POLL_MS = 5000
 #: While a faulthandler dump is being collected, its deadline is looked at this often.
 FAULT_POLL_MS = 20
 

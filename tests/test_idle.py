@@ -1,0 +1,142 @@
+"""An idle pool at rest (issue 15): gloo's loop threads sleep, pings come no more often than
+needed, and torchrun is not woken ten times a second. The CPU figures are in
+``benchmarks/bench_idle.py``; these tests check the mechanisms, on a real pool where they act."""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import threading
+import time
+
+import pytest
+import zmq
+
+from distnb.channel import Channel
+from distnb.config import LaunchConfig
+from distnb.protocol import Codec, Msg, ReplayGuard
+from distnb.security import Credentials
+from distnb.worker import gloo_idle
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _own_slack() -> int:
+    return int(_libc.prctl(30, 0, 0, 0, 0))  # PR_GET_TIMERSLACK
+
+
+def test_slack_is_lent_to_new_threads_only():
+    seen: list[int] = []
+    mine = _own_slack()
+    with gloo_idle._thread_slack(250_000_000):
+        assert _own_slack() == 250_000_000
+        t = threading.Thread(target=lambda: seen.append(_own_slack()))
+        t.start()
+        t.join()
+    assert seen == [250_000_000], "a thread started inside inherits the slack"
+    assert _own_slack() == mine, "the creating thread gets its own slack back"
+    with gloo_idle._thread_slack(0):  # 0: off
+        assert _own_slack() == mine
+
+
+@pytest.mark.parametrize("raw, ns", [("100", 100_000_000), ("0", 0), ("2.5", 2_500_000), ("-3", 0), ("lots", 100_000_000)])
+def test_slack_setting(monkeypatch, capsys, raw, ns):
+    monkeypatch.setenv("DISTNB_GLOO_TIMER_SLACK_MS", raw)
+    assert gloo_idle.slack_ns() == ns
+    if raw == "lots":
+        assert "not a number of milliseconds" in capsys.readouterr().err
+
+
+def test_only_gloo_groups_get_the_slack():
+    assert gloo_idle._is_gloo("gloo") and gloo_idle._is_gloo("GLOO")
+    assert not gloo_idle._is_gloo("nccl") and not gloo_idle._is_gloo("cpu:gloo,cuda:nccl")
+    mine = _own_slack()
+    with gloo_idle.gloo_creation("nccl"):
+        assert _own_slack() == mine
+
+
+@pytest.mark.parametrize("timeout, every", [(15.0, 3.0), (5.0, 1.0), (2.0, 1.0), (10.0, 2.0), (600.0, 3.0)])
+def test_ping_interval_leaves_five_pings_per_timeout(timeout, every):
+    assert LaunchConfig(nproc=1, heartbeat_timeout=timeout).ping_interval == every
+
+
+@pytest.mark.timeout(30)
+def test_pings_are_paced_apart_from_the_ticks():
+    """Ticks (the pool's periodic checks) keep their pace; pings come every ``ping_every``."""
+    creds = Credentials.new()
+    ticks: list[float] = []
+    channel = Channel(creds, lambda *a: None, lambda: ticks.append(time.monotonic()), heartbeat=0.05, ping_every=0.25)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"s0")
+    peer.setsockopt(zmq.LINGER, 0)
+    try:
+        peer.connect(channel.address)
+        channel.heartbeat_peers.add(b"s0")
+        guard = ReplayGuard()
+        pings: list[float] = []
+        start = time.monotonic()
+        while time.monotonic() - start < 2.0:
+            if peer.poll(50):
+                if Codec(creds.key, "x").decode(peer.recv_multipart(), guard)["t"] == Msg.PING:
+                    pings.append(time.monotonic())
+        ticks_in = [t for t in ticks if t >= start]
+        assert len(ticks_in) >= 20, f"ticks slowed down: {len(ticks_in)} in 2 s"
+        assert 4 <= len(pings) <= 10, f"{len(pings)} pings in 2 s at one per 0.25 s"
+        gaps = [b - a for a, b in zip(pings, pings[1:])]
+        assert min(gaps) > 0.15, f"pings closer than ping_every: {gaps}"
+    finally:
+        peer.close()
+        ctx.term()
+        channel.close()
+
+
+# -- on a real pool -------------------------------------------------------------------------------
+
+_LOOPS = r"""
+import ctypes as _ct, os as _os, re as _re, time as _time
+def _idle_loops():
+    out = {}
+    for tid in _os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "gloo_tcp_loop":
+                    continue
+            with open(f"/proc/self/task/{tid}/status") as f:
+                out[tid] = int(_re.search(r"voluntary_ctxt_switches:\s+(\d+)", f.read()).group(1))
+        except OSError:
+            pass
+    return out
+_idle_before = set(_idle_loops())
+_os.environ["DISTNB_GLOO_TIMER_SLACK_MS"] = "0"
+_idle_plain = dist.new_group(backend="gloo")   # as gloo makes it: a 10 ms tick
+del _os.environ["DISTNB_GLOO_TIMER_SLACK_MS"]
+_plain_loops = set(_idle_loops()) - _idle_before
+_idle_slack = dist.new_group(backend="gloo")   # as distnb makes it
+_slack_loops = set(_idle_loops()) - _idle_before - _plain_loops
+_t = torch.ones(2)
+dist.all_reduce(_t, group=_idle_slack)       # the slack group works, at once
+_a = _idle_loops(); _time.sleep(1.0); _b = _idle_loops()
+_rate = lambda tids: max(_b[t] - _a[t] for t in tids)
+_result = (len(_plain_loops), len(_slack_loops), _rate(_plain_loops), _rate(_slack_loops), _rate(_idle_before),
+           _ct.CDLL(None).prctl(30, 0, 0, 0, 0), _t.tolist())
+dist.destroy_process_group(_idle_plain); dist.destroy_process_group(_idle_slack)
+_result
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_gloo_loops_sleep_and_the_cells_thread_keeps_its_timers(pool):
+    """Each rank's gloo loop threads (the pool's group, and groups a cell makes) wake a few times
+    a second at rest, not a hundred; a group made with the slack off shows what gloo does alone.
+    The cell's own thread keeps the default slack: a user's ``time.sleep(0.001)`` stays 1 ms."""
+    res = pool.run(_LOOPS, timeout=90)
+    assert res.ok, res.text()
+    for rank, value in res.values.items():
+        plain_n, slack_n, plain_rate, slack_rate, pool_rate, own_slack, total = ast.literal_eval(value)
+        assert plain_n == 1 and slack_n == 1, f"rank {rank}: one loop thread per new gloo group, got {plain_n}, {slack_n}"
+        assert plain_rate >= 40, f"rank {rank}: gloo's own loop woke only {plain_rate}/s (the check can't tell)"
+        assert slack_rate <= 25 and pool_rate <= 25, f"rank {rank}: slack loops woke {slack_rate}/s, the pool's {pool_rate}/s"
+        assert own_slack == gloo_idle.DEFAULT_SLACK_NS, f"rank {rank}: the cell's thread has slack {own_slack} ns"
+        assert total == [4.0, 4.0]
