@@ -11,6 +11,7 @@ in the periodic tick is counted and kept (``errors``, ``last_error``) and the th
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import zmq
 
@@ -26,11 +27,22 @@ from distnb._zmq_io import NOBLOCK, recv_frames, send_frames
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, generation_of, in_generation, parse_identity, socket_max_msgsize
 from distnb.security import Credentials
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "FollowUp"]
 
 log = logging.getLogger("distnb")
 
 OnMessage = Callable[[str, int, dict[str, Any]], None]
+
+
+class FollowUp(NamedTuple):
+    """``fn`` runs on the I/O thread ``after`` seconds from now, unless ``wanted()`` (asked on
+    the I/O thread whenever it plans its next wake) is False by then: it is then dropped, and no
+    wake is spent on it."""
+
+    after: float
+    fn: Callable[[], None]
+    wanted: Callable[[], bool]
+
 _STOP = b"stop"
 #: First frame of a hand-over for several peers: ``[_FANOUT, b"id1 id2 …", *signed message]``.
 _FANOUT = b"fanout"
@@ -107,6 +119,10 @@ class Channel:
         #: The last of them as text: when (local HH:MM:SS), what was being done, and the traceback.
         self.last_error: str | None = None
         self._logged_sites: set[tuple[str, str, int]] = set()
+        #: Follow-ups (see send_many) by when they are due: ``(when, n, follow-up)``.
+        self._timers: list[tuple[float, int, FollowUp]] = []
+        self._timers_lock = threading.Lock()
+        self._timer_count = itertools.count()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="distnb-io", daemon=True)
         self._thread.start()
@@ -134,14 +150,20 @@ class Channel:
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
         self.send_many((identity,), msg)
 
-    def send_many(self, identities: Iterable[bytes], msg: dict[str, Any]) -> None:
+    def send_many(self, identities: Iterable[bytes], msg: dict[str, Any], follow_up: FollowUp | None = None) -> None:
         """Send one message to several peers: signed once (a cell's EXEC to every rank, a push
-        of a large value), handed to the I/O thread once."""
+        of a large value), handed to the I/O thread once.
+
+        ``follow_up`` (a cell's watch, for a cell that runs on) is registered before the message
+        is handed over, whose arrival wakes the I/O thread to see it: it needs no wake of its own."""
         if self._closed:
             return
         ids = list(identities)
         if not ids:
             return
+        if follow_up is not None:
+            with self._timers_lock:
+                heapq.heappush(self._timers, (time.monotonic() + follow_up.after, next(self._timer_count), follow_up))
         if threading.get_ident() == self._thread.ident:
             # Handlers on the I/O thread own the ROUTER: send directly, no hand-over socket.
             self._route(ids, self._codec.encode(msg))
@@ -180,10 +202,44 @@ class Channel:
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self._heartbeat
                 self._beat()
+            self._run_due()
+
+    def _next_timer(self) -> float | None:
+        """When the next wanted follow-up is due; those no longer wanted are dropped."""
+        while True:
+            with self._timers_lock:
+                if not self._timers:
+                    return None
+                when, _, follow_up = self._timers[0]
+            try:
+                wanted = follow_up.wanted()
+            except Exception:
+                self._failed("a follow-up's check")
+                wanted = False
+            if wanted:
+                return when
+            with self._timers_lock:
+                if self._timers and self._timers[0][2] is follow_up:
+                    heapq.heappop(self._timers)
+
+    def _run_due(self) -> None:
+        now = time.monotonic()
+        while True:
+            with self._timers_lock:
+                if not self._timers or self._timers[0][0] > now:
+                    return
+                follow_up = heapq.heappop(self._timers)[2]
+            try:
+                if follow_up.wanted():
+                    follow_up.fn()
+            except Exception:
+                self._failed("a follow-up")
 
     def _step(self, poller: zmq.Poller, next_beat: float) -> bool:
         """One poll and what it brought; True when asked to stop."""
-        timeout_ms = max(0, math.ceil((next_beat - time.monotonic()) * 1000))
+        timer = self._next_timer()
+        wake = next_beat if timer is None else min(next_beat, timer)
+        timeout_ms = max(0, math.ceil((wake - time.monotonic()) * 1000))
         events = dict(poller.poll(timeout_ms))
         if self._pull in events:
             while True:

@@ -318,11 +318,12 @@ class Pool:
             self._tracker.ensure_idle(targets)
             cell = self._session.next_cell()
             result = CellResult(cell=cell, code=code, ranks=targets, results={r: RankResult(r) for r in targets})
-            self._tracker.begin_cell(result, events or CellEvents())
+            run = self._tracker.begin_cell(result, events or CellEvents())
             if record:
                 self._session.add_cell(result)
         assert self._channel is not None
-        self._channel.send_many(map(exec_identity, targets), {"t": Msg.EXEC, "cell": cell, "code": code, **{k: v for k, v in flags.items() if v}})
+        self._channel.send_many(map(exec_identity, targets), {"t": Msg.EXEC, "cell": cell, "code": code, **{k: v for k, v in flags.items() if v}},
+                                follow_up=self._tracker.watch_follow_up(run))
         return result
 
     def debug(self, rank: int | None = None, ask: Ask | None = read_line) -> CellResult:

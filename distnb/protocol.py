@@ -133,6 +133,7 @@ class Msg:
     MEMORY = "memory"
     COLLECTIVES = "collectives"
     INTERRUPT = "interrupt"
+    WATCH = "watch"  # the cell has run a while: look at its collectives until it ends (unanswered)
     # C -> s
     PING = "ping"  # the controller's heartbeat (also to node agents)
     FAULT_REQUEST = "fault_request"  # SIGUSR1 the rank so faulthandler dumps every thread

@@ -26,10 +26,11 @@ import time
 from typing import Any, Callable
 
 from distnb import _processes
+from distnb.channel import FollowUp
 from distnb.cluster import Nodes
 from distnb.liveness import Liveness, supervisor_gone
-from distnb.collective_log import CollectiveLog, describe
-from distnb.position import position_at_death
+from distnb.collective_log import CollectiveLog
+from distnb.deaths import Deaths
 from distnb.errors import PoolBrokenError, PoolBusyError, NoPoolError
 from distnb.prompts import Prompt
 from distnb.protocol import Msg, control_identity, supervisor_identity
@@ -45,6 +46,9 @@ OUTPUT_KEEP_BYTES = 1 << 20
 #: Seconds after a death before a cell whose remaining ranks all wait for a dead one ends (the
 #: tick comes once a second: the notebook hears within ~2 s).
 STRAND_AFTER = 1.0
+#: A cell still running this long wakes its ranks' control threads to watch its collectives
+#: (distnb.worker.control); quicker cells wake nothing but the ranks' main threads.
+WATCH_AFTER = 0.05
 
 _POOL_MOVES: dict[PoolState, set[PoolState]] = {
     PoolState.NEW: {PoolState.STARTING},
@@ -82,8 +86,7 @@ class Tracker:
         self.ranks: dict[int, RankRecord] = {}
         self.notes: list[str] = []  # for start()'s on_note, taken on the caller's thread
         self._state = PoolState.NEW
-        self._first_death: int | None = None
-        self._first_death_result: RankResult | None = None
+        self._deaths = Deaths(self.collective_log)
         self._last_results: dict[int, RankResult] = {}
         self._poll_dirty: set[int] = set()
         self._ticks = 0
@@ -97,7 +100,7 @@ class Tracker:
     @property
     def first_death(self) -> int | None:
         """The rank that died first (the root cause), by time of death."""
-        return self._first_death
+        return self._deaths.first
 
     def _move(self, state: PoolState) -> None:
         if state not in _POOL_MOVES[self._state]:
@@ -125,8 +128,7 @@ class Tracker:
     def _reset(self, ranks: dict[int, RankRecord]) -> None:
         """What a new set of rank processes starts from."""
         self.ranks = ranks
-        self._first_death = None
-        self._first_death_result = None
+        self._deaths.reset()
         self._last_results = {}
         self.notes = []
         self.desync = []
@@ -195,7 +197,7 @@ class Tracker:
         """Raise unless the pool can run cells: :class:`PoolBrokenError` naming the first death."""
         if self._state == PoolState.BROKEN:
             dead = sorted(r for r, i in self.ranks.items() if i.state == RankState.DEAD)
-            first = self.ranks.get(self._first_death if self._first_death is not None else (dead[0] if dead else -1))
+            first = self.ranks.get(self._deaths.first if self._deaths.first is not None else (dead[0] if dead else -1))
             why = f"rank {first.rank} died ({_processes.signal_meaning(first.returncode)})" if first else "a rank died"
             raise PoolBrokenError(
                 f"the pool is broken: {why}, so collectives can't complete any more. "
@@ -235,6 +237,17 @@ class Tracker:
                 self._last_results[r] = result.results[r]
             self._poll_dirty.update(result.ranks)
             return run
+
+    def watch_follow_up(self, run: CellRun) -> FollowUp:
+        """For the cell's EXEC: once it has run WATCH_AFTER, the control threads of the ranks it
+        still runs on start watching its collectives."""
+        def watch() -> None:
+            with self.lock:
+                ranks = sorted(run.waiting_done)
+            if self.transport is not None:
+                self.transport.send_many(map(control_identity, ranks), {"t": Msg.WATCH})
+
+        return FollowUp(WATCH_AFTER, watch, lambda: bool(run.waiting_done))
 
     # -- views ----------------------------------------------------------------------------------
     def alive(self, ranks: list[int]) -> list[int]:
@@ -402,20 +415,9 @@ class Tracker:
             run.finished.set()
 
     def _mark_dead(self, info: RankRecord, when: float | None = None) -> None:
-        if info.died_at is None:
-            # ``when`` is the supervisor's wall clock at its exit report. Reports can arrive out of
-            # order, so deaths are ordered by it — trusted only a few seconds back, so a machine
-            # whose clock is off can't reorder deaths by more than a report can be late.
-            late = min(max(0.0, time.time() - when), 5.0) if when is not None else 0.0
-            info.died_at = time.monotonic() - late
+        self._deaths.stamp(info, when)
         if self._state in (PoolState.READY, PoolState.STARTING, PoolState.BROKEN):
-            first = self.ranks.get(self._first_death) if self._first_death is not None else None
-            if first is None or first.died_at is None or info.died_at < first.died_at:
-                if self._first_death_result is not None:
-                    # Its post-mortem already said "died first": the report of an earlier death came later.
-                    self._first_death_result.first_death = False
-                    self._first_death_result = None
-                self._first_death = info.rank
+            self._deaths.order(info, self.ranks)
         self._set_rank(info, RankState.DEAD)
         self._finish_rank_dead(info)
 
@@ -425,26 +427,7 @@ class Tracker:
             return
         res = run.result.results[info.rank]
         if res.status == "running":
-            res.status = "dead"
-            res.returncode = info.returncode
-            res.stderr_tail = info.stderr_tail
-            res.first_death = self._first_death == info.rank
-            if res.first_death:
-                self._first_death_result = res
-            res.cause = info.cause
-            res.finished_at = time.monotonic()
-            # As the rank last pushed it (within ~50 ms of entering) or the pool last polled it;
-            # the rank itself tells which cell an entry belongs to (no cross-machine clocks).
-            pending = self.collective_log.pending(info.rank, run.result.cell)
-            if pending is not None:
-                res.collective = f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
-            else:
-                # Died before the log could hear of it (gloo aborts within ms of a mismatch): the
-                # stack faulthandler printed on the fatal signal still says where.
-                died_in = position_at_death(info.stderr_tail, info.main_ident)
-                res.collective = died_in.death_words() if died_in is not None else ""
-                if died_in is not None and died_in.op:
-                    self.collective_log.died_in[info.rank] = died_in.op
+            self._deaths.conclude(info, res, run.result.cell)
         run.waiting_done.discard(info.rank)
         self._maybe_finish(info)
 

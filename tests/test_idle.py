@@ -1,6 +1,7 @@
-"""An idle pool at rest (issue 15): gloo's loop threads sleep, pings come no more often than
-needed, and torchrun is not woken ten times a second. The CPU figures are in
-``benchmarks/bench_idle.py``; these tests check the mechanisms, on a real pool where they act."""
+"""An idle pool at rest and quick cells that wake little (issue 15): gloo's loop threads sleep,
+pings come no more often than needed, torchrun is not woken ten times a second, and a quick cell
+wakes no rank's control thread (only a cell that runs on is watched). The CPU figures are in
+``benchmarks/``; these tests check the mechanisms, on a real pool where they act."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import pytest
 import zmq
 
-from distnb.channel import Channel
+from distnb.channel import Channel, FollowUp
 from distnb.config import LaunchConfig
 from distnb.protocol import Codec, Msg, ReplayGuard
 from distnb.security import Credentials
@@ -91,6 +92,31 @@ def test_pings_are_paced_apart_from_the_ticks():
         channel.close()
 
 
+@pytest.mark.timeout(30)
+def test_follow_ups_run_when_due_and_only_while_wanted():
+    channel = Channel(Credentials.new(), lambda *a: None, None, heartbeat=5.0)  # no tick to lean on
+    ran: list[tuple[str, float]] = []
+    try:
+        start = time.monotonic()
+        keep = FollowUp(0.2, lambda: ran.append(("kept", time.monotonic() - start)), lambda: True)
+        dropped_flag = [True]
+        drop = FollowUp(0.2, lambda: ran.append(("dropped", 0.0)), lambda: dropped_flag[0])
+        boom = FollowUp(0.1, lambda: 1 / 0, lambda: True)
+        channel.send_many([b"nobody"], {"t": Msg.PING}, follow_up=keep)
+        channel.send_many([b"nobody"], {"t": Msg.PING}, follow_up=drop)
+        channel.send_many([b"nobody"], {"t": Msg.PING}, follow_up=boom)
+        dropped_flag[0] = False  # the cell ended before its follow-up was due
+        deadline = time.monotonic() + 5
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert [name for name, _ in ran] == ["kept"], ran
+        assert 0.19 <= ran[0][1] < 2.0, f"due after 0.2 s, ran after {ran[0][1]:.3f} s (heartbeat 5 s)"
+        assert channel.errors == 1 and "follow-up" in (channel.last_error or "") and channel.alive
+    finally:
+        channel.close()
+
+
 # -- on a real pool -------------------------------------------------------------------------------
 
 _LOOPS = r"""
@@ -140,3 +166,39 @@ def test_gloo_loops_sleep_and_the_cells_thread_keeps_its_timers(pool):
         assert slack_rate <= 25 and pool_rate <= 25, f"rank {rank}: slack loops woke {slack_rate}/s, the pool's {pool_rate}/s"
         assert own_slack == gloo_idle.DEFAULT_SLACK_NS, f"rank {rank}: the cell's thread has slack {own_slack} ns"
         assert total == [4.0, 4.0]
+
+
+_CONTROL_SWITCHES = """
+import threading as _th
+_ctl = next(t for t in _th.enumerate() if t.name == "distnb-control").native_id
+with open(f"/proc/self/task/{_ctl}/status") as _f:
+    _switches = int(next(l for l in _f if l.startswith("voluntary_ctxt_switches")).split()[1])
+_switches
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_cells_leave_the_control_thread_asleep_and_long_ones_are_watched(pool):
+    """A quick cell wakes only the rank's main thread; one that runs past WATCH_AFTER is watched:
+    its collectives reach the notebook while it still runs, before the pool's 1 s poll."""
+    before = {r: int(v) for r, v in pool.run(_CONTROL_SWITCHES).values.items()}
+    for _ in range(30):
+        assert pool.run("pass").ok
+    after = {r: int(v) for r, v in pool.run(_CONTROL_SWITCHES).values.items()}
+    woken = {r: after[r] - before[r] for r in after}
+    assert all(n <= 10 for n in woken.values()), f"control threads woke during 31 quick cells: {woken}"
+
+    cell = pool.submit("_w = torch.ones(3)\ndist.all_reduce(_w)\nimport time\ntime.sleep(2.0)")
+    try:
+        seen: dict[int, float] = {}
+        start = time.monotonic()
+        while len(seen) < 4 and time.monotonic() - start < 1.5:
+            for r in range(4):
+                if r not in seen and any(e.get("cell") == cell.cell for e in list(pool._tracker.collective_log.entries.get(r, {}).values())):
+                    seen[r] = time.monotonic() - start
+            time.sleep(0.01)
+        assert sorted(seen) == [0, 1, 2, 3], f"the running cell's all_reduce reached the notebook from ranks {sorted(seen)} only"
+        assert max(seen.values()) < 0.9, f"pushed by the watch, not the 1 s poll: {seen}"
+    finally:
+        assert pool.wait(cell, timeout=30).ok

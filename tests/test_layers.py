@@ -16,7 +16,7 @@ LAYERS: list[set[str]] = [
     {"results", "worker", "nccl_report"},  # the worker package: rank processes and supervisors
     {"collective_log", "diagnose", "position", "p2p", "group_creation", "steps", "stragglers", "profile_report", "sync_check",
      "stacks", "check_report", "memory_report", "cluster", "launcher", "channel",
-     "requests", "records", "export", "session", "node", "prompts", "liveness"},
+     "requests", "records", "export", "session", "node", "prompts", "liveness", "deaths"},
     {"tracker", "values"},
     {"diagnostics", "multinode", "startup", "debugger"},
     {"pool"},

@@ -5,14 +5,14 @@ NCCL's waits release the GIL, so a rank blocked in a collective still answers wi
 Nothing here may ever issue a collective on the user's process groups.
 
 It also pushes the rank's new Flight Recorder entries to the controller on its own, within ~50 ms
-of a collective being issued (see :meth:`ControlThread._watch`): the controller's once-a-second
+of a collective being issued (~100 ms in a cell's first 50 ms, as it only starts watching once the
+controller says the cell runs on; see :meth:`ControlThread._watch`): the controller's once-a-second
 poll alone loses the last collective of a rank that dies abruptly (SIGKILL, gloo's SIGABRT) within
 that second, which is exactly the one a post-mortem needs.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import signal
@@ -62,21 +62,6 @@ def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
     return out
 
 
-def _poke(fd: int) -> None:
-    try:
-        os.write(fd, b"!")
-    except OSError:
-        pass  # already poked (the pipe is full), or shutting down
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except OSError:
-        pass
-
-
 def _main_in_collective() -> bool:
     """Is the main thread inside a torch.distributed call right now (e.g. blocked in a collective)?"""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
@@ -118,23 +103,17 @@ class ControlThread(threading.Thread):
         self.watch_seconds = 0.0
 
     def run(self) -> None:
-        # An idle rank's control thread sleeps until a request comes or a cell starts (the
-        # executor writes to this pipe): no wake-ups at all between cells.
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        os.set_blocking(wake_w, False)
-        self.executor.wake = functools.partial(_poke, wake_w)
+        # An idle rank's control thread sleeps until a request comes: no wake-ups between cells,
+        # nor in a quick cell. A cell still running after WATCH_AFTER gets a WATCH from the
+        # controller, and the thread looks every WATCH_INTERVAL from then until the cell ends.
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(wake_r, zmq.POLLIN)
         while True:
             try:
                 idle = self.executor.cell is None and not self._was_running
                 # Rounded up: a 0 ms poll would spin until the next look is due.
                 wait_ms = None if self.seqs is None or idle else max(0, math.ceil((self._next_watch - time.monotonic()) * 1000))
                 events = dict(poller.poll(wait_ms))
-                if wake_r in events:
-                    _drain(wake_r)
                 if self.sock in events:
                     self._serve_one(recv_frames(self.sock))
                 if self.seqs is not None and time.monotonic() >= self._next_watch:
@@ -296,6 +275,8 @@ class ControlThread(threading.Thread):
             return read_collectives(int(msg.get("since", -1)), self.executor.clock, self.executor.calls, int(msg.get("calls_since", -1)))
         if t == Msg.ENV:
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
+        if t == Msg.WATCH:
+            return None  # waking this thread was the point: the loop now watches the running cell
         if t == Msg.INTERRUPT:
             delivered = False
             ex, cell = self.executor, msg.get("cell")

@@ -102,7 +102,6 @@ class Executor:
         self.interrupt_cell: int | None = None
         self.sigints = 0  # KeyboardInterrupts raised by the SIGINT handler
         self.busy = ""  # what the main thread does for distnb outside a cell ("distnb's check")
-        self.wake: Callable[[], None] | None = None  # wakes the control thread's watch as a cell starts
         self.debug: Hooks | None = None  # breakpoint(), input() and post-mortems answered from the notebook
         self.last_traceback: TracebackType | None = None  # of the last cell that raised, for %dist_debug
         self.ns.setdefault("__name__", "__main__")
@@ -130,8 +129,6 @@ class Executor:
             with self.lock:
                 self.cell = cell_id
                 pending, self.interrupt_cell = self.interrupt_cell == cell_id, None
-            if self.wake is not None:
-                self.wake()
             if self.debug is not None:
                 self.debug.prompter.begin_cell()
             if pending:
