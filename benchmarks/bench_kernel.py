@@ -143,6 +143,16 @@ def session(k: Kernel, cells: int, every: int = 250) -> dict[str, Any]:
             "max_ms": max(times) * 1e3, "p99_over_median": pct(times, 0.99) / statistics.median(times)}
 
 
+def quiet(pids: set[int], below: float = 0.05, limit: float = 120.0) -> None:
+    """Wait until ``pids`` use under ``below`` s of CPU in a second (or ``limit`` s passed)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pids)
+        time.sleep(1.0)
+        if cpu_seconds(pids) - before < below:
+            return
+
+
 def idle_cpu(k: Kernel, roots: list[int], seconds: float) -> float:
     """CPU milliseconds per second spent by ``roots`` and their descendants while nothing runs."""
     pids: set[int] = set().union(*(tree(r) for r in roots))
@@ -178,6 +188,9 @@ def main() -> None:
             except AssertionError as exc:
                 report["ipyparallel"] = f"not measured: {exc}"
         k.refresh()
+        # The spares (one per rank) import torch once the pool is ready: start-up, not cells.
+        agent = json.loads(k.execute("import json\nprint(json.dumps(pool._launcher.pid))")[2])
+        quiet(tree(agent))
         cells = interleaved(k, kinds, args.cells)
         report["cells"] = cells
         floor = cells["plain"]["median_ms"]
@@ -185,12 +198,12 @@ def main() -> None:
                             "pool_run_over_plain": cells["pool.run"]["median_ms"] / floor}
         if ipp:
             report["ratios"]["px_over_on_ranks"] = cells["px"]["median_ms"] / cells["on_ranks"]["median_ms"]
-        agent = json.loads(k.execute("import json\nprint(json.dumps(pool._launcher.pid))")[2])
         report["idle_cpu_ms_per_s"] = {"distnb_pool": idle_cpu(k, [agent], args.idle)}
         if ipp:  # the rest of the kernel's tree: ipyparallel's controller and engines
             pool_pids = tree(agent)
             report["idle_cpu_ms_per_s"]["ipyparallel"] = idle_cpu(k, [p for p in tree(k.pid) - pool_pids - {k.pid}], args.idle)
-        report["session"] = session(k, args.session)
+        if args.session:
+            report["session"] = session(k, args.session)
         # Restarts alternated with full ones (torchrun started anew), each after a pause in which
         # the spares finish importing torch; then one right after another (spares still importing).
         quick, full, back_to_back = [], [], []

@@ -270,14 +270,6 @@ class DistMagics(Magics):
         args.ranks = " ".join(args.ranks) or None  # "0, 1" and "0 2" arrive as two words
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError("--timeout takes a positive number of seconds, e.g. --timeout 10.")
-        try:
-            compile(cell, "<cell>", "exec")
-        except SyntaxError as exc:
-            import traceback
-
-            print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr)
-            print("[distnb] nothing was sent to the ranks.", file=sys.stderr)
-            return
         pool = self._pool()
         view: CellDisplay | LivePrinter
         if widgets_available():
@@ -286,9 +278,16 @@ class DistMagics(Magics):
         else:
             view = LivePrinter()
         events = CellEvents(on_output=None if args.quiet else view.feed, on_display=view.display_bundle, on_rank_done=view.rank_done)
-        with _usage_errors():
-            result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
-                                 profile=args.profile, pdb=args.pdb)
+        try:
+            with _usage_errors():
+                result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
+                                     profile=args.profile, pdb=args.pdb)
+        except SyntaxError as exc:  # pool.submit compiles the cell before sending anything
+            import traceback
+
+            print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr)
+            print("[distnb] nothing was sent to the ranks.", file=sys.stderr)
+            return
         self._user_ns["_dist"] = result
         if isinstance(view, CellDisplay):
             view.cell = result.cell
