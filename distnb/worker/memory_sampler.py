@@ -20,10 +20,11 @@ from typing import Any
 __all__ = ["MemorySampler", "read_rss"]
 
 _KB = 1024
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 class _ProcSelf:
-    """/proc/self/status and /proc/self/clear_refs, opened once per process.
+    """/proc/self/status, /proc/self/statm and /proc/self/clear_refs, opened once per process.
 
     ``pread`` at offset 0 makes the kernel regenerate the file and uses no shared file position,
     so the main thread and the control thread can read at the same time; a forked child (a cell
@@ -33,6 +34,7 @@ class _ProcSelf:
     def __init__(self) -> None:
         self._pid = -1
         self._status = -1
+        self._statm = -1
         self._clear = -1
         self._lock = threading.Lock()
 
@@ -45,9 +47,10 @@ class _ProcSelf:
                 return
             # After a fork the inherited descriptors still name the parent's /proc entries; they
             # are the parent's to close, so just stop using them.
-            self._status = self._clear = -1
+            self._status = self._statm = self._clear = -1
             try:
                 self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 pass
             try:
@@ -55,6 +58,16 @@ class _ProcSelf:
             except OSError:  # not writable (some containers, old kernels): peaks are lifetime peaks
                 pass
             self._pid = pid
+
+    def rss(self) -> int | None:
+        """Current RSS in bytes from statm, a fifth of what status costs (it has no peak)."""
+        self._open()
+        if self._statm < 0:
+            return None
+        try:
+            return int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            return None
 
     def status(self) -> bytes:
         self._open()
@@ -162,8 +175,8 @@ class MemorySampler:
         self._cell_thread = threading.get_ident()
         if self._can_reset:
             self._can_reset = _reset_rss_peak()
-        rss, _ = read_rss()
-        self._start = {"rss": rss}
+        rss = _proc.rss()
+        self._start = {"rss": rss if rss is not None else read_rss()[0]}
         cuda = self._cuda()
         if cuda is not None:
             dev = self._device_index(cuda)
