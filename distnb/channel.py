@@ -57,7 +57,7 @@ class Channel:
     ``on_message(kind, rank, msg)`` is called on the I/O thread with ``kind`` one of ``"x"``
     (rank main thread), ``"c"`` (rank control thread), ``"s"`` (rank supervisor) or ``"n"``
     (node agent; ``rank`` is then the agent's id). ``on_tick()`` is called on the same thread
-    after each round of heartbeats (every ``heartbeat`` seconds).
+    every ``heartbeat`` seconds, after the pings when they are due (every ``ping_every``).
     """
 
     def __init__(
