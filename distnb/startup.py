@@ -124,15 +124,19 @@ def _network(launcher: Launcher, multinode: MultiNode) -> str:
     return f"this machine: --local-addr {multinode.rdzv.local_addr or '(its name)'}, {pinned}; rendezvous {multinode.rdzv.endpoint}"
 
 
+def _mesh_advice(launcher: Launcher, multinode: MultiNode) -> str:
+    """What to check when the ranks on different machines can't connect to each other."""
+    return (f"Here {_network(launcher, multinode)}; the other machines use the interface that reaches this one. Let TCP "
+            "through between the machines (gloo and NCCL pick ports at random), and set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME "
+            "(--env) only to an interface every machine has, never lo.")
+
+
 def _mesh_hint(error: str, launcher: Launcher, multinode: MultiNode | None) -> str:
     """A rank's process group could not connect its peers: say which addresses it was given."""
     if multinode is None or not any(w in error for w in ("connectFullMesh", "timed out connecting", "Connection refused")):
         return ""
     loopback = " A rank was given a loopback address (remote=[127.…]) for a peer on another machine." if "remote=[127." in error else ""
-    return (f"\nThe ranks could not connect to each other across machines.{loopback} Here {_network(launcher, multinode)}; "
-            "the other machines use the interface that reaches this one. Let TCP through between the machines (gloo and "
-            "NCCL pick ports at random), and set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (--env) only to an interface every "
-            "machine has, never lo.")
+    return f"\nThe ranks could not connect to each other across machines.{loopback} {_mesh_advice(launcher, multinode)}"
 
 
 def _rendezvous_hint(text: str, launcher: Launcher, multinode: MultiNode | None) -> str:
@@ -153,10 +157,7 @@ def _timeout(tracker: Tracker, launcher: Launcher, timeout: float, multinode: Mu
     nodes = multinode.timeout_text(launcher.pid) if multinode is not None else ""
     if multinode is not None and missing and all(s == RankState.CONNECTED.value for s in missing.values()):
         nodes += ("Every rank reached the notebook, but the process group did not form: the ranks could not connect to "
-                  f"each other. Here {_network(launcher, multinode)}; the other "
-                  "machines use the interface that reaches this one. Let TCP through between the machines on that network "
-                  "(gloo and NCCL pick ports at random), or set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (--env) to an "
-                  "interface name every machine has.\n")
+                  f"each other. {_mesh_advice(launcher, multinode)}\n")
     return LaunchError(
         f"the pool did not start within {timeout:g} s ({detail}).\n{nodes}"
         f"torchrun's last output:\n{launcher.tail_text(15)}\n"

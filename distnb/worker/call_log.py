@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from distnb.worker.patching import wrap_c10d
+
 __all__ = ["CallLog", "install"]
 
 #: Function → the arguments kept (those that must agree across the ranks of a collective, or name
@@ -197,22 +199,11 @@ def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]
             _inside.call = False
             log.end(rec, work)
 
-    call.__distnb_wrapped__ = fn  # type: ignore[attr-defined]
     return call
 
 
 def install(log: CallLog) -> None:
     """Wrap the watched functions in ``torch.distributed`` and its ``distributed_c10d`` module
     (both bindings: ``dist.x`` reads the first, torch's own internal calls the second)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    for name in WATCHED:
-        original = getattr(c10d, name, None)
-        if original is None or hasattr(original, "__distnb_wrapped__"):
-            continue
-        wrapped = _wrap(log, name, original)
-        setattr(c10d, name, wrapped)
-        if getattr(dist, name, None) is original:
-            setattr(dist, name, wrapped)
+    wrap_c10d(WATCHED, lambda name, fn: _wrap(log, name, fn), "__distnb_wrapped__")
     log.installed = True

@@ -23,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import inspect
 import os
 import sys
 from typing import Any, Callable, Iterator
+
+from distnb.worker.patching import wrap_c10d
 
 __all__ = ["DEFAULT_SLACK_NS", "slack_ns", "gloo_creation", "install"]
 
@@ -130,16 +133,19 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             with _prompt_loops():
                 return original(*args, **kwargs)
     else:
+        signature = inspect.signature(original)
+
         def call(*args: Any, **kwargs: Any) -> Any:
-            backend = kwargs.get("backend", args[0] if name == "init_process_group" and args else
-                                 args[2] if name == "new_group" and len(args) > 2 else None)
+            try:
+                backend = signature.bind_partial(*args, **kwargs).arguments.get("backend")
+            except TypeError:  # a wrong call: torch's own words for it, below
+                backend = None
             if name == "init_process_group" and backend is None:
                 backend = "gloo" if not _cuda_default() else None
             with gloo_creation(backend):
                 return original(*args, **kwargs)
 
     functools.update_wrapper(call, original)
-    call.__distnb_gloo_idle__ = True  # type: ignore[attr-defined]
     return call
 
 
@@ -152,18 +158,7 @@ def _cuda_default() -> bool:
 
 def install() -> None:
     """Give the gloo groups a cell makes (``new_group``, ``init_process_group`` after a
-    ``destroy_process_group``) the same idle slack, and their destroys prompt loops: both the
-    ``torch.distributed`` attributes and ``distributed_c10d``'s (torch's own calls read those)."""
+    ``destroy_process_group``) the same idle slack, and their destroys prompt loops."""
     if _prctl is None or slack_ns() <= 0:
         return
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    for name in ("init_process_group", "new_group", "destroy_process_group"):
-        original = getattr(c10d, name, None)
-        if original is None or hasattr(original, "__distnb_gloo_idle__"):
-            continue
-        wrapped = _wrap(name, original)
-        setattr(c10d, name, wrapped)
-        if getattr(dist, name, None) is original:
-            setattr(dist, name, wrapped)
+    wrap_c10d(("init_process_group", "new_group", "destroy_process_group"), _wrap, "__distnb_gloo_idle__")

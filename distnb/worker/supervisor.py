@@ -82,7 +82,7 @@ class Child:
             poller.register(fd, zmq.POLLIN)
         self._watched = True
         # The rank's exit wakes the loop through a pidfd (Linux >= 5.3): no polling for it, so an
-        # idle supervisor sleeps a second at a time. Without one, look every 100 ms.
+        # idle supervisor sleeps until a ping or its heartbeat deadline. Without one, look every 100 ms.
         try:
             self.pidfd = os.pidfd_open(self.proc.pid)
             poller.register(self.pidfd, zmq.POLLIN)
