@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import zmq
 
-from distnb._zmq_io import NOBLOCK, recv_frames, send_frames
+from distnb._zmq_io import drain, send_frames
 from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, generation_of, in_generation, parse_identity, socket_max_msgsize
 from distnb.security import Credentials
 
@@ -242,11 +242,7 @@ class Channel:
         timeout_ms = max(0, math.ceil((wake - time.monotonic()) * 1000))
         events = dict(poller.poll(timeout_ms))
         if self._pull in events:
-            while True:
-                try:
-                    outgoing = recv_frames(self._pull, NOBLOCK)
-                except zmq.Again:
-                    break
+            for outgoing in drain(self._pull):
                 if len(outgoing) == 1 and outgoing[0] == _STOP:
                     return True
                 if outgoing[0] == _FANOUT:
@@ -254,11 +250,7 @@ class Channel:
                 else:
                     self._route(outgoing[:1], outgoing[1:])
         if self._router in events:
-            while True:
-                try:
-                    frames = recv_frames(self._router, NOBLOCK)
-                except zmq.Again:
-                    break
+            for frames in drain(self._router):
                 self._receive(frames)
         return False
 

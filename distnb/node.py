@@ -89,7 +89,8 @@ class NodeAgent:
             print(
                 f"distnb node: no answer from a controller at {self.address} within {self.wait:g} s. Check that this "
                 "machine can reach that address (firewall, --bind on the controller) and that the key file is the one "
-                "this pool's %dist_launch printed: frames signed with another key are dropped unread.",
+                "this pool's %dist_launch printed: frames signed with another key are dropped unread. Both machines need the "
+                "same distnb: an older one signs its frames differently.",
                 file=sys.stderr,
             )
         return None

@@ -17,6 +17,7 @@ import time
 import weakref
 from typing import Any, Callable, Iterable
 
+from distnb.cell_code import CompiledCell, compile_source, exec_request
 from distnb.channel import Channel
 from distnb.check_report import CheckReport
 from distnb.cluster import Nodes
@@ -310,10 +311,11 @@ class Pool:
         """Start a cell on the ranks and return its live :class:`CellResult` at once. ``profile``
         runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`); with ``pdb``
         a rank that raises stops in the debugger at the error (:meth:`wait` answers it)."""
-        compile(code, "<cell>", "exec")  # a SyntaxError is raised here, once, before anything is sent
-        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb})
+        compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
+        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb}, compiled=compiled)
 
-    def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True) -> CellResult:
+    def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True,
+               compiled: CompiledCell | None = None) -> CellResult:
         with self._tracker.lock:
             self._tracker.ensure_idle(targets)
             cell = self._session.next_cell()
@@ -322,7 +324,7 @@ class Pool:
             if record:
                 self._session.add_cell(result)
         assert self._channel is not None
-        self._channel.send_many(map(exec_identity, targets), {"t": Msg.EXEC, "cell": cell, "code": code, **{k: v for k, v in flags.items() if v}},
+        self._channel.send_many(map(exec_identity, targets), exec_request(cell, code, compiled, flags),  # type: ignore[arg-type]
                                 follow_up=self._tracker.watch_follow_up(run))
         return result
 

@@ -1,6 +1,6 @@
 """A pool's credentials: the frame-signing key, optional CURVE keys, and the key file nodes read.
 
-Every frame on the control plane is HMAC-signed with the pool's key (see :mod:`distnb.protocol`),
+Every frame on the control plane is signed with the pool's key (see :mod:`distnb.protocol`),
 so a peer without the key is never unpickled. CURVE (libzmq's encryption) is optional on top: it
 hides cell code, outputs and values from anyone who can watch the network, and with it the
 controller refuses, at the handshake, every client that does not hold the pool's client key.

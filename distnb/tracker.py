@@ -407,7 +407,7 @@ class Tracker:
             self._set_rank(info, RankState.IDLE)
         if run.events.on_rank_done:
             run.events.on_rank_done(run.result.results[info.rank])
-        if all(run.rank_finished(r) for r in run.result.ranks):
+        if not run.waiting_done:  # the last of its ranks
             run.result.elapsed = time.monotonic() - run.started
             found = count_mismatches({r: res.sync for r, res in run.result.results.items() if res.status != "dead"})
             run.result.desync = self.desync = carry_over(found, self.desync, run.result.cell)

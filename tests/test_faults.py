@@ -10,6 +10,7 @@ import pytest
 
 import distnb
 from conftest import usable, wait_until
+from distnb.protocol import MAGIC
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -75,9 +76,9 @@ def test_rogue_frames_are_dropped_and_counted(pool2: distnb.Pool) -> None:
     rogue.connect(pool.status().address)
     import pickle
 
-    rogue.send_multipart([b"DNB1", b"\0" * 32, pickle.dumps({"t": "done", "id": "cell-1"})])  # wrong signature
+    rogue.send_multipart([MAGIC, b"\0" * 32, pickle.dumps({"t": "done", "id": "cell-1"})])  # wrong signature
     rogue.send_multipart([b"garbage"])
-    rogue.send_multipart([b"DNB1", b"short", b""])
+    rogue.send_multipart([MAGIC, b"short", b""])
     deadline = time.monotonic() + 5
     while channel.rejected < before + 3 and time.monotonic() < deadline:
         time.sleep(0.05)

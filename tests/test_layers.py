@@ -12,7 +12,7 @@ PACKAGE = Path(distnb.__file__).parent
 
 #: Lowest first; a module may import its own layer (without a cycle) and the ones below it.
 LAYERS: list[set[str]] = [
-    {"_text", "_processes", "_zmq_io", "protocol", "security", "ranks", "errors", "config", "network"},
+    {"_text", "_processes", "_zmq_io", "protocol", "security", "ranks", "errors", "config", "network", "cell_code"},
     {"results", "worker", "nccl_report"},  # the worker package: rank processes and supervisors
     {"collective_log", "diagnose", "position", "p2p", "group_creation", "steps", "stragglers", "profile_report", "sync_check",
      "stacks", "check_report", "memory_report", "cluster", "launcher", "channel",
@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"display", "magics", "magic_support", "inspect_magics", "__main__", "__init__"},
 ]
 #: What the worker package (and the node agent's rank side) may import from the rest of distnb.
-WORKER_MAY_IMPORT = {"_text", "_processes", "_zmq_io", "protocol", "security"}
+WORKER_MAY_IMPORT = {"_text", "_processes", "_zmq_io", "protocol", "security", "cell_code"}
 
 
 def _layer(name: str) -> int:

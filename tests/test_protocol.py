@@ -30,6 +30,7 @@ from distnb.protocol import (
     exec_identity,
     new_key,
     parse_identity,
+    signature,
     socket_max_msgsize,
     supervisor_identity,
 )
@@ -56,7 +57,7 @@ class _Trap:
 
 
 def sign(key: bytes, body: bytes) -> list[bytes]:
-    return [MAGIC, hmac.new(key, body, hashlib.sha256).digest(), body]
+    return [MAGIC, signature(key, body), body]
 
 
 @pytest.fixture(autouse=True)
@@ -230,6 +231,23 @@ def test_replay_guard_check_and_forget():
     guard.check("s1", 0)
     guard.forget("s0")
     guard.check("s0", 1)
+
+
+def test_a_frame_of_the_previous_format_is_refused_unread():
+    """DNB1 frames (HMAC-SHA256, an older distnb on another machine) never reach pickle."""
+    body = pickle.dumps(_Trap("dnb1"), protocol=pickle.HIGHEST_PROTOCOL)
+    rx = Codec(KEY, "C")
+    with pytest.raises(BadFrame, match="not a distnb frame"):
+        rx.decode([b"DNB1", hmac.new(KEY, body, hashlib.sha256).digest(), body])
+    assert SIDE_EFFECTS == [] and rx.rejected == 1
+
+
+def test_keys_longer_than_blake2b_takes_still_sign_and_still_differ():
+    long_a, long_b = b"a" * 100, b"a" * 99 + b"b"
+    frames = Codec(long_a, "x0").encode({"t": Msg.CELL_DONE})
+    assert Codec(long_a, "C").decode(frames)["t"] == Msg.CELL_DONE
+    with pytest.raises(BadFrame, match="bad signature"):
+        Codec(long_b, "C").decode(frames)
 
 
 def test_short_key_is_refused():

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import ast
 import bdb
 import cmd
 import pdb
-import io
 import linecache
 import os
 import sys
 import threading
 import time
-import tokenize
 import traceback
 from types import TracebackType
 from typing import Any, Callable
 
+from distnb.cell_code import CELL_PREFIX, CompiledCell, cell_filename, compile_cell
 from distnb.worker.call_log import CallLog
 from distnb.worker.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.flight_recorder import CellClock
@@ -25,17 +23,12 @@ from distnb.worker.memory_sampler import MemorySampler
 
 __all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
 
-CELL_PREFIX = "<cell-"
 _TEXT_CAP = 64 * 1024
 _KEEP_SOURCES = 1000
 # distnb's own frames (e.g. the SIGINT handler that raises KeyboardInterrupt) are hidden from tracebacks.
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # pdb's and bdb's frames between a cell's line and the BdbQuit its ``q`` raises there.
 _DEBUGGER_FILES = {bdb.__file__, pdb.__file__, cmd.__file__}
-
-
-def cell_filename(cell_id: int) -> str:
-    return f"{CELL_PREFIX}{cell_id}>"
 
 
 def _cap(text: str) -> str:
@@ -75,17 +68,6 @@ def mimebundle(obj: Any) -> dict[str, str]:
     return bundle
 
 
-def _ends_with_semicolon(code: str) -> bool:
-    """IPython's rule: a cell whose last statement ends in ``;`` shows no value."""
-    try:
-        tokens = [t for t in tokenize.generate_tokens(io.StringIO(code).readline)
-                  if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENDMARKER,
-                                    tokenize.INDENT, tokenize.DEDENT)]
-    except (tokenize.TokenError, SyntaxError):
-        return False
-    return bool(tokens) and tokens[-1].string == ";"
-
-
 class Executor:
     """Owns the rank's namespace and executes cells in it (always on the main thread)."""
 
@@ -112,10 +94,12 @@ class Executor:
         for obj in objs:
             self._send_display(self.cell if self.cell is not None else -1, mimebundle(obj))
 
-    def run(self, cell_id: int, code: str, post_mortem: bool = False, body: Callable[[], None] | None = None) -> dict[str, Any]:
+    def run(self, cell_id: int, code: str, post_mortem: bool = False, body: Callable[[], None] | None = None,
+            compiled: CompiledCell | None = None) -> dict[str, Any]:
         """Run ``code`` as cell ``cell_id``; with ``post_mortem``, an exception opens the debugger
         at its frame (the namespace alive) before the cell reports it. ``body`` runs instead of
-        code (distnb's own work in a cell's clothes: interruptible, reported like one)."""
+        code (distnb's own work in a cell's clothes: interruptible, reported like one).
+        ``compiled`` is ``code`` compiled by the notebook (see distnb.cell_code)."""
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         # Keep the sources of recent cells only: a long session must not grow without bound.
@@ -134,7 +118,7 @@ class Executor:
             if pending:
                 raise KeyboardInterrupt
             try:
-                value = body() if body is not None else self._exec(code, filename)
+                value = body() if body is not None else self._exec(compiled or compile_cell(code, filename))
             finally:
                 if self.debug is not None:
                     self.debug.end_cell()  # before any of distnb's own code runs: no stepping into it
@@ -166,16 +150,10 @@ class Executor:
             reply["error"] = _group_failure(failed)
         return reply
 
-    def _exec(self, code: str, filename: str) -> Any:
+    def _exec(self, cell: CompiledCell) -> Any:
         """Run the cell's statements; the value of its last expression, if it ends with one."""
-        tree = ast.parse(code, filename, "exec")
-        last: ast.Expression | None = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(code):
-            tail = tree.body.pop()
-            assert isinstance(tail, ast.Expr)
-            last = ast.Expression(tail.value)
-        exec(compile(tree, filename, "exec"), self.ns)
-        return eval(compile(last, filename, "eval"), self.ns) if last is not None else None
+        exec(cell.body, self.ns)
+        return eval(cell.last, self.ns) if cell.last is not None else None
 
     def _post_mortem(self, tb: TracebackType | None) -> None:
         assert self.debug is not None

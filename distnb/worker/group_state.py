@@ -30,8 +30,15 @@ def group_backends(c10d: Any, pg: Any) -> set[str]:
     return {part.rsplit(":", 1)[-1] for part in str(entry[0]).lower().split(",")} if entry is not None else set()
 
 
-def _is_nccl(c10d: Any, pg: Any) -> bool:
-    return "nccl" in group_backends(c10d, pg)
+def _groups(c10d: Any) -> list[tuple[Any, str, bool]]:
+    """``(group, name, uses NCCL)`` for every live group, in one pass: this runs twice in every
+    cell, and on a machine whose caches the ranks share each extra call shows."""
+    pg_map = c10d._world.pg_map
+    out = []
+    for pg, name in list(c10d._world.pg_names.items()):
+        entry = pg_map.get(pg)
+        out.append((pg, str(name), entry is not None and "nccl" in str(entry[0]).lower()))
+    return out
 
 
 def sync_state(calls: CallLog) -> dict[str, Any] | None:
@@ -47,12 +54,8 @@ def sync_state(calls: CallLog) -> dict[str, Any] | None:
     if c10d is None:
         return None
     try:
-        seqs: dict[str, int] = {}
-        for pg, name in list(c10d._world.pg_names.items()):
-            n = int(pg._get_sequence_number_for_group())
-            if not _is_nccl(c10d, pg):
-                n -= calls.p2p_counts.get(str(name), 0)
-            seqs[str(name)] = n
+        p2p = calls.p2p_counts
+        seqs = {name: int(pg._get_sequence_number_for_group()) - (0 if nccl else p2p.get(name, 0)) for pg, name, nccl in _groups(c10d)}
         return {"seqs": seqs, "created": int(c10d._world.group_count)}
     except Exception:  # no group yet, a group being destroyed, a backend without a counter
         return None
@@ -68,17 +71,19 @@ def group_errors() -> dict[str, str]:
         return {}
     out: dict[str, str] = {}
     try:
+        nccl = [(pg, name) for pg, name, is_nccl in _groups(c10d) if is_nccl]
+        if not nccl:
+            return out
         import torch
 
-        for pg, name in list(c10d._world.pg_names.items()):
-            if not _is_nccl(c10d, pg):
-                continue
-            get_error = getattr(pg._get_backend(torch.device("cuda")), "get_error", None)
+        cuda = torch.device("cuda")
+        for pg, name in nccl:
+            get_error = getattr(pg._get_backend(cuda), "get_error", None)
             if get_error is None:
                 continue  # a torch without it: the collective log still shows the group's state
             error = get_error()
             if getattr(error, "name", "SUCCESS") != "SUCCESS":
-                out[str(name)] = str(error.name)
+                out[name] = str(error.name)
     except Exception:
         pass
     return out

@@ -32,22 +32,27 @@ class _ProcSelf:
     """
 
     def __init__(self) -> None:
-        self._pid = -1
+        self._opened = False
         self._status = -1
         self._statm = -1
         self._clear = -1
         self._lock = threading.Lock()
+        # After a fork the inherited descriptors still name the parent's /proc entries; they are
+        # the parent's to close, so the child just stops using them. (Not os.getpid() per read:
+        # a syscall each, three times a cell.)
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self._opened = False
+        self._status = self._statm = self._clear = -1
 
     def _open(self) -> None:
-        pid = os.getpid()
-        if self._pid == pid:
+        if self._opened:
             return
         with self._lock:
-            if self._pid == pid:
+            if self._opened:
                 return
-            # After a fork the inherited descriptors still name the parent's /proc entries; they
-            # are the parent's to close, so just stop using them.
-            self._status = self._statm = self._clear = -1
             try:
                 self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
                 self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
@@ -57,7 +62,7 @@ class _ProcSelf:
                 self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
             except OSError:  # not writable (some containers, old kernels): peaks are lifetime peaks
                 pass
-            self._pid = pid
+            self._opened = True
 
     def rss(self) -> int | None:
         """Current RSS in bytes from statm, a fifth of what status costs (it has no peak)."""

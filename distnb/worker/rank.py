@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable
 
 import zmq
@@ -29,6 +30,7 @@ from distnb import _processes
 from distnb import protocol
 from distnb._zmq_io import recv_frames, send_frames
 from distnb._text import mib
+from distnb.cell_code import unpack
 from distnb.protocol import BadFrame, CellDone, Codec, FrameTooLarge, Hello, Msg, Ready, ReplayGuard, StartFailed, exec_identity, socket_max_msgsize
 from distnb.security import Credentials
 from distnb.worker.call_log import install
@@ -294,10 +296,10 @@ class Rank:
             try:
                 if msg.get("debug_last"):
                     reply = self.executor.debug_last(cell)
-                elif msg.get("profile"):
-                    reply = run_profiled(lambda: self.executor.run(cell, msg["code"], bool(msg.get("pdb"))))
                 else:
-                    reply = self.executor.run(cell, msg["code"], bool(msg.get("pdb")))
+                    compiled = unpack(msg.get("compiled"))
+                    run = partial(self.executor.run, cell, msg["code"], bool(msg.get("pdb")), compiled=compiled)
+                    reply = run_profiled(run) if msg.get("profile") else run()
             except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
                          "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}

@@ -28,7 +28,7 @@ import time
 import zmq
 
 from distnb import _processes
-from distnb._zmq_io import NOBLOCK, recv_frames, send_frames
+from distnb._zmq_io import drain, send_frames
 from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, socket_max_msgsize, supervisor_identity
 from distnb.security import Credentials
 
@@ -308,11 +308,7 @@ class Supervisor:
             events = dict(self.poller.poll(FAULT_POLL_MS if self.pending_fault else min(child.idle_ms, self.deadline_ms)))
             now = time.monotonic()
             if self.sock in events:
-                while True:
-                    try:
-                        frames = recv_frames(self.sock, NOBLOCK)
-                    except zmq.Again:
-                        break
+                for frames in drain(self.sock):
                     try:
                         msg = self.codec.decode(frames, self.guard)
                     except BadFrame:
