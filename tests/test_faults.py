@@ -76,9 +76,9 @@ def test_rogue_frames_are_dropped_and_counted(pool2: distnb.Pool) -> None:
     rogue.connect(pool.status().address)
     import pickle
 
-    rogue.send_multipart([MAGIC, b"\0" * 32, pickle.dumps({"t": "done", "id": "cell-1"})])  # wrong signature
+    rogue.send_multipart([MAGIC + b"\0" * 32 + pickle.dumps({"t": "done", "id": "cell-1"})])  # wrong signature
     rogue.send_multipart([b"garbage"])
-    rogue.send_multipart([MAGIC, b"short", b""])
+    rogue.send_multipart([MAGIC + b"short"])
     deadline = time.monotonic() + 5
     while channel.rejected < before + 3 and time.monotonic() < deadline:
         time.sleep(0.05)

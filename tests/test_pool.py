@@ -274,6 +274,19 @@ def test_traceback_shows_the_cell_line_and_no_distnb_frames(pool):
     assert "NameError on rank 2 at cell line 2" in res.text()
 
 
+def test_ranks_run_code_the_notebook_compiled_and_compile_what_they_cannot_load(pool, monkeypatch):
+    """The EXEC carries the cell's code objects; a rank on another Python (here: a foreign tag)
+    compiles the source itself, with the same result, names and line numbers."""
+    from distnb import cell_code
+
+    code = "def cc_f():\n    return rank * 10\ncc_f()"
+    assert pool.run(code).values == {r: str(r * 10) for r in ALL}
+    monkeypatch.setattr(cell_code, "_TAG", b"distnb-code/\xff\xff\r\n")
+    assert pool.run(code).values == {r: str(r * 10) for r in ALL}
+    res = pool.run("def cc_g():\n    raise KeyError(rank)\ncc_g()")
+    assert res.failed == ALL and res[0].error["line"] == 2 and "<cell-" in res[0].error["traceback"]
+
+
 def test_system_exit_in_a_cell_keeps_the_rank(pool):
     res = pool.run("raise SystemExit(2)")
     assert res.failed == ALL and "the rank keeps running" in res[0].error["evalue"]

@@ -57,7 +57,13 @@ class _Trap:
 
 
 def sign(key: bytes, body: bytes) -> list[bytes]:
-    return [MAGIC, signature(key, body), body]
+    return [MAGIC + signature(key, body) + body]
+
+
+def parts(frames: list[bytes]) -> tuple[bytes, bytes, bytes]:
+    """(magic, signature, body) of an encoded message, whichever shape it travels in."""
+    data = b"".join(frames)
+    return data[:4], data[4:36], data[36:]
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +77,7 @@ def test_round_trip_keeps_the_message_and_adds_sender_and_counter():
     tx, rx = Codec(KEY, "x2"), Codec(KEY, "C")
     msg = {"t": Msg.EXEC, "cell": 7, "code": "print('hi')", "blob": b"\x00\xff" * 10, "nested": {"a": [1, 2.5, None]}}
     frames = tx.encode(dict(msg))
-    assert len(frames) == 3 and frames[0] == MAGIC and len(frames[1]) == 32
+    assert len(frames) == 1 and frames[0].startswith(MAGIC)
     out = rx.decode(frames, ReplayGuard())
     assert {k: out[k] for k in msg} == msg
     assert out["_s"] == "x2" and isinstance(out["_n"], int)
@@ -112,26 +118,32 @@ def test_frame_from_another_pool_is_rejected():
 
 
 def test_tampered_body_is_rejected():
-    frames = Codec(KEY, "x0").encode({"t": Msg.CELL_DONE, "value": 1})
-    body = bytearray(frames[2])
-    body[-2] ^= 0x01
-    with pytest.raises(BadFrame, match="signature"):
-        Codec(KEY, "C").decode([frames[0], frames[1], bytes(body)])
+    for value in (1, b"\x01" * 100_000):  # one frame; a large body in a frame of its own
+        frames = Codec(KEY, "x0").encode({"t": Msg.CELL_DONE, "value": value})
+        assert len(frames) == (1 if value == 1 else 2)
+        assert Codec(KEY, "C").decode(frames)["value"] == value
+        tampered = bytearray(frames[-1])
+        tampered[-2] ^= 0x01
+        with pytest.raises(BadFrame, match="signature"):
+            Codec(KEY, "C").decode([*frames[:-1], bytes(tampered)])
 
 
 @pytest.mark.parametrize(
     "mangle, match",
     [
-        (lambda f: f[:2], "not a distnb frame"),
-        (lambda f: f + [b"extra"], "not a distnb frame"),
+        (lambda f: list(parts(f)), "not a distnb frame"),
+        (lambda f: f + [b"extra", b"more"], "not a distnb frame"),
         (lambda f: [], "not a distnb frame"),
-        (lambda f: [b"DNB0", f[1], f[2]], "not a distnb frame"),
-        (lambda f: [f[0], f[1][:-1], f[2]], "signature length"),
-        (lambda f: [f[0], b"", f[2]], "signature length"),
-        (lambda f: [f[0], f[1], f[2][: len(f[2]) // 2]], "bad signature"),
-        (lambda f: [f[0], f[1], b""], "bad signature"),
+        (lambda f: [b"DNB0" + parts(f)[1] + parts(f)[2]], "not a distnb frame"),
+        (lambda f: [MAGIC + parts(f)[1][:-1], parts(f)[2]], "signature length"),
+        (lambda f: [MAGIC, parts(f)[2]], "signature length"),
+        (lambda f: [MAGIC + b"short"], "signature length"),
+        (lambda f: [MAGIC + parts(f)[1][:-1] + parts(f)[2]], "bad signature"),
+        (lambda f: [f[0][: len(f[0]) // 2]], "bad signature"),
+        (lambda f: [MAGIC + parts(f)[1]], "bad signature"),
     ],
-    ids=["two-frames", "four-frames", "empty", "bad-magic", "short-sig", "no-sig", "truncated-body", "empty-body"],
+    ids=["three-parts", "extra-parts", "empty", "bad-magic", "short-sig", "no-sig", "header-cut", "sig-cut-joined",
+         "truncated-body", "empty-body"],
 )
 def test_malformed_frames_are_rejected(mangle, match):
     frames = Codec(KEY, "x0").encode({"t": Msg.CELL_DONE, "value": "x" * 100})
@@ -273,7 +285,8 @@ def test_bad_identities_raise_badframe(identity):
 _frame = st.binary(max_size=200)
 _frames = st.one_of(
     st.lists(_frame, max_size=5),
-    st.tuples(st.just(MAGIC), st.binary(min_size=32, max_size=32), _frame).map(list),
+    st.tuples(st.just(MAGIC), st.binary(min_size=32, max_size=32), _frame).map(lambda t: [b"".join(t)]),
+    st.tuples(st.just(MAGIC), st.binary(min_size=32, max_size=32), _frame).map(lambda t: [t[0] + t[1], t[2]]),
     st.tuples(st.sampled_from([MAGIC, b"DNB", b""]), _frame, _frame).map(list),
 )
 _values = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20), st.binary(max_size=20))
@@ -485,17 +498,16 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
         if kind == "wrong-key":
             return sign(OTHER_KEY, trap), 1
         if kind == "random-sig":
-            return [MAGIC, (garbage[0] * 32)[:32].ljust(32, b"\0"), trap], 1
+            return [MAGIC + (garbage[0] * 32)[:32].ljust(32, b"\0") + trap], 1
         if kind == "truncated-body":  # signed with the pool's key, then cut: the signature no longer matches
-            good = sign(key, trap)
-            return [good[0], good[1], good[2][: len(good[2]) // 2]], 1
+            good = sign(key, trap)[0]
+            return [good[: 36 + (len(good) - 36) // 2]], 1
         if kind == "short-sig":
-            good = sign(key, trap)
-            return [good[0], good[1][:-1], good[2]], 1
+            return [MAGIC + signature(key, trap)[:-1], trap], 1
         if kind == "extra-part":
             return sign(OTHER_KEY, trap) + garbage[:1], 1
         if kind == "oversized":  # over the body limit but under the socket's MAXMSGSIZE: reaches decode
-            return [MAGIC, b"\0" * 32, b"\x80" * (LIMIT + extra)], 1
+            return [MAGIC + b"\0" * 32, b"\x80" * (LIMIT + extra)], 1
         raise AssertionError(kind)
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)

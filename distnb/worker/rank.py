@@ -6,9 +6,7 @@ so a rank stuck in rendezvous or NCCL init is visible to the controller.
 
 from __future__ import annotations
 
-import array
 import ctypes
-import fcntl
 import faulthandler
 import io
 import os
@@ -16,7 +14,6 @@ import pickle
 import signal
 import socket
 import sys
-import termios
 import threading
 import time
 import traceback
@@ -43,6 +40,7 @@ from distnb.worker.flight_recorder import open_nccl
 from distnb.worker.regroup import regroup
 from distnb.worker.memory_sampler import MemorySampler
 from distnb.worker.profiling import run_profiled
+from distnb.worker.quiet import QuietCheck
 from distnb.worker.supervisor import write_event
 
 _libc = ctypes.CDLL(None)
@@ -75,61 +73,6 @@ def _device_busy(bound: float) -> str:
 
 #: Room left in a pull reply for the message around the pickled value (tags, id, counter).
 _REPLY_SLACK = 4096
-
-
-class _QuietCheck:
-    """May a cell's CELL_DONE go straight to the notebook instead of through the supervisor?
-
-    The supervisor forwards a rank's output and then its CELL_DONE, in that order, on one socket. A
-    CELL_DONE sent directly could overtake output still on its way — unless there is none. Checked
-    after the cell, all three mean nothing the cell wrote or displayed is in flight:
-
-    1. both output pipes are empty (FIONREAD: nothing left for the supervisor to read);
-    2. the supervisor's main thread is asleep (state S in /proc: not inside a read);
-    3. that thread read nothing since the cell began (its ``rchar`` in /proc/PID/task/PID/io
-       is unchanged: any output or display event, even one already forwarded, moved it).
-
-    Any doubt (another reading, /proc not readable) keeps the ordered path through the
-    supervisor. The direct path saves waking the supervisor and its ZMQ thread: on 2 cores at 8
-    ranks, about a quarter of a trivial cell's CPU.
-    """
-
-    def __init__(self) -> None:
-        sup = os.getppid()
-        self._buf = array.array("i", [0])
-        try:
-            self._stat = os.open(f"/proc/{sup}/stat", os.O_RDONLY | os.O_CLOEXEC)
-            self._io = os.open(f"/proc/{sup}/task/{sup}/io", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._stat = self._io = -1
-
-    def _rchar(self) -> int | None:
-        data = os.pread(self._io, 512, 0)
-        return int(data[7 : data.index(b"\n")]) if data.startswith(b"rchar: ") else None
-
-    def mark(self) -> int | None:
-        """The supervisor's read count as a cell begins (None: the direct path is off)."""
-        if self._io < 0:
-            return None
-        try:
-            return self._rchar()
-        except (OSError, ValueError):
-            return None
-
-    def quiet_since(self, mark: int | None) -> bool:
-        if mark is None:
-            return False
-        try:
-            for fd in (1, 2):
-                fcntl.ioctl(fd, termios.FIONREAD, self._buf, True)
-                if self._buf[0]:
-                    return False
-            stat = os.pread(self._stat, 512, 0)
-            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"S":
-                return False
-            return self._rchar() == mark
-        except (OSError, ValueError):
-            return False
 
 
 def _reopen(fd: int) -> io.TextIOWrapper:
@@ -167,7 +110,8 @@ class Rank:
         self.control: ControlThread | None = None
         self.ns: dict[str, Any] = {}
         self.executor = Executor(self.ns, self._send_display, MemorySampler(self.local_rank))
-        self.quiet = _QuietCheck()
+        fence = env.pop("DISTNB_READ_FENCE_FD", None)
+        self.quiet = QuietCheck(int(fence) if fence else None, (1, 2, self.events_fd))
         self.executor.debug = install_debugger(Prompter(self._ask, self._answer, lambda: self.executor.cell))
 
     def send(self, msg: dict[str, Any]) -> None:

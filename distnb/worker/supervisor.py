@@ -31,6 +31,7 @@ from distnb import _processes
 from distnb._zmq_io import drain, send_frames
 from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, socket_max_msgsize, supervisor_identity
 from distnb.security import Credentials
+from distnb.worker.quiet import ReadFence
 
 _READ_SIZE = 1 << 16
 _TAIL_BYTES = 16 * 1024
@@ -66,8 +67,10 @@ class _EventReader:
 class Child:
     """A rank process and the read ends of its pipes (stdout, stderr, faulthandler dumps, events)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], out_r: int, err_r: int, fault_r: int, events_r: int, wake_w: int = -1) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], out_r: int, err_r: int, fault_r: int, events_r: int, wake_w: int = -1,
+                 fence: ReadFence | None = None) -> None:
         self.proc = proc
+        self.fence = fence  # moved around every read of its pipes (see worker/quiet.py)
         self.streams = {out_r: "stdout", err_r: "stderr"}
         self.fault_r, self.events_r, self.wake_w = fault_r, events_r, wake_w
         self.open_fds = {out_r, err_r, fault_r, events_r}
@@ -133,6 +136,9 @@ class Child:
         if self.wake_w >= 0:
             os.close(self.wake_w)
             self.wake_w = -1
+        if self.fence is not None:
+            self.fence.close()
+            self.fence = None
 
 
 class Supervisor:
@@ -182,7 +188,9 @@ class Supervisor:
         env["DISTNB_FAULT_FD"] = str(fault_w)
         env["DISTNB_EVENTS_FD"] = str(events_w)
         env["PYTHONUNBUFFERED"] = "1"
-        passed = [fault_w, events_w]
+        fence = ReadFence()
+        env["DISTNB_READ_FENCE_FD"] = str(fence.fd)
+        passed = [fault_w, events_w, fence.fd]
         wake_w = -1
         if spare:
             wake_r, wake_w = os.pipe()
@@ -204,7 +212,7 @@ class Supervisor:
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)  # drained to EAGAIN before each event is forwarded
         os.set_blocking(events_r, False)
-        return Child(proc, out_r, err_r, fault_r, events_r, wake_w)
+        return Child(proc, out_r, err_r, fault_r, events_r, wake_w, fence)
 
     def _keep_tail(self, data: bytes) -> None:
         self.stderr_tail.append(data)
@@ -323,6 +331,9 @@ class Supervisor:
                     # A RESPAWN: this poll's events were the old rank's pipes, whose numbers the new
                     # rank's may reuse (its fault pipe blocks on read): poll again for the new ones.
                     continue
+            reading = child.fence is not None and not child.open_fds.isdisjoint(events)
+            if reading:
+                child.fence.enter()  # type: ignore[union-attr]
             for fd, stream in child.streams.items():
                 if fd in events and fd in child.open_fds and not self._drain(fd, stream):
                     child.close(fd, self.poller)
@@ -335,6 +346,8 @@ class Supervisor:
                     child.close(child.fault_r, self.poller)
             if child.events_r in events and child.events_r in child.open_fds:
                 self._pump_events(child)
+            if reading:
+                child.fence.leave()  # type: ignore[union-attr]
             if self.pending_fault and now >= self.fault_deadline:
                 self._finish_fault()
             rc = child.proc.poll()
