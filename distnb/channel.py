@@ -1,8 +1,12 @@
-"""Controller-side ZMQ: one ROUTER socket owned by one I/O thread.
+"""Controller-side ZMQ: one ROUTER socket, received from by one I/O thread, sent on by any.
 
-ZMQ sockets are not thread-safe, so every other thread hands outgoing frames to the I/O thread
-through an in-process PUSH/PULL pair. Incoming frames are verified (signature, replay, sender
-identity) before anything is unpickled, then handed to ``on_message`` on the I/O thread.
+ZMQ sockets are not thread-safe, so every use of the ROUTER holds one lock. The I/O thread does not
+sleep in ``zmq_poll`` on the socket (that would touch it unlocked); it sleeps on the socket's
+``ZMQ_FD`` and an eventfd of its own, and reads the socket's ``ZMQ_EVENTS`` under the lock. A thread
+that sends a cell's EXEC sends it itself, at once: handing it to the I/O thread first cost a thread
+wake on the way out of every cell, ~0.3 ms in a kernel whose other threads want the GIL. Incoming
+frames are verified (signature, replay, sender identity) before anything is unpickled, then handed
+to ``on_message`` on the I/O thread, outside the socket's lock.
 
 The I/O thread is the pool's lifeline: if it died, heartbeats would stop and every worker would
 shut itself down ~15 s later with nothing said in the notebook. So an exception in a handler or
@@ -15,6 +19,8 @@ import heapq
 import itertools
 import logging
 import math
+import os
+import select
 import sys
 import threading
 import time
@@ -43,9 +49,8 @@ class FollowUp(NamedTuple):
     fn: Callable[[], None]
     wanted: Callable[[], bool]
 
-_STOP = b"stop"
-#: First frame of a hand-over for several peers: ``[_FANOUT, b"id1 id2 …", *signed message]``.
-_FANOUT = b"fanout"
+#: Messages received in one go before they are handled (senders get the lock in between).
+_TAKE_MAX = 256
 #: Distinct failure sites logged at ERROR level; repeats go to DEBUG, so a handler that fails on
 #: every tick can't flood the notebook with one traceback a second.
 _LOGGED_SITES_MAX = 64
@@ -71,7 +76,7 @@ class Channel:
         ping_every: float | None = None,
     ) -> None:
         # The I/O thread signs as "C"; every other thread as "C<n>" with its own counter (see
-        # ``_local_ends``), so each sender's frames reach a peer in the order they were signed.
+        # ``_thread_codec``), so each sender's frames reach a peer in the order they were signed.
         self._key = creds.key
         self._codec = Codec(creds.key, "C")
         #: Which ranks' connections (exec, control) messages go to and come from: 0 for the ranks
@@ -104,12 +109,15 @@ class Channel:
             raise OSError(f"can't listen on {bind}:{port or '(any port)'}: {exc}. Pass an address of this machine "
                           "(--bind) and a free port.") from None
         self.address = f"tcp://{bind}:{port}"
-        self._inbox = f"inproc://distnb-out-{id(self)}"
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(self._inbox)
+        #: Held for every use of the ROUTER, by whichever thread.
+        self._sock_lock = threading.Lock()
+        self._router_fd = int(self._router.getsockopt(zmq.FD))
+        #: Wakes the I/O thread: a follow-up due before its planned wake, a message a sender's
+        #: EVENTS check found waiting, close().
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        #: When the I/O thread will wake on its own (inf while it plans, 0 while awake).
+        self._planned_wake = 0.0
         self._local = threading.local()
-        self._pushers: list[zmq.Socket] = []
-        self._pushers_lock = threading.Lock()
         #: Peers (supervisors, node agents) pinged every ``ping_every`` so they know the controller lives.
         self.heartbeat_peers: set[bytes] = set()
         self._rejected = 0
@@ -128,72 +136,78 @@ class Channel:
         self._thread.start()
 
     # -- sending (any thread) -------------------------------------------------------------------
-    def _local_ends(self) -> tuple[zmq.Socket, Codec]:
-        """This thread's hand-over socket and its own signer.
+    def _thread_codec(self) -> Codec:
+        """This thread's own signer.
 
-        Peers drop a frame whose counter is not above the last one from its sender. Frames from
-        one thread reach the I/O thread in order, but two threads' frames can arrive in the
-        opposite order to the one they were signed in (and the I/O thread signs heartbeats and
-        polls of its own meanwhile): with one shared counter a peer would drop the later-arriving
-        one as a replay. One sender name and counter per thread keeps every sender in order."""
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._inbox)
-            self._local.sock = sock
-            self._local.codec = Codec(self._key, f"C{next(self._senders)}")
-            with self._pushers_lock:
-                self._pushers.append(sock)
-        return sock, self._local.codec
+        Peers drop a frame whose counter is not above the last one from its sender. Messages are
+        signed before the socket's lock is taken (a large push must not hold up the I/O thread
+        while it is pickled), so two threads' frames can be sent in the opposite order to the one
+        they were signed in: with one shared counter a peer would drop the later-sent one as a
+        replay. One sender name and counter per thread keeps every sender in order."""
+        if threading.get_ident() == self._thread.ident:
+            return self._codec
+        codec = getattr(self._local, "codec", None)
+        if codec is None:
+            codec = self._local.codec = Codec(self._key, f"C{next(self._senders)}")
+        return codec
 
     def send(self, identity: bytes, msg: dict[str, Any]) -> None:
         self.send_many((identity,), msg)
 
     def send_many(self, identities: Iterable[bytes], msg: dict[str, Any], follow_up: FollowUp | None = None) -> None:
-        """Send one message to several peers: signed once (a cell's EXEC to every rank, a push
-        of a large value), handed to the I/O thread once.
+        """Send one message to several peers (a cell's EXEC to every rank, a push of a large
+        value): signed once, on the calling thread, and sent from it.
 
-        ``follow_up`` (a cell's watch, for a cell that runs on) is registered before the message
-        is handed over, whose arrival wakes the I/O thread to see it: it needs no wake of its own."""
+        ``follow_up`` (a cell's watch, for a cell that runs on) is registered after the message has
+        left, and the I/O thread is woken for it only when it would otherwise sleep past it."""
         if self._closed:
             return
         ids = list(identities)
         if not ids:
             return
+        self._route(ids, self._thread_codec().encode(msg))
         if follow_up is not None:
+            when = time.monotonic() + follow_up.after
             with self._timers_lock:
-                heapq.heappush(self._timers, (time.monotonic() + follow_up.after, next(self._timer_count), follow_up))
-        if threading.get_ident() == self._thread.ident:
-            # Handlers on the I/O thread own the ROUTER: send directly, no hand-over socket.
-            self._route(ids, self._codec.encode(msg))
-            return
-        sock, codec = self._local_ends()
-        signed = codec.encode(msg)
-        if len(ids) == 1:
-            send_frames(sock, [ids[0], *signed])
-        else:
-            send_frames(sock, [_FANOUT, b" ".join(ids), *signed])
+                heapq.heappush(self._timers, (when, next(self._timer_count), follow_up))
+            if when < self._planned_wake:
+                self._poke()
 
     def _route(self, identities: list[bytes], signed: list[Any]) -> None:
         generation = self.generation
-        for identity in identities:
-            identity = in_generation(identity, generation)  # the ranks' current connections
-            try:
-                send_frames(self._router, [identity, *signed])
-            except zmq.ZMQError:  # peer not (or no longer) connected
-                self.undeliverable += 1
+        with self._sock_lock:
+            if self._closed:
+                return
+            for identity in identities:
+                identity = in_generation(identity, generation)  # the ranks' current connections
+                try:
+                    send_frames(self._router, [identity, *signed])
+                except zmq.ZMQError:  # peer not (or no longer) connected
+                    self.undeliverable += 1
+            # A send may have taken the ZMQ_FD signal of a message that arrived meanwhile, which
+            # the I/O thread sleeps on: tell it, or that message would wait for its next wake.
+            waiting = self._waiting()
+        if waiting and threading.get_ident() != self._thread.ident:
+            self._poke()
+
+    def _waiting(self) -> bool:
+        """Whether a message waits on the ROUTER (with the lock held: reading EVENTS consumes its FD's signal)."""
+        return bool(int(self._router.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    def _poke(self) -> None:
+        with self._sock_lock:  # not after close() let the descriptor go (its number may be reused)
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
 
     # -- the I/O thread -------------------------------------------------------------------------
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._pull, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(self._router_fd, select.POLLIN)
+        poller.register(self._wake_fd, select.POLLIN)
         next_beat = time.monotonic() + self._heartbeat
-        while True:
+        while not self._closed:
             try:
-                if self._step(poller, next_beat):
-                    return
+                self._step(poller, next_beat)
             except zmq.ContextTerminated:
                 return
             except Exception:  # never let the lifeline die; a hot failure loop is slowed down below
@@ -235,24 +249,34 @@ class Channel:
             except Exception:
                 self._failed("a follow-up")
 
-    def _step(self, poller: zmq.Poller, next_beat: float) -> bool:
-        """One poll and what it brought; True when asked to stop."""
+    def _take(self) -> list[list[bytes]]:
+        """The messages waiting on the ROUTER (up to ``_TAKE_MAX``), received under the lock."""
+        with self._sock_lock:
+            if self._closed:
+                return []
+            return list(itertools.islice(drain(self._router), _TAKE_MAX))
+
+    def _step(self, poller: select.poll, next_beat: float) -> None:
+        """Handle what waits; else sleep until something comes, a follow-up or the next beat."""
+        taken = self._take()
+        if taken:
+            # Outside the socket's lock: handlers take the tracker's, which a sending thread may hold.
+            for frames in taken:
+                self._receive(frames)
+            return  # look again before sleeping: more may have come meanwhile
+        self._planned_wake = math.inf  # a follow-up registered from here on wakes us (see send_many)
         timer = self._next_timer()
         wake = next_beat if timer is None else min(next_beat, timer)
-        timeout_ms = max(0, math.ceil((wake - time.monotonic()) * 1000))
-        events = dict(poller.poll(timeout_ms))
-        if self._pull in events:
-            for outgoing in drain(self._pull):
-                if len(outgoing) == 1 and outgoing[0] == _STOP:
-                    return True
-                if outgoing[0] == _FANOUT:
-                    self._route(outgoing[1].split(b" "), outgoing[2:])
-                else:
-                    self._route(outgoing[:1], outgoing[1:])
-        if self._router in events:
-            for frames in drain(self._router):
-                self._receive(frames)
-        return False
+        self._planned_wake = wake
+        with self._sock_lock:  # something may have come since _take: its FD signal may be spent
+            waiting = not self._closed and self._waiting()
+        if not waiting:
+            poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000)))
+        self._planned_wake = 0.0
+        try:
+            os.eventfd_read(self._wake_fd)
+        except BlockingIOError:
+            pass
 
     def _beat(self) -> None:
         """Heartbeats first (workers shut down without them), then the pool's periodic checks."""
@@ -261,11 +285,13 @@ class Channel:
         pinging = now >= self._next_ping - self._heartbeat / 2
         if pinging:
             self._next_ping = now + self._ping_every
-        for peer in list(self.heartbeat_peers) if pinging else ():
-            try:
-                send_frames(self._router, [peer, *self._codec.encode({"t": Msg.PING})])
-            except zmq.ZMQError:
-                self.undeliverable += 1
+        peers = list(self.heartbeat_peers) if pinging else []
+        with self._sock_lock:
+            for peer in peers if not self._closed else ():
+                try:
+                    send_frames(self._router, [peer, *self._codec.encode({"t": Msg.PING})])
+                except zmq.ZMQError:
+                    self.undeliverable += 1
         if self._on_tick is None:
             return
         try:
@@ -325,16 +351,11 @@ class Channel:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        stopper = self._ctx.socket(zmq.PUSH)
-        stopper.setsockopt(zmq.LINGER, 1000)
-        stopper.connect(self._inbox)
-        stopper.send(_STOP)
+        with self._sock_lock:  # no send is half done when the I/O thread and the socket go
+            self._closed = True
+        self._poke()
         self._thread.join(5.0)
-        stopper.close()
-        with self._pushers_lock:
-            for sock in self._pushers:
-                sock.close(linger=0)
-            self._pushers.clear()
-        self._pull.close(linger=0)
-        self._close_sockets()
+        with self._sock_lock:
+            self._close_sockets()
+            os.close(self._wake_fd)
+            self._wake_fd = -1

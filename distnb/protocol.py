@@ -427,7 +427,7 @@ class ReplayGuard:
         self._last.pop(sender, None)
 
 
-def signature(key: bytes, body: bytes) -> bytes:
+def signature(key: bytes, body: bytes | memoryview) -> bytes:
     """The 32-byte signature of ``body``: BLAKE2b in its keyed mode, a MAC by design (RFC 7693).
 
     Not HMAC-SHA256, which was a fifth of a trivial cell's control-plane CPU: OpenSSL 3 looks the
@@ -463,6 +463,7 @@ class Codec:
 
     def decode(self, frames: list[bytes], guard: ReplayGuard | None = None) -> dict[str, Any]:
         """Verify and unpickle; raise :class:`BadFrame` (and count it) for any bad frame."""
+        body: bytes | memoryview
         try:
             if len(frames) == 1:
                 header, body = frames[0][:_HEADER_LEN], memoryview(frames[0])[_HEADER_LEN:]

@@ -487,9 +487,9 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
     pool.stacks(timeout=5)
     before_controller = channel.rejected
     before_workers = _worker_counts(pool)
-    # Raw frames to a worker, through the I/O thread like any other; and the name this thread
-    # signs under, which every worker socket has heard from (cells, pulls and stacks come from here).
-    pusher, controller_codec = channel._local_ends()
+    # Raw frames to a worker, through the controller's ROUTER like any other; and the name this
+    # thread signs under, which every worker socket has heard from (cells, pulls and stacks come from here).
+    controller_codec = channel._thread_codec()
 
     def frames_for(kind: str, sender: str, garbage: list[bytes], extra: int) -> tuple[list[bytes], int]:
         """(frames, how many of them the receiver must reject)."""
@@ -544,7 +544,7 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
                     frames = sign(key, body)
                 else:
                     frames, _ = frames_for(kind, "C", garbage, extra)
-                pusher.send_multipart([identity, *frames])
+                channel._route([identity], frames)
                 expected_workers[where] = expected_workers.get(where, 0) + 1
 
     try:

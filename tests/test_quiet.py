@@ -75,3 +75,22 @@ def test_without_a_fence_or_with_a_closed_pipe_the_ordered_path_is_kept() -> Non
     assert not check.quiet_since(mark)
     os.close(r)
     fence.close()
+
+
+def test_the_supervisor_keeps_only_the_mapping_once_the_rank_has_the_descriptor() -> None:
+    """Its copy of the memfd is closed after the spawn: a later close() must not close a number
+    that has since been reused (a spare's pipe, say)."""
+    fence = ReadFence()
+    check = QuietCheck(os.dup(fence.fd), ())
+    fence.passed()
+    assert fence.fd == -1
+    reused_r, reused_w = os.pipe()
+    mark = check.mark()
+    fence.enter()
+    fence.leave()
+    assert check.mark() == mark + 2  # the shared page still works without the descriptor
+    fence.close()
+    os.write(reused_w, b"still open")
+    assert os.read(reused_r, 10) == b"still open"
+    os.close(reused_r)
+    os.close(reused_w)

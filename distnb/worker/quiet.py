@@ -49,10 +49,16 @@ class ReadFence:
         """After what was read is forwarded."""
         self._count[0] += 1
 
+    def passed(self) -> None:
+        """The rank process has its own copy of ``fd``: the mapping is all this side needs."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
     def close(self) -> None:
+        self.passed()
         self._count.release()
         self._map.close()
-        os.close(self.fd)
 
 
 class QuietCheck:

@@ -190,7 +190,7 @@ class Supervisor:
         env["PYTHONUNBUFFERED"] = "1"
         fence = ReadFence()
         env["DISTNB_READ_FENCE_FD"] = str(fence.fd)
-        passed = [fault_w, events_w, fence.fd]
+        passed = [fault_w, events_w]
         wake_w = -1
         if spare:
             wake_r, wake_w = os.pipe()
@@ -201,7 +201,7 @@ class Supervisor:
             stdin=subprocess.DEVNULL,
             stdout=out_w,
             stderr=err_w,
-            pass_fds=passed,
+            pass_fds=[*passed, fence.fd],
             env=env,
             # The rank must never outlive its supervisor; SIGKILL because a rank blocked in a
             # collective would not act on SIGTERM.
@@ -209,6 +209,7 @@ class Supervisor:
         )
         for fd in (out_w, err_w, *passed):
             os.close(fd)
+        fence.passed()
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)  # drained to EAGAIN before each event is forwarded
         os.set_blocking(events_r, False)
