@@ -244,7 +244,15 @@ def test_fd_and_c_level_output_is_captured(pool):
         assert res[r].stdout.splitlines() == [f"fd-out {r}", f"c-printf {r}", "c-puts"]
         assert res[r].stderr == f"fd-err {r}\n"
     assert "[ranks 0-3 stderr] fd-err" not in res.text() and "[rank 1 stderr] fd-err 1" in res.text()
-    # Without an explicit fflush, C stdio buffers are flushed at the end of the cell.
+    # Without an explicit fflush, C output is not held back: it arrives while the cell still runs,
+    # even without a newline (C's stdout is unbuffered on the ranks, as Python's is: no cell ends
+    # with an fflush of its own).
+    arrived: list[tuple[float, str]] = []
+    result = pool.submit("import time\nfd_libc.printf(b'live from C')\ntime.sleep(1.5)", ranks=[0],
+                         events=distnb.CellEvents(on_output=lambda rank, stream, text: arrived.append((time.monotonic(), text))))
+    started = time.monotonic()
+    pool.wait(result)
+    assert result.stdout == {0: "live from C"} and arrived and arrived[0][0] - started < 1.0, arrived
     res = pool.run("fd_libc.puts(b'buffered in C')")
     assert res.stdout == {r: "buffered in C\n" for r in ALL}
 

@@ -18,7 +18,7 @@ from distnb.cell_code import CELL_PREFIX, CompiledCell, cell_filename, compile_c
 from distnb.worker.call_log import CallLog
 from distnb.worker.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.flight_recorder import CellClock
-from distnb.worker.group_state import group_errors, sync_state
+from distnb.worker.group_state import group_errors, live_groups, sync_state
 from distnb.worker.memory_sampler import MemorySampler
 
 __all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
@@ -143,8 +143,9 @@ class Executor:
             reply["duration"] = time.monotonic() - self.started
             reply["memory"] = self.memory.stop()
             self.clock.end(time.time())
-            reply["sync"] = sync_state(self.calls)
-        failed = {g: e for g, e in group_errors().items() if g not in failed_before}
+            groups = live_groups()
+            reply["sync"] = sync_state(self.calls, groups)
+        failed = {g: e for g, e in group_errors(groups).items() if g not in failed_before}
         if failed and reply["status"] == "ok":
             reply["status"] = "error"
             reply["error"] = _group_failure(failed)

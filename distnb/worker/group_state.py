@@ -16,7 +16,7 @@ from typing import Any
 
 from distnb.worker.call_log import CallLog
 
-__all__ = ["group_backends", "group_errors", "sync_state"]
+__all__ = ["Groups", "group_backends", "group_errors", "live_groups", "sync_state"]
 
 
 def _c10d() -> Any:
@@ -30,9 +30,21 @@ def group_backends(c10d: Any, pg: Any) -> set[str]:
     return {part.rsplit(":", 1)[-1] for part in str(entry[0]).lower().split(",")} if entry is not None else set()
 
 
-def _groups(c10d: Any) -> list[tuple[Any, str, bool]]:
-    """``(group, name, uses NCCL)`` for every live group, in one pass: this runs twice in every
-    cell, and on a machine whose caches the ranks share each extra call shows."""
+Groups = list[tuple[Any, str, bool]]
+
+
+def live_groups() -> Groups | None:
+    """``(group, name, uses NCCL)`` for every live group, or None before torch.distributed is
+    imported. Read once at a cell's end for both :func:`sync_state` and :func:`group_errors`: on a
+    machine whose caches the ranks share, each extra pass over torch's tables shows."""
+    c10d = _c10d()
+    try:
+        return None if c10d is None else _groups(c10d)
+    except Exception:  # a group being destroyed under us: each reader tries on its own
+        return None
+
+
+def _groups(c10d: Any) -> Groups:
     pg_map = c10d._world.pg_map
     out = []
     for pg, name in list(c10d._world.pg_names.items()):
@@ -41,7 +53,7 @@ def _groups(c10d: Any) -> list[tuple[Any, str, bool]]:
     return out
 
 
-def sync_state(calls: CallLog) -> dict[str, Any] | None:
+def sync_state(calls: CallLog, groups: Groups | None = None) -> dict[str, Any] | None:
     """``{"seqs": {group name: collectives issued}, "created": groups created}``, or None before
     torch.distributed is up.
 
@@ -55,13 +67,14 @@ def sync_state(calls: CallLog) -> dict[str, Any] | None:
         return None
     try:
         p2p = calls.p2p_counts
-        seqs = {name: int(pg._get_sequence_number_for_group()) - (0 if nccl else p2p.get(name, 0)) for pg, name, nccl in _groups(c10d)}
+        seqs = {name: int(pg._get_sequence_number_for_group()) - (0 if nccl else p2p.get(name, 0))
+                for pg, name, nccl in (_groups(c10d) if groups is None else groups)}
         return {"seqs": seqs, "created": int(c10d._world.group_count)}
     except Exception:  # no group yet, a group being destroyed, a backend without a counter
         return None
 
 
-def group_errors() -> dict[str, str]:
+def group_errors(groups: Groups | None = None) -> dict[str, str]:
     """NCCL groups whose communicator failed (a collective timed out, a peer's error): group name →
     the error type. distnb runs NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so the watchdog
     aborts the communicator and the rank lives on — but a host sync after the abort returns
@@ -71,7 +84,7 @@ def group_errors() -> dict[str, str]:
         return {}
     out: dict[str, str] = {}
     try:
-        nccl = [(pg, name) for pg, name, is_nccl in _groups(c10d) if is_nccl]
+        nccl = [(pg, name) for pg, name, is_nccl in (_groups(c10d) if groups is None else groups) if is_nccl]
         if not nccl:
             return out
         import torch
