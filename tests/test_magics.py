@@ -184,11 +184,14 @@ def test_bad_rank_specs(sh: Shell, spec: str, hint: str) -> None:
 
 def test_timeout_names_running_ranks_then_pool_recovers(sh: Shell) -> None:
     out, err = sh.cell("--timeout 1 --hang-after 30", "import time\nif rank == 1:\n    time.sleep(20)")
-    assert "rank 1 has timed out after 1.0 s" in err
     pool = distnb.current_pool()
     res = sh.ip.user_ns["_dist"]
-    pool.interrupt([1])
-    pool.wait(res, timeout=15)
+    try:
+        # The elapsed time is measured, not the timeout repeated: a loaded machine may say 1.1 s.
+        assert re.search(r"rank 1 has timed out after 1\.\d s \(cell \d+\)", err), err
+    finally:  # rank 1 must not stay asleep: the tests after this one share the pool
+        pool.interrupt([1])
+        pool.wait(res, timeout=15)
     assert res[1].status == "interrupted"
     out, _ = sh.cell("", "rank")
     assert "Out[rank 0]: 0" in out and "Out[rank 1]: 1" in out
