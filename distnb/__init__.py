@@ -25,8 +25,8 @@ _PUBLIC = {
     "LaunchConfig": "distnb.config",
     "CellEvents": "distnb.records", "Pool": "distnb.pool", "PoolState": "distnb.pool", "current_pool": "distnb.pool",
     "launch": "distnb.pool",
-    "CellResult": "distnb.results", "PoolStatus": "distnb.results", "RankResult": "distnb.results",
-    "RankState": "distnb.results", "RankStatus": "distnb.results",
+    "CellResult": "distnb.results", "PoolStatus": "distnb.pool_status", "RankResult": "distnb.results",
+    "RankState": "distnb.results", "RankStatus": "distnb.pool_status",
     "checksum": "distnb.worker.checksum",
     "Debugger": "distnb.debugger", "Prompt": "distnb.prompts", "Diagnosis": "distnb.position",
 }
@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from distnb.prompts import Prompt
     from distnb.pool import Pool, PoolState, current_pool, launch
     from distnb.records import CellEvents
-    from distnb.results import CellResult, PoolStatus, RankResult, RankState, RankStatus
+    from distnb.pool_status import PoolStatus, RankStatus
+    from distnb.results import CellResult, RankResult, RankState
     from distnb.worker.checksum import checksum
 
 

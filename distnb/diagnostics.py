@@ -22,7 +22,8 @@ from distnb.errors import NoCellError, NoPoolError, RemoteError
 from distnb.memory_report import MemoryReport
 from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
-from distnb.results import CellResult, EnvReport, PoolState, RankState, is_timeout
+from distnb.env_report import EnvReport
+from distnb.results import CellResult, PoolState, RankState, is_timeout
 from distnb.session import SessionLog
 from distnb.profile_report import ProfileReport, RankTime, merge_traces
 from distnb.stragglers import StragglerReport, arrivals

@@ -34,13 +34,16 @@ from distnb.memory_report import MemoryReport
 from distnb.multinode import MultiNode
 from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
 from distnb.ranks import format_ranks, parse_ranks
-from distnb.results import CellRecord, CellResult, EnvReport, PoolState, PoolStatus, PushRecord, RankResult
+from distnb.env_report import EnvReport
+from distnb.pool_status import PoolStatus
+from distnb.results import CellRecord, CellResult, PoolState, PushRecord, RankResult
 from distnb.security import Credentials
 from distnb.session import SessionLog
 from distnb.stacks import StackReport
 from distnb.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.tracker import CellEvents, Tracker, run_of
 from distnb.values import errors_of, fetch_value, pack_values, send_values
+from distnb.waiting import wait_for_cell
 
 __all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
 
@@ -347,31 +350,7 @@ class Pool:
         (default ``input()``; see :class:`~distnb.debugger.Debugger`); None leaves them to
         :attr:`debugger`."""
         run = run_of(result)
-        # From this call, not the cell's start: %dist_wait --timeout on an old background cell waits.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        interrupted = False
-        while not run.finished.is_set():
-            try:
-                if ask is not None and not interrupted and self._debugger.pending(result):
-                    self._debugger.console(result, ask, before_prompt=None if on_tick is None else lambda: on_tick(result))
-                wait_for = tick if deadline is None else max(0.0, min(tick, deadline - time.monotonic()))
-                if run.finished.wait(wait_for):
-                    break
-                if on_tick is not None:
-                    on_tick(result)
-                if deadline is not None and time.monotonic() >= deadline:
-                    result.timed_out = True
-                    break
-            except KeyboardInterrupt:
-                if interrupted:
-                    result.detached = True
-                    result.notes.append(
-                        f"Stopped waiting after a second interrupt; {format_ranks(result.running)} did not respond "
-                        "(likely blocked in C++ or a collective). They keep running: see them with %dist_stacks."
-                    )
-                    break
-                interrupted = True
-                self.interrupt(result.running)
+        wait_for_cell(result, self._debugger, self.interrupt, timeout, on_tick, tick, ask)
         result.elapsed = time.monotonic() - run.started
         if run.finished.is_set() and not run.death_checked:
             run.death_checked = True

@@ -16,13 +16,10 @@ from distnb.ranks import format_ranks
 __all__ = [
     "CellRecord",
     "CellResult",
-    "EnvReport",
     "PoolState",
-    "PoolStatus",
     "PushRecord",
     "RankResult",
     "RankState",
-    "RankStatus",
     "Step",
     "group_by",
     "is_timeout",
@@ -384,131 +381,6 @@ class PushRecord:
     ranks: tuple[int, ...]
     names: tuple[str, ...]
     blob: bytes | None  # the pickled ``{name: value}`` the ranks received; None once let go (too large to keep)
-
-
-@dataclass
-class RankStatus:
-    rank: int
-    state: RankState
-    pid: int | None = None
-    host: str | None = None
-    device: str | None = None
-    cell: int | None = None
-    elapsed: float | None = None
-    returncode: int | None = None
-    local_rank: int | None = None
-    node: int | None = None  # torchrun's GROUP_RANK: which machine
-    cause: str = ""
-
-    def describe(self, with_elapsed: bool = True) -> str:
-        """In words: ``running cell 3 for 2.0 s`` (the duration left out with ``with_elapsed=False``)."""
-        if self.state == RankState.DEAD:
-            why = [signal_meaning(self.returncode)] if self.returncode is not None else []
-            why += [self.cause] if self.cause else []
-            return f"dead: {'; '.join(why)}" if why else "dead"
-        if self.state == RankState.RUNNING and self.cell is not None:
-            return f"running cell {self.cell}" + (f" for {self.elapsed or 0.0:.1f} s" if with_elapsed else "")
-        return self.state.value
-
-
-@dataclass
-class PoolStatus:
-    state: str
-    backend: str | None
-    world_size: int
-    ranks: list[RankStatus]
-    agent_pid: int | None = None
-    address: str | None = None
-    cells_run: int = 0
-    nnodes: int = 1
-    nodes: str = ""  # the other machines' node agents, in words
-    rejected: int = 0  # frames and handshakes refused (wrong key, replay, unknown peer)
-    internal_errors: int = 0  # failures distnb's I/O thread caught and survived
-    last_internal_error: str | None = None
-
-    def text(self) -> str:
-        nodes = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
-        lines = [
-            f"pool {self.state}: {self.world_size} ranks{nodes}, backend {self.backend or '?'}, "
-            f"{self.cells_run} cells run, torchrun agent pid {self.agent_pid}, controller {self.address}"
-        ]
-        multi = self.nnodes > 1
-        head = ("rank", "node", "pid", "host", "device") if multi else ("rank", "pid", "host", "device")
-        rows = [(*head, "state")]
-        for r in self.ranks:
-            node = ("-" if r.node is None else str(r.node),) if multi else ()
-            rows.append((str(r.rank), *node, str(r.pid or "-"), r.host or "-", r.device or "-", r.describe()))
-        n = len(head)
-        widths = [max(len(row[i]) for row in rows) for i in range(n)]
-        for row in rows:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[:n], widths)) + "  " + row[n])
-        if self.nodes:
-            lines += ["other nodes:", *("  " + line for line in self.nodes.splitlines())]
-        if self.rejected:
-            lines.append(f"refused {self.rejected} frame(s) or handshake(s) from peers without this pool's key")
-        if self.internal_errors:
-            last = (self.last_internal_error or "").strip().splitlines()
-            lines.append(f"{self.internal_errors} internal error(s) on distnb's I/O thread (it kept running; please report them); "
-                         f"the last: {last[0] if last else '?'}{(' — ' + last[-1]) if len(last) > 1 else ''}")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text())
-
-
-#: Variables that are meant to differ between ranks.
-PER_RANK_ENV = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK"}
-#: torchrun's contract and the device mask: always listed, "<unset>" where a rank lacks one (an
-#: unset CUDA_VISIBLE_DEVICES is the usual way several ranks end up on GPU 0).
-CONTRACT_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
-
-
-@dataclass
-class EnvReport:
-    """Each rank's distributed environment, with the variables that differ flagged."""
-
-    env: dict[int, dict[str, str]]
-    hosts: dict[int, str | None] = field(default_factory=dict)
-
-    def names(self) -> list[str]:
-        """Every variable some rank has, and torchrun's contract whether set or not."""
-        return sorted({k for e in self.env.values() for k in e} | set(CONTRACT_ENV))
-
-    def differing(self) -> list[str]:
-        """Names whose value is not the same on every rank (and is not meant to differ)."""
-        return [n for n in self.names() if n not in PER_RANK_ENV and len({e.get(n) for e in self.env.values()}) > 1]
-
-    def text(self) -> str:
-        ranks = sorted(self.env)
-        names = self.names()
-        flagged = set(self.differing())
-        width = max([20, *map(len, names)])
-        differ = f" — {len(flagged)} variable(s) differ between ranks: {', '.join(sorted(flagged))}" if flagged else ""
-        lines = [f"environment of {format_ranks(ranks)}{differ}"]
-        if self.hosts:
-            for hs, host in group_by((r, self.hosts.get(r)) for r in ranks):
-                lines.append(f"  {'host':<{width}} {host or '?'} ({format_ranks(hs)})")
-        for name in names:
-            values = group_by((r, self.env[r].get(name)) for r in ranks)
-            if len(values) == 1:
-                value = values[0][1]
-                lines.append(f"  {name:<{width}} {'<unset>' if value is None else value} (all ranks)")
-            elif name in PER_RANK_ENV and all(len(rs) == 1 for rs, _ in values):
-                lines.append(f"  {name:<{width}} " + ", ".join(f"{v}" for _, v in values) + " (per rank, as expected)")
-            else:
-                mark = "!" if name in flagged else " "
-                shown = "; ".join(f"{format_ranks(rs)}: {'<unset>' if v is None else v}" for rs, v in values)
-                lines.append(f"{mark} {name:<{width}} {shown}" + ("  <- differs" if name in flagged else ""))
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text())
 
 
 #: One thing a session did, in order: a cell (full result, or its record once let go) or a push.

@@ -37,7 +37,8 @@ from distnb.protocol import Msg, control_identity, supervisor_identity
 from distnb.records import CellEvents, CellRun, RankRecord, run_of
 from distnb.requests import Requests, Transport
 from distnb.sync_check import CountMismatch, carry_over, count_mismatches
-from distnb.results import CellResult, PoolState, RankResult, RankState, RankStatus
+from distnb.pool_status import RankStatus
+from distnb.results import CellResult, PoolState, RankResult, RankState
 
 __all__ = ["CellEvents", "CellRun", "Liveness", "RankRecord", "Tracker", "OUTPUT_KEEP_BYTES", "run_of"]
 

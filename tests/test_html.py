@@ -8,7 +8,9 @@ from distnb.check_report import compare
 from distnb.collective_log import CollectiveLog
 from distnb.display.html import BAD, WARN, check_html, collectives_html, env_html, memory_html, register, stacks_html, status_html
 from distnb.memory_report import MemoryReport
-from distnb.results import EnvReport, PoolStatus, RankState, RankStatus
+from distnb.env_report import EnvReport
+from distnb.pool_status import PoolStatus, RankStatus
+from distnb.results import RankState
 from distnb.stacks import Frame, RankStack, StackReport, ThreadStack
 from distnb.worker.checksum import checksum
 

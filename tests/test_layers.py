@@ -13,12 +13,13 @@ PACKAGE = Path(distnb.__file__).parent
 #: Lowest first; a module may import its own layer (without a cycle) and the ones below it.
 LAYERS: list[set[str]] = [
     {"_text", "_processes", "_zmq_io", "protocol", "security", "ranks", "errors", "config", "network", "cell_code"},
-    {"results", "worker", "nccl_report"},  # the worker package: rank processes and supervisors
+    {"results", "worker", "nccl_report", "pool_status", "env_report"},  # the worker package: rank processes and supervisors
     {"collective_log", "diagnose", "position", "p2p", "group_creation", "steps", "stragglers", "profile_report", "sync_check",
      "stacks", "check_report", "memory_report", "cluster", "launcher", "channel",
      "requests", "records", "export", "session", "node", "prompts", "liveness", "deaths"},
     {"tracker", "values"},
     {"diagnostics", "multinode", "startup", "debugger"},
+    {"waiting"},
     {"pool"},
     {"display", "magics", "magic_support", "inspect_magics", "__main__", "__init__"},
 ]
@@ -100,7 +101,7 @@ def test_every_module_is_placed_in_a_layer_and_small() -> None:
     for path in PACKAGE.rglob("*.py"):
         _layer(_module_name(path))  # raises StopIteration for a module nobody placed
         lines = len(path.read_text().splitlines())
-        assert lines <= 520, f"{path.name} has {lines} lines: split it by job"
+        assert lines <= 500, f"{path.name} has {lines} lines: split it by job"
 
 
 def test_public_surface_is_pinned_and_loads() -> None:

@@ -14,7 +14,9 @@ from distnb.check_report import CheckReport
 from distnb.collective_log import CollectiveReport, describe
 from distnb.memory_report import MemoryReport
 from distnb.ranks import format_ranks
-from distnb.results import EnvReport, PoolStatus, RankState
+from distnb.env_report import EnvReport
+from distnb.pool_status import PoolStatus
+from distnb.results import RankState
 from distnb.stacks import StackReport
 
 __all__ = ["register", "status_html", "stacks_html", "collectives_html", "check_html", "env_html", "memory_html"]
