@@ -124,6 +124,10 @@ def _differing_messages(ename: str, messages: list[tuple[int, str]]) -> str:
     return f"\n  {where}:\n" + "\n".join(rows)
 
 
+def _output_size(r: RankResult) -> int:
+    return len(r.stdout) + len(r.stderr) + sum(len(v) for d in r.displays for v in d.values())
+
+
 def salient_lines(text: str, limit: int = 12) -> list[str]:
     """A dead rank's stderr, cut to what explains the death: the error lines (gloo's enforce
     failure, ``what():``, Python's fatal error) first, then the last other lines; C++ frame
@@ -153,6 +157,7 @@ class RankResult:
     returncode: int | None = None
     finished_at: float | None = None
     output_truncated: int = 0
+    released: int = 0  # characters of output let go after the cell, as later cells came (see distnb.session)
     stderr_tail: str = ""  # a dead rank's last stderr lines (from its supervisor)
     memory: dict[str, Any] | None = None  # RSS/CUDA/NVML sampled at the cell's start and end
     first_death: bool = False
@@ -329,14 +334,33 @@ class CellResult:
             out.append(text)
         return out
 
+    def output_bytes(self) -> int:
+        """Characters of output this result holds: every rank's stdout, stderr and displays."""
+        return sum(_output_size(r) for r in self.results.values())
+
+    def release_output(self) -> None:
+        """Let the output go (stdout, stderr, displays), counted in each rank's ``released``; values,
+        errors and memory stay. The session log does this to old cells of a chatty session."""
+        for r in self.results.values():
+            r.released += _output_size(r)
+            r.stdout = r.stderr = ""
+            r.displays = []
+
     def truncation_note(self) -> str:
-        """Which ranks' output went past what a result keeps (the rest was counted, not stored)."""
+        """Which ranks' output went past what a result keeps (the rest was counted, not stored),
+        or was let go after the cell."""
+        notes = []
         cut = [(r.rank, r.output_truncated) for r in self._ordered() if r.output_truncated]
-        if not cut:
-            return ""
-        what = ", ".join(f"rank {r}: {n:,}" for r, n in cut)
-        return (f"[distnb] output past the first MiB per rank and stream was not kept ({what} characters); "
-                "write large output to a file on the ranks instead.")
+        if cut:
+            what = ", ".join(f"rank {r}: {n:,}" for r, n in cut)
+            notes.append(f"[distnb] output past the first MiB per rank and stream was not kept ({what} characters); "
+                         "write large output to a file on the ranks instead.")
+        gone = [(r.rank, r.released) for r in self._ordered() if r.released]
+        if gone:
+            what = ", ".join(f"rank {r}: {n:,}" for r, n in gone)
+            notes.append(f"[distnb] this cell's output was let go as later cells wrote more ({what} characters), to keep "
+                         "the notebook's memory bounded; the notebook's own copy of the cell still shows it.")
+        return "\n".join(notes)
 
     def text(self) -> str:
         body = "\n".join(p for p in (self.output_text(), self.truncation_note(), self.outcome_text()) if p)

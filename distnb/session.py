@@ -2,23 +2,29 @@
 
 Memory stays flat over long sessions: only the last :data:`KEEP_RESULTS` cells keep their full
 results (output, values, memory); older ones shrink to a :class:`CellRecord` (code, ranks,
-success), and pickled pushes beyond :data:`KEEP_PUSH_BYTES` in all are let go oldest first.
+success) once they have ended. Those full results hold at most :data:`KEEP_OUTPUT_BYTES` of
+output in all — a cell may keep a MiB per rank and stream, so a chatty 8-rank session would
+otherwise hold over a GiB — beyond which the oldest let their output go (the notebook still shows
+it). Pickled pushes beyond :data:`KEEP_PUSH_BYTES` in all are let go oldest first.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from typing import Callable, Iterable, Sequence
 
 from distnb.config import LaunchConfig
 from distnb.errors import RemoteError
 from distnb.results import CellRecord, CellResult, PushRecord, Step
 
-__all__ = ["KEEP_PUSH_BYTES", "KEEP_RESULTS", "SessionLog"]
+__all__ = ["KEEP_OUTPUT_BYTES", "KEEP_PUSH_BYTES", "KEEP_RESULTS", "SessionLog"]
 
 #: Cells whose full results the log keeps; older ones keep only what replay and export need.
 KEEP_RESULTS = 100
+#: Output (stdout, stderr, displays, in characters) the full results may hold in all.
+KEEP_OUTPUT_BYTES = 64 << 20
 #: Pickled pushes kept for replay and export; beyond this the oldest are let go (and say so).
 KEEP_PUSH_BYTES = 256 << 20
 
@@ -33,6 +39,12 @@ class SessionLog:
         self._history: list[CellResult | CellRecord] = []
         self._pushes: list[PushRecord] = []
         self._launch_index = 0
+        # Bookkeeping of the full results in history (by index), so that each cell costs O(1):
+        self._full: deque[int] = deque()  # the newest KEEP_RESULTS of them, oldest first
+        self._held: list[int] = []  # older ones still running (a background cell): shrunk once ended
+        self._unsized: list[int] = []  # not yet seen ended (their output may still grow)
+        self._sizes: dict[int, int] = {}  # ended ones: output still held
+        self._kept_bytes = 0
 
     @property
     def history(self) -> list[CellResult | CellRecord]:
@@ -64,11 +76,49 @@ class SessionLog:
     def add_cell(self, result: CellResult) -> None:
         with self._lock:
             self._history.append(result)
-            old = len(self._history) - 1 - KEEP_RESULTS
-            if old >= 0:
-                cell = self._history[old]
-                if isinstance(cell, CellResult) and not cell.running:
-                    self._history[old] = CellRecord.of(cell)
+            index = len(self._history) - 1
+            self._full.append(index)
+            self._unsized.append(index)
+            self._settle()
+
+    def kept_output_bytes(self) -> int:
+        """Output the ended full results hold, in characters (at most about :data:`KEEP_OUTPUT_BYTES`)."""
+        return self._kept_bytes
+
+    def _settle(self) -> None:
+        """Size the cells that have ended since the last look, shrink ended ones older than the
+        newest :data:`KEEP_RESULTS` to records, and let the oldest output go past the byte budget."""
+        unsized, self._unsized = self._unsized, []
+        for i in unsized:
+            cell = self._history[i]
+            if isinstance(cell, CellResult) and cell.running:
+                self._unsized.append(i)
+            elif isinstance(cell, CellResult):
+                self._sizes[i] = size = cell.output_bytes()
+                self._kept_bytes += size
+        while len(self._full) > KEEP_RESULTS:
+            self._held.append(self._full.popleft())
+        if self._held:
+            self._held = [i for i in self._held if not self._shrink(i)]
+        for i in self._full:  # oldest first
+            if self._kept_bytes <= KEEP_OUTPUT_BYTES:
+                break
+            if self._sizes.get(i):
+                self._kept_bytes -= self._sizes[i]
+                self._sizes[i] = 0
+                cell = self._history[i]
+                assert isinstance(cell, CellResult)
+                cell.release_output()
+
+    def _shrink(self, i: int) -> bool:
+        """Cell ``i`` as a record, once it has ended (False while it runs)."""
+        if i not in self._sizes:
+            return False
+        self._kept_bytes -= self._sizes.pop(i)
+        cell = self._history[i]
+        assert isinstance(cell, CellResult)
+        self._history[i] = CellRecord.of(cell)
+        return True
 
     def add_push(self, ranks: Iterable[int], names: tuple[str, ...], blob: bytes) -> None:
         with self._lock:

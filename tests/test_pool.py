@@ -197,6 +197,21 @@ def test_a_silent_cell_ends_without_the_supervisor_and_nothing_else_does(pool):
     assert pool.run("dd_a").values == {r: str(7 * r) for r in ALL}
 
 
+def test_a_chatty_session_keeps_a_bounded_amount_of_output(pool, monkeypatch):
+    from distnb import session
+
+    monkeypatch.setattr(session, "KEEP_OUTPUT_BYTES", 1_000_000)
+    chatty = [pool.run("print('y' * 99_999)") for _ in range(6)]  # 100,000 characters a rank, 400,000 a cell
+    last = pool.run("1")
+    assert all(r.ok for r in chatty) and last.ok
+    held = pool.session.kept_output_bytes()
+    assert 0 < held <= 1_000_000, held
+    assert chatty[-1][3].stdout == "y" * 99_999 + "\n" and chatty[-1][3].released == 0  # the newest keep theirs
+    oldest = chatty[0]
+    assert oldest[0].stdout == "" and oldest[0].released == 100_000 and oldest.ok
+    assert "this cell's output was let go" in oldest.text() and "rank 0: 100,000" in oldest.text()
+
+
 def test_streaming_output_arrives_in_order_while_the_cell_runs(pool):
     arrivals: list[tuple[float, int, str, str]] = []
     lock = threading.Lock()
