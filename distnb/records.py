@@ -47,7 +47,7 @@ class CellRun:
         room = keep - self.kept[(rank, stream)]
         if room > 0:
             kept = text[:room]
-            setattr(res, stream, getattr(res, stream) + kept)
+            res.add_output(stream, kept)
             self.kept[(rank, stream)] += len(kept)
             res.output_truncated += len(text) - len(kept)
         else:

@@ -140,6 +140,32 @@ def salient_lines(text: str, limit: int = 12) -> list[str]:
     return [lines[i] for i in sorted(set(key) | set(rest))]
 
 
+class _Output:
+    """A text field that grows chunk by chunk and is joined when read.
+
+    A rank's output reaches the notebook in as many chunks as the rank made writes (20,000 for a
+    loop that prints 20,000 lines): adding each chunk to a ``str`` copied everything before it,
+    which took ~1 s of such a cell at 8 ranks."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._key = "_" + name
+
+    def __get__(self, obj: object | None, objtype: type | None = None) -> str:
+        if obj is None:
+            return ""  # the dataclass's default
+        parts: list[str] = obj.__dict__[self._key]
+        n = len(parts)
+        if n <= 1:
+            return parts[0] if parts else ""
+        # The I/O thread may append meanwhile: replace only the chunks joined, each step atomic.
+        joined = "".join(parts[:n])
+        parts[:n] = [joined]
+        return joined
+
+    def __set__(self, obj: object, value: str) -> None:
+        obj.__dict__[self._key] = [value] if value else []
+
+
 @dataclass
 class RankResult:
     """What one rank did with one cell."""
@@ -148,8 +174,8 @@ class RankResult:
     # running · ok · error · interrupted · dead · stranded (still blocked waiting for a dead rank;
     # the cell ended for the notebook, the pool is broken)
     status: str = "running"
-    stdout: str = ""
-    stderr: str = ""
+    stdout: _Output = _Output()
+    stderr: _Output = _Output()
     value: dict[str, str] | None = None
     error: dict[str, Any] | None = None
     duration: float | None = None
@@ -166,6 +192,10 @@ class RankResult:
     direct: bool = False  # its CELL_DONE came straight from the rank (a silent cell), not via its supervisor
     profile: dict[str, Any] | None = None  # with --profile: what worker/profiling.py measured
     sync: dict[str, Any] | None = None  # collectives issued per group at the cell's end (worker/group_state.py)
+
+    def add_output(self, stream: str, text: str) -> None:
+        """Append ``text`` to ``stream`` (``"stdout"`` or ``"stderr"``) without copying what is there."""
+        self.__dict__["_" + stream].append(text)
 
     def death_text(self) -> str:
         """Post-mortem of a rank that died during the cell."""
