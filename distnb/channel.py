@@ -285,13 +285,9 @@ class Channel:
         pinging = now >= self._next_ping - self._heartbeat / 2
         if pinging:
             self._next_ping = now + self._ping_every
-        peers = list(self.heartbeat_peers) if pinging else []
-        with self._sock_lock:
-            for peer in peers if not self._closed else ():
-                try:
-                    send_frames(self._router, [peer, *self._codec.encode({"t": Msg.PING})])
-                except zmq.ZMQError:
-                    self.undeliverable += 1
+        if pinging and self.heartbeat_peers:
+            # Supervisors and node agents keep their names in every generation: _route leaves them be.
+            self._route(list(self.heartbeat_peers), self._codec.encode({"t": Msg.PING}))
         if self._on_tick is None:
             return
         try:
