@@ -22,8 +22,8 @@ import sys
 import time
 
 import distnb
-from distnb.collective_log import CollectiveLog
-from distnb.stragglers import StragglerReport, arrivals
+from distnb.analysis.stragglers import StragglerReport, arrivals
+from distnb.controller.collective_log import CollectiveLog
 
 CALLS = """
 import time

@@ -23,7 +23,7 @@ import statistics
 import time
 
 import distnb
-from distnb.sync_check import count_mismatches
+from distnb.analysis.desync import count_mismatches
 
 ENTRIES = 400
 

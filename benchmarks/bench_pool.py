@@ -97,9 +97,8 @@ def kernel_round_trips(n: int, cells: int) -> list[float]:
 
 
 def magic_round_trips(cells: int) -> list[float]:
-    from IPython.testing.globalipapp import start_ipython
-
     from IPython import get_ipython
+    from IPython.testing.globalipapp import start_ipython
 
     ip = start_ipython() or get_ipython()  # one shell per process: reuse it for every size
     if "on_ranks" not in ip.magics_manager.magics["cell"]:

@@ -23,25 +23,24 @@ _PUBLIC = {
     "NoCellError": "distnb.errors", "NoPoolError": "distnb.errors", "PoolBrokenError": "distnb.errors",
     "PoolBusyError": "distnb.errors", "RemoteError": "distnb.errors", "ShutdownError": "distnb.errors",
     "LaunchConfig": "distnb.config",
-    "CellEvents": "distnb.records", "Pool": "distnb.pool", "PoolState": "distnb.pool", "current_pool": "distnb.pool",
+    "CellEvents": "distnb.results", "Pool": "distnb.pool", "PoolState": "distnb.states", "current_pool": "distnb.pool",
     "launch": "distnb.pool",
-    "CellResult": "distnb.results", "PoolStatus": "distnb.pool_status", "RankResult": "distnb.results",
-    "RankState": "distnb.results", "RankStatus": "distnb.pool_status",
+    "CellResult": "distnb.results", "PoolStatus": "distnb.status", "RankResult": "distnb.results",
+    "RankState": "distnb.states", "RankStatus": "distnb.status",
     "checksum": "distnb.worker.checksum",
-    "Debugger": "distnb.debugger", "Prompt": "distnb.prompts", "Diagnosis": "distnb.position",
+    "Debugger": "distnb.services.debugger", "Prompt": "distnb.controller.prompts", "Diagnosis": "distnb.analysis.hang",
 }
 
 if TYPE_CHECKING:
-    from distnb.errors import (DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError,
-                               PoolBusyError, RemoteError, ShutdownError)
+    from distnb.analysis.hang import Diagnosis
     from distnb.config import LaunchConfig
-    from distnb.debugger import Debugger
-    from distnb.position import Diagnosis
-    from distnb.prompts import Prompt
-    from distnb.pool import Pool, PoolState, current_pool, launch
-    from distnb.records import CellEvents
-    from distnb.pool_status import PoolStatus, RankStatus
-    from distnb.results import CellResult, RankResult, RankState
+    from distnb.controller.prompts import Prompt
+    from distnb.errors import DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError, ShutdownError
+    from distnb.pool import Pool, current_pool, launch
+    from distnb.results import CellEvents, CellResult, RankResult
+    from distnb.services.debugger import Debugger
+    from distnb.states import PoolState, RankState
+    from distnb.status import PoolStatus, RankStatus
     from distnb.worker.checksum import checksum
 
 

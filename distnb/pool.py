@@ -2,11 +2,11 @@
 
 It composes the parts that do the work and keeps each to its job:
 
-- :class:`~distnb.tracker.Tracker` — pool and rank states, fed by messages (the only place they change);
-- :class:`~distnb.session.SessionLog` — cells and pushes, for replay and export;
-- :class:`~distnb.diagnostics.Diagnostics` — stacks, diagnoses, collectives, memory, env, checksums;
-- :class:`~distnb.channel.Channel` and :class:`~distnb.launcher.Launcher` — the wire and the processes;
-- :class:`~distnb.multinode.MultiNode` — other machines, when ``nnodes > 1``.
+- :class:`~distnb.controller.tracker.Tracker` — pool and rank states, fed by messages (the only place they change);
+- :class:`~distnb.controller.session.SessionLog` — cells and pushes, for replay and export;
+- :class:`~distnb.services.diagnostics.Diagnostics` — stacks, diagnoses, collectives, memory, env, checksums;
+- :class:`~distnb.controller.channel.Channel` and :class:`~distnb.launching.torchrun.Launcher` — the wire and the processes;
+- :class:`~distnb.services.multinode.MultiNode` — other machines, when ``nnodes > 1``.
 """
 
 from __future__ import annotations
@@ -17,37 +17,38 @@ import time
 import weakref
 from typing import Any, Callable, Iterable
 
-from distnb.cell_code import CompiledCell, compile_source, exec_request
-from distnb.channel import Channel
-from distnb.check_report import CheckReport
-from distnb.cluster import Nodes
-from distnb.collective_log import CollectiveLog, CollectiveReport
+from distnb.analysis.checks import CheckReport
+from distnb.analysis.collectives import CollectiveReport
+from distnb.analysis.env import EnvReport
+from distnb.analysis.hang import Diagnosis
+from distnb.analysis.memory import MemoryReport
+from distnb.analysis.profile import ProfileReport
+from distnb.analysis.stacks import StackReport
+from distnb.analysis.stragglers import StragglerReport
 from distnb.config import LaunchConfig
-from distnb.debugger import Ask, Debugger, read_line
-from distnb.diagnose import Diagnosis
-from distnb.stragglers import StragglerReport
-from distnb.profile_report import ProfileReport
-from distnb.diagnostics import Diagnostics
+from distnb.controller.channel import Channel
+from distnb.controller.collective_log import CollectiveLog
+from distnb.controller.session import SessionLog
+from distnb.controller.tracker import Tracker
 from distnb.errors import LaunchError, NoPoolError, RemoteError, ShutdownError
-from distnb.launcher import Launcher
-from distnb.memory_report import MemoryReport
-from distnb.multinode import MultiNode
-from distnb.protocol import Msg, control_identity, exec_identity, supervisor_identity
-from distnb.ranks import format_ranks, parse_ranks
-from distnb.env_report import EnvReport
-from distnb.pool_status import PoolStatus
-from distnb.results import CellRecord, CellResult, PoolState, PushRecord, RankResult
-from distnb.security import Credentials
-from distnb.session import SessionLog
-from distnb.stacks import StackReport
-from distnb.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
-from distnb.tracker import CellEvents, Tracker, run_of
-from distnb.values import errors_of, fetch_value, pack_values, send_values
-from distnb.waiting import wait_for_cell
+from distnb.launching.remote_nodes import Nodes
+from distnb.launching.torchrun import Launcher
+from distnb.ranks import Ranks, format_ranks, parse_ranks
+from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankResult
+from distnb.services.debugger import Ask, Debugger, read_line
+from distnb.services.diagnostics import Diagnostics
+from distnb.services.export import export_session
+from distnb.services.multinode import MultiNode
+from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
+from distnb.services.values import errors_of, fetch_value, pack_values, send_values
+from distnb.services.waiting import wait_for_cell
+from distnb.states import PoolState
+from distnb.status import PoolStatus
+from distnb.wire.cell_code import CompiledCell, compile_source, exec_request
+from distnb.wire.protocol import Msg, control_identity, exec_identity, supervisor_identity
+from distnb.wire.security import Credentials
 
-__all__ = ["Pool", "PoolState", "CellEvents", "launch", "current_pool"]
-
-Ranks = str | int | Iterable[int] | None
+__all__ = ["Pool", "current_pool", "launch"]
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 _current: Pool | None = None
@@ -93,8 +94,8 @@ class Pool:
         self._config = config if config is not None else LaunchConfig(**options)
         self._tracker = Tracker(self._config.world_size, CollectiveLog())
         self._session = SessionLog()
-        self._diagnostics = Diagnostics(self)
-        self._debugger = Debugger(self)
+        self._diagnostics = Diagnostics(self._tracker, self._config, self._session, lambda: self.run_dir)
+        self._debugger = Debugger(self._tracker, self._config, self.diagnose)
         self._channel: Channel | None = None
         self._launcher: Launcher | None = None
         self._multinode: MultiNode | None = None
@@ -108,10 +109,6 @@ class Pool:
         return self._config
 
     @property
-    def tracker(self) -> Tracker:
-        return self._tracker
-
-    @property
     def run_dir(self) -> str | None:
         """This launch's folder (torchrun's logs, NCCL's timeout dumps); None when not running."""
         return self._launcher.run_dir if self._launcher is not None else None
@@ -120,10 +117,6 @@ class Pool:
     def debugger(self) -> Debugger:
         """Ranks waiting for a line (pdb, ``input()``) and the means to answer them."""
         return self._debugger
-
-    @property
-    def session(self) -> SessionLog:
-        return self._session
 
     @property
     def state(self) -> PoolState:
@@ -144,16 +137,8 @@ class Pool:
         return self._session.pushes
 
     @property
-    def collective_log(self) -> CollectiveLog:
-        return self._tracker.collective_log
-
-    @property
     def first_death(self) -> int | None:
         return self._tracker.first_death
-
-    @property
-    def nodes(self) -> Nodes:
-        return self._tracker.nodes
 
     @property
     def address(self) -> str | None:
@@ -347,10 +332,10 @@ class Pool:
     ) -> CellResult:
         """Wait for a submitted cell. The first Ctrl-C interrupts the ranks; a second stops waiting.
         Ranks paused in the debugger or in ``input()`` are answered with lines from ``ask``
-        (default ``input()``; see :class:`~distnb.debugger.Debugger`); None leaves them to
+        (default ``input()``; see :class:`~distnb.services.debugger.Debugger`); None leaves them to
         :attr:`debugger`."""
-        run = run_of(result)
-        wait_for_cell(result, self._debugger, self.interrupt, timeout, on_tick, tick, ask)
+        run = self._tracker.run_of(result)
+        wait_for_cell(result, run, self._debugger, self.interrupt, timeout, on_tick, tick, ask)
         result.elapsed = time.monotonic() - run.started
         if run.finished.is_set() and not run.death_checked:
             run.death_checked = True
@@ -449,7 +434,7 @@ class Pool:
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False) -> str:
         """Write the session's cells as a standalone ``torchrun`` script (or a notebook: ``.ipynb``)."""
-        return self._session.export(path, self._config, cells, include_failed)
+        return export_session(self._session, path, self._config, cells, include_failed)
 
     def __repr__(self) -> str:
         return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
-__all__ = ["format_ranks", "parse_ranks", "rank_span"]
+__all__ = ["Ranks", "format_ranks", "group_by", "parse_ranks", "rank_span"]
+
+#: Which ranks a call is for: ``None`` (all), a rank, ``"0,2"``, ``"1-3"``, ``"0:8:2"``, ``"all"`` or any iterable of ranks.
+Ranks = str | int | Iterable[int] | None
 
 
 def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list[int]:
@@ -84,3 +87,16 @@ def rank_span(ranks: Iterable[int]) -> str:
         if r is not None:
             start = prev = r
     return ",".join(parts)
+
+
+def group_by(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
+    """Group ranks whose values are equal, in order of first appearance."""
+    groups: list[tuple[list[int], Any]] = []
+    for rank, value in items:
+        for ranks, v in groups:
+            if v == value:
+                ranks.append(rank)
+                break
+        else:
+            groups.append(([rank], value))
+    return groups

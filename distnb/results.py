@@ -1,4 +1,6 @@
-"""Result objects. Each has a plain-text form that stands alone and names its ranks."""
+"""What a cell gives back: its result per rank and in all (each with a plain-text form that stands
+alone and names its ranks), the callbacks that stream it while it runs, and the records replay and
+export keep of old cells and pushes."""
 
 from __future__ import annotations
 
@@ -6,138 +8,28 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Iterable
+from typing import Any, Callable
 
 from distnb._processes import signal_meaning
-from distnb.nccl_report import watchdog_cause
-from distnb.ranks import format_ranks
+from distnb._text import merge_lines, prefix_lines
+from distnb.analysis.failures import differing_messages, is_timeout, salient_lines
+from distnb.analysis.nccl_dumps import watchdog_cause
+from distnb.ranks import format_ranks, group_by
 
 __all__ = [
+    "CellEvents",
     "CellRecord",
     "CellResult",
-    "PoolState",
     "PushRecord",
     "RankResult",
-    "RankState",
     "Step",
-    "group_by",
-    "is_timeout",
-    "merge_lines",
-    "prefix_lines",
 ]
-
-
-class RankState(str, Enum):
-    """Where a rank is in its life, as the controller last saw it."""
-
-    LAUNCHED = "launched"  # torchrun started, nothing heard yet
-    STARTED = "started"  # the rank's supervisor is up
-    CONNECTED = "connected"  # the rank process connected; initialising its process group
-    IDLE = "idle"  # process group ready, waiting for a cell
-    RUNNING = "running"  # executing a cell
-    DEAD = "dead"  # the rank process has ended
 
 
 _DIGITS = re.compile(r"\d+")
 
-#: Error texts that mean a collective timed out (gloo's and NCCL's words).
-_TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
-
-
-def is_timeout(error: dict[str, Any]) -> bool:
-    """Did this cell error come from a collective timing out (gloo's or NCCL's words)?"""
-    return any(m in error.get("evalue", "") for m in _TIMEOUT_MARKS)
-
-
-def group_by(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
-    """Group ranks whose values are equal, in order of first appearance."""
-    groups: list[tuple[list[int], Any]] = []
-    for rank, value in items:
-        for ranks, v in groups:
-            if v == value:
-                ranks.append(rank)
-                break
-        else:
-            groups.append(([rank], value))
-    return groups
-
-
-def merge_lines(outputs: list[tuple[int, str]]) -> list[tuple[list[int], str]]:
-    """Per-rank texts → ``(ranks, line)`` rows, each line shown once for the ranks that share it.
-
-    Ranks with the same number of lines are aligned line by line (the common case of a cell
-    whose prints differ only in a rank number); otherwise whole outputs are grouped.
-    """
-    split = [(r, _lines(t)) for r, t in outputs]
-    if len({len(ls) for _, ls in split}) == 1:
-        rows: list[tuple[list[int], str]] = []
-        for i in range(len(split[0][1]) if split else 0):
-            rows.extend(group_by((r, ls[i]) for r, ls in split))
-        return rows
-    return [(ranks, line) for ranks, ls in group_by((r, tuple(ls)) for r, ls in split) for line in ls]
-
-
-def _lines(text: str) -> list[str]:
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return lines
-
-
-def prefix_lines(label: str, text: str) -> str:
-    """``[ranks 0-3] line`` for every line of text (a trailing newline adds no empty line)."""
-    return "\n".join(f"[{label}] {line}" for line in _lines(text))
-
-
-class PoolState(str, Enum):
-    """Lifecycle of a pool.
-
-    NEW → STARTING → READY ⇄ (cells run) → STOPPING → STOPPED. A rank that dies moves a READY pool
-    to BROKEN, from which only restart or shutdown lead on. A failed start ends in STOPPED.
-    """
-
-    NEW = "new"
-    STARTING = "starting"
-    READY = "ready"
-    BROKEN = "broken"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-_NOISE = re.compile(r"^\s*(frame #\d+:|<omitting python frames>|Exception raised from |File \"|\^+$)")
-_KEY = re.compile(r"terminate called|what\(\):|enforce fail|Fatal Python error|[A-Za-z]*(Error|Exception)\b|Segmentation fault|Aborted")
-
-
-def _differing_messages(ename: str, messages: list[tuple[int, str]]) -> str:
-    """Under a group's one traceback: each rank's own message, cut to the lines that are not the
-    same on every rank (a long library message often differs in one line: "… for rank 1: 2 3")."""
-    if len({m for _, m in messages}) < 2:
-        return ""
-    common = set.intersection(*(set(m.splitlines()) for _, m in messages))
-    rows = []
-    for rank, message in messages:
-        own = [line.strip() for line in message.splitlines() if line not in common and line.strip()]
-        shown = " / ".join(own[:3]) + (" / …" if len(own) > 3 else "")
-        rows.append(f"  rank {rank}: {shown[:300] + ('…' if len(shown) > 300 else '')}")
-    where = f"the {ename} messages differ" if common else f"each rank's {ename}"
-    return f"\n  {where}:\n" + "\n".join(rows)
-
-
 def _output_size(r: RankResult) -> int:
     return len(r.stdout) + len(r.stderr) + sum(len(v) for d in r.displays for v in d.values())
-
-
-def salient_lines(text: str, limit: int = 12) -> list[str]:
-    """A dead rank's stderr, cut to what explains the death: the error lines (gloo's enforce
-    failure, ``what():``, Python's fatal error) first, then the last other lines; C++ frame
-    listings and library frames, which can run to hundreds of lines after the message, are left
-    out (cell frames stay)."""
-    lines = [line for line in text.rstrip().splitlines() if line.strip()]
-    useful = [i for i, line in enumerate(lines) if not _NOISE.match(line) or "<cell-" in line]
-    key = [i for i in useful if _KEY.search(lines[i])][:4]
-    rest = [i for i in useful if i not in key][-(limit - len(key)):] if limit > len(key) else []
-    return [lines[i] for i in sorted(set(key) | set(rest))]
 
 
 class _Output:
@@ -167,6 +59,15 @@ class _Output:
 
 
 @dataclass
+class CellEvents:
+    """Callbacks for a running cell; all are called on distnb's I/O thread and must be quick."""
+
+    on_output: Callable[[int, str, str], None] | None = None  # (rank, "stdout"/"stderr", text)
+    on_display: Callable[[int, dict[str, str]], None] | None = None
+    on_rank_done: Callable[[RankResult], None] | None = None
+
+
+@dataclass
 class RankResult:
     """What one rank did with one cell."""
 
@@ -183,7 +84,7 @@ class RankResult:
     returncode: int | None = None
     finished_at: float | None = None
     output_truncated: int = 0
-    released: int = 0  # characters of output let go after the cell, as later cells came (see distnb.session)
+    released: int = 0  # characters of output let go after the cell, as later cells came (see distnb.controller.session)
     stderr_tail: str = ""  # a dead rank's last stderr lines (from its supervisor)
     memory: dict[str, Any] | None = None  # RSS/CUDA/NVML sampled at the cell's start and end
     first_death: bool = False
@@ -315,7 +216,7 @@ class CellResult:
         if self.desync_note:
             parts.append("[distnb] desync at the end of the cell: " + self.desync_note)
         if any(r.error and "OutOfMemoryError" in r.error.get("ename", "") for r in self.results.values()):
-            from distnb.memory_report import MemoryReport
+            from distnb.analysis.memory import MemoryReport
 
             samples = {r.rank: r.memory for r in self._ordered() if r.memory}
             # Ranks still blocked (waiting for the one that failed) have no end-of-cell sample:
@@ -342,7 +243,7 @@ class CellResult:
 
     def memory_text(self) -> str:
         """The compact memory line: peak range across ranks and any imbalance."""
-        from distnb.memory_report import memory_line
+        from distnb.analysis.memory import memory_line
 
         return memory_line({r.rank: r.memory for r in self._ordered() if r.memory})
 
@@ -360,7 +261,7 @@ class CellResult:
             line = next((e.get("line") for e in errors if e.get("line")), None)
             where = f" at cell line {line}" if line else ""
             text = f"── {ename} on {format_ranks(ranks)}{where} ──\n{errors[0]['traceback'].rstrip()}"
-            text += _differing_messages(ename, [(r, e.get("evalue", "")) for r, e in zip(ranks, errors)])
+            text += differing_messages(ename, [(r, e.get("evalue", "")) for r, e in zip(ranks, errors)])
             out.append(text)
         return out
 

@@ -6,7 +6,6 @@ waits; after the timeout the root cause is the rank that never arrived, by seque
 from __future__ import annotations
 
 import pytest
-
 from conftest import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

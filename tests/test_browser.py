@@ -21,7 +21,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import cmdline, kill_pids, marked_processes, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,9 +7,9 @@ import marshal
 
 import pytest
 
-from distnb import cell_code
-from distnb.cell_code import cell_filename, compile_cell, compile_source, exec_request, pack, renamed, unpack
-from distnb.protocol import Msg
+from distnb.wire import cell_code
+from distnb.wire.cell_code import cell_filename, compile_cell, compile_source, exec_request, pack, renamed, unpack
+from distnb.wire.protocol import Msg
 from distnb.worker.execute import Executor
 
 

@@ -13,7 +13,7 @@ import pytest
 from ipywidgets.widgets.widget import _instances
 
 from distnb.display.cell_display import CellDisplay, close_tree
-from distnb.display.static import GROUPED_MAX_CHARS, RANK_MAX_CHARS, StaticCell
+from distnb.display.static import SAVED_GROUPED_CHARS, SAVED_RANK_CHARS, StaticCell
 from distnb.display.widgets import CellView
 from distnb.results import CellResult, RankResult
 
@@ -136,10 +136,10 @@ def test_close_tree_closes_children_layouts_and_styles() -> None:
 
 def test_static_view_caps_what_the_notebook_keeps_and_says_where_the_rest_is() -> None:
     big = "x" * 99 + "\n"
-    result = result_of({0: big * (RANK_MAX_CHARS // 50), 1: "other\n" * (GROUPED_MAX_CHARS // 3)}, failing=1)
+    result = result_of({0: big * (SAVED_RANK_CHARS // 50), 1: "other\n" * (SAVED_GROUPED_CHARS // 3)}, failing=1)
     static = StaticCell(result)
     page, text = static.html(), static.text()
-    assert len(page) < GROUPED_MAX_CHARS * 2 + RANK_MAX_CHARS * 2 + 20_000
+    assert len(page) < SAVED_GROUPED_CHARS * 2 + SAVED_RANK_CHARS * 2 + 20_000
     assert "more characters of grouped output not shown here" in text and "_dist[rank].stdout" in text
     assert "more characters not shown here: _dist[0].stdout" in page
     assert "ValueError on rank 1 at cell line 2" in text and "color:#cf222e" in page  # failed: the outcome in red

@@ -49,8 +49,8 @@ def test_batchnorm_buffers_diverge_without_sync(pool4: distnb.Pool) -> None:
 
 
 def test_check_magic_and_on_ranks_check(pool4: distnb.Pool, capsys) -> None:
-    from IPython.testing.globalipapp import start_ipython
     from IPython import get_ipython
+    from IPython.testing.globalipapp import start_ipython
 
     ip = start_ipython() or get_ipython()
     if "on_ranks" not in ip.magics_manager.magics["cell"]:

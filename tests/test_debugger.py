@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from distnb.debugger import Debugger, parse_command, render_answers
-from distnb.diagnose import Position, diagnose
+from distnb.analysis.hang import diagnose
+from distnb.analysis.position import Position, position_paused
+from distnb.controller.prompts import Prompt
 from distnb.errors import NoCellError
-from distnb.position import position_paused
-from distnb.prompts import Prompt
 from distnb.results import CellResult, RankResult
+from distnb.services.debugger import Debugger, parse_command, render_answers
 
 
 @pytest.mark.parametrize(("line", "kind", "ranks", "text"), [

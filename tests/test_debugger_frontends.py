@@ -10,9 +10,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
-
 import kernels
+import pytest
 from conftest import reap_marked
 
 pytestmark = pytest.mark.slow  # every test here starts a kernel or a shell, and a pool

@@ -8,7 +8,6 @@ import sys
 import uuid
 
 import pytest
-
 from conftest import kill_pids, marked_processes, started_pids, wait_gone
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import zlib
 
-from distnb.collective_log import CollectiveLog
-from distnb.diagnose import Position, diagnose, victim
-from distnb.group_creation import creation_mismatch
-from distnb.p2p import match_p2p
-from distnb.profile_report import ProfileReport, RankTime, merge_traces
-from distnb.steps import step_pattern, uneven_steps
-from distnb.stragglers import StragglerReport, arrivals
+from distnb.analysis.group_creation import creation_mismatch
+from distnb.analysis.hang import diagnose, victim
+from distnb.analysis.p2p import match_p2p
+from distnb.analysis.position import Position
+from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
+from distnb.analysis.steps import step_pattern, uneven_steps
+from distnb.analysis.stragglers import StragglerReport, arrivals
+from distnb.controller.collective_log import CollectiveLog
 from distnb.worker.call_log import CallLog
 
 

@@ -10,9 +10,9 @@ import signal
 import time
 
 import pytest
+from conftest import usable, wait_until
 
 import distnb
-from conftest import usable, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

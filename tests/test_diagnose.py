@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-from distnb.diagnose import Position, diagnose, position_from_stack
-from distnb.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
+from distnb.analysis.hang import diagnose
+from distnb.analysis.position import Position, position_from_stack
+from distnb.analysis.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
 
 
 def test_diagnose_rank_conditional() -> None:
@@ -109,7 +110,7 @@ def _entry(rid: int, seq: int, op: str = "all_reduce", cell: int | None = 1, don
 
 
 def test_uneven_loops_are_recognised_however_much_history_the_log_let_go() -> None:
-    from distnb.collective_log import CollectiveLog
+    from distnb.controller.collective_log import CollectiveLog
 
     # After thousands of collectives the log holds only the recent ones: rank 1's last all_reduce is
     # #7002 though the log holds 3 of its entries. The count of entries held is no sequence number.
@@ -187,7 +188,7 @@ def test_headline_is_the_same_a_second_later() -> None:
 
 
 def test_collective_ages_use_the_ranks_clock() -> None:
-    from distnb.collective_log import CollectiveLog
+    from distnb.controller.collective_log import CollectiveLog
 
     # A rank on a machine whose clock runs 100 s ahead entered a collective 2 s ago (by its clock).
     log = CollectiveLog()
@@ -199,7 +200,7 @@ def test_collective_ages_use_the_ranks_clock() -> None:
 
 
 def test_a_regroup_starts_a_new_generation_of_the_log() -> None:
-    from distnb.collective_log import CollectiveLog
+    from distnb.controller.collective_log import CollectiveLog
 
     log = CollectiveLog()
     log.merge(0, {"entries": [_entry(1, 1), _entry(2, 2, done=False)]})  # #2 timed out, never retired
@@ -209,7 +210,7 @@ def test_a_regroup_starts_a_new_generation_of_the_log() -> None:
 
 
 def test_collective_from_the_stack_a_dying_rank_printed() -> None:
-    from distnb.diagnose import collective_at_death
+    from distnb.analysis.position import collective_at_death
 
     stderr = ("Fatal Python error: Aborted\n\nThread 0x00007f0000000002 (most recent call first):\n"
               '  File "/x/distnb/worker/control.py", line 96 in run\n\n'

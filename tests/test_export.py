@@ -9,11 +9,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import run_notebook
+from nbtext import outputs_text
 
 import distnb
-from conftest import run_notebook
-from distnb.export import _show_last_value, select_cells
-from nbtext import outputs_text
+from distnb.services.export import _show_last_value, select_cells
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

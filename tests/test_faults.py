@@ -7,10 +7,10 @@ import signal
 import time
 
 import pytest
+from conftest import usable, wait_until
 
 import distnb
-from conftest import usable, wait_until
-from distnb.protocol import MAGIC
+from distnb.wire.protocol import MAGIC
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

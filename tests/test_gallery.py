@@ -11,7 +11,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from conftest import run_notebook
 from nbtext import outputs_text
 

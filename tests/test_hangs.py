@@ -7,9 +7,9 @@ import re
 import time
 
 import pytest
+from conftest import usable
 
 import distnb
-from conftest import usable
 from distnb import _processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

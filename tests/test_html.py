@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import re
 
-from distnb.check_report import compare
-from distnb.collective_log import CollectiveLog
+from distnb.analysis.checks import compare
+from distnb.analysis.env import EnvReport
+from distnb.analysis.memory import MemoryReport
+from distnb.analysis.stacks import Frame, RankStack, StackReport, ThreadStack
+from distnb.controller.collective_log import CollectiveLog
 from distnb.display.html import BAD, WARN, check_html, collectives_html, env_html, memory_html, register, stacks_html, status_html
-from distnb.memory_report import MemoryReport
-from distnb.env_report import EnvReport
-from distnb.pool_status import PoolStatus, RankStatus
-from distnb.results import RankState
-from distnb.stacks import Frame, RankStack, StackReport, ThreadStack
+from distnb.states import RankState
+from distnb.status import PoolStatus, RankStatus
 from distnb.worker.checksum import checksum
 
 

@@ -13,10 +13,10 @@ import time
 import pytest
 import zmq
 
-from distnb.channel import Channel, FollowUp
 from distnb.config import LaunchConfig
-from distnb.protocol import Codec, Msg, ReplayGuard
-from distnb.security import Credentials
+from distnb.controller.channel import Channel, FollowUp
+from distnb.wire.protocol import Codec, Msg, ReplayGuard
+from distnb.wire.security import Credentials
 from distnb.worker import gloo_idle
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import kernels
+import pytest
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

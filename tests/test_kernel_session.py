@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 import kernels
+import pytest
 
 pytestmark = pytest.mark.slow  # a kernel and a pool
 

@@ -14,8 +14,8 @@ import pytest
 import distnb
 from distnb import _processes
 from distnb.config import LaunchConfig, Rendezvous, default_nproc
-from distnb.launcher import Launcher
-from distnb.security import Credentials
+from distnb.launching.torchrun import Launcher
+from distnb.wire.security import Credentials
 
 
 def test_defaults_and_coercion():
@@ -166,7 +166,7 @@ def test_multi_node_config_defaults(monkeypatch):
     assert LaunchConfig(nproc=2, bind="0.0.0.0:6000").bind_port == 6000
     local = LaunchConfig(nproc=2, nnodes=3, local_nodes=True)
     assert local.backend == "gloo" and local.world_size == 6 and local.bind == "127.0.0.1"
-    from distnb.cluster import NodeStarters
+    from distnb.launching.remote_nodes import NodeStarters
 
     commands = NodeStarters.local_commands(local, "tcp://127.0.0.1:5555")
     assert len(commands) == 2 and commands[0][1:] == ["-m", "distnb.node", "--connect", "tcp://127.0.0.1:5555", "--key-file", "-"]

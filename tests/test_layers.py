@@ -10,26 +10,39 @@ import distnb
 
 PACKAGE = Path(distnb.__file__).parent
 
-#: Lowest first; a module may import its own layer (without a cycle) and the ones below it.
+#: The rooms, lowest first. A folder is one room; the root's modules are placed one by one (its
+#: helpers sit at the bottom, its public types above the analyses they name, the Pool above the
+#: services it composes). A module may import its own room (without a cycle) and rooms below it.
 LAYERS: list[set[str]] = [
-    {"_text", "_processes", "_zmq_io", "protocol", "security", "ranks", "errors", "config", "network", "cell_code"},
-    {"results", "worker", "nccl_report", "pool_status", "env_report"},  # the worker package: rank processes and supervisors
-    {"collective_log", "diagnose", "position", "p2p", "group_creation", "steps", "stragglers", "profile_report", "sync_check",
-     "stacks", "check_report", "memory_report", "cluster", "launcher", "channel",
-     "requests", "records", "export", "session", "node", "prompts", "liveness", "deaths"},
-    {"tracker", "values"},
-    {"diagnostics", "multinode", "startup", "debugger"},
-    {"waiting"},
-    {"pool"},
-    {"display", "magics", "magic_support", "inspect_magics", "__main__", "__init__"},
+    {"_text", "_processes", "ranks", "errors", "config", "states"},  # shared helpers and settings
+    {"wire"},  # what both sides speak
+    {"worker"},  # the rank side: supervisors and rank processes
+    {"analysis"},  # pure: data in, findings out
+    {"results", "status"},  # the public result types, whose text names the analyses' findings
+    {"launching"},  # torchrun, addresses, node agents and how they start
+    {"controller"},  # the controller's live state
+    {"services"},  # built from the controller's parts, never from the Pool
+    {"pool"},  # the public face
+    {"display"},
+    {"magics", "__main__", "__init__", "node"},
 ]
-#: What the worker package (and the node agent's rank side) may import from the rest of distnb.
-WORKER_MAY_IMPORT = {"_text", "_processes", "_zmq_io", "protocol", "security", "cell_code"}
+#: What the rank side (supervisors, ranks) may import from the rest of distnb: it runs without the
+#: controller's code, and speaks to it only through the wire.
+WORKER_MAY_IMPORT = {"wire", "_text", "_processes"}
+#: The wire is the bottom of both sides: it may import only these.
+WIRE_MAY_IMPORT = {"_text"}
+#: The root keeps the public face and a few shared helpers, no more.
+ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "config", "errors", "node", "pool", "ranks", "results", "states", "status"}
+
+
+def _room(name: str) -> str:
+    """A module's room: its folder under distnb/, or its own name at the root."""
+    return name.split(".")[0]
 
 
 def _layer(name: str) -> int:
-    top = name.split(".")[0]
-    return next(i for i, layer in enumerate(LAYERS) if top in layer)
+    room = _room(name)
+    return next(i for i, layer in enumerate(LAYERS) if room in layer)
 
 
 def _module_name(path: Path) -> str:
@@ -90,16 +103,59 @@ def test_nothing_imports_a_layer_above_it() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_worker_side_speaks_only_through_the_shared_modules() -> None:
+def test_the_worker_side_speaks_only_through_the_wire() -> None:
     for module, deps in _graph().items():
-        if module.startswith("worker"):
-            outside = {d for d in deps if not d.startswith("worker")} - WORKER_MAY_IMPORT
-            assert not outside, f"{module} imports controller modules {sorted(outside)}"
+        if _room(module) == "worker":
+            outside = {_room(d) for d in deps} - {"worker"} - WORKER_MAY_IMPORT
+            assert not outside, f"{module} imports {sorted(outside)}: the rank side may import only {sorted(WORKER_MAY_IMPORT)}"
+
+
+def test_the_wire_stands_alone() -> None:
+    for module, deps in _graph().items():
+        if _room(module) == "wire":
+            outside = {_room(d) for d in deps} - {"wire"} - WIRE_MAY_IMPORT
+            assert not outside, f"{module} imports {sorted(outside)}"
+
+
+def test_analyses_are_pure() -> None:
+    """Data in, findings out: no analysis imports torch, ZMQ or IPython, or the controller at run time."""
+    for path in (PACKAGE / "analysis").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & {"torch", "zmq", "IPython", "ipywidgets"}, f"{path.name} imports {sorted(imported & {'torch', 'zmq', 'IPython'})}"
+
+
+def test_the_root_keeps_the_public_face_and_a_few_helpers() -> None:
+    root = {p.stem for p in PACKAGE.glob("*.py")}
+    assert root == ROOT_MODULES, f"modules at the root that belong in a room: {sorted(root - ROOT_MODULES)}"
+
+
+def test_one_home_per_name() -> None:
+    """A public name is defined in one module only (re-exports through ``__all__`` aside, for the
+    package's own face)."""
+    homes: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            names: list[str] = []
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            for name in names:
+                # ``main`` (an entry point) and ``install`` (a module's one hook, called as
+                # ``call_log.install()``) are verbs qualified by their module, not names to import.
+                if not name.startswith("_") and name not in ("main", "install", "T"):
+                    homes.setdefault(name, []).append(_module_name(path))
+    twice = {name: where for name, where in homes.items() if len(where) > 1}
+    assert not twice, "defined in more than one module: " + "; ".join(f"{n}: {', '.join(w)}" for n, w in sorted(twice.items()))
 
 
 def test_every_module_is_placed_in_a_layer_and_small() -> None:
     for path in PACKAGE.rglob("*.py"):
-        _layer(_module_name(path))  # raises StopIteration for a module nobody placed
+        _layer(_module_name(path))  # raises StopIteration for a module in no room
         lines = len(path.read_text().splitlines())
         assert lines <= 500, f"{path.name} has {lines} lines: split it by job"
 

@@ -7,12 +7,12 @@ import io
 import re
 
 import pytest
+from conftest import wait_gone
 from IPython.core.error import UsageError
 
 import distnb
-from conftest import wait_gone
 from distnb import pool as pool_module
-from distnb import protocol
+from distnb.wire import protocol
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

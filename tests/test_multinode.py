@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import zmq
+from conftest import started_pids, track, wait_gone
 
 import distnb
-from conftest import started_pids, track, wait_gone
 from distnb import pool as pool_module
-from distnb.cluster import NodeStarters
-from distnb.protocol import Codec, Msg, supervisor_identity
-from distnb.security import Credentials
+from distnb.launching.remote_nodes import NodeStarters
+from distnb.wire.protocol import Codec, Msg, supervisor_identity
+from distnb.wire.security import Credentials
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -11,13 +11,14 @@ import types
 
 import pytest
 
-from distnb.collective_log import CollectiveLog, state_mark
+from distnb.analysis.collectives import state_mark
+from distnb.analysis.desync import CountMismatch, carry_over, count_mismatches, mismatch_text
+from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame, watchdog_cause
+from distnb.analysis.position import Position
 from distnb.config import LaunchConfig
-from distnb.diagnose import Position
-from distnb.launcher import FR_DUMP_PREFIX, SHARED_GPU_ENV, Launcher, nccl_environment
-from distnb.nccl_report import dump_marks, read_dumps, seq_blame, watchdog_cause
-from distnb.security import Credentials
-from distnb.sync_check import CountMismatch, carry_over, count_mismatches, mismatch_text
+from distnb.controller.collective_log import CollectiveLog
+from distnb.launching.torchrun import FR_DUMP_PREFIX, SHARED_GPU_ENV, Launcher, nccl_environment
+from distnb.wire.security import Credentials
 from distnb.worker import flight_recorder as fr
 from distnb.worker.call_log import CallLog
 from distnb.worker.flight_recorder import CellClock, RecordIds, entry_view

@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import wait_until
 
 import distnb
-from conftest import wait_until
 from distnb.worker.fingerprint import fingerprint
 
 torch = pytest.importorskip("torch")

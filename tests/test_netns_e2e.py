@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
-from distnb import _processes
-from distnb.ranks import parse_ranks
 from conftest import RUN_MARK, cmdline, started_pids
 from netns import Cluster, netns_unavailable
 from slurm_cluster import Slurm, slurm_unavailable
+
+from distnb import _processes
+from distnb.ranks import parse_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -181,8 +181,8 @@ def test_launch_over_real_ssh_spans_both_hosts(net: Cluster, nb: Notebook) -> No
 WRONG_KEY_CLIENT = """
 import sys, time, zmq
 import distnb
-from distnb.protocol import Codec, Msg
-from distnb.security import Credentials
+from distnb.wire.protocol import Codec, Msg
+from distnb.wire.security import Credentials
 creds = Credentials.read(sys.argv[2])
 ctx = zmq.Context()
 sock = ctx.socket(zmq.DEALER)

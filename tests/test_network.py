@@ -7,8 +7,8 @@ import socket
 import pytest
 
 import distnb
-from distnb import network
-from distnb.cluster import connect_host
+from distnb.launching import network
+from distnb.launching.remote_nodes import connect_host
 
 
 def test_loopback_routes_and_interfaces() -> None:

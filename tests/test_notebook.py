@@ -9,10 +9,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import marked_processes, wait_gone
 from nbclient import NotebookClient
 from nbtext import outputs_text
-
-from conftest import marked_processes, wait_gone
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -20,12 +20,10 @@ import threading
 import time
 
 import pytest
+from conftest import kill_pids, pool_processes, session_id, started_pids, track, wait_gone, wait_until
 
 import distnb
-from distnb import CellEvents, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, PoolState, RankState, RemoteError
-from distnb import _processes
-
-from conftest import kill_pids, pool_processes, session_id, started_pids, track, wait_gone, wait_until
+from distnb import CellEvents, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, PoolState, RankState, RemoteError, _processes
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -198,7 +196,7 @@ def test_a_silent_cell_ends_without_the_supervisor_and_nothing_else_does(pool):
 
 
 def test_a_chatty_session_keeps_a_bounded_amount_of_output(pool, monkeypatch):
-    from distnb import session
+    from distnb.controller import session
 
     monkeypatch.setattr(session, "KEEP_OUTPUT_BYTES", 1_000_000)
     chatty = [pool.run("print('y' * 99_999)") for _ in range(6)]  # 100,000 characters a rank, 400,000 a cell
@@ -300,7 +298,7 @@ def test_traceback_shows_the_cell_line_and_no_distnb_frames(pool):
 def test_ranks_run_code_the_notebook_compiled_and_compile_what_they_cannot_load(pool, monkeypatch):
     """The EXEC carries the cell's code objects; a rank on another Python (here: a foreign tag)
     compiles the source itself, with the same result, names and line numbers."""
-    from distnb import cell_code
+    from distnb.wire import cell_code
 
     code = "def cc_f():\n    return rank * 10\ncc_f()"
     assert pool.run(code).values == {r: str(r * 10) for r in ALL}

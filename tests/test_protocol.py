@@ -12,14 +12,15 @@ import time
 
 import pytest
 import zmq
+from conftest import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distnb
-from conftest import wait_until
-from distnb import RemoteError, protocol
-from distnb.channel import Channel
-from distnb.protocol import (
+from distnb import RemoteError
+from distnb.controller.channel import Channel
+from distnb.wire import protocol
+from distnb.wire.protocol import (
     MAGIC,
     BadFrame,
     Codec,
@@ -28,13 +29,13 @@ from distnb.protocol import (
     ReplayGuard,
     control_identity,
     exec_identity,
+    mac,
     new_key,
     parse_identity,
-    signature,
     socket_max_msgsize,
     supervisor_identity,
 )
-from distnb.security import Credentials
+from distnb.wire.security import Credentials
 
 KEY = b"k" * 32
 OTHER_KEY = b"o" * 32
@@ -57,7 +58,7 @@ class _Trap:
 
 
 def sign(key: bytes, body: bytes) -> list[bytes]:
-    return [MAGIC + signature(key, body) + body]
+    return [MAGIC + mac(key, body) + body]
 
 
 def parts(frames: list[bytes]) -> tuple[bytes, bytes, bytes]:

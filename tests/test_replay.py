@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import distnb
-from distnb import session
+from distnb.controller import session
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -9,10 +9,10 @@ import signal
 import time
 
 import pytest
-
 from conftest import wait_gone, wait_until
+
 from distnb import PoolState
-from distnb.protocol import BadFrame, control_identity, exec_identity, generation_of, parse_identity
+from distnb.wire.protocol import BadFrame, control_identity, exec_identity, generation_of, parse_identity
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from distnb.security import Credentials, KeyFileError
+from distnb.wire.security import Credentials, KeyFileError
 
 
 def test_key_file_round_trip_is_private(tmp_path: Path) -> None:

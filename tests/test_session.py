@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from distnb import session
+from distnb.controller import session
+from distnb.controller.session import SessionLog
 from distnb.results import CellRecord, CellResult, RankResult
-from distnb.session import SessionLog
 
 
 def _cell(log: SessionLog, out: str = "", ranks: tuple[int, ...] = (0, 1), finish: bool = True) -> CellResult:

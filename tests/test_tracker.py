@@ -10,14 +10,15 @@ from typing import Any, Iterable
 
 import pytest
 
-from distnb.cluster import Nodes
-from distnb.diagnostics import Diagnostics
 from distnb.config import LaunchConfig
+from distnb.controller.session import SessionLog
+from distnb.controller.tracker import Tracker
 from distnb.errors import NoAnswerError, PoolBrokenError, PoolBusyError
-from distnb.protocol import Msg, control_identity
-from distnb.results import CellResult, PoolState, RankResult, RankState
-from distnb.session import SessionLog
-from distnb.tracker import CellEvents, Tracker
+from distnb.launching.remote_nodes import Nodes
+from distnb.results import CellEvents, CellResult, RankResult
+from distnb.services.diagnostics import Diagnostics
+from distnb.states import PoolState, RankState
+from distnb.wire.protocol import Msg, control_identity
 
 
 class FakeTransport:
@@ -273,7 +274,7 @@ def test_diagnostics_name_the_rank_that_never_came_from_messages_alone() -> None
 
 
 def test_ranks_blocked_on_a_dead_rank_end_the_cell_on_the_tick(monkeypatch) -> None:
-    import distnb.tracker as tracker_module
+    import distnb.controller.tracker as tracker_module
 
     tracker, _ = ready(3)
     result = cell(tracker)
@@ -293,7 +294,7 @@ def test_ranks_blocked_on_a_dead_rank_end_the_cell_on_the_tick(monkeypatch) -> N
 
 
 def test_a_survivor_still_computing_keeps_the_cell_open(monkeypatch) -> None:
-    import distnb.tracker as tracker_module
+    import distnb.controller.tracker as tracker_module
 
     monkeypatch.setattr(tracker_module, "STRAND_AFTER", 0.0)
     tracker, _ = ready(3)

@@ -14,14 +14,14 @@ from typing import Any
 import ipywidgets as w
 import nbformat
 import pytest
-
 from conftest import run_notebook
+
 from distnb.display import text as text_module
 from distnb.display.text import LINE_KEEP, LivePrinter
 from distnb.display.widgets import (
     DIFF_START,
     GROUPED_MAX_LINES,
-    RANK_MAX_CHARS,
+    LIVE_RANK_CHARS,
     CellView,
     widgets_available,
 )
@@ -124,7 +124,7 @@ def test_100k_lines_stay_capped_batched_and_noted() -> None:
     for r in ranks:
         outs = view.rank_outputs[r].outputs
         body = "".join(o.get("text", "") for o in outs if o.get("output_type") == "stream")
-        assert len(body) <= RANK_MAX_CHARS and len(outs) <= 3  # one stream entry and the note
+        assert len(body) <= LIVE_RANK_CHARS and len(outs) <= 3  # one stream entry and the note
         assert changes[r][0] <= ticks
         note = outs[-1]["data"]["text/plain"]
         assert "more characters" in note and f"_dist[{r}].stdout" in note and "not shown" in note
@@ -224,7 +224,7 @@ def test_twin_groups_over_the_whole_cell_and_stays_within_the_caps() -> None:
     twin = big.text()
     assert "characters not shown" in twin and len(twin) < 64 << 10
     tab = stream_of(big.rank_outputs[1])  # the tab shows the line's start, up to its cap, and says so
-    assert tab == "1" * RANK_MAX_CHARS and "more characters" in big.rank_outputs[1].outputs[-1]["data"]["text/plain"]
+    assert tab == "1" * LIVE_RANK_CHARS and "more characters" in big.rank_outputs[1].outputs[-1]["data"]["text/plain"]
 
 
 def test_quiet_cell_keeps_output_out_of_the_twin() -> None:

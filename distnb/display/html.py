@@ -10,14 +10,14 @@ from __future__ import annotations
 import html
 from typing import Any, Iterable, Sequence
 
-from distnb.check_report import CheckReport
-from distnb.collective_log import CollectiveReport, describe
-from distnb.memory_report import MemoryReport
+from distnb.analysis.checks import CheckReport
+from distnb.analysis.collectives import CollectiveReport, describe
+from distnb.analysis.env import EnvReport
+from distnb.analysis.memory import MemoryReport
+from distnb.analysis.stacks import StackReport
 from distnb.ranks import format_ranks
-from distnb.env_report import EnvReport
-from distnb.pool_status import PoolStatus
-from distnb.results import RankState
-from distnb.stacks import StackReport
+from distnb.states import RankState
+from distnb.status import PoolStatus
 
 __all__ = ["register", "status_html", "stacks_html", "collectives_html", "check_html", "env_html", "memory_html"]
 

@@ -15,15 +15,15 @@ import html
 import re
 from typing import Any
 
-from distnb.ranks import format_ranks
-from distnb.results import CellResult, group_by
+from distnb.ranks import format_ranks, group_by
+from distnb.results import CellResult
 
-__all__ = ["StaticCell", "GROUPED_MAX_CHARS", "RANK_MAX_CHARS", "diagnosis_html", "header_html"]
+__all__ = ["StaticCell", "SAVED_GROUPED_CHARS", "SAVED_RANK_CHARS", "diagnosis_html", "header_html"]
 
 #: What a finished cell keeps in the notebook file: the grouped output and each rank's section are
 #: cut past these (the result, ``_dist``, keeps more), so a chatty cell can't bloat the .ipynb.
-GROUPED_MAX_CHARS = 256 << 10
-RANK_MAX_CHARS = 32 << 10
+SAVED_GROUPED_CHARS = 256 << 10
+SAVED_RANK_CHARS = 32 << 10
 #: Displays (plots) a finished cell embeds, in all.
 DISPLAY_MAX_BYTES = 8 << 20
 
@@ -86,7 +86,7 @@ class StaticCell:
     # The text and the HTML form both show these: computed once.
     @functools.cached_property
     def _grouped(self) -> tuple[str, str]:
-        text, cut = _cut(self.result.output_text() if self.output else "", GROUPED_MAX_CHARS)
+        text, cut = _cut(self.result.output_text() if self.output else "", SAVED_GROUPED_CHARS)
         note = (f"[distnb] {cut:,} more characters of grouped output not shown here; "
                 "the cell's result (_dist) keeps them: _dist[rank].stdout / .stderr.") if cut else ""
         return text, note
@@ -125,7 +125,7 @@ class StaticCell:
     def _rank(self, rank: int) -> str:
         rr = self.result.results[rank]
         text, cut = _cut(rr.stdout + (("\n" if rr.stdout and not rr.stdout.endswith("\n") else "") + rr.stderr if rr.stderr else ""),
-                         RANK_MAX_CHARS)
+                         SAVED_RANK_CHARS)
         took = f" · {rr.duration:.2f} s" if rr.duration is not None else ""
         body = _pre(text) if text else _pre("(no output)", "#57606a")
         if cut:

@@ -19,9 +19,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, TextIO
 
-from distnb._text import size
-from distnb.ranks import format_ranks, rank_span
-from distnb.results import RankResult, RankState, group_by, prefix_lines
+from distnb._text import prefix_lines, size
+from distnb.ranks import format_ranks, group_by, rank_span
+from distnb.results import RankResult
+from distnb.states import RankState
 
 if TYPE_CHECKING:
     from distnb.results import CellResult
@@ -57,7 +58,7 @@ def stage_summary(stages: Mapping[int, RankState], elapsed: float) -> str:
 
 def kept_per_stream() -> str:
     """How much output the pool keeps per rank and stream in a cell's result, in words."""
-    from distnb.tracker import OUTPUT_KEEP_BYTES  # the tracker's constant: the note can't drift from it
+    from distnb.controller.tracker import OUTPUT_KEEP_BYTES  # the tracker's constant: the note can't drift from it
 
     return size(OUTPUT_KEEP_BYTES)
 

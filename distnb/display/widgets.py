@@ -21,21 +21,22 @@ import threading
 import time
 from typing import Any, Callable
 
+from distnb._text import prefix_lines
 from distnb.display.static import diagnosis_html, header_html
 from distnb.display.text import LivePrinter, kept_per_stream
 from distnb.ranks import format_ranks
-from distnb.results import CellResult, RankResult, prefix_lines
+from distnb.results import CellResult, RankResult
 
 __all__ = ["CellView", "widgets_available", "TAB_LIMIT"]
 
 #: Up to this many ranks get a tab each; beyond it a dropdown picks the rank shown.
 TAB_LIMIT = 8
 #: Each rank's tab shows at most this much of its output (the result keeps more).
-RANK_MAX_CHARS = 256 << 10
+LIVE_RANK_CHARS = 256 << 10
 RANK_MAX_LINES = 5_000
 #: The grouped view's caps: below the terminal's, as every update re-sends all it shows.
 GROUPED_MAX_LINES = 5_000
-GROUPED_MAX_CHARS = 1 << 20
+LIVE_GROUPED_CHARS = 1 << 20
 #: An Output widget is re-sent whole on each change, so one is synced at most every
 #: (characters it shows) / SYNC_RATE seconds: about SYNC_RATE characters a second per widget
 #: however long the cell runs, instead of a full copy ten times a second.
@@ -232,10 +233,10 @@ class CellView:
         cell: int,
         ranks: list[int],
         *,
-        rank_max_chars: int = RANK_MAX_CHARS,
+        rank_max_chars: int = LIVE_RANK_CHARS,
         rank_max_lines: int = RANK_MAX_LINES,
         max_lines: int = GROUPED_MAX_LINES,
-        max_chars: int = GROUPED_MAX_CHARS,
+        max_chars: int = LIVE_GROUPED_CHARS,
         started: float | None = None,
     ) -> None:
         """``started``: when the cell started (``time.monotonic()``), if before this view."""

@@ -1,1 +1,1 @@
-"""The rank side of distnb. Never imports controller modules; speaks only :mod:`distnb.protocol`."""
+"""The rank side of distnb. Never imports controller modules; speaks only :mod:`distnb.wire.protocol`."""

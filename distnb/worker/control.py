@@ -24,11 +24,11 @@ from typing import Any
 
 import zmq
 
-from distnb._zmq_io import recv_frames, send_frames
-from distnb.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
-from distnb.security import Credentials
-from distnb.worker.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
+from distnb.wire.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
+from distnb.wire.security import Credentials
+from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker.execute import Executor
+from distnb.worker.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
 
 __all__ = ["ControlThread", "thread_stacks"]
 

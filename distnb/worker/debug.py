@@ -23,7 +23,7 @@ import time
 from types import FrameType, TracebackType
 from typing import Any, Callable
 
-from distnb.protocol import Msg
+from distnb.wire.protocol import Msg
 
 __all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "install", "quit_error"]
 

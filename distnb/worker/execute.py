@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import bdb
 import cmd
-import pdb
 import linecache
 import os
+import pdb
 import sys
 import threading
 import time
@@ -14,7 +14,7 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
-from distnb.cell_code import CELL_PREFIX, CompiledCell, cell_filename, compile_cell
+from distnb.wire.cell_code import CELL_PREFIX, CompiledCell, cell_filename, compile_cell
 from distnb.worker.call_log import CallLog
 from distnb.worker.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.flight_recorder import CellClock
@@ -99,7 +99,7 @@ class Executor:
         """Run ``code`` as cell ``cell_id``; with ``post_mortem``, an exception opens the debugger
         at its frame (the namespace alive) before the cell reports it. ``body`` runs instead of
         code (distnb's own work in a cell's clothes: interruptible, reported like one).
-        ``compiled`` is ``code`` compiled by the notebook (see distnb.cell_code)."""
+        ``compiled`` is ``code`` compiled by the notebook (see distnb.wire.cell_code)."""
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         # Keep the sources of recent cells only: a long session must not grow without bound.

@@ -24,23 +24,24 @@ from typing import Any, Callable
 import zmq
 
 from distnb import _processes
-from distnb import protocol
-from distnb._zmq_io import recv_frames, send_frames
 from distnb._text import mib
-from distnb.cell_code import unpack
-from distnb.protocol import BadFrame, CellDone, Codec, FrameTooLarge, Hello, Msg, Ready, ReplayGuard, StartFailed, exec_identity, socket_max_msgsize
-from distnb.security import Credentials
+from distnb.wire import protocol
+from distnb.wire.cell_code import unpack
+from distnb.wire.protocol import BadFrame, CellDone, Codec, FrameTooLarge, Hello, Msg, Ready, ReplayGuard, StartFailed, exec_identity, socket_max_msgsize
+from distnb.wire.security import Credentials
+from distnb.wire.zmq_io import recv_frames, send_frames
+from distnb.worker import gloo_idle
 from distnb.worker.call_log import install
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
-from distnb.worker.debug import Prompter, install as install_debugger
+from distnb.worker.debug import Prompter
+from distnb.worker.debug import install as install_debugger
 from distnb.worker.execute import Executor, mimebundle
-from distnb.worker import gloo_idle
 from distnb.worker.flight_recorder import open_nccl
-from distnb.worker.regroup import regroup
 from distnb.worker.memory_sampler import MemorySampler
 from distnb.worker.profiling import run_profiled
 from distnb.worker.quiet import QuietCheck
+from distnb.worker.regroup import regroup
 from distnb.worker.supervisor import write_event
 
 _libc = ctypes.CDLL(None)

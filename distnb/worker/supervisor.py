@@ -18,9 +18,9 @@ from __future__ import annotations
 import collections
 import os
 import pickle
-import struct
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -28,9 +28,9 @@ import time
 import zmq
 
 from distnb import _processes
-from distnb._zmq_io import drain, send_frames
-from distnb.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, socket_max_msgsize, supervisor_identity
-from distnb.security import Credentials
+from distnb.wire.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, socket_max_msgsize, supervisor_identity
+from distnb.wire.security import Credentials
+from distnb.wire.zmq_io import drain, send_frames
 from distnb.worker.quiet import ReadFence
 
 _READ_SIZE = 1 << 16

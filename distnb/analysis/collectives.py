@@ -1,0 +1,246 @@
+"""Collective entries compared across ranks: how an entry reads (``all_reduce #3 on group 0 [2]
+f32``), what must match at one position of a group's sequence, and :class:`CollectiveReport`,
+the ranks' sequences side by side with the first place where they disagree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from distnb.ranks import format_ranks, group_by
+
+if TYPE_CHECKING:
+    from distnb.controller.collective_log import CollectiveLog
+
+__all__ = ["CollectiveReport", "Divergence", "P2P_OPS", "RECORDER_NAMES", "args_text", "describe", "issued_words", "odd_ones", "peer_of",
+           "peer_words", "signature", "state_mark"]
+
+P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+_DTYPE_SHORT = {"Float": "f32", "Double": "f64", "Half": "f16", "BFloat16": "bf16", "Long": "i64", "Int": "i32",
+                "Byte": "u8", "Bool": "bool", "Char": "i8", "Short": "i16"}
+
+
+def args_text(args: dict[str, Any] | None) -> str:
+    """``src=1``, ``op=MAX``: the arguments a call was given, the usual reduce op (SUM) left out."""
+    return " ".join(f"{k}={v}" for k, v in (args or {}).items() if v is not None and not (k == "op" and v == "SUM"))
+
+
+def peer_of(call: dict[str, Any]) -> int | None:
+    """The global rank a send goes to or a recv takes from (None: any rank, or only a group rank)."""
+    return call.get("args", {}).get("dst" if P2P_OPS[call["op"]] == "send" else "src")
+
+
+def peer_words(call: dict[str, Any]) -> str:
+    """``rank 1``, ``group rank 2``, ``any rank``: a send/recv call's peer."""
+    peer = peer_of(call)
+    local = call.get("args", {}).get("group_dst" if P2P_OPS[call["op"]] == "send" else "group_src")
+    return f"rank {peer}" if peer is not None else f"group rank {local}" if local is not None else "any rank"
+
+
+def odd_ones(values: dict[int, Any]) -> list[int]:
+    """Ranks whose value differs from the one most ranks share; every rank on a tie (nothing
+    says which side is wrong)."""
+    groups = group_by((r, repr(v)) for r, v in sorted(values.items()))
+    sizes = sorted((len(rs) for rs, _ in groups), reverse=True)
+    if len(groups) < 2:
+        return []
+    if sizes[0] == sizes[1]:
+        return sorted(values)
+    majority = next(rs for rs, _ in groups if len(rs) == sizes[0])
+    return sorted(r for r in values if r not in majority)
+
+
+def describe(entry: dict[str, Any], with_op: bool = True) -> str:
+    """``all_reduce [3] f32`` (shapes and dtypes of the inputs), ``broadcast [2] f32 src=1``."""
+    shapes = " ".join("[" + ",".join(map(str, s)) + "]" for s in entry.get("sizes", [])[:4])
+    if len(entry.get("sizes", [])) > 4:
+        shapes += f" +{len(entry['sizes']) - 4}"
+    dtypes = sorted({_DTYPE_SHORT.get(d, d) for d in entry.get("dtypes", [])})
+    args = args_text(entry.get("args"))
+    parts = ([entry["op"]] if with_op else []) + ([shapes] if shapes else []) + ([",".join(dtypes)] if dtypes else []) + ([args] if args else [])
+    return " ".join(parts)
+
+
+#: distnb's recorder names (worker/flight_recorder.py) in words.
+RECORDER_NAMES = {"nccl": "NCCL", "fr": "gloo (and other non-NCCL)"}
+
+
+def state_mark(entry: dict[str, Any]) -> str:
+    """`` ⏳`` for an entry not completed, `` ⏸`` for an NCCL one still queued behind other GPU
+    work (its kernel has not started: the stream is busy before it), ``""`` when done."""
+    if entry["done"]:
+        return ""
+    return " ⏸" if entry.get("queued") else " ⏳"
+
+
+def issued_words(entry: dict[str, Any]) -> str:
+    """``issued in cell 3, line 4`` (the call's own cell and line when the call log matched it),
+    ``issued in cell 3``, or ``issued outside distnb's cells``."""
+    cell = entry.get("call_cell", entry.get("cell"))
+    if cell is None:
+        return "issued outside distnb's cells"
+    return f"issued in cell {cell}" + (f", line {entry['line']}" if entry.get("line") and entry.get("call_cell") is not None else "")
+
+
+def signature(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """What must match across ranks at one position of a group's sequence."""
+    return (entry["op"], tuple(tuple(s) for s in entry.get("sizes", [])), tuple(entry.get("dtypes", [])),
+            tuple(sorted((k, repr(v)) for k, v in (entry.get("args") or {}).items())))
+
+
+#: What must match at one position of a group's sequence, in the order a difference is named.
+_KINDS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "op": lambda e: e["op"],
+    "shape": lambda e: e.get("sizes"),
+    "dtype": lambda e: e.get("dtypes"),
+    "args": lambda e: e.get("args"),
+}
+
+
+@dataclass
+class Divergence:
+    group: str
+    seq: int
+    kind: str  # missing · op · shape · dtype · args
+    by_rank: dict[int, dict[str, Any] | None]
+
+    def odd(self) -> list[int]:
+        """The ranks that stand out by majority (every rank involved on a tie)."""
+        if self.kind == "missing":
+            return odd_ones({r: e is None for r, e in self.by_rank.items()})
+        return odd_ones({r: _KINDS[self.kind](e) for r, e in self.by_rank.items() if e is not None})
+
+    def text(self, members: list[int]) -> str:
+        present = {r: e for r, e in self.by_rank.items() if e is not None}
+        absent = [r for r, e in self.by_rank.items() if e is None]
+        where = f"collective #{self.seq} on group {self.group} ({format_ranks(members)})"
+        if self.kind == "missing":
+            sample = next(iter(present.values()))
+            return f"{where}: {format_ranks(present)} entered {sample['op']}, {format_ranks(absent)} never did"
+        groups = group_by((r, describe(e)) for r, e in sorted(present.items()))
+        what = {"op": "different ops", "shape": "different shapes", "dtype": "different dtypes", "args": "different arguments"}[self.kind]
+        odd = self.odd()
+        blame = f" (the odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)})" if odd and len(odd) < len(present) else ""
+        died = f"; {format_ranks(absent)} died inside it before {'its' if len(absent) == 1 else 'their'} entry reached distnb" if absent else ""
+        return f"{where}: {what}: " + "; ".join(f"{format_ranks(rs)} {d}" for rs, d in groups) + blame + died
+
+
+@dataclass
+class CollectiveReport:
+    log: CollectiveLog
+    ranks: list[int]
+    last: int | None = None
+
+    def members(self, group: str) -> list[int]:
+        return [r for r in self.log.groups.get(group, self.ranks) if r in self.ranks] or self.ranks
+
+    def group_names(self) -> list[str]:
+        seen = {e["group"] for r in self.ranks for e in self.log.entries.get(r, {}).values() if not e["p2p"]}
+        return sorted(seen, key=lambda g: (g != "0", g))
+
+    def divergences(self) -> list[Divergence]:
+        """First disagreement per group (at most one each), earliest first."""
+        out = []
+        for group in self.group_names():
+            members = self.members(group)
+            seqs = {r: {e["seq"]: e for e in self.log.sequence(r, group)} for r in members}
+            top = max((max(s) for s in seqs.values() if s), default=0)
+            low = min((min(s) for s in seqs.values() if s), default=1)
+            for seq in range(low, top + 1):
+                at = {r: seqs[r].get(seq) for r in members}
+                if all(e is None for e in at.values()):
+                    continue
+                present = [e for e in at.values() if e is not None]
+                # A rank that died inside this op before its entry reached distnb did enter it.
+                inside = {r for r, e in at.items() if e is None and self.log.died_in.get(r) in {x["op"] for x in present}
+                          and (not seqs[r] or max(seqs[r]) < seq)}
+                if any(e is None and r not in inside for r, e in at.items()):
+                    # A rank whose log starts later (ring buffer) is not "missing" it.
+                    if all(e is not None or r in inside or (seqs[r] and min(seqs[r]) > seq) for r, e in at.items()):
+                        continue
+                    out.append(Divergence(group, seq, "missing", at))
+                    break
+                kind = next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in present if k != "args" or "args" in e}) > 1), None)
+                if kind:
+                    out.append(Divergence(group, seq, kind, at))
+                    break
+        out.sort(key=self._when)
+        return out
+
+    def _when(self, d: Divergence) -> float:
+        """When a divergence began, on the controller's clock (ranks' clocks may differ)."""
+        return min((self.log.local_time(r, e) for r, e in d.by_rank.items() if e), default=0.0)
+
+    def counts(self, group: str) -> dict[int, int]:
+        return {r: len(self.log.sequence(r, group)) for r in self.members(group)}
+
+    def text(self) -> str:
+        if self.log.unavailable:
+            return f"collective log unavailable: {self.log.unavailable}"
+        groups = self.group_names()
+        p2p = self._p2p_lines()
+        gaps = [f"(not in this log: {RECORDER_NAMES.get(rec, rec)} collectives — {why})" for rec, why in sorted(self.log.missing.items())]
+        if not groups and not p2p:
+            return "\n".join([f"no collective recorded on {format_ranks(self.ranks)} yet.", *gaps])
+        divs = {d.group: d for d in self.divergences()}
+        lines = []
+        first = min(divs.values(), key=self._when) if divs else None
+        if first is not None:
+            lines.append(f"first divergence: {first.text(self.members(first.group))}")
+        else:
+            lines.append(f"the collective sequences of {format_ranks(self.ranks)} agree.")
+        for group in groups:
+            members = self.members(group)
+            seqs = {r: {e["seq"]: e for e in self.log.sequence(r, group)} for r in members}
+            all_seqs = sorted({s for m in seqs.values() for s in m})
+            shown = all_seqs[-self.last :] if self.last else all_seqs
+            desc = next((e["desc"] for m in seqs.values() for e in m.values()), "")
+            lines.append(f"── group {group}{f' ({desc})' if desc and desc != 'undefined' else ''}, {format_ranks(members)}: "
+                         + ", ".join(f"rank {r} {len(seqs[r])}" for r in members) + " collectives"
+                         + (f" (last {len(shown)} shown)" if len(shown) < len(all_seqs) else ""))
+            cols = [f"rank {r}" for r in members]
+            div = divs.get(group)
+            odd = div.odd() if div is not None and div.kind != "missing" else []
+            rows = []
+            for seq in shown:
+                cells = []
+                for r in members:
+                    e = seqs[r].get(seq)
+                    if e is None:
+                        cells.append("—")
+                    else:
+                        flag = div is not None and div.seq == seq and r in odd
+                        cell = ("✗ " if flag else "") + describe(e) + state_mark(e)
+                        if e.get("cell") is not None:
+                            cell += f" c{e['cell']}"
+                        cells.append(cell)
+                rows.append((seq, cells, "  ◀ first divergence" if div is not None and div.seq == seq else ""))
+            # Wide enough for the entries shown (arguments make them longer), within reason.
+            width = min(40, max([24, *(len(c) + 2 for _, cells, _ in rows for c in cells)]))
+            lines.append("    #  " + "".join(c.ljust(width) for c in cols))
+            for seq, cells, mark in rows:
+                lines.append(f"  {seq:>3}  " + "".join(c[: width - 1].ljust(width) for c in cells) + mark)
+        lines.extend(p2p)
+        lines.extend(gaps)
+        lines.append("(⏳ entered, not completed · ⏸ queued on the GPU, not started · cN: issued in cell N · — never entered · ✗ the odd one out)")
+        return "\n".join(lines)
+
+    def _p2p_lines(self) -> list[str]:
+        """The ranks' recent send/recv calls (gloo's recorder does not see them; distnb does)."""
+        keep = self.last or 8
+        rows = []
+        for r in self.ranks:
+            calls = self.log.p2p(r)[-keep:]
+            if calls:
+                rows.append(f"  rank {r}: " + ", ".join(
+                    f"{c['op']} {'→' if P2P_OPS[c['op']] == 'send' else '←'} "
+                    f"{peer_words(c)}{' ⏳' if c['end'] is None else ''}" + (f" c{c['cell']}" if c.get("cell") is not None else "")
+                    for c in calls))
+        return ["── point-to-point (last calls per rank)", *rows] if rows else []
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())

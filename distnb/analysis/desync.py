@@ -1,0 +1,115 @@
+"""Desync caught at the end of a cell, before anything hangs.
+
+When a cell has finished on all its ranks, each rank's count of collectives per group and of
+groups created (``worker/group_state.py``, a few µs per cell) are compared. A rank-conditional
+collective that every rank got past — NCCL returns once the kernel is queued, gloo's
+``async_op=True`` too — leaves one rank ahead on that group: the next synchronisation on it will
+hang, or pair the wrong collectives. The check is pure data; :func:`mismatch_text` puts it in
+words with the entries involved, from the collective log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distnb.analysis.collectives import describe
+from distnb.ranks import format_ranks
+
+if TYPE_CHECKING:
+    from distnb.controller.collective_log import CollectiveLog  # the controller's log, read here as data
+
+__all__ = ["CountMismatch", "carry_over", "count_mismatches", "mismatch_text"]
+
+
+@dataclass(frozen=True)
+class CountMismatch:
+    """Ranks that disagree on how many collectives they issued on ``group`` (``group`` None:
+    on how many process groups they created)."""
+
+    group: str | None
+    counts: dict[int, int]
+    since: int | None = None  # the cell where this very mismatch was first seen
+    repeated: bool = False  # already reported in full at cell ``since``
+
+    @property
+    def ahead(self) -> list[int]:
+        top = max(self.counts.values())
+        return sorted(r for r, n in self.counts.items() if n == top)
+
+    @property
+    def behind(self) -> list[int]:
+        top = max(self.counts.values())
+        return sorted(r for r, n in self.counts.items() if n < top)
+
+    @property
+    def low(self) -> int:
+        return min(self.counts.values())
+
+    @property
+    def extra(self) -> int:
+        return max(self.counts.values()) - self.low
+
+
+def count_mismatches(syncs: dict[int, dict[str, Any] | None]) -> list[CountMismatch]:
+    """Every group on which the ranks that know it issued different numbers of collectives,
+    and a difference in groups created; ``syncs`` holds each rank's end-of-cell state."""
+    known = {r: s for r, s in syncs.items() if s}
+    if len(known) < 2:
+        return []
+    out = []
+    groups = sorted({g for s in known.values() for g in s.get("seqs", {})}, key=lambda g: (g != "0", g))
+    for g in groups:
+        counts = {r: int(s["seqs"][g]) for r, s in known.items() if g in s.get("seqs", {})}
+        if len(counts) > 1 and len(set(counts.values())) > 1:
+            out.append(CountMismatch(g, counts))
+    created = {r: int(s["created"]) for r, s in known.items() if s.get("created") is not None}
+    if len(set(created.values())) > 1:
+        out.append(CountMismatch(None, created))
+    return out
+
+
+def carry_over(found: list[CountMismatch], before: list[CountMismatch], cell: int) -> list[CountMismatch]:
+    """``found`` with ``since`` set on the mismatches already reported (same group, same counts):
+    a desync left standing is named once in full, then in a short line per cell."""
+    seen = {(m.group, tuple(sorted(m.counts.items()))): m for m in before}
+    out = []
+    for m in found:
+        old = seen.get((m.group, tuple(sorted(m.counts.items()))))
+        out.append(CountMismatch(m.group, m.counts, cell) if old is None else CountMismatch(m.group, m.counts, old.since, repeated=True))
+    return out
+
+
+def _entries(log: CollectiveLog, m: CountMismatch) -> list[str]:
+    """The extra collectives of the rank(s) ahead, in words, as far as the log holds them."""
+    rank = m.ahead[0]
+    extra = sorted((e for e in log.entries.get(rank, {}).values() if e["group"] == m.group and not e["p2p"] and e["seq"] > m.low),
+                   key=lambda e: e["seq"])
+    out = []
+    for e in extra[:3]:
+        where = f"cell {e['call_cell']} line {e['line']}" if e.get("line") and e.get("call_cell") is not None else \
+            f"cell {e['cell']}" if e.get("cell") is not None else ""
+        out.append(f"{describe(e)} #{e['seq']}" + (f" ({where})" if where else "") + ("" if e["done"] else ", not completed"))
+    return out
+
+
+def mismatch_text(m: CountMismatch, log: CollectiveLog | None = None) -> str:
+    """One sentence: who is ahead, by what, and what happens next."""
+    ahead, behind = format_ranks(m.ahead), format_ranks(m.behind)
+    verb = "has" if len(m.ahead) == 1 else "have"
+    if m.repeated:
+        unit = ("collective" if m.group is not None else "process group created") + ("s" if m.extra > 1 else "")
+        on = f" on group {m.group}" if m.group is not None else ""
+        return f"{ahead} {'is' if len(m.ahead) == 1 else 'are'} still {m.extra} {unit} ahead of {behind}{on} (since cell {m.since}; see %dist_collectives)."
+    if m.group is None:
+        return (f"{ahead} {verb} created {m.extra} process group{'s' if m.extra > 1 else ''} more than {behind}: every rank must "
+                "call new_group the same times in the same order (even ranks outside the group), or the next new_group hangs "
+                "or pairs the wrong groups.")
+    what = _entries(log, m) if log is not None else []
+    issued = f"issued {m.extra} collective{'s' if m.extra > 1 else ''} on group {m.group}"
+    if what:
+        issued += f" ({'; '.join(what)}{' …' if m.extra > len(what) else ''})"
+    uneven = len(set(m.counts.values())) > 2
+    counts = " (counts: " + ", ".join(f"rank {r} {n}" for r, n in sorted(m.counts.items())) + ")" if uneven else ""
+    return (f"{ahead} {issued} that {behind} did not{counts}: the next synchronisation on group {m.group} will hang, or pair "
+            "the wrong collectives (a collective under `if rank …`, or loops of different lengths).")

@@ -1,0 +1,49 @@
+"""What a failed cell's errors mean and which of their lines matter: a collective's timeout
+in gloo's and NCCL's words, a dead rank's stderr cut to what explains the death, and the part of
+each rank's message that differs from the others'."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["differing_messages", "is_timeout", "salient_lines"]
+
+#: Error texts that mean a collective timed out (gloo's and NCCL's words).
+_TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
+
+
+def is_timeout(error: dict[str, Any]) -> bool:
+    """Did this cell error come from a collective timing out (gloo's or NCCL's words)?"""
+    return any(m in error.get("evalue", "") for m in _TIMEOUT_MARKS)
+
+
+_NOISE = re.compile(r"^\s*(frame #\d+:|<omitting python frames>|Exception raised from |File \"|\^+$)")
+_KEY = re.compile(r"terminate called|what\(\):|enforce fail|Fatal Python error|[A-Za-z]*(Error|Exception)\b|Segmentation fault|Aborted")
+
+
+def differing_messages(ename: str, messages: list[tuple[int, str]]) -> str:
+    """Under a group's one traceback: each rank's own message, cut to the lines that are not the
+    same on every rank (a long library message often differs in one line: "… for rank 1: 2 3")."""
+    if len({m for _, m in messages}) < 2:
+        return ""
+    common = set.intersection(*(set(m.splitlines()) for _, m in messages))
+    rows = []
+    for rank, message in messages:
+        own = [line.strip() for line in message.splitlines() if line not in common and line.strip()]
+        shown = " / ".join(own[:3]) + (" / …" if len(own) > 3 else "")
+        rows.append(f"  rank {rank}: {shown[:300] + ('…' if len(shown) > 300 else '')}")
+    where = f"the {ename} messages differ" if common else f"each rank's {ename}"
+    return f"\n  {where}:\n" + "\n".join(rows)
+
+
+def salient_lines(text: str, limit: int = 12) -> list[str]:
+    """A dead rank's stderr, cut to what explains the death: the error lines (gloo's enforce
+    failure, ``what():``, Python's fatal error) first, then the last other lines; C++ frame
+    listings and library frames, which can run to hundreds of lines after the message, are left
+    out (cell frames stay)."""
+    lines = [line for line in text.rstrip().splitlines() if line.strip()]
+    useful = [i for i, line in enumerate(lines) if not _NOISE.match(line) or "<cell-" in line]
+    key = [i for i in useful if _KEY.search(lines[i])][:4]
+    rest = [i for i in useful if i not in key][-(limit - len(key)):] if limit > len(key) else []
+    return [lines[i] for i in sorted(set(key) | set(rest))]

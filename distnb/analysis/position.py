@@ -1,0 +1,168 @@
+"""Where one rank is in a running cell, read off its stack and collective log, and the words
+for it; :class:`Diagnosis` is what :mod:`distnb.analysis.hang` concludes from every rank's position."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from distnb.analysis.collectives import P2P_OPS, peer_words
+from distnb.analysis.stacks import RankStack, parse_faulthandler, short_path
+
+__all__ = ["Position", "position_from_stack", "collective_at_death", "position_at_death", "COLLECTIVE_FUNCS"]
+
+#: Public torch.distributed functions that block until peers arrive.
+COLLECTIVE_FUNCS = {
+    "all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_into_tensor",
+    "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce",
+    "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "batch_isend_irecv", "new_group", "init_process_group", "destroy_process_group",
+}
+
+
+def _duration(seconds: list[float]) -> str:
+    if not seconds:
+        return ""
+    lo, hi = min(seconds), max(seconds)
+    return f" for {lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f" for {lo:.1f}–{hi:.1f} s"
+
+
+@dataclass
+class Position:
+    """Where one rank is in the current cell."""
+
+    rank: int
+    state: str  # finished · failed · dead · computing · collective · unresponsive (no stack at all) · idle · paused
+    op: str | None = None  # the collective it waits in
+    seq: int | None = None  # per-group sequence number, when known
+    group: str | None = None
+    shapes: str | None = None
+    since: float | None = None  # seconds in the collective (or in the cell)
+    line: int | None = None  # cell line
+    code: str = ""  # the cell line's text
+    detail: str = ""  # error summary, exit meaning …
+    sizes: list[list[int]] | None = None  # input shapes of the collective, when the log knows them
+    dtypes: list[str] | None = None
+    args: dict[str, Any] | None = None  # src/dst/op of the collective (worker/call_log.py)
+    line_cell: int | None = None  # the cell ``line`` is in: an earlier one when it is in a function defined there
+    func: str = ""  # the function ``line`` is in ("<module>": the cell's own code)
+    running: int | None = None  # the cell the rank is running
+    peers: list[dict[str, Any]] = field(default_factory=list)  # open send/recv calls: op, peer, tag
+    # The collective the rank waits for when that is not where its host is (an async work, issued
+    # earlier, waited on now): ``where`` then says both.
+    issued: str = ""
+
+    def at(self) -> str:
+        """`` at cell line 3``, `` in step() (cell 2 line 11)``, `` at cell 2 line 4``."""
+        if not self.line:
+            return ""
+        other = self.line_cell is not None and self.running is not None and self.line_cell != self.running
+        if self.func and self.func != "<module>":
+            cell = f"cell {self.line_cell} " if self.line_cell is not None else "cell "
+            return f" in {self.func}() ({cell}line {self.line})"
+        return f" at cell {self.line_cell} line {self.line}" if other else f" at cell line {self.line}"
+
+    def death_words(self) -> str:
+        """``all_reduce at cell line 2 (from the stack it printed as it died)``: a position read
+        from a dead rank's last stack."""
+        return f"{self.op}{self.at()} (from the stack it printed as it died)"
+
+    def collective(self) -> str:
+        """``all_reduce #4 at cell line 3``."""
+        seq = f" #{self.seq}" if self.seq is not None else ""
+        return f"{self.op}{seq} ({self.issued})" if self.issued else f"{self.op}{seq}" + self.at()
+
+    def where(self, durations: list[float] | None = None) -> str:
+        """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration."""
+        at = self.at() + (f" ({self.code.strip()})" if self.code.strip() else "") if self.line else ""
+        dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
+        if self.state == "collective" and self.issued:
+            shp = f" {self.shapes}" if self.shapes else ""
+            return (f"waiting for {self.op}{f' #{self.seq}' if self.seq is not None else ''} on group {self.group}{shp} "
+                    f"({self.issued}){dur}, now blocked{at or ' at a host sync'}")
+        if self.state == "collective" and self.peers:
+            return f"{' and '.join(p2p_text(c) for c in self.peers)}{dur}{at}"
+        if self.state == "collective":
+            seq = f" #{self.seq}" if self.seq is not None else ""
+            grp = f" on group {self.group}" if self.group else ""
+            shp = f" {self.shapes}" if self.shapes else ""
+            return f"waiting in {self.op}{seq}{grp}{shp}{dur}{at}"
+        if self.state == "computing":
+            return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){dur}{at}"
+        if self.state == "paused":
+            return f"{self.detail}{dur}{at}"
+        if self.state == "finished":
+            return "finished the cell"
+        if self.state == "idle":
+            return "idle: not part of this cell"
+        if self.state == "failed":
+            return f"raised {self.detail}{at}"
+        if self.state == "dead":
+            return f"died: {self.detail}"
+        if self.state == "unresponsive":
+            return f"not answering: {self.detail}"
+        return self.state
+
+
+def p2p_text(call: dict[str, Any]) -> str:
+    """``sending to rank 1``, ``receiving from rank 2 (tag 3)``, ``receiving from any rank``."""
+    tag = call.get("args", {}).get("tag")
+    return f"{'sending to' if P2P_OPS[call['op']] == 'send' else 'receiving from'} {peer_words(call)}" + (f" (tag {tag})" if tag else "")
+
+
+def position_from_stack(stack: RankStack, cell: int | None = None) -> Position:
+    """A rank's position read off its stack: the outermost torch.distributed collective frame,
+    and the innermost cell frame (its cell, line and function) that led there."""
+    main = next((t for t in stack.threads if t.main), None)
+    frames = main.user_frames() if main else []
+    cell_frames = [f for f in frames if f.is_cell]
+    inner = cell_frames[-1] if cell_frames else None
+    where: dict[str, Any] = {}
+    if inner is not None:
+        where = {"line": inner.lineno, "code": inner.line, "func": inner.name, "line_cell": inner.cell, "running": cell}
+    op = next(
+        (f.name for f in frames if f.filename.endswith("distributed_c10d.py") and f.name in COLLECTIVE_FUNCS),
+        None,
+    )
+    if op is not None:
+        return Position(stack.rank, "collective", op=op, **where)
+    return Position(stack.rank, "computing", detail=_importing(frames), **where)
+
+
+def position_paused(rank: int, paused: dict[str, Any], cell: int | None) -> Position:
+    """A rank waiting for the notebook's line: pdb's next command, or ``input()``."""
+    w = paused.get("where") or {}
+    doing = "paused in the debugger" if paused.get("kind") == "pdb" else "waiting for input()"
+    if w and w.get("cell") is None:  # stepped into library code
+        doing += f" in {w.get('func')}() ({w.get('file')}:{w.get('line')})"
+    return Position(rank, "paused", detail=doing, since=paused.get("since"), line=w.get("line") if w.get("cell") is not None else None,
+                    code=w.get("code", ""), func=w.get("func", ""), line_cell=w.get("cell"), running=cell)
+
+
+def position_at_death(stderr: str, main_ident: int | None = None) -> Position | None:
+    """The collective the main thread was in when faulthandler printed its stack on a fatal
+    signal (SIGABRT, SIGSEGV), from a dead rank's last stderr; None when it was in none."""
+    if "File " not in stderr:
+        return None
+    threads = parse_faulthandler(stderr, None, main_ident)
+    main = next((t for t in threads if t.main), None)
+    if main is None:
+        return None
+    pos = position_from_stack(RankStack(-1, "", "faulthandler", [main]))
+    return pos if pos.state == "collective" else None
+
+
+def collective_at_death(stderr: str, main_ident: int | None = None) -> str | None:
+    """``all_reduce at cell line 2 (…)``: :func:`position_at_death` in words."""
+    pos = position_at_death(stderr, main_ident)
+    return None if pos is None else pos.death_words()
+
+
+def _importing(frames: list[Any]) -> str:
+    """``importing torch/_dynamo/__init__.py`` when the rank is inside an import, else ``""``."""
+    inside = [i for i, f in enumerate(frames) if f.filename.startswith("<frozen importlib")]
+    if not inside:
+        return ""
+    module = next((f for f in reversed(frames[inside[0]:]) if f.name == "<module>" and not f.filename.startswith("<")), None)
+    return f"importing {short_path(module.filename)}" if module else "importing a module"

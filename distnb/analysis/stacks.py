@@ -1,0 +1,223 @@
+"""Stack reports: where every rank is right now, grouped across ranks."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from distnb.ranks import format_ranks, group_by
+
+__all__ = ["Frame", "ThreadStack", "RankStack", "StackReport", "parse_faulthandler", "py_spy_dumps", "short_path"]
+
+_DISTNB_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Frames that only say "Python started a thread/module": noise in every stack.
+_BOOTSTRAP = ("<frozen runpy>", "/runpy.py", "/threading.py")
+
+
+@dataclass(frozen=True)
+class Frame:
+    filename: str
+    lineno: int
+    name: str
+    line: str = ""
+
+    @property
+    def is_cell(self) -> bool:
+        return self.filename.startswith("<cell-")
+
+    @property
+    def cell(self) -> int | None:
+        """The cell a frame's code came from (``<cell-3>`` → 3)."""
+        try:
+            return int(self.filename[len("<cell-") : -1]) if self.is_cell else None
+        except ValueError:
+            return None
+
+    @property
+    def is_internal(self) -> bool:
+        return self.filename.startswith(_DISTNB_DIR) or "/distnb/worker/" in self.filename or self.filename.endswith(_BOOTSTRAP)
+
+    def text(self) -> str:
+        where = f"{self.filename} line {self.lineno}" if self.is_cell else f"{short_path(self.filename)}:{self.lineno}"
+        return f"{where} in {self.name}" + (f": {self.line.strip()}" if self.line.strip() else "")
+
+
+def short_path(path: str) -> str:
+    """``…/site-packages/torch/x.py`` → ``torch/x.py``."""
+    for marker in ("site-packages/", "dist-packages/"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + len(marker) :]
+    m = _STDLIB_RE.search(path)
+    return path[m.end() :] if m else path
+
+
+@dataclass
+class ThreadStack:
+    name: str
+    main: bool
+    frames: list[Frame]  # outermost first
+
+    def user_frames(self) -> list[Frame]:
+        if self.main:
+            # On the main thread everything outside a cell is distnb's serve loop.
+            first = next((i for i, f in enumerate(self.frames) if f.is_cell), None)
+            return [] if first is None else [f for f in self.frames[first:] if not f.is_internal]
+        return [f for f in self.frames if not f.is_internal]
+
+
+@dataclass
+class RankStack:
+    rank: int
+    state: str  # idle · running cell k · dead: … · no answer (durations apart, in state_since)
+    source: str  # "control thread", "faulthandler", or why there is no stack
+    threads: list[ThreadStack] = field(default_factory=list)
+    annotation: str = ""  # e.g. the collective the rank is in
+    native: str = ""
+    state_since: float | None = None  # seconds in that state (a running cell)
+    annotation_since: float | None = None  # seconds in that collective, by the rank's clock
+    paused: dict[str, Any] | None = None  # waiting for the notebook's line (pdb, input()): kind, where, since
+
+    @property
+    def state_text(self) -> str:
+        return self.state + (f" for {self.state_since:.1f} s" if self.state_since is not None else "")
+
+    @property
+    def annotation_text(self) -> str:
+        return self.annotation + (f" for {self.annotation_since:.1f} s" if self.annotation and self.annotation_since is not None else "")
+
+    def signature(self) -> tuple[Any, ...]:
+        """What makes two ranks' stacks 'the same' for grouping: where, never for how long."""
+        return (
+            self.state,
+            self.annotation,
+            tuple((t.name, tuple((f.filename, f.lineno, f.name) for f in t.user_frames())) for t in self.threads),
+        )
+
+    def body(self) -> list[str]:
+        lines = []
+        for t in self.threads:
+            frames = t.user_frames()
+            if len(self.threads) > 1 or not t.main:
+                lines.append(f"  thread {t.name}{' (main)' if t.main else ''}:")
+            if not frames:
+                lines.append("    (idle: waiting for a cell)" if t.main else "    (no Python frames outside distnb)")
+            lines.extend(f"    {f.text()}" for f in frames)
+        if self.native:
+            lines.append("  native (py-spy):")
+            lines.extend(f"    {line}" for line in self.native.rstrip().splitlines())
+        return lines
+
+
+@dataclass
+class StackReport:
+    """Stacks of a set of ranks; ranks with identical stacks are shown once."""
+
+    ranks: list[RankStack]
+
+    def __getitem__(self, rank: int) -> RankStack:
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        raise KeyError(rank)
+
+    def groups(self) -> list[tuple[list[int], RankStack]]:
+        by_sig = group_by((r.rank, r.signature()) for r in self.ranks)
+        first = {r.rank: r for r in self.ranks}
+        return [(ranks, first[ranks[0]]) for ranks, _sig in by_sig]
+
+    def text(self) -> str:
+        out = [f"stacks of {format_ranks([r.rank for r in self.ranks])} (most recent call last)"]
+        for ranks, rs in self.groups():
+            head = f"── {format_ranks(ranks)}: {rs.state_text}"
+            if rs.annotation:
+                head += f" — {rs.annotation_text}"
+            if rs.source != "control thread":
+                head += f" [{rs.source}]"
+            out.append(head)
+            out.extend(rs.body())
+        return "\n".join(out)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+
+def frames_from_wire(frames: list[tuple[str, int, str, str]]) -> list[Frame]:
+    return [Frame(fn, int(ln), name, line) for fn, ln, name, line in frames]
+
+
+_STDLIB_RE = re.compile(r"/lib/python3\.\d+/")
+_THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME_RE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+def parse_faulthandler(text: str, cell_sources: dict[str, str] | None = None, main_ident: int | None = None) -> list[ThreadStack]:
+    """Parse ``faulthandler.dump_traceback`` output (most recent call first) into stacks."""
+    threads: list[ThreadStack] = []
+    current: list[Frame] | None = None
+    for raw in text.splitlines():
+        m = _THREAD_RE.match(raw)
+        if m:
+            current = []
+            threads.append(ThreadStack(name=m.group(2), main=False, frames=current))
+            continue
+        m = _FRAME_RE.match(raw)
+        if m and current is not None:
+            filename, lineno, name = m.group(1), int(m.group(2)), m.group(3)
+            current.append(Frame(filename, lineno, name, _source_line(filename, lineno, cell_sources)))
+    for t in threads:
+        t.frames.reverse()
+        t.main = main_ident is not None and int(t.name, 16) == main_ident
+    if threads and not any(t.main for t in threads):
+        threads[-1].main = True  # faulthandler lists the oldest thread, the main one, last
+    threads.sort(key=lambda t: not t.main)
+    return threads
+
+
+def _source_line(filename: str, lineno: int, cell_sources: dict[str, str] | None) -> str:
+    if cell_sources and filename in cell_sources:
+        lines = cell_sources[filename].splitlines()
+        return lines[lineno - 1] if 0 < lineno <= len(lines) else ""
+    return linecache.getline(filename, lineno)
+
+
+_PTRACE_HINT = (
+    "py-spy may not attach to the rank: it needs ptrace permission over it. Run Jupyter as the ranks' own "
+    "user with kernel.yama.ptrace_scope 0 (sysctl -w kernel.yama.ptrace_scope=0), or give py-spy the "
+    "CAP_SYS_PTRACE capability (in a container: --cap-add SYS_PTRACE)."
+)
+
+
+def py_spy_dumps(pids: dict[int, int], timeout: float = 5.0) -> dict[int, str]:
+    """Native + Python frames of each rank (``{rank: pid}``) through py-spy, all ranks at once,
+    when it is installed (``pip install distnb[native]``)."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return {r: "py-spy is not installed; `pip install py-spy` (or distnb[native]) for native frames." for r in pids}
+    procs = {r: subprocess.Popen([exe, "dump", "--native", "--pid", str(pid)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+             for r, pid in pids.items()}
+    deadline = time.monotonic() + timeout
+    out = {}
+    for r, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out[r] = f"py-spy did not finish within {timeout:g} s."
+            continue
+        text = (stdout or stderr).strip()
+        if proc.returncode != 0 and any(w in stderr for w in ("ermission", "ptrace", "not permitted")):
+            text += "\n" + _PTRACE_HINT
+        out[r] = text
+    return out

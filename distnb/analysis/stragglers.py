@@ -1,0 +1,159 @@
+"""Who arrives last: each rank's arrival at each collective, from the Flight Recorder's entries.
+
+An entry is created when its rank issues the collective, so across ranks the entries of one
+collective (same group, same sequence number) are the ranks' arrivals. Times are the ranks' own
+clocks moved onto the controller's by the offsets distnb measures on every reply
+(:meth:`CollectiveLog.local_time`). On gloo a rank blocks in the collective until the last one
+arrives, so the gap between its arrival and the last one is time it spent waiting for peers; on
+NCCL the arrival is the host's enqueue, which runs ahead of the GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distnb.ranks import format_ranks
+
+if TYPE_CHECKING:
+    from distnb.controller.collective_log import CollectiveLog  # the controller's log, read here as data
+
+__all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_SHARE", "STRAGGLER_MIN_LATE"]
+
+#: A rank arriving last at this share of the collectives (or more) is the straggler …
+STRAGGLER_SHARE = 0.6
+#: … when it is at least this late on median (seconds): below it, the order is noise.
+STRAGGLER_MIN_LATE = 0.002
+
+
+@dataclass
+class Arrival:
+    """One collective as the ranks reached it."""
+
+    group: str
+    seq: int
+    op: str
+    times: dict[int, float]  # rank → arrival, controller clock (seconds)
+
+    @property
+    def first(self) -> float:
+        return min(self.times.values())
+
+    @property
+    def last_rank(self) -> int:
+        return max(self.times, key=lambda r: (self.times[r], r))
+
+    @property
+    def spread(self) -> float:
+        return max(self.times.values()) - self.first
+
+
+def arrivals(log: CollectiveLog, group: str, ranks: list[int], last: int | None = 200, cell: int | None = None) -> list[Arrival]:
+    """The last ``last`` collectives of ``group`` that every one of ``ranks`` reached (issued
+    in ``cell``, when given)."""
+    seqs = {r: {e["seq"]: e for e in log.sequence(r, group) if cell is None or e.get("cell") == cell} for r in ranks}
+    common = sorted(set.intersection(*(set(s) for s in seqs.values()))) if seqs else []
+    if last is not None:
+        common = common[-last:]
+    out = []
+    for seq in common:
+        entries = {r: seqs[r][seq] for r in ranks}
+        out.append(Arrival(group, seq, entries[ranks[0]]["op"], {r: log.local_time(r, e) for r, e in entries.items()}))
+    return out
+
+
+@dataclass
+class StragglerReport:
+    """Arrival order over recent collectives of one group: the straggler, if any, with figures."""
+
+    group: str
+    ranks: list[int]
+    collectives: list[Arrival] = field(default_factory=list)
+
+    def last_share(self) -> dict[int, float]:
+        """Per rank, the share of collectives it arrived last at."""
+        n = len(self.collectives) or 1
+        return {r: sum(a.last_rank == r for a in self.collectives) / n for r in self.ranks}
+
+    def lateness(self, rank: int) -> float:
+        """Median seconds ``rank`` arrived after the first, over the collectives it was last at."""
+        late = [a.spread for a in self.collectives if a.last_rank == rank]
+        return statistics.median(late) if late else 0.0
+
+    def span(self) -> float:
+        if not self.collectives:
+            return 0.0
+        return max(max(a.times.values()) for a in self.collectives) - self.collectives[0].first
+
+    def waiting(self) -> dict[int, float]:
+        """Per rank, seconds spent between its arrival and the last one's, summed."""
+        return {r: sum(max(a.times.values()) - a.times[r] for a in self.collectives) for r in self.ranks}
+
+    def waiting_share(self) -> dict[int, float]:
+        """Per rank, the share of the window's wall time it spent waiting for the last arrival."""
+        span = self.span()
+        if span <= 0:
+            return {r: 0.0 for r in self.ranks}
+        return {r: w / span for r, w in self.waiting().items()}
+
+    def straggler(self) -> int | None:
+        share = self.last_share()
+        if len(self.collectives) < 5 or not share:
+            return None
+        rank = max(share, key=lambda r: share[r])
+        if share[rank] >= STRAGGLER_SHARE and self.lateness(rank) >= STRAGGLER_MIN_LATE:
+            return rank
+        return None
+
+    def ops(self) -> str:
+        names = sorted({a.op for a in self.collectives})
+        return "/".join(names) if len(names) <= 2 else "collective"
+
+    def summary(self) -> str:
+        n = len(self.collectives)
+        if n == 0:
+            return f"no collective on group {self.group} that all of {format_ranks(self.ranks)} reached yet."
+        rank = self.straggler()
+        if rank is None:
+            return f"no straggler on group {self.group}: over the last {n} {self.ops()}s no rank arrives last consistently."
+        waits = self.waiting_share()
+        others = [r for r in self.ranks if r != rank]
+        avg = sum(waits[r] for r in others) / len(others) if others else 0.0
+        return (f"rank {rank} arrives last at {self.last_share()[rank]:.0%} of the last {n} {self.ops()}s on group {self.group}, "
+                f"{self.lateness(rank) * 1000:.0f} ms after the first on median; {format_ranks(others)} spend {avg:.0%} "
+                f"of their time waiting for it.")
+
+    def text(self) -> str:
+        lines = [f"[distnb] {self.summary()}"]
+        if self.collectives:
+            share, waits = self.last_share(), self.waiting_share()
+            lines.append("  rank  arrives last  median late when last  time waiting for peers")
+            for r in self.ranks:
+                lines.append(f"  {r:>4}  {share[r]:>12.0%}  {self.lateness(r) * 1000:>19.1f} ms  {waits[r]:>22.0%}")
+            lines.append(f"  ({len(self.collectives)} collectives over {self.span():.2f} s; arrival = when the rank issued it)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+    def plot(self) -> Any:
+        """Each rank's arrival after the first, per collective (ms): the straggler's line on top."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.5, 3.0))
+        ax = fig.add_subplot()
+        xs = [a.seq for a in self.collectives]
+        for r in self.ranks:
+            ax.plot(xs, [(a.times[r] - a.first) * 1000 for a in self.collectives], marker=".", linewidth=1, label=f"rank {r}")
+        ax.set_xlabel(f"collective # on group {self.group}")
+        ax.set_ylabel("arrival after the first (ms)")
+        rank = self.straggler()
+        ax.set_title(f"arrival skew per rank — straggler: rank {rank}" if rank is not None else "arrival skew per rank")
+        if self.ranks:
+            ax.legend(loc="best", fontsize="small", ncol=2)
+        fig.tight_layout()
+        return fig

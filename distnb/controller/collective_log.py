@@ -1,0 +1,172 @@
+"""The ranks' collective logs as the controller keeps them: every rank's Flight Recorder entries
+and watched calls, merged from the ranks' replies and pushes, kept after a death.
+
+Times in the log are the ranks' own wall clocks. Ranks on another machine may be seconds off the
+controller's, so the log never compares an entry's time with the controller's clock: each reply
+carries the rank's ``now``, and :meth:`CollectiveLog.age` measures against that.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from distnb.analysis.collectives import P2P_OPS, CollectiveReport, describe, peer_of
+
+__all__ = ["CollectiveLog"]
+
+
+@dataclass
+class CollectiveLog:
+    """Every rank's Flight Recorder entries as the controller last saw them (kept after death)."""
+
+    entries: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # rank -> id -> entry
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    unavailable: str | None = None
+    # Recorders some rank could not read (e.g. NCCL's on a torch without it), and why: the log
+    # then lacks those collectives, and says so.
+    missing: dict[str, str] = field(default_factory=dict)
+    # Per rank, the watched calls (worker/call_log.py) by number: point-to-point, group creation,
+    # and the arguments of rooted and reducing collectives.
+    calls: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    # Ranks that died inside a collective (by the stack they printed) before its entry reached
+    # the controller: op name. Their missing entry is not "never entered".
+    died_in: dict[int, str] = field(default_factory=dict)
+    # Per rank, the record id below which entries belong to process groups that no longer exist
+    # (a regroup names its new default group "0" again and restarts its sequence at 1).
+    floors: dict[int, int] = field(default_factory=dict)
+    # Per rank, recent (rank's clock − controller's clock) samples; each is low by the reply's
+    # transit and queueing time, so the largest recent one is the best estimate of the offset.
+    _skew: dict[int, collections.deque[float]] = field(default_factory=dict)
+
+    def last_id(self, rank: int) -> int:
+        ids = self.entries.get(rank)
+        return max(max(ids) if ids else -1, self.floors.get(rank, -1))
+
+    def cursor(self, rank: int) -> int:
+        """Where the next read of the rank's recorder starts: after the newest record held, or
+        before the oldest one still held as open among the recent ones — the rank re-sends open
+        entries only while they are open, so one that completed after its last read would stay
+        "entered, not completed" here for good."""
+        ids = self.entries.get(rank, {})
+        open_ = sorted(i for i in heapq.nlargest(200, ids) if not ids[i]["done"])
+        return min(self.last_id(rank), open_[0] - 1) if open_ else self.last_id(rank)
+
+    def last_call(self, rank: int) -> int:
+        calls = self.calls.get(rank)
+        return max(calls) if calls else -1
+
+    def merge(self, rank: int, reply: dict[str, Any]) -> None:
+        if reply.get("calls"):
+            mine_calls = self.calls.setdefault(rank, {})
+            for c in reply["calls"]:
+                mine_calls[c["n"]] = c
+            if len(mine_calls) > 5000:
+                for n in sorted(mine_calls)[: len(mine_calls) - 5000]:
+                    del mine_calls[n]
+        if "unavailable" in reply:
+            self.unavailable = reply["unavailable"]
+            return
+        self.unavailable = None
+        self.missing.update(reply.get("missing", {}))
+        if "now" in reply:
+            self._skew.setdefault(rank, collections.deque(maxlen=16)).append(float(reply["now"]) - time.time())
+        floor = self.floors.get(rank, -1)
+        mine = self.entries.setdefault(rank, {})
+        for e in reply.get("entries", []):
+            if e["id"] > floor:
+                mine[e["id"]] = e
+        self.groups.update(reply.get("groups", {}))
+        if len(mine) > 5000:  # the recorder itself keeps 2000; keep a bounded history
+            for rid in sorted(mine)[: len(mine) - 5000]:
+                del mine[rid]
+
+    def clear(self) -> None:
+        """Forget everything (a fresh launch: new processes, record ids from 0 again)."""
+        self.entries.clear()
+        self.groups.clear()
+        self.calls.clear()
+        self.died_in.clear()
+        self.floors.clear()
+        self._skew.clear()
+        self.unavailable = None
+        self.missing.clear()
+
+    def new_generation(self, floors: dict[int, int]) -> None:
+        """The ranks replaced their process groups (regroup): forget the old groups' entries and
+        ignore records up to ``floors[rank]`` should a rank send them again (an old collective
+        that never completed stays in its recorder)."""
+        self.entries.clear()
+        self.groups.clear()
+        self.calls.clear()  # the ranks cleared theirs: group names and counts start over
+        self.floors.update(floors)
+
+    def age(self, rank: int, entry: dict[str, Any]) -> float:
+        """Seconds since the rank recorded ``entry``, by the rank's own clock."""
+        return max(0.0, time.time() + self.offset(rank) - entry["t"])
+
+    def offset(self, rank: int) -> float:
+        """The rank's clock minus the controller's, seconds (0 until a reply says otherwise)."""
+        samples = self._skew.get(rank)
+        return max(samples) if samples else 0.0
+
+    def local_time(self, rank: int, entry: dict[str, Any]) -> float:
+        """When the rank recorded ``entry``, on the controller's clock (to order ranks' entries)."""
+        return entry["t"] - self.offset(rank)
+
+    def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None:
+        """The collective the rank entered most recently and has not completed (in ``cell``, when
+        given: the rank attributed it to that cell by its own clock)."""
+        open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"] and (cell is None or e.get("cell") == cell)]
+        return max(open_, key=lambda e: e["id"]) if open_ else None
+
+    def stuck(self, rank: int) -> dict[str, Any] | None:
+        """The rank's oldest collective not completed, from whichever cell issued it. A group runs
+        its collectives in order, so its oldest open one is the one its peers must join first;
+        NCCL (and gloo's ``async_op=True``) return to the host long before — the host then waits
+        at a sync (``.item()``, ``.cpu()``, ``work.wait()``), not in the collective."""
+        open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"]]
+        return min(open_, key=lambda e: e["id"]) if open_ else None
+
+    def open_calls(self, rank: int) -> list[dict[str, Any]]:
+        """Watched calls the rank is in now (a blocking send/recv, new_group) or has not seen
+        complete (an isend/irecv), oldest first."""
+        return sorted((c for c in self.calls.get(rank, {}).values() if c["end"] is None), key=lambda c: c["n"])
+
+    def blocked_on(self, rank: int, cell: int, dead: set[int]) -> str:
+        """What ``rank`` waits in, in words, when one of the ``dead`` ranks is needed there (its
+        collective's group holds one, or its send/recv names one); "" when none is."""
+        pending = self.pending(rank, cell)
+        if pending is not None:
+            members = set(self.groups.get(pending["group"], dead))  # a group distnb can't name: assume it holds them
+            if members & dead:
+                return f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
+        for call in self.open_calls(rank):
+            if call["op"] in P2P_OPS and ((peer := peer_of(call)) is None or peer in dead):
+                return f"{call['op']} {'to' if P2P_OPS[call['op']] == 'send' else 'from'} rank {peer}"
+            if call["op"] == "new_group":
+                return "new_group"
+        return ""
+
+    def creations(self, rank: int) -> dict[int, dict[str, Any]]:
+        """The rank's ``new_group`` calls by torch's group counter before each (1 = the first
+        after init_process_group): every rank must make the same ones in the same order."""
+        return {c["count"]: c for c in self.calls.get(rank, {}).values() if c["op"] == "new_group" and c.get("count") is not None}
+
+    def p2p(self, rank: int) -> list[dict[str, Any]]:
+        return sorted((c for c in self.calls.get(rank, {}).values() if c["op"] in P2P_OPS), key=lambda c: c["n"])
+
+    def sequence(self, rank: int, group: str) -> list[dict[str, Any]]:
+        return sorted((e for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]), key=lambda e: e["seq"])
+
+    def last_seq(self, rank: int, group: str) -> int | None:
+        """The highest sequence number the rank reached on ``group`` as far as the log knows —
+        unlike a count of entries, right however much history the log has let go."""
+        seqs = [e["seq"] for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]]
+        return max(seqs) if seqs else None
+
+    def report(self, ranks: list[int], last: int | None = None) -> CollectiveReport:
+        return CollectiveReport(self, sorted(ranks), last)

@@ -1,0 +1,46 @@
+"""What the controller knows of one rank: its processes, where it runs, its state, the cell it
+runs, and its output outside any cell."""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+from typing import Any
+
+from distnb.controller.cell_run import CellRun
+from distnb.states import RankState
+
+__all__ = ["RankRecord"]
+
+
+@dataclass
+class RankRecord:
+    """What the controller knows of one rank. ``agent`` is the node agent that started it (0: this
+    machine); ``group_rank`` is torchrun's node index."""
+
+    rank: int
+    state: RankState = RankState.LAUNCHED
+    supervisor_pid: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    local_rank: int | None = None
+    device: str | None = None
+    backend: str | None = None
+    returncode: int | None = None
+    start_error: str | None = None
+    stderr_tail: str = ""
+    died_at: float | None = None  # monotonic
+    main_ident: int | None = None
+    agent: int = 0
+    group_rank: int | None = None
+    agent_beats: int = 0  # its agent's beat count when the rank said hello
+    cause: str = ""  # why it died, when no exit code tells (a machine lost)
+    run: CellRun | None = None
+    log: list[str] = field(default_factory=list)  # output outside any cell (start-up, threads)
+    decoders: dict[str, Any] = field(default_factory=dict)
+
+    def decode(self, stream: str, data: bytes) -> str:
+        dec = self.decoders.get(stream)
+        if dec is None:
+            dec = self.decoders[stream] = codecs.getincrementaldecoder("utf-8")("replace")
+        return str(dec.decode(data))

@@ -1,0 +1,536 @@
+"""The controller's picture of its pool, fed by messages: the pool's and each rank's lifecycle.
+
+Every change of :class:`PoolState` and :class:`RankState` happens here, in :meth:`Tracker._move`
+and :meth:`Tracker._set_rank`, under the tracker's one lock. The I/O thread feeds it messages
+(:meth:`Tracker.on_message`) and ticks (:meth:`Tracker.on_tick`); the pool asks it to start,
+stop and begin cells. It sends through a :class:`~distnb.controller.requests.Transport`, so a test can feed
+it messages and read what it sent without a process or a socket.
+
+Pool::
+
+    NEW ─► STARTING ─► READY ◄─► (BROKEN: a rank died) ─► STOPPING ─► STOPPED ─► STARTING …
+               └──────────────────────────────────────────►┘
+    READY, BROKEN ─► STARTING: a respawn (fresh rank processes, torchrun and supervisors kept)
+
+Rank::
+
+    LAUNCHED ─► STARTED ─► CONNECTED ─► IDLE ◄─► RUNNING       (any) ─► DEAD
+    (torchrun)  (supervisor) (hello)    (ready)  (a cell)
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+from distnb import _processes
+from distnb.analysis.desync import CountMismatch, carry_over, count_mismatches
+from distnb.controller.cell_run import CellRun
+from distnb.controller.channel import FollowUp
+from distnb.controller.collective_log import CollectiveLog
+from distnb.controller.deaths import Deaths
+from distnb.controller.liveness import Liveness, supervisor_gone
+from distnb.controller.prompts import Prompt
+from distnb.controller.rank_record import RankRecord
+from distnb.controller.requests import Requests, Transport
+from distnb.errors import NoPoolError, PoolBrokenError, PoolBusyError
+from distnb.launching.remote_nodes import Nodes
+from distnb.results import CellEvents, CellResult, RankResult
+from distnb.states import PoolState, RankState
+from distnb.status import RankStatus
+from distnb.wire.protocol import Msg, control_identity, supervisor_identity
+
+__all__ = ["OUTPUT_KEEP_BYTES", "Tracker"]
+
+T = TypeVar("T")
+
+#: Runs of recent cells kept for :meth:`Tracker.run_of` (more while cells still run).
+_RUNS_KEPT = 64
+
+#: Output kept per rank, per stream, per cell; the rest is counted, not stored.
+OUTPUT_KEEP_BYTES = 1 << 20
+#: Seconds after a death before a cell whose remaining ranks all wait for a dead one ends (the
+#: tick comes once a second: the notebook hears within ~2 s).
+STRAND_AFTER = 1.0
+#: A cell still running this long wakes its ranks' control threads to watch its collectives
+#: (distnb.worker.control); quicker cells wake nothing but the ranks' main threads.
+WATCH_AFTER = 0.05
+
+_POOL_MOVES: dict[PoolState, set[PoolState]] = {
+    PoolState.NEW: {PoolState.STARTING},
+    PoolState.STARTING: {PoolState.READY, PoolState.STOPPING},
+    PoolState.READY: {PoolState.BROKEN, PoolState.STOPPING, PoolState.STARTING},  # STARTING: a respawn
+    PoolState.BROKEN: {PoolState.STOPPING, PoolState.STARTING},
+    PoolState.STOPPING: {PoolState.STOPPED},
+    PoolState.STOPPED: {PoolState.STARTING},
+}
+_RANK_MOVES: dict[RankState, set[RankState]] = {
+    RankState.LAUNCHED: {RankState.STARTED, RankState.CONNECTED, RankState.IDLE, RankState.DEAD},
+    RankState.STARTED: {RankState.CONNECTED, RankState.IDLE, RankState.DEAD},
+    RankState.CONNECTED: {RankState.IDLE, RankState.DEAD},
+    RankState.IDLE: {RankState.RUNNING, RankState.DEAD},
+    RankState.RUNNING: {RankState.IDLE, RankState.DEAD},
+    RankState.DEAD: set(),
+}
+
+
+class Tracker:
+    """Pool and rank states, one lock, fed by messages. Read its state; never assign it."""
+
+    def __init__(self, world_size: int, log: CollectiveLog | None = None) -> None:
+        self.world_size = world_size
+        self.lock = threading.RLock()
+        #: Notified on every message and tick: ``start`` and ``shutdown`` wait on it.
+        self.changed = threading.Condition(self.lock)
+        self.collective_log = log if log is not None else CollectiveLog()
+        self.requests = Requests(lambda: self.transport)
+        self.nodes = Nodes(0)
+        self.transport: Transport | None = None
+        self.liveness: Liveness | None = None
+        #: ``handler(agent, msg)`` for node agents' messages (multi-node pools), under the lock.
+        self.node_handler: Callable[[int, dict[str, Any]], None] | None = None
+        self.ranks: dict[int, RankRecord] = {}
+        self.notes: list[str] = []  # for start()'s on_note, taken on the caller's thread
+        self._state = PoolState.NEW
+        self._deaths = Deaths(self.collective_log)
+        self._last_results: dict[int, RankResult] = {}
+        # The live run behind each recent cell result, by cell number: a public result carries no
+        # private state; the oldest are forgotten once ended (a forgotten run reads as ended).
+        self._runs: collections.OrderedDict[int, CellRun] = collections.OrderedDict()
+        self._poll_dirty: set[int] = set()
+        self._ticks = 0
+        self.desync: list[CountMismatch] = []  # the last cell's end-of-cell count mismatches
+
+    # -- the one place states change ------------------------------------------------------------
+    @property
+    def state(self) -> PoolState:
+        return self._state
+
+    @property
+    def first_death(self) -> int | None:
+        """The rank that died first (the root cause), by time of death."""
+        return self._deaths.first
+
+    def _move(self, state: PoolState) -> None:
+        if state not in _POOL_MOVES[self._state]:
+            raise RuntimeError(f"distnb bug: the pool can't go from {self._state.value} to {state.value}.")
+        self._state = state
+        self.changed.notify_all()
+
+    def _set_rank(self, info: RankRecord, state: RankState) -> None:
+        if state == info.state:
+            return
+        if state not in _RANK_MOVES[info.state]:
+            # Late or reordered messages (a READY after a death) must not revive a rank.
+            return
+        info.state = state
+        if state == RankState.DEAD and self._state == PoolState.READY:
+            self._move(PoolState.BROKEN)
+
+    # -- lifecycle (called by the pool) ---------------------------------------------------------
+    def begin_start(self, transport: Transport, nodes: Nodes) -> None:
+        with self.lock:
+            self._move(PoolState.STARTING)
+            self.transport, self.liveness, self.nodes = transport, None, nodes
+            self._reset({r: RankRecord(r) for r in range(self.world_size)})
+
+    def _reset(self, ranks: dict[int, RankRecord]) -> None:
+        """What a new set of rank processes starts from."""
+        self.ranks = ranks
+        self._deaths.reset()
+        self._last_results = {}
+        self.notes = []
+        self.desync = []
+        self.collective_log.clear()
+
+    def begin_respawn(self) -> bool:
+        """READY/BROKEN -> STARTING for fresh rank processes under the same supervisors (which
+        stay up: their records are kept, the ranks' are new). Cells still running end as dead
+        ("its pool was restarted"). False, changing nothing, where a supervisor is gone."""
+        with self.lock:
+            if self._state not in (PoolState.READY, PoolState.BROKEN):
+                return False
+            if any(i.supervisor_pid is None or supervisor_gone(i, self.nodes, self.liveness) is not None for i in self.ranks.values()):
+                return False
+            for info in self.ranks.values():
+                if info.run is not None and info.state != RankState.DEAD:
+                    info.cause = "its pool was restarted"
+                    self._set_rank(info, RankState.DEAD)  # (a READY pool turns BROKEN, then STARTING)
+                    self._finish_rank_dead(info)
+            self._move(PoolState.STARTING)
+            self._reset({r: RankRecord(r, RankState.STARTED, supervisor_pid=i.supervisor_pid, host=i.host, local_rank=i.local_rank,
+                                       agent=i.agent, group_rank=i.group_rank, agent_beats=i.agent_beats)
+                         for r, i in self.ranks.items()})
+            return True
+
+    def mark_ready(self) -> bool:
+        """STARTING -> READY, atomically with the check that every rank is idle: a rank that died
+        after saying READY and before this must fail the start, not leave a READY pool with a
+        dead rank in it. False when not every rank is idle."""
+        with self.lock:
+            if any(i.state != RankState.IDLE for i in self.ranks.values()):
+                return False
+            self._move(PoolState.READY)
+            return True
+
+    def begin_stop(self) -> bool:
+        """-> STOPPING; False when there is nothing to stop (never started, or stopped)."""
+        with self.lock:
+            if self._state in (PoolState.NEW, PoolState.STOPPED, PoolState.STOPPING):
+                return False
+            self._move(PoolState.STOPPING)
+            return True
+
+    def stopped(self) -> None:
+        """Every rank dead, cells still waiting ended with them, -> STOPPED."""
+        with self.lock:
+            for info in self.ranks.values():
+                self._set_rank(info, RankState.DEAD)
+                if info.run is not None:
+                    self._finish_rank_dead(info)
+            self.transport = None
+            self._move(PoolState.STOPPED)
+
+    def note(self, text: str) -> None:
+        with self.lock:
+            self.notes.append(text)
+            del self.notes[:-50]
+
+    def take_notes(self) -> list[str]:
+        with self.lock:
+            notes, self.notes = self.notes, []
+            return notes
+
+    # -- cells ----------------------------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Raise unless the pool can run cells: :class:`PoolBrokenError` naming the first death."""
+        if self._state == PoolState.BROKEN:
+            dead = sorted(r for r, i in self.ranks.items() if i.state == RankState.DEAD)
+            first = self.ranks.get(self._deaths.first if self._deaths.first is not None else (dead[0] if dead else -1))
+            why = f"rank {first.rank} died ({_processes.signal_meaning(first.returncode)})" if first else "a rank died"
+            raise PoolBrokenError(
+                f"the pool is broken: {why}, so collectives can't complete any more. "
+                "Run %dist_restart (pool.restart()) for fresh ranks, or %dist_restart --replay to re-run the cells that succeeded.",
+                dead=dead, first_death=first.rank if first else None,
+            )
+        if self._state != PoolState.READY:
+            raise NoPoolError(f"the pool is {self._state.value}; start one with %dist_launch (distnb.launch()).")
+
+    def busy(self, ranks: list[int] | None = None) -> dict[int, int]:
+        """``{rank: cell}`` of the given (default: all) ranks still running a cell."""
+        with self.lock:
+            chosen = self.ranks if ranks is None else ranks
+            return {r: run.result.cell for r in chosen if (run := self.ranks[r].run) is not None}
+
+    def raise_if_busy(self, ranks: list[int]) -> None:
+        busy = self.busy(ranks)
+        if busy:
+            raise PoolBusyError.of(busy)
+
+    def ensure_idle(self, ranks: list[int]) -> None:
+        """For requests that need the ranks' main threads: the pool usable and these ranks free."""
+        with self.lock:
+            self.check_usable()
+            self.raise_if_busy(ranks)
+
+    def run_of(self, result: CellResult) -> CellRun:
+        """The live run behind a result the pool returned; an old one's run reads as ended."""
+        with self.lock:
+            run = self._runs.get(result.cell)
+            if run is not None and run.result is result:
+                return run
+        return CellRun.ended(result)
+
+    def prompts_waiting(self, result: CellResult) -> list[Prompt]:
+        """Ranks of this cell waiting for a line now (pdb, ``input()``), in rank order."""
+        run = self.run_of(result)
+        with self.lock:
+            return [p for r, p in sorted(run.prompts.items()) if r in run.waiting_done and not p.answered]
+
+    def answer_prompt(self, prompt: Prompt, to: bytes, msg: dict[str, Any]) -> None:
+        """Mark ``prompt`` answered and send the answer (a STDIN_REPLY) to ``to``."""
+        if self.transport is None:
+            raise NoPoolError("the pool is not running; start one with %dist_launch.")
+        with self.lock:
+            prompt.answered = True
+        self.transport.send(to, msg)
+
+    def wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until ``done()``, judged under the lock at every change."""
+        with self.changed:
+            return self.changed.wait_for(done, timeout)
+
+    def under_lock(self, read: Callable[[], T]) -> T:
+        """``read()`` with the state held still."""
+        with self.lock:
+            return read()
+
+    def begin_cell(self, result: CellResult, events: CellEvents) -> CellRun:
+        """Mark the result's ranks RUNNING (raising if the pool can't run it) and return its run."""
+        with self.lock:
+            self.ensure_idle(result.ranks)
+            run = CellRun(result, events)
+            self._runs[result.cell] = run
+            while len(self._runs) > _RUNS_KEPT and next(iter(self._runs.values())).finished.is_set():
+                self._runs.popitem(last=False)
+            for r in result.ranks:
+                info = self.ranks[r]
+                info.run = run
+                self._set_rank(info, RankState.RUNNING)
+                self._last_results[r] = result.results[r]
+            self._poll_dirty.update(result.ranks)
+            return run
+
+    def watch_follow_up(self, run: CellRun) -> FollowUp:
+        """For the cell's EXEC: once it has run WATCH_AFTER, the control threads of the ranks it
+        still runs on start watching its collectives."""
+        def watch() -> None:
+            with self.lock:
+                ranks = sorted(run.waiting_done)
+            if self.transport is not None:
+                self.transport.send_many(map(control_identity, ranks), {"t": Msg.WATCH})
+
+        return FollowUp(WATCH_AFTER, watch, lambda: bool(run.waiting_done))
+
+    # -- views ----------------------------------------------------------------------------------
+    def alive(self, ranks: list[int]) -> list[int]:
+        with self.lock:
+            return [r for r in ranks if r in self.ranks and self.ranks[r].state != RankState.DEAD]
+
+    def stages(self) -> dict[int, RankState]:
+        with self.lock:
+            return {r: info.state for r, info in self.ranks.items()}
+
+    def ranks_by_agent(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        with self.lock:
+            for r, info in sorted(self.ranks.items()):
+                if info.agent and info.supervisor_pid is not None:
+                    out.setdefault(info.agent, []).append(r)
+        return out
+
+    def rank_statuses(self) -> list[RankStatus]:
+        now = time.monotonic()
+        with self.lock:
+            return [
+                RankStatus(
+                    rank=r, state=info.state, pid=info.pid, host=info.host, device=info.device,
+                    cell=info.run.result.cell if info.run else None,
+                    elapsed=now - info.run.started if info.run else None,
+                    returncode=info.returncode, local_rank=info.local_rank, node=info.group_rank, cause=info.cause,
+                )
+                for r, info in sorted(self.ranks.items())
+            ]
+
+    def backend(self) -> str | None:
+        with self.lock:
+            return next((i.backend for i in self.ranks.values() if i.backend), None)
+
+    # -- messages (the I/O thread) --------------------------------------------------------------
+    def on_message(self, kind: str, rank: int, msg: dict[str, Any]) -> None:
+        t = msg["t"]
+        with self.lock:
+            if kind == "n":
+                if self.node_handler is not None:
+                    self.node_handler(rank, msg)
+            elif (info := self.ranks.get(rank)) is not None:
+                if t == Msg.REPLY:
+                    self.requests.deliver(rank, msg)
+                elif t == Msg.COLLECTIVES_PUSH:
+                    self.collective_log.merge(rank, msg)
+                elif kind == "s":
+                    self._on_supervisor(info, t, msg)
+                else:
+                    self._on_rank(info, t, msg, direct=True)
+            self.changed.notify_all()
+
+    def _on_supervisor(self, info: RankRecord, t: str, msg: dict[str, Any]) -> None:
+        if t == Msg.OUTPUT:
+            text = info.decode(msg["stream"], msg["data"])
+            if text:
+                self._route_output(info, msg["stream"], text)
+        elif t == Msg.EVENT:
+            # Unsigned inside, but it reached us in a frame signed by the rank's supervisor,
+            # which read it from a pipe only its own child can write.
+            event = pickle.loads(msg["body"])
+            self._on_rank(info, event["t"], event)
+        elif t == Msg.SUP_HELLO:
+            self._on_sup_hello(info, msg)
+        elif t == Msg.RANK_EXIT:
+            info.returncode = msg["returncode"]
+            info.stderr_tail = msg.get("stderr_tail", "")
+            self._mark_dead(info, msg.get("time"))
+
+    def _on_sup_hello(self, info: RankRecord, msg: dict[str, Any]) -> None:
+        if "pid" in msg:
+            info.supervisor_pid = msg["pid"]
+            info.host = msg.get("host")
+            info.local_rank = msg.get("local_rank")
+            info.group_rank = msg.get("group_rank")
+            info.agent = int(msg.get("agent", 0))
+            if info.agent:
+                node = self.nodes.agents.get(info.agent)
+                info.agent_beats = node.beats if node else 0
+            elif self.liveness is not None:
+                self.liveness.known_pids.add(msg["pid"])
+            if self.transport is not None:
+                self.transport.heartbeat_peers.add(supervisor_identity(info.rank))
+            if info.state == RankState.LAUNCHED:
+                self._set_rank(info, RankState.STARTED)
+        if "child_pid" in msg:
+            info.pid = msg["child_pid"]
+            if self.liveness is not None and not info.agent:
+                self.liveness.known_pids.add(msg["child_pid"])
+
+    def _on_rank(self, info: RankRecord, t: str, msg: dict[str, Any], direct: bool = False) -> None:
+        if t == Msg.CELL_DONE:
+            self._cell_done(info, msg, direct)
+        elif t == Msg.STDIN_REQUEST and (run := info.run) is not None and run.result.cell == msg["cell"]:
+            run.prompts[info.rank] = Prompt.of(info.rank, msg)
+        elif t == Msg.DISPLAY:
+            if (run := info.run) is not None and run.result.cell == msg["cell"]:
+                run.result.results[info.rank].displays.append(msg["data"])
+                if run.events.on_display:
+                    run.events.on_display(info.rank, msg["data"])
+            else:
+                info.log.append(msg["data"].get("text/plain", ""))
+        elif t == Msg.HELLO:
+            info.pid, info.host, info.local_rank = msg["pid"], msg["host"], msg["local_rank"]
+            info.main_ident = msg.get("main_ident")
+            if info.state in (RankState.LAUNCHED, RankState.STARTED):
+                self._set_rank(info, RankState.CONNECTED)
+        elif t == Msg.READY:
+            info.device, info.backend = msg["device"], msg["backend"]
+            self._set_rank(info, RankState.IDLE)
+        elif t == Msg.START_FAILED:
+            info.start_error = msg.get("error") or msg.get("summary")
+
+    def _cell_done(self, info: RankRecord, msg: dict[str, Any], direct: bool) -> None:
+        run = info.run
+        if run is None or run.result.cell != msg.get("cell"):
+            return  # a cell the controller stopped waiting for (restart, detach)
+        res = run.result.results[info.rank]
+        res.status = msg["status"]
+        res.value, res.error = msg.get("value"), msg.get("error")
+        res.duration, res.memory, res.profile, res.sync = msg.get("duration"), msg.get("memory"), msg.get("profile"), msg.get("sync")
+        res.finished_at, res.direct = time.monotonic(), direct
+        run.waiting_done.discard(info.rank)
+        if res.error and "OutOfMemoryError" in str(res.error.get("ename")) and run.waiting_done:
+            self._ask_memory_of_waiting(run)
+        self._maybe_finish(info)
+
+    def _ask_memory_of_waiting(self, run: CellRun) -> None:
+        """The others usually wait for an out-of-memory rank in a collective and will report no
+        end-of-cell memory: ask for theirs now, for the side-by-side comparison."""
+        if self.transport is None:
+            return
+        live = run.result.live_memory
+
+        def keep(rank: int, reply: dict[str, Any]) -> None:
+            if "memory" in reply:
+                live[rank] = reply["memory"]
+
+        req_id = self.requests.expect(keep, ttl=30.0)
+        self.transport.send_many(map(control_identity, sorted(run.waiting_done)), {"t": Msg.MEMORY, "id": req_id})
+
+    def _route_output(self, info: RankRecord, stream: str, text: str) -> None:
+        run = info.run
+        if run is None or info.rank not in run.waiting_done:
+            info.log.append(text)
+            del info.log[:-200]
+            return
+        run.add_output(info.rank, stream, text, OUTPUT_KEEP_BYTES)
+
+    def _maybe_finish(self, info: RankRecord) -> None:
+        run = info.run
+        if run is None or not run.rank_finished(info.rank):
+            return
+        info.run = None
+        if info.state == RankState.RUNNING:
+            self._set_rank(info, RankState.IDLE)
+        if run.events.on_rank_done:
+            run.events.on_rank_done(run.result.results[info.rank])
+        if not run.waiting_done:  # the last of its ranks
+            run.result.elapsed = time.monotonic() - run.started
+            found = count_mismatches({r: res.sync for r, res in run.result.results.items() if res.status != "dead"})
+            run.result.desync = self.desync = carry_over(found, self.desync, run.result.cell)
+            run.events = CellEvents()  # let go of the caller's callbacks (views, printers)
+            run.finished.set()
+
+    def _mark_dead(self, info: RankRecord, when: float | None = None) -> None:
+        self._deaths.stamp(info, when)
+        if self._state in (PoolState.READY, PoolState.STARTING, PoolState.BROKEN):
+            self._deaths.order(info, self.ranks)
+        self._set_rank(info, RankState.DEAD)
+        self._finish_rank_dead(info)
+
+    def _finish_rank_dead(self, info: RankRecord) -> None:
+        run = info.run
+        if run is None:
+            return
+        res = run.result.results[info.rank]
+        if res.status == "running":
+            self._deaths.conclude(info, res, run.result.cell)
+        run.waiting_done.discard(info.rank)
+        self._maybe_finish(info)
+
+    # -- the tick (the I/O thread, once a second) -----------------------------------------------
+    def on_tick(self) -> None:
+        with self.lock:
+            self.requests.prune()
+            if self._state in (PoolState.READY, PoolState.STARTING, PoolState.BROKEN):
+                self._check_nodes()
+                self._check_processes()
+                self._poll_collectives()
+            if self._state == PoolState.BROKEN:
+                self._end_stranded_cells()
+            self.changed.notify_all()
+
+    def _end_stranded_cells(self) -> None:
+        """Ranks waiting for a dead one stay blocked until the group's timeout (or forever): once
+        every rank the cell still waits for is, end the cell for the notebook (STRAND_AFTER after
+        the first death, so an error the survivors raise themselves comes first)."""
+        deaths = [i.died_at for i in self.ranks.values() if i.died_at is not None]
+        if not deaths or time.monotonic() - min(deaths) < STRAND_AFTER:
+            return
+        dead = {r for r, i in self.ranks.items() if i.state == RankState.DEAD}
+        for run in {id(i.run): i.run for i in self.ranks.values() if i.run is not None}.values():
+            blocked = {r: why for r in sorted(run.waiting_done) if (why := self.collective_log.blocked_on(r, run.result.cell, dead))}
+            if blocked and len(blocked) == len(run.waiting_done):
+                run.strand(blocked, sorted(dead), time.monotonic() - min(deaths))
+
+    def _check_nodes(self) -> None:
+        for node in self.nodes.check():
+            self.note(f"{node.name()} stopped answering: its ranks are taken for dead")
+            for info in self.ranks.values():
+                # Ranks that already reported a SIGTERM died because their machine's agent went.
+                if info.agent == node.agent_id and info.state == RankState.DEAD and not info.cause:
+                    info.cause = node.cause()
+                    res = self._last_results.get(info.rank)
+                    if res is not None and res.status == "dead":
+                        res.cause = info.cause
+
+    def _check_processes(self) -> None:
+        for info in self.ranks.values():
+            if info.state != RankState.DEAD and (cause := supervisor_gone(info, self.nodes, self.liveness)) is not None:
+                # No exit report is coming: the supervisor itself is gone (killed with the agent).
+                info.cause = cause or info.cause
+                self._mark_dead(info)
+
+    def _poll_collectives(self) -> None:
+        """Fetch new collective-log entries of ranks that ran cells, so the log survives a rank that
+        later dies abruptly. Running ranks push their own within ~50 ms (worker/control.py); this
+        is the backstop, every 5 s for them, since a full read of a rank's recorder costs ms."""
+        if self.transport is None:
+            return
+        self._ticks += 1
+        running = {r for r, i in self.ranks.items() if i.run is not None} if self._ticks % 5 == 0 else set()
+        targets = sorted(r for r in self._poll_dirty | running if self.ranks[r].state != RankState.DEAD)
+        self._poll_dirty = set()
+        for r in targets:
+            req_id = self.requests.expect(self.collective_log.merge, ttl=10.0)
+            self.transport.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": req_id, "since": self.collective_log.cursor(r),
+                                                      "calls_since": self.collective_log.last_call(r)})

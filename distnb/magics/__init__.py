@@ -1,0 +1,27 @@
+"""IPython magics, thin over the public Python API: ``%load_ext distnb`` calls :func:`load`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["load", "unload"]
+
+
+def load(ipython: Any) -> None:
+    from distnb.display.html import register
+    from distnb.magics.inspecting import InspectMagics
+    from distnb.magics.running import DistMagics
+
+    ipython.register_magics(DistMagics)
+    ipython.register_magics(InspectMagics)
+    register(ipython)
+
+
+def unload(ipython: Any) -> None:
+    """``%unload_ext distnb`` / ``%reload_ext distnb``: no pool of this kernel outlives the extension."""
+    from distnb import pool as pool_module
+    from distnb.states import PoolState
+
+    for pool in list(pool_module._live_pools):
+        if pool.state not in (PoolState.STOPPED, PoolState.NEW):
+            pool.shutdown()

@@ -1,0 +1,141 @@
+"""IPython magics that look into a pool — where the ranks are, what they hold, what they did — and
+``%dist_debug``, the post-mortem debugger. Thin over :class:`distnb.Pool`, like :mod:`distnb.magics.running`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from distnb.magics.support import parse, pool_or_usage_error, show_checks, show_figure, usage_errors
+from distnb.services.export import run_command
+
+__all__ = ["InspectMagics"]
+
+
+@magics_class
+class InspectMagics(Magics):
+    """``%dist_stacks``, ``%dist_check``, ``%dist_export``, ``%dist_memory``, ``%dist_collectives``,
+    ``%dist_timeline``, ``%dist_env`` and ``%dist_debug``."""
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @argument("--native", action="store_true", help="Add native (C/C++) frames through py-spy, when installed.")
+    @argument("--all-threads", action="store_true", help="Show every Python thread, not only the one running cells.")
+    @line_magic
+    def dist_stacks(self, line: str) -> Any:
+        """Where is every rank right now? Works while a cell runs or hangs; identical stacks are grouped."""
+        args = parse(self.dist_stacks, line)
+        pool = pool_or_usage_error()
+        with usage_errors():
+            return pool.stacks(args.ranks, all_threads=args.all_threads, native=args.native)
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="Tensors, modules, state dicts or optimizers defined on the ranks.")
+    @argument("--ranks", default=None, help="Only these ranks: 0,2 · 1-3 · all.")
+    @line_magic
+    def dist_check(self, line: str) -> None:
+        """Compare tensors across ranks by bitwise fingerprint, sum, norm, NaN/Inf: identical, or the odd ranks."""
+        args = parse(self.dist_check, line)
+        pool = pool_or_usage_error()
+        with usage_errors():
+            reports = pool.check(args.names, ranks=args.ranks)
+        show_checks(reports)
+
+    @magic_arguments()
+    @argument("path", help="Where to write: a .py script for torchrun, or a .ipynb notebook.")
+    @argument("--cells", default=None, metavar="RANGE", help="Cell numbers to export, e.g. 3-7,9 (default: every cell that succeeded since launch).")
+    @argument("--all", action="store_true", help="Include the cells that failed.")
+    @line_magic
+    def dist_export(self, line: str) -> None:
+        """Write the cells run so far as a standalone script (torchrun --nproc-per-node N PATH) or notebook."""
+        args = parse(self.dist_export, line)
+        pool = pool_or_usage_error()
+        with usage_errors():
+            try:
+                written = pool.export(args.path, cells=args.cells, include_failed=args.all)
+            except OSError as exc:  # e.g. a folder that does not exist
+                raise UsageError(f"can't write {args.path}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
+        how = run_command(pool.config, written) if not written.endswith(".ipynb") else f"open {written}"
+        print(f"wrote {written}; run it with: {how}")
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @argument("--plot", action="store_true", help="Bar chart of current and peak memory per rank.")
+    @argument("--timeline", action="store_true", help="Each rank's peak memory per cell.")
+    @line_magic
+    def dist_memory(self, line: str) -> Any:
+        """Per-rank memory: RSS (and CUDA allocated/reserved/peak, NVML device use on GPUs); flags imbalance."""
+        args = parse(self.dist_memory, line)
+        pool = pool_or_usage_error()
+        with usage_errors():
+            report = pool.memory(args.ranks)
+        from IPython.display import display
+
+        display(report)
+        if args.plot or args.timeline:
+            figs = ([report.plot_bars()] if args.plot else []) + ([report.plot_timeline()] if args.timeline else [])
+            for fig in figs:
+                show_figure(fig)
+        return None
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @argument("--last", type=int, default=None, metavar="K", help="Only the last K collectives of each group.")
+    @line_magic
+    def dist_collectives(self, line: str) -> Any:
+        """Each rank's collective sequence (incl. DDP/FSDP internals) side by side; the first divergence marked."""
+        args = parse(self.dist_collectives, line)
+        if args.last is not None and args.last < 1:
+            raise UsageError("--last takes a positive count, e.g. --last 10.")
+        pool = pool_or_usage_error()
+        with usage_errors():
+            return pool.collectives(args.ranks, last=args.last)
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to compare: 0,2 · 1-3 · all (default: the group's members).")
+    @argument("--last", type=int, default=200, metavar="K", help="The last K collectives (default 200).")
+    @argument("--group", default="0", metavar="NAME", help="Process group name as in %%dist_collectives (default 0, the world).")
+    @argument("--no-plot", action="store_true", help="Text only.")
+    @line_magic
+    def dist_timeline(self, line: str) -> None:
+        """Arrival skew per rank over recent collectives: who arrives last, how late, how long the others wait (text and plot)."""
+        args = parse(self.dist_timeline, line)
+        if args.last < 1:
+            raise UsageError("--last takes a positive count, e.g. --last 200.")
+        pool = pool_or_usage_error()
+        with usage_errors():
+            report = pool.stragglers(args.ranks, group=args.group, last=args.last)
+        from IPython.display import display
+
+        display(report)
+        if report.collectives and not args.no_plot:
+            show_figure(report.plot())
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @line_magic
+    def dist_env(self, line: str) -> Any:
+        """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* per rank; flags differences."""
+        args = parse(self.dist_env, line)
+        pool = pool_or_usage_error()
+        with usage_errors():
+            return pool.env(args.ranks)
+
+    @magic_arguments()
+    @argument("rank", nargs="?", type=int, default=None, help="The rank to debug (default: the root-cause rank of the last cell that raised).")
+    @line_magic
+    def dist_debug(self, line: str) -> None:
+        """Post-mortem: pdb at the frame where the last failing cell raised on a rank, its namespace alive.
+
+        Type pdb commands at the prompt (p, w, u/d, l, pp …); c or q ends it. %%on_ranks --pdb
+        instead stops every rank that raises at its error while the cell runs. (An out-of-memory
+        error's frames are not kept: they would hold the memory; use --pdb for those.)"""
+        args = parse(self.dist_debug, line)
+        pool = pool_or_usage_error()
+        with usage_errors():
+            result = pool.debug(args.rank)
+        if not result.ok:
+            print(result.outcome_text().strip("\n"))

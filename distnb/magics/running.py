@@ -1,0 +1,358 @@
+"""IPython magics: thin argument parsing over :class:`distnb.Pool`, then display."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from distnb.config import LaunchConfig
+from distnb.display.cell_display import CellDisplay
+from distnb.display.text import LivePrinter, StartProgress
+from distnb.display.widgets import widgets_available
+from distnb.errors import NoPoolError
+from distnb.magics.support import parse as _parse
+from distnb.magics.support import pool_or_usage_error, show_checks, show_figure
+from distnb.magics.support import usage_errors as _usage_errors
+from distnb.pool import Pool, current_pool
+from distnb.ranks import format_ranks, parse_ranks
+from distnb.results import CellEvents, CellResult
+from distnb.states import PoolState
+
+__all__ = ["DistMagics"]
+
+
+def _env_pairs(items: list[str] | None) -> dict[str, str]:
+    env = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env takes KEY=VALUE (e.g. --env NCCL_DEBUG=INFO), not {item!r}.")
+        env[key] = value
+    return env
+
+
+def _print_note(text: str) -> None:
+    print(f"[distnb] {text}", flush=True)
+
+
+class _HangWatch:
+    """While a cell runs: flush live output, and once ranks disagree for a while, say why."""
+
+    def __init__(self, pool: Pool, result: CellResult, hang_after: float, view: CellDisplay | LivePrinter) -> None:
+        self._pool = pool
+        self._result = result
+        self._hang_after = hang_after
+        self._view = view
+        self._next = time.monotonic() + min(hang_after, 1.0)
+        self._shown = ""
+
+    def tick(self, result: CellResult) -> None:
+        view = self._view
+        if isinstance(view, CellDisplay):
+            view.tick(result)
+        else:
+            view.flush()
+        now = time.monotonic()
+        paused = bool(self._pool.debugger.pending(result))
+        if paused and isinstance(view, CellDisplay):
+            view.go_live()  # the user is about to be asked: show what the ranks printed so far
+        if now < self._next or not result.running or paused:
+            return  # (the debugger console says where paused ranks are)
+        self._next = now + 1.0
+        try:
+            diag = self._pool.diagnose(result, hang_after=self._hang_after)
+        except Exception as exc:  # diagnosis is best effort; the cell keeps streaming
+            headline = f"could not diagnose: {exc}"
+            diag_text, kind = f"[distnb] {headline}", "error"
+        else:
+            headline, diag_text, kind = diag.summary, diag.text(), diag.kind
+        # Said again only when the headline changes (it carries no durations); a failing diagnosis
+        # is said once too, so a broken watch is not silent.
+        if kind in ("hang", "slow", "error", "paused") and headline != self._shown:
+            self._shown = headline
+            if isinstance(view, CellDisplay):
+                view.set_diagnosis(diag_text)
+            else:
+                print(diag_text, file=sys.stderr)
+
+
+def _follow(pool: Pool, result: CellResult, view: CellDisplay) -> None:
+    """Keep a background cell's widget view updating until the cell ends."""
+    pool.wait(result, on_tick=view.tick, tick=0.25, ask=None)  # prompts wait for %dist_wait, on the kernel's thread
+    view.finish(result)
+
+
+@magics_class
+class DistMagics(Magics):
+    """``%dist_launch``, ``%%on_ranks``, ``%dist_status``, ``%dist_push``, ``%dist_pull``, ``%dist_wait``,
+    ``%dist_restart``, ``%dist_regroup`` and ``%dist_shutdown`` (the rest: inspect_magics.py)."""
+
+    def _in_kernel(self) -> bool:
+        return getattr(self.shell, "kernel", None) is not None
+
+    @property
+    def _user_ns(self) -> dict[str, Any]:
+        assert self.shell is not None  # magics run inside a shell
+        return self.shell.user_ns
+
+    def _pool(self) -> Pool:
+        return pool_or_usage_error()
+
+    # -- launch / lifecycle ---------------------------------------------------------------------
+    @magic_arguments()
+    @argument("-n", "--nproc", "--nproc-per-node", type=int, default=None, help="Ranks per machine (default: visible GPUs, else 2).")
+    @argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="Process group backend (auto: nccl with CUDA, else gloo).")
+    @argument("--env", action="append", metavar="KEY=VALUE", help="Environment variable for every rank; repeatable (e.g. --env NCCL_DEBUG=INFO).")
+    @argument("--pg-timeout", type=float, default=None, metavar="SECONDS", help="The process group's collective timeout (default 1800).")
+    @argument("--start-timeout", type=float, default=None, metavar="SECONDS", help="How long to wait for every rank to be ready (default 180).")
+    @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report ranks disagreeing in collectives after this long (default 3).")
+    @argument("--debug", action="append", choices=["detail", "nccl"],
+              help="detail: TORCH_DISTRIBUTED_DEBUG=DETAIL (mismatched collectives raise, naming the field); nccl: NCCL_DEBUG=INFO. Repeatable.")
+    @argument("--nnodes", type=int, default=None, metavar="K",
+              help="Machines in the pool, this one included (default 1). Prints the command to run on the others.")
+    @argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="torchrun's c10d rendezvous (default: this machine, a free port).")
+    @argument("--bind", default=None, metavar="ADDRESS[:PORT]",
+              help="Where the controller listens (default 127.0.0.1; other machines need an address they can reach, e.g. 0.0.0.0).")
+    @argument("--hosts", default=None, metavar="H1,H2", help="Start the other machines' node agents over ssh (nnodes = 1 + hosts).")
+    @argument("--local-nodes", action="store_true",
+              help="Run the other nodes' agents on this machine too: rehearse a multi-node layout (RANK vs LOCAL_RANK, GROUP_RANK) on one box; gloo.")
+    @argument("--share-gpus", action="store_true",
+              help="Several NCCL ranks per GPU over loopback (e.g. -n 4 on one GPU): rehearse NCCL hangs on fewer GPUs; slow.")
+    @argument("--no-spares", action="store_true",
+              help="Don't keep a spare process per rank (torch imported, idle) that makes %%dist_restart take about a second.")
+    @argument("--slurm", action="store_true", help="Inside a Slurm allocation: start a node agent on every other node with srun.")
+    @argument("--curve", action="store_true", help="Encrypt the control plane (CURVE) and admit only clients holding the pool's key.")
+    @argument("--key-file", default=None, metavar="FILE", help="Where to write the key the other machines read (default ~/.distnb/keys/<pool>.key).")
+    @argument("--node-python", default=None, metavar="PATH", help="The Python that runs distnb on the other machines (default: this kernel's path).")
+    @line_magic
+    def dist_launch(self, line: str) -> None:
+        """Start a persistent torchrun pool; returns once every rank's process group is ready.
+
+        Multi-node: ``%dist_launch --nnodes 2 -n 4 --bind 0.0.0.0`` prints the one command to run on
+        the other machine; ``--hosts node2`` starts it over ssh, ``--slurm`` with srun.
+
+        NCCL pools get watchdog settings for interactive work (any you set yourself win): at a
+        collective timeout (``--pg-timeout``) NCCL aborts that group's communicator but every rank
+        stays alive with its namespace (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, heartbeat monitor off);
+        each rank's Flight Recorder is dumped into the pool's run folder and read for the
+        post-mortem (TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE); the dump wait is 4 s,
+        not 60 (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000); GPU start times are recorded
+        (TORCH_NCCL_ENABLE_TIMING=1). Then ``%dist_regroup`` builds a new group."""
+        args = _parse(self.dist_launch, line)
+        with contextlib.suppress(NoPoolError):
+            pool = current_pool()
+            raise UsageError(
+                f"a pool of {pool.world_size} ranks is already {pool.state.value}; "
+                "use %dist_restart for fresh ranks or %dist_shutdown before launching another."
+            )
+        options: dict[str, Any] = {"nproc": args.nproc, "backend": args.backend, "env": _env_pairs(args.env), "debug": tuple(args.debug or ())}
+        for name in ("pg_timeout", "start_timeout", "hang_after", "nnodes", "rdzv_endpoint", "bind", "key_file", "node_python"):
+            if getattr(args, name) is not None:
+                options[name] = getattr(args, name)
+        if args.hosts is not None:
+            options["hosts"] = tuple(h for h in args.hosts.split(",") if h.strip())
+            if not options["hosts"]:
+                raise UsageError("--hosts needs at least one host name, e.g. --hosts node2,node3.")
+        options.update(slurm=args.slurm, curve=args.curve, local_nodes=args.local_nodes, share_gpus=args.share_gpus, spares=not args.no_spares)
+        try:
+            config = LaunchConfig(**options)
+        except ValueError as exc:
+            # Speak the magic's language: the flag, not the Python parameter.
+            text = str(exc)
+            for name, flag in (("nproc", "-n/--nproc"), ("pg_timeout", "--pg-timeout"), ("start_timeout", "--start-timeout"), ("hang_after", "--hang-after"),
+                               ("nnodes", "--nnodes"), ("rdzv_endpoint", "--rdzv-endpoint"), ("hosts", "--hosts"), ("slurm", "--slurm"),
+                               ("local_nodes", "--local-nodes"), ("share_gpus", "--share-gpus")):
+                if text.startswith(name + " "):
+                    text = flag + text[len(name):]
+                text = text.replace(f" {name} ", f" {flag} ").replace(f"({name} ", f"({flag} ")
+            raise UsageError(text) from None
+        with _usage_errors():
+            pool = Pool(config).start(on_progress=StartProgress(self._in_kernel()), on_note=_print_note)
+        print(pool.status().text())
+
+    @magic_arguments()
+    @line_magic
+    def dist_shutdown(self, line: str) -> None:
+        """Stop every rank of the current pool (SIGTERM, then SIGKILL) and verify none is left."""
+        _parse(self.dist_shutdown, line)
+        pool = self._pool()
+        with _usage_errors():
+            pool.shutdown()
+        print(f"pool stopped: {pool.world_size} ranks shut down, no process left.")
+
+    @magic_arguments()
+    @argument("--replay", action="store_true", help="Re-run, in order, the cells that succeeded since launch.")
+    @argument("--full", action="store_true", help="Restart torchrun and the supervisors too (what a restart falls back to by itself when one is gone).")
+    @line_magic
+    def dist_restart(self, line: str) -> None:
+        """Replace every rank with a fresh process, same configuration (namespaces start empty).
+
+        Works on a pool with hung or dead ranks. The fresh ranks start under the running torchrun
+        from spares that imported torch already (about a second); where a supervisor, torchrun or a
+        machine is gone — or with --full — everything restarts. With --replay, the cells that
+        succeeded since launch run again, so the pool is back at the step before the failure.
+        """
+        args = _parse(self.dist_restart, line)
+        pool = self._pool()
+
+        def replayed(result: CellResult) -> None:
+            first = result.code.strip().splitlines()[0] if result.code.strip() else ""
+            status = "ok" if result.ok else "FAILED — replay stopped here"
+            print(f"replayed cell {result.cell} on {format_ranks(result.ranks)}: {status}  | {first[:60]}")
+            if not result.ok:
+                print(result.outcome_text(), file=sys.stderr)
+
+        with _usage_errors():
+            pool.restart(on_progress=StartProgress(self._in_kernel()), replay=args.replay, on_replay=replayed, on_note=_print_note, full=args.full)
+        print(pool.status().text())
+
+    @magic_arguments()
+    @line_magic
+    def dist_regroup(self, line: str) -> None:
+        """After a collective timeout: a fresh process group on every rank, without restarting (state kept)."""
+        _parse(self.dist_regroup, line)
+        pool = self._pool()
+        with _usage_errors():
+            pool.regroup()
+        print(f"every rank has a fresh default process group ({pool.world_size} ranks); rebuild objects that held the old one (e.g. DDP).")
+
+    @magic_arguments()
+    @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Stop waiting after this long.")
+    @line_magic
+    def dist_wait(self, line: str) -> None:
+        """Wait for the last cell (e.g. one started with %%on_ranks --bg) and show its result."""
+        args = _parse(self.dist_wait, line)
+        pool = self._pool()
+        if not pool.history:
+            raise UsageError("no cell has run on this pool yet: there is nothing to wait for. Run one with %%on_ranks (add --bg to keep the notebook free).")
+        result = pool.history[-1]
+        assert isinstance(result, CellResult)  # the newest cells always keep their full results
+        pool.wait(result, timeout=args.timeout)
+        self._user_ns["_dist"] = result
+        print(result.text())
+
+    @magic_arguments()
+    @line_magic
+    def dist_status(self, line: str) -> None:
+        """Per rank: pid, host, device and state (idle · running cell k for t s · dead)."""
+        _parse(self.dist_status, line)
+        from IPython.display import display
+
+        display(self._pool().status())
+
+    # -- cells ----------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("ranks", nargs="*", help="Ranks to run on: 0,2 · 1-3 · all (default: all).")
+    @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Return after this long, naming the ranks still running.")
+    @argument("--quiet", action="store_true", help="Don't stream output; show only values, errors and ranks still running.")
+    @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report a hang once ranks disagree this long (default: the pool's, 3 s).")
+    @argument("--check", default=None, metavar="NAMES", help="After the cell, compare these variables across ranks (comma-separated).")
+    @argument("--bg", action="store_true", help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist).")
+    @argument("--pdb", action="store_true", help="A rank that raises stops in the debugger at the error, its namespace alive.")
+    @argument("--profile", action="store_true",
+              help="Run under torch.profiler on every rank: time in compute, collectives and waiting per rank, top ops, one merged trace.")
+    @cell_magic
+    def on_ranks(self, line: str, cell: str) -> None:
+        """Run the cell on every rank (or the given ones), streaming per-rank output live.
+
+        The result is kept in the notebook variable ``_dist`` (a :class:`distnb.CellResult`).
+        Ctrl-C interrupts the cell on the ranks; a second Ctrl-C stops waiting.
+
+        ``breakpoint()`` (or ``pdb.set_trace()``) pauses the ranks that reach it and ``input()`` asks
+        for a line: both are answered at the notebook's prompt, labelled by rank. The console's own
+        commands: ``list`` (paused ranks), ``attach R``, ``ranks R: CMD``, ``detach``, ``help``.
+        """
+        args = _parse(self.on_ranks, line)
+        args.ranks = " ".join(args.ranks) or None  # "0, 1" and "0 2" arrive as two words
+        if args.timeout is not None and args.timeout <= 0:
+            raise UsageError("--timeout takes a positive number of seconds, e.g. --timeout 10.")
+        pool = self._pool()
+        view: CellDisplay | LivePrinter
+        if widgets_available():
+            with _usage_errors():
+                view = CellDisplay(parse_ranks(args.ranks, pool.world_size), output=not args.quiet)
+        else:
+            view = LivePrinter()
+        events = CellEvents(on_output=None if args.quiet else view.feed, on_display=view.display_bundle, on_rank_done=view.rank_done)
+        try:
+            with _usage_errors():
+                result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
+                                     profile=args.profile, pdb=args.pdb)
+        except SyntaxError as exc:  # pool.submit compiles the cell before sending anything
+            import traceback
+
+            print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr)
+            print("[distnb] nothing was sent to the ranks.", file=sys.stderr)
+            return
+        self._user_ns["_dist"] = result
+        if isinstance(view, CellDisplay):
+            view.cell = result.cell
+        if args.bg:
+            print(f"cell {result.cell} is running in the background on {format_ranks(result.ranks)}; "
+                  "_dist holds its live result; %dist_stacks shows where it is, %dist_wait shows its output.")
+            if isinstance(view, CellDisplay):
+                view.go_live()
+                threading.Thread(target=_follow, args=(pool, result, view), name="distnb-view", daemon=True).start()
+            return
+        watch = _HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, view)
+        pool.wait(result, timeout=args.timeout, on_tick=watch.tick)
+        if isinstance(view, CellDisplay):
+            view.finish(result)
+        else:
+            view.flush(final=True)
+            self._show_outcome(result, view)
+        if args.check and not result.running and pool.state == PoolState.READY:
+            with _usage_errors():
+                show_checks(pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks))
+        if args.profile and not result.running:
+            from IPython.display import display
+
+            with _usage_errors():
+                report = pool.profile(result)
+            display(report)
+            if report.times:
+                show_figure(report.plot())
+
+    def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
+        for note in (printer.cap_note(), result.truncation_note()):
+            if note:
+                print(note)
+        outcome = printer.outcome_text(result).strip("\n")  # less what was already shown live
+        if outcome:
+            stream = sys.stderr if result.failed or result.running else sys.stdout
+            print(outcome, file=stream)
+
+    # -- data -----------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("names", nargs="+", help="Notebook variables to copy to the ranks.")
+    @argument("--ranks", default=None, help="Only these ranks: 0,2 · 1-3 · all.")
+    @line_magic
+    def dist_push(self, line: str) -> None:
+        """Copy notebook variables into the ranks' namespaces."""
+        args = _parse(self.dist_push, line)
+        ns = self._user_ns
+        missing = [n for n in args.names if n not in ns]
+        if missing:
+            raise UsageError(f"{', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} not defined in the notebook; define it first.")
+        pool = self._pool()
+        with _usage_errors():
+            pool.push(ranks=args.ranks, **{n: ns[n] for n in args.names})
+
+    @magic_arguments()
+    @argument("name", help="A variable defined on the ranks.")
+    @argument("--ranks", default=None, help="Only these ranks: 0,2 · 1-3 · all.")
+    @line_magic
+    def dist_pull(self, line: str) -> dict[int, Any]:
+        """Return ``{rank: value}`` of a variable on the ranks."""
+        args = _parse(self.dist_pull, line)
+        pool = self._pool()
+        with _usage_errors():
+            return pool.pull(args.name, ranks=args.ranks)
+

@@ -1,0 +1,345 @@
+"""What the pool can tell about its ranks while they run or hang: stacks, diagnoses, collective
+logs, memory, environments and checksums.
+
+:class:`Diagnostics` is built from the parts it uses (the tracker, the session log, the config and
+where this launch's folder is), never from the pool, so it can be tested by feeding a tracker
+messages and answering its requests, without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Iterable
+
+from distnb import _processes
+from distnb.analysis.checks import CheckReport, compare
+from distnb.analysis.collectives import P2P_OPS, CollectiveReport, describe, issued_words
+from distnb.analysis.desync import mismatch_text
+from distnb.analysis.env import EnvReport
+from distnb.analysis.failures import is_timeout
+from distnb.analysis.hang import Diagnosis, diagnose, victim
+from distnb.analysis.memory import MemoryReport
+from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame
+from distnb.analysis.position import Position, position_from_stack, position_paused
+from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
+from distnb.analysis.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dumps
+from distnb.analysis.stragglers import StragglerReport, arrivals
+from distnb.config import LaunchConfig
+from distnb.controller.session import SessionLog
+from distnb.controller.tracker import Tracker
+from distnb.errors import NoCellError, NoPoolError, RemoteError
+from distnb.ranks import Ranks, format_ranks, parse_ranks
+from distnb.results import CellResult
+from distnb.states import PoolState, RankState
+from distnb.wire.protocol import Msg, control_identity, exec_identity, supervisor_identity
+
+__all__ = ["Diagnostics"]
+
+
+class Diagnostics:
+    """Asks the ranks (through the tracker's requests) and reads what they pushed; the verdicts
+    come from :mod:`distnb.analysis`."""
+
+    def __init__(self, tracker: Tracker, config: LaunchConfig, session: SessionLog, run_dir: Callable[[], str | None]) -> None:
+        self._tracker = tracker
+        self._config = config
+        self._session = session
+        self._run_dir = run_dir
+        self._world = config.world_size
+
+    def _require_pool(self) -> None:
+        if self._tracker.state in (PoolState.NEW, PoolState.STOPPED):
+            raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+
+    # -- stacks ---------------------------------------------------------------------------------
+    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = 0.25) -> StackReport:
+        """Where every (or each given) rank is right now; works while cells run or hang.
+
+        The rank's control thread answers even while the main thread waits in a collective. A
+        rank whose main thread holds the GIL (a C loop) can't answer; its supervisor then asks
+        faulthandler for a dump with SIGUSR1. ``native`` adds py-spy's native frames.
+        """
+        self._require_pool()
+        tracker = self._tracker
+        log = tracker.collective_log
+        targets = parse_ranks(ranks, self._world)
+        alive = tracker.alive(targets)
+        # The collective log comes in the same answer: a rank that can't answer (a C loop holding
+        # the GIL) then costs one timeout here, not one more per question.
+        since = {r: log.cursor(r) for r in alive}
+        msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1),
+               "calls_since": min((log.last_call(r) for r in alive), default=-1)}
+        replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
+        self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
+        # A control thread that answered with an error instead of stacks gave no stack either.
+        silent = [r for r in alive if "stacks" not in replies.get(r, {})]
+        dumps = tracker.requests.ask(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": 0.15}, 3.0, partial=True)
+        sources = self._session.recent_sources()
+        status = {rs.rank: rs for rs in tracker.rank_statuses()}
+        out = []
+        for r in targets:
+            st, info = status[r], tracker.ranks[r]
+            state = st.describe(with_elapsed=False)
+            if replies.get(r, {}).get("busy"):
+                state = f"busy in {replies[r]['busy']}"  # idle to the tracker, but its main thread is taken
+            if "stacks" in replies.get(r, {}):
+                threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]]
+                rs = RankStack(r, state, "control thread", threads, paused=replies[r].get("paused"))
+                if rs.paused:
+                    rs.annotation = "paused in the debugger" if rs.paused["kind"] == "pdb" else "waiting for a line for input()"
+            elif dumps.get(r, {}).get("text"):
+                threads = parse_faulthandler(dumps[r]["text"], sources, info.main_ident)
+                if not all_threads:
+                    threads = [t for t in threads if t.main] or threads[:1]
+                rs = RankStack(r, state, "faulthandler: the rank holds the GIL", threads)
+            elif st.state == RankState.DEAD:
+                rs = RankStack(r, state, "dead")
+            else:
+                rs = RankStack(r, state, f"no answer: {self.why_silent(r)}")
+            pending = log.pending(r, st.cell) if st.state == RankState.RUNNING else None
+            stuck = log.stuck(r) if pending is None else None
+            rs.state_since = st.elapsed
+            if pending is not None:
+                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']})"
+                rs.annotation_since = log.age(r, pending)  # by the rank's own clock: another machine's may be off
+            elif stuck is not None:
+                rs.annotation = f"{describe(stuck)} #{stuck['seq']} on group {stuck['group']} not completed ({issued_words(stuck)})"
+                rs.annotation_since = log.age(r, stuck)
+            if native and info.pid and st.state != RankState.DEAD and info.agent:
+                # py-spy runs here: a rank on another machine needs it run there.
+                rs.native = f"rank {r} runs on {info.host}: run `py-spy dump --native --pid {info.pid}` there."
+            out.append(rs)
+        if native:
+            by_rank = {rs.rank: rs for rs in out}
+            local = {r: pid for r in by_rank if (pid := tracker.ranks[r].pid) and not tracker.ranks[r].agent
+                     and status[r].state != RankState.DEAD}
+            for r, text in py_spy_dumps(local).items():
+                by_rank[r].native = text
+        return StackReport(out)
+
+    def why_silent(self, rank: int) -> str:
+        """Words for a rank that gave no stack at all, neither from its control thread nor from
+        faulthandler: its process state when it runs on this machine."""
+        info = self._tracker.ranks[rank]
+        state = _processes.process_state(info.pid) if info.pid and not info.agent else None
+        if state:
+            return f"its process (pid {info.pid}) is {state}"
+        return "neither its control thread nor faulthandler gave a stack (a process stopped, or stuck in the kernel)"
+
+    # -- diagnosis ------------------------------------------------------------------------------
+    def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:
+        """Is the (last) cell hung, and why? Names the ranks, collectives and cell lines involved.
+        ``hang_after`` (seconds) overrides the pool's threshold for this call."""
+        if result is None:
+            last = self._session.last()
+            if not isinstance(last, CellResult):
+                raise NoCellError("no cell has run on this pool yet; run one with %%on_ranks (pool.run) first.")
+            result = last
+        tracker = self._tracker
+        elapsed = time.monotonic() - self._tracker.run_of(result).started
+        busy = [r for r in result.ranks if result.results[r].status == "running"]
+        alive = tracker.alive(list(range(self._world)))
+        # One round trip: stacks of every live rank (idle ones answer at once) with their collective
+        # logs, so a rank holding the GIL costs one timeout per diagnosis.
+        stacks = self.stacks(alive) if busy else None
+        log = self.collectives(refresh=not busy)
+        positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
+        threshold = self._config.hang_after if hang_after is None else hang_after
+        diag = diagnose(positions, threshold, elapsed, log, tracker.first_death)
+        if diag.kind == "ok" and busy:
+            # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
+            report = StragglerReport("0", list(result.ranks), arrivals(tracker.collective_log, "0", list(result.ranks), 200, result.cell))
+            rank = report.straggler()
+            if rank is not None:
+                return Diagnosis("slow", f"rank {rank} is a straggler: it arrives last at most collectives of this cell and the others "
+                                 "wait for it (see %dist_timeline).", positions, [rank], [f"  {report.summary()}"])
+        return diag
+
+    def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
+        """Per-rank time of a cell run with ``profile=True``; see :meth:`distnb.Pool.profile`."""
+        missing = {r: "the rank did not finish the cell" if res.status == "running" else "the cell was not run with profile=True"
+                   for r, res in result.results.items() if not res.profile}
+        errors = {r: f"the profiler failed: {res.profile['error']}" for r, res in result.results.items()
+                  if res.profile and "error" in res.profile}
+        profiles = {r: res.profile for r, res in result.results.items() if res.profile and "error" not in res.profile}
+        if not profiles:
+            raise ValueError(f"cell {result.cell} has no profile ({next(iter({**missing, **errors}.values()), 'no ranks')}); "
+                             "run it with %%on_ranks --profile (pool.run(code, profile=True)).")
+        ranks = sorted(profiles)
+        log = self.collectives(ranks).log
+        waits = StragglerReport("0", ranks, arrivals(log, "0", ranks, None, result.cell)).waiting()
+        times = [RankTime(r, result.results[r].duration or 0.0, profiles[r]["collective_s"], min(waits[r], profiles[r]["collective_s"]))
+                 for r in ranks]
+        path = None
+        traces = {r: p["trace"] for r, p in profiles.items() if "trace" in p}
+        if traces:
+            path = merge_traces(traces, {r: log.offset(r) for r in traces},
+                                trace_path or os.path.join("distnb-traces", f"cell-{result.cell}.json"))
+        far = {r: f"its trace is too big to send; it is at {p['trace_path']} on {self._tracker.ranks[r].host}"
+               for r, p in profiles.items() if "trace_path" in p}
+        return ProfileReport(result.cell, times, {r: p["ops"] for r, p in profiles.items()}, path, {**missing, **errors, **far})
+
+    def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
+        """Who arrives last at the recent collectives of ``group``: per rank, the share of
+        collectives it was last at, how late, and the share of time the others waited."""
+        if last < 1:
+            raise ValueError(f"last must be a positive count of collectives, not {last}; e.g. last=200.")
+        report = self.collectives(ranks)
+        members = report.members(group) if group in report.log.groups else report.ranks
+        if group not in report.group_names():
+            known = ", ".join(report.group_names()) or "none yet"
+            raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); run some first, "
+                             "or pick one of those.")
+        return StragglerReport(group, members, arrivals(report.log, group, members, last))
+
+    def death_note(self, result: CellResult) -> str:
+        """For a cell in which a rank died inside a collective whose ranks disagree: the odd rank
+        that caused it, in words (a gloo abort kills a neighbour, not the rank that was wrong)."""
+        dead = [r for r in result.ranks if result.results[r].status == "dead"]
+        if not dead:
+            return ""
+        first = self._tracker.first_death if self._tracker.first_death in dead else dead[0]
+        report = self.collectives(refresh=True)
+        found = victim(Position(first, "dead", detail=_processes.signal_meaning(result.results[first].returncode)), report)
+        return found[0] if found else ""
+
+    def conclude(self, result: CellResult) -> None:
+        """Once a cell has finished everywhere: the root cause of deaths and timeouts, and the
+        words for an end-of-cell desync."""
+        if result.failed:
+            result.root_cause = self.death_note(result) or self.timeout_note(result)
+        if result.desync:
+            result.desync_note = self.desync_note(result)
+
+    def timeout_note(self, result: CellResult) -> str:
+        """After a collective timeout: who never arrived, by sequence numbers — from the Flight
+        Recorder dumps NCCL's watchdog wrote into the run folder, else from the collective log.
+        The rank that timed out first waited; it is not the root cause."""
+        timed_out = [r for r, res in sorted(result.results.items()) if res.error and is_timeout(res.error)]
+        if not timed_out:
+            return ""
+        run_dir = self._run_dir()
+        dumps = read_dumps(run_dir, newer_than=result.started) if run_dir else {}
+        log = self.collectives(refresh=True).log
+        if dumps:
+            marks = {r: dump_marks(d.get("entries", [])) for r, d in dumps.items()}
+            source = f"the Flight Recorder dumps of {format_ranks(dumps)} at the timeout"
+        else:
+            marks = {r: [(e["group"], e["seq"], e["op"]) for e in log.entries.get(r, {}).values() if not e["p2p"]] for r in result.ranks}
+            source = "distnb's collective log"
+        blames = seq_blame(marks, log.groups)
+        if not blames:
+            return ""
+        return f"[distnb] {blames[0].text(timed_out)} (from {source})"
+
+    def desync_note(self, result: CellResult) -> str:
+        """The end-of-cell count mismatches in words, with the collectives involved (the log is
+        refreshed first: the rank ahead pushed its entry within ~50 ms, maybe not yet)."""
+        report = self.collectives(result.ranks, refresh=True)
+        return " ".join(mismatch_text(m, report.log) for m in result.desync)
+
+    def _position(self, r: int, result: CellResult, stacks: StackReport | None, elapsed: float) -> Position:
+        res = result.results.get(r)
+        if res is None:
+            return Position(r, "idle")
+        if res.status == "ok":
+            return Position(r, "finished")
+        if res.status in ("error", "interrupted") and res.error:
+            lines = result.code.splitlines()
+            line = res.error.get("line")
+            return Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
+                            detail=f"{res.error['ename']}: {res.error['evalue'][:200]}")
+        if res.status == "dead":
+            return Position(r, "dead", detail=_processes.signal_meaning(res.returncode))
+        assert stacks is not None
+        if not stacks[r].threads:
+            return Position(r, "unresponsive", since=elapsed, detail=self.why_silent(r))
+        if (paused := stacks[r].paused) is not None:
+            return position_paused(r, paused, result.cell)
+        pos = position_from_stack(stacks[r], result.cell)
+        # The rank tells which cell an entry belongs to by its own clock: no cross-machine clock comparison.
+        log = self._tracker.collective_log
+        pending = log.pending(r, result.cell)
+        stuck = log.stuck(r) if pos.state == "computing" else None
+        if stuck is not None:
+            # Not in torch.distributed by its stack, with a collective still open: NCCL (or an
+            # async_op work) returned to the host at enqueue, and the host now waits at a sync.
+            pos.state, pos.op, pos.seq, pos.group = "collective", stuck["op"], stuck["seq"], stuck["group"]
+            pos.shapes, pos.sizes, pos.dtypes, pos.args = describe(stuck, with_op=False), stuck.get("sizes"), stuck.get("dtypes"), stuck.get("args")
+            pos.issued = issued_words(stuck)
+            pos.since = log.age(r, stuck)
+        elif pending is not None:
+            pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
+            pos.shapes = describe(pending, with_op=False)
+            pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
+            pos.since = log.age(r, pending)
+        elif pos.state == "collective":
+            # In a collective by its stack, with no open entry: one torch does not record (new_group),
+            # or the stack was taken as the rank went from one collective to the next. Its wait is
+            # the call's (when watched), or just began — never the whole cell's.
+            call = next((c for c in reversed(log.open_calls(r)) if c["op"] == pos.op), None)
+            if call is not None:
+                pos.since = log.age(r, {"t": call["t"] / 1e9})
+            elif log.entries.get(r):
+                pos.since = 0.0
+        # Point-to-point calls have no recorder entry on gloo: the rank's own record of the call.
+        peers = [c for c in log.open_calls(r) if c["op"] in P2P_OPS]
+        if peers and (pos.op in P2P_OPS or pos.state == "computing" and ".wait(" in pos.code):
+            pos.state, pos.op, pos.peers = "collective", peers[-1]["op"], peers
+            pos.since = log.age(r, {"t": peers[0]["t"] / 1e9})
+        pos.since = pos.since if pos.since is not None else elapsed
+        return pos
+
+    # -- collective log -------------------------------------------------------------------------
+    def collectives(self, ranks: Ranks = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
+        """Every rank's collective sequence (from the Flight Recorder), side by side, with the
+        first divergence marked. Works while ranks are blocked; dead ranks keep their last log."""
+        tracker = self._tracker
+        targets = parse_ranks(ranks, self._world)
+        if refresh and tracker.state not in (PoolState.NEW, PoolState.STOPPED):
+            alive = tracker.alive(targets)
+            since = {r: tracker.collective_log.cursor(r) for r in alive}
+            floor = min(since.values(), default=-1)
+            calls = min((tracker.collective_log.last_call(r) for r in alive), default=-1)
+            replies = tracker.requests.ask(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor, "calls_since": calls}, 1.0, partial=True)
+            self._merge_collectives(replies, since)
+        return tracker.collective_log.report(targets, last)
+
+    def _merge_collectives(self, replies: dict[int, dict[str, Any]], since: dict[int, int]) -> None:
+        """Merge the ranks' log replies; each was asked from the lowest ``since`` of the batch, so
+        drop what a rank had already sent (entries still open may have changed: keep those)."""
+        with self._tracker.lock:
+            for r, reply in replies.items():
+                reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since.get(r, -1) or not e["done"]]
+                self._tracker.collective_log.merge(r, reply)
+
+    # -- memory, environment, checksums ---------------------------------------------------------
+    def memory(self, ranks: Ranks = None) -> MemoryReport:
+        """Each rank's memory now (asked live, works while cells run) and its peak per cell."""
+        self._require_pool()
+        targets = self._tracker.alive(parse_ranks(ranks, self._world))
+        replies = self._tracker.requests.ask(control_identity, targets, {"t": Msg.MEMORY}, 2.0, partial=True)
+        current = {r: m["memory"] for r, m in sorted(replies.items()) if "memory" in m}
+        return MemoryReport(current, self._session.memory_timeline(targets))
+
+    def env(self, ranks: Ranks = None) -> EnvReport:
+        """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""
+        self._require_pool()
+        targets = self._tracker.alive(parse_ranks(ranks, self._world))
+        replies = self._tracker.requests.ask(control_identity, targets, {"t": Msg.ENV}, 5.0)
+        return EnvReport({r: m["env"] for r, m in sorted(replies.items())}, {r: self._tracker.ranks[r].host for r in targets})
+
+    def check(self, names: str | Iterable[str], ranks: Ranks = None) -> list[CheckReport]:
+        """Checksum names (tensors, modules, state dicts, optimizers) on every rank and compare:
+        identical, or which entries differ and which ranks are the odd ones out."""
+        names = [names] if isinstance(names, str) else list(names)
+        if not names:
+            raise ValueError("name at least one variable to check, e.g. pool.check('model').")
+        targets = parse_ranks(ranks, self._world)
+        self._tracker.ensure_idle(targets)
+        replies = self._tracker.requests.ask(exec_identity, targets, {"t": Msg.CHECK, "names": names}, 120.0)
+        errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
+        if errors:
+            raise RemoteError(f"check failed on {format_ranks(errors)}: {next(iter(errors.values()))}", errors=errors)
+        return [compare(n, {r: replies[r]["checks"][n] for r in targets}) for n in names]

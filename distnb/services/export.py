@@ -1,0 +1,269 @@
+"""Export the cells of a session as a standalone torchrun script or a notebook (the minimal case)."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import pickle
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from distnb.config import DEBUG_ENV, LaunchConfig
+from distnb.ranks import format_ranks, rank_span
+from distnb.results import CellRecord, CellResult, PushRecord, Step
+
+if TYPE_CHECKING:
+    from distnb.controller.session import SessionLog
+
+__all__ = ["export_notebook", "export_script", "run_command", "select_cells", "with_pushes"]
+
+#: Pushed values larger than this go to a file beside the export instead of inline base64.
+INLINE_PUSH_BYTES = 64 * 1024
+
+_PRELUDE = '''\
+#!/usr/bin/env python
+"""Exported by distnb from a notebook session ({n} cells).
+
+Run:  {run}
+"""
+import os
+from datetime import timedelta
+{env}
+
+import torch
+import torch.distributed as dist
+
+# The same names every distnb rank starts with.
+rank = int(os.environ["RANK"])
+local_rank = int(os.environ["LOCAL_RANK"])
+world_size = int(os.environ["WORLD_SIZE"])
+backend = {backend!r}
+if backend == "auto":
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+if backend == "nccl":
+    device = torch.device("cuda", local_rank)  # by LOCAL_RANK, before the process group
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
+# device_id: NCCL creates its communicator now (eagerly) on this rank's own GPU.
+dist.init_process_group(backend, timeout=timedelta(seconds={pg_timeout!r}), device_id=device if backend == "nccl" else None)
+
+
+def display(*objs):
+    for obj in objs:
+        print(repr(obj))
+
+'''
+
+_EPILOGUE = '''
+dist.destroy_process_group()
+'''
+
+
+def select_cells(history: list[CellResult], spec: str | None = None, include_failed: bool = False) -> list[CellResult]:
+    """Cells by number (``"3-7,9"``), by default every cell that succeeded."""
+    cells = history
+    if spec:
+        wanted: set[int] = set()
+        for part in spec.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            try:
+                wanted.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+            except ValueError:
+                raise ValueError(f"can't read cell range {part!r}; use e.g. 3-7,9.") from None
+        known = {c.cell for c in history}
+        missing = sorted(wanted - known)
+        if missing:
+            raise ValueError(f"cell(s) {', '.join(map(str, missing))} did not run in this session; cells run: {rank_span(known)}.")
+        cells = [c for c in history if c.cell in wanted]
+        return cells
+    return [c for c in cells if include_failed or c.ok]
+
+
+def _show_last_value(code: str) -> str:
+    """Make the last expression print its value, as the notebook showed it."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return code
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return code
+    last = tree.body[-1]
+    lines = code.splitlines()
+    head = lines[: last.lineno - 1]
+    expr = "\n".join(lines[last.lineno - 1 : last.end_lineno])
+    if last.col_offset:  # e.g. "x = 1; x": keep the statements before it on that line
+        head.append(expr[: last.col_offset].rstrip().rstrip(";"))
+        expr = expr[last.col_offset :]
+    return "\n".join(head + [f"_ = ({expr})", "if _ is not None:", "    print(repr(_))"])
+
+
+def with_pushes(history: Sequence[CellResult | CellRecord], chosen: Sequence[CellResult | CellRecord],
+                pushes: Iterable[PushRecord], since: int = 0) -> list[Step]:
+    """The chosen cells with the pushes they depend on: every push made since history index
+    ``since`` up to the last chosen cell, placed where it happened."""
+    index = {id(c): i for i, c in enumerate(history)}
+    wanted = {index[id(c)] for c in chosen if id(c) in index}
+    if not wanted:
+        return list(chosen)
+    pending = sorted((p for p in pushes if since <= p.position <= max(wanted)), key=lambda p: p.position)
+    steps: list[Step] = []
+    for i in sorted(wanted):
+        while pending and pending[0].position <= i:
+            steps.append(pending.pop(0))
+        steps.append(history[i])
+    return steps
+
+
+def _env_lines(config: LaunchConfig) -> str:
+    env: dict[str, str] = {}
+    for switch in config.debug:
+        env.update(DEBUG_ENV[switch])
+    env.update(config.env)
+    if not env:
+        return ""
+    # Before torch is imported: NCCL_*, TORCH_DISTRIBUTED_DEBUG and friends are read at start-up.
+    return "\n# The pool's --env and --debug settings.\n" + "".join(f"os.environ.setdefault({k!r}, {v!r})\n" for k, v in env.items())
+
+
+def _literal_assignments(values: dict[str, Any]) -> str | None:
+    """``name = literal`` lines when every value survives repr → literal_eval unchanged."""
+    lines = []
+    for name, value in values.items():
+        try:
+            text = repr(value)
+            if ast.literal_eval(text) != value or type(ast.literal_eval(text)) is not type(value):
+                return None
+        except Exception:
+            return None
+        lines.append(f"{name} = {text}")
+    return "\n".join(lines)
+
+
+def _push_code(push: PushRecord, path: Path, n: int, sidecars: list[Path]) -> str:
+    """Code that re-creates a push: literals inline, else the pickle (inline or beside the export)."""
+    names = ", ".join(push.names)
+    if push.blob is None:
+        return f"# {names}: pushed from the notebook but too large to keep; define them here.\nraise SystemExit('define {names} first')"
+    literal = _literal_assignments(pickle.loads(push.blob))
+    if literal is not None:
+        return literal
+    if len(push.blob) <= INLINE_PUSH_BYTES:
+        data = base64.b64encode(push.blob).decode()
+        wrapped = "\n".join(textwrap.wrap(data, 96))
+        return f'import base64, pickle\nglobals().update(pickle.loads(base64.b64decode("""\n{wrapped}\n""")))  # {names}'
+    side = path.with_name(f"{path.stem}.push{n}.pkl")
+    side.write_bytes(push.blob)
+    sidecars.append(side)
+    return (f"import pickle\nwith open(os.path.join(os.path.dirname(os.path.abspath(__file__)), {side.name!r}), 'rb') as _f:\n"
+            f"    globals().update(pickle.load(_f))  # {names}")
+
+
+def _targeted(body: str, ranks: Sequence[int], everyone: bool) -> str:
+    if everyone:
+        return body + "\n"
+    return f"if rank in {{{', '.join(map(str, ranks))}}}:\n{textwrap.indent(body, '    ') or '    pass'}\n"
+
+
+def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path) -> Path:
+    steps = list(steps)
+    path = Path(path)
+    cells = [s for s in steps if not isinstance(s, PushRecord)]
+    parts = [_PRELUDE.format(n=len(cells), run=run_command(config, path.name), backend=config.backend,
+                             pg_timeout=config.pg_timeout, env=_env_lines(config))]
+    all_ranks = list(range(int(config.nproc or 0) * config.nnodes))
+    sidecars: list[Path] = []
+    for step in steps:
+        everyone = list(step.ranks) == all_ranks
+        where = "all ranks" if everyone else format_ranks(step.ranks)
+        if isinstance(step, PushRecord):
+            parts.append(f"# ---- %dist_push {' '.join(step.names)} ({where}) ----")
+            parts.append(_targeted(_push_code(step, path, len(sidecars) + 1, sidecars), step.ranks, everyone))
+            continue
+        parts.append(f"# ---- cell {step.cell} ({where}) ----")
+        parts.append(_targeted(_show_last_value(step.code.rstrip()), step.ranks, everyone))
+    parts.append(_EPILOGUE)
+    path.write_text("\n".join(parts))
+    return path
+
+
+def run_command(config: LaunchConfig, name: str) -> str:
+    """How to run an exported script with the pool's layout: one torchrun, or one per machine."""
+    if config.nnodes == 1:
+        return f"torchrun --nproc-per-node {config.nproc} {name}"
+    endpoint = config.rdzv_endpoint or "HOST:29500"
+    multi = (f"torchrun --nnodes {config.nnodes} --nproc-per-node {config.nproc} --rdzv-backend c10d "
+             f"--rdzv-endpoint {endpoint} {name}   (on each of the {config.nnodes} machines")
+    if config.local_nodes:
+        # The session rehearsed those machines on one box: the same script runs here as one job.
+        return f"{multi}; on one machine: torchrun --nproc-per-node {config.world_size} {name})"
+    return multi + ")"
+
+
+def _launch_line(config: LaunchConfig) -> str:
+    line = f"%dist_launch -n {config.nproc} --backend {config.backend}"
+    if config.nnodes > 1:
+        line += f" --nnodes {config.nnodes}"
+        if config.local_nodes:
+            line += " --local-nodes"
+        elif config.slurm:
+            line += " --slurm"
+        elif config.hosts:
+            line += f" --hosts {','.join(config.hosts)}"
+        if config.bind != LaunchConfig.bind:
+            line += f" --bind {config.bind}"
+        if config.rdzv_endpoint:
+            line += f" --rdzv-endpoint {config.rdzv_endpoint}"
+        if config.curve:
+            line += " --curve"
+    if config.pg_timeout != LaunchConfig.pg_timeout:
+        line += f" --pg-timeout {config.pg_timeout:g}"
+    line += "".join(f" --debug {d}" for d in config.debug)
+    line += "".join(f" --env {k}={v}" for k, v in config.env.items())
+    return line
+
+
+def export_notebook(steps: Iterable[Step], config: LaunchConfig, path: str | Path) -> Path:
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    steps = list(steps)
+    path = Path(path)
+    cells = [s for s in steps if not isinstance(s, PushRecord)]
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell(f"Exported by distnb: {len(cells)} cells, {config.world_size} ranks."),
+            new_code_cell(f"%load_ext distnb\n{_launch_line(config)}"),
+        ]
+    )
+    all_ranks = list(range(int(config.nproc or 0) * config.nnodes))
+    sidecars: list[Path] = []
+    for step in steps:
+        target = "" if list(step.ranks) == all_ranks else " " + ",".join(map(str, step.ranks))
+        if isinstance(step, PushRecord):
+            # Defined in the notebook, then pushed, as in the session that was exported.
+            code = _push_code(step, path, len(sidecars) + 1, sidecars).replace("os.path.dirname(os.path.abspath(__file__))", "'.'")
+            if "os.path.join" in code:
+                code = "import os\n" + code
+            ranks = f" --ranks {','.join(map(str, step.ranks))}" if target else ""
+            nb.cells.append(new_code_cell(f"{code}\n%dist_push {' '.join(step.names)}{ranks}"))
+            continue
+        nb.cells.append(new_code_cell(f"%%on_ranks{target}\n{step.code.rstrip()}"))
+    nb.cells.append(new_code_cell("%dist_shutdown"))
+    nbformat.write(nb, str(path))
+    return path
+
+
+def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: str | None = None, include_failed: bool = False) -> str:
+    """Write the session's cells (since launch; by default those that succeeded) as a
+    standalone ``torchrun`` script, or as a notebook when ``path`` ends in ``.ipynb``."""
+    history = session.history
+    start = session.launch_index
+    chosen = select_cells(history[start:] if cells is None else history, cells, include_failed)  # type: ignore[arg-type]
+    if not chosen:
+        raise ValueError("there is no cell to export yet; run some with %%on_ranks first (or pass --all to include failed ones).")
+    # The cells read what %dist_push sent them: the pushes go in too, where they happened.
+    steps = with_pushes(history, chosen, session.pushes, start)
+    writer = export_notebook if str(path).endswith(".ipynb") else export_script
+    return str(writer(steps, config, path))

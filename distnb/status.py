@@ -1,0 +1,85 @@
+"""What the controller knows of the pool and each rank, as a result object (``%dist_status``,
+``pool.status()``): no round trip to the ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distnb._processes import signal_meaning
+from distnb.states import RankState
+
+__all__ = ["PoolStatus", "RankStatus"]
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    state: RankState
+    pid: int | None = None
+    host: str | None = None
+    device: str | None = None
+    cell: int | None = None
+    elapsed: float | None = None
+    returncode: int | None = None
+    local_rank: int | None = None
+    node: int | None = None  # torchrun's GROUP_RANK: which machine
+    cause: str = ""
+
+    def describe(self, with_elapsed: bool = True) -> str:
+        """In words: ``running cell 3 for 2.0 s`` (the duration left out with ``with_elapsed=False``)."""
+        if self.state == RankState.DEAD:
+            why = [signal_meaning(self.returncode)] if self.returncode is not None else []
+            why += [self.cause] if self.cause else []
+            return f"dead: {'; '.join(why)}" if why else "dead"
+        if self.state == RankState.RUNNING and self.cell is not None:
+            return f"running cell {self.cell}" + (f" for {self.elapsed or 0.0:.1f} s" if with_elapsed else "")
+        return self.state.value
+
+
+@dataclass
+class PoolStatus:
+    state: str
+    backend: str | None
+    world_size: int
+    ranks: list[RankStatus]
+    agent_pid: int | None = None
+    address: str | None = None
+    cells_run: int = 0
+    nnodes: int = 1
+    nodes: str = ""  # the other machines' node agents, in words
+    rejected: int = 0  # frames and handshakes refused (wrong key, replay, unknown peer)
+    internal_errors: int = 0  # failures distnb's I/O thread caught and survived
+    last_internal_error: str | None = None
+
+    def text(self) -> str:
+        nodes = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
+        lines = [
+            f"pool {self.state}: {self.world_size} ranks{nodes}, backend {self.backend or '?'}, "
+            f"{self.cells_run} cells run, torchrun agent pid {self.agent_pid}, controller {self.address}"
+        ]
+        multi = self.nnodes > 1
+        head = ("rank", "node", "pid", "host", "device") if multi else ("rank", "pid", "host", "device")
+        rows = [(*head, "state")]
+        for r in self.ranks:
+            node = ("-" if r.node is None else str(r.node),) if multi else ()
+            rows.append((str(r.rank), *node, str(r.pid or "-"), r.host or "-", r.device or "-", r.describe()))
+        n = len(head)
+        widths = [max(len(row[i]) for row in rows) for i in range(n)]
+        for row in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[:n], widths)) + "  " + row[n])
+        if self.nodes:
+            lines += ["other nodes:", *("  " + line for line in self.nodes.splitlines())]
+        if self.rejected:
+            lines.append(f"refused {self.rejected} frame(s) or handshake(s) from peers without this pool's key")
+        if self.internal_errors:
+            last = (self.last_internal_error or "").strip().splitlines()
+            lines.append(f"{self.internal_errors} internal error(s) on distnb's I/O thread (it kept running; please report them); "
+                         f"the last: {last[0] if last else '?'}{(' — ' + last[-1]) if len(last) > 1 else ''}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
