@@ -45,7 +45,8 @@ from distnb.services.waiting import wait_for_cell
 from distnb.states import PoolState
 from distnb.status import PoolStatus
 from distnb.wire.cell_code import CompiledCell, compile_source, exec_request
-from distnb.wire.protocol import Msg, control_identity, exec_identity, supervisor_identity
+from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
+from distnb.wire.protocol import Msg
 from distnb.wire.security import Credentials
 
 __all__ = ["Pool", "current_pool", "launch"]

@@ -1,6 +1,7 @@
 """Shared fixtures: pools shared by every module that asks for the same options, fresh pools for
-destructive tests, one ``wait_until``, and a session-end check that no process of distnb's
-outlives the test run.
+destructive tests, one ``wait_until``, a session-end check that no process of distnb's outlives
+the test run, and the controller's seam for tests without processes: :class:`FakeTransport` and
+:func:`feed` (messages in through the wire's own checks, as the channel delivers them).
 
 End-to-end tests (anything that starts a process) are marked ``slow``: ``python -m pytest -m
 "not slow"`` is the fast loop."""
@@ -11,12 +12,15 @@ import os
 import signal
 import time
 import uuid
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import pytest
 
 import distnb
 from distnb import _processes
+
+from distnb.wire.peers import Peer, PeerKind
+from distnb.wire.protocol import accept
 
 # Every process a pool starts inherits this variable, so the leak check can tell this test run's
 # processes from anyone else's (another test run, a notebook) on the same machine.
@@ -280,3 +284,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+class FakeTransport:
+    """The controller's :class:`~distnb.controller.requests.Transport` without a socket: records
+    what the tracker (or a service) sends; a test answers as a rank would, with :func:`feed`."""
+
+    def __init__(self) -> None:
+        self.heartbeat_peers: set[bytes] = set()
+        self.sent: list[tuple[bytes, dict[str, Any]]] = []
+        self.on_send: Any = None
+
+    def send(self, identity: bytes, msg: dict[str, Any]) -> None:
+        self.send_many((identity,), msg)
+
+    def send_many(self, identities: Iterable[bytes], msg: dict[str, Any]) -> None:
+        for identity in identities:
+            self.sent.append((identity, dict(msg)))
+            if self.on_send is not None:
+                self.on_send(identity, dict(msg))
+
+    def kinds(self) -> list[str]:
+        return [m["t"] for _, m in self.sent]
+
+
+def feed(tracker: Any, kind: str, number: int, msg: dict[str, Any]) -> None:
+    """Deliver ``msg`` from peer ``kind`` (``"x"``, ``"c"``, ``"s"``, ``"n"``) ``number`` as the
+    channel does: checked by :func:`~distnb.wire.protocol.accept` first (a malformed message
+    raises here, as it is rejected there), then handed to ``tracker.on_message``."""
+    peer_kind = PeerKind(kind)
+    tracker.on_message(Peer(peer_kind, number), accept(peer_kind, msg))
+
+
+@pytest.fixture
+def transport() -> FakeTransport:
+    return FakeTransport()

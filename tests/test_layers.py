@@ -134,7 +134,7 @@ def test_the_root_keeps_the_public_face_and_a_few_helpers() -> None:
 def test_one_home_per_name() -> None:
     """A public name is defined in one module only (re-exports through ``__all__`` aside, for the
     package's own face)."""
-    homes: dict[str, list[str]] = {}
+    homes: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             names: list[str] = []
@@ -148,9 +148,9 @@ def test_one_home_per_name() -> None:
                 # ``main`` (an entry point) and ``install`` (a module's one hook, called as
                 # ``call_log.install()``) are verbs qualified by their module, not names to import.
                 if not name.startswith("_") and name not in ("main", "install", "T"):
-                    homes.setdefault(name, []).append(_module_name(path))
+                    homes.setdefault(name, set()).add(_module_name(path))  # overloads: one home
     twice = {name: where for name, where in homes.items() if len(where) > 1}
-    assert not twice, "defined in more than one module: " + "; ".join(f"{n}: {', '.join(w)}" for n, w in sorted(twice.items()))
+    assert not twice, "defined in more than one module: " + "; ".join(f"{n}: {', '.join(sorted(w))}" for n, w in sorted(twice.items()))
 
 
 def test_every_module_is_placed_in_a_layer_and_small() -> None:

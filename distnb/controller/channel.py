@@ -29,7 +29,9 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import zmq
 
-from distnb.wire.protocol import BadFrame, Codec, Msg, ReplayGuard, generation_of, in_generation, parse_identity, socket_max_msgsize
+from distnb.wire.codec import BadFrame, Codec, ReplayGuard, socket_max_msgsize
+from distnb.wire.peers import Peer, PeerKind, generation_of, in_generation, parse_identity
+from distnb.wire.protocol import Inbound, Msg, accept
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import drain, send_frames
 
@@ -37,7 +39,7 @@ __all__ = ["Channel", "FollowUp"]
 
 log = logging.getLogger("distnb")
 
-OnMessage = Callable[[str, int, dict[str, Any]], None]
+OnMessage = Callable[[Peer, Inbound], None]
 
 
 class FollowUp(NamedTuple):
@@ -59,9 +61,10 @@ _LOGGED_SITES_MAX = 64
 class Channel:
     """The controller's end of the control plane.
 
-    ``on_message(kind, rank, msg)`` is called on the I/O thread with ``kind`` one of ``"x"``
-    (rank main thread), ``"c"`` (rank control thread), ``"s"`` (rank supervisor) or ``"n"``
-    (node agent; ``rank`` is then the agent's id). ``on_tick()`` is called on the same thread
+    ``on_message(peer, msg)`` is called on the I/O thread with the :class:`~distnb.wire.peers.Peer`
+    the frame came from and the message as its typed kind, once
+    :func:`~distnb.wire.protocol.accept` found it is one that peer may send, with its fields (a
+    message that is not is rejected and counted, and never reaches a handler). ``on_tick()`` is called on the same thread
     every ``heartbeat`` seconds, after the pings when they are due (every ``ping_every``).
     """
 
@@ -80,7 +83,7 @@ class Channel:
         self._key = creds.key
         self._codec = Codec(creds.key, "C")
         #: Which ranks' connections (exec, control) messages go to and come from: 0 for the ranks
-        #: torchrun started, N after the Nth respawn (see protocol.exec_identity).
+        #: torchrun started, N after the Nth respawn (see peers.exec_identity).
         self.generation = 0
         self._senders = itertools.count(1)
         self._guard = ReplayGuard()
@@ -310,23 +313,29 @@ class Channel:
 
     def _receive(self, frames: list[bytes]) -> None:
         try:
-            kind, rank = parse_identity(frames[0])
-            msg = self._codec.decode(frames[1:])
-            if msg.get("_s") != frames[0].decode():
+            peer = parse_identity(frames[0])
+            raw = self._codec.decode(frames[1:])
+            if raw.get("_s") != frames[0].decode():
                 raise BadFrame("sender name does not match its connection")
-            if kind in ("x", "c") and generation_of(frames[0]) != self.generation:
+            if peer.kind in (PeerKind.EXEC, PeerKind.CONTROL) and generation_of(frames[0]) != self.generation:
                 return  # signed, but from a rank a respawn replaced, heard late: its pool is gone
             # Only now: a frame carrying another peer's name must not move that peer's counter
             # forward, or the real peer's next frames would all look like replays.
-            self._guard.check(msg["_s"], msg["_n"])
+            self._guard.check(raw["_s"], raw["_n"])
         except BadFrame as exc:
             self._rejected += 1
             log.debug("dropped a frame: %s", exc)
             return
         try:
-            self._on_message(kind, rank, msg)
+            msg = accept(peer.kind, raw)
+        except BadFrame as exc:  # signed by the pool's key, so a bug or another version: said, not only counted
+            self._rejected += 1
+            self._failed(f"a malformed message from {frames[0].decode(errors='replace')} ({exc})")
+            return
+        try:
+            self._on_message(peer, msg)
         except Exception:  # a bug in a handler must not kill the I/O thread
-            self._failed(f"handling {msg.get('t')!r} from {frames[0].decode(errors='replace')}")
+            self._failed(f"handling {msg['t']!r} from {frames[0].decode(errors='replace')}")
 
     @property
     def alive(self) -> bool:

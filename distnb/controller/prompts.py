@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb.wire.protocol import StdinRequest
+
 __all__ = ["Prompt"]
 
 
@@ -27,9 +29,8 @@ class Prompt:
     answered: bool = False  # a line was sent: the rank is running again until its next prompt
 
     @classmethod
-    def of(cls, rank: int, msg: dict[str, Any]) -> Prompt:
-        return cls(rank, int(msg["id"]), int(msg["cell"]), str(msg["kind"]), str(msg.get("prompt", "")), str(msg.get("output", "")),
-                   msg.get("where"), str(msg.get("mode", "breakpoint")))
+    def of(cls, rank: int, msg: StdinRequest) -> Prompt:
+        return cls(rank, msg["id"], msg["cell"], msg["kind"], msg["prompt"], msg["output"], msg["where"], msg["mode"])
 
     def place(self) -> str:
         """``cell 7 line 4 (x = y.sum())``, ``step() (cell 2 line 11)``, ``torch/nn/functional.py:2037 in relu()``."""

@@ -24,15 +24,16 @@ import collections
 import pickle
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 from distnb import _processes
 from distnb.analysis.desync import CountMismatch, carry_over, count_mismatches
+from distnb.controller.asks import Asks
 from distnb.controller.cell_run import CellRun
 from distnb.controller.channel import FollowUp
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.deaths import Deaths
-from distnb.controller.liveness import Liveness, supervisor_gone
+from distnb.controller.liveness import Liveness, gone_without_report, lost_machines, supervisor_gone
 from distnb.controller.prompts import Prompt
 from distnb.controller.rank_record import RankRecord
 from distnb.controller.requests import Requests, Transport
@@ -41,11 +42,14 @@ from distnb.launching.remote_nodes import Nodes
 from distnb.results import CellEvents, CellResult, RankResult
 from distnb.states import PoolState, RankState
 from distnb.status import RankStatus
-from distnb.wire.protocol import Msg, control_identity, supervisor_identity
+from distnb.wire.peers import Peer, PeerKind, control_identity, supervisor_identity
+from distnb.wire.protocol import CellDone, FromNode, Inbound, Msg, RankEvent, SupHello, accept_event
 
 __all__ = ["OUTPUT_KEEP_BYTES", "Tracker"]
 
 T = TypeVar("T")
+
+_NODE_KINDS = frozenset({Msg.NODE_HELLO, Msg.NODE_BEAT, Msg.NODE_OUTPUT, Msg.NODE_EXIT})
 
 #: Runs of recent cells kept for :meth:`Tracker.run_of` (more while cells still run).
 _RUNS_KEPT = 64
@@ -91,7 +95,7 @@ class Tracker:
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
         #: ``handler(agent, msg)`` for node agents' messages (multi-node pools), under the lock.
-        self.node_handler: Callable[[int, dict[str, Any]], None] | None = None
+        self.node_handler: Callable[[int, FromNode], None] | None = None
         self.ranks: dict[int, RankRecord] = {}
         self.notes: list[str] = []  # for start()'s on_note, taken on the caller's thread
         self._state = PoolState.NEW
@@ -100,8 +104,7 @@ class Tracker:
         # The live run behind each recent cell result, by cell number: a public result carries no
         # private state; the oldest are forgotten once ended (a forgotten run reads as ended).
         self._runs: collections.OrderedDict[int, CellRun] = collections.OrderedDict()
-        self._poll_dirty: set[int] = set()
-        self._ticks = 0
+        self._asks = Asks(self.requests, lambda: self.transport, self.collective_log)
         self.desync: list[CountMismatch] = []  # the last cell's end-of-cell count mismatches
 
     # -- the one place states change ------------------------------------------------------------
@@ -281,7 +284,7 @@ class Tracker:
                 info.run = run
                 self._set_rank(info, RankState.RUNNING)
                 self._last_results[r] = result.results[r]
-            self._poll_dirty.update(result.ranks)
+            self._asks.ran_cell(result.ranks)
             return run
 
     def watch_follow_up(self, run: CellRun) -> FollowUp:
@@ -330,41 +333,47 @@ class Tracker:
             return next((i.backend for i in self.ranks.values() if i.backend), None)
 
     # -- messages (the I/O thread) --------------------------------------------------------------
-    def on_message(self, kind: str, rank: int, msg: dict[str, Any]) -> None:
-        t = msg["t"]
+    def on_message(self, peer: Peer, msg: Inbound) -> None:
+        """A message the channel accepted (:func:`~distnb.wire.protocol.accept`: its kind is one
+        this peer may send, with its fields), dispatched by peer and kind."""
         with self.lock:
-            if kind == "n":
-                if self.node_handler is not None:
-                    self.node_handler(rank, msg)
-            elif (info := self.ranks.get(rank)) is not None:
-                if t == Msg.REPLY:
-                    self.requests.deliver(rank, msg)
-                elif t == Msg.COLLECTIVES_PUSH:
-                    self.collective_log.merge(rank, msg)
-                elif kind == "s":
-                    self._on_supervisor(info, t, msg)
-                else:
-                    self._on_rank(info, t, msg, direct=True)
+            if peer.kind is PeerKind.NODE:
+                if self.node_handler is not None and msg["t"] in _NODE_KINDS:
+                    self.node_handler(peer.number, cast(FromNode, msg))
+            elif (info := self.ranks.get(peer.number)) is not None:
+                if msg["t"] == Msg.REPLY:
+                    self.requests.deliver(info.rank, dict(msg))
+                elif msg["t"] == Msg.COLLECTIVES_PUSH:
+                    self.collective_log.merge(info.rank, dict(msg))
+                elif msg["t"] == Msg.SUP_HELLO:
+                    self._on_sup_hello(info, msg)
+                elif msg["t"] == Msg.OUTPUT:
+                    text = info.decode(msg["stream"], msg["data"])
+                    if text:
+                        self._route_output(info, msg["stream"], text)
+                elif msg["t"] == Msg.EVENT:
+                    # Unsigned inside, but it reached us in a frame signed by the rank's supervisor,
+                    # which read it from a pipe only its own child can write.
+                    self._on_event(info, accept_event(pickle.loads(msg["body"])), direct=False)
+                elif msg["t"] == Msg.RANK_EXIT:
+                    info.returncode = msg["returncode"]
+                    info.stderr_tail = msg.get("stderr_tail", "")
+                    self._mark_dead(info, msg.get("time"))
+                elif msg["t"] == Msg.CELL_DONE:  # a silent cell's, straight from the rank
+                    self._cell_done(info, msg, direct=True)
+                elif msg["t"] == Msg.HELLO:
+                    info.pid, info.host, info.local_rank = msg["pid"], msg["host"], msg["local_rank"]
+                    info.main_ident = msg.get("main_ident")
+                    if info.state in (RankState.LAUNCHED, RankState.STARTED):
+                        self._set_rank(info, RankState.CONNECTED)
+                elif msg["t"] == Msg.READY:
+                    info.device, info.backend = msg["device"], msg["backend"]
+                    self._set_rank(info, RankState.IDLE)
+                elif msg["t"] == Msg.START_FAILED:
+                    info.start_error = msg.get("error") or msg.get("summary")
             self.changed.notify_all()
 
-    def _on_supervisor(self, info: RankRecord, t: str, msg: dict[str, Any]) -> None:
-        if t == Msg.OUTPUT:
-            text = info.decode(msg["stream"], msg["data"])
-            if text:
-                self._route_output(info, msg["stream"], text)
-        elif t == Msg.EVENT:
-            # Unsigned inside, but it reached us in a frame signed by the rank's supervisor,
-            # which read it from a pipe only its own child can write.
-            event = pickle.loads(msg["body"])
-            self._on_rank(info, event["t"], event)
-        elif t == Msg.SUP_HELLO:
-            self._on_sup_hello(info, msg)
-        elif t == Msg.RANK_EXIT:
-            info.returncode = msg["returncode"]
-            info.stderr_tail = msg.get("stderr_tail", "")
-            self._mark_dead(info, msg.get("time"))
-
-    def _on_sup_hello(self, info: RankRecord, msg: dict[str, Any]) -> None:
+    def _on_sup_hello(self, info: RankRecord, msg: SupHello) -> None:
         if "pid" in msg:
             info.supervisor_pid = msg["pid"]
             info.host = msg.get("host")
@@ -385,32 +394,24 @@ class Tracker:
             if self.liveness is not None and not info.agent:
                 self.liveness.known_pids.add(msg["child_pid"])
 
-    def _on_rank(self, info: RankRecord, t: str, msg: dict[str, Any], direct: bool = False) -> None:
-        if t == Msg.CELL_DONE:
-            self._cell_done(info, msg, direct)
-        elif t == Msg.STDIN_REQUEST and (run := info.run) is not None and run.result.cell == msg["cell"]:
-            run.prompts[info.rank] = Prompt.of(info.rank, msg)
-        elif t == Msg.DISPLAY:
-            if (run := info.run) is not None and run.result.cell == msg["cell"]:
-                run.result.results[info.rank].displays.append(msg["data"])
+    def _on_event(self, info: RankRecord, event: RankEvent, direct: bool) -> None:
+        """What a rank wrote into its events pipe, forwarded by its supervisor after its output."""
+        if event["t"] == Msg.CELL_DONE:
+            self._cell_done(info, event, direct)
+        elif event["t"] == Msg.STDIN_REQUEST:
+            if (run := info.run) is not None and run.result.cell == event["cell"]:
+                run.prompts[info.rank] = Prompt.of(info.rank, event)
+        elif event["t"] == Msg.DISPLAY:
+            if (run := info.run) is not None and run.result.cell == event["cell"]:
+                run.result.results[info.rank].displays.append(event["data"])
                 if run.events.on_display:
-                    run.events.on_display(info.rank, msg["data"])
+                    run.events.on_display(info.rank, event["data"])
             else:
-                info.log.append(msg["data"].get("text/plain", ""))
-        elif t == Msg.HELLO:
-            info.pid, info.host, info.local_rank = msg["pid"], msg["host"], msg["local_rank"]
-            info.main_ident = msg.get("main_ident")
-            if info.state in (RankState.LAUNCHED, RankState.STARTED):
-                self._set_rank(info, RankState.CONNECTED)
-        elif t == Msg.READY:
-            info.device, info.backend = msg["device"], msg["backend"]
-            self._set_rank(info, RankState.IDLE)
-        elif t == Msg.START_FAILED:
-            info.start_error = msg.get("error") or msg.get("summary")
+                info.log.append(event["data"].get("text/plain", ""))
 
-    def _cell_done(self, info: RankRecord, msg: dict[str, Any], direct: bool) -> None:
+    def _cell_done(self, info: RankRecord, msg: CellDone, direct: bool) -> None:
         run = info.run
-        if run is None or run.result.cell != msg.get("cell"):
+        if run is None or run.result.cell != msg["cell"]:
             return  # a cell the controller stopped waiting for (restart, detach)
         res = run.result.results[info.rank]
         res.status = msg["status"]
@@ -419,22 +420,8 @@ class Tracker:
         res.finished_at, res.direct = time.monotonic(), direct
         run.waiting_done.discard(info.rank)
         if res.error and "OutOfMemoryError" in str(res.error.get("ename")) and run.waiting_done:
-            self._ask_memory_of_waiting(run)
+            self._asks.memory_of(run.result.live_memory, sorted(run.waiting_done))
         self._maybe_finish(info)
-
-    def _ask_memory_of_waiting(self, run: CellRun) -> None:
-        """The others usually wait for an out-of-memory rank in a collective and will report no
-        end-of-cell memory: ask for theirs now, for the side-by-side comparison."""
-        if self.transport is None:
-            return
-        live = run.result.live_memory
-
-        def keep(rank: int, reply: dict[str, Any]) -> None:
-            if "memory" in reply:
-                live[rank] = reply["memory"]
-
-        req_id = self.requests.expect(keep, ttl=30.0)
-        self.transport.send_many(map(control_identity, sorted(run.waiting_done)), {"t": Msg.MEMORY, "id": req_id})
 
     def _route_output(self, info: RankRecord, stream: str, text: str) -> None:
         run = info.run
@@ -482,9 +469,12 @@ class Tracker:
         with self.lock:
             self.requests.prune()
             if self._state in (PoolState.READY, PoolState.STARTING, PoolState.BROKEN):
-                self._check_nodes()
-                self._check_processes()
-                self._poll_collectives()
+                for note in lost_machines(self.nodes, self.ranks, self._last_results):
+                    self.note(note)
+                for info in gone_without_report(self.ranks, self.nodes, self.liveness):
+                    self._mark_dead(info)
+                self._asks.poll_collectives({r for r, i in self.ranks.items() if i.run is not None},
+                                            {r for r, i in self.ranks.items() if i.state == RankState.DEAD})
             if self._state == PoolState.BROKEN:
                 self._end_stranded_cells()
             self.changed.notify_all()
@@ -501,36 +491,3 @@ class Tracker:
             blocked = {r: why for r in sorted(run.waiting_done) if (why := self.collective_log.blocked_on(r, run.result.cell, dead))}
             if blocked and len(blocked) == len(run.waiting_done):
                 run.strand(blocked, sorted(dead), time.monotonic() - min(deaths))
-
-    def _check_nodes(self) -> None:
-        for node in self.nodes.check():
-            self.note(f"{node.name()} stopped answering: its ranks are taken for dead")
-            for info in self.ranks.values():
-                # Ranks that already reported a SIGTERM died because their machine's agent went.
-                if info.agent == node.agent_id and info.state == RankState.DEAD and not info.cause:
-                    info.cause = node.cause()
-                    res = self._last_results.get(info.rank)
-                    if res is not None and res.status == "dead":
-                        res.cause = info.cause
-
-    def _check_processes(self) -> None:
-        for info in self.ranks.values():
-            if info.state != RankState.DEAD and (cause := supervisor_gone(info, self.nodes, self.liveness)) is not None:
-                # No exit report is coming: the supervisor itself is gone (killed with the agent).
-                info.cause = cause or info.cause
-                self._mark_dead(info)
-
-    def _poll_collectives(self) -> None:
-        """Fetch new collective-log entries of ranks that ran cells, so the log survives a rank that
-        later dies abruptly. Running ranks push their own within ~50 ms (worker/control.py); this
-        is the backstop, every 5 s for them, since a full read of a rank's recorder costs ms."""
-        if self.transport is None:
-            return
-        self._ticks += 1
-        running = {r for r, i in self.ranks.items() if i.run is not None} if self._ticks % 5 == 0 else set()
-        targets = sorted(r for r in self._poll_dirty | running if self.ranks[r].state != RankState.DEAD)
-        self._poll_dirty = set()
-        for r in targets:
-            req_id = self.requests.expect(self.collective_log.merge, ttl=10.0)
-            self.transport.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": req_id, "since": self.collective_log.cursor(r),
-                                                      "calls_since": self.collective_log.last_call(r)})

@@ -26,7 +26,9 @@ from distnb import __version__, _processes
 from distnb.config import LaunchConfig, Rendezvous
 from distnb.launching import network
 from distnb.launching.torchrun import Launcher
-from distnb.wire.protocol import BadFrame, Codec, Msg, ReplayGuard, node_identity, socket_max_msgsize
+from distnb.wire.codec import BadFrame, Codec, ReplayGuard, socket_max_msgsize
+from distnb.wire.peers import PeerKind, node_identity
+from distnb.wire.protocol import Msg, NodeStart, ToNode, accept_request
 from distnb.wire.security import Credentials, KeyFileError
 
 __all__ = ["NodeAgent", "main"]
@@ -56,18 +58,18 @@ class NodeAgent:
     def send(self, msg: dict[str, Any]) -> None:
         self.sock.send_multipart(self.codec.encode(msg), copy=False)
 
-    def recv(self, timeout: float) -> dict[str, Any] | None:
+    def recv(self, timeout: float) -> ToNode | None:
         if not self.sock.poll(int(timeout * 1000)):
             return None
         frames = self.sock.recv_multipart()
         try:
-            msg = self.codec.decode(frames, self.guard)
+            raw = self.codec.decode(frames, self.guard)
+            # The controller signs as "C" (its I/O thread) or "C<n>" (its other threads); peers never do.
+            return accept_request(PeerKind.NODE, raw) if str(raw.get("_s", "")).startswith("C") else None
         except BadFrame:
             return None
-        # The controller signs as "C" (its I/O thread) or "C<n>" (its other threads); peers never do.
-        return msg if str(msg.get("_s", "")).startswith("C") else None
 
-    def _join(self) -> dict[str, Any] | None:
+    def _join(self) -> NodeStart | None:
         hello = {"t": Msg.NODE_HELLO, "host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
         deadline = time.monotonic() + self.wait
         next_hello = 0.0

@@ -31,7 +31,8 @@ from distnb.controller.tracker import Tracker
 from distnb.errors import NoCellError
 from distnb.ranks import format_ranks, group_by, parse_ranks
 from distnb.results import CellRecord, CellResult
-from distnb.wire.protocol import Msg, exec_identity
+from distnb.wire.peers import exec_identity
+from distnb.wire.protocol import Msg
 
 __all__ = ["Ask", "Command", "Debugger", "Prompt", "parse_command", "read_line"]
 

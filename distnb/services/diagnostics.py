@@ -32,7 +32,8 @@ from distnb.errors import NoCellError, NoPoolError, RemoteError
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult
 from distnb.states import PoolState, RankState
-from distnb.wire.protocol import Msg, control_identity, exec_identity, supervisor_identity
+from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
+from distnb.wire.protocol import Msg
 
 __all__ = ["Diagnostics"]
 

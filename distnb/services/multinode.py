@@ -10,7 +10,6 @@ import os
 import secrets
 import socket
 import time
-from typing import Any
 
 from distnb.config import LaunchConfig, Rendezvous, is_loopback, split_host_port
 from distnb.controller.requests import Transport
@@ -18,7 +17,8 @@ from distnb.controller.tracker import Tracker
 from distnb.launching import network
 from distnb.launching.remote_nodes import NodeStarters, connect_host, join_command
 from distnb.states import PoolState
-from distnb.wire.protocol import Msg, node_identity
+from distnb.wire.peers import node_identity
+from distnb.wire.protocol import FromNode, Msg
 from distnb.wire.security import Credentials, default_key_file
 
 __all__ = ["MultiNode"]
@@ -93,27 +93,25 @@ class MultiNode:
             self._tracker.note(f"started {config.nnodes - 1} node agent(s) with srun")
         return self.starters.pids()
 
-    def on_message(self, agent: int, msg: dict[str, Any]) -> None:
+    def on_message(self, agent: int, msg: FromNode) -> None:
         """A node agent's message (the I/O thread, under the tracker's lock)."""
-        t = msg["t"]
-        if t == Msg.NODE_HELLO:
+        if msg["t"] == Msg.NODE_HELLO:
             known = agent in self.nodes.agents
-            reason = self.nodes.hello(agent, str(msg.get("host")), int(msg.get("pid", 0)), str(msg.get("version")),
-                                      accepting=self._tracker.state == PoolState.STARTING)
+            reason = self.nodes.hello(agent, msg["host"], msg["pid"], msg["version"], accepting=self._tracker.state == PoolState.STARTING)
             if reason:
                 self._transport.send(node_identity(agent), {"t": Msg.NODE_REFUSED, "reason": reason})
-                self._tracker.note(f"refused a node agent on {msg.get('host')} (pid {msg.get('pid')}): {reason}")
+                self._tracker.note(f"refused a node agent on {msg['host']} (pid {msg['pid']}): {reason}")
                 return
             self._transport.heartbeat_peers.add(node_identity(agent))
             self._transport.send(node_identity(agent), {"t": Msg.NODE_START, "config": self.config, "rdzv": self._agent_rdzv})
             if not known:
                 self._tracker.note(f"node {len(self.nodes.agents)} of {self.nodes.expected} joined: {self.nodes.agents[agent].name()}")
-        elif t == Msg.NODE_BEAT:
-            self.nodes.beat(agent, list(msg.get("pids", [])))
-        elif t == Msg.NODE_OUTPUT:
-            self.nodes.output(agent, list(msg.get("lines", [])))
-        elif t == Msg.NODE_EXIT:
-            self.nodes.exited(agent, msg.get("returncode"), str(msg.get("why", "")), str(msg.get("tail", "")))
+        elif msg["t"] == Msg.NODE_BEAT:
+            self.nodes.beat(agent, msg["pids"])
+        elif msg["t"] == Msg.NODE_OUTPUT:
+            self.nodes.output(agent, msg["lines"])
+        elif msg["t"] == Msg.NODE_EXIT:
+            self.nodes.exited(agent, msg["returncode"], msg["why"], msg["tail"])
 
     def start_failure(self) -> str | None:
         """Why the start failed on another machine's side, if it did."""

@@ -20,7 +20,8 @@ from distnb.launching.network import SOCKET_IFNAME_VARS
 from distnb.launching.torchrun import Launcher
 from distnb.services.multinode import MultiNode
 from distnb.states import RankState
-from distnb.wire.protocol import Msg, supervisor_identity
+from distnb.wire.peers import supervisor_identity
+from distnb.wire.protocol import Msg
 
 __all__ = ["wait_ready", "respawn", "request_spares", "OnProgress", "OnNote", "RESPAWN_TIMEOUT"]
 

@@ -9,8 +9,9 @@ from distnb._text import mib
 from distnb.controller.requests import Requests
 from distnb.errors import RemoteError
 from distnb.ranks import format_ranks
-from distnb.wire import protocol
-from distnb.wire.protocol import Msg, exec_identity
+from distnb.wire import codec
+from distnb.wire.peers import exec_identity
+from distnb.wire.protocol import Msg
 
 __all__ = ["errors_of", "fetch_value", "pack_values", "send_values"]
 
@@ -29,7 +30,7 @@ def pack_values(values: dict[str, Any]) -> bytes:
                 "Push picklable data (tensors, numbers, dicts) or build the object in a cell."
             ) from None
     blob = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
-    room = protocol.MAX_FRAME_BYTES - 4096  # the message's own fields and signature
+    room = codec.MAX_FRAME_BYTES - 4096  # the message's own fields and signature
     if len(blob) > room:
         sizes = ", ".join(f"{n!r} {mib(len(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)))}" for n, v in values.items())
         raise ValueError(

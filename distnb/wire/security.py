@@ -23,7 +23,7 @@ from typing import IO, Mapping, MutableMapping
 
 import zmq
 
-from distnb.wire.protocol import new_key
+from distnb.wire.codec import new_key
 
 __all__ = ["Credentials", "KeyFileError", "default_key_file"]
 

@@ -24,7 +24,9 @@ from typing import Any
 
 import zmq
 
-from distnb.wire.protocol import BadFrame, Codec, Msg, ReplayGuard, control_identity
+from distnb.wire.codec import BadFrame, Codec, ReplayGuard
+from distnb.wire.peers import PeerKind, control_identity
+from distnb.wire.protocol import Msg, ToControl, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker.execute import Executor
@@ -75,7 +77,7 @@ def _main_in_collective() -> bool:
 
 class ControlThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0) -> None:
-        """``generation``: the rank's respawn generation, in its connection's name (protocol.in_generation)."""
+        """``generation``: the rank's respawn generation, in its connection's name (peers.in_generation)."""
         super().__init__(name="distnb-control", daemon=True)
         self.rank = rank
         self.executor = executor
@@ -124,7 +126,7 @@ class ControlThread(threading.Thread):
 
     def _serve_one(self, frames: list[bytes]) -> None:
         try:
-            msg = self.codec.decode(frames, self.guard)
+            msg = accept_request(PeerKind.CONTROL, self.codec.decode(frames, self.guard))
         except BadFrame:
             return
         try:
@@ -258,9 +260,8 @@ class ControlThread(threading.Thread):
         if not abort_backends(timeout=10.0):
             print("distnb: the abort has not finished after 10 s; %dist_restart if the cell stays stuck.", file=sys.stderr, flush=True)
 
-    def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
-        t = msg["t"]
-        if t == Msg.STACKS:
+    def handle(self, msg: ToControl) -> dict[str, Any] | None:
+        if msg["t"] == Msg.STACKS:
             reply = {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
             if "collectives_since" in msg:
                 # In the same answer, so a rank that can't answer (a C loop holding the GIL) costs
@@ -268,16 +269,16 @@ class ControlThread(threading.Thread):
                 reply["collectives"] = read_collectives(int(msg["collectives_since"]), self.executor.clock,
                                                         self.executor.calls, int(msg.get("calls_since", -1)))
             return reply
-        if t == Msg.MEMORY:
+        if msg["t"] == Msg.MEMORY:
             # Safe from this thread: /proc reads and CUDA allocator counters take no user locks.
             return {"memory": self.executor.memory.stop()}
-        if t == Msg.COLLECTIVES:
+        if msg["t"] == Msg.COLLECTIVES:
             return read_collectives(int(msg.get("since", -1)), self.executor.clock, self.executor.calls, int(msg.get("calls_since", -1)))
-        if t == Msg.ENV:
+        if msg["t"] == Msg.ENV:
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
-        if t == Msg.WATCH:
+        if msg["t"] == Msg.WATCH:
             return None  # waking this thread was the point: the loop now watches the running cell
-        if t == Msg.INTERRUPT:
+        if msg["t"] == Msg.INTERRUPT:
             delivered = False
             ex, cell = self.executor, msg.get("cell")
             with ex.lock:
@@ -295,4 +296,4 @@ class ControlThread(threading.Thread):
                     ex.interrupt_cell = cell  # the cell's EXEC has not arrived yet: interrupt it on arrival
                     delivered = True
             return {"delivered": delivered, **self.status()}
-        return {"error": f"unknown request {t!r}"}
+        return {"error": f"unknown request {msg['t']!r}"}

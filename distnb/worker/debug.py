@@ -23,7 +23,7 @@ import time
 from types import FrameType, TracebackType
 from typing import Any, Callable
 
-from distnb.wire.protocol import Msg
+from distnb.wire.protocol import Msg, StdinReply
 
 __all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "install", "quit_error"]
 
@@ -46,7 +46,7 @@ class Prompter:
     blocks for the answer to request ``id``. ``cell`` tells which cell is running (None: none).
     """
 
-    def __init__(self, send: Callable[[dict[str, Any]], None], receive: Callable[[int], dict[str, Any]],
+    def __init__(self, send: Callable[[dict[str, Any]], None], receive: Callable[[int], StdinReply],
                  cell: Callable[[], int | None]) -> None:
         self._send, self._receive, self._cell = send, receive, cell
         self._ids = itertools.count(1)
@@ -65,7 +65,7 @@ class Prompter:
             return "no cell is running on this rank"
         return ""
 
-    def ask(self, kind: str, prompt: str, output: str = "", where: dict[str, Any] | None = None) -> dict[str, Any]:
+    def ask(self, kind: str, prompt: str, output: str = "", where: dict[str, Any] | None = None) -> StdinReply:
         cell = self._cell()
         request_id = next(self._ids)
         request = {"t": Msg.STDIN_REQUEST, "id": request_id, "cell": cell, "kind": kind, "prompt": prompt,

@@ -25,9 +25,11 @@ import zmq
 
 from distnb import _processes
 from distnb._text import mib
-from distnb.wire import protocol
+from distnb.wire import codec
 from distnb.wire.cell_code import unpack
-from distnb.wire.protocol import BadFrame, CellDone, Codec, FrameTooLarge, Hello, Msg, Ready, ReplayGuard, StartFailed, exec_identity, socket_max_msgsize
+from distnb.wire.codec import BadFrame, Codec, FrameTooLarge, ReplayGuard, socket_max_msgsize
+from distnb.wire.peers import PeerKind, exec_identity
+from distnb.wire.protocol import CellDone, Hello, Msg, Ready, StartFailed, StdinReply, ToExec, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker import gloo_idle
@@ -150,12 +152,12 @@ class Rank:
         self.flush_output()
         write_event(self.events_fd, request)
 
-    def _answer(self, request_id: int) -> dict[str, Any]:
+    def _answer(self, request_id: int) -> StdinReply:
         """The notebook's line for request ``request_id``, read on the main thread (which owns this
         socket, and in a cell has nothing else to read from it)."""
         while True:
             try:
-                msg = self.codec.decode(recv_frames(self.sock), self.guard)
+                msg = accept_request(PeerKind.EXEC, self.codec.decode(recv_frames(self.sock), self.guard))
             except BadFrame:
                 continue
             if msg["t"] == Msg.STDIN_REPLY and msg.get("id") == request_id:
@@ -252,9 +254,8 @@ class Rank:
         if not self.c_unbuffered:
             _libc.fflush(None)  # C stdio buffers (printf from extensions)
 
-    def handle(self, msg: dict[str, Any]) -> None:
-        t = msg["t"]
-        if t == Msg.EXEC:
+    def handle(self, msg: ToExec) -> None:
+        if msg["t"] == Msg.EXEC:
             cell = msg["cell"]
             mark = self.quiet.mark()
             try:
@@ -276,14 +277,14 @@ class Rank:
                 except FrameTooLarge:
                     pass  # the supervisor's path replaces an oversized CELL_DONE with a small one
             write_event(self.events_fd, done)
-        elif t == Msg.PUSH:
+        elif msg["t"] == Msg.PUSH:
             try:
                 values = pickle.loads(msg["values"])
                 self.ns.update(values)
                 self.reply(msg, {"status": "ok"})
             except Exception as exc:
                 self.reply(msg, {"status": "error", "error": f"{type(exc).__name__}: {exc}"})
-        elif t == Msg.PULL:
+        elif msg["t"] == Msg.PULL:
             reply = self.on_device("distnb's pull", lambda: self.pull(msg["names"]))
             try:
                 self.reply(msg, reply)
@@ -293,9 +294,9 @@ class Rank:
                 self.reply(msg, {"status": "error",
                            "error": f"{sizes} on rank {self.rank} are {mib(exc.size)} together, over distnb's limit of "
                            f"{mib(exc.limit)} per message; pull them one at a time."})
-        elif t == Msg.REGROUP:
+        elif msg["t"] == Msg.REGROUP:
             self.reply(msg, self.regroup(int(msg["generation"])))
-        elif t == Msg.CHECK:
+        elif msg["t"] == Msg.CHECK:
             self.reply(msg, self.on_device("distnb's check", lambda: self.check(msg["names"])))
 
     def on_device(self, what: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -314,9 +315,9 @@ class Rank:
         finally:
             self.executor.busy = ""
 
-    def reply(self, request: dict[str, Any], fields: dict[str, Any]) -> None:
+    def reply(self, request: ToExec, fields: dict[str, Any]) -> None:
         """Answer a request (PUSH, PULL, CHECK, REGROUP): the controller matches it by ``id``."""
-        self.send({**fields, "t": Msg.REPLY, "id": request["id"], "rank": self.rank})
+        self.send({**fields, "t": Msg.REPLY, "id": request.get("id"), "rank": self.rank})
 
     def regroup(self, generation: int) -> dict[str, Any]:
         return regroup(self.rank, self.world_size, self.pg_timeout, self.ns.get("device"), self.executor.calls, generation)
@@ -343,8 +344,8 @@ class Rank:
                 if isinstance(value, torch.Tensor):
                     value = value.detach().cpu()  # the notebook may have no GPU
                 blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-                if len(blob) > protocol.MAX_FRAME_BYTES - _REPLY_SLACK:
-                    raise FrameTooLarge(len(blob), protocol.MAX_FRAME_BYTES)
+                if len(blob) > codec.MAX_FRAME_BYTES - _REPLY_SLACK:
+                    raise FrameTooLarge(len(blob), codec.MAX_FRAME_BYTES)
                 out[name] = blob
             except FrameTooLarge as exc:
                 # Caught here, before the reply is built, so the notebook hears why at once
@@ -369,12 +370,13 @@ class Rank:
 
     def serve(self) -> None:
         while True:
-            msg: dict[str, Any] | None = None
+            msg: ToExec | None = None
             try:
                 frames = recv_frames(self.sock)
                 try:
-                    msg = self.codec.decode(frames, self.guard)
-                except BadFrame:
+                    msg = accept_request(PeerKind.EXEC, self.codec.decode(frames, self.guard))
+                except BadFrame as exc:
+                    print(f"distnb: rank {self.rank} dropped a message: {exc}", file=sys.stderr, flush=True)
                     continue
                 self.handle(msg)
             except KeyboardInterrupt:

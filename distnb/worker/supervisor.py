@@ -28,7 +28,9 @@ import time
 import zmq
 
 from distnb import _processes
-from distnb.wire.protocol import BadFrame, Codec, FrameTooLarge, Msg, ReplayGuard, socket_max_msgsize, supervisor_identity
+from distnb.wire.codec import BadFrame, Codec, FrameTooLarge, ReplayGuard, socket_max_msgsize
+from distnb.wire.peers import PeerKind, supervisor_identity
+from distnb.wire.protocol import Msg, ToSupervisor, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import drain, send_frames
 from distnb.worker.quiet import ReadFence
@@ -257,12 +259,11 @@ class Supervisor:
                                       "traceback": note, "line": error.get("line")}
             self.send({"t": Msg.EVENT, "body": pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL)})
 
-    def _handle(self, msg: dict) -> None:
-        t = msg["t"]
+    def _handle(self, msg: ToSupervisor) -> None:
         child = self.child
-        if t == Msg.SHUTDOWN:
+        if msg["t"] == Msg.SHUTDOWN:
             self.stopping = True
-        elif t == Msg.FAULT_REQUEST:
+        elif msg["t"] == Msg.FAULT_REQUEST:
             if child is not None and child.poll() is None:
                 if not self.pending_fault:
                     # A dump nobody waits for any more (it came late: a rank that was stopped
@@ -273,13 +274,13 @@ class Supervisor:
                 os.kill(child.pid, signal.SIGUSR1)
             else:
                 self.send({"t": Msg.REPLY, "id": msg["id"], "rank": self.rank, "text": "", "alive": False})
-        elif t == Msg.INTERRUPT:
+        elif msg["t"] == Msg.INTERRUPT:
             # Fallback path: the rank's own control thread normally delivers interrupts.
             if child is not None and child.poll() is None:
                 os.kill(child.pid, signal.SIGINT)
-        elif t == Msg.RESPAWN:
+        elif msg["t"] == Msg.RESPAWN:
             self._respawn(int(msg["generation"]))
-        elif t == Msg.SPARE:
+        elif msg["t"] == Msg.SPARE:
             if self.spare is not None and self.spare.proc.poll() is not None:
                 self.spare.discard(self.poller)  # died while waiting (its pipes go with it)
                 self.spare = None
@@ -319,7 +320,7 @@ class Supervisor:
             if self.sock in events:
                 for frames in drain(self.sock):
                     try:
-                        msg = self.codec.decode(frames, self.guard)
+                        msg = accept_request(PeerKind.SUPERVISOR, self.codec.decode(frames, self.guard))
                     except BadFrame:
                         continue
                     last_heard = now

@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 
 import distnb
 from distnb import pool as pool_module
-from distnb.wire import protocol
+from distnb.wire import codec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -220,7 +220,7 @@ def test_push_pull_and_unknown_name(sh: Shell) -> None:
 
 
 def test_push_over_the_message_limit_says_what_to_do(sh: Shell, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 1 << 20)  # read when a push is packed (distnb/values.py)
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 1 << 20)  # read when a push is packed (distnb/services/values.py)
     sh.ip.user_ns["too_big"] = b"x" * (2 << 20)
     with pytest.raises(UsageError, match=r"the push is 2\.0 MiB pickled \('too_big' 2\.0 MiB\), over distnb's limit of 1\.0 MiB.*torch\.save"):
         sh.line("dist_push", "too_big")

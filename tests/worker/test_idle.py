@@ -15,7 +15,8 @@ import zmq
 
 from distnb.config import LaunchConfig
 from distnb.controller.channel import Channel, FollowUp
-from distnb.wire.protocol import Codec, Msg, ReplayGuard
+from distnb.wire.codec import Codec, ReplayGuard
+from distnb.wire.protocol import Msg
 from distnb.wire.security import Credentials
 from distnb.worker import gloo_idle
 

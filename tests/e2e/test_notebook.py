@@ -15,7 +15,7 @@ from nbtext import outputs_text
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "notebooks" / "quickstart.ipynb"
 MARK = "DISTNB_QUICKSTART_TEST"
 

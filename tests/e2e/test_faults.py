@@ -10,7 +10,7 @@ import pytest
 from conftest import usable, wait_until
 
 import distnb
-from distnb.wire.protocol import MAGIC
+from distnb.wire.codec import MAGIC
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

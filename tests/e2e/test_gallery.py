@@ -16,7 +16,7 @@ from nbtext import outputs_text
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-GALLERY = Path(__file__).resolve().parent.parent / "notebooks" / "gallery"
+GALLERY = Path(__file__).resolve().parents[2] / "notebooks" / "gallery"
 NOTEBOOKS = sorted(GALLERY.glob("[0-9]*.ipynb"))
 
 

@@ -10,6 +10,8 @@ from distnb.analysis.position import Position, position_paused
 from distnb.controller.prompts import Prompt
 from distnb.errors import NoCellError
 from distnb.results import CellResult, RankResult
+from distnb.config import LaunchConfig
+from distnb.controller.tracker import Tracker
 from distnb.services.debugger import Debugger, parse_command, render_answers
 
 
@@ -44,7 +46,7 @@ def test_bad_console_commands_say_what_to_type(line: str, error: str) -> None:
 
 
 def _prompt(rank: int, output: str = "", where: dict | None = None, kind: str = "pdb") -> Prompt:
-    return Prompt.of(rank, {"id": 1, "cell": 7, "kind": kind, "prompt": "(Pdb) ", "output": output, "where": where})
+    return Prompt.of(rank, {"id": 1, "cell": 7, "kind": kind, "prompt": "(Pdb) ", "output": output, "where": where, "mode": "breakpoint"})
 
 
 def test_identical_answers_are_shown_once_for_the_ranks_that_gave_them() -> None:
@@ -88,7 +90,8 @@ def _failed(cell: int, errors: dict[int, tuple[str, str, float]]) -> CellResult:
 
 
 def test_post_mortem_opens_the_root_cause_rank_of_the_last_cell_that_raised() -> None:
-    debugger = Debugger(None)  # type: ignore[arg-type]  # choosing a rank needs no pool
+    # Choosing a rank reads only the history it is given: a tracker of its own, no pool.
+    debugger = Debugger(Tracker(4), LaunchConfig(nproc=4, backend="gloo"), diagnose=lambda *a, **k: None)  # type: ignore[arg-type, return-value]
     peer_lost = ("RuntimeError", "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234", 1.0)
     history = [
         _failed(1, {0: ("KeyError", "'a'", 5.0)}),

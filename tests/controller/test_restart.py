@@ -12,7 +12,8 @@ import pytest
 from conftest import wait_gone, wait_until
 
 from distnb import PoolState
-from distnb.wire.protocol import BadFrame, control_identity, exec_identity, generation_of, parse_identity
+from distnb.wire.codec import BadFrame
+from distnb.wire.peers import control_identity, exec_identity, generation_of, parse_identity
 
 pytestmark = pytest.mark.slow
 

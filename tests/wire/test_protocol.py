@@ -8,7 +8,9 @@ import hmac
 import logging
 import os
 import pickle
+import re
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -19,22 +21,10 @@ from hypothesis import strategies as st
 import distnb
 from distnb import RemoteError
 from distnb.controller.channel import Channel
-from distnb.wire import protocol
-from distnb.wire.protocol import (
-    MAGIC,
-    BadFrame,
-    Codec,
-    FrameTooLarge,
-    Msg,
-    ReplayGuard,
-    control_identity,
-    exec_identity,
-    mac,
-    new_key,
-    parse_identity,
-    socket_max_msgsize,
-    supervisor_identity,
-)
+from distnb.wire import codec
+from distnb.wire.codec import MAGIC, BadFrame, Codec, FrameTooLarge, ReplayGuard, mac, new_key, socket_max_msgsize
+from distnb.wire.peers import Peer, PeerKind, control_identity, exec_identity, parse_identity, supervisor_identity
+from distnb.wire.protocol import Msg, accept, accept_event, accept_request
 from distnb.wire.security import Credentials
 
 KEY = b"k" * 32
@@ -176,13 +166,13 @@ def test_signed_but_invalid_bodies_are_rejected(body, match):
 
 def test_oversized_frame_is_refused_before_checking(monkeypatch):
     frames = Codec(KEY, "x0").encode({"t": Msg.OUTPUT, "data": b"x" * 100})  # a sender with a larger limit
-    monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 64)
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 64)
     with pytest.raises(BadFrame, match="exceeds the limit of 64"):
         Codec(KEY, "C").decode(frames)
 
 
 def test_encode_refuses_a_message_the_receiver_would_drop(monkeypatch):
-    monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 2 << 20)
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 2 << 20)
     tx = Codec(KEY, "C")
     with pytest.raises(FrameTooLarge) as info:
         tx.encode({"t": Msg.PUSH, "values": b"x" * (3 << 20)})
@@ -206,8 +196,8 @@ def test_frame_limit_can_be_set_by_environment(monkeypatch, value, expected):
         monkeypatch.delenv("DISTNB_MAX_FRAME_BYTES", raising=False)
     else:
         monkeypatch.setenv("DISTNB_MAX_FRAME_BYTES", value)
-    assert protocol._max_frame_from_env() == expected
-    monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", expected)
+    assert codec._max_frame_from_env() == expected
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", expected)
     # Sockets refuse parts a little above the body limit (room for CURVE's box on the wire).
     assert expected < socket_max_msgsize() <= expected + (64 << 10)
 
@@ -344,10 +334,10 @@ def test_raising_callbacks_do_not_kill_the_io_thread(caplog):
     creds = Credentials.new()
     handled: list[str] = []
 
-    def on_message(kind: str, rank: int, msg: dict) -> None:
-        if msg["t"] == "boom":
+    def on_message(peer: Peer, msg: dict) -> None:
+        if msg["t"] == Msg.OUTPUT and msg["data"] == b"boom":
             raise RuntimeError("handler bug on boom")
-        handled.append(msg["t"])
+        handled.append(msg["data"].decode() if msg["t"] == Msg.OUTPUT else msg["t"])
 
     def on_tick() -> None:
         raise RuntimeError("handler bug on tick")
@@ -373,15 +363,23 @@ def test_raising_callbacks_do_not_kill_the_io_thread(caplog):
                     pings += Codec(creds.key, "x").decode(peer.recv_multipart(), guard)["t"] == Msg.PING
             assert pings >= 3, "no heartbeats after the tick started failing"
             # A failing message handler is counted, and the next message is still delivered.
-            before = channel.errors
-            peer.send_multipart(codec.encode({"t": "boom"}))
-            peer.send_multipart(codec.encode({"t": "after"}))
+            before, rejected = channel.errors, channel.rejected
+            peer.send_multipart(codec.encode({"t": Msg.OUTPUT, "stream": "stdout", "data": b"boom"}))
+            # Signed, but no message a supervisor may send (an unknown kind; a known one without
+            # its fields): rejected and counted, never handed to a handler, the thread unharmed.
+            peer.send_multipart(codec.encode({"t": "no_such_kind"}))
+            peer.send_multipart(codec.encode({"t": Msg.OUTPUT, "stream": "stdout"}))
+            peer.send_multipart(codec.encode({"t": Msg.HELLO, "rank": 0}))  # a rank's kind, on a supervisor's connection
+            peer.send_multipart(codec.encode({"t": Msg.OUTPUT, "stream": "stdout", "data": b"after"}))
             wait_until(lambda: "after" in handled, 10, "the message after the failing one")
             assert channel.errors > before and channel.alive
+            assert channel.rejected == rejected + 3 and handled[-1] == "after" and "no_such_kind" not in handled
             wait_until(lambda: "handler bug on boom" in (channel.last_error or "") or channel.errors > before + 50, 10,
                       "the handler's traceback")
         # One ERROR record per failure site, however often it fails; repeats only at DEBUG.
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "handler bug" in r.getMessage()]
+        assert any("may not send a 'no_such_kind' message" in r.getMessage() for r in caplog.records)
+        assert any("lacks data" in r.getMessage() for r in caplog.records)
         assert len(errors) == 2, [r.getMessage()[:80] for r in errors]
         assert "handler bug on tick" in errors[0].getMessage() and "keeps running" in errors[0].getMessage()
     finally:
@@ -412,7 +410,7 @@ def small_pool(leak_check):
     from conftest import pool_processes, track, wait_gone
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(protocol, "MAX_FRAME_BYTES", LIMIT)  # the controller (this process)
+    mp.setattr(codec, "MAX_FRAME_BYTES", LIMIT)  # the controller (this process)
     pool = track(distnb.Pool(nproc=2, backend="gloo", env={"DISTNB_MAX_FRAME_BYTES": str(LIMIT)}))
     try:
         pool.start()
@@ -504,7 +502,7 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
             good = sign(key, trap)[0]
             return [good[: 36 + (len(good) - 36) // 2]], 1
         if kind == "short-sig":
-            return [MAGIC + signature(key, trap)[:-1], trap], 1
+            return [MAGIC + mac(key, trap)[:-1], trap], 1
         if kind == "extra-part":
             return sign(OTHER_KEY, trap) + garbage[:1], 1
         if kind == "oversized":  # over the body limit but under the socket's MAXMSGSIZE: reaches decode
@@ -611,7 +609,7 @@ def test_supervisor_replaces_an_event_over_the_limit_so_the_cell_still_ends(monk
         monkeypatch.setenv(name, value)
     sup = Supervisor()
     try:
-        monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 1 << 20)
+        monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 1 << 20)
         done = {"t": Msg.CELL_DONE, "cell": 9, "status": "error", "duration": 0.5, "memory": {"rss": 1},
                 "value": {"text/plain": "x" * (2 << 20)}, "error": {"ename": "E", "evalue": "v", "traceback": "tb", "line": 2}}
         sup._forward_event(pickle.dumps(done))
@@ -632,3 +630,47 @@ def test_supervisor_replaces_an_event_over_the_limit_so_the_cell_still_ends(monk
         sup.ctx.term()
         router.close()
         ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("kind", "msg", "error"),
+    [
+        (PeerKind.SUPERVISOR, {"t": "no_such_kind"}, "a supervisor may not send a 'no_such_kind' message"),
+        (PeerKind.SUPERVISOR, {"t": Msg.OUTPUT, "stream": "stdout"}, "lacks data"),
+        (PeerKind.CONTROL, {"t": Msg.CELL_DONE, "cell": 1, "status": "ok"}, "a rank's control thread may not send a 'cell_done'"),
+        (PeerKind.EXEC, {"t": Msg.CELL_DONE, "status": "ok"}, "lacks cell"),
+        (PeerKind.EXEC, {"t": Msg.REPLY}, "lacks id"),
+        (PeerKind.NODE, {"t": Msg.OUTPUT, "stream": "stdout", "data": b""}, "a node agent may not send"),
+        (PeerKind.EXEC, ["t", "hello"], "not a dict"),
+    ],
+)
+def test_accept_rejects_what_a_peer_may_not_send(kind: PeerKind, msg: Any, error: str) -> None:
+    with pytest.raises(BadFrame, match=re.escape(error)):
+        accept(kind, msg)
+
+
+def test_accept_passes_every_kind_a_peer_sends_with_its_fields() -> None:
+    assert accept(PeerKind.SUPERVISOR, {"t": Msg.SUP_HELLO, "rank": 0, "child_pid": 5})["t"] == Msg.SUP_HELLO
+    assert accept(PeerKind.EXEC, {"t": Msg.CELL_DONE, "cell": 3, "status": "ok"})["t"] == Msg.CELL_DONE
+    assert accept(PeerKind.CONTROL, {"t": Msg.COLLECTIVES_PUSH, "entries": []})["t"] == Msg.COLLECTIVES_PUSH
+    assert accept_event({"t": Msg.DISPLAY, "cell": 1, "data": {}})["t"] == Msg.DISPLAY
+    with pytest.raises(BadFrame, match="may not send a 'hello'"):
+        accept_event({"t": Msg.HELLO})
+
+
+@pytest.mark.parametrize(
+    ("receiver", "msg", "ok"),
+    [
+        (PeerKind.EXEC, {"t": Msg.EXEC, "cell": 1, "code": "1"}, True),
+        (PeerKind.EXEC, {"t": Msg.STACKS, "id": "1"}, False),  # the control thread's, not the main thread's
+        (PeerKind.CONTROL, {"t": Msg.STACKS}, False),  # a request whose reply nobody could match
+        (PeerKind.SUPERVISOR, {"t": Msg.PING}, True),
+        (PeerKind.NODE, {"t": Msg.EXEC}, False),
+    ],
+)
+def test_the_ranks_side_accepts_only_its_own_requests(receiver: PeerKind, msg: dict, ok: bool) -> None:
+    if ok:
+        assert accept_request(receiver, msg) is msg  # type: ignore[call-overload]
+    else:
+        with pytest.raises(BadFrame):
+            accept_request(receiver, msg)  # type: ignore[call-overload]

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import cmdline, kill_pids, marked_processes, wait_gone
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 DOC_SHOTS = ROOT / "docs" / "screenshots"
 # Set in the server's environment only: the server, its kernel and the pool that kernel starts

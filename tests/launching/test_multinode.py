@@ -20,12 +20,14 @@ from conftest import started_pids, track, wait_gone
 import distnb
 from distnb import pool as pool_module
 from distnb.launching.remote_nodes import NodeStarters
-from distnb.wire.protocol import Codec, Msg, supervisor_identity
+from distnb.wire.codec import Codec
+from distnb.wire.peers import supervisor_identity
+from distnb.wire.protocol import Msg
 from distnb.wire.security import Credentials
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # the helpers beside conftest.py
 
 
 class Agents:

@@ -30,7 +30,7 @@ from distnb.ranks import parse_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # the helpers beside conftest.py
 
 
 def _unavailable() -> str | None:
@@ -181,7 +181,8 @@ def test_launch_over_real_ssh_spans_both_hosts(net: Cluster, nb: Notebook) -> No
 WRONG_KEY_CLIENT = """
 import sys, time, zmq
 import distnb
-from distnb.wire.protocol import Codec, Msg
+from distnb.wire.protocol import Msg
+from distnb.wire.codec import Codec
 from distnb.wire.security import Credentials
 creds = Credentials.read(sys.argv[2])
 ctx = zmq.Context()
