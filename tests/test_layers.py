@@ -118,12 +118,14 @@ def test_the_wire_stands_alone() -> None:
 
 
 def test_analyses_are_pure() -> None:
-    """Data in, findings out: no analysis imports torch, ZMQ or IPython, or the controller at run time."""
+    """Data in, findings out: no analysis starts a process, opens a socket or a thread, or imports
+    torch, ZMQ or IPython (the controller only for type checking: see the layer test)."""
     for path in (PACKAGE / "analysis").rglob("*.py"):
         tree = ast.parse(path.read_text())
         imported = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
-        assert not imported & {"torch", "zmq", "IPython", "ipywidgets"}, f"{path.name} imports {sorted(imported & {'torch', 'zmq', 'IPython'})}"
+        banned = imported & {"torch", "zmq", "IPython", "ipywidgets", "subprocess", "socket", "threading"}
+        assert not banned, f"analysis/{path.name} imports {sorted(banned)}: that belongs in a service"
 
 
 def test_the_root_keeps_the_public_face_and_a_few_helpers() -> None:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import linecache
 import os
 import re
-import shutil
-import subprocess
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from distnb.ranks import format_ranks, group_by
 
-__all__ = ["Frame", "ThreadStack", "RankStack", "StackReport", "parse_faulthandler", "py_spy_dumps", "short_path"]
+__all__ = ["Frame", "ThreadStack", "RankStack", "StackReport", "parse_faulthandler", "short_path"]
 
 _DISTNB_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Frames that only say "Python started a thread/module": noise in every stack.
@@ -188,36 +185,3 @@ def _source_line(filename: str, lineno: int, cell_sources: dict[str, str] | None
         lines = cell_sources[filename].splitlines()
         return lines[lineno - 1] if 0 < lineno <= len(lines) else ""
     return linecache.getline(filename, lineno)
-
-
-_PTRACE_HINT = (
-    "py-spy may not attach to the rank: it needs ptrace permission over it. Run Jupyter as the ranks' own "
-    "user with kernel.yama.ptrace_scope 0 (sysctl -w kernel.yama.ptrace_scope=0), or give py-spy the "
-    "CAP_SYS_PTRACE capability (in a container: --cap-add SYS_PTRACE)."
-)
-
-
-def py_spy_dumps(pids: dict[int, int], timeout: float = 5.0) -> dict[int, str]:
-    """Native + Python frames of each rank (``{rank: pid}``) through py-spy, all ranks at once,
-    when it is installed (``pip install distnb[native]``)."""
-    exe = shutil.which("py-spy")
-    if exe is None:
-        return {r: "py-spy is not installed; `pip install py-spy` (or distnb[native]) for native frames." for r in pids}
-    procs = {r: subprocess.Popen([exe, "dump", "--native", "--pid", str(pid)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-             for r, pid in pids.items()}
-    deadline = time.monotonic() + timeout
-    out = {}
-    for r, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            out[r] = f"py-spy did not finish within {timeout:g} s."
-            continue
-        text = (stdout or stderr).strip()
-        if proc.returncode != 0 and any(w in stderr for w in ("ermission", "ptrace", "not permitted")):
-            text += "\n" + _PTRACE_HINT
-        out[r] = text
-    return out

@@ -23,7 +23,8 @@ from distnb.analysis.memory import MemoryReport
 from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame
 from distnb.analysis.position import Position, position_from_stack, position_paused
 from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
-from distnb.analysis.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, py_spy_dumps
+from distnb.analysis.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
+from distnb.services.native_stacks import py_spy_dumps
 from distnb.analysis.stragglers import StragglerReport, arrivals
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog

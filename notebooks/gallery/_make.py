@@ -5,7 +5,7 @@ Each notebook reproduces one failure from the field's catalogue (the three guide
 minimal-reproduction guide) on a small CPU (gloo) pool: the symptom, the failing cell, how distnb
 reveals it, the fix, and the fixed cell passing. Notebooks are written without outputs.
 
-A code cell's metadata says what tests/test_gallery.py checks after executing the notebook:
+A code cell's metadata says what tests/e2e/test_gallery.py checks after executing the notebook:
 ``distnb_expect`` (text its output must contain), ``distnb_reject`` (text it must not contain) and
 ``distnb_mime`` (output types it must produce, e.g. ``image/png``) and ``distnb_expect_re`` (regular
 expressions that must match a line of its output).
@@ -561,7 +561,7 @@ README_HEAD = """\
 Each notebook reproduces one failure from the field's catalogue of distributed-training failures on a
 small CPU pool (gloo, 2–4 ranks): the symptom, the failing cell, how distnb reveals it, the fix, and
 the fixed cell passing. They run top to bottom in a couple of seconds to half a minute each, and
-`tests/test_gallery.py` executes every one in a real kernel and checks the key outputs.
+`tests/e2e/test_gallery.py` executes every one in a real kernel and checks the key outputs.
 
 Seed references: **000** = torchrun/NCCL troubleshooting, **001 D1–D23** = the launch-and-debug
 reference entries, **002** = the minimal-reproduction debugging guide.

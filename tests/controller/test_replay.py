@@ -17,7 +17,7 @@ def test_replay_re_pushes_values_between_cells(fresh_pool) -> None:
     pool.push(ranks="1", only_one=5)
     assert pool.run("acc.append(scale * (rank + 1))").ok
     assert pool.run("1/0").failed == [0, 1]  # failed cells are not replayed
-    assert [type(s).__name__ for s in pool.session.since_launch()] == ["CellResult", "PushRecord", "PushRecord", "CellResult", "CellResult"]
+    assert [type(s).__name__ for s in pool._session.since_launch()] == ["CellResult", "PushRecord", "PushRecord", "CellResult", "CellResult"]
 
     pool.restart(replay=True)
     assert pool.pull("acc") == {0: [0, 10], 1: [1, 20]}

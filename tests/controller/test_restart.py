@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def supervisors(pool) -> dict[int, int]:
-    return {r: info.supervisor_pid for r, info in pool.tracker.ranks.items()}
+    return {r: info.supervisor_pid for r, info in pool._tracker.ranks.items()}
 
 
 def rank_pids(pool) -> dict[int, int]:

@@ -32,7 +32,7 @@ def _held_within(pool: distnb.Pool, rank: int, cell: int, within: float, is_open
     rank died now."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < within:
-        if (pool.collective_log.pending(rank, cell) is not None) == is_open:
+        if (pool._tracker.collective_log.pending(rank, cell) is not None) == is_open:
             return time.monotonic() - t0
         time.sleep(0.01)
     return None

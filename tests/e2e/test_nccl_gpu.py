@@ -117,7 +117,7 @@ def test_timeout_keeps_every_rank_blames_who_never_came_and_regroup_recovers(sha
         shared2.regroup()
     except distnb.NoAnswerError:
         for r in (0, 1):
-            print(f"--- rank {r} log:\n" + "".join(shared2.tracker.ranks[r].log[-60:]))
+            print(f"--- rank {r} log:\n" + "".join(shared2._tracker.ranks[r].log[-60:]))
         raise
     again = shared2.run("w = torch.ones(2, device=device) * (rank + 1)\ndist.all_reduce(w)\nw.sum().item()")
     assert again.ok and set(again.values.values()) == {"6.0"}, again.text()

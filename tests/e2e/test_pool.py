@@ -202,7 +202,7 @@ def test_a_chatty_session_keeps_a_bounded_amount_of_output(pool, monkeypatch):
     chatty = [pool.run("print('y' * 99_999)") for _ in range(6)]  # 100,000 characters a rank, 400,000 a cell
     last = pool.run("1")
     assert all(r.ok for r in chatty) and last.ok
-    held = pool.session.kept_output_bytes()
+    held = pool._session.kept_output_bytes()
     assert 0 < held <= 1_000_000, held
     assert chatty[-1][3].stdout == "y" * 99_999 + "\n" and chatty[-1][3].released == 0  # the newest keep theirs
     oldest = chatty[0]

@@ -147,7 +147,7 @@ def test_frames_signed_with_another_key_are_rejected_and_counted(two_nodes: dist
         ctx.term()
     assert two_nodes.status().rejected == before + 2
     assert f"refused {before + 2} frame(s)" in two_nodes.status().text()
-    assert len(two_nodes.nodes.agents) == 1 and two_nodes.state == distnb.PoolState.READY
+    assert len(two_nodes._tracker.nodes.agents) == 1 and two_nodes.state == distnb.PoolState.READY
     assert two_nodes.run("1 + 1", ranks=[2]).results[2].value_text == "2"
 
 
@@ -166,7 +166,7 @@ def test_a_node_agent_with_a_wrong_key_cannot_join(two_nodes: distnb.Pool, tmp_p
     assert proc.returncode == 2
     assert "no answer from a controller" in proc.stderr and "key file" in proc.stderr
     assert two_nodes.status().rejected > before
-    assert len(two_nodes.nodes.agents) == 1
+    assert len(two_nodes._tracker.nodes.agents) == 1
 
     wrong.chmod(0o644)
     proc = _agent(two_nodes.status().address or "", wrong)
@@ -199,14 +199,14 @@ def test_a_node_agent_with_the_right_key_cannot_join_a_running_pool(two_nodes: d
     proc = _agent(two_nodes.status().address or "", Path(two_nodes.key_file or ""))
     assert proc.returncode == 2
     assert "refused this node" in proc.stderr and "not starting" in proc.stderr
-    assert len(two_nodes.nodes.agents) == 1 and two_nodes.state == distnb.PoolState.READY
+    assert len(two_nodes._tracker.nodes.agents) == 1 and two_nodes.state == distnb.PoolState.READY
 
 
 def test_a_node_agent_killed_mid_cell_takes_its_ranks_with_it(two_nodes: distnb.Pool) -> None:
     """Destructive: the last test on this pool."""
     res = two_nodes.submit("import time\ntime.sleep(1.5)\nmn_y = torch.ones(1)\ndist.all_reduce(mn_y)")
     time.sleep(0.5)
-    agent = next(iter(two_nodes.nodes.agents.values()))
+    agent = next(iter(two_nodes._tracker.nodes.agents.values()))
     killed = time.monotonic()
     os.kill(agent.pid, signal.SIGKILL)
     deadline = killed + 10
@@ -304,7 +304,7 @@ def test_launch_magic_starts_nodes_over_ssh_with_curve(leak_check, monkeypatch: 
             time.sleep(0.05)
         sock.close()
         ctx.term()
-        assert pool.status().rejected > before and len(pool.nodes.agents) == 1
+        assert pool.status().rejected > before and len(pool._tracker.nodes.agents) == 1
 
         starters = pool._multinode.starters if pool._multinode else None
         assert starters is not None

@@ -1,0 +1,47 @@
+"""Native frames of the ranks on this machine, through py-spy (``%dist_stacks --native``)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+__all__ = ["NATIVE_TIMEOUT", "py_spy_dumps"]
+
+#: How long py-spy may take for all ranks together. A native dump of a process with torch loaded
+#: reads the symbols of libtorch (hundreds of MB) first: 1-3 s of CPU each, measured on this
+#: project's 2-core machine, and several at once on a machine busy with other work take a
+#: multiple of that. A dump that takes longer is reported as such, never waited for in silence.
+NATIVE_TIMEOUT = 30.0
+
+_PTRACE_HINT = (
+    "py-spy may not attach to the rank: it needs ptrace permission over it. Run Jupyter as the ranks' own "
+    "user with kernel.yama.ptrace_scope 0 (sysctl -w kernel.yama.ptrace_scope=0), or give py-spy the "
+    "CAP_SYS_PTRACE capability (in a container: --cap-add SYS_PTRACE)."
+)
+
+
+def py_spy_dumps(pids: dict[int, int], timeout: float = NATIVE_TIMEOUT) -> dict[int, str]:
+    """Native + Python frames of each rank (``{rank: pid}``) through py-spy, all ranks at once,
+    when it is installed (``pip install distnb[native]``)."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return {r: "py-spy is not installed; `pip install py-spy` (or distnb[native]) for native frames." for r in pids}
+    procs = {r: subprocess.Popen([exe, "dump", "--native", "--pid", str(pid)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+             for r, pid in pids.items()}
+    deadline = time.monotonic() + timeout
+    out = {}
+    for r, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out[r] = f"py-spy did not finish within {timeout:g} s."
+            continue
+        text = (stdout or stderr).strip()
+        if proc.returncode != 0 and any(w in stderr for w in ("ermission", "ptrace", "not permitted")):
+            text += "\n" + _PTRACE_HINT
+        out[r] = text
+    return out

@@ -1,0 +1,218 @@
+"""The magics over a fake pool, in a real IPython shell: argument parsing, the errors a user meets,
+and what each magic shows. No process is started: the magics are thin over the Pool's public
+methods, so a stand-in with those methods is all they need (the end-to-end magics tests, on real
+pools, are in test_magics.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from distnb.analysis.env import EnvReport
+from distnb.analysis.stacks import Frame, RankStack, StackReport, ThreadStack
+from distnb.config import LaunchConfig
+from distnb.errors import NoPoolError, PoolBusyError
+from distnb.magics import running, support
+from distnb.ranks import parse_ranks
+from distnb.results import CellEvents, CellResult, RankResult
+from distnb.states import PoolState, RankState
+from distnb.status import PoolStatus, RankStatus
+
+
+class FakePool:
+    """The Pool's public surface the magics use, answering from a script: each rank's output and
+    outcome for the next cell, and what every call received."""
+
+    def __init__(self, world_size: int = 4) -> None:
+        self.config = LaunchConfig(nproc=world_size, backend="gloo")
+        self.world_size = world_size
+        self.state = PoolState.READY
+        self.history: list[CellResult] = []
+        self.calls: list[tuple[str, Any]] = []
+        #: rank -> (stdout, error or None) for the next cell
+        self.script: dict[int, tuple[str, dict[str, Any] | None]] = {}
+
+    def submit(self, code: str, ranks: Any = None, events: CellEvents | None = None, profile: bool = False, pdb: bool = False) -> CellResult:
+        compile(code, "<cell>", "exec")  # the real pool raises a SyntaxError before sending
+        targets = parse_ranks(ranks, self.world_size)
+        result = CellResult(cell=len(self.history) + 1, code=code, ranks=targets, results={r: RankResult(r) for r in targets})
+        self.calls.append(("submit", {"code": code, "ranks": targets, "profile": profile, "pdb": pdb}))
+        for r in targets:
+            out, error = self.script.get(r, ("", None))
+            if out and events is not None and events.on_output is not None:
+                events.on_output(r, "stdout", out)
+            res = result.results[r]
+            res.add_output("stdout", out)
+            res.status, res.error, res.finished_at = ("error" if error else "ok"), error, float(r)
+            if events is not None and events.on_rank_done is not None:
+                events.on_rank_done(res)
+        self.history.append(result)
+        return result
+
+    def wait(self, result: CellResult, timeout: float | None = None, on_tick: Any = None, tick: float = 1.0, ask: Any = None) -> CellResult:
+        self.calls.append(("wait", timeout))
+        return result
+
+    def status(self) -> PoolStatus:
+        ranks = [RankStatus(rank=r, state=RankState.IDLE, pid=100 + r, host="h", device="cpu") for r in range(self.world_size)]  # type: ignore[call-arg]
+        return PoolStatus(state=self.state.value, backend="gloo", world_size=self.world_size, ranks=ranks, cells_run=len(self.history))
+
+    def stacks(self, ranks: Any = None, all_threads: bool = False, native: bool = False) -> StackReport:
+        self.calls.append(("stacks", (ranks, all_threads, native)))
+        frames = [Frame("<cell-1>", 2, "<module>", "dist.all_reduce(x)")]
+        return StackReport([RankStack(r, "running cell 1", "control thread", [ThreadStack("MainThread", True, frames)])  # type: ignore[arg-type]
+                            for r in parse_ranks(ranks, self.world_size)])
+
+    def env(self, ranks: Any = None) -> EnvReport:
+        envs = {r: {"RANK": str(r), "WORLD_SIZE": "4", "MASTER_PORT": "29500" if r != 3 else "29501"} for r in parse_ranks(ranks, self.world_size)}
+        return EnvReport(envs, {r: "h" for r in envs})
+
+    def push(self, ranks: Any = None, **values: Any) -> None:
+        self.calls.append(("push", (ranks, values)))
+
+    def pull(self, name: str, ranks: Any = None) -> dict[int, Any]:
+        return {r: f"{name}@{r}" for r in parse_ranks(ranks, self.world_size)}
+
+    def export(self, path: str, cells: str | None = None, include_failed: bool = False) -> str:
+        Path(path).write_text("# exported\n")  # raises OSError for a folder that does not exist, as the real one
+        return path
+
+    def shutdown(self) -> None:
+        self.state = PoolState.STOPPED
+
+    def regroup(self) -> None:
+        raise PoolBusyError.of({1: 3})
+
+
+@pytest.fixture
+def shell() -> InteractiveShell:
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "distnb")
+    return ip
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakePool:
+    pool = FakePool()
+    monkeypatch.setattr(support, "current_pool", lambda: pool)
+    monkeypatch.setattr(running, "current_pool", lambda: pool)
+    return pool
+
+
+def test_a_cell_shows_grouped_output_and_the_failing_rank_with_its_line(shell: InteractiveShell, fake: FakePool,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    error = {"ename": "ValueError", "evalue": "bad batch", "traceback": "Traceback …\nValueError: bad batch\n", "line": 3}
+    fake.script = {r: ("step 1\n", error if r == 2 else None) for r in range(4)}
+    shell.run_cell_magic("on_ranks", "0-3", "x = 1\nprint('step 1')\nraise ValueError('bad batch')")
+    out, err = capsys.readouterr()
+    assert "[ranks 0-3] step 1" in out
+    assert "── ValueError on rank 2 at cell line 3 ──" in err and "ValueError: bad batch" in err
+    assert shell.user_ns["_dist"] is fake.history[-1] and fake.history[-1].failed == [2]
+    assert fake.calls[0] == ("submit", {"code": "x = 1\nprint('step 1')\nraise ValueError('bad batch')", "ranks": [0, 1, 2, 3],
+                                        "profile": False, "pdb": False})
+
+
+def test_cell_flags_reach_the_pool(shell: InteractiveShell, fake: FakePool) -> None:
+    shell.run_cell_magic("on_ranks", "1, 3 --pdb --timeout 5", "pass")
+    assert fake.calls[0][1]["ranks"] == [1, 3] and fake.calls[0][1]["pdb"] and not fake.calls[0][1]["profile"]
+    assert ("wait", 5.0) in fake.calls
+
+
+@pytest.mark.parametrize(
+    ("magic", "line", "error"),
+    [
+        ("on_ranks", "--timeout -1", "--timeout takes a positive number of seconds"),
+        ("on_ranks", "--no-such-flag", "Run %%on_ranks? for its flags"),
+        ("on_ranks", "9", "rank 9 is out of range"),
+        ("dist_collectives", "--last 0", "--last takes a positive count"),
+        ("dist_timeline", "--last 0", "--last takes a positive count"),
+        ("dist_push", "not_defined_here", "'not_defined_here' is not defined in the notebook"),
+        ("dist_export", "/no/such/folder/repro.py", "can't write /no/such/folder/repro.py"),
+        ("dist_regroup", "", "rank 1 is still running cell 3"),
+        ("dist_stacks", "--bogus", "Run %dist_stacks? for its flags"),
+    ],
+)
+def test_bad_input_is_a_usage_error_that_says_what_to_do(shell: InteractiveShell, fake: FakePool, magic: str, line: str, error: str) -> None:
+    with pytest.raises(UsageError, match=error.replace("?", r"\?").replace("(", r"\(")):
+        if magic == "on_ranks":
+            shell.run_cell_magic(magic, line, "pass")
+        else:
+            shell.run_line_magic(magic, line)
+
+
+def test_every_magic_without_a_pool_says_how_to_start_one(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch) -> None:
+    def none() -> Any:
+        raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
+
+    monkeypatch.setattr(support, "current_pool", none)
+    for magic in ("dist_stacks", "dist_env", "dist_status", "dist_memory", "dist_collectives", "dist_shutdown", "dist_restart"):
+        with pytest.raises(UsageError, match="%dist_launch"):
+            shell.run_line_magic(magic, "")
+    with pytest.raises(UsageError, match="%dist_launch"):
+        shell.run_cell_magic("on_ranks", "", "pass")
+
+
+def test_a_syntax_error_is_shown_once_and_nothing_is_sent(shell: InteractiveShell, fake: FakePool, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.run_cell_magic("on_ranks", "", "x = (")
+    err = capsys.readouterr().err
+    assert "SyntaxError" in err and "nothing was sent to the ranks" in err and not fake.history
+
+
+def test_launch_flags_become_a_validated_config(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[LaunchConfig] = []
+
+    class Launched(FakePool):
+        def __init__(self, config: LaunchConfig) -> None:
+            super().__init__(config.world_size)
+            self.config = config
+            made.append(config)
+
+        def start(self, on_progress: Any = None, on_note: Any = None) -> Launched:
+            return self
+
+    def no_pool() -> Any:
+        raise NoPoolError("none")
+
+    monkeypatch.setattr(running, "current_pool", no_pool)
+    monkeypatch.setattr(running, "Pool", Launched)
+    shell.run_line_magic("dist_launch", "-n 3 --backend gloo --env NCCL_DEBUG=INFO --hang-after 2 --pg-timeout 60 --no-spares")
+    config = made[-1]
+    assert (config.nproc, config.backend, config.env) == (3, "gloo", {"NCCL_DEBUG": "INFO"})
+    assert (config.hang_after, config.pg_timeout, config.spares) == (2.0, 60.0, False)
+    with pytest.raises(UsageError, match="-n/--nproc"):
+        shell.run_line_magic("dist_launch", "-n 0")
+    with pytest.raises(UsageError, match="--env"):
+        shell.run_line_magic("dist_launch", "--env NOEQUALS")
+
+
+def test_launch_refuses_a_second_pool(shell: InteractiveShell, fake: FakePool) -> None:
+    with pytest.raises(UsageError, match="already ready; use %dist_restart"):
+        shell.run_line_magic("dist_launch", "-n 2")
+
+
+def test_pull_push_and_env_show_what_the_pool_answers(shell: InteractiveShell, fake: FakePool, capsys: pytest.CaptureFixture[str]) -> None:
+    shell.user_ns["lr"] = 0.1
+    shell.run_line_magic("dist_push", "lr --ranks 0,1")
+    assert fake.calls[-1] == ("push", ("0,1", {"lr": 0.1}))
+    assert shell.run_line_magic("dist_pull", "w --ranks 2") == {2: "w@2"}
+    report = shell.run_line_magic("dist_env", "")
+    assert "MASTER_PORT" in report.text() and "rank 3" in report.text()
+    stacks = shell.run_line_magic("dist_stacks", "1 --all-threads")
+    assert fake.calls[-1] == ("stacks", ("1", True, False)) and "dist.all_reduce(x)" in stacks.text()
+
+
+def test_wait_without_a_cell_says_how_to_run_one(shell: InteractiveShell, fake: FakePool) -> None:
+    with pytest.raises(UsageError, match="no cell has run on this pool yet"):
+        shell.run_line_magic("dist_wait", "")
+
+
+def test_export_prints_the_command_that_runs_the_script(shell: InteractiveShell, fake: FakePool, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "repro.py"
+    shell.run_line_magic("dist_export", str(target))
+    out = capsys.readouterr().out
+    assert f"wrote {target}; run it with: " in out and "torchrun" in out and "--nproc-per-node 4" in out
