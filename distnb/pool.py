@@ -36,7 +36,7 @@ from distnb.launching.torchrun import Launcher
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankResult
 from distnb.services.debugger import Ask, Debugger, read_line
-from distnb.services.diagnostics import Diagnostics
+from distnb.services.diagnostics import STACKS_TIMEOUT, Diagnostics
 from distnb.services.export import export_session
 from distnb.services.multinode import MultiNode
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
@@ -410,7 +410,7 @@ class Pool:
         """Every process of the pool known to be alive (agent, supervisors, ranks)."""
         return sorted(self._launcher.live_pids()) if self._launcher is not None else []
 
-    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = 0.25) -> StackReport:
+    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = STACKS_TIMEOUT) -> StackReport:
         return self._diagnostics.stacks(ranks, all_threads, native, timeout)
 
     def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:

@@ -18,7 +18,6 @@ import pytest
 
 import distnb
 from distnb import _processes
-
 from distnb.wire.peers import Peer, PeerKind
 from distnb.wire.protocol import accept
 

@@ -56,6 +56,9 @@ _TAKE_MAX = 256
 #: Distinct failure sites logged at ERROR level; repeats go to DEBUG, so a handler that fails on
 #: every tick can't flood the notebook with one traceback a second.
 _LOGGED_SITES_MAX = 64
+#: Seconds between the I/O thread's ticks (the tracker's checks: deaths without a report, stranded
+#: cells, collective-log polls).
+TICK = 1.0
 
 
 class Channel:
@@ -75,7 +78,7 @@ class Channel:
         on_tick: Callable[[], None] | None = None,
         bind: str = "127.0.0.1",
         port: int = 0,
-        heartbeat: float = 1.0,
+        heartbeat: float = TICK,
         ping_every: float | None = None,
     ) -> None:
         # The I/O thread signs as "C"; every other thread as "C<n>" with its own counter (see

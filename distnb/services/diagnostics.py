@@ -24,7 +24,6 @@ from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame
 from distnb.analysis.position import Position, position_from_stack, position_paused
 from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
 from distnb.analysis.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
-from distnb.services.native_stacks import py_spy_dumps
 from distnb.analysis.stragglers import StragglerReport, arrivals
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog
@@ -32,11 +31,19 @@ from distnb.controller.tracker import Tracker
 from distnb.errors import NoCellError, NoPoolError, RemoteError
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult
+from distnb.services.native_stacks import py_spy_dumps
 from distnb.states import PoolState, RankState
 from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
 from distnb.wire.protocol import Msg
 
-__all__ = ["Diagnostics"]
+__all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "STACKS_TIMEOUT"]
+
+#: How long the control threads have to answer a stacks request; one that can't (its rank holds
+#: the GIL in a C loop) is asked of its supervisor through faulthandler instead.
+STACKS_TIMEOUT = 0.25
+#: faulthandler's dump: how long the supervisor collects it, and how long we wait for the answer.
+FAULT_WAIT = 0.15
+FAULT_TIMEOUT = 3.0
 
 
 class Diagnostics:
@@ -55,7 +62,7 @@ class Diagnostics:
             raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
 
     # -- stacks ---------------------------------------------------------------------------------
-    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = 0.25) -> StackReport:
+    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = STACKS_TIMEOUT) -> StackReport:
         """Where every (or each given) rank is right now; works while cells run or hang.
 
         The rank's control thread answers even while the main thread waits in a collective. A
@@ -76,7 +83,7 @@ class Diagnostics:
         self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
         # A control thread that answered with an error instead of stacks gave no stack either.
         silent = [r for r in alive if "stacks" not in replies.get(r, {})]
-        dumps = tracker.requests.ask(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": 0.15}, 3.0, partial=True)
+        dumps = tracker.requests.ask(supervisor_identity, silent, {"t": Msg.FAULT_REQUEST, "wait": FAULT_WAIT}, FAULT_TIMEOUT, partial=True)
         sources = self._session.recent_sources()
         status = {rs.rank: rs for rs in tracker.rank_statuses()}
         out = []

@@ -15,6 +15,9 @@ from distnb.wire.protocol import Msg
 
 __all__ = ["errors_of", "fetch_value", "pack_values", "send_values"]
 
+#: How long a push or pull waits for the ranks' answers (a rank may be finishing a cell first).
+VALUES_TIMEOUT = 60.0
+
 
 def pack_values(values: dict[str, Any]) -> bytes:
     """``values`` pickled as one push; ValueError naming the culprit (and what to do instead) for
@@ -48,7 +51,7 @@ def errors_of(replies: dict[int, dict[str, Any]]) -> dict[int, str]:
 
 def send_values(requests: Requests, blob: bytes, targets: list[int], names: tuple[str, ...]) -> None:
     """A packed push into the targets' namespaces; RemoteError naming the ranks that refused it."""
-    errors = errors_of(requests.ask(exec_identity, targets, {"t": Msg.PUSH, "values": blob}, 60.0))
+    errors = errors_of(requests.ask(exec_identity, targets, {"t": Msg.PUSH, "values": blob}, VALUES_TIMEOUT))
     if errors:
         raise RemoteError(f"push of {', '.join(names)} failed on {format_ranks(errors)}: {next(iter(errors.values()))}",
                           errors=errors)
@@ -56,7 +59,7 @@ def send_values(requests: Requests, blob: bytes, targets: list[int], names: tupl
 
 def fetch_value(requests: Requests, name: str, targets: list[int]) -> dict[int, Any]:
     """``{rank: value}`` of ``name`` on the targets; RemoteError naming the ranks that lack it."""
-    replies = requests.ask(exec_identity, targets, {"t": Msg.PULL, "names": [name]}, 60.0)
+    replies = requests.ask(exec_identity, targets, {"t": Msg.PULL, "names": [name]}, VALUES_TIMEOUT)
     errors = errors_of(replies)
     if errors:
         first = next(iter(errors.values()))

@@ -313,7 +313,9 @@ def test_a_100mb_line_stays_bounded_and_linear() -> None:
     assert line.startswith("[rank 0] xxx") and line.endswith("xxxEND\n")
     assert "characters not shown" in line and len(line) < 2 * LINE_KEEP + 100
     assert f"{1600 * len(chunk) + 3 - 2 * LINE_KEEP:,} characters" in line
-    assert elapsed < 20, f"{elapsed:.1f} s for 100 MB: not linear"  # quadratic += takes minutes
+    # Linear by construction: what the printer holds stayed bounded at every flush (asserted in the
+    # loop); a quadratic += took minutes. The time is reported, not asserted (it is this machine's).
+    print(f"100 MB through one line: {elapsed:.1f} s")
 
 
 def test_a_trickle_of_tiny_chunks_does_not_pile_up() -> None:

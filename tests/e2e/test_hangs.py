@@ -11,6 +11,8 @@ from conftest import usable
 
 import distnb
 from distnb import _processes
+from distnb.services.diagnostics import FAULT_WAIT, STACKS_TIMEOUT
+from distnb.services.native_stacks import NATIVE_TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -83,7 +85,8 @@ def test_stacks_native_and_all_threads(pool3: distnb.Pool) -> None:
     assert "native (py-spy):" in report.text()
     assert "c10d::Work::wait" in report[0].native and "<cell-" in report[0].native, report[0].native
     assert report[2].native, report.text()
-    assert took < 10, f"py-spy on 3 ranks took {took:.1f} s (they run at once)"
+    # They run at once, within the product's one bound for all of them (not one bound each).
+    assert "did not finish" not in report.text() and took < NATIVE_TIMEOUT + 5, f"py-spy on 3 ranks took {took:.1f} s"
 
 
 def test_rank_that_raised_is_named_root_cause(pool3: distnb.Pool) -> None:
@@ -114,7 +117,10 @@ def test_stack_of_rank_holding_the_gil(pool3: distnb.Pool) -> None:
     diag = pool.diagnose(res)
     took = time.monotonic() - t0
     assert res.running == [1], "the regex ended too early for this test"
-    assert took < 1.5, f"diagnose took {took:.2f} s with a rank holding the GIL"
+    # One round: the control threads' timeout, then faulthandler's dump for the silent rank (one
+    # round per question would be two); a second of margin for a loaded machine.
+    bound = STACKS_TIMEOUT + FAULT_WAIT + 1.0
+    assert took < bound, f"diagnose took {took:.2f} s with a rank holding the GIL (bound {bound:.2f} s)"
     assert "rank 1: running Python code" in diag.text() and "re.match" in diag.text(), diag.text()
     pool.wait(res, timeout=60)
 

@@ -26,6 +26,9 @@ from netns import Cluster, netns_unavailable
 from slurm_cluster import Slurm, slurm_unavailable
 
 from distnb import _processes
+from distnb.controller.channel import TICK
+from distnb.controller.tracker import STRAND_AFTER
+from distnb.launching.remote_nodes import LOST_AFTER
 from distnb.ranks import parse_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -227,7 +230,9 @@ def test_a_slow_link_is_slow_not_a_hang(net: Cluster, nb: Notebook) -> None:
     print(f"all_reduce of 2 MB over 4 Mbit/s: {took:.1f} s")
     # The ranks leave the all_reduce at different times, so their lines may come in several groups.
     assert ranks_printing(out, "4") == [0, 1, 2, 3], out
-    assert "slow, not a hang" in out and "mismatch" not in out, out
+    # Two true verdicts, by when the watch looked: every rank still in the all_reduce ("slow but
+    # consistent, not a hang"), or some out of it and the others finishing ("slow, not a hang").
+    assert re.search(r"slow(, | but consistent, )not a hang", out) and "mismatch" not in out, out
     assert took > 2, f"the link was not slow ({took:.1f} s)"
 
 
@@ -241,7 +246,8 @@ def test_a_link_down_mid_cell_is_a_lost_machine(net: Cluster, nb: Notebook) -> N
         out = nb.until("\0DONE", 30)
         took = time.monotonic() - cut
         # Lost after 3 s of silence (README), noticed at the next tick; the stranded ranks end the cell.
-        assert took < 9, f"the cell took {took:.1f} s to end after the link went down:\n{out}"
+        bound = LOST_AFTER + STRAND_AFTER + 2 * TICK + 3.0  # the margin: a loaded machine, the shell's round trip
+        assert took < bound, f"the cell took {took:.1f} s to end after the link went down (bound {bound:.0f} s):\n{out}"
         assert re.search(r"lost with its machine: the node agent on hostb \(pid \d+\) stopped answering", out), out
         print(f"cell ended {took:.1f} s after the link went down")
         status = nb.run("%dist_status")

@@ -7,11 +7,11 @@ import pytest
 
 from distnb.analysis.hang import diagnose
 from distnb.analysis.position import Position, position_paused
+from distnb.config import LaunchConfig
 from distnb.controller.prompts import Prompt
+from distnb.controller.tracker import Tracker
 from distnb.errors import NoCellError
 from distnb.results import CellResult, RankResult
-from distnb.config import LaunchConfig
-from distnb.controller.tracker import Tracker
 from distnb.services.debugger import Debugger, parse_command, render_answers
 
 
