@@ -106,7 +106,7 @@ class CollectiveLog:
 
     def age(self, rank: int, entry: dict[str, Any]) -> float:
         """Seconds since the rank recorded ``entry``, by the rank's own clock."""
-        return max(0.0, time.time() + self.offset(rank) - entry["t"])
+        return max(0.0, time.time() + self.offset(rank) - float(entry["t"]))
 
     def offset(self, rank: int) -> float:
         """The rank's clock minus the controller's, seconds (0 until a reply says otherwise)."""
@@ -115,7 +115,7 @@ class CollectiveLog:
 
     def local_time(self, rank: int, entry: dict[str, Any]) -> float:
         """When the rank recorded ``entry``, on the controller's clock (to order ranks' entries)."""
-        return entry["t"] - self.offset(rank)
+        return float(entry["t"]) - self.offset(rank)
 
     def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None:
         """The collective the rank entered most recently and has not completed (in ``cell``, when

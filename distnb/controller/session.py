@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from distnb.errors import RemoteError
 from distnb.results import CellRecord, CellResult, PushRecord, Step
@@ -169,7 +169,7 @@ class SessionLog:
         """``{"<cell-N>": code}`` of the last ``n`` cells: stack frames in cells show their lines."""
         return {f"<cell-{c.cell}>": c.code for c in self._history[-n:]}
 
-    def memory_timeline(self, ranks: list[int]) -> list[tuple[int, dict[int, dict]]]:
+    def memory_timeline(self, ranks: list[int]) -> list[tuple[int, dict[int, dict[str, Any]]]]:
         """Per cell since launch, each rank's memory sample (start, end, peak)."""
         timeline = []
         for cell in self._history[self._launch_index :]:

@@ -146,14 +146,14 @@ class Credentials:
         return cls(key)
 
     # -- sockets --------------------------------------------------------------------------------
-    def secure_client(self, sock: zmq.Socket) -> None:
+    def secure_client(self, sock: zmq.Socket[bytes]) -> None:
         """Call before ``connect``."""
         if self.curve:
             sock.curve_serverkey = self.curve_server_public
             sock.curve_publickey = self.curve_client_public
             sock.curve_secretkey = self.curve_client_secret
 
-    def secure_server(self, ctx: zmq.Context, sock: zmq.Socket) -> HandshakeGate | None:
+    def secure_server(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes]) -> HandshakeGate | None:
         """Call before ``bind``. With CURVE, returns the gate that admits only the pool's client key."""
         if not self.curve:
             return None
@@ -170,7 +170,7 @@ class HandshakeGate:
     """A ZAP handler (pyzmq's authenticator thread) that admits only the pool's client key and
     counts the handshakes it refused."""
 
-    def __init__(self, ctx: zmq.Context, allowed: bytes) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], allowed: bytes) -> None:
         from zmq.auth.thread import ThreadAuthenticator
 
         self.refused = 0

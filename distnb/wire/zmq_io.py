@@ -22,14 +22,14 @@ _POLLIN = int(zmq.POLLIN)
 _COPY_BELOW = 65536
 
 
-def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> None:
+def send_frames(sock: zmq.Socket[bytes], frames: Sequence[bytes], flags: int = 0) -> None:
     """Send ``frames`` as one multipart message."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         sock.send(frame, flags | _SNDMORE if i < last else flags, copy=len(frame) < _COPY_BELOW)
 
 
-def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[bytes]:
+def recv_frames(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
     """Receive one multipart message as bytes (``zmq.Again`` with ``NOBLOCK`` when none waits).
 
     Each part comes as a Frame whose ``more`` is read from the message itself: asking the socket
@@ -42,7 +42,7 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[bytes]:
             return parts
 
 
-def drain(sock: zmq.Socket) -> Iterator[list[bytes]]:
+def drain(sock: zmq.Socket[bytes]) -> Iterator[list[bytes]]:
     """Every message waiting on ``sock`` now, for a socket a poll found readable.
 
     Asks the socket whether another message waits (ZMQ_EVENTS) instead of receiving until
