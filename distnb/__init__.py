@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from distnb import config as _config
+
+__version__ = _config.VERSION
 
 # The public names load on first use: a rank and its supervisor import ``distnb.worker…``, which
 # runs this file first, and must not pay for the controller (pool, launch, IPython glue: ~130 ms

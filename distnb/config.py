@@ -7,7 +7,11 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 
-__all__ = ["BACKENDS", "DEBUG_ENV", "LaunchConfig", "Rendezvous", "default_nproc", "is_loopback", "split_host_port"]
+__all__ = ["BACKENDS", "DEBUG_ENV", "VERSION", "LaunchConfig", "Rendezvous", "default_nproc", "is_loopback", "split_host_port"]
+
+#: distnb's version (``distnb.__version__``): every machine of a pool must run the same one, and a
+#: node agent of another is refused by name.
+VERSION = "0.1.0"
 
 BACKENDS = ("auto", "nccl", "gloo")
 DEBUG_ENV = {

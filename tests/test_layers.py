@@ -67,12 +67,12 @@ def _top_level_imports(path: Path) -> set[str]:
                 base = node.module[len("distnb."):] if node.module != "distnb" else ""
                 for alias in node.names:
                     sub = f"{base}.{alias.name}" if base else alias.name
-                    found.add(sub if sub in modules else base)
+                    found.add(sub if sub in modules else base or "__init__")
             elif isinstance(node, ast.Import):
                 found.update(a.name[len("distnb."):] for a in node.names if a.name.startswith("distnb."))
 
     visit(ast.parse(path.read_text()).body)
-    found.discard("")
+    found.discard(_module_name(path))
     return found
 
 

@@ -5,15 +5,37 @@ the ranks' sequences side by side with the first place where they disagree."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from distnb.ranks import format_ranks, group_by
 
-if TYPE_CHECKING:
-    from distnb.controller.collective_log import CollectiveLog
-
-__all__ = ["CollectiveReport", "Divergence", "P2P_OPS", "RECORDER_NAMES", "args_text", "describe", "issued_words", "odd_ones", "peer_of",
+__all__ = ["CollectiveEvidence", "CollectiveReport", "Divergence", "P2P_OPS", "RECORDER_NAMES", "args_text", "describe", "issued_words", "odd_ones", "peer_of",
            "peer_words", "signature", "state_mark"]
+
+class CollectiveEvidence(Protocol):
+    """What the analyses read of the ranks' collective logs: the data, not the object that keeps
+    it (the controller's :class:`~distnb.controller.collective_log.CollectiveLog` is one)."""
+
+    entries: dict[int, dict[int, dict[str, Any]]]  # rank -> id -> Flight Recorder entry
+    groups: dict[str, list[int]]  # group name -> member ranks
+    unavailable: str | None
+    missing: dict[str, str]  # recorders some rank could not read, and why
+    died_in: dict[int, str]  # ranks that died inside a collective before its entry came: op
+
+    def sequence(self, rank: int, group: str) -> list[dict[str, Any]]: ...
+
+    def local_time(self, rank: int, entry: dict[str, Any]) -> float: ...
+
+    def offset(self, rank: int) -> float: ...
+
+    def last_seq(self, rank: int, group: str) -> int | None: ...
+
+    def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None: ...
+
+    def creations(self, rank: int) -> dict[int, dict[str, Any]]: ...
+
+    def p2p(self, rank: int) -> list[dict[str, Any]]: ...
+
 
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
@@ -128,7 +150,7 @@ class Divergence:
 
 @dataclass
 class CollectiveReport:
-    log: CollectiveLog
+    log: CollectiveEvidence
     ranks: list[int]
     last: int | None = None
 

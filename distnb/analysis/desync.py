@@ -11,13 +11,10 @@ words with the entries involved, from the collective log.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from distnb.analysis.collectives import describe
+from distnb.analysis.collectives import CollectiveEvidence, describe
 from distnb.ranks import format_ranks
-
-if TYPE_CHECKING:
-    from distnb.controller.collective_log import CollectiveLog  # the controller's log, read here as data
 
 __all__ = ["CountMismatch", "carry_over", "count_mismatches", "mismatch_text"]
 
@@ -80,7 +77,7 @@ def carry_over(found: list[CountMismatch], before: list[CountMismatch], cell: in
     return out
 
 
-def _entries(log: CollectiveLog, m: CountMismatch) -> list[str]:
+def _entries(log: CollectiveEvidence, m: CountMismatch) -> list[str]:
     """The extra collectives of the rank(s) ahead, in words, as far as the log holds them."""
     rank = m.ahead[0]
     extra = sorted((e for e in log.entries.get(rank, {}).values() if e["group"] == m.group and not e["p2p"] and e["seq"] > m.low),
@@ -93,7 +90,7 @@ def _entries(log: CollectiveLog, m: CountMismatch) -> list[str]:
     return out
 
 
-def mismatch_text(m: CountMismatch, log: CollectiveLog | None = None) -> str:
+def mismatch_text(m: CountMismatch, log: CollectiveEvidence | None = None) -> str:
     """One sentence: who is ahead, by what, and what happens next."""
     ahead, behind = format_ranks(m.ahead), format_ranks(m.behind)
     verb = "has" if len(m.ahead) == 1 else "have"

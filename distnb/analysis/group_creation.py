@@ -7,13 +7,10 @@ each rank's watched calls (worker/call_log.py) do, keyed by torch's own counter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from distnb.analysis.collectives import odd_ones
+from distnb.analysis.collectives import CollectiveEvidence, odd_ones
 from distnb.ranks import format_ranks, group_by
-
-if TYPE_CHECKING:
-    from distnb.controller.collective_log import CollectiveLog  # the controller's log, read here as data
 
 __all__ = ["CreationMismatch", "creation_mismatch"]
 
@@ -54,7 +51,7 @@ class CreationMismatch:
                 f"group, in the same order, even for groups it is not in (groups created so far: {tally}).{blame}")
 
 
-def creation_mismatch(log: CollectiveLog, ranks: list[int], moving: set[int] = frozenset()) -> CreationMismatch | None:  # type: ignore[assignment]
+def creation_mismatch(log: CollectiveEvidence, ranks: list[int], moving: set[int] = frozenset()) -> CreationMismatch | None:  # type: ignore[assignment]
     """The first group creation where the ranks' calls differ (members, or made at all).
 
     A rank in ``moving`` (still running Python code) may yet make a call it has not made: only

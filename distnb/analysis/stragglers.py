@@ -3,7 +3,7 @@
 An entry is created when its rank issues the collective, so across ranks the entries of one
 collective (same group, same sequence number) are the ranks' arrivals. Times are the ranks' own
 clocks moved onto the controller's by the offsets distnb measures on every reply
-(:meth:`CollectiveLog.local_time`). On gloo a rank blocks in the collective until the last one
+(:meth:`CollectiveEvidence.local_time`). On gloo a rank blocks in the collective until the last one
 arrives, so the gap between its arrival and the last one is time it spent waiting for peers; on
 NCCL the arrival is the host's enqueue, which runs ahead of the GPU.
 """
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from distnb.analysis.collectives import CollectiveEvidence
 from distnb.ranks import format_ranks
-
-if TYPE_CHECKING:
-    from distnb.controller.collective_log import CollectiveLog  # the controller's log, read here as data
 
 __all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_SHARE", "STRAGGLER_MIN_LATE"]
 
@@ -49,7 +47,7 @@ class Arrival:
         return max(self.times.values()) - self.first
 
 
-def arrivals(log: CollectiveLog, group: str, ranks: list[int], last: int | None = 200, cell: int | None = None) -> list[Arrival]:
+def arrivals(log: CollectiveEvidence, group: str, ranks: list[int], last: int | None = 200, cell: int | None = None) -> list[Arrival]:
     """The last ``last`` collectives of ``group`` that every one of ``ranks`` reached (issued
     in ``cell``, when given)."""
     seqs = {r: {e["seq"]: e for e in log.sequence(r, group) if cell is None or e.get("cell") == cell} for r in ranks}

@@ -22,7 +22,8 @@ from typing import Any
 
 import zmq
 
-from distnb import __version__, _processes
+from distnb import _processes
+from distnb.config import VERSION
 from distnb.config import LaunchConfig, Rendezvous
 from distnb.launching import network
 from distnb.launching.torchrun import Launcher
@@ -70,7 +71,7 @@ class NodeAgent:
             return None
 
     def _join(self) -> NodeStart | None:
-        hello = {"t": Msg.NODE_HELLO, "host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
+        hello = {"t": Msg.NODE_HELLO, "host": socket.gethostname(), "pid": os.getpid(), "version": VERSION}
         deadline = time.monotonic() + self.wait
         next_hello = 0.0
         while time.monotonic() < deadline and not self.stopping:

@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Callable
 
 from distnb import _processes
-from distnb.config import LaunchConfig, is_loopback
+from distnb.config import VERSION, LaunchConfig, is_loopback
 from distnb.launching import network
 from distnb.launching.torchrun import drain_lines
 
@@ -71,12 +71,10 @@ class Nodes:
 
     def hello(self, agent_id: int, host: str, pid: int, version: str, accepting: bool) -> str | None:
         """Register an agent; returns why it may not join, or None."""
-        from distnb import __version__
-
         if agent_id in self.agents:
             return None  # a repeated hello while our answer was on its way
-        if version != __version__:
-            reason = f"it runs distnb {version} but the notebook runs {__version__}; install the same version on every node."
+        if version != VERSION:
+            reason = f"it runs distnb {version} but the notebook runs {VERSION}; install the same version on every node."
         elif not accepting:
             reason = "the pool is not starting (an agent from an earlier launch?)."
         elif len(self.agents) >= self.expected:
