@@ -521,11 +521,11 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
                 if kind in ("replay", "other-sender", "bad-identity"):
                     codec = rogue_codecs.get(identity) or Codec(key, identity.decode())
                     if kind == "other-sender":  # signed, but claims another peer's name
-                        frames = Codec(key, ["x0", "s1", "c0"][extra % 3]).encode({"t": Msg.REPLY})
+                        frames = Codec(key, ["x0", "s1", "c0"][extra % 3]).encode({"t": Msg.REPLY, "id": "fuzz"})
                         sock.send_multipart(frames)
                         expected_controller += 1
                         continue
-                    frames = codec.encode({"t": Msg.REPLY})
+                    frames = codec.encode({"t": Msg.REPLY, "id": "fuzz"})
                     sock.send_multipart(frames)  # accepted (from an unknown rank: ignored)
                     sock.send_multipart(frames)  # the same again: a replay
                     expected_controller += 2 if kind == "bad-identity" else 1
