@@ -244,14 +244,19 @@ class Pool:
         have imported torch already (see :attr:`LaunchConfig.spares`); where that can't be done (a
         supervisor or torchrun gone, a machine lost) or ``full`` is asked, everything restarts.
 
-        With ``replay``, the cells that succeeded since the last launch are re-run in order on
-        the same ranks, with the values pushed between them, bringing the fresh pool back to the
-        state before a failure. Replay stops at the first cell that fails this time.
+        With ``replay``, the cells that succeeded since the launch are re-run in order on the same
+        ranks, with the values pushed between them, bringing the fresh pool back to the state
+        before a failure. Replay stops at the first cell that fails this time. A restart without
+        replay does not move where the next replay starts: the session since ``%dist_launch`` (or
+        since the last replay, which re-ran it) is replayed, however many restarts came between.
         """
+        base = self._session.launch_index
         steps = self._session.since_launch() if replay else []
         if full or not self._respawn(on_progress, on_note):
             self.shutdown()
             self.start(on_progress, on_note)
+        if not replay:
+            self._session.mark_launch(base)
         self._session.replay(steps, lambda code, ranks: self.run(code, ranks), self._push_blob, on_replay)
         return self
 

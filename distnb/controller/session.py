@@ -65,9 +65,10 @@ class SessionLog:
     def last(self) -> CellResult | CellRecord | None:
         return self._history[-1] if self._history else None
 
-    def mark_launch(self) -> None:
-        """A launch succeeded: replay and export start from here."""
-        self._launch_index = len(self._history)
+    def mark_launch(self, at: int | None = None) -> None:
+        """A launch succeeded: replay and export start from here (or from ``at``, where a restart
+        that replayed nothing keeps the session's own start)."""
+        self._launch_index = len(self._history) if at is None else at
 
     def next_cell(self) -> int:
         return next(self._cells)

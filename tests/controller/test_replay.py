@@ -29,6 +29,22 @@ def test_replay_re_pushes_values_between_cells(fresh_pool) -> None:
     assert pool.pull("acc") == {0: [0, 10], 1: [1, 20]}
 
 
+def test_replay_after_quick_restarts_brings_back_the_whole_session(fresh_pool) -> None:
+    """A restart without --replay leaves empty ranks but does not move where replay starts: the
+    next --replay re-runs the session since launch (cells before and after the restarts, in
+    order), and a restart after that replay replays the replayed copies once, not twice."""
+    pool = fresh_pool(nproc=2)
+    assert pool.run("before = [rank]").ok
+    pool.restart()  # quick: fresh ranks under the running torchrun, namespaces empty
+    assert pool.run("after = 7").ok
+    pool.restart()
+    pool.restart(replay=True)
+    assert pool.pull("before") == {0: [0], 1: [1]} and pool.pull("after") == {0: 7, 1: 7}
+    assert pool.run("before.append(after)").ok
+    pool.restart(replay=True)
+    assert pool.pull("before") == {0: [0, 7], 1: [1, 7]}
+
+
 def test_a_push_too_large_to_keep_stops_replay_with_a_clear_error(fresh_pool, monkeypatch) -> None:
     pool = fresh_pool(nproc=2)
     monkeypatch.setattr(session, "KEEP_PUSH_BYTES", 0)  # every pushed value is let go at once
