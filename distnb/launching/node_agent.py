@@ -23,8 +23,7 @@ from typing import Any
 import zmq
 
 from distnb import _processes
-from distnb.config import VERSION
-from distnb.config import LaunchConfig, Rendezvous
+from distnb.config import VERSION, LaunchConfig, Rendezvous
 from distnb.launching import network
 from distnb.launching.torchrun import Launcher
 from distnb.wire.codec import BadFrame, Codec, ReplayGuard, socket_max_msgsize

@@ -24,6 +24,7 @@ from distnb.pool import Pool, current_pool
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellEvents, CellResult
 from distnb.states import PoolState
+from distnb.wire.cell_code import RANK_NAMES
 
 __all__ = ["DistMagics"]
 
@@ -176,6 +177,8 @@ class DistMagics(Magics):
         with _usage_errors():
             pool = Pool(config).start(on_progress=StartProgress(self._in_kernel()), on_note=_print_note)
         print(pool.status().text())
+        print(f"every rank starts with: {', '.join(RANK_NAMES)} (its process group is initialised; "
+              "a pasted script's init_process_group keeps it)")
 
     @magic_arguments()
     @line_magic

@@ -26,7 +26,10 @@ from typing import NamedTuple
 
 from distnb.wire.protocol import Exec, Msg
 
-__all__ = ["CELL_PREFIX", "CompiledCell", "cell_filename", "compile_cell", "compile_source", "exec_request", "pack", "renamed", "unpack"]
+__all__ = ["CELL_PREFIX", "RANK_NAMES", "CompiledCell", "cell_filename", "compile_cell", "compile_source", "exec_request", "pack", "renamed", "unpack"]
+
+#: The names every rank's namespace starts with, for the first cell (``%dist_launch`` lists them).
+RANK_NAMES = ("torch", "dist", "rank", "local_rank", "world_size", "device")
 
 #: Cells' code objects are named ``<cell-N>``: tracebacks, linecache and the debugger use it.
 CELL_PREFIX = "<cell-"

@@ -26,13 +26,13 @@ import zmq
 from distnb import _processes
 from distnb._text import mib
 from distnb.wire import codec
-from distnb.wire.cell_code import unpack
+from distnb.wire.cell_code import RANK_NAMES, unpack
 from distnb.wire.codec import BadFrame, Codec, FrameTooLarge, ReplayGuard, socket_max_msgsize
 from distnb.wire.peers import PeerKind, exec_identity
 from distnb.wire.protocol import CellDone, Hello, Msg, Ready, StartFailed, StdinReply, ToExec, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
-from distnb.worker import gloo_idle
+from distnb.worker import gloo_idle, pasted
 from distnb.worker.call_log import install
 from distnb.worker.checksum import checksum
 from distnb.worker.control import ControlThread
@@ -226,14 +226,8 @@ class Rank:
         dist.init_process_group(**kwargs)
         if os.environ.get("DISTNB_CALL_LOG", "1") != "0":  # benchmarks compare without it
             install(self.executor.calls)
-        self.ns.update(
-            torch=torch,
-            dist=dist,
-            rank=self.rank,
-            local_rank=self.local_rank,
-            world_size=self.world_size,
-            device=device,
-        )
+        pasted.install()  # a pasted script's init_process_group and clean-up keep the pool's group
+        self.ns.update(zip(RANK_NAMES, (torch, dist, self.rank, self.local_rank, self.world_size, device)))
         return {"device": str(device), "backend": backend}
 
     def flush_output(self) -> None:

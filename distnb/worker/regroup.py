@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from distnb.worker.call_log import CallLog
+from distnb.worker.pasted import distnb_calls
 
 __all__ = ["ABORT_WAIT", "REGROUP_STACKS_AFTER", "regroup"]
 
@@ -49,19 +50,21 @@ def regroup(rank: int, world_size: int, pg_timeout: float, device: Any, calls: C
                       "abandoning them", file=sys.stderr, flush=True)
             forget_groups()
         else:
-            dist.destroy_process_group()
+            with distnb_calls():  # the pool's own destroy, not a pasted script's
+                dist.destroy_process_group()
     except Exception:
         pass  # a poisoned group may fail to shut down cleanly; the new one does not need it
     kwargs: dict[str, Any] = {"device_id": device} if nccl else {}
     try:
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"distnb/regroup/{generation}", store),
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout),
-            **kwargs,
-        )
+        with distnb_calls():
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"distnb/regroup/{generation}", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=pg_timeout),
+                **kwargs,
+            )
     except Exception as exc:
         return {"status": "error", "error": f"rank {rank} could not build a new process group: {type(exc).__name__}: {exc}"}
     finally:

@@ -162,7 +162,8 @@ def test_a_syntax_error_is_shown_once_and_nothing_is_sent(shell: InteractiveShel
     assert "SyntaxError" in err and "nothing was sent to the ranks" in err and not fake.history
 
 
-def test_launch_flags_become_a_validated_config(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_flags_become_a_validated_config(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     made: list[LaunchConfig] = []
 
     class Launched(FakePool):
@@ -180,6 +181,7 @@ def test_launch_flags_become_a_validated_config(shell: InteractiveShell, monkeyp
     monkeypatch.setattr(running, "current_pool", no_pool)
     monkeypatch.setattr(running, "Pool", Launched)
     shell.run_line_magic("dist_launch", "-n 3 --backend gloo --env NCCL_DEBUG=INFO --hang-after 2 --pg-timeout 60 --no-spares")
+    assert "every rank starts with: torch, dist, rank, local_rank, world_size, device" in capsys.readouterr().out
     config = made[-1]
     assert (config.nproc, config.backend, config.env) == (3, "gloo", {"NCCL_DEBUG": "INFO"})
     assert (config.hang_after, config.pg_timeout, config.spares) == (2.0, 60.0, False)
