@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from distnb.worker.checksum import checksum, fingerprint
+from distnb.worker.checksum import checksum
+from distnb.worker.fingerprint import fingerprint
 from distnb.worker.memory_sampler import MemorySampler
 
 

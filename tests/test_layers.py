@@ -152,6 +152,16 @@ def test_one_home_per_name() -> None:
                 if not name.startswith("_") and name not in ("main", "install", "T"):
                     homes.setdefault(name, set()).add(_module_name(path))  # overloads: one home
     twice = {name: where for name, where in homes.items() if len(where) > 1}
+    # And no module hands on, in its __all__, a name another module defines (the package's face
+    # and the ``python -m distnb.node`` shim aside).
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py" or path == PACKAGE / "node.py":
+            continue
+        tree = ast.parse(path.read_text())
+        exported = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                         and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), [])
+        foreign = [name for name in exported if _module_name(path) not in homes.get(name, {_module_name(path)})]
+        assert not foreign, f"{_module_name(path)} re-exports {foreign}: import them from their home"
     assert not twice, "defined in more than one module: " + "; ".join(f"{n}: {', '.join(sorted(w))}" for n, w in sorted(twice.items()))
 
 

@@ -34,7 +34,7 @@ from distnb.results import CellRecord, CellResult
 from distnb.wire.peers import exec_identity
 from distnb.wire.protocol import Msg
 
-__all__ = ["Ask", "Command", "Debugger", "Prompt", "parse_command", "read_line"]
+__all__ = ["SETTLE", "Ask", "Command", "Debugger", "Diagnose", "parse_command", "read_line"]
 
 #: How the debugger reads where the other ranks are: the pool's diagnosis of a cell, right now.
 Diagnose = Callable[..., Diagnosis]

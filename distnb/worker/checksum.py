@@ -17,7 +17,6 @@ from typing import Any
 
 from distnb.worker import fingerprint as _fp
 from distnb.worker.fingerprint import MASK as _MASK
-from distnb.worker.fingerprint import WIDTH, fingerprint
 from distnb.worker.fingerprint import dense as _dense
 from distnb.worker.fingerprint import digest as _digest
 from distnb.worker.fingerprint import dtype_name as _dtype_name
@@ -26,7 +25,7 @@ from distnb.worker.fingerprint import pieces as _pieces
 from distnb.worker.fingerprint import sum_tensor as _sum_tensor
 from distnb.worker.fingerprint import sums as _sums
 
-__all__ = ["checksum", "fingerprint", "tensor_summary", "WIDTH"]
+__all__ = ["checksum", "tensor_summary"]
 
 _REPR_CAP = 200
 _MAX_ENTRIES = 100_000  # a container with more leaves is cut off (noted), not walked forever

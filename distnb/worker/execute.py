@@ -21,7 +21,7 @@ from distnb.worker.flight_recorder import CellClock
 from distnb.worker.group_state import group_errors, live_groups, sync_state
 from distnb.worker.memory_sampler import MemorySampler
 
-__all__ = ["Executor", "cell_filename", "mimebundle", "CELL_PREFIX"]
+__all__ = ["Executor", "mimebundle"]
 
 _TEXT_CAP = 64 * 1024
 _KEEP_SOURCES = 1000

@@ -17,7 +17,8 @@ from distnb.analysis import checks as checks
 from distnb.analysis.checks import compare
 from distnb.worker import checksum as ck
 from distnb.worker import fingerprint as fp
-from distnb.worker.checksum import checksum, fingerprint
+from distnb.worker.checksum import checksum
+from distnb.worker.fingerprint import fingerprint
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore:Sparse:UserWarning")]
 
