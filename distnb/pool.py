@@ -37,7 +37,7 @@ from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankResult
 from distnb.services.debugger import Ask, Debugger, read_line
 from distnb.services.diagnostics import STACKS_TIMEOUT, Diagnostics
-from distnb.services.export import export_session
+from distnb.services.export import Export, export_session
 from distnb.services.multinode import MultiNode
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
@@ -301,12 +301,15 @@ class Pool:
 
     # -- cells ----------------------------------------------------------------------------------
     def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None, profile: bool = False,
-               pdb: bool = False) -> CellResult:
+               pdb: bool = False, label: int | None = None) -> CellResult:
         """Start a cell on the ranks and return its live :class:`CellResult` at once. ``profile``
         runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`); with ``pdb``
-        a rank that raises stops in the debugger at the error (:meth:`wait` answers it)."""
+        a rank that raises stops in the debugger at the error (:meth:`wait` answers it). ``label``
+        is the notebook's In[n] for it (the magic passes it; export speaks in it)."""
         compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
-        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb}, compiled=compiled)
+        result = self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb}, compiled=compiled)
+        result.label = label
+        return result
 
     def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True,
                compiled: CompiledCell | None = None) -> CellResult:
@@ -438,9 +441,11 @@ class Pool:
     def check(self, names: str | Iterable[str], ranks: Ranks = None) -> list[CheckReport]:
         return self._diagnostics.check(names, ranks)
 
-    def export(self, path: str, cells: str | None = None, include_failed: bool = False) -> str:
-        """Write the session's cells as a standalone ``torchrun`` script (or a notebook: ``.ipynb``)."""
-        return export_session(self._session, path, self._config, cells, include_failed)
+    def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
+               by_label: bool = False) -> Export:
+        """Write the session as a standalone ``torchrun`` script (or a notebook: ``.ipynb``): by
+        default the minimal failing case, see :func:`~distnb.services.export.export_session`."""
+        return export_session(self._session, path, self._config, cells, include_failed, only_ok, by_label)
 
     def __repr__(self) -> str:
         return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"

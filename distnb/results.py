@@ -141,6 +141,9 @@ class CellResult:
     desync_note: str = ""
     # Memory of ranks still running when another ran out of memory (asked live at that moment).
     live_memory: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # The notebook's In[n] of the cell that ran it (%%on_ranks), None from Python: what export's
+    # --cells and its summary speak in.
+    label: int | None = None
 
     # -- convenience ----------------------------------------------------------------------------
     def __getitem__(self, rank: int) -> RankResult:
@@ -315,13 +318,14 @@ class CellRecord:
     code: str
     ranks: tuple[int, ...]
     ok: bool
+    label: int | None = None  # the notebook's In[n]
 
     @classmethod
     def of(cls, result: CellResult) -> CellRecord:
         ranks = tuple(result.ranks)
         # Most cells run on the same rank set: share one tuple (and the code text of repeats).
         ranks = _SHARED.setdefault(ranks, ranks)
-        return cls(result.cell, sys.intern(result.code) if len(result.code) < 256 else result.code, ranks, result.ok)
+        return cls(result.cell, sys.intern(result.code) if len(result.code) < 256 else result.code, ranks, result.ok, result.label)
 
 
 _SHARED: dict[tuple[int, ...], tuple[int, ...]] = {}

@@ -10,7 +10,6 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from distnb.magics.support import parse, pool_or_usage_error, show_checks, show_figure, usage_errors
-from distnb.services.export import run_command
 
 __all__ = ["InspectMagics"]
 
@@ -46,20 +45,25 @@ class InspectMagics(Magics):
 
     @magic_arguments()
     @argument("path", help="Where to write: a .py script for torchrun, or a .ipynb notebook.")
-    @argument("--cells", default=None, metavar="RANGE", help="Cell numbers to export, e.g. 3-7,9 (default: every cell that succeeded since launch).")
-    @argument("--all", action="store_true", help="Include the cells that failed.")
+    @argument("--cells", default=None, metavar="RANGE",
+              help="The notebook's In[n] of the cells to export, e.g. 3-7,9 (default: the minimal failing case, see below).")
+    @argument("--all", action="store_true", help="Every cell since launch, the failed ones too.")
+    @argument("--ok", action="store_true", help="Only the cells that succeeded (a script that runs through).")
     @line_magic
     def dist_export(self, line: str) -> None:
-        """Write the cells run so far as a standalone script (torchrun --nproc-per-node N PATH) or notebook."""
+        """Write the session as a standalone script (torchrun --nproc-per-node N PATH) or notebook.
+
+        By default, the minimal failing case: the cells that succeeded up to the last one that
+        failed, and that one (on the ranks it ran on), so the script fails as the session did;
+        with no failure, every cell that succeeded. Says which cells went in."""
         args = parse(self.dist_export, line)
         pool = pool_or_usage_error()
         with usage_errors():
             try:
-                written = pool.export(args.path, cells=args.cells, include_failed=args.all)
+                written = pool.export(args.path, cells=args.cells, include_failed=args.all, only_ok=args.ok, by_label=True)
             except OSError as exc:  # e.g. a folder that does not exist
                 raise UsageError(f"can't write {args.path}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
-        how = run_command(pool.config, written) if not written.endswith(".ipynb") else f"open {written}"
-        print(f"wrote {written}; run it with: {how}")
+        print(written.text())
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")

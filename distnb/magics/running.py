@@ -287,7 +287,7 @@ class DistMagics(Magics):
         try:
             with _usage_errors():
                 result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
-                                     profile=args.profile, pdb=args.pdb)
+                                     profile=args.profile, pdb=args.pdb, label=getattr(self.shell, "execution_count", None))
         except SyntaxError as exc:  # pool.submit compiles the cell before sending anything
             import traceback
 

@@ -6,6 +6,7 @@ import ast
 import base64
 import pickle
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -16,7 +17,7 @@ from distnb.results import CellRecord, CellResult, PushRecord, Step
 if TYPE_CHECKING:
     from distnb.controller.session import SessionLog
 
-__all__ = ["export_notebook", "export_script", "run_command", "select_cells", "with_pushes"]
+__all__ = ["Export", "export_notebook", "export_script", "export_session", "run_command", "select_cells", "with_pushes"]
 
 #: Pushed values larger than this go to a file beside the export instead of inline base64.
 INLINE_PUSH_BYTES = 64 * 1024
@@ -61,24 +62,48 @@ dist.destroy_process_group()
 '''
 
 
-def select_cells(history: list[CellResult], spec: str | None = None, include_failed: bool = False) -> list[CellResult]:
-    """Cells by number (``"3-7,9"``), by default every cell that succeeded."""
-    cells = history
+Cell = CellResult | CellRecord
+
+
+def _number(cell: Cell, by_label: bool) -> int | None:
+    return cell.label if by_label else cell.cell
+
+
+def _name(cell: Cell) -> str:
+    return f"In[{cell.label}]" if cell.label is not None else f"cell {cell.cell}"
+
+
+def select_cells(history: Sequence[Cell], spec: str | None = None, include_failed: bool = False, only_ok: bool = False,
+                 by_label: bool = False) -> list[Cell]:
+    """Which cells to export.
+
+    ``spec`` picks cells by number (``"3-7,9"``: the notebook's In[n] with ``by_label``, else
+    distnb's cell numbers). Without it: every cell with ``include_failed``; only those that
+    succeeded with ``only_ok``; by default the minimal failing case — the cells that succeeded
+    up to the last one that failed, and that one, so the export fails as the session did (with no
+    failure, every cell that succeeded)."""
     if spec:
         wanted: set[int] = set()
-        for part in spec.split(","):
+        for part in spec.replace("In[", "").replace("]", "").split(","):
             lo, sep, hi = part.strip().partition("-")
             try:
                 wanted.update(range(int(lo), int(hi) + 1) if sep else [int(lo)])
             except ValueError:
                 raise ValueError(f"can't read cell range {part!r}; use e.g. 3-7,9.") from None
-        known = {c.cell for c in history}
+        known = {n for c in history if (n := _number(c, by_label)) is not None}
         missing = sorted(wanted - known)
         if missing:
-            raise ValueError(f"cell(s) {', '.join(map(str, missing))} did not run in this session; cells run: {rank_span(known)}.")
-        cells = [c for c in history if c.cell in wanted]
-        return cells
-    return [c for c in cells if include_failed or c.ok]
+            what = "In[n] numbers" if by_label else "cell numbers"
+            ran = rank_span(known) if known else "none (cells run from Python have no In[n]: use their cell numbers)"
+            raise ValueError(f"{', '.join(map(str, missing))} {'is' if len(missing) == 1 else 'are'} not among this session's "
+                             f"{what}; those run: {ran}.")
+        return [c for c in history if _number(c, by_label) in wanted]
+    if include_failed:
+        return list(history)
+    last_failed = max((i for i, c in enumerate(history) if not c.ok), default=None)
+    if only_ok or last_failed is None:
+        return [c for c in history if c.ok]
+    return [c for c in history[:last_failed] if c.ok] + [history[last_failed]]
 
 
 def _show_last_value(code: str) -> str:
@@ -181,7 +206,7 @@ def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path)
             parts.append(f"# ---- %dist_push {' '.join(step.names)} ({where}) ----")
             parts.append(_targeted(_push_code(step, path, len(sidecars) + 1, sidecars), step.ranks, everyone))
             continue
-        parts.append(f"# ---- cell {step.cell} ({where}) ----")
+        parts.append(f"# ---- {_name(step)} ({where}){'' if step.ok else ': it failed in the session'} ----")
         parts.append(_targeted(_show_last_value(step.code.rstrip()), step.ranks, everyone))
     parts.append(_EPILOGUE)
     path.write_text("\n".join(parts))
@@ -255,15 +280,40 @@ def export_notebook(steps: Iterable[Step], config: LaunchConfig, path: str | Pat
     return path
 
 
-def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: str | None = None, include_failed: bool = False) -> str:
-    """Write the session's cells (since launch; by default those that succeeded) as a
-    standalone ``torchrun`` script, or as a notebook when ``path`` ends in ``.ipynb``."""
+@dataclass(frozen=True)
+class Export:
+    """What an export wrote: the file (``str()`` and ``os.fspath()`` give its path), the cells in
+    it, and the failing cell it ends with (the session's last failure), if any."""
+
+    path: str
+    cells: tuple[str, ...]  # "In[3]" (or "cell 5" for a cell run from Python), in order
+    failing: str | None
+    command: str  # how to run it
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+    def text(self) -> str:
+        ending = (f"; it ends with {self.failing}, which failed, so it fails the same way" if self.failing else "")
+        return f"wrote {self.path} with {', '.join(self.cells)}{ending}. Run it with: {self.command}"
+
+
+def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: str | None = None, include_failed: bool = False,
+                   only_ok: bool = False, by_label: bool = False) -> Export:
+    """Write the session's cells since launch as a standalone ``torchrun`` script, or as a
+    notebook when ``path`` ends in ``.ipynb`` (which cells: :func:`select_cells`)."""
     history = session.history
     start = session.launch_index
-    chosen = select_cells(history[start:] if cells is None else history, cells, include_failed)  # type: ignore[arg-type]
+    chosen = select_cells(history[start:] if cells is None else history, cells, include_failed, only_ok, by_label)
     if not chosen:
         raise ValueError("there is no cell to export yet; run some with %%on_ranks first (or pass --all to include failed ones).")
     # The cells read what %dist_push sent them: the pushes go in too, where they happened.
     steps = with_pushes(history, chosen, session.pushes, start)
-    writer = export_notebook if str(path).endswith(".ipynb") else export_script
-    return str(writer(steps, config, path))
+    notebook = str(path).endswith(".ipynb")
+    written = str((export_notebook if notebook else export_script)(steps, config, path))
+    failing = chosen[-1] if not chosen[-1].ok and cells is None and not include_failed else None
+    return Export(written, tuple(_name(c) for c in chosen), _name(failing) if failing is not None else None,
+                  f"open {written}" if notebook else run_command(config, written))

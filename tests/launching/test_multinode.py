@@ -112,7 +112,7 @@ def test_export_keeps_the_multi_node_layout(two_nodes: distnb.Pool, tmp_path: Pa
     script = Path(two_nodes.export(str(tmp_path / "repro.py"), cells=f"{res.cell - 1}-{res.cell}")).read_text()
     assert "torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in script
     assert "mn_e = rank * 10\n" in script and "if rank in {2, 3}:\n    mn_f = mn_e + 1" in script
-    nb = nbformat.read(two_nodes.export(str(tmp_path / "repro.ipynb"), cells=f"{res.cell - 1}-{res.cell}"), as_version=4)
+    nb = nbformat.read(str(two_nodes.export(str(tmp_path / "repro.ipynb"), cells=f"{res.cell - 1}-{res.cell}")), as_version=4)
     assert "%dist_launch -n 2 --backend gloo --nnodes 2" in nb.cells[1].source
     assert "4 ranks" in nb.cells[0].source
     assert nb.cells[3].source.startswith("%%on_ranks 2,3\n")

@@ -19,6 +19,7 @@ from distnb.errors import NoPoolError, PoolBusyError
 from distnb.magics import running, support
 from distnb.ranks import parse_ranks
 from distnb.results import CellEvents, CellResult, RankResult
+from distnb.services.export import Export, run_command
 from distnb.states import PoolState, RankState
 from distnb.status import PoolStatus, RankStatus
 
@@ -36,10 +37,11 @@ class FakePool:
         #: rank -> (stdout, error or None) for the next cell
         self.script: dict[int, tuple[str, dict[str, Any] | None]] = {}
 
-    def submit(self, code: str, ranks: Any = None, events: CellEvents | None = None, profile: bool = False, pdb: bool = False) -> CellResult:
+    def submit(self, code: str, ranks: Any = None, events: CellEvents | None = None, profile: bool = False, pdb: bool = False,
+               label: int | None = None) -> CellResult:
         compile(code, "<cell>", "exec")  # the real pool raises a SyntaxError before sending
         targets = parse_ranks(ranks, self.world_size)
-        result = CellResult(cell=len(self.history) + 1, code=code, ranks=targets, results={r: RankResult(r) for r in targets})
+        result = CellResult(cell=len(self.history) + 1, code=code, ranks=targets, results={r: RankResult(r) for r in targets}, label=label)
         self.calls.append(("submit", {"code": code, "ranks": targets, "profile": profile, "pdb": pdb}))
         for r in targets:
             out, error = self.script.get(r, ("", None))
@@ -77,9 +79,11 @@ class FakePool:
     def pull(self, name: str, ranks: Any = None) -> dict[int, Any]:
         return {r: f"{name}@{r}" for r in parse_ranks(ranks, self.world_size)}
 
-    def export(self, path: str, cells: str | None = None, include_failed: bool = False) -> str:
+    def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
+               by_label: bool = False) -> Export:
+        self.calls.append(("export", (cells, include_failed, only_ok, by_label)))
         Path(path).write_text("# exported\n")  # raises OSError for a folder that does not exist, as the real one
-        return path
+        return Export(path, ("In[3]", "In[4]"), "In[4]", run_command(self.config, path))
 
     def shutdown(self) -> None:
         self.state = PoolState.STOPPED
@@ -112,6 +116,7 @@ def test_a_cell_shows_grouped_output_and_the_failing_rank_with_its_line(shell: I
     assert "[ranks 0-3] step 1" in out
     assert "── ValueError on rank 2 at cell line 3 ──" in err and "ValueError: bad batch" in err
     assert shell.user_ns["_dist"] is fake.history[-1] and fake.history[-1].failed == [2]
+    assert fake.history[-1].label == shell.execution_count  # the notebook's In[n], for export
     assert fake.calls[0] == ("submit", {"code": "x = 1\nprint('step 1')\nraise ValueError('bad batch')", "ranks": [0, 1, 2, 3],
                                         "profile": False, "pdb": False})
 
@@ -215,6 +220,8 @@ def test_wait_without_a_cell_says_how_to_run_one(shell: InteractiveShell, fake: 
 def test_export_prints_the_command_that_runs_the_script(shell: InteractiveShell, fake: FakePool, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "repro.py"
-    shell.run_line_magic("dist_export", str(target))
+    shell.run_line_magic("dist_export", f"{target} --cells 3-4")
     out = capsys.readouterr().out
-    assert f"wrote {target}; run it with: " in out and "torchrun" in out and "--nproc-per-node 4" in out
+    assert f"wrote {target} with In[3], In[4]; it ends with In[4], which failed, so it fails the same way." in out
+    assert f"Run it with: torchrun --nproc-per-node 4 {target}" in out
+    assert fake.calls[-1] == ("export", ("3-4", False, False, True))  # the cells by the notebook's In[n]

@@ -13,6 +13,7 @@ from conftest import run_notebook
 from nbtext import outputs_text
 
 import distnb
+from distnb.results import CellRecord
 from distnb.services.export import _show_last_value, select_cells
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -49,9 +50,10 @@ def test_export_script_matches_notebook_output(tmp_path: Path) -> None:
     with distnb.Pool(nproc=3, backend="gloo", env={"DISTNB_EXPORT_MARK": "kept"}) as pool:
         run_session(pool)
         assert all(c.ok for c in pool.history[:4]), [c.text() for c in pool.history]
-        script = Path(pool.export(str(tmp_path / "repro.py")))
-        nb_path = Path(pool.export(str(tmp_path / "repro.ipynb")))
-        with pytest.raises(ValueError, match="did not run"):
+        # --ok: the cells that succeeded, a script that runs through (the default ends at the failure).
+        script = Path(pool.export(str(tmp_path / "repro.py"), only_ok=True))
+        nb_path = Path(pool.export(str(tmp_path / "repro.ipynb"), only_ok=True))
+        with pytest.raises(ValueError, match="are not among this session's cell numbers; those run: 1-5"):
             pool.export(str(tmp_path / "x.py"), cells="1-40")
         expected = {}
         for r in range(3):
@@ -94,3 +96,50 @@ def test_export_script_matches_notebook_output(tmp_path: Path) -> None:
 def test_select_cells_errors() -> None:
     with pytest.raises(ValueError, match="can't read"):
         select_cells([], "a-b")
+    with pytest.raises(ValueError, match=r"cells run from Python have no In\[n\]"):
+        select_cells([CellRecord(1, "x", (0,), True)], "1", by_label=True)
+
+
+def _records(oks: list[bool]) -> list[CellRecord]:
+    return [CellRecord(i + 1, f"c{i + 1}", (0, 1), ok, label=i + 10) for i, ok in enumerate(oks)]
+
+
+def test_the_default_export_is_the_minimal_failing_case() -> None:
+    """The cells that succeeded up to the last failure, and that failure: an earlier, unrelated
+    failure stays out (it would stop the script before the one being reported)."""
+    history = _records([True, False, True, True, False, True])
+    assert [c.cell for c in select_cells(history)] == [1, 3, 4, 5]
+    assert [c.cell for c in select_cells(history, only_ok=True)] == [1, 3, 4, 6]
+    assert [c.cell for c in select_cells(history, include_failed=True)] == [1, 2, 3, 4, 5, 6]
+    assert [c.cell for c in select_cells(_records([True, True]))] == [1, 2]  # nothing failed: all of it
+    # The notebook's own In[n] numbers (In[10] … In[15] here), as %dist_export --cells reads them.
+    assert [c.cell for c in select_cells(history, "In[12]-13,15", by_label=True)] == [3, 4, 6]
+    with pytest.raises(ValueError, match=r"20 is not among this session's In\[n\] numbers; those run: 10-15"):
+        select_cells(history, "20", by_label=True)
+
+
+def test_an_export_fails_the_way_the_session_did(tmp_path: Path) -> None:
+    """Run under torchrun, the default export of a session whose last cell failed on one rank
+    fails there, with the same error, after the cells before it ran."""
+    with distnb.Pool(nproc=2, backend="gloo") as pool:
+        assert pool.run("1/0").failed == [0, 1]  # an earlier failure, unrelated: left out
+        assert pool.run("t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nprint('sum', t.tolist())").ok
+        bad = pool.run("if rank == 1:\n    raise ValueError(f'bad batch on rank {rank}')\n'fine'")
+        assert bad.failed == [1]
+        written = pool.export(str(tmp_path / "repro.py"))
+    assert written.cells == ("cell 2", "cell 3") and written.failing == "cell 3"
+    assert "it ends with cell 3, which failed, so it fails the same way" in written.text()
+    assert "torchrun --nproc-per-node 2" in written.text()
+    text = Path(written).read_text()
+    assert "1/0" not in text and "# ---- cell 3 (all ranks): it failed in the session ----" in text
+    logs = tmp_path / "logs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--redirects", "3", "--log-dir", str(logs), str(written)],
+        capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    [err1] = list(logs.rglob("attempt_0/1/stderr.log"))
+    assert "ValueError: bad batch on rank 1" in err1.read_text()
+    [out0] = list(logs.rglob("attempt_0/0/stdout.log"))
+    assert out0.read_text().splitlines() == ["sum [3.0, 3.0]", "'fine'"]
