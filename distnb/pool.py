@@ -257,7 +257,7 @@ class Pool:
             self.start(on_progress, on_note)
         if not replay:
             self._session.mark_launch(base)
-        self._session.replay(steps, lambda code, ranks: self.run(code, ranks), self._push_blob, on_replay)
+        self._session.replay(steps, lambda code, ranks, label: self.wait(self.submit(code, ranks, label=label)), self._push_blob, on_replay)
         return self
 
     def _respawn(self, on_progress: OnProgress | None, on_note: OnNote | None) -> bool:

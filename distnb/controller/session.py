@@ -142,7 +142,7 @@ class SessionLog:
                 steps.append(history[i])
         return steps
 
-    def replay(self, steps: list[Step], run: Callable[[str, Sequence[int]], CellResult],
+    def replay(self, steps: list[Step], run: Callable[[str, Sequence[int], int | None], CellResult],
                push: Callable[[bytes, list[int], tuple[str, ...]], None], on_replay: Callable[[CellResult], None] | None = None) -> None:
         """Do ``steps`` (:meth:`since_launch`) again on fresh ranks: each push, and each cell that
         had succeeded, stopping at the first cell that fails this time."""
@@ -156,7 +156,7 @@ class SessionLog:
                 push(old.blob, list(old.ranks), old.names)
                 self.add_push(old.ranks, old.names, old.blob)  # again: a later replay starts here
             elif old.ok:
-                result = run(old.code, old.ranks)
+                result = run(old.code, old.ranks, old.label)  # the notebook's In[n] stays the cell's name
                 if on_replay is not None:
                     on_replay(result)
                 if not result.ok:

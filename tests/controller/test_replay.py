@@ -34,12 +34,14 @@ def test_replay_after_quick_restarts_brings_back_the_whole_session(fresh_pool) -
     next --replay re-runs the session since launch (cells before and after the restarts, in
     order), and a restart after that replay replays the replayed copies once, not twice."""
     pool = fresh_pool(nproc=2)
-    assert pool.run("before = [rank]").ok
+    assert pool.wait(pool.submit("before = [rank]", label=3)).ok  # as %%on_ranks in In[3] runs it
     pool.restart()  # quick: fresh ranks under the running torchrun, namespaces empty
     assert pool.run("after = 7").ok
     pool.restart()
     pool.restart(replay=True)
     assert pool.pull("before") == {0: [0], 1: [1]} and pool.pull("after") == {0: 7, 1: 7}
+    # A replayed cell keeps the notebook's name for it: export's --cells 3 finds the replayed copy.
+    assert [c.label for c in pool.history if c.code == "before = [rank]"] == [3, 3]
     assert pool.run("before.append(after)").ok
     pool.restart(replay=True)
     assert pool.pull("before") == {0: [0, 7], 1: [1, 7]}
