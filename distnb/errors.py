@@ -68,7 +68,7 @@ class PoolBusyError(DistnbError):
         """The error for ``busy`` (rank → its cell), saying what to do."""
         cells = ", ".join(map(str, sorted(set(busy.values()))))
         return cls(f"{format_ranks(busy)} {'is' if len(busy) == 1 else 'are'} still running cell {cells}. Wait for it, see "
-                   "where it is with %dist_stacks, interrupt it with pool.interrupt(), or %dist_restart.", busy=busy)
+                   "where it is with %dist_stacks, interrupt it with %dist_interrupt, or %dist_restart.", busy=busy)
 
 
 class RemoteError(DistnbError):

@@ -238,8 +238,8 @@ class CellResult:
             why = "timed out" if self.timed_out else "been running"
             parts.append(
                 f"{format_ranks(self.running)} {'has' if len(self.running) == 1 else 'have'} {why} "
-                f"after {self.elapsed:.1f} s (cell {self.cell}); see where with %dist_stacks or pool.stacks(), "
-                "interrupt with pool.interrupt(), or restart with %dist_restart."
+                f"after {self.elapsed:.1f} s (cell {self.cell}); see where with %dist_stacks, "
+                "interrupt with %dist_interrupt, or restart with %dist_restart."
             )
         parts.extend(self.notes)
         return "\n".join(p for p in parts if p)

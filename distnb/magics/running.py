@@ -23,7 +23,7 @@ from distnb.magics.support import usage_errors as _usage_errors
 from distnb.pool import Pool, current_pool
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellEvents, CellResult
-from distnb.states import PoolState
+from distnb.states import PoolState, RankState
 from distnb.wire.cell_code import RANK_NAMES
 
 __all__ = ["DistMagics"]
@@ -225,6 +225,20 @@ class DistMagics(Magics):
         with _usage_errors():
             pool.regroup()
         print(f"every rank has a fresh default process group ({pool.world_size} ranks); rebuild objects that held the old one (e.g. DDP).")
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to interrupt: 0,2 · 1-3 · all (default: every busy one).")
+    @line_magic
+    def dist_interrupt(self, line: str) -> None:
+        """Interrupt the cell still running on the ranks (one that timed out, or runs with --bg): a
+        KeyboardInterrupt in the cell, as Ctrl-C gives a cell the notebook waits for."""
+        args = _parse(self.dist_interrupt, line)
+        pool = self._pool()
+        with _usage_errors():
+            busy = [s.rank for s in pool.status().ranks if s.state == RankState.RUNNING]
+            chosen = busy if args.ranks is None else [r for r in parse_ranks(args.ranks, pool.world_size) if r in busy]
+            hit = pool.interrupt(chosen) if chosen else []
+        print(f"interrupted the cell on {format_ranks(hit)}; %dist_wait shows how it ended." if hit else "no cell is running: nothing to interrupt.")
 
     @magic_arguments()
     @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Stop waiting after this long.")

@@ -72,7 +72,7 @@ def sh():
 def test_magics_document_themselves(sh: Shell) -> None:
     magics = sh.ip.magics_manager.magics
     for name in ("dist_launch", "dist_status", "dist_stacks", "dist_push", "dist_pull", "dist_restart",
-                 "dist_shutdown", "dist_env", "dist_memory", "dist_collectives", "dist_export", "dist_wait"):
+                 "dist_shutdown", "dist_env", "dist_memory", "dist_collectives", "dist_export", "dist_wait", "dist_interrupt"):
         assert name in magics["line"], name
     assert "on_ranks" in magics["cell"]
     doc = magics["line"]["dist_launch"].__doc__

@@ -85,6 +85,10 @@ class FakePool:
         Path(path).write_text("# exported\n")  # raises OSError for a folder that does not exist, as the real one
         return Export(path, ("In[3]", "In[4]"), "In[4]", run_command(self.config, path))
 
+    def interrupt(self, ranks: Any = None) -> list[int]:
+        self.calls.append(("interrupt", ranks))
+        return list(ranks or [])
+
     def shutdown(self) -> None:
         self.state = PoolState.STOPPED
 
@@ -137,7 +141,7 @@ def test_cell_flags_reach_the_pool(shell: InteractiveShell, fake: FakePool) -> N
         ("dist_timeline", "--last 0", "--last takes a positive count"),
         ("dist_push", "not_defined_here", "'not_defined_here' is not defined in the notebook"),
         ("dist_export", "/no/such/folder/repro.py", "can't write /no/such/folder/repro.py"),
-        ("dist_regroup", "", "rank 1 is still running cell 3"),
+        ("dist_regroup", "", "rank 1 is still running cell 3. Wait for it, see where it is with %dist_stacks, interrupt it with %dist_interrupt"),
         ("dist_stacks", "--bogus", "Run %dist_stacks? for its flags"),
     ],
 )
@@ -210,6 +214,19 @@ def test_pull_push_and_env_show_what_the_pool_answers(shell: InteractiveShell, f
     assert "MASTER_PORT" in report.text() and "rank 3" in report.text()
     stacks = shell.run_line_magic("dist_stacks", "1 --all-threads")
     assert fake.calls[-1] == ("stacks", ("1", True, False)) and "dist.all_reduce(x)" in stacks.text()
+
+
+def test_interrupt_reaches_only_the_busy_ranks(shell: InteractiveShell, fake: FakePool, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    shell.run_line_magic("dist_interrupt", "")
+    assert "no cell is running: nothing to interrupt." in capsys.readouterr().out
+    status = fake.status()
+    status.ranks[1].state = status.ranks[3].state = RankState.RUNNING
+    monkeypatch.setattr(fake, "status", lambda: status)
+    shell.run_line_magic("dist_interrupt", "0-1")
+    assert fake.calls[-1] == ("interrupt", [1]) and "interrupted the cell on rank 1" in capsys.readouterr().out
+    shell.run_line_magic("dist_interrupt", "")
+    assert fake.calls[-1] == ("interrupt", [1, 3])
 
 
 def test_wait_without_a_cell_says_how_to_run_one(shell: InteractiveShell, fake: FakePool) -> None:
