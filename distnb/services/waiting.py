@@ -4,6 +4,7 @@ stops waiting and leaves them running (a rank blocked in C++ or a collective may
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Iterable
 
@@ -24,12 +25,14 @@ def wait_for_cell(
     on_tick: Callable[[CellResult], None] | None,
     tick: float,
     ask: Ask | None,
+    say: Callable[[str], None] | None = None,
 ) -> None:
     """Return when the cell has finished, ``timeout`` has passed (``result.timed_out``) or a second
     interrupt came (``result.detached``)."""
     # From this call, not the cell's start: %dist_wait --timeout on an old background cell waits.
     deadline = None if timeout is None else time.monotonic() + timeout
     interrupted = False
+    say = say or _stderr
     while not run.finished.is_set():
         try:
             if ask is not None and not interrupted and debugger.pending(result):
@@ -47,8 +50,15 @@ def wait_for_cell(
                 result.detached = True
                 result.notes.append(
                     f"Stopped waiting after a second interrupt; {format_ranks(result.running)} did not respond "
-                    "(likely blocked in C++ or a collective). They keep running: see them with %dist_stacks."
+                    "(likely blocked in C++ or a collective). They keep running: see them with %dist_stacks, interrupt them again with "
+                    "%dist_interrupt, or %dist_restart."
                 )
                 return
             interrupted = True
             interrupt(result.running)
+            say(f"[distnb] interrupting cell {result.cell} on {format_ranks(result.running)}: they stop at their next Python line "
+                "(a rank blocked in a collective stops when it returns); a second interrupt stops waiting and leaves them running.")
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

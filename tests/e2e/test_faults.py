@@ -176,11 +176,13 @@ def _ctrl_c_on_ticks(*ticks: int):
     return on_tick, seen
 
 
-def test_ctrl_c_while_waiting_interrupts_the_ranks(pool2: distnb.Pool) -> None:
+def test_ctrl_c_while_waiting_interrupts_the_ranks(pool2: distnb.Pool, capsys: pytest.CaptureFixture[str]) -> None:
     pool = usable(pool2)
     res = pool.submit("import time\nprint('ready', flush=True)\ntime.sleep(30)")
     on_tick, seen = _ctrl_c_on_ticks(1)
     pool.wait(res, timeout=20, on_tick=on_tick)
+    # Said at once, not left to the outcome: what the interrupt does, and what a second one would.
+    assert f"[distnb] interrupting cell {res.cell} on ranks 0,1:" in capsys.readouterr().err
     assert not res.timed_out and not res.detached and not res.running
     assert res[0].status == res[1].status == "interrupted", res.text()
     assert res.elapsed < 10 and len(seen) >= 1
