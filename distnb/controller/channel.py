@@ -56,6 +56,10 @@ _TAKE_MAX = 256
 #: Distinct failure sites logged at ERROR level; repeats go to DEBUG, so a handler that fails on
 #: every tick can't flood the notebook with one traceback a second.
 _LOGGED_SITES_MAX = 64
+#: Frames queued per peer before its connection is no longer read (ZMQ's default is 1,000): output
+#: travels in frames of at most 64 KiB (worker/supervisor.py), so a flooding rank holds at most
+#: 16 MiB of the notebook's memory in flight.
+ROUTER_RCVHWM = 256
 #: Seconds between the I/O thread's ticks (the tracker's checks: deaths without a report, stranded
 #: cells, collective-log polls).
 TICK = 1.0
@@ -104,6 +108,10 @@ class Channel:
         # libzmq disconnects a peer sending a bigger part before buffering it: without this, anyone
         # who can reach the port could make this process hold frames of any size.
         self._router.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
+        # A rank printing faster than this thread handles its output queues frames here, up to the
+        # receive bound per peer; past it libzmq stops reading that connection and the rank waits
+        # on its pipe (flow control), so a flood costs the notebook a bounded amount of memory.
+        self._router.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
         self._gate = creds.secure_server(self._ctx, self._router)
         try:
             if port:

@@ -35,7 +35,8 @@ from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import drain, send_frames
 from distnb.worker.quiet import ReadFence
 
-_READ_SIZE = 1 << 16
+#: The most a supervisor reads from a rank's pipe at once: an OUTPUT frame carries at most this.
+READ_SIZE = 1 << 16
 _TAIL_BYTES = 16 * 1024
 _LEN = struct.Struct("!I")
 
@@ -232,7 +233,7 @@ class Supervisor:
         """Forward everything now in the pipe; False at EOF."""
         while True:
             try:
-                data = os.read(fd, _READ_SIZE)
+                data = os.read(fd, READ_SIZE)
             except BlockingIOError:
                 return True
             if not data:
@@ -340,7 +341,7 @@ class Supervisor:
                 if fd in events and fd in child.open_fds and not self._drain(fd, stream):
                     child.close(fd, self.poller)
             if child.fault_r in events and child.fault_r in child.open_fds:
-                data = os.read(child.fault_r, _READ_SIZE)
+                data = os.read(child.fault_r, READ_SIZE)
                 if data:
                     self.fault_buf += data
                     self.fault_deadline = max(self.fault_deadline, now + 0.05)
@@ -382,7 +383,7 @@ class Supervisor:
         """Forward the events waiting in the pipe, each after the output written before it."""
         while child.events_r in child.open_fds:
             try:
-                data = os.read(child.events_r, _READ_SIZE)
+                data = os.read(child.events_r, READ_SIZE)
             except BlockingIOError:
                 return
             if not data:
