@@ -261,10 +261,10 @@ def test_a_rank_outside_the_cell_is_named_not_blamed_as_finished(pool3: distnb.P
     assert rescue.ok and res.ok, res.text()
 
 
-def test_restart_replay_restores_state(pool3: distnb.Pool) -> None:
-    # From a launch: replay re-runs every cell since, and cells of other tests may only have
-    # succeeded together (one rank joining another's collective from a cell of its own).
-    pool = pool3.restart()
+def test_restart_replay_restores_state(fresh_pool) -> None:
+    # Replay re-runs every cell since the launch, across restarts: a pool of its own, so that only
+    # this test's cells are the session (other tests' cells may only have succeeded together).
+    pool = fresh_pool(nproc=3)
     pool.run("replay_a = rank * 10")
     pool.run("replay_b = replay_a + 1")
     pool.run("1/0")  # failed cells are not replayed

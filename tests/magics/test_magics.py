@@ -267,7 +267,10 @@ def test_regroup_magic_gives_a_working_group(sh: Shell) -> None:
 
 
 def test_restart_replay_magic_restores_state(sh: Shell) -> None:
-    sh.line("dist_restart")  # replay starts at the last launch: only this test's cells below
+    # Replay brings back the session since its launch, restarts or not: a launch of its own, so
+    # that only this test's cells below are replayed.
+    sh.line("dist_shutdown")
+    sh.line("dist_launch", "-n 2 --backend gloo")
     sh.cell("", "rp_a = 5")
     sh.ip.user_ns["rp_b"] = 7
     sh.line("dist_push", "rp_b")
