@@ -87,14 +87,14 @@ def test_swaps_of_repeated_values_far_apart_are_seen() -> None:
 def _reference_sums(t: torch.Tensor) -> list[int]:
     """The fingerprint's four sums in plain Python integers (no float anywhere)."""
     data = t.contiguous().reshape(-1).view(torch.uint8).tolist()
-    data += [0] * (-len(data) % (4 * ck.WIDTH))
+    data += [0] * (-len(data) % (4 * fp.WIDTH))
     words = [int.from_bytes(bytes(data[k : k + 4]), "little", signed=True) for k in range(0, len(data), 4)]
     cols = fp._columns("cpu").to(torch.int64).tolist()
-    nrows = len(words) // ck.WIDTH
+    nrows = len(words) // fp.WIDTH
     rows = fp._rows(0, nrows, "cpu").tolist()
     acc = [0, 0, 0, 0]
     for r in range(nrows):
-        row = words[r * ck.WIDTH : (r + 1) * ck.WIDTH]
+        row = words[r * fp.WIDTH : (r + 1) * fp.WIDTH]
         for k in range(4):  # columns: 1, 1, w1, w2; row weights: 1, 2r+1, m1(r), m2(r)
             acc[k] += sum(x * c[k] for x, c in zip(row, cols)) * rows[r][k]
     return [v & MASK for v in acc]
@@ -104,15 +104,15 @@ def _reference_sums(t: torch.Tensor) -> list[int]:
 def test_float64_products_are_exact(fill: str) -> None:
     # int32 × weights summed in float64 must equal integer arithmetic, even at the int32 extremes.
     if fill == "random":
-        t = torch.randint(-(2**31), 2**31, (3 * ck.WIDTH + 17,), dtype=torch.int32)
+        t = torch.randint(-(2**31), 2**31, (3 * fp.WIDTH + 17,), dtype=torch.int32)
     else:
-        t = torch.full((3 * ck.WIDTH,), -(2**31), dtype=torch.int32)
+        t = torch.full((3 * fp.WIDTH,), -(2**31), dtype=torch.int32)
         t[::2] = 2**31 - 1
     assert fp.sums(t)[0] == _reference_sums(t)
 
 
 def test_block_and_span_sizes_do_not_change_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = torch.randn(9 * ck.WIDTH * 16 + 5)  # > _PAD_WHOLE_BYTES: main rows plus a tail
+    t = torch.randn(9 * fp.WIDTH * 16 + 5)  # > _PAD_WHOLE_BYTES: main rows plus a tail
     ref = fingerprint(t)
     monkeypatch.setattr(fp, "_CPU_BLOCK_ROWS", 3)
     monkeypatch.setattr(fp, "_SPAN_ROWS", 7)
@@ -380,7 +380,7 @@ def test_cuda_fingerprints_match_cpu_and_stay_on_device() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(0)
-    cases = [torch.randn(1000, 1000), torch.randn(17).half(), torch.arange(5000), torch.randn(3, dtype=torch.complex64), torch.randn(70_000 * ck.WIDTH // 1000)]
+    cases = [torch.randn(1000, 1000), torch.randn(17).half(), torch.arange(5000), torch.randn(3, dtype=torch.complex64), torch.randn(70_000 * fp.WIDTH // 1000)]
     for t in cases:  # exact integer arithmetic: the device does not change the fingerprint
         assert fingerprint(t.cuda()) == fingerprint(t), t.dtype
     big = torch.randn(64 << 20, device="cuda")  # 256 MiB: several GPU blocks and spans

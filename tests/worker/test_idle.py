@@ -6,8 +6,8 @@ wakes no rank's control thread (only a cell that runs on is watched). The CPU fi
 from __future__ import annotations
 
 import ast
-import math
 import ctypes
+import math
 import threading
 import time
 
