@@ -188,13 +188,14 @@ def run_quickstart(sync_api, url: str, check, live_shot: Path | None = None) -> 
             # A cell that runs past its first ticks (the hang, 4 s) gets the live widget view:
             # per-rank tabs and the diagnosis, drawn by the frontend's widget manager.
             tabs = page.locator(".jp-OutputArea .lm-TabBar-tab, .jp-OutputArea .p-TabBar-tab")
-            # Both ranks' tabs at one moment, read in one evaluation (in the closed "per rank"): a
-            # live view lasts only while its cell runs, and on a loaded machine a short cell's view
-            # can be handed back between two separate looks.
+            # The hang cell's live view (it runs 4 s): both ranks' tabs at one moment, read in one
+            # evaluation (in the closed "per rank"). A live view lasts only while its cell runs; on a
+            # loaded machine a shorter cell's view can be handed back between two separate looks.
             page.wait_for_function(
-                """() => { const names = [...document.querySelectorAll('.jp-OutputArea .lm-TabBar-tab, .jp-OutputArea .p-TabBar-tab')]
-                                          .map(t => t.textContent);
-                           return names.some(n => n.includes('rank 0')) && names.some(n => n.includes('rank 1')); }""",
+                """(cell) => { const names = [...cell.querySelectorAll('.jp-OutputArea .lm-TabBar-tab, .jp-OutputArea .p-TabBar-tab')]
+                                              .map(t => t.textContent);
+                               return names.some(n => n.includes('rank 0')) && names.some(n => n.includes('rank 1')); }""",
+                arg=page.locator(".jp-Cell").nth(9).element_handle(),
                 timeout=300_000,
             )
             if live_shot is not None:
