@@ -307,16 +307,15 @@ class Pool:
         a rank that raises stops in the debugger at the error (:meth:`wait` answers it). ``label``
         is the notebook's In[n] for it (the magic passes it; export speaks in it)."""
         compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
-        result = self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb}, compiled=compiled)
-        result.label = label
-        return result
+        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb}, compiled=compiled,
+                           label=label)
 
     def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True,
-               compiled: CompiledCell | None = None) -> CellResult:
+               compiled: CompiledCell | None = None, label: int | None = None) -> CellResult:
         with self._tracker.lock:
             self._tracker.ensure_idle(targets)
             cell = self._session.next_cell()
-            result = CellResult(cell=cell, code=code, ranks=targets, results={r: RankResult(r) for r in targets})
+            result = CellResult(cell=cell, code=code, ranks=targets, results={r: RankResult(r) for r in targets}, label=label)
             run = self._tracker.begin_cell(result, events or CellEvents())
             if record:
                 self._session.add_cell(result)

@@ -49,8 +49,6 @@ __all__ = ["OUTPUT_KEEP_BYTES", "Tracker"]
 
 T = TypeVar("T")
 
-_NODE_KINDS = frozenset({Msg.NODE_HELLO, Msg.NODE_BEAT, Msg.NODE_OUTPUT, Msg.NODE_EXIT})
-
 #: Runs of recent cells kept for :meth:`Tracker.run_of` (more while cells still run).
 _RUNS_KEPT = 64
 
@@ -337,14 +335,14 @@ class Tracker:
         """A message the channel accepted (:func:`~distnb.wire.protocol.accept`: its kind is one
         this peer may send, with its fields), dispatched by peer and kind."""
         with self.lock:
-            if peer.kind is PeerKind.NODE:
-                if self.node_handler is not None and msg["t"] in _NODE_KINDS:
+            if peer.kind is PeerKind.NODE:  # accept() let through only a node agent's kinds
+                if self.node_handler is not None:
                     self.node_handler(peer.number, cast(FromNode, msg))
             elif (info := self.ranks.get(peer.number)) is not None:
-                if msg["t"] == Msg.REPLY:
-                    self.requests.deliver(info.rank, dict(msg))
+                if msg["t"] == Msg.REPLY:  # its fields depend on the request: read as a plain dict, not copied
+                    self.requests.deliver(info.rank, cast(dict[str, Any], msg))
                 elif msg["t"] == Msg.COLLECTIVES_PUSH:
-                    self.collective_log.merge(info.rank, dict(msg))
+                    self.collective_log.merge(info.rank, cast(dict[str, Any], msg))
                 elif msg["t"] == Msg.SUP_HELLO:
                     self._on_sup_hello(info, msg)
                 elif msg["t"] == Msg.OUTPUT:

@@ -15,6 +15,7 @@ This module imports neither torch, IPython nor widgets: both sides speak only th
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Final, Literal, TypedDict, cast, overload
 
 from distnb.wire.codec import BadFrame
@@ -330,34 +331,27 @@ ToControl = Request | Ping
 ToSupervisor = Request | Ping
 ToNode = NodeStart | NodeRefused | Ping
 
-#: Kinds each peer may send the controller, and the fields each must carry. Built from the
-#: TypedDicts themselves, so a field added there is checked here.
-_FROM: dict[PeerKind, dict[str, frozenset[str]]] = {}
-_EVENTS: dict[str, frozenset[str]] = {}
+def _kinds(union: Any) -> dict[str, frozenset[str]]:
+    """Each kind a union of messages holds, with the fields it must carry: read from the
+    TypedDicts themselves, so a member or a field added there is checked by :func:`accept`."""
+    out: dict[str, frozenset[str]] = {}
+    for td in typing.get_args(union):
+        required = frozenset(td.__required_keys__) - {"t"}
+        for kind in typing.get_args(typing.get_type_hints(td)["t"]):
+            out[kind] = out[kind] & required if kind in out else required
+    return out
 
 
-def _literal_kinds() -> None:
-    import typing
-
-    hints = {td: typing.get_type_hints(td) for td in (SupHello, Output, Event, RankExit, Hello, Ready, StartFailed, CellDone, Reply,
-                                                       CollectivesPush, NodeHello, NodeBeat, NodeOutput, NodeExit, Display, StdinRequest)}
-
-    def table(*types: Any) -> dict[str, frozenset[str]]:
-        out: dict[str, frozenset[str]] = {}
-        for td in types:
-            for kind in typing.get_args(hints[td]["t"]):
-                required = frozenset(td.__required_keys__) - {"t"}
-                out[kind] = out[kind] & required if kind in out else required
-        return out
-
-    _FROM[PeerKind.EXEC] = table(Hello, Ready, StartFailed, CellDone, Reply)
-    _FROM[PeerKind.CONTROL] = table(Reply, CollectivesPush)
-    _FROM[PeerKind.SUPERVISOR] = table(SupHello, Output, Event, RankExit, Reply)
-    _FROM[PeerKind.NODE] = table(NodeHello, NodeBeat, NodeOutput, NodeExit)
-    _EVENTS.update(table(CellDone, Display, StdinRequest))
-
-
-_literal_kinds()
+#: Kinds each peer may send the controller, and the fields each must carry.
+_FROM: dict[PeerKind, dict[str, frozenset[str]]] = {
+    PeerKind.EXEC: _kinds(FromExec),
+    PeerKind.CONTROL: _kinds(FromControl),
+    PeerKind.SUPERVISOR: _kinds(FromSupervisor),
+    PeerKind.NODE: _kinds(FromNode),
+}
+_EVENTS = _kinds(RankEvent)
+_WHO = {PeerKind.EXEC: "a rank", PeerKind.CONTROL: "a rank's control thread", PeerKind.SUPERVISOR: "a supervisor",
+        PeerKind.NODE: "a node agent"}
 
 
 def _check(msg: object, allowed: dict[str, frozenset[str]], who: str) -> None:
@@ -375,8 +369,7 @@ def _check(msg: object, allowed: dict[str, frozenset[str]], who: str) -> None:
 def accept(kind: PeerKind, msg: dict[str, Any]) -> Inbound:
     """``msg`` as the typed message it is, if a peer of this kind may send it with these fields;
     raises :class:`BadFrame` otherwise (the channel counts it and drops it unhandled)."""
-    _check(msg, _FROM[kind], {PeerKind.EXEC: "a rank", PeerKind.CONTROL: "a rank's control thread",
-                              PeerKind.SUPERVISOR: "a supervisor", PeerKind.NODE: "a node agent"}[kind])
+    _check(msg, _FROM[kind], _WHO[kind])
     return cast(Inbound, msg)
 
 
@@ -393,6 +386,8 @@ _TO: dict[PeerKind, frozenset[str]] = {
     PeerKind.SUPERVISOR: frozenset({Msg.PING, Msg.FAULT_REQUEST, Msg.RESPAWN, Msg.SPARE, Msg.SHUTDOWN, Msg.INTERRUPT}),
     PeerKind.NODE: frozenset({Msg.NODE_START, Msg.NODE_REFUSED, Msg.PING, Msg.SHUTDOWN}),
 }
+#: Requests whose sender waits for a REPLY with their ``id``.
+_ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST})
 
 
 @overload
@@ -414,6 +409,3 @@ def accept_request(receiver: PeerKind, msg: dict[str, Any]) -> ToExec | ToContro
         raise BadFrame(f"a {kind} request without an id")
     return cast("ToExec | ToControl | ToSupervisor | ToNode", msg)
 
-
-#: Requests whose sender waits for a REPLY with their ``id``.
-_ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST})
