@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 from conftest import started_pids, track, wait_gone
+from magic_shell import Shell
 
 import distnb
 from distnb import pool as pool_module
@@ -270,11 +271,9 @@ def test_start_timeout_lists_the_agents_it_started(leak_check, monkeypatch: pyte
 
 def test_launch_magic_starts_nodes_over_ssh_with_curve(leak_check, monkeypatch: pytest.MonkeyPatch) -> None:
     """``%dist_launch --hosts`` (ssh replaced by a stand-in that runs the command here) with CURVE."""
-    import test_magics
-
     monkeypatch.setenv("DISTNB_SSH", f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'fake_ssh.py'))}")
     monkeypatch.setattr(pool_module, "_current", None)
-    sh = test_magics.Shell()
+    sh = Shell()
     try:
         with pytest.raises(Exception, match="can't reach 127.0.0.1"):
             sh.line("dist_launch", "--hosts node2 -n 1")

@@ -2,50 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 
 import pytest
 from conftest import wait_gone
 from IPython.core.error import UsageError
+from magic_shell import Shell
 
 import distnb
 from distnb import pool as pool_module
 from distnb.wire import codec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-class Shell:
-    """An InteractiveShell with distnb loaded; captures what the magics print."""
-
-    def __init__(self) -> None:
-        from IPython import get_ipython
-        from IPython.testing.globalipapp import start_ipython
-
-        self.ip = start_ipython() or get_ipython()  # one test shell per process
-        if "on_ranks" not in self.ip.magics_manager.magics["cell"]:
-            self.ip.run_line_magic("load_ext", "distnb")
-
-        self.pools: list[distnb.Pool] = []  # every pool these tests launched, for teardown
-
-    def line(self, name: str, args: str = "") -> tuple[object, str, str]:
-        out, err = io.StringIO(), io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                value = self.ip.run_line_magic(name, args)
-        finally:
-            current = pool_module._current
-            if current is not None and current not in self.pools:
-                self.pools.append(current)
-        return value, out.getvalue(), err.getvalue()
-
-    def cell(self, args: str, code: str) -> tuple[str, str]:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            self.ip.run_cell_magic("on_ranks", args, code)
-        return out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
