@@ -202,9 +202,9 @@ class CellResult:
             parts.append(f"{label} {text}" if "\n" not in (text or "") else f"{label}\n{text}")
         # Root cause first: a death usually explains the errors of the ranks that waited for it.
         dead = [r for r in sorted(self._ordered(), key=lambda r: not r.first_death) if r.status == "dead"]
-        parts.extend(r.death_text() for r in dead)
-        if self.root_cause:
+        if self.root_cause:  # a death's true cause (a victim of gloo's abort) or a timeout's blame
             parts.append(self.root_cause)
+        parts.extend(r.death_text() for r in dead)
         if dead:
             others = group_by(
                 (r.rank, f"raised {r.error['ename']}" if r.error else f"stranded in {r.collective}" if r.status == "stranded"

@@ -4,13 +4,16 @@ the ranks' sequences side by side with the first place where they disagree."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from distnb.analysis.groups import GroupInfo, short_name
 from distnb.ranks import format_ranks, group_by
 
-__all__ = ["CollectiveEvidence", "CollectiveReport", "Divergence", "P2P_OPS", "RECORDER_NAMES", "args_text", "describe", "issued_words", "odd_ones", "peer_of",
-           "peer_words", "signature", "state_mark"]
+__all__ = [
+    "CollectiveEvidence", "CollectiveReport", "Divergence", "P2P_OPS", "RECORDER_NAMES", "args_text", "describe", "issued_words", "odd_ones",
+    "peer_of", "peer_words", "same_op", "signature", "state_mark",
+]
 
 class CollectiveEvidence(Protocol):
     """What the analyses read of the ranks' collective logs: the data, not the object that keeps
@@ -23,6 +26,8 @@ class CollectiveEvidence(Protocol):
     died_in: dict[int, str]  # ranks that died inside a collective before its entry came: op
 
     def sequence(self, rank: int, group: str) -> list[dict[str, Any]]: ...
+
+    def group(self, name: str) -> GroupInfo: ...
 
     def local_time(self, rank: int, entry: dict[str, Any]) -> float: ...
 
@@ -58,6 +63,21 @@ def peer_words(call: dict[str, Any]) -> str:
     peer = peer_of(call)
     local = call.get("args", {}).get("group_dst" if P2P_OPS[call["op"]] == "send" else "group_src")
     return f"rank {peer}" if peer is not None else f"group rank {local}" if local is not None else "any rank"
+
+
+_FORMS = ("_into_tensor", "_single", "_base", "_tensor", "_coalesced")
+
+
+def same_op(a: str | None, b: str | None) -> bool:
+    """The function a stack names and the op its recorder entry names are one collective
+    (``all_gather_single``, ``_all_gather_base`` and ``all_gather_into_tensor`` record as ``all_gather``)."""
+    def stem(op: str) -> str:
+        op = op.lstrip("_")
+        for form in _FORMS:
+            op = op.removesuffix(form)
+        return op
+
+    return a is not None and b is not None and stem(a) == stem(b)
 
 
 def odd_ones(values: dict[int, Any]) -> list[int]:
@@ -126,24 +146,40 @@ class Divergence:
     seq: int
     kind: str  # missing · op · shape · dtype · args
     by_rank: dict[int, dict[str, Any] | None]
+    # The same position (sequence number) on the other groups of the same role (a mesh's other dp
+    # groups): ranks in step there are witnesses, so a 1-against-1 split inside one group still has
+    # a majority across the mesh.
+    peers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    label: str = ""  # the group as the user built it (``dp (ranks 0,2)``)
 
     def odd(self) -> list[int]:
-        """The ranks that stand out by majority (every rank involved on a tie)."""
+        """The ranks of this group that stand out by majority (every rank involved on a tie),
+        counting the same-role witnesses in the majority but never among the odd ones."""
         if self.kind == "missing":
             return odd_ones({r: e is None for r, e in self.by_rank.items()})
-        return odd_ones({r: _KINDS[self.kind](e) for r, e in self.by_rank.items() if e is not None})
+        key = _KINDS[self.kind]
+        mine = {r: key(e) for r, e in self.by_rank.items() if e is not None}
+        odd = odd_ones(mine | {r: key(e) for r, e in self.peers.items() if r not in mine})
+        inside = [r for r in odd if r in mine]
+        return inside if inside and len(inside) < len(self.by_rank) else odd_ones(mine)
+
+    def witnesses(self) -> str:
+        """``ranks 1,3 had all_gather [36] f32 at #1 on the other dp groups``: the wider majority."""
+        same = group_by((r, describe(e)) for r, e in sorted(self.peers.items()))
+        return "; ".join(f"{format_ranks(rs)} had {d}" for rs, d in same) + f" at #{self.seq} on the other groups of this role"
 
     def text(self, members: list[int]) -> str:
         present = {r: e for r, e in self.by_rank.items() if e is not None}
         absent = [r for r, e in self.by_rank.items() if e is None]
-        where = f"collective #{self.seq} on group {self.group} ({format_ranks(members)})"
+        where = f"collective #{self.seq} on {self.label or f'group {self.group} ({format_ranks(members)})'}"
         if self.kind == "missing":
             sample = next(iter(present.values()))
             return f"{where}: {format_ranks(present)} entered {sample['op']}, {format_ranks(absent)} never did"
         groups = group_by((r, describe(e)) for r, e in sorted(present.items()))
         what = {"op": "different ops", "shape": "different shapes", "dtype": "different dtypes", "args": "different arguments"}[self.kind]
         odd = self.odd()
-        blame = f" (the odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)})" if odd and len(odd) < len(present) else ""
+        witnesses = f"; {self.witnesses()}" if odd and len(odd) < len(self.by_rank) and self.peers else ""
+        blame = f" (the odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)}{witnesses})" if odd and len(odd) < len(self.by_rank) else ""
         died = f"; {format_ranks(absent)} died inside it before {'its' if len(absent) == 1 else 'their'} entry reached distnb" if absent else ""
         return f"{where}: {what}: " + "; ".join(f"{format_ranks(rs)} {d}" for rs, d in groups) + blame + died
 
@@ -175,19 +211,66 @@ class CollectiveReport:
                     continue
                 present = [e for e in at.values() if e is not None]
                 # A rank that died inside this op before its entry reached distnb did enter it.
-                inside = {r for r, e in at.items() if e is None and self.log.died_in.get(r) in {x["op"] for x in present}
+                inside = {r for r, e in at.items() if e is None and any(same_op(self.log.died_in.get(r), x["op"]) for x in present)
                           and (not seqs[r] or max(seqs[r]) < seq)}
                 if any(e is None and r not in inside for r, e in at.items()):
                     # A rank whose log starts later (ring buffer) is not "missing" it.
                     if all(e is not None or r in inside or (seqs[r] and min(seqs[r]) > seq) for r, e in at.items()):
                         continue
-                    out.append(Divergence(group, seq, "missing", at))
+                    out.append(Divergence(group, seq, "missing", at, label=self.label(group)))
                     break
                 kind = next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in present if k != "args" or "args" in e}) > 1), None)
                 if kind:
-                    out.append(Divergence(group, seq, kind, at))
+                    out.append(Divergence(group, seq, kind, at, self._same_role(group, seq), self.label(group)))
                     break
+                if inside:
+                    # A rank died inside it and the survivors agree among themselves: the same
+                    # position on the other groups of this role says whether they were the odd ones.
+                    peers = self._same_role(group, seq)
+                    both = present + list(peers.values())
+                    kind = next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in both if k != "args" or "args" in e}) > 1), None)
+                    if kind:
+                        div = Divergence(group, seq, kind, at, peers, self.label(group))
+                        if div.odd():
+                            out.append(div)
+                            break
         out.sort(key=self._when)
+        return out
+
+    def paired(self) -> str:
+        """A divergence that one group can't see, in words: a collective over another group than
+        its peers' (the newest cell with one), or one that paired calls of different cells."""
+        # pairing.py reads entries with this module's words: imported here, not at the top.
+        from distnb.analysis.pairing import cross_cell, cross_group
+
+        cells = sorted({c for r in self.ranks for e in self.log.entries.get(r, {}).values()
+                        if (c := e.get("call_cell", e.get("cell"))) is not None}, reverse=True)
+        for cell in cells[:10]:
+            crossed = cross_group(self.log, self.ranks, cell)
+            if crossed is not None:
+                return crossed.text()
+        across = cross_cell(self.log, self.ranks)
+        return across.text() if across is not None else ""
+
+    def label(self, group: str) -> str:
+        """The group as the user built it, with the members this report shows."""
+        info = self.log.group(group)
+        return info.label() if info.ranks or info.world else f"{info.label()} ({format_ranks(self.members(group))})"
+
+    def _same_role(self, group: str, seq: int) -> dict[int, dict[str, Any]]:
+        """Each rank's entry at ``seq`` on the other groups of ``group``'s role (same mesh
+        dimension, same new_group site), for a majority wider than one group."""
+        role = self.log.group(group).role()
+        if role.startswith("group "):  # a group known by its name alone has no peers
+            return {}
+        out: dict[int, dict[str, Any]] = {}
+        for other in self.group_names():
+            if other == group or self.log.group(other).role() != role:
+                continue
+            for r in self.members(other):
+                e = next((x for x in self.log.sequence(r, other) if x["seq"] == seq), None)
+                if e is not None:
+                    out[r] = e
         return out
 
     def _when(self, d: Divergence) -> float:
@@ -208,7 +291,10 @@ class CollectiveReport:
         divs = {d.group: d for d in self.divergences()}
         lines = []
         first = min(divs.values(), key=self._when) if divs else None
-        if first is not None:
+        paired = self.paired() if first is not None else None
+        if paired:
+            lines.append(f"first divergence: {paired}")
+        elif first is not None:
             lines.append(f"first divergence: {first.text(self.members(first.group))}")
         else:
             lines.append(f"the collective sequences of {format_ranks(self.ranks)} agree.")
@@ -217,8 +303,9 @@ class CollectiveReport:
             seqs = {r: {e["seq"]: e for e in self.log.sequence(r, group)} for r in members}
             all_seqs = sorted({s for m in seqs.values() for s in m})
             shown = all_seqs[-self.last :] if self.last else all_seqs
-            desc = next((e["desc"] for m in seqs.values() for e in m.values()), "")
-            lines.append(f"── group {group}{f' ({desc})' if desc and desc != 'undefined' else ''}, {format_ranks(members)}: "
+            info = self.log.group(group)
+            name = f"group {short_name(group)}, {format_ranks(members)}" if info.world else f"{self.label(group)}, torch's group {short_name(group)}"
+            lines.append(f"── {name}: "
                          + ", ".join(f"rank {r} {len(seqs[r])}" for r in members) + " collectives"
                          + (f" (last {len(shown)} shown)" if len(shown) < len(all_seqs) else ""))
             cols = [f"rank {r}" for r in members]

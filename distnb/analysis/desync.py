@@ -93,20 +93,21 @@ def _entries(log: CollectiveEvidence, m: CountMismatch) -> list[str]:
 def mismatch_text(m: CountMismatch, log: CollectiveEvidence | None = None) -> str:
     """One sentence: who is ahead, by what, and what happens next."""
     ahead, behind = format_ranks(m.ahead), format_ranks(m.behind)
+    name = (log.group(m.group).label() if log is not None else f"group {m.group}") if m.group is not None else ""
     verb = "has" if len(m.ahead) == 1 else "have"
     if m.repeated:
         unit = ("collective" if m.group is not None else "process group created") + ("s" if m.extra > 1 else "")
-        on = f" on group {m.group}" if m.group is not None else ""
+        on = f" on {name}" if m.group is not None else ""
         return f"{ahead} {'is' if len(m.ahead) == 1 else 'are'} still {m.extra} {unit} ahead of {behind}{on} (since cell {m.since}; see %dist_collectives)."
     if m.group is None:
         return (f"{ahead} {verb} created {m.extra} process group{'s' if m.extra > 1 else ''} more than {behind}: every rank must "
                 "call new_group the same times in the same order (even ranks outside the group), or the next new_group hangs "
                 "or pairs the wrong groups.")
     what = _entries(log, m) if log is not None else []
-    issued = f"issued {m.extra} collective{'s' if m.extra > 1 else ''} on group {m.group}"
+    issued = f"issued {m.extra} collective{'s' if m.extra > 1 else ''} on {name}"
     if what:
         issued += f" ({'; '.join(what)}{' …' if m.extra > len(what) else ''})"
     uneven = len(set(m.counts.values())) > 2
     counts = " (counts: " + ", ".join(f"rank {r} {n}" for r, n in sorted(m.counts.items())) + ")" if uneven else ""
-    return (f"{ahead} {issued} that {behind} did not{counts}: the next synchronisation on group {m.group} will hang, or pair "
+    return (f"{ahead} {issued} that {behind} did not{counts}: the next synchronisation on {name} will hang, or pair "
             "the wrong collectives (a collective under `if rank …`, or loops of different lengths).")

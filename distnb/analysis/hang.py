@@ -14,6 +14,7 @@ from distnb._processes import signal_meaning
 from distnb.analysis.collectives import CollectiveReport, args_text, describe, odd_ones, signature
 from distnb.analysis.group_creation import creation_mismatch
 from distnb.analysis.p2p import match_p2p
+from distnb.analysis.pairing import cross_cell, cross_group
 from distnb.analysis.position import Position
 from distnb.analysis.steps import uneven_steps
 from distnb.ranks import format_ranks, group_by
@@ -112,6 +113,9 @@ def diagnose(
         mismatch = creation_mismatch(log.log, [p.rank for p in positions if p.state != "idle"], moving)
         if mismatch is not None:
             return Diagnosis("hang", mismatch.text(), positions, mismatch.odd)
+        paired = _paired(positions, log)
+        if paired is not None:
+            return paired
     if any(p.peers for p in waiting):
         found = match_p2p(positions)
         if found.sentences:
@@ -143,10 +147,9 @@ def diagnose(
     absent = _not_in_cell(waiting, outside, log)
     if absent:
         head = waiting[0]
-        grp = f" on group {head.group}" if head.group else ""
         return Diagnosis(
             "hang",
-            f"{w} {_waits(waiting)} in {head.collective()}{grp} for {format_ranks(absent)}, which "
+            f"{w} {_waits(waiting)} in {head.collective()}{head.on()} for {format_ranks(absent)}, which "
             f"{'is' if len(absent) == 1 else 'are'} not part of this cell: a collective needs every rank of its group, "
             "so run the cell on all of them.",
             positions, absent,
@@ -188,6 +191,24 @@ def diagnose(
     return Diagnosis("slow", f"every rank is in the same collective ({waiting[0].op}): slow but consistent, not a hang.", positions)
 
 
+def _paired(positions: list[Position], log: CollectiveReport) -> Diagnosis | None:
+    """Ranks in step by group but not by meaning: a collective over another group than its peers'
+    (mesh dimensions, new_group families), or one that paired calls of different cells."""
+    cell = next((p.running for p in positions if p.running is not None), None)
+    if cell is None:
+        cell = next((e.get("cell") for p in positions if p.state == "collective" and (e := log.log.pending(p.rank)) is not None), None)
+    if cell is None:
+        return None
+    ranks = [p.rank for p in positions if p.state != "idle"]
+    crossed = cross_group(log.log, ranks, cell)
+    if crossed is not None and crossed.waits_for:
+        return Diagnosis("hang", crossed.text(), positions, crossed.odd)
+    paired = cross_cell(log.log, ranks, cell)
+    if paired is not None and not all(e["done"] for e in paired.by_rank.values()):
+        return Diagnosis("hang", paired.text(), positions, paired.odd)
+    return None
+
+
 def _paused(paused: list[Position], waiting: list[Position], positions: list[Position]) -> Diagnosis:
     """Ranks waiting for the notebook (pdb, input()) are not hung, and neither are those waiting for them."""
     first = paused[0]
@@ -211,12 +232,14 @@ def victim(dead: Position, log: CollectiveReport | None) -> tuple[str, list[int]
         if div.kind == "missing" or entry is None:
             continue
         odd = div.odd()
-        if not odd or dead.rank in odd or len(odd) == len([e for e in div.by_rank.values() if e]):
+        if not odd or dead.rank in odd or len(odd) == len(div.by_rank):
             continue
         what = {"op": "different ops", "shape": "shape mismatch", "dtype": "dtype mismatch", "args": "argument mismatch"}[div.kind]
         detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by((r, describe(e)) for r, e in sorted(div.by_rank.items()) if e))
+        if div.peers:
+            detail += f" (where {div.witnesses()})"
         return (
-            f"rank {dead.rank} died ({dead.detail}) inside {entry['op']} #{div.seq} on group {div.group}, a {what}: {detail}. "
+            f"rank {dead.rank} died ({dead.detail}) inside {entry['op']} #{div.seq} on {div.label or f'group {div.group}'}, a {what}: {detail}. "
             f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out; rank {dead.rank} is a victim "
             "(gloo aborts a rank that receives data its own tensor can't hold).",
             odd,
@@ -273,7 +296,7 @@ def _disagree(waiting: list[Position], positions: list[Position]) -> Diagnosis:
     def where(ranks: list[int]) -> str:
         p = by_rank[ranks[0]]
         seq = f" #{p.seq}" if p.seq is not None else ""
-        grp = f" on group {p.group}" if p.group is not None and "group" in diffs else ""
+        grp = p.on() if "group" in diffs else ""
         args = args_text(p.args)
         return f"{format_ranks(ranks)} in {p.op}{seq}{grp}" + (f" {p.shapes}" if p.shapes else "") + (f" {args}" if args else "")
 
@@ -321,7 +344,7 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
         if all("sizes" in e for e in at.values()) and len({signature(e) for e in at.values()}) == 1:
             # The same call everywhere: gloo's ranks leave an all_reduce at different times, and on a
             # slow link the last ones are still moving data when the first have finished.
-            return Diagnosis("slow", f"every rank entered the same {head.op} #{head.seq} on group {head.group}; "
+            return Diagnosis("slow", f"every rank entered the same {head.op} #{head.seq} on {log.label(head.group)}; "
                              f"{format_ranks(list(entered))} finished it, {format_ranks([p.rank for p in waiting])} "
                              "are still finishing it (a large transfer or a slow link): slow, not a hang.", positions)
         kind = "different ops" if any(e["op"] != head.op for e in entered.values()) else _mismatch(list(at.values()))
@@ -332,13 +355,13 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
             blame = f"The odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)} ({done[:-1]})."
         else:
             odd, blame = list(entered), done
-        return Diagnosis("hang", f"{kind} at {head.op} #{head.seq} on group {head.group}: {detail}. {blame}", positions, odd)
+        return Diagnosis("hang", f"{kind} at {head.op} #{head.seq} on {log.label(head.group)}: {detail}. {blame}", positions, odd)
     w = format_ranks([p.rank for p in waiting])
     if head.group != "0" and absent:
         return Diagnosis(
             "hang",
-            f"sub-group collective missing a member: {w} {_waits(waiting)} in {head.collective()} on group {head.group} "
-            f"({format_ranks(members)}), but {format_ranks(absent)} of that group never entered it.",
+            f"sub-group collective missing a member: {w} {_waits(waiting)} in {head.collective()} on {log.label(head.group)}, "
+            f"but {format_ranks(absent)} of that group never entered it.",
             positions, absent,
         )
     if not absent:
@@ -357,12 +380,12 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
         steps = uneven_steps(ahead, behind) if whole else None
         made = None
         if steps is not None and len(steps[0]) == 1:
-            made = f"made {steps[1]} {head.op} calls on group {head.group}, {format_ranks(absent)} stopped after {steps[2]}"
+            made = f"made {steps[1]} {head.op} calls on {log.label(head.group)}, {format_ranks(absent)} stopped after {steps[2]}"
         elif steps is not None:
-            made = (f"ran {steps[1]} steps of ({', '.join(steps[0])}) on group {head.group}, {format_ranks(absent)} "
+            made = (f"ran {steps[1]} steps of ({', '.join(steps[0])}) on {log.label(head.group)}, {format_ranks(absent)} "
                     f"stopped after {steps[2]}")
         elif seq and seq[-1]["op"] == head.op and seq[-1].get("cell") == cell:
-            made = f"reached {head.op} #{head.seq} on group {head.group}, {format_ranks(absent)} stopped after #{head.seq - 1}"
+            made = f"reached {head.op} #{head.seq} on {log.label(head.group)}, {format_ranks(absent)} stopped after #{head.seq - 1}"
         if made is not None:
             return Diagnosis(
                 "hang",
@@ -371,7 +394,7 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
             )
     return Diagnosis(
         "hang",
-        f"rank-conditional collective: {w} entered {head.collective()} on group {head.group}, but "
+        f"rank-conditional collective: {w} entered {head.collective()} on {log.label(head.group)}, but "
         f"{format_ranks(absent)} finished the cell without entering it (a collective inside `if rank == …`).",
         positions, absent,
     )

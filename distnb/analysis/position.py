@@ -14,7 +14,8 @@ __all__ = ["Position", "position_from_stack", "collective_at_death", "position_a
 #: Public torch.distributed functions that block until peers arrive.
 COLLECTIVE_FUNCS = {
     "all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_into_tensor",
-    "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce",
+    "_all_gather_base", "all_gather_single", "all_gather_coalesced", "all_reduce_coalesced", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "reduce",
     "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "batch_isend_irecv", "new_group", "init_process_group", "destroy_process_group",
@@ -52,6 +53,11 @@ class Position:
     # The collective the rank waits for when that is not where its host is (an async work, issued
     # earlier, waited on now): ``where`` then says both.
     issued: str = ""
+    label: str = ""  # the group as the user built it (``dp (ranks 1,3)``); empty: ``group <name>``
+
+    def on(self) -> str:
+        """`` on dp (ranks 1,3)``, `` on group 0``; empty when the group is unknown."""
+        return f" on {self.label or f'group {self.group}'}" if self.group else ""
 
     def at(self) -> str:
         """`` at cell line 3``, `` in step() (cell 2 line 11)``, `` at cell 2 line 4``."""
@@ -79,15 +85,14 @@ class Position:
         dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
         if self.state == "collective" and self.issued:
             shp = f" {self.shapes}" if self.shapes else ""
-            return (f"waiting for {self.op}{f' #{self.seq}' if self.seq is not None else ''} on group {self.group}{shp} "
+            return (f"waiting for {self.op}{f' #{self.seq}' if self.seq is not None else ''}{self.on()}{shp} "
                     f"({self.issued}){dur}, now blocked{at or ' at a host sync'}")
         if self.state == "collective" and self.peers:
             return f"{' and '.join(p2p_text(c) for c in self.peers)}{dur}{at}"
         if self.state == "collective":
             seq = f" #{self.seq}" if self.seq is not None else ""
-            grp = f" on group {self.group}" if self.group else ""
             shp = f" {self.shapes}" if self.shapes else ""
-            return f"waiting in {self.op}{seq}{grp}{shp}{dur}{at}"
+            return f"waiting in {self.op}{seq}{self.on()}{shp}{dur}{at}"
         if self.state == "computing":
             return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){dur}{at}"
         if self.state == "paused":

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distnb.analysis.collectives import P2P_OPS, CollectiveReport, describe, peer_of
+from distnb.analysis.groups import GroupInfo, info_from, site_of
 
 __all__ = ["CollectiveLog"]
 
@@ -25,6 +26,8 @@ class CollectiveLog:
 
     entries: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # rank -> id -> entry
     groups: dict[str, list[int]] = field(default_factory=dict)
+    # torch's description of each group (``mesh_dp`` for a mesh's dp groups), from its entries.
+    descs: dict[str, str] = field(default_factory=dict)
     unavailable: str | None = None
     # Recorders some rank could not read (e.g. NCCL's on a torch without it), and why: the log
     # then lacks those collectives, and says so.
@@ -41,6 +44,7 @@ class CollectiveLog:
     # Per rank, recent (rank's clock − controller's clock) samples; each is low by the reply's
     # transit and queueing time, so the largest recent one is the best estimate of the offset.
     _skew: dict[int, collections.deque[float]] = field(default_factory=dict)
+    _sites: dict[str, tuple[int, int]] | None = field(default=None, repr=False)
 
     def last_id(self, rank: int) -> int:
         ids = self.entries.get(rank)
@@ -61,6 +65,7 @@ class CollectiveLog:
 
     def merge(self, rank: int, reply: dict[str, Any]) -> None:
         if reply.get("calls"):
+            self._sites = None
             mine_calls = self.calls.setdefault(rank, {})
             for c in reply["calls"]:
                 mine_calls[c["n"]] = c
@@ -79,6 +84,8 @@ class CollectiveLog:
         for e in reply.get("entries", []):
             if e["id"] > floor:
                 mine[e["id"]] = e
+                if e.get("desc"):
+                    self.descs[e["group"]] = e["desc"]
         self.groups.update(reply.get("groups", {}))
         if len(mine) > 5000:  # the recorder itself keeps 2000; keep a bounded history
             for rid in sorted(mine)[: len(mine) - 5000]:
@@ -88,7 +95,9 @@ class CollectiveLog:
         """Forget everything (a fresh launch: new processes, record ids from 0 again)."""
         self.entries.clear()
         self.groups.clear()
+        self.descs.clear()
         self.calls.clear()
+        self._sites = None
         self.died_in.clear()
         self.floors.clear()
         self._skew.clear()
@@ -101,6 +110,8 @@ class CollectiveLog:
         that never completed stays in its recorder)."""
         self.entries.clear()
         self.groups.clear()
+        self.descs.clear()
+        self._sites = None
         self.calls.clear()  # the ranks cleared theirs: group names and counts start over
         self.floors.update(floors)
 
@@ -143,13 +154,24 @@ class CollectiveLog:
         if pending is not None:
             members = set(self.groups.get(pending["group"], dead))  # a group distnb can't name: assume it holds them
             if members & dead:
-                return f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
+                return f"{describe(pending)} ({self.at(pending)})"
         for call in self.open_calls(rank):
             if call["op"] in P2P_OPS and ((peer := peer_of(call)) is None or peer in dead):
                 return f"{call['op']} {'to' if P2P_OPS[call['op']] == 'send' else 'from'} rank {peer}"
             if call["op"] == "new_group":
                 return "new_group"
         return ""
+
+    def at(self, entry: dict[str, Any]) -> str:
+        """``#2 on dp (ranks 1,3)``: where an entry sits, its group named as the user built it."""
+        return f"#{entry['seq']} on {self.group(entry['group']).label()}"
+
+    def group(self, name: str) -> GroupInfo:
+        """The group as the user built it (mesh dimension, members, new_group site)."""
+        if self._sites is None:  # texts name many groups: build the map once per change of the calls
+            self._sites = {c["made"]: site for calls in self.calls.values() for c in calls.values()
+                           if c["op"] == "new_group" and "made" in c and (site := site_of(c)) is not None}
+        return info_from(name, self.groups, self.descs, self._sites)
 
     def creations(self, rank: int) -> dict[int, dict[str, Any]]:
         """The rank's ``new_group`` calls by torch's group counter before each (1 = the first

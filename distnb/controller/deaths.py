@@ -67,7 +67,7 @@ class Deaths:
         # rank itself tells which cell an entry belongs to (no cross-machine clocks).
         pending = self._log.pending(info.rank, cell)
         if pending is not None:
-            res.collective = f"{describe(pending)} (#{pending['seq']} on group {pending['group']})"
+            res.collective = f"{describe(pending)} ({self._log.at(pending)})"
             return
         # Died before the log could hear of it (gloo aborts within ms of a mismatch): the stack
         # faulthandler printed on the fatal signal still says where.

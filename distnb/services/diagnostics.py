@@ -110,10 +110,10 @@ class Diagnostics:
             stuck = log.stuck(r) if pending is None else None
             rs.state_since = st.elapsed
             if pending is not None:
-                rs.annotation = f"in {describe(pending)} (#{pending['seq']} on group {pending['group']})"
+                rs.annotation = f"in {describe(pending)} ({log.at(pending)})"
                 rs.annotation_since = log.age(r, pending)  # by the rank's own clock: another machine's may be off
             elif stuck is not None:
-                rs.annotation = f"{describe(stuck)} #{stuck['seq']} on group {stuck['group']} not completed ({issued_words(stuck)})"
+                rs.annotation = f"{describe(stuck)} {log.at(stuck)} not completed ({issued_words(stuck)})"
                 rs.annotation_since = log.age(r, stuck)
             if native and info.pid and st.state != RankState.DEAD and info.agent:
                 # py-spy runs here: a rank on another machine needs it run there.
@@ -298,6 +298,8 @@ class Diagnostics:
             pos.state, pos.op, pos.peers = "collective", peers[-1]["op"], peers
             pos.since = log.age(r, {"t": peers[0]["t"] / 1e9})
         pos.since = pos.since if pos.since is not None else elapsed
+        if pos.group is not None:
+            pos.label = log.group(pos.group).label()
         return pos
 
     # -- collective log -------------------------------------------------------------------------

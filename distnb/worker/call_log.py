@@ -106,6 +106,10 @@ class CallLog:
             with self._lock:
                 self._works[rec["n"]] = work  # open until the work completes (checked on read)
             return
+        if rec["op"] == "new_group" and work is not None:
+            made = _group_name(work)  # a rank outside the group gets no group: "?"
+            if made != "?":
+                rec["made"] = made
         rec["end"] = time.time_ns()
 
     def reset(self) -> None:

@@ -277,7 +277,7 @@ def test_diagnostics_name_the_rank_that_never_came_from_messages_alone() -> None
     tracker.run_of(result).started -= 10
     feed(tracker, "x", 1, done(1))  # rank 1 skipped the collective and finished
     entry = {"id": 0, "op": "all_reduce", "group": "0", "seq": 1, "done": False, "cell": 1, "sizes": [[2]],
-             "dtypes": ["Float"], "t": 0.0}
+             "dtypes": ["Float"], "t": 0.0, "p2p": False, "desc": "default_pg"}
     frame = ("/x/distributed_c10d.py", 10, "all_reduce", "work.wait()")
 
     def answer(identity: bytes, msg: dict[str, Any]) -> None:

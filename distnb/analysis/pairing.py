@@ -1,0 +1,172 @@
+"""Which calls a collective really paired, when ranks' sequences are in step by group but not by
+what the user meant.
+
+Two mistakes are invisible one group at a time:
+
+* **Another group than its peers** (:func:`cross_group`). On a (dp, tp) mesh every rank issues the
+  same calls in the same order, each over its own group of a dimension. A rank that all_gathers
+  over ``dp`` where its peers use ``tp`` leaves every group looking merely short of a member; the
+  ranks' *n*-th calls of the cell, compared by role (the mesh dimension, the ``new_group`` site),
+  say who went where.
+* **A call paired across cells** (:func:`cross_cell`). A group pairs calls by sequence number, not
+  by meaning: rank 0's ``all_reduce(async_op=True)`` left pending in one cell is matched by the
+  others' next call on that group, in a later cell, whatever its shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distnb.analysis.collectives import CollectiveEvidence, describe, odd_ones
+from distnb.ranks import format_ranks, group_by
+
+__all__ = ["CrossCell", "CrossGroup", "cross_cell", "cross_group"]
+
+
+def _cell(e: dict[str, Any]) -> int | None:
+    """The cell that issued an entry: the call's own (call log), else the rank's clock's."""
+    cell = e.get("call_cell", e.get("cell"))
+    return int(cell) if cell is not None else None
+
+
+def _site(e: dict[str, Any]) -> str:
+    line = f", line {e['line']}" if e.get("line") and e.get("call_cell") is not None else ""
+    return f"cell {_cell(e)}{line}" if _cell(e) is not None else "outside distnb's cells"
+
+
+@dataclass
+class CrossGroup:
+    """The ranks' ``index``-th collectives of ``cell`` went to groups of different roles."""
+
+    cell: int
+    index: int  # 1-based position among the cell's collectives, every group counted
+    by_rank: dict[int, dict[str, Any]]  # each rank's entry at that position
+    roles: dict[int, str]
+    labels: dict[int, str]  # each rank's group there, as the user built it
+    odd: list[int]
+    waits_for: dict[int, list[int]]  # a rank whose call is open → the members of its group not in it
+
+    def text(self) -> str:
+        sides = group_by((r, (self.roles[r], self.by_rank[r]["op"])) for r in sorted(self.by_rank))
+        majority = [rs for rs, _ in sides if not set(rs) & set(self.odd)]
+        sample = next(iter(self.by_rank.values()))
+        where = f"the {_ordinal(self.index)} collective of cell {self.cell}" + (f" (line {sample['line']})" if sample.get("line") else "")
+        odd_words = "; ".join(f"{format_ranks(rs)} called {self.by_rank[rs[0]]['op']} over {self.labels[rs[0]]}"
+                              for rs, _ in sides if set(rs) <= set(self.odd))
+        if majority and len(self.odd) < len(self.by_rank):
+            maj = majority[0]
+            op = self.by_rank[maj[0]]["op"]
+            same_op = all(self.by_rank[r]["op"] == op for r in self.by_rank)
+            used = f"used {self.roles[maj[0]]}" if same_op else f"called {op} over {self.roles[maj[0]]}"
+            head = f"collective on another group: {odd_words} where {format_ranks(maj)} {used} ({where})."
+            root = f" Root cause: {format_ranks(self.odd)}, on the wrong group."
+        else:
+            head = ("ranks disagree on the group: " + "; ".join(
+                f"{format_ranks(rs)} called {self.by_rank[rs[0]]['op']} over {self.labels[rs[0]]}" for rs, _ in sides)
+                + f" ({where}); no majority to tell which side is wrong.")
+            root = ""
+        done = sorted(r for r, e in self.by_rank.items() if e["done"])
+        after = []
+        if done:
+            after.append(f"{format_ranks(done)} completed {'its' if len(done) == 1 else 'theirs'} (the members of "
+                         f"{'its' if len(done) == 1 else 'their'} group happened to match)")
+        for rs, need in group_by((r, tuple(w)) for r, w in sorted(self.waits_for.items())):
+            after.append(f"{format_ranks(rs)} {'waits' if len(rs) == 1 else 'wait'} on {self.labels[rs[0]]} for {format_ranks(list(need))}")
+        tail = "; ".join(after)
+        return head + (f" {tail[0].upper()}{tail[1:]}." if tail else "") + root
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _in_cell(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str, Any]]:
+    return sorted((e for e in log.entries.get(rank, {}).values() if not e.get("p2p") and _cell(e) == cell), key=lambda e: e["id"])
+
+
+def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int) -> CrossGroup | None:
+    """The first position of ``cell`` where the ranks' collectives go to groups of different roles
+    (with the same calls before it on every rank: the ranks were in step until then)."""
+    seqs = {r: _in_cell(log, r, cell) for r in ranks}
+    depth = max((len(s) for s in seqs.values()), default=0)
+    for k in range(depth):
+        at = {r: s[k] for r, s in seqs.items() if len(s) > k}
+        if len(at) < 2:
+            return None
+        roles = {r: log.group(e["group"]).role() for r, e in at.items()}
+        if len(set(roles.values())) == 1:
+            if len({e["op"] for e in at.values()}) > 1:
+                return None  # the same groups, other ops: the group's own divergence says it
+            continue
+        labels = {r: log.group(e["group"]).label() for r, e in at.items()}
+        odd = odd_ones({r: (roles[r], e["op"]) for r, e in at.items()})
+        waits = {}
+        for r, e in at.items():
+            if not e["done"]:
+                members = log.groups.get(e["group"], [])
+                waits[r] = [m for m in members if m != r and not (m in at and at[m]["group"] == e["group"])]
+        return CrossGroup(cell, k + 1, at, roles, labels, odd, waits)
+    return None
+
+
+@dataclass
+class CrossCell:
+    """One collective of a group paired calls that different cells issued."""
+
+    group: str
+    label: str
+    seq: int
+    by_rank: dict[int, dict[str, Any]]
+
+    @property
+    def odd(self) -> list[int]:
+        """The ranks whose call came from another cell than most ranks' (every rank on a tie)."""
+        return odd_ones({r: _cell(e) for r, e in self.by_rank.items()})
+
+    def text(self) -> str:
+        sides = group_by((r, (_cell(e), describe(e))) for r, e in sorted(self.by_rank.items()))
+        calls = " with ".join(f"{format_ranks(rs)}'s {describe(self.by_rank[rs[0]])} from {_site(self.by_rank[rs[0]])}" for rs, _ in sides)
+        shapes = len({describe(e) for e in self.by_rank.values()}) > 1
+        odd = self.odd
+        later = [r for r in self.by_rank if r not in odd] if len(odd) < len(self.by_rank) else []
+        done = [r for r in later if self.by_rank[r]["done"]]
+        if done:
+            effect = f"the results on {format_ranks(done)} are wrong (they were reduced with another cell's tensor)"
+        elif later:
+            effect = f"{format_ranks(later)} wait in it, and their results will be wrong if it completes"
+        else:
+            effect = "the results of every rank in it are suspect"
+        what = "different shapes, " if shapes else ""
+        blame = (f" Root cause: {format_ranks(odd)}'s call from an earlier cell, still pending (an async_op=True work "
+                 "never waited on, or a collective under `if rank …`); the next call on this group pairs with it."
+                 if later and all((_cell(self.by_rank[r]) or 0) < min(_cell(self.by_rank[x]) or 0 for x in later) for r in odd) else "")
+        return f"collective #{self.seq} on {self.label} paired calls of different cells: {calls} ({what}{effect}).{blame}"
+
+
+def cross_cell(log: CollectiveEvidence, ranks: list[int], cell: int | None = None) -> CrossCell | None:
+    """The latest collective (of ``cell``, when given) whose ranks' calls came from different cells."""
+    found: CrossCell | None = None
+    names = {e["group"] for r in ranks for e in log.entries.get(r, {}).values() if not e.get("p2p")}
+    for group in sorted(names):
+        members = [r for r in log.groups.get(group, ranks) if r in ranks] or ranks
+        by_seq: dict[int, dict[int, dict[str, Any]]] = {}
+        for r in members:
+            for e in log.sequence(r, group):
+                by_seq.setdefault(e["seq"], {})[r] = e
+        for seq in sorted(by_seq, reverse=True):
+            at = by_seq[seq]
+            cells = {_cell(e) for e in at.values()}
+            if len(at) < 2 or None in cells or len(cells) < 2:
+                continue
+            if cell is not None and cell not in cells:
+                continue
+            if found is None or _latest(log, at) > _latest(log, found.by_rank):
+                found = CrossCell(group, log.group(group).label(), seq, at)
+            break
+    return found
+
+
+def _latest(log: CollectiveEvidence, at: dict[int, dict[str, Any]]) -> float:
+    return max(log.local_time(r, e) for r, e in at.items())
