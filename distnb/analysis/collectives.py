@@ -217,11 +217,11 @@ class CollectiveReport:
                     # A rank whose log starts later (ring buffer) is not "missing" it.
                     if all(e is not None or r in inside or (seqs[r] and min(seqs[r]) > seq) for r, e in at.items()):
                         continue
-                    out.append(Divergence(group, seq, "missing", at, label=self.label(group)))
+                    out.append(Divergence(group, seq, "missing", at, label=self._div_label(group)))
                     break
                 kind = next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in present if k != "args" or "args" in e}) > 1), None)
                 if kind:
-                    out.append(Divergence(group, seq, kind, at, self._same_role(group, seq), self.label(group)))
+                    out.append(Divergence(group, seq, kind, at, self._same_role(group, seq), self._div_label(group)))
                     break
                 if inside:
                     # A rank died inside it and the survivors agree among themselves: the same
@@ -230,32 +230,37 @@ class CollectiveReport:
                     both = present + list(peers.values())
                     kind = next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in both if k != "args" or "args" in e}) > 1), None)
                     if kind:
-                        div = Divergence(group, seq, kind, at, peers, self.label(group))
+                        div = Divergence(group, seq, kind, at, peers, self._div_label(group))
                         if div.odd():
                             out.append(div)
                             break
         out.sort(key=self._when)
         return out
 
-    def paired(self) -> str:
-        """A divergence that one group can't see, in words: a collective over another group than
-        its peers' (the newest cell with one), or one that paired calls of different cells."""
+    def paired(self, first: Divergence) -> str:
+        """The first divergence as one group can't see it, in words: in the cell where it began,
+        a collective over another group than its peers', or one that paired calls of different cells."""
         # pairing.py reads entries with this module's words: imported here, not at the top.
         from distnb.analysis.pairing import cross_cell, cross_group
 
-        cells = sorted({c for r in self.ranks for e in self.log.entries.get(r, {}).values()
-                        if (c := e.get("call_cell", e.get("cell"))) is not None}, reverse=True)
-        for cell in cells[:10]:
+        cells = {c for e in first.by_rank.values() if e is not None and (c := e.get("call_cell", e.get("cell"))) is not None}
+        for cell in sorted(cells):
             crossed = cross_group(self.log, self.ranks, cell)
             if crossed is not None:
                 return crossed.text()
-        across = cross_cell(self.log, self.ranks)
-        return across.text() if across is not None else ""
+            across = cross_cell(self.log, self.ranks, cell)
+            if across is not None and across.group == first.group and across.seq <= first.seq:
+                return across.text()
+        return ""
 
     def label(self, group: str) -> str:
         """The group as the user built it, with the members this report shows."""
         info = self.log.group(group)
         return info.label() if info.ranks or info.world else f"{info.label()} ({format_ranks(self.members(group))})"
+
+    def _div_label(self, group: str) -> str:
+        """A divergence names the default group with its members (``group 0 (ranks 0-2)``)."""
+        return "" if self.log.group(group).world else self.label(group)
 
     def _same_role(self, group: str, seq: int) -> dict[int, dict[str, Any]]:
         """Each rank's entry at ``seq`` on the other groups of ``group``'s role (same mesh
@@ -291,7 +296,7 @@ class CollectiveReport:
         divs = {d.group: d for d in self.divergences()}
         lines = []
         first = min(divs.values(), key=self._when) if divs else None
-        paired = self.paired() if first is not None else None
+        paired = self.paired(first) if first is not None else None
         if paired:
             lines.append(f"first divergence: {paired}")
         elif first is not None:

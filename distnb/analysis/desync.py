@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from distnb.analysis.cell_source import because
 from distnb.analysis.collectives import CollectiveEvidence, describe
 from distnb.ranks import format_ranks
 
@@ -90,8 +91,9 @@ def _entries(log: CollectiveEvidence, m: CountMismatch) -> list[str]:
     return out
 
 
-def mismatch_text(m: CountMismatch, log: CollectiveEvidence | None = None) -> str:
-    """One sentence: who is ahead, by what, and what happens next."""
+def mismatch_text(m: CountMismatch, log: CollectiveEvidence | None = None, sources: dict[int, str] | None = None) -> str:
+    """Who is ahead, by what, what happens next, and the evidence the cells' code (``sources``,
+    by cell number) gives for why."""
     ahead, behind = format_ranks(m.ahead), format_ranks(m.behind)
     name = (log.group(m.group).label() if log is not None else f"group {m.group}") if m.group is not None else ""
     verb = "has" if len(m.ahead) == 1 else "have"
@@ -109,5 +111,26 @@ def mismatch_text(m: CountMismatch, log: CollectiveEvidence | None = None) -> st
         issued += f" ({'; '.join(what)}{' …' if m.extra > len(what) else ''})"
     uneven = len(set(m.counts.values())) > 2
     counts = " (counts: " + ", ".join(f"rank {r} {n}" for r, n in sorted(m.counts.items())) + ")" if uneven else ""
+    why = _why(log, m, sources or {}) if log is not None else ""
     return (f"{ahead} {issued} that {behind} did not{counts}: the next synchronisation on {name} will hang, or pair "
-            "the wrong collectives (a collective under `if rank …`, or loops of different lengths).")
+            f"the wrong collectives. {why or 'Where: %dist_collectives shows each rank’s calls.'}")
+
+
+def _why(log: CollectiveEvidence, m: CountMismatch, sources: dict[int, str]) -> str:
+    """The evidence the cell's code gives for the first extra call (its line, the ``if`` or loop
+    around it, a pending ``async_op=True`` work), as a sentence; "" when there is none."""
+    rank = m.ahead[0]
+    extra = sorted((e for e in log.entries.get(rank, {}).values() if e["group"] == m.group and not e["p2p"] and e["seq"] > m.low),
+                   key=lambda e: e["seq"])
+    first = next((e for e in extra if e.get("line") and e.get("call_cell") is not None), None)
+    if first is None:
+        return ""
+    code = sources.get(int(first["call_cell"]))
+    out = []
+    text = code.splitlines()[first["line"] - 1] if code and first["line"] <= len(code.splitlines()) else ""
+    if not first["done"] and "async_op=True" in text.replace(" ", ""):
+        out.append("it was issued with async_op=True and its work is still pending (never waited on)")
+    cause = because(code, first["line"], first["call_cell"])
+    if cause:
+        out.append(cause)
+    return ("Evidence: " + "; ".join(out) + ".") if out else ""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distnb._processes import signal_meaning
+from distnb.analysis.cell_source import because
 from distnb.analysis.collectives import CollectiveReport, args_text, describe, odd_ones, signature
 from distnb.analysis.group_creation import creation_mismatch
 from distnb.analysis.p2p import match_p2p
@@ -24,7 +25,7 @@ __all__ = ["Diagnosis", "diagnose", "exit_detail", "victim"]
 
 @dataclass
 class Diagnosis:
-    kind: str  # ok · slow · hang · running
+    kind: str  # ok · slow · hang · running · paused · failed (over, with a cause elsewhere than the dead rank)
     # The headline. It names the situation, never a duration, so the same hang diagnosed a second
     # later has the same headline (the live watch prints a diagnosis again only when it changes);
     # durations are in the per-rank lines of text().
@@ -56,12 +57,15 @@ def diagnose(
     elapsed: float,
     log: CollectiveReport | None = None,
     first_death: int | None = None,
+    sources: dict[int, str] | None = None,
 ) -> Diagnosis:
     """Name the situation: a healthy (maybe slow) collective, or a hang and its likely cause.
 
     ``log`` (the ranks' collective sequences) refines the words: uneven loop lengths, a
     sub-group missing a member, the exact position where sequences diverge. ``first_death`` is the
     rank that died first (by its supervisor's clock), the root cause when several died.
+    ``sources`` (cell number → code) lets a cause quote its evidence: the ``if rank`` or the loop
+    around the call.
     """
     waiting = [p for p in positions if p.state == "collective"]
     dead = [p for p in positions if p.state == "dead"]
@@ -75,6 +79,11 @@ def diagnose(
     if paused:
         return _paused(paused, waiting, positions)
     if not waiting:
+        if dead:
+            d = next((p for p in dead if p.rank == first_death), dead[0])
+            victim_of = victim(d, log)
+            if victim_of is not None:  # over: no hang, but the death has a cause elsewhere
+                return Diagnosis("failed", victim_of[0], positions, victim_of[1])
         if silent and elapsed >= hang_after:
             s = silent[0]
             return Diagnosis("hang", f"{format_ranks([p.rank for p in silent])} {'is' if len(silent) == 1 else 'are'} not answering: "
@@ -128,7 +137,7 @@ def diagnose(
                              positions)
         w = format_ranks([p.rank for p in waiting])
     if finished and log is not None:
-        refined = _refine_missing(waiting, finished, log, positions)
+        refined = _refine_missing(waiting, finished, log, positions, sources or {})
         if refined is not None:
             return refined
     if finished:
@@ -329,7 +338,8 @@ def _not_in_cell(waiting: list[Position], outside: list[Position], log: Collecti
     return [p.rank for p in outside]  # a group we can't name: most likely the default one, every rank
 
 
-def _refine_missing(waiting: list[Position], finished: list[Position], log: CollectiveReport, positions: list[Position]) -> Diagnosis | None:
+def _refine_missing(waiting: list[Position], finished: list[Position], log: CollectiveReport, positions: list[Position],
+                    sources: dict[int, str]) -> Diagnosis | None:
     """Ranks wait in a collective that others never entered: which of the field's cases is it?"""
     head = waiting[0]
     if head.group is None or head.seq is None:
@@ -387,17 +397,28 @@ def _refine_missing(waiting: list[Position], finished: list[Position], log: Coll
         elif seq and seq[-1]["op"] == head.op and seq[-1].get("cell") == cell:
             made = f"reached {head.op} #{head.seq} on {log.label(head.group)}, {format_ranks(absent)} stopped after #{head.seq - 1}"
         if made is not None:
+            why = _because(head, sources)
+            if why and "under `" in why:
+                return Diagnosis("hang", f"rank-conditional collective: {w} {made}; {why}.", positions, absent)
             return Diagnosis(
                 "hang",
-                f"uneven loop lengths: {w} {made} (a data loader or loop with a different length per rank).",
+                f"uneven collective counts: {w} {made}" + (f"; {why}." if why else " (the same call ran more often on those ranks: likely a loop of another "
+                                 "length per rank, or a per-rank condition — distnb counts calls, not iterations)."),
                 positions, absent,
             )
+    why = _because(head, sources)
     return Diagnosis(
         "hang",
         f"rank-conditional collective: {w} entered {head.collective()} on {log.label(head.group)}, but "
-        f"{format_ranks(absent)} finished the cell without entering it (a collective inside `if rank == …`).",
+        f"{format_ranks(absent)} finished the cell without entering it" + (f"; {why}." if why else "."),
         positions, absent,
     )
+
+
+def _because(head: Position, sources: dict[int, str]) -> str:
+    """The cell's code around the waiting rank's call, as evidence (cell_source.because)."""
+    cell = head.line_cell if head.line_cell is not None else head.running
+    return because(sources.get(cell) if cell is not None else None, head.line, cell)
 
 
 def _mismatch(entries: list[dict[str, Any]]) -> str:

@@ -170,6 +170,10 @@ class SessionLog:
         """``{"<cell-N>": code}`` of the last ``n`` cells: stack frames in cells show their lines."""
         return {f"<cell-{c.cell}>": c.code for c in self._history[-n:]}
 
+    def codes(self, n: int = 200) -> dict[int, str]:
+        """``{cell: code}`` of the last ``n`` cells (what a diagnosis quotes as evidence)."""
+        return {c.cell: c.code for c in self._history[-n:]}
+
     def memory_timeline(self, ranks: list[int]) -> list[tuple[int, dict[int, dict[str, Any]]]]:
         """Per cell since launch, each rank's memory sample (start, end, peak)."""
         timeline = []

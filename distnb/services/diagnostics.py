@@ -21,6 +21,7 @@ from distnb.analysis.failures import is_timeout
 from distnb.analysis.hang import Diagnosis, diagnose, victim
 from distnb.analysis.memory import MemoryReport
 from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame
+from distnb.analysis.pairing import cross_cell
 from distnb.analysis.position import Position, position_from_stack, position_paused
 from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
 from distnb.analysis.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
@@ -155,7 +156,7 @@ class Diagnostics:
         log = self.collectives(refresh=not busy)
         positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
         threshold = self._config.hang_after if hang_after is None else hang_after
-        diag = diagnose(positions, threshold, elapsed, log, tracker.first_death)
+        diag = diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes())
         if diag.kind == "ok" and busy:
             # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
             report = StragglerReport("0", list(result.ranks), arrivals(tracker.collective_log, "0", list(result.ranks), 200, result.cell))
@@ -237,6 +238,9 @@ class Diagnostics:
         else:
             marks = {r: [(e["group"], e["seq"], e["op"]) for e in log.entries.get(r, {}).values() if not e["p2p"]] for r in result.ranks}
             source = "distnb's collective log"
+        paired = cross_cell(log, list(result.ranks), result.cell)
+        if paired is not None:  # "never arrived" would blame the ranks whose call was taken
+            return f"[distnb] {paired.text()}"
         blames = seq_blame(marks, log.groups)
         if not blames:
             return ""
@@ -246,7 +250,11 @@ class Diagnostics:
         """The end-of-cell count mismatches in words, with the collectives involved (the log is
         refreshed first: the rank ahead pushed its entry within ~50 ms, maybe not yet)."""
         report = self.collectives(result.ranks, refresh=True)
-        return " ".join(mismatch_text(m, report.log) for m in result.desync)
+        paired = cross_cell(report.log, list(result.ranks), result.cell)
+        if paired is not None:  # the counts differ because a call paired with another cell's
+            return paired.text()
+        codes = self._session.codes()
+        return " ".join(mismatch_text(m, report.log, codes) for m in result.desync)
 
     def _position(self, r: int, result: CellResult, stacks: StackReport | None, elapsed: float) -> Position:
         res = result.results.get(r)

@@ -151,7 +151,7 @@ def test_an_fsdp_loop_one_step_short_is_an_uneven_loop() -> None:
     log = _log({0: ahead, 1: ahead, 2: behind})
     positions = [Position(r, "collective", op="all_gather", seq=9, group="0", since=5.0) for r in (0, 1)] + [Position(2, "finished")]
     d = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2]))
-    assert d.summary.startswith("uneven loop lengths: ranks 0,1 ran 5 steps of (all_gather, reduce_scatter) on group 0, "
+    assert d.summary.startswith("uneven collective counts: ranks 0,1 ran 5 steps of (all_gather, reduce_scatter) on group 0, "
                                 "rank 2 stopped after 4"), d.summary
     assert d.culprits == [2]
 

@@ -122,7 +122,7 @@ def test_an_fsdp_like_loop_one_step_short_is_an_uneven_loop(pool4: distnb.Pool) 
     pool.run("def shard_step(p):\n    full = torch.zeros(8)\n    dist.all_gather_into_tensor(full, p)\n"
              "    dist.reduce_scatter_tensor(p, full)\n")
     _, diag = hang(pool, "fp = torch.ones(2)\nfor _ in range(4 if rank == 0 else 5):\n    shard_step(fp)\n")
-    assert diag.summary.startswith("uneven loop lengths: ranks 1-3 ran 5 steps of ("), diag.summary
+    assert diag.summary.startswith("uneven collective counts: ranks 1-3 ran 5 steps of ("), diag.summary
     assert "rank 0 stopped after 4" in diag.summary and diag.culprits == [0]
 
 

@@ -1,0 +1,95 @@
+"""What a cell's own code says about a call: the ``if`` and the loops around it.
+
+A diagnosis that offers a cause should show its evidence. When ranks differ in how many
+collectives a line issued, the cell's code often says why: the call sits under ``if rank == 0:``
+(a rank-conditional collective, certain), or inside a loop (a loop of another length per rank, or
+a condition inside it — distnb counts calls, not iterations, so that one is a guess and reads as
+one). Pure: code and line numbers in, words out.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+__all__ = ["Around", "around", "because"]
+
+_RANK_NAMES = {"rank", "local_rank", "get_rank", "group_rank", "get_local_rank", "get_coordinate", "global_rank"}
+
+
+@dataclass
+class Around:
+    """The compound statements enclosing a line, outermost first: (kind, line, header)."""
+
+    chain: list[tuple[str, int, str]]
+
+    def rank_condition(self) -> tuple[int, str] | None:
+        """The innermost ``if`` whose test reads the rank, with its line."""
+        for kind, line, header in reversed(self.chain):
+            if kind == "if-rank":
+                return line, header
+        return None
+
+    def loop(self) -> tuple[int, str] | None:
+        for kind, line, header in reversed(self.chain):
+            if kind == "loop":
+                return line, header
+        return None
+
+
+def around(code: str, line: int) -> Around | None:
+    """The statements around ``line`` of ``code``; None when the code does not parse."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    lines = code.splitlines()
+    chain: list[tuple[str, int, str]] = []
+
+    def header(node: ast.stmt) -> str:
+        text = lines[node.lineno - 1].strip() if node.lineno <= len(lines) else ""
+        return text if len(text) <= 80 else text[:77] + "…"
+
+    def walk(body: list[ast.stmt]) -> None:
+        for node in body:
+            end = getattr(node, "end_lineno", node.lineno) or node.lineno
+            if not node.lineno <= line <= end:
+                continue
+            if isinstance(node, ast.If):
+                reads_rank = any(isinstance(n, ast.Name) and n.id in _RANK_NAMES or isinstance(n, ast.Attribute) and n.attr in _RANK_NAMES
+                                 for n in ast.walk(node.test))
+                in_else = bool(node.orelse) and node.orelse[0].lineno <= line
+                chain.append(("if-rank" if reads_rank else "if", node.lineno, header(node) + (" (its else branch)" if in_else else "")))
+                walk(node.orelse if in_else else node.body)
+            elif isinstance(node, (ast.For, ast.While, ast.AsyncFor)):
+                chain.append(("loop", node.lineno, header(node)))
+                walk(node.body + node.orelse)
+            elif isinstance(node, (ast.With, ast.AsyncWith, ast.Try)):
+                walk([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                      *(s for h in getattr(node, "handlers", []) for s in h.body)])
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                chain.append(("def", node.lineno, header(node)))
+                walk(node.body)
+            return
+
+    walk(tree.body)
+    return Around(chain)
+
+
+def because(code: str | None, line: int | None, cell: int | None = None) -> str:
+    """``under `if rank == 0:` (line 2)`` — the evidence the cell's code gives for a call made on
+    some ranks only; ``likely …`` where it only suggests; ``""`` where it says nothing."""
+    if not code or not line:
+        return ""
+    found = around(code, line)
+    if found is None:
+        return ""
+    where = f"cell {cell} " if cell is not None else ""
+    cond = found.rank_condition()
+    if cond is not None:
+        return f"the call at {where}line {line} is under `{cond[1]}` ({where}line {cond[0]}): a collective only some ranks reach"
+    loop = found.loop()
+    if loop is not None:
+        return (f"the call at {where}line {line} is inside `{loop[1]}` ({where}line {loop[0]}): likely a loop of another length "
+                "per rank, or a condition in it that differs per rank (distnb counts calls, not iterations)")
+    return ""
