@@ -24,6 +24,7 @@ from distnb.analysis.hang import Diagnosis
 from distnb.analysis.memory import MemoryReport
 from distnb.analysis.profile import ProfileReport
 from distnb.analysis.stacks import StackReport
+from distnb.analysis.meshes import MeshReport
 from distnb.analysis.stragglers import StragglerReport
 from distnb.config import LaunchConfig
 from distnb.controller.channel import Channel
@@ -37,6 +38,7 @@ from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankResult
 from distnb.services.debugger import Ask, Debugger, read_line
 from distnb.services.diagnostics import STACKS_TIMEOUT, Diagnostics
+from distnb.services.meshes import mesh_report
 from distnb.services.export import Export, export_session
 from distnb.services.multinode import MultiNode
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
@@ -436,6 +438,11 @@ class Pool:
 
     def env(self, ranks: Ranks = None) -> EnvReport:
         return self._diagnostics.env(ranks)
+
+    def meshes(self, ranks: Ranks = None) -> MeshReport:
+        """The ranks' device meshes compared: shape, names, coordinates, groups, the odd ranks."""
+        self._diagnostics.require_pool()
+        return mesh_report(self._tracker.requests, self._tracker.collective_log, self._tracker.alive(parse_ranks(ranks, self.world_size)))
 
     def check(self, names: str | Iterable[str], ranks: Ranks = None) -> list[CheckReport]:
         return self._diagnostics.check(names, ranks)

@@ -213,7 +213,7 @@ def _paired(positions: list[Position], log: CollectiveReport) -> Diagnosis | Non
     if crossed is not None and crossed.waits_for:
         return Diagnosis("hang", crossed.text(), positions, crossed.odd)
     paired = cross_cell(log.log, ranks, cell)
-    if paired is not None and not all(e["done"] for e in paired.by_rank.values()):
+    if paired is not None:
         return Diagnosis("hang", paired.text(), positions, paired.odd)
     return None
 

@@ -17,12 +17,17 @@ from typing import Any
 from distnb.analysis.collectives import CollectiveEvidence
 from distnb.ranks import format_ranks
 
-__all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_SHARE", "STRAGGLER_MIN_LATE"]
+__all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_MIN_LATE", "STRAGGLER_NOISE_FACTOR", "STRAGGLER_SHARE", "STRAGGLER_STEP_SHARE"]
 
 #: A rank arriving last at this share of the collectives (or more) is the straggler …
 STRAGGLER_SHARE = 0.6
-#: … when it is at least this late on median (seconds): below it, the order is noise.
+#: … when it is at least this late on median (seconds): below it, the order is noise …
 STRAGGLER_MIN_LATE = 0.002
+#: … and late by this share of a step (the median time between the group's collectives): 3 ms at
+#: steps of 300 ms keeps nobody waiting worth the name …
+STRAGGLER_STEP_SHARE = 0.05
+#: … and this many times later than the other ranks are spread among themselves (their noise).
+STRAGGLER_NOISE_FACTOR = 3.0
 
 
 @dataclass
@@ -95,14 +100,47 @@ class StragglerReport:
             return {r: 0.0 for r in self.ranks}
         return {r: w / span for r, w in self.waiting().items()}
 
-    def straggler(self) -> int | None:
+    def step(self) -> float:
+        """Median seconds between the group's successive collectives (first arrivals)."""
+        firsts = [a.first for a in self.collectives]
+        gaps = [b - a for a, b in zip(firsts, firsts[1:]) if b > a]
+        return statistics.median(gaps) if gaps else 0.0
+
+    def noise(self, rank: int) -> float:
+        """Median spread of the other ranks' arrivals among themselves, over the collectives
+        ``rank`` was last at: how late is merely late on this machine."""
+        spreads = [max(t for r, t in a.times.items() if r != rank) - min(t for r, t in a.times.items() if r != rank)
+                   for a in self.collectives if a.last_rank == rank and len(a.times) > 2]
+        return statistics.median(spreads) if spreads else 0.0
+
+    def candidate(self) -> int | None:
+        """The rank that arrives last most often, when that is most of the time."""
         share = self.last_share()
         if len(self.collectives) < 5 or not share:
             return None
         rank = max(share, key=lambda r: share[r])
-        if share[rank] >= STRAGGLER_SHARE and self.lateness(rank) >= STRAGGLER_MIN_LATE:
+        return rank if share[rank] >= STRAGGLER_SHARE else None
+
+    def straggler(self) -> int | None:
+        """The candidate, when it is late beyond noise: absolutely, relative to the step, and
+        relative to how spread the other ranks are among themselves."""
+        rank = self.candidate()
+        if rank is None:
+            return None
+        late = self.lateness(rank)
+        if late >= STRAGGLER_MIN_LATE and late >= STRAGGLER_STEP_SHARE * self.step() and late >= STRAGGLER_NOISE_FACTOR * self.noise(rank):
             return rank
         return None
+
+    def measures(self, rank: int) -> str:
+        """``40 ms after the first on median, 13% of a step of 300 ms; the others within 1 ms of each other``."""
+        step, noise = self.step(), self.noise(rank)
+        parts = [f"{self.lateness(rank) * 1000:.0f} ms after the first on median"]
+        if step > 0:
+            parts.append(f"{self.lateness(rank) / step:.0%} of a step of {step * 1000:.0f} ms")
+        if len(self.ranks) > 2:
+            parts.append(f"the others within {noise * 1000:.1f} ms of each other")
+        return ", ".join(parts)
 
     def ops(self) -> str:
         names = sorted({a.op for a in self.collectives})
@@ -113,14 +151,17 @@ class StragglerReport:
         if n == 0:
             return f"no collective on group {self.group} that all of {format_ranks(self.ranks)} reached yet."
         rank = self.straggler()
+        candidate = self.candidate()
+        if rank is None and candidate is not None:
+            return (f"no straggler on group {self.group}: rank {candidate} arrives last at {self.last_share()[candidate]:.0%} of the "
+                    f"last {n} {self.ops()}s, but only {self.measures(candidate)} — within the noise, nobody waits for it to speak of.")
         if rank is None:
             return f"no straggler on group {self.group}: over the last {n} {self.ops()}s no rank arrives last consistently."
         waits = self.waiting_share()
         others = [r for r in self.ranks if r != rank]
         avg = sum(waits[r] for r in others) / len(others) if others else 0.0
         return (f"rank {rank} arrives last at {self.last_share()[rank]:.0%} of the last {n} {self.ops()}s on group {self.group}, "
-                f"{self.lateness(rank) * 1000:.0f} ms after the first on median; {format_ranks(others)} spend {avg:.0%} "
-                f"of their time waiting for it.")
+                f"{self.measures(rank)}; {format_ranks(others)} spend {avg:.0%} of their time waiting for it.")
 
     def text(self) -> str:
         lines = [f"[distnb] {self.summary()}"]

@@ -17,7 +17,7 @@ __all__ = ["InspectMagics"]
 @magics_class
 class InspectMagics(Magics):
     """``%dist_stacks``, ``%dist_check``, ``%dist_export``, ``%dist_memory``, ``%dist_collectives``,
-    ``%dist_timeline``, ``%dist_env`` and ``%dist_debug``."""
+    ``%dist_timeline``, ``%dist_mesh``, ``%dist_env`` and ``%dist_debug``."""
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
@@ -117,6 +117,24 @@ class InspectMagics(Magics):
         display(report)
         if report.collectives and not args.no_plot:
             show_figure(report.plot())
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
+    @argument("--no-plot", action="store_true", help="Text only.")
+    @line_magic
+    def dist_mesh(self, line: str) -> None:
+        """The session's device meshes: shape, dimension names, each rank's coordinates, the groups of each
+        dimension, collectives per dimension per rank, and the ranks whose mesh disagrees (text and a grid)."""
+        args = parse(self.dist_mesh, line)
+        pool = pool_or_usage_error()
+        with usage_errors():
+            report = pool.meshes(args.ranks)
+        from IPython.display import display
+
+        display(report)
+        fig = None if args.no_plot else report.plot()
+        if fig is not None:
+            show_figure(fig)
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")

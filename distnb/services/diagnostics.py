@@ -58,7 +58,7 @@ class Diagnostics:
         self._run_dir = run_dir
         self._world = config.world_size
 
-    def _require_pool(self) -> None:
+    def require_pool(self) -> None:
         if self._tracker.state in (PoolState.NEW, PoolState.STOPPED):
             raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
 
@@ -70,7 +70,7 @@ class Diagnostics:
         rank whose main thread holds the GIL (a C loop) can't answer; its supervisor then asks
         faulthandler for a dump with SIGUSR1. ``native`` adds py-spy's native frames.
         """
-        self._require_pool()
+        self.require_pool()
         tracker = self._tracker
         log = tracker.collective_log
         targets = parse_ranks(ranks, self._world)
@@ -162,8 +162,9 @@ class Diagnostics:
             report = StragglerReport("0", list(result.ranks), arrivals(tracker.collective_log, "0", list(result.ranks), 200, result.cell))
             rank = report.straggler()
             if rank is not None:
-                return Diagnosis("slow", f"rank {rank} is a straggler: it arrives last at most collectives of this cell and the others "
-                                 "wait for it (see %dist_timeline).", positions, [rank], [f"  {report.summary()}"])
+                # The figures go under the headline, which must not change while nothing else does.
+                return Diagnosis("slow", f"rank {rank} is a straggler: it arrives last at most collectives of this cell, late beyond "
+                                 "the step and the other ranks' noise (see %dist_timeline).", positions, [rank], [f"  {report.summary()}"])
         return diag
 
     def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
@@ -336,7 +337,7 @@ class Diagnostics:
     # -- memory, environment, checksums ---------------------------------------------------------
     def memory(self, ranks: Ranks = None) -> MemoryReport:
         """Each rank's memory now (asked live, works while cells run) and its peak per cell."""
-        self._require_pool()
+        self.require_pool()
         targets = self._tracker.alive(parse_ranks(ranks, self._world))
         replies = self._tracker.requests.ask(control_identity, targets, {"t": Msg.MEMORY}, 2.0, partial=True)
         current = {r: m["memory"] for r, m in sorted(replies.items()) if "memory" in m}
@@ -344,7 +345,7 @@ class Diagnostics:
 
     def env(self, ranks: Ranks = None) -> EnvReport:
         """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""
-        self._require_pool()
+        self.require_pool()
         targets = self._tracker.alive(parse_ranks(ranks, self._world))
         replies = self._tracker.requests.ask(control_identity, targets, {"t": Msg.ENV}, 5.0)
         return EnvReport({r: m["env"] for r, m in sorted(replies.items())}, {r: self._tracker.ranks[r].host for r in targets})

@@ -96,6 +96,7 @@ class Msg:
     # C -> c (control thread: answers while a cell runs)
     STACKS: Final = "stacks"
     ENV: Final = "env"
+    MESHES: Final = "meshes"  # the rank's device meshes: shape, dimension names, coordinates, groups
     MEMORY: Final = "memory"
     COLLECTIVES: Final = "collectives"
     INTERRUPT: Final = "interrupt"
@@ -256,10 +257,10 @@ class Exec(TypedDict, total=False):
 
 class Request(TypedDict, total=False):
     """PUSH (values), PULL (names), CHECK (names), REGROUP (generation), STACKS (all_threads,
-    collectives_since, calls_since), ENV, MEMORY, COLLECTIVES (since, calls_since), INTERRUPT
+    collectives_since, calls_since), ENV, MESHES, MEMORY, COLLECTIVES (since, calls_since), INTERRUPT
     (cell), FAULT_REQUEST (wait); to supervisors, unanswered: RESPAWN (generation), SPARE."""
 
-    t: Literal["push", "pull", "check", "regroup", "stacks", "env", "memory", "collectives", "interrupt", "fault_request", "respawn"]
+    t: Literal["push", "pull", "check", "regroup", "stacks", "env", "meshes", "memory", "collectives", "interrupt", "fault_request", "respawn"]
     id: str
     values: bytes
     names: list[str]
@@ -382,12 +383,12 @@ def accept_event(event: object) -> RankEvent:
 #: Kinds each of the ranks' connections (and a node agent) takes from the controller.
 _TO: dict[PeerKind, frozenset[str]] = {
     PeerKind.EXEC: frozenset({Msg.EXEC, Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STDIN_REPLY}),
-    PeerKind.CONTROL: frozenset({Msg.STACKS, Msg.ENV, Msg.MEMORY, Msg.COLLECTIVES, Msg.INTERRUPT, Msg.WATCH}),
+    PeerKind.CONTROL: frozenset({Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.INTERRUPT, Msg.WATCH}),
     PeerKind.SUPERVISOR: frozenset({Msg.PING, Msg.FAULT_REQUEST, Msg.RESPAWN, Msg.SPARE, Msg.SHUTDOWN, Msg.INTERRUPT}),
     PeerKind.NODE: frozenset({Msg.NODE_START, Msg.NODE_REFUSED, Msg.PING, Msg.SHUTDOWN}),
 }
 #: Requests whose sender waits for a REPLY with their ``id``.
-_ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST})
+_ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST})
 
 
 @overload

@@ -30,6 +30,7 @@ from distnb.wire.protocol import Msg, ToControl, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker.execute import Executor
+from distnb.worker.meshes import describe_meshes
 from distnb.worker.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
 
 __all__ = ["ControlThread", "thread_stacks"]
@@ -276,6 +277,8 @@ class ControlThread(threading.Thread):
             return read_collectives(int(msg.get("since", -1)), self.executor.clock, self.executor.calls, int(msg.get("calls_since", -1)))
         if msg["t"] == Msg.ENV:
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
+        if msg["t"] == Msg.MESHES:
+            return {"meshes": describe_meshes()}
         if msg["t"] == Msg.WATCH:
             return None  # waking this thread was the point: the loop now watches the running cell
         if msg["t"] == Msg.INTERRUPT:

@@ -1,0 +1,166 @@
+"""Meshes and groups from messages: groups named as built, collectives paired across groups and
+across cells, majority across a role, causes quoting the cell's code, stragglers against noise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distnb.analysis.cell_source import because
+from distnb.analysis.groups import GroupInfo, short_name
+from distnb.analysis.hang import diagnose, victim
+from distnb.analysis.pairing import cross_cell, cross_group
+from distnb.analysis.position import Position
+from distnb.analysis.stragglers import Arrival, StragglerReport
+from distnb.controller.collective_log import CollectiveLog
+
+# A (dp=2, tp=2) mesh as torch 2.13 builds it on gloo: dp groups "1" (0,2) and "2" (1,3), tp groups
+# "3" (0,1) and "4" (2,3), described mesh_dp / mesh_tp (seen on CPU and, with hashed names, on NCCL).
+MESH_GROUPS = {"0": [0, 1, 2, 3], "1": [0, 2], "2": [1, 3], "3": [0, 1], "4": [2, 3]}
+DESC = {"0": "default_pg", "1": "mesh_dp", "2": "mesh_dp", "3": "mesh_tp", "4": "mesh_tp"}
+DP = {0: "1", 1: "2", 2: "1", 3: "2"}
+TP = {0: "3", 1: "3", 2: "4", 3: "4"}
+
+
+def _e(rid: int, group: str, seq: int, op: str = "all_gather", cell: int = 2, done: bool = True, sizes: Any = None,
+       line: int | None = None, t: float = 0.0) -> dict[str, Any]:
+    e = {"id": rid, "group": group, "desc": DESC.get(group, "undefined"), "seq": seq, "p2p": False, "op": op,
+         "sizes": sizes or [[4]], "dtypes": ["Float"], "t": t, "done": done, "cell": cell}
+    if line is not None:
+        e.update(line=line, call_cell=cell, func="<module>")
+    return e
+
+
+def _mesh_log(per_rank: dict[int, list[dict[str, Any]]]) -> CollectiveLog:
+    log = CollectiveLog()
+    for r in range(4):
+        log.merge(r, {"entries": per_rank.get(r, []), "groups": MESH_GROUPS, "now": 0.0})
+    return log
+
+
+def test_groups_read_as_built() -> None:
+    assert GroupInfo("2", "mesh_dp", (1, 3)).label() == "dp (ranks 1,3)"
+    assert GroupInfo("0", "default_pg", (0, 1, 2, 3)).label() == "group 0"
+    assert GroupInfo("5", "undefined", (0, 1), (2, 3)).label() == "group 5 (ranks 0,1), from new_group at cell 2 line 3"
+    assert GroupInfo("5", "undefined", (0, 1), (2, 3)).role() == GroupInfo("6", "undefined", (2, 3), (2, 3)).role()
+    assert GroupInfo("1", "mesh_dp").role() == GroupInfo("2", "mesh_dp").role() != GroupInfo("3", "mesh_tp").role()
+    # NCCL names split groups by a hash of their members: cut like a commit id.
+    assert short_name("4314d7ee2124be4609c7b955eb07bdf5e29f70ab") == "4314d7ee" and short_name("12") == "12"
+
+
+def test_the_log_learns_descriptions_and_new_group_sites() -> None:
+    log = CollectiveLog()
+    log.merge(0, {"entries": [_e(0, "3", 1)], "groups": {"3": [0, 1], "5": [0, 1]}, "now": 0.0,
+                  "calls": [{"n": 1, "op": "new_group", "group": "0", "args": {"ranks": [0, 1]}, "t": 0, "end": 1,
+                             "cell": 4, "line": 2, "func": "<module>", "count": 5, "made": "5"}]})
+    assert log.group("3").label() == "tp (ranks 0,1)"
+    assert log.group("5").label() == "group 5 (ranks 0,1), from new_group at cell 4 line 2"
+    assert log.at(_e(0, "3", 1)) == "#1 on tp (ranks 0,1)"
+
+
+def test_a_rank_on_the_wrong_mesh_dimension_is_named_not_the_ranks_that_completed() -> None:
+    # Cell 1 reduced over dp then tp on every rank; in cell 2 rank 1 all_gathers over dp, the others over tp.
+    per_rank = {r: [_e(0, DP[r], 1, "all_reduce", cell=1), _e(1, TP[r], 1, "all_reduce", cell=1)] for r in range(4)}
+    for r in range(4):
+        group = DP[r] if r == 1 else TP[r]
+        seq = 2
+        done = r in (2, 3)  # tp (2,3) happened to match; rank 0 waits for 1 on tp, rank 1 for 3 on dp
+        per_rank[r].append(_e(2, group, seq, cell=2, done=done))
+    log = _mesh_log(per_rank)
+    crossed = cross_group(log, [0, 1, 2, 3], 2)
+    assert crossed is not None and crossed.odd == [1] and crossed.index == 1
+    text = crossed.text()
+    assert text.startswith("collective on another group: rank 1 called all_gather over dp (ranks 1,3) where ranks 0,2,3 used tp"), text
+    assert "Ranks 2,3 completed theirs" in text and "rank 0 waits on tp (ranks 0,1) for rank 1" in text
+    assert "rank 1 waits on dp (ranks 1,3) for rank 3" in text and text.endswith("Root cause: rank 1, on the wrong group.")
+    positions = [Position(0, "collective", op="all_gather", seq=2, group="3", since=5.0, running=2),
+                 Position(1, "collective", op="all_gather", seq=2, group="2", since=5.0, running=2),
+                 Position(2, "finished"), Position(3, "finished")]
+    d = diagnose(positions, 1.0, 5.0, log.report([0, 1, 2, 3]))
+    assert d.summary == text and d.culprits == [1]
+    assert "finished the cell without entering" not in d.text() and "never" not in d.summary
+    # %dist_collectives leads with the same words, not "rank 3 never did".
+    assert log.report([0, 1, 2, 3]).text().startswith(f"first divergence: {text}")
+
+
+def test_a_two_against_two_split_has_no_majority() -> None:
+    per_rank = {r: [_e(0, DP[r] if r in (1, 3) else TP[r], 1, cell=2, done=False)] for r in range(4)}
+    crossed = cross_group(_mesh_log(per_rank), [0, 1, 2, 3], 2)
+    assert crossed is not None and crossed.odd == [0, 1, 2, 3]
+    assert "no majority to tell which side is wrong" in crossed.text() and "Root cause" not in crossed.text()
+
+
+def test_same_roles_in_step_are_no_cross_group_finding() -> None:
+    per_rank = {r: [_e(0, DP[r], 1, cell=2), _e(1, TP[r], 1, cell=2)] for r in range(4)}
+    assert cross_group(_mesh_log(per_rank), [0, 1, 2, 3], 2) is None
+
+
+def test_a_one_against_one_shape_split_is_judged_by_the_other_groups_of_its_role() -> None:
+    # FSDP2 over dp with rank 2's parameter another shape: inside dp (0,2) it is 1 against 1; ranks
+    # 1,3 on the other dp group side with rank 0.
+    sizes = {0: [[36]], 1: [[36]], 2: [[52]], 3: [[36]]}
+    per_rank = {r: [_e(0, DP[r], 1, sizes=sizes[r], done=r in (1, 3))] for r in range(4)}
+    report = _mesh_log(per_rank).report([0, 1, 2, 3])
+    [div] = report.divergences()
+    assert div.group == "1" and div.odd() == [2], report.text()
+    assert "the odd one out: rank 2; ranks 1,3 had all_gather [36] f32 at #1 on the other groups of this role" in report.text()
+
+
+def test_a_victim_of_gloos_abort_leads_to_the_odd_rank_even_when_it_died_before_its_entry_came() -> None:
+    sizes = {1: [[36]], 2: [[52]], 3: [[36]]}
+    per_rank = {r: [_e(0, DP[r], 1, sizes=sizes[r], done=r in (1, 3))] for r in (1, 2, 3)}
+    log = _mesh_log(per_rank)
+    log.died_in[0] = "all_gather_single"  # the function its dying stack named: the same collective
+    dead = Position(0, "dead", detail="aborted (SIGABRT)")
+    found = victim(dead, log.report([0, 1, 2, 3]))
+    assert found is not None and found[1] == [2], found
+    assert "rank 0 died (aborted (SIGABRT)) inside all_gather #1 on dp (ranks 0,2), a shape mismatch" in found[0]
+    assert "Root cause: rank 2" in found[0] and "ranks 1,3 had all_gather [36] f32" in found[0]
+    # Once the cell is over, the diagnosis says the same (no rank waits any more).
+    d = diagnose([dead, Position(1, "finished"), Position(2, "failed", detail="RuntimeError: Connection reset"), Position(3, "finished")],
+                 1.0, 5.0, log.report([0, 1, 2, 3]), first_death=0)
+    assert d.kind == "failed" and d.culprits == [2]
+
+
+def test_an_async_call_left_pending_is_paired_with_the_next_cells_call() -> None:
+    log = CollectiveLog()
+    log.merge(0, {"entries": [_e(0, "0", 1, "all_reduce", cell=3, sizes=[[4]], line=3),
+                              _e(1, "0", 2, "all_reduce", cell=4, done=False, sizes=[[6]], line=2)], "groups": {"0": [0, 1, 2, 3]}, "now": 0.0})
+    for r in (1, 2, 3):
+        log.merge(r, {"entries": [_e(0, "0", 1, "all_reduce", cell=4, done=True, sizes=[[6]], line=2)], "groups": {"0": [0, 1, 2, 3]}, "now": 0.0})
+    paired = cross_cell(log, [0, 1, 2, 3], 4)
+    assert paired is not None and paired.seq == 1 and paired.odd == [0]
+    text = paired.text()
+    assert "rank 0's all_reduce [4] f32 from cell 3, line 3 with ranks 1-3's all_reduce [6] f32 from cell 4, line 2" in text, text
+    assert "the results on ranks 1-3 are wrong" in text and "Root cause: rank 0's call from an earlier cell" in text
+    d = diagnose([Position(0, "collective", op="all_reduce", seq=2, group="0", since=5.0, running=4),
+                  *(Position(r, "finished") for r in (1, 2, 3))], 1.0, 5.0, log.report([0, 1, 2, 3]))
+    assert d.summary == text and d.culprits == [0]
+    # In step by cell: nothing to say.
+    assert cross_cell(log, [1, 2, 3], 4) is None
+
+
+def test_causes_quote_the_cells_code() -> None:
+    code = ("x = torch.ones(2)\nif rank == 0:\n    w = dist.all_reduce(x, async_op=True)\n"
+            "for step in range(n):\n    if step % k == 0:\n        dist.all_reduce(x)\n")
+    assert because(code, 3, 5) == ("the call at cell 5 line 3 is under `if rank == 0:` (cell 5 line 2): a collective only some ranks reach")
+    loop = because(code, 6, 5)
+    assert "inside `for step in range(n):` (cell 5 line 4): likely" in loop and "distnb counts calls, not iterations" in loop
+    assert because(code, 1, 5) == "" and because("def (:", 1) == "" and because(None, 3) == ""
+    assert "under `if dist.get_rank() > 0:`" in because("if dist.get_rank() > 0:\n    dist.barrier()\n", 2)
+
+
+def _arrivals(late: float, step: float, noise: float, n: int = 20) -> list[Arrival]:
+    return [Arrival("0", i, "all_reduce", {0: i * step, 1: i * step + noise, 2: i * step + noise / 2, 3: i * step + late}) for i in range(n)]
+
+
+def test_a_straggler_is_late_relative_to_the_step_and_the_others_noise() -> None:
+    # 40 ms late at steps of 100 ms, the others within 1 ms: a straggler.
+    report = StragglerReport("0", [0, 1, 2, 3], _arrivals(0.040, 0.100, 0.001))
+    assert report.straggler() == 3
+    assert "40 ms after the first on median, 40% of a step of 100 ms, the others within 1.0 ms of each other" in report.summary()
+    # 3 ms late at steps of 300 ms: last every time, and nobody waits for it to speak of.
+    quiet = StragglerReport("0", [0, 1, 2, 3], _arrivals(0.003, 0.300, 0.0005))
+    assert quiet.candidate() == 3 and quiet.straggler() is None
+    assert quiet.summary().startswith("no straggler on group 0: rank 3 arrives last at 100%") and "within the noise" in quiet.summary()
+    # 10 ms late when the others already spread by 8 ms among themselves: noise.
+    assert StragglerReport("0", [0, 1, 2, 3], _arrivals(0.010, 0.050, 0.008)).straggler() is None
