@@ -303,13 +303,14 @@ class Pool:
 
     # -- cells ----------------------------------------------------------------------------------
     def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None, profile: bool = False,
-               pdb: bool = False, label: int | None = None) -> CellResult:
+               pdb: bool = False, label: int | None = None, comms: bool = False) -> CellResult:
         """Start a cell on the ranks and return its live :class:`CellResult` at once. ``profile``
         runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`); with ``pdb``
         a rank that raises stops in the debugger at the error (:meth:`wait` answers it). ``label``
-        is the notebook's In[n] for it (the magic passes it; export speaks in it)."""
+        is the notebook's In[n] for it (the magic passes it; export speaks in it). ``comms`` runs it
+        under PyTorch's CommDebugMode: ``result.comms()`` then reads collectives per module."""
         compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
-        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb}, compiled=compiled,
+        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb, "comms": comms}, compiled=compiled,
                            label=label)
 
     def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True,

@@ -92,6 +92,7 @@ class RankResult:
     cause: str = ""  # why it died when no exit code tells (its machine lost)
     direct: bool = False  # its CELL_DONE came straight from the rank (a silent cell), not via its supervisor
     profile: dict[str, Any] | None = None  # with --profile: what worker/profiling.py measured
+    comms: dict[str, Any] | None = None  # with --comms: what worker/comms.py accounted
     sync: dict[str, Any] | None = None  # collectives issued per group at the cell's end (worker/group_state.py)
 
     def add_output(self, stream: str, text: str) -> None:
@@ -243,6 +244,15 @@ class CellResult:
             )
         parts.extend(self.notes)
         return "\n".join(p for p in parts if p)
+
+    def comms(self) -> Any:
+        """With ``comms=True`` (``%%on_ranks --comms``): collectives per module, mesh dimension and
+        rank, and the DTensor redistributes (a :class:`~distnb.analysis.comms.CommsReport`)."""
+        from distnb.analysis.comms import CommsReport
+
+        if not any(r.comms for r in self.results.values()):
+            raise ValueError(f"cell {self.cell} was not run with comms=True (%%on_ranks --comms), or no rank finished it.")
+        return CommsReport.of(self.cell, {r: res.comms for r, res in sorted(self.results.items())})
 
     def memory_text(self) -> str:
         """The compact memory line: peak range across ranks and any imbalance."""

@@ -123,6 +123,7 @@ class CheckReport:
     per_rank: dict[int, dict[str, Any]]
     checks: list[EntryCheck] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # NaN/Inf call-outs
+    layout_notes: list[str] = field(default_factory=list)  # DTensors: Partial left unreduced, uneven shards
 
     @property
     def ranks(self) -> list[int]:
@@ -190,6 +191,7 @@ class CheckReport:
         shards = self.sharded
         if shards and not self.identical:
             lines.append(f"  sharded (compared as shards): {', '.join(shards[:5])}{' …' if len(shards) > 5 else ''}")
+        lines.extend(f"  {n}" for n in self.layout_notes[:_MAX_NOTES])
         lines.extend(f"  ⚠ {n}" for n in self.notes[:_MAX_NOTES])
         if len(self.notes) > _MAX_NOTES:
             lines.append(f"  ⚠ … and {len(self.notes) - _MAX_NOTES} more entries with NaN/Inf")
@@ -302,4 +304,23 @@ def compare(name: str, per_rank: dict[int, dict[str, Any]]) -> CheckReport:
         report.checks.append(EntryCheck(path, status, [(ranks, leaves[ranks[0]]) for ranks, _ in groups], leaves,
                                         tie and status == "differs", odd))
         report.notes.extend(_nan_notes(path or name, leaves))
+        if status in ("partial", "sharded"):
+            report.layout_notes.extend(_layout_notes(path or name, status, leaves))
     return report
+
+
+def _layout_notes(path: str, status: str, leaves: dict[int, dict[str, Any] | None]) -> list[str]:
+    """A DTensor left ``Partial`` (values not reduced yet), and uneven shards named as what they
+    are: torch gives the last shards fewer rows when a dimension does not divide."""
+    sample = next((leaf for leaf in leaves.values() if leaf), None)
+    if sample is None:
+        return []
+    if status == "partial":
+        return [f"⚠ {path} is {sample.get('placement')}: each rank holds an unreduced part, so its local values are not the "
+                "tensor's; .full_tensor() or .redistribute(mesh, [Replicate()]) reduces it"]
+    local = group_by((r, tuple(leaf.get("local_shape") or ())) for r, leaf in sorted(leaves.items()) if leaf)
+    if len(local) < 2:
+        return []
+    shapes = "; ".join(f"{list(shape)} on {format_ranks(rs)}" for rs, shape in local)
+    return [f"· {path} is {sample.get('placement')} of {sample.get('shape')}, sharded unevenly: local shards {shapes} — the "
+            "dimension does not divide by the mesh, so torch gives the last shards fewer rows (expected, not a mismatch)"]

@@ -68,7 +68,12 @@ class MeshReport:
         if not mine:
             return "built no device mesh"
         if len(mine) != len(usual):
-            return f"built {len(mine)} mesh{'es' if len(mine) != 1 else ''} where the others built {len(usual)}"
+            theirs = {_signature([m]) for m in usual}
+            extra = [shape_words(m) for m in mine if _signature([m]) not in theirs]
+            missing = [shape_words(m) for m in usual if _signature([m]) not in {_signature([x]) for x in mine}]
+            parts = ([f"built {', '.join(extra)}, which the others did not"] if extra else []) + (
+                [f"lacks {', '.join(missing)}, which the others built"] if missing else [])
+            return "; ".join(parts) or f"built {len(mine)} meshes where the others built {len(usual)}"
         for a, b in zip(mine, usual):
             if (a["shape"], a["names"]) != (b["shape"], b["names"]):
                 return f"built {shape_words(a)} where the others built {shape_words(b)}"

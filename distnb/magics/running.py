@@ -275,6 +275,9 @@ class DistMagics(Magics):
     @argument("--pdb", action="store_true", help="A rank that raises stops in the debugger at the error, its namespace alive.")
     @argument("--profile", action="store_true",
               help="Run under torch.profiler on every rank: time in compute, collectives and waiting per rank, top ops, one merged trace.")
+    @argument("--comms", action="store_true",
+              help="Run under PyTorch's CommDebugMode on every rank: collectives per module and mesh dimension (calls, bytes), "
+                   "redistributes with their placements, ranks that differ flagged.")
     @cell_magic
     def on_ranks(self, line: str, cell: str) -> None:
         """Run the cell on every rank (or the given ones), streaming per-rank output live.
@@ -301,7 +304,8 @@ class DistMagics(Magics):
         try:
             with _usage_errors():
                 result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
-                                     profile=args.profile, pdb=args.pdb, label=getattr(self.shell, "execution_count", None))
+                                     profile=args.profile, pdb=args.pdb, label=getattr(self.shell, "execution_count", None),
+                                     comms=args.comms)
         except SyntaxError as exc:  # pool.submit compiles the cell before sending anything
             import traceback
 
@@ -336,6 +340,14 @@ class DistMagics(Magics):
             display(report)
             if report.times:
                 show_figure(report.plot())
+        if args.comms and not result.running:
+            from IPython.display import display
+
+            with _usage_errors():
+                comms = result.comms()
+            display(comms)
+            if comms.rows:
+                show_figure(comms.plot())
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
         for note in (printer.cap_note(), result.truncation_note()):

@@ -187,6 +187,7 @@ class CellDone(_CellDoneKind, total=False):
     duration: float
     memory: dict[str, Any] | None
     profile: dict[str, Any]  # with EXEC's ``profile``: collective time, top ops, the zlib'd Chrome trace
+    comms: dict[str, Any]  # with EXEC's ``comms``: collectives per module with group and bytes, redistributes
     sync: dict[str, Any] | None  # collectives issued per group and groups created (worker/group_state.py)
 
 
@@ -251,6 +252,7 @@ class Exec(TypedDict, total=False):
     code: str
     compiled: bytes  # the code objects, compiled by the notebook (distnb.wire.cell_code.pack); the rank compiles code itself without them
     profile: bool  # run under torch.profiler (%%on_ranks --profile)
+    comms: bool  # run under PyTorch's CommDebugMode (%%on_ranks --comms)
     pdb: bool  # an exception opens the debugger at its frame (%%on_ranks --pdb)
     debug_last: bool  # instead of code: the debugger at the last error's frame (%dist_debug)
 

@@ -41,6 +41,7 @@ from distnb.worker.debug import install as install_debugger
 from distnb.worker.execute import Executor, mimebundle
 from distnb.worker.flight_recorder import open_nccl
 from distnb.worker.memory_sampler import MemorySampler
+from distnb.worker.comms import run_with_comms
 from distnb.worker.profiling import run_profiled
 from distnb.worker.quiet import QuietCheck
 from distnb.worker.regroup import regroup
@@ -224,6 +225,7 @@ class Rank:
             kwargs.update(store=dist.PrefixStore(f"distnb/restart/{self.generation}", store), rank=self.rank, world_size=self.world_size)
         gloo_idle.install()  # before the first group: an idle gloo group costs ~nothing then
         dist.init_process_group(**kwargs)
+        _timeout_for_later_groups(kwargs["timeout"])
         if os.environ.get("DISTNB_CALL_LOG", "1") != "0":  # benchmarks compare without it
             install(self.executor.calls)
         pasted.install()  # a pasted script's init_process_group and clean-up keep the pool's group
@@ -258,6 +260,8 @@ class Rank:
                 else:
                     compiled = unpack(msg.get("compiled"))
                     run = partial(self.executor.run, cell, msg["code"], bool(msg.get("pdb")), compiled=compiled)
+                    if msg.get("comms"):
+                        run = partial(run_with_comms, run)
                     reply = run_profiled(run) if msg.get("profile") else run()
             except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
@@ -405,6 +409,17 @@ def wait_as_spare(fd: int) -> bool:
         return False
     os.environ.update(pickle.loads(word))
     return True
+
+
+def _timeout_for_later_groups(timeout: timedelta) -> None:
+    """Groups made later without a timeout (``new_group``, ``init_device_mesh``'s dimensions) get
+    torch's module default — 30 min on gloo — so a hang on a mesh dimension outlived the pool's
+    ``--pg-timeout`` by far. The default is a module global read at each creation: set it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def main() -> int:
