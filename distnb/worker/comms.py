@@ -130,7 +130,7 @@ def run_with_comms(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
             reply = run()
     finally:
         for mod, fn in originals:
-            setattr(mod, "redistribute_local_tensor", fn)
+            mod.redistribute_local_tensor = fn
     try:
         modules = {fqn: {phase: {str(getattr(k, "__name__", k)): int(v) for k, v in counts.items()} for phase, counts in by_phase.items()}
                    for fqn, by_phase in mode.comm_module_counts.items()}
@@ -143,7 +143,7 @@ def run_with_comms(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def _wrap_redistribute(mode: Any, into: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
     originals = []
     for name in _REDISTRIBUTE_USERS:
-        mod = sys.modules.get(name)
+        mod: Any = sys.modules.get(name)
         fn = getattr(mod, "redistribute_local_tensor", None)
         if mod is None or fn is None:
             continue
@@ -157,6 +157,6 @@ def _wrap_redistribute(mode: Any, into: list[dict[str, Any]]) -> list[tuple[Any,
                              "dims": list(getattr(mesh, "mesh_dim_names", None) or ()), "explicit": bool(kwargs.get("is_explicit"))})
             return _fn(local, current, target, *args, **kwargs)
 
-        setattr(mod, "redistribute_local_tensor", wrapped)
+        mod.redistribute_local_tensor = wrapped
         originals.append((mod, fn))
     return originals

@@ -38,11 +38,11 @@ class FakePool:
         self.script: dict[int, tuple[str, dict[str, Any] | None]] = {}
 
     def submit(self, code: str, ranks: Any = None, events: CellEvents | None = None, profile: bool = False, pdb: bool = False,
-               label: int | None = None) -> CellResult:
+               label: int | None = None, comms: bool = False) -> CellResult:
         compile(code, "<cell>", "exec")  # the real pool raises a SyntaxError before sending
         targets = parse_ranks(ranks, self.world_size)
         result = CellResult(cell=len(self.history) + 1, code=code, ranks=targets, results={r: RankResult(r) for r in targets}, label=label)
-        self.calls.append(("submit", {"code": code, "ranks": targets, "profile": profile, "pdb": pdb}))
+        self.calls.append(("submit", {"code": code, "ranks": targets, "profile": profile, "pdb": pdb, "comms": comms}))
         for r in targets:
             out, error = self.script.get(r, ("", None))
             if out and events is not None and events.on_output is not None:
@@ -122,12 +122,13 @@ def test_a_cell_shows_grouped_output_and_the_failing_rank_with_its_line(shell: I
     assert shell.user_ns["_dist"] is fake.history[-1] and fake.history[-1].failed == [2]
     assert fake.history[-1].label == shell.execution_count  # the notebook's In[n], for export
     assert fake.calls[0] == ("submit", {"code": "x = 1\nprint('step 1')\nraise ValueError('bad batch')", "ranks": [0, 1, 2, 3],
-                                        "profile": False, "pdb": False})
+                                        "profile": False, "pdb": False, "comms": False})
 
 
 def test_cell_flags_reach_the_pool(shell: InteractiveShell, fake: FakePool) -> None:
     shell.run_cell_magic("on_ranks", "1, 3 --pdb --timeout 5", "pass")
     assert fake.calls[0][1]["ranks"] == [1, 3] and fake.calls[0][1]["pdb"] and not fake.calls[0][1]["profile"]
+    assert not fake.calls[0][1]["comms"]
     assert ("wait", 5.0) in fake.calls
 
 
