@@ -209,7 +209,7 @@ def _paired(positions: list[Position], log: CollectiveReport) -> Diagnosis | Non
     if cell is None:
         return None
     ranks = [p.rank for p in positions if p.state != "idle"]
-    crossed = cross_group(log.log, ranks, cell)
+    crossed = cross_group(log.log, ranks, cell, frozenset(p.rank for p in positions if p.state == "collective"))
     if crossed is not None and crossed.waits_for:
         return Diagnosis("hang", crossed.text(), positions, crossed.odd)
     paired = cross_cell(log.log, ranks, cell)

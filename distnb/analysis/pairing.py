@@ -24,6 +24,9 @@ from distnb.ranks import format_ranks, group_by
 __all__ = ["CrossCell", "CrossGroup", "cross_cell", "cross_group"]
 
 
+_NOT_COLLECTIVE = {"new_group", "send", "recv", "isend", "irecv"}
+
+
 def _cell(e: dict[str, Any]) -> int | None:
     """The cell that issued an entry: the call's own (call log), else the rank's clock's."""
     cell = e.get("call_cell", e.get("cell"))
@@ -66,7 +69,7 @@ class CrossGroup:
                 f"{format_ranks(rs)} called {self.by_rank[rs[0]]['op']} over {self.labels[rs[0]]}" for rs, _ in sides)
                 + f" ({where}); no majority to tell which side is wrong.")
             root = ""
-        done = sorted(r for r, e in self.by_rank.items() if e["done"])
+        done = sorted(r for r, e in self.by_rank.items() if e["done"] and r not in self.waits_for)
         after = []
         if done:
             after.append(f"{format_ranks(done)} completed {'its' if len(done) == 1 else 'theirs'} (the members of "
@@ -83,12 +86,25 @@ def _ordinal(n: int) -> str:
 
 
 def _in_cell(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str, Any]]:
-    return sorted((e for e in log.entries.get(rank, {}).values() if not e.get("p2p") and _cell(e) == cell), key=lambda e: e["id"])
+    """The rank's collectives of ``cell`` in issue order: its recorder's entries, then the call it
+    is in when the recorder has no entry for it yet (NCCL connecting a group's communicator)."""
+    entries = sorted((e for e in log.entries.get(rank, {}).values() if not e.get("p2p") and _cell(e) == cell), key=lambda e: e["id"])
+    for c in log.open_calls(rank):
+        if c.get("cell") != cell or c["op"] in _NOT_COLLECTIVE or c.get("group") in (None, "?"):
+            continue
+        t = c["t"] / 1e9
+        if any(e["group"] == c["group"] and e["t"] >= t - 1e-3 for e in entries):
+            continue  # its entry is in
+        entries.append({"id": float("inf"), "group": c["group"], "op": c["op"], "done": False, "cell": cell, "call_cell": cell,
+                        "line": c.get("line"), "p2p": False, "seq": None, "t": t, "sizes": [], "dtypes": []})
+    return entries
 
 
-def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int) -> CrossGroup | None:
+def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int, waiting: frozenset[int] = frozenset()) -> CrossGroup | None:
     """The first position of ``cell`` where the ranks' collectives go to groups of different roles
-    (with the same calls before it on every rank: the ranks were in step until then)."""
+    (with the same calls before it on every rank: the ranks were in step until then). ``waiting``:
+    ranks whose stack shows them still in a collective — their entry there is open whatever the
+    recorder says (NCCL's can read "completed" for a call still connecting its communicator)."""
     seqs = {r: _in_cell(log, r, cell) for r in ranks}
     depth = max((len(s) for s in seqs.values()), default=0)
     for k in range(depth):
@@ -104,7 +120,7 @@ def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int) -> CrossGr
         odd = odd_ones({r: (roles[r], e["op"]) for r, e in at.items()})
         waits = {}
         for r, e in at.items():
-            if not e["done"]:
+            if not e["done"] or r in waiting:
                 members = log.groups.get(e["group"], [])
                 waits[r] = [m for m in members if m != r and not (m in at and at[m]["group"] == e["group"])]
         return CrossGroup(cell, k + 1, at, roles, labels, odd, waits)

@@ -60,8 +60,14 @@ class CollectiveLog:
         return min(self.last_id(rank), open_[0] - 1) if open_ else self.last_id(rank)
 
     def last_call(self, rank: int) -> int:
+        """Where the next read of the rank's calls starts: after the newest held, or before the
+        oldest held as open — an open call's end is sent only while it is newer than the cursor,
+        so one that ended after its last read would stay open here for good."""
         calls = self.calls.get(rank)
-        return max(calls) if calls else -1
+        if not calls:
+            return -1
+        open_ = [n for n, c in calls.items() if c["end"] is None]
+        return min(max(calls), min(open_) - 1) if open_ else max(calls)
 
     def merge(self, rank: int, reply: dict[str, Any]) -> None:
         if reply.get("calls"):
@@ -87,6 +93,8 @@ class CollectiveLog:
                 if e.get("desc"):
                     self.descs[e["group"]] = e["desc"]
         self.groups.update(reply.get("groups", {}))
+        for name, desc in reply.get("descs", {}).items():
+            self.descs.setdefault(name, desc)  # an entry's own description (above) stands
         if len(mine) > 5000:  # the recorder itself keeps 2000; keep a bounded history
             for rid in sorted(mine)[: len(mine) - 5000]:
                 del mine[rid]

@@ -299,6 +299,7 @@ class Diagnostics:
             call = next((c for c in reversed(log.open_calls(r)) if c["op"] == pos.op), None)
             if call is not None:
                 pos.since = log.age(r, {"t": call["t"] / 1e9})
+                pos.group = call["group"] if call.get("group") not in (None, "?") else pos.group
             elif log.entries.get(r):
                 pos.since = 0.0
         # Point-to-point calls have no recorder entry on gloo: the rank's own record of the call.

@@ -243,6 +243,7 @@ class CollectivesPush(TypedDict, total=False):
     calls: list[dict[str, Any]]
     now: float
     groups: dict[str, list[int]]
+    descs: dict[str, str]  # group name → torch's description (mesh_dp …)
     unavailable: str
 
 

@@ -44,6 +44,16 @@ WATCHED: dict[str, tuple[str, ...]] = {
     "isend": ("dst", "group_dst", "tag"),
     "irecv": ("src", "group_src", "tag"),
     "new_group": ("ranks",),
+    # Kept for their group and cell line alone: on NCCL a group's first collective waits in the
+    # call while the communicator connects, before the recorder has an entry for it — the call
+    # log is then the only record of which group the rank entered (a mesh dimension mix-up).
+    "all_gather": (),
+    "all_gather_into_tensor": (),
+    "all_gather_single": (),
+    "reduce_scatter_single": (),
+    "all_to_all": (),
+    "all_to_all_single": (),
+    "barrier": (),
 }
 P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 _ASYNC = {"isend", "irecv"}

@@ -69,6 +69,22 @@ def _groups() -> dict[str, list[int]]:
     return out
 
 
+def _descs() -> dict[str, str]:
+    """Process-group name → torch's description (``mesh_dp`` for a mesh's dp groups): known as soon
+    as the group exists, before any of its collectives is recorded."""
+    from torch.distributed import distributed_c10d as c10d
+
+    out: dict[str, str] = {}
+    try:
+        for pg, name in list(c10d._world.pg_names.items()):
+            desc = getattr(pg, "group_desc", None)
+            if desc:
+                out[str(name)] = str(desc)
+    except Exception:
+        pass
+    return out
+
+
 class SeqWatch:
     """Has any process group issued a collective since the last look? Each group's own sequence
     number answers that in ~1–2 µs per group, against milliseconds for a Flight Recorder dump."""
@@ -256,7 +272,7 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
         created.append(int(e.get("time_created_ns", 0)))
     if calls is not None:
         calls.annotate(entries, created)
-    reply = {"entries": entries, "groups": _groups(), "now": now, **extra}
+    reply = {"entries": entries, "groups": _groups(), "descs": _descs(), "now": now, **extra}
     if missing:
         reply["missing"] = missing
     return reply

@@ -164,3 +164,44 @@ def test_a_straggler_is_late_relative_to_the_step_and_the_others_noise() -> None
     assert quiet.summary().startswith("no straggler on group 0: rank 3 arrives last at 100%") and "within the noise" in quiet.summary()
     # 10 ms late when the others already spread by 8 ms among themselves: noise.
     assert StragglerReport("0", [0, 1, 2, 3], _arrivals(0.010, 0.050, 0.008)).straggler() is None
+
+
+def test_on_nccl_a_groups_first_collective_is_known_from_the_call_before_its_recorder_entry() -> None:
+    # NCCL connects a group's communicator inside its first collective: ranks 0,1 wait in the call
+    # with no recorder entry yet. Their watched calls and the groups' descriptions still tell the story.
+    log = CollectiveLog()
+    descs = {"1": "mesh_dp", "2": "mesh_dp", "3": "mesh_tp", "4": "mesh_tp"}
+    for r in range(4):
+        group = DP[r] if r == 1 else TP[r]
+        entries = [_e(0, group, 1, cell=2, done=True)] if r in (2, 3) else []
+        calls = [{"n": 1, "op": "all_gather", "group": group, "args": {}, "t": 5 * 10**9, "end": None if r in (0, 1) else 6 * 10**9,
+                  "cell": 2, "line": 3, "func": "<module>"}]
+        log.merge(r, {"entries": entries, "groups": MESH_GROUPS, "descs": descs, "now": 0.0, "calls": calls})
+    crossed = cross_group(log, [0, 1, 2, 3], 2)
+    assert crossed is not None and crossed.odd == [1], crossed
+    assert crossed.text().startswith("collective on another group: rank 1 called all_gather over dp (ranks 1,3) where ranks 0,2,3 used tp")
+    assert crossed.waits_for == {0: [1], 1: [3]}
+
+
+def test_recorded_on_an_h200_the_wrong_mesh_dimension_on_nccl() -> None:
+    # The controller's log as it stood 4 s into the hang on 4 NCCL ranks sharing one H200: every
+    # rank's recorder called its all_gather "completed" while ranks 0,1 still sat in the call
+    # (connecting the group's communicator); their stacks say they are in it.
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent.parent / "data" / "nccl_wrong_mesh_dim_h200.json").read_text())
+    log = CollectiveLog()
+    for r, entries in data["entries"].items():
+        log.merge(int(r), {"entries": entries, "groups": data["groups"], "descs": data["descs"], "now": 0.0,
+                           "calls": data["calls"].get(r, [])})
+    cell = data["cell"]
+    tp01 = next(e["group"] for e in data["entries"]["0"])
+    dp13 = next(e["group"] for e in data["entries"]["1"])
+    positions = [Position(0, "collective", op="all_gather", group=tp01, since=4.0, running=cell),
+                 Position(1, "collective", op="all_gather", group=dp13, since=4.0, running=cell),
+                 Position(2, "finished"), Position(3, "finished")]
+    d = diagnose(positions, 1.0, 4.0, log.report([0, 1, 2, 3]))
+    assert d.summary.startswith("collective on another group: rank 1 called all_gather over dp (ranks 1,3) where ranks 0,2,3 used tp"), d.text()
+    assert "rank 0 waits on tp (ranks 0,1) for rank 1" in d.summary and "Ranks 2,3 completed theirs" in d.summary
+    assert d.culprits == [1]
