@@ -127,17 +127,30 @@ def issued_words(entry: dict[str, Any]) -> str:
     return f"issued in cell {cell}" + (f", line {entry['line']}" if entry.get("line") and entry.get("call_cell") is not None else "")
 
 
+#: Ops whose input exists on the root alone: the recorder shows the scattered tensor on the source
+#: rank and nothing on the others — by design, not a mismatch (DTensor's distribute_tensor scatters).
+_ROOT_INPUT_ONLY = {"scatter"}
+
+
+def _sizes(e: dict[str, Any]) -> Any:
+    return None if e["op"] in _ROOT_INPUT_ONLY else e.get("sizes")
+
+
+def _dtypes(e: dict[str, Any]) -> Any:
+    return None if e["op"] in _ROOT_INPUT_ONLY else e.get("dtypes")
+
+
 def signature(entry: dict[str, Any]) -> tuple[Any, ...]:
     """What must match across ranks at one position of a group's sequence."""
-    return (entry["op"], tuple(tuple(s) for s in entry.get("sizes", [])), tuple(entry.get("dtypes", [])),
+    return (entry["op"], tuple(tuple(s) for s in _sizes(entry) or []), tuple(_dtypes(entry) or []),
             tuple(sorted((k, repr(v)) for k, v in (entry.get("args") or {}).items())))
 
 
 #: What must match at one position of a group's sequence, in the order a difference is named.
 _KINDS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "op": lambda e: e["op"],
-    "shape": lambda e: e.get("sizes"),
-    "dtype": lambda e: e.get("dtypes"),
+    "shape": _sizes,
+    "dtype": _dtypes,
     "args": lambda e: e.get("args"),
 }
 

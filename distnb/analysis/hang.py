@@ -136,6 +136,10 @@ def diagnose(
             return Diagnosis("slow", "send/recv in progress: every open call has its partner (a large transfer, or a slow link).",
                              positions)
         w = format_ranks([p.rank for p in waiting])
+    if log is not None and all(p.group is not None for p in waiting):
+        # Finished ranks outside every waiting rank's group are no evidence of anything here.
+        members = {r for p in waiting for r in log.members(str(p.group))}
+        finished = [p for p in finished if p.rank in members]
     if finished and log is not None:
         refined = _refine_missing(waiting, finished, log, positions, sources or {})
         if refined is not None:
@@ -152,7 +156,7 @@ def diagnose(
     # of a different call when others are in that op.
     known = [p for p in waiting if p.seq is not None or not any(q.seq is not None and q.op == p.op for q in waiting)]
     if len(group_by((p.rank, _place(p)) for p in known)) > 1:
-        return _disagree(known, positions)
+        return _disagree(known, positions, log)
     absent = _not_in_cell(waiting, outside, log)
     if absent:
         head = waiting[0]
@@ -296,7 +300,30 @@ def _differences(waiting: list[Position]) -> list[str]:
     return out
 
 
-def _disagree(waiting: list[Position], positions: list[Position]) -> Diagnosis:
+def _witnesses(waiting: list[Position], log: CollectiveReport | None) -> dict[int, tuple[Any, ...]]:
+    """Ranks not waiting that made the same position (sequence number) on another group of the
+    same role as a waiting rank's (a mesh's other tp group): what they called there."""
+    if log is None:
+        return {}
+    busy = {p.rank for p in waiting}
+    out: dict[int, tuple[Any, ...]] = {}
+    for p in waiting:
+        if p.group is None or p.seq is None:
+            continue
+        role = log.log.group(p.group).role()
+        if role.startswith("group "):
+            continue
+        for other in log.group_names():
+            if other == p.group or log.log.group(other).role() != role:
+                continue
+            for r in log.members(other):
+                e = next((x for x in log.log.sequence(r, other) if x["seq"] == p.seq), None)
+                if r not in busy and e is not None:
+                    out[r] = (e["op"], _tup(e.get("sizes")), _tup(e.get("dtypes")))
+    return out
+
+
+def _disagree(waiting: list[Position], positions: list[Position], log: CollectiveReport | None = None) -> Diagnosis:
     """The waiting ranks are not all in the same collective: say what differs and who stands out."""
     places = group_by((p.rank, _place(p)) for p in waiting)
     by_rank = {p.rank: p for p in waiting}
@@ -307,7 +334,9 @@ def _disagree(waiting: list[Position], positions: list[Position]) -> Diagnosis:
         seq = f" #{p.seq}" if p.seq is not None else ""
         grp = p.on() if "group" in diffs else ""
         args = args_text(p.args)
-        return f"{format_ranks(ranks)} in {p.op}{seq}{grp}" + (f" {p.shapes}" if p.shapes else "") + (f" {args}" if args else "")
+        shapes = p.shapes or ""
+        # The shapes' words (describe) already end with the arguments when the log knew them.
+        return f"{format_ranks(ranks)} in {p.op}{seq}{grp}" + (f" {shapes}" if shapes else "") + (f" {args}" if args and args not in shapes else "")
 
     if "op" in diffs:
         kind = "different collectives"
@@ -321,9 +350,20 @@ def _disagree(waiting: list[Position], positions: list[Position]) -> Diagnosis:
         odd = sorted(r for r in by_rank if r not in majority)
         blame = f"The odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)}."
     else:
-        # A tie (e.g. 2 ranks, one each) says nothing about which side is wrong: name them all.
-        odd = sorted(by_rank)
-        blame = "No majority to tell which side went wrong: check " + " and ".join(format_ranks(rs) for rs, _ in places) + "."
+        # A tie (e.g. 2 ranks, one each) says nothing by itself; ranks in step on the other groups of
+        # the same role may (a mesh's other tp group made the same call at this position).
+        seen = _witnesses(waiting, log)
+        votes = {tuple(rs): sum(1 for v in seen.values() if v == (by_rank[rs[0]].op, _tup(by_rank[rs[0]].sizes), _tup(by_rank[rs[0]].dtypes)))
+                 for rs, _ in places}
+        best = max(votes.values(), default=0)
+        if best and list(votes.values()).count(best) == 1:
+            majority = list(next(rs for rs, v in votes.items() if v == best))
+            odd = sorted(r for r in by_rank if r not in majority)
+            blame = (f"The odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)} — {format_ranks(sorted(seen))} made the same "
+                     f"call as {format_ranks(majority)} at that position on the other groups of this role.")
+        else:
+            odd = sorted(by_rank)
+            blame = "No majority to tell which side went wrong: check " + " and ".join(format_ranks(rs) for rs, _ in places) + "."
     return Diagnosis("hang", f"ranks are in {kind}: {detail}. {blame}", positions, odd)
 
 

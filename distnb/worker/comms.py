@@ -66,12 +66,12 @@ _NAMES = {"allreduce": "all_reduce", "_allgather_base": "all_gather_into_tensor"
 
 
 def _module(tracker: Any) -> str:
-    """The module running now. The tracker's ``name`` keeps the last module after it returns (a
-    collective after ``loss.backward()`` would be charged to the model's last layer): only a name
-    among the active ``parents`` counts, else the call is at the top level."""
+    """The module running now. The tracker's ``name`` keeps the last module after it returns, so
+    a call made then — in the module's output hook (tensor parallel's Partial → Replicate), or at
+    the top level after ``loss.backward()`` — reads ``after <module>``, not as inside it."""
     name = str(tracker.name)
     parents = getattr(tracker, "parents", None)
-    return name if parents is None or name in parents else "Global"
+    return name if parents is None or name in parents or name == "Global" else f"after {name}"
 
 
 def _nbytes(op: str, args: Any) -> int:

@@ -13,6 +13,7 @@ expressions that must match a line of its output).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,7 +108,7 @@ GALLERY: list[Notebook] = [
         "02_uneven_batches",
         "Uneven batches per rank: the hang at the last step",
         "001 D9, D22",
-        "\"uneven loop lengths: rank 0 made 3 all_reduce calls, ranks 1,2 stopped after 2\"; `%dist_collectives`; "
+        "\"uneven collective counts: rank 0 made 3 all_reduce calls, ranks 1,2 stopped after 2\"; `%dist_collectives`; "
         "fixed with `DistributedSampler` padding and with `Join`",
         [
             Md("**Symptom.** Training runs most of an epoch, then freezes on the final batch (001 D9); or it hangs "
@@ -125,7 +126,8 @@ GALLERY: list[Notebook] = [
                  "    grad = sample * torch.ones(4)           # stand-in for loss.backward()\n"
                  "    dist.all_reduce(grad)                   # DDP does this every step",
                  ["[rank 0] 3 batches", "[ranks 1,2] 2 batches",
-                  "uneven loop lengths: rank 0 made 3 all_reduce calls on group 0, ranks 1,2 stopped after 2",
+                  "uneven collective counts: rank 0 made 3 all_reduce calls on group 0, ranks 1,2 stopped after 2",
+                  "is inside `for sample in shard:`", "likely a loop of another length per rank",
                   "rank 0: waiting in all_reduce #3 on group 0"]),
             Md("## How distnb reveals it\n\nThe live diagnosis counts each rank's collectives. `%dist_collectives` "
                "shows the sequences side by side (read from PyTorch's Flight Recorder) with the first divergence "
@@ -528,6 +530,12 @@ GALLERY: list[Notebook] = [
     ),
 ]
 
+
+# The device-mesh notebooks live in their own file (this one would pass 600 lines with them).
+sys.path.insert(0, str(Path(__file__).parent))
+from _mesh_notebooks import notebooks as _mesh_notebooks  # noqa: E402
+
+GALLERY += _mesh_notebooks(Notebook, Md, Code, launch, HANG, OK, SHUTDOWN)
 
 def build(nb_def: Notebook) -> nbformat.NotebookNode:
     nb = new_notebook()
