@@ -73,6 +73,11 @@ class StragglerReport:
     group: str
     ranks: list[int]
     collectives: list[Arrival] = field(default_factory=list)
+    label: str = ""  # the group as the user built it (``tp (ranks 0,1)``); empty: ``group <name>``
+
+    @property
+    def on(self) -> str:
+        return self.label or f"group {self.group}"
 
     def last_share(self) -> dict[int, float]:
         """Per rank, the share of collectives it arrived last at."""
@@ -149,18 +154,18 @@ class StragglerReport:
     def summary(self) -> str:
         n = len(self.collectives)
         if n == 0:
-            return f"no collective on group {self.group} that all of {format_ranks(self.ranks)} reached yet."
+            return f"no collective on {self.on} that all of {format_ranks(self.ranks)} reached yet."
         rank = self.straggler()
         candidate = self.candidate()
         if rank is None and candidate is not None:
-            return (f"no straggler on group {self.group}: rank {candidate} arrives last at {self.last_share()[candidate]:.0%} of the "
+            return (f"no straggler on {self.on}: rank {candidate} arrives last at {self.last_share()[candidate]:.0%} of the "
                     f"last {n} {self.ops()}s, but only {self.measures(candidate)} — within the noise, nobody waits for it to speak of.")
         if rank is None:
-            return f"no straggler on group {self.group}: over the last {n} {self.ops()}s no rank arrives last consistently."
+            return f"no straggler on {self.on}: over the last {n} {self.ops()}s no rank arrives last consistently."
         waits = self.waiting_share()
         others = [r for r in self.ranks if r != rank]
         avg = sum(waits[r] for r in others) / len(others) if others else 0.0
-        return (f"rank {rank} arrives last at {self.last_share()[rank]:.0%} of the last {n} {self.ops()}s on group {self.group}, "
+        return (f"rank {rank} arrives last at {self.last_share()[rank]:.0%} of the last {n} {self.ops()}s on {self.on}, "
                 f"{self.measures(rank)}; {format_ranks(others)} spend {avg:.0%} of their time waiting for it.")
 
     def text(self) -> str:
@@ -188,7 +193,7 @@ class StragglerReport:
         xs = [a.seq for a in self.collectives]
         for r in self.ranks:
             ax.plot(xs, [(a.times[r] - a.first) * 1000 for a in self.collectives], marker=".", linewidth=1, label=f"rank {r}")
-        ax.set_xlabel(f"collective # on group {self.group}")
+        ax.set_xlabel(f"collective # on {self.on}")
         ax.set_ylabel("arrival after the first (ms)")
         rank = self.straggler()
         ax.set_title(f"arrival skew per rank — straggler: rank {rank}" if rank is not None else "arrival skew per rank")

@@ -202,7 +202,7 @@ class Diagnostics:
             known = ", ".join(report.group_names()) or "none yet"
             raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); run some first, "
                              "or pick one of those.")
-        return StragglerReport(group, members, arrivals(report.log, group, members, last))
+        return StragglerReport(group, members, arrivals(report.log, group, members, last), report.label(group))
 
     def death_note(self, result: CellResult) -> str:
         """For a cell in which a rank died inside a collective whose ranks disagree: the odd rank

@@ -205,3 +205,51 @@ def test_recorded_on_an_h200_the_wrong_mesh_dimension_on_nccl() -> None:
     assert d.summary.startswith("collective on another group: rank 1 called all_gather over dp (ranks 1,3) where ranks 0,2,3 used tp"), d.text()
     assert "rank 0 waits on tp (ranks 0,1) for rank 1" in d.summary and "Ranks 2,3 completed theirs" in d.summary
     assert d.culprits == [1]
+
+
+def test_mesh_report_names_the_rank_whose_mesh_differs_and_scales_to_many_ranks() -> None:
+    from distnb.analysis.meshes import MeshReport, dim_groups, nested
+
+    def mesh(rank: int, names: tuple[str, str] = ("dp", "tp"), shape: tuple[int, int] = (2, 2)) -> dict[str, Any]:
+        layout = list(range(shape[0] * shape[1]))
+        coord = [rank // shape[1], rank % shape[1]]
+        groups = {n: {"name": str(i + 1), "ranks": g} for i, n in enumerate(names)
+                  for g in dim_groups(list(shape), layout, i) if rank in g}
+        return {"device": "cpu", "shape": list(shape), "names": list(names), "named": True, "layout": layout, "coord": coord, "groups": groups}
+
+    assert dim_groups([2, 2], [0, 1, 2, 3], 0) == [[0, 2], [1, 3]] and dim_groups([2, 2], [0, 1, 2, 3], 1) == [[0, 1], [2, 3]]
+    assert nested([2, 3], list(range(6))) == [[0, 1, 2], [3, 4, 5]]
+    report = MeshReport({0: [mesh(0)], 1: [mesh(1)], 2: [mesh(2)], 3: [mesh(3, ("dp", "tq"))]}, counts={0: {"dp": 2, "tp": 5}})
+    assert report.odd() == [3]
+    text = report.text()
+    assert "mesh 1: (dp=2, tp=2) on cpu, ranks laid out [[0, 1], [2, 3]] — as ranks 0-2 built it" in text
+    assert "✗ rank 3 built (dp=2, tq=2) on cpu where the others built (dp=2, tp=2) on cpu" in text
+    assert "     0  (0,0)     ranks 0,2        ranks 0,1        2 · 5" in text
+    # Above a handful of ranks: no row per rank; the counts by majority and the outliers.
+    big = MeshReport({r: [mesh(r, shape=(4, 4))] for r in range(16)}, counts={r: {"dp": 3, "tp": 5 if r != 9 else 4} for r in range(16)})
+    big_text = big.text()
+    assert "collectives over tp: ranks 0-8,10-15 5, rank 9 4" in big_text and "  rank  coords" not in big_text
+    assert MeshReport({0: [], 1: []}).text().startswith("no device mesh on ranks 0,1")
+
+
+def test_comms_report_merges_ranks_per_module_and_dimension() -> None:
+    from distnb.analysis.comms import CommsReport
+
+    def rec(module: str, op: str, group: str, desc: str, nbytes: int, bw: bool = False) -> dict[str, Any]:
+        return {"module": module, "bw": bw, "op": op, "group": group, "desc": desc, "bytes": nbytes}
+
+    usual = [rec("model.0", "all_gather_into_tensor", "1", "mesh_dp", 288), rec("model.2", "all_reduce", "3", "mesh_tp", 128),
+             rec("model.0", "reduce_scatter_tensor", "1", "mesh_dp", 576, bw=True)]
+    moves = [{"module": "model.2", "bw": False, "src": "P(sum)", "dst": "R", "shape": [4, 8], "dims": ["tp"]}]
+    per_rank = {r: {"records": list(usual), "redistributes": list(moves), "modules": {}} for r in range(4)}
+    per_rank[2]["records"] = usual + [rec("model.2", "all_reduce", "3", "mesh_tp", 128)]  # one call more on rank 2
+    per_rank[3] = None  # did not finish
+    report = CommsReport.of(7, per_rank)
+    text = report.text()
+    assert text.startswith("communication of cell 7 on ranks 0-2")
+    assert report.odd_ranks() == [2]
+    assert "✗ rank 2: model.2 fwd all_reduce over tp: 2 calls, 256 B where the others made 1 call, 128 B" in text
+    assert "per dimension: dp 2 calls 864 B · tp 1 call 128 B" in text
+    assert "model.2 fwd: P(sum) → R of [4, 8] over (tp) ×1" in text
+    assert "rank 3: no accounting came back" in text
+    assert CommsReport.of(1, {0: {"error": "this torch has no CommDebugMode"}}).text().endswith("rank 0: this torch has no CommDebugMode")
