@@ -51,6 +51,14 @@ class CommRow:
         return odd if len(odd) < len(self.per_rank) else []
 
     @property
+    def who(self) -> str:
+        """``all`` when every rank made the same calls; else who differs."""
+        if len(set(self.per_rank.values())) < 2:
+            return "all"
+        odd = self.odd
+        return f"✗ {format_ranks(odd)} differ" if odd else "✗ ranks differ (no majority)"
+
+    @property
     def usual(self) -> tuple[int, int]:
         counts = Counter(self.per_rank.values())
         return counts.most_common(1)[0][0]
@@ -117,11 +125,16 @@ class CommsReport:
             lines.append(f"  {'module':<{width}}  pass  {'collective':<26}{'over':<8}{'calls':>6}  {'bytes':>10}  ranks")
             for row in self.rows[:_SHOWN]:
                 calls, nbytes = row.usual
-                odd = row.odd
-                who = "all" if not odd else f"✗ {format_ranks(odd)} differ"
-                lines.append(f"  {row.module:<{width}}  {row.phase:<4}  {row.op:<26}{row.over:<8}{calls:>6}  {_size(nbytes):>10}  {who}")
+                lines.append(f"  {row.module:<{width}}  {row.phase:<4}  {row.op:<26}{row.over:<8}{calls:>6}  {_size(nbytes):>10}  {row.who}")
             if len(self.rows) > _SHOWN:
                 lines.append(f"  … and {len(self.rows) - _SHOWN} more rows")
+        return "\n".join(lines + self.notes())
+
+    def notes(self) -> list[str]:
+        """Everything under the table: totals per dimension, the odd ranks' figures, the
+        redistributes, ranks without an account."""
+        lines = []
+        if self.rows:
             totals = self.per_dimension()
             lines.append("  per dimension: " + " · ".join(f"{d} {_calls(c)} {_size(b)}" for d, (c, b) in sorted(totals.items()) if c))
         for row in self.rows:
@@ -140,7 +153,7 @@ class CommsReport:
         dropped = sum(int(c.get("dropped") or 0) for c in self.per_rank.values())
         if dropped:
             lines.append(f"  ({dropped} collectives past the per-cell record limit were counted by CommDebugMode but not itemised)")
-        return "\n".join(lines)
+        return lines
 
     def __repr__(self) -> str:
         return self.text()

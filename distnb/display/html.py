@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence
 
 from distnb.analysis.checks import CheckReport
 from distnb.analysis.collectives import CollectiveReport, describe
+from distnb.analysis.comms import CommsReport
 from distnb.analysis.env import EnvReport
 from distnb.analysis.memory import MemoryReport
 from distnb.analysis.stacks import StackReport
@@ -19,7 +20,7 @@ from distnb.ranks import format_ranks
 from distnb.states import RankState
 from distnb.status import PoolStatus
 
-__all__ = ["register", "status_html", "stacks_html", "collectives_html", "check_html", "env_html", "memory_html"]
+__all__ = ["register", "status_html", "stacks_html", "collectives_html", "check_html", "comms_html", "env_html", "memory_html"]
 
 BAD = "background:#ffebe9"
 WARN = "background:#fff8c5"
@@ -127,8 +128,21 @@ def memory_html(report: MemoryReport) -> str:
     return table(cols, body, f"memory of {format_ranks([r for r, _ in rows])}") + notes
 
 
+def comms_html(report: CommsReport) -> str:
+    """``--comms``: the per-module table (rows where ranks differ highlighted), then the
+    redistributes and the text form's notes."""
+    rows = []
+    for row in report.rows:
+        calls, nbytes = row.usual
+        rows.append(([_esc(row.module), row.phase, _esc(row.op), _esc(row.over), str(calls), _esc(f"{nbytes:,} B"), _esc(row.who)],
+                     BAD if row.who != "all" else ""))
+    body = table(["module", "pass", "collective", "over", "calls", "bytes", "ranks"], rows,
+                 f"communication of cell {report.cell} on {format_ranks(sorted(report.per_rank))}")
+    return body + "<pre style='font-size:12px'>" + _esc("\n".join(report.notes())) + "</pre>"
+
+
 def register(ipython: Any) -> None:
     formatter = ipython.display_formatter.formatters["text/html"]
     for cls, fn in ((PoolStatus, status_html), (StackReport, stacks_html), (CollectiveReport, collectives_html),
-                    (CheckReport, check_html), (EnvReport, env_html), (MemoryReport, memory_html)):
+                    (CheckReport, check_html), (EnvReport, env_html), (MemoryReport, memory_html), (CommsReport, comms_html)):
         formatter.for_type(cls, fn)

@@ -108,3 +108,14 @@ def test_register_installs_formatters() -> None:
     assert "<table" in html_formatter.lookup_by_type(PoolStatus)(status)
     data, _ = shell.display_formatter.format(status)
     assert data["text/plain"].startswith("pool ready")
+
+
+def test_comms_table_highlights_the_rows_where_ranks_differ() -> None:
+    from distnb.analysis.comms import CommsReport
+    from distnb.display.html import BAD, comms_html
+
+    rec = {"module": "model.2", "bw": False, "op": "all_reduce", "group": "3", "desc": "mesh_tp", "bytes": 128}
+    report = CommsReport.of(4, {0: {"records": [rec]}, 1: {"records": [rec]}, 2: {"records": [rec, rec]}})
+    html = comms_html(report)
+    assert "communication of cell 4 on ranks 0-2" in html and f"<tr style='{BAD}'>" in html and "✗ rank 2 differ" in html
+    assert "per dimension: tp 1 call 128 B" in html and "✗ rank 2: model.2 fwd all_reduce over tp: 2 calls, 256 B" in html
