@@ -111,7 +111,8 @@ class DistMagics(Magics):
     @argument("-n", "--nproc", "--nproc-per-node", type=int, default=None, help="Ranks per machine (default: visible GPUs, else 2).")
     @argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="Process group backend (auto: nccl with CUDA, else gloo).")
     @argument("--env", action="append", metavar="KEY=VALUE", help="Environment variable for every rank; repeatable (e.g. --env NCCL_DEBUG=INFO).")
-    @argument("--pg-timeout", type=float, default=None, metavar="SECONDS", help="The process group's collective timeout (default 1800).")
+    @argument("--pg-timeout", type=float, default=None, metavar="SECONDS",
+              help="The collective timeout of the default group and of every group made later without one (new_group, init_device_mesh; default 1800).")
     @argument("--start-timeout", type=float, default=None, metavar="SECONDS", help="How long to wait for every rank to be ready (default 180).")
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report ranks disagreeing in collectives after this long (default 3).")
     @argument("--debug", action="append", choices=["detail", "nccl"],

@@ -74,7 +74,8 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                       "at #1 on the other groups of this role"]),
                 Md("The root cause comes first, above the aborted rank's own post-mortem. `%dist_collectives` marks the odd "
                    "entry and says which ranks witnessed the usual size:"),
-                Code("%dist_collectives", ["(the odd one out: rank 2;", "rank 0 died inside it before its entry reached distnb"]),
+                # Whether rank 0's entry reached distnb before gloo aborted it is a race: the verdict is the same.
+                Code("%dist_collectives", ["(the odd one out: rank 2;", "ranks 1,3 had all_gather [36] f32 at #1 on the other groups"]),
                 Code("%dist_restart", ["pool ready: 4 ranks"]),
                 Md("## The fix\n\nOne configuration for every rank: read it once and broadcast it."),
                 Code(f"{ok}\n{MESH}import torch.nn as nn\nfrom torch.distributed.fsdp import fully_shard\n"
