@@ -162,3 +162,24 @@ def test_comms_per_module_and_dimension_over_fsdp2_with_tensor_parallel(mesh_poo
     assert report.plot() is not None
     with pytest.raises(ValueError, match="was not run with comms=True"):
         setup.comms()
+
+
+def test_a_healthy_fsdp2_and_tensor_parallel_run_reports_no_divergence(mesh_pool: distnb.Pool) -> None:
+    # No false alarm: DTensor's scatters (input on the root alone), FSDP2's all_gathers and
+    # reduce_scatters, TP's all_reduces over several steps — every rank agrees, nothing is flagged.
+    pool = usable(mesh_pool)
+    res = pool.run(MESH.format(m="ok_mesh") +
+                   "import torch.nn as nn\nfrom torch.distributed.fsdp import fully_shard\n"
+                   "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
+                   "torch.manual_seed(0)\nok_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to(device)\n"
+                   "parallelize_module(ok_model, ok_mesh['tp'], {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
+                   "fully_shard(ok_model, mesh=ok_mesh['dp'])\nok_opt = torch.optim.SGD(ok_model.parameters(), lr=0.1)\n"
+                   "for _ in range(3):\n    ok_model(torch.randn(4, 8, device=device)).pow(2).mean().backward()\n"
+                   "    ok_opt.step()\n    ok_opt.zero_grad()\n", timeout=120)
+    assert res.ok and not res.desync and "desync" not in res.text(), res.text()
+    assert pool.diagnose(res).kind == "ok"
+    log = pool.collectives()
+    assert log.divergences() == [] and "agree" in log.text().splitlines()[0], log.text()
+    assert "different shapes" not in log.text() and "✗" not in log.text().rsplit("\n", 1)[0]
+    checks = pool.check("ok_model")
+    assert checks[0].identical, checks[0].text()
