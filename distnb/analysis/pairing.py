@@ -155,8 +155,8 @@ class CrossCell:
         else:
             effect = "the results of every rank in it are suspect"
         what = "different shapes, " if shapes else ""
-        blame = (f" Root cause: {format_ranks(odd)}'s call from an earlier cell, still pending (an async_op=True work "
-                 "never waited on, or a collective under `if rank …`); the next call on this group pairs with it."
+        blame = (f" Root cause: {format_ranks(odd)}'s call from an earlier cell, left pending there (likely an async_op=True "
+                 "work never waited on, or a collective only some ranks reached); the next call on this group paired with it."
                  if later and all((_cell(self.by_rank[r]) or 0) < min(_cell(self.by_rank[x]) or 0 for x in later) for r in odd) else "")
         return f"collective #{self.seq} on {self.label} paired calls of different cells: {calls} ({what}{effect}).{blame}"
 
