@@ -160,9 +160,13 @@ class CheckReport:
             what = [f"{n_tensors} tensor{'s' * (n_tensors != 1)}"] if n_tensors else []
             if total - n_tensors:
                 what.append(f"{total - n_tensors} value{'s' * (total - n_tensors != 1)}")
-            shards = sum(c.status == "sharded" for c in self.checks)
+            # Say exactly what was compared: a shard held by several ranks (a mesh dimension it is
+            # replicated over) bitwise across them; a shard nobody else holds, its layout alone.
+            replicated = sum(c.status == "sharded" and _replica_groups(c.leaves) is not None for c in self.checks)
+            alone = sum(c.status == "sharded" for c in self.checks) - replicated
             partial = sum(c.status == "partial" for c in self.checks)
-            extra = (f"; {shards} sharded, compared as shards" if shards else "") + (
+            extra = (f"; {replicated} sharded, each shard compared bitwise across its replicas" if replicated else "") + (
+                f"; {alone} sharded with no replica to compare, layout (global shape, dtype, placement) compared only" if alone else "") + (
                 f"; {partial} partial (pending a reduction), layout compared only" if partial else "")
             return f"check {self.name}: identical on {format_ranks(self.ranks)} ({', '.join(what) or 'empty'}{extra})"
         diffs = [c for c in self.checks if c.status == "differs"]
@@ -190,7 +194,8 @@ class CheckReport:
                 lines.append(f"  … and {len(diffs) - _MAX_SHOWN} more differing entries (report.differing lists them all)")
         shards = self.sharded
         if shards and not self.identical:
-            lines.append(f"  sharded (compared as shards): {', '.join(shards[:5])}{' …' if len(shards) > 5 else ''}")
+            lines.append(f"  sharded (layout compared, and each shard across its replicas where any): {', '.join(shards[:5])}"
+                         f"{' …' if len(shards) > 5 else ''}")
         lines.extend(f"  {n}" for n in self.layout_notes[:_MAX_NOTES])
         lines.extend(f"  ⚠ {n}" for n in self.notes[:_MAX_NOTES])
         if len(self.notes) > _MAX_NOTES:

@@ -341,7 +341,8 @@ def _dtensor_summary(fp: str, placement: str, local: tuple[int, ...] = (2,)) -> 
 def test_sharded_entries_are_compared_as_shards() -> None:
     a, b = _dtensor_summary("a" * 32, "Shard(0)"), _dtensor_summary("b" * 32, "Shard(0)")
     report = compare("dt", {0: a, 1: b})
-    assert report.identical and report.sharded == ["dt"] and "1 sharded, compared as shards" in report.text()
+    assert report.identical and report.sharded == ["dt"], report.text()
+    assert "1 sharded with no replica to compare, layout (global shape, dtype, placement) compared only" in report.text()
     assert len(report.to_rows()) == 2  # one row per distinct shard
     uneven = compare("dt", {0: a, 1: _dtensor_summary("c" * 32, "Shard(0)", local=(1,))})
     assert uneven.identical  # uneven sharding: local shapes may differ, the global one may not
@@ -399,3 +400,14 @@ def test_checks_module_imports_no_torch() -> None:
 
     code = "import sys, distnb.analysis.checks, distnb.worker.checksum; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def test_a_shard_with_replicas_is_compared_across_them_and_the_report_says_so() -> None:
+    # (dp=2, tp=2) with [Replicate(), Shard(0)]: ranks 0,2 hold tp-shard 0, ranks 1,3 tp-shard 1.
+    def leaf(fp: str, coord: list[int]) -> dict:
+        return {**_dtensor_summary(fp, "Replicate(), Shard(0)"), "mesh_coord": coord}
+
+    same = compare("w", {0: leaf("a" * 32, [0, 0]), 1: leaf("b" * 32, [0, 1]), 2: leaf("a" * 32, [1, 0]), 3: leaf("b" * 32, [1, 1])})
+    assert same.identical and "1 sharded, each shard compared bitwise across its replicas" in same.text(), same.text()
+    drift = compare("w", {0: leaf("a" * 32, [0, 0]), 1: leaf("b" * 32, [0, 1]), 2: leaf("c" * 32, [1, 0]), 3: leaf("b" * 32, [1, 1])})
+    assert not drift.identical and "replicas of one shard differ" in drift.text(), drift.text()
