@@ -155,6 +155,12 @@ _KINDS: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
+def _first_difference(entries: list[dict[str, Any]]) -> str | None:
+    """The first kind (op, shape, dtype, args) in which these entries of one position differ;
+    arguments only among the entries the call log annotated."""
+    return next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in entries if k != "args" or "args" in e}) > 1), None)
+
+
 @dataclass
 class Divergence:
     group: str
@@ -234,16 +240,15 @@ class CollectiveReport:
                         continue
                     out.append(Divergence(group, seq, "missing", at, label=self._div_label(group)))
                     break
-                kind = next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in present if k != "args" or "args" in e}) > 1), None)
+                kind = _first_difference(present)
                 if kind:
-                    out.append(Divergence(group, seq, kind, at, self._same_role(group, seq), self._div_label(group)))
+                    out.append(Divergence(group, seq, kind, at, self.same_role(group, seq), self._div_label(group)))
                     break
                 if inside:
                     # A rank died inside it and the survivors agree among themselves: the same
                     # position on the other groups of this role says whether they were the odd ones.
-                    peers = self._same_role(group, seq)
-                    both = present + list(peers.values())
-                    kind = next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in both if k != "args" or "args" in e}) > 1), None)
+                    peers = self.same_role(group, seq)
+                    kind = _first_difference(present + list(peers.values()))
                     if kind:
                         div = Divergence(group, seq, kind, at, peers, self._div_label(group))
                         if div.odd():
@@ -277,7 +282,7 @@ class CollectiveReport:
         """A divergence names the default group with its members (``group 0 (ranks 0-2)``)."""
         return "" if self.log.group(group).world else self.label(group)
 
-    def _same_role(self, group: str, seq: int) -> dict[int, dict[str, Any]]:
+    def same_role(self, group: str, seq: int) -> dict[int, dict[str, Any]]:
         """Each rank's entry at ``seq`` on the other groups of ``group``'s role (same mesh
         dimension, same new_group site), for a majority wider than one group."""
         role = self.log.group(group).role()

@@ -78,13 +78,16 @@ def carry_over(found: list[CountMismatch], before: list[CountMismatch], cell: in
     return out
 
 
+def _extra(log: CollectiveEvidence, m: CountMismatch) -> list[dict[str, Any]]:
+    """The collectives the (first) rank ahead issued beyond the others, as far as the log holds them."""
+    return sorted((e for e in log.entries.get(m.ahead[0], {}).values() if e["group"] == m.group and not e["p2p"] and e["seq"] > m.low),
+                  key=lambda e: e["seq"])
+
+
 def _entries(log: CollectiveEvidence, m: CountMismatch) -> list[str]:
     """The extra collectives of the rank(s) ahead, in words, as far as the log holds them."""
-    rank = m.ahead[0]
-    extra = sorted((e for e in log.entries.get(rank, {}).values() if e["group"] == m.group and not e["p2p"] and e["seq"] > m.low),
-                   key=lambda e: e["seq"])
     out = []
-    for e in extra[:3]:
+    for e in _extra(log, m)[:3]:
         where = f"cell {e['call_cell']} line {e['line']}" if e.get("line") and e.get("call_cell") is not None else \
             f"cell {e['cell']}" if e.get("cell") is not None else ""
         out.append(f"{describe(e)} #{e['seq']}" + (f" ({where})" if where else "") + ("" if e["done"] else ", not completed"))
@@ -119,10 +122,7 @@ def mismatch_text(m: CountMismatch, log: CollectiveEvidence | None = None, sourc
 def _why(log: CollectiveEvidence, m: CountMismatch, sources: dict[int, str]) -> str:
     """The evidence the cell's code gives for the first extra call (its line, the ``if`` or loop
     around it, a pending ``async_op=True`` work), as a sentence; "" when there is none."""
-    rank = m.ahead[0]
-    extra = sorted((e for e in log.entries.get(rank, {}).values() if e["group"] == m.group and not e["p2p"] and e["seq"] > m.low),
-                   key=lambda e: e["seq"])
-    first = next((e for e in extra if e.get("line") and e.get("call_cell") is not None), None)
+    first = next((e for e in _extra(log, m) if e.get("line") and e.get("call_cell") is not None), None)
     if first is None:
         return ""
     code = sources.get(int(first["call_cell"]))

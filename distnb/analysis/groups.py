@@ -52,6 +52,11 @@ class GroupInfo:
         return mesh_dim(self.desc)
 
     @property
+    def described(self) -> bool:
+        """torch was given a description of its own (``group_desc=``), not its ``undefined``."""
+        return bool(self.desc) and self.desc != "undefined"
+
+    @property
     def world(self) -> bool:
         return self.name == "0" or self.desc == "default_pg"
 
@@ -62,7 +67,7 @@ class GroupInfo:
             return f"group {short_name(self.name)}"
         if self.dim is not None:
             return f"{self.dim}{members}"
-        if self.desc and self.desc not in ("undefined", ""):
+        if self.described:
             return f"{self.desc}{members}"
         site = f", from new_group at cell {self.site[0]} line {self.site[1]}" if self.site else ""
         return f"group {short_name(self.name)}{members}{site}"
@@ -74,8 +79,8 @@ class GroupInfo:
             return "group 0"
         if self.dim is not None:
             return self.dim
-        if self.desc and self.desc not in ("undefined", ""):
-            return self.desc
+        if self.described:
+            return str(self.desc)
         if self.site:
             return f"the groups of new_group at cell {self.site[0]} line {self.site[1]}"
         return f"group {short_name(self.name)}"

@@ -310,16 +310,9 @@ def _witnesses(waiting: list[Position], log: CollectiveReport | None) -> dict[in
     for p in waiting:
         if p.group is None or p.seq is None:
             continue
-        role = log.log.group(p.group).role()
-        if role.startswith("group "):
-            continue
-        for other in log.group_names():
-            if other == p.group or log.log.group(other).role() != role:
-                continue
-            for r in log.members(other):
-                e = next((x for x in log.log.sequence(r, other) if x["seq"] == p.seq), None)
-                if r not in busy and e is not None:
-                    out[r] = (e["op"], _tup(e.get("sizes")), _tup(e.get("dtypes")))
+        for r, e in log.same_role(p.group, p.seq).items():
+            if r not in busy:
+                out[r] = (e["op"], _tup(e.get("sizes")), _tup(e.get("dtypes")))
     return out
 
 

@@ -55,34 +55,24 @@ class CellClock:
         return cell if t1 is None or t <= t1 else None
 
 
-def _groups() -> dict[str, list[int]]:
-    """Process-group name → global ranks (the Flight Recorder names groups, not members)."""
+def _groups() -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Process-group name → global ranks (the Flight Recorder names groups, not members), and →
+    torch's description (``mesh_dp`` for a mesh's dp groups: known as soon as the group exists,
+    before any of its collectives is recorded); one walk of torch's group table for both."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    out: dict[str, list[int]] = {}
+    ranks: dict[str, list[int]] = {}
+    descs: dict[str, str] = {}
     try:
         for pg, name in list(c10d._world.pg_names.items()):
-            out[str(name)] = sorted(dist.get_process_group_ranks(pg))
-    except Exception:
-        pass
-    return out
-
-
-def _descs() -> dict[str, str]:
-    """Process-group name → torch's description (``mesh_dp`` for a mesh's dp groups): known as soon
-    as the group exists, before any of its collectives is recorded."""
-    from torch.distributed import distributed_c10d as c10d
-
-    out: dict[str, str] = {}
-    try:
-        for pg, name in list(c10d._world.pg_names.items()):
+            ranks[str(name)] = sorted(dist.get_process_group_ranks(pg))
             desc = getattr(pg, "group_desc", None)
             if desc:
-                out[str(name)] = str(desc)
+                descs[str(name)] = str(desc)
     except Exception:
         pass
-    return out
+    return ranks, descs
 
 
 class SeqWatch:
@@ -272,7 +262,8 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
         created.append(int(e.get("time_created_ns", 0)))
     if calls is not None:
         calls.annotate(entries, created)
-    reply = {"entries": entries, "groups": _groups(), "descs": _descs(), "now": now, **extra}
+    groups, descs = _groups()
+    reply = {"entries": entries, "groups": groups, "descs": descs, "now": now, **extra}
     if missing:
         reply["missing"] = missing
     return reply

@@ -241,7 +241,7 @@ def test_comms_report_merges_ranks_per_module_and_dimension() -> None:
     usual = [rec("model.0", "all_gather_into_tensor", "1", "mesh_dp", 288), rec("model.2", "all_reduce", "3", "mesh_tp", 128),
              rec("model.0", "reduce_scatter_tensor", "1", "mesh_dp", 576, bw=True)]
     moves = [{"module": "model.2", "bw": False, "src": "P(sum)", "dst": "R", "shape": [4, 8], "dims": ["tp"]}]
-    per_rank = {r: {"records": list(usual), "redistributes": list(moves), "modules": {}} for r in range(4)}
+    per_rank = {r: {"records": list(usual), "redistributes": list(moves)} for r in range(4)}
     per_rank[2]["records"] = usual + [rec("model.2", "all_reduce", "3", "mesh_tp", 128)]  # one call more on rank 2
     per_rank[3] = None  # did not finish
     report = CommsReport.of(7, per_rank)

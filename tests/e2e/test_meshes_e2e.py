@@ -21,6 +21,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 NCCL = os.environ.get("DISTNB_MESH_BACKEND") == "nccl"
 MESH = ("from torch.distributed.device_mesh import init_device_mesh\n"
         "{m} = init_device_mesh(device.type, (2, 2), mesh_dim_names=('dp', 'tp'))\n")
+#: A small model, tensor parallel over tp and FSDP2 over dp of the mesh ``{p}_mesh``, as ``{p}_model``.
+FSDP_TP = ("import torch.nn as nn\nfrom torch.distributed.fsdp import fully_shard\n"
+           "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
+           "torch.manual_seed(0)\n{p}_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to(device)\n"
+           "parallelize_module({p}_model, {p}_mesh['tp'], {{'0': ColwiseParallel(), '2': RowwiseParallel()}})\n"
+           "fully_shard({p}_model, mesh={p}_mesh['dp'])\n")
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +145,7 @@ def test_dist_mesh_names_a_rank_whose_mesh_disagrees(mesh_pool: distnb.Pool) -> 
 
 def test_comms_per_module_and_dimension_over_fsdp2_with_tensor_parallel(mesh_pool: distnb.Pool) -> None:
     pool = usable(mesh_pool)
-    setup = pool.run(MESH.format(m="cm_mesh") +
-                     "import torch.nn as nn\nfrom torch.distributed.fsdp import fully_shard\n"
-                     "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
-                     "torch.manual_seed(0)\ncm_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to(device)\n"
-                     "parallelize_module(cm_model, cm_mesh['tp'], {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
-                     "fully_shard(cm_model, mesh=cm_mesh['dp'])\n"
+    setup = pool.run(MESH.format(m="cm_mesh") + FSDP_TP.format(p="cm") +
                      "cm_solo = dist.new_group([3])  # every rank creates it; only rank 3 uses it\n", timeout=120)
     assert setup.ok, setup.text()
     res = pool.wait(pool.submit("cm_model(torch.randn(4, 8, device=device)).sum().backward()\n"
@@ -169,12 +170,8 @@ def test_a_healthy_fsdp2_and_tensor_parallel_run_reports_no_divergence(mesh_pool
     # No false alarm: DTensor's scatters (input on the root alone), FSDP2's all_gathers and
     # reduce_scatters, TP's all_reduces over several steps — every rank agrees, nothing is flagged.
     pool = usable(mesh_pool)
-    res = pool.run(MESH.format(m="ok_mesh") +
-                   "import torch.nn as nn\nfrom torch.distributed.fsdp import fully_shard\n"
-                   "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
-                   "torch.manual_seed(0)\nok_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to(device)\n"
-                   "parallelize_module(ok_model, ok_mesh['tp'], {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
-                   "fully_shard(ok_model, mesh=ok_mesh['dp'])\nok_opt = torch.optim.SGD(ok_model.parameters(), lr=0.1)\n"
+    res = pool.run(MESH.format(m="ok_mesh") + FSDP_TP.format(p="ok") +
+                   "ok_opt = torch.optim.SGD(ok_model.parameters(), lr=0.1)\n"
                    "for _ in range(3):\n    ok_model(torch.randn(4, 8, device=device)).pow(2).mean().backward()\n"
                    "    ok_opt.step()\n    ok_opt.zero_grad()\n", timeout=120)
     assert res.ok and not res.desync and "desync" not in res.text(), res.text()
