@@ -4,9 +4,9 @@ It composes the parts that do the work and keeps each to its job:
 
 - :class:`~distnb.controller.tracker.Tracker` — pool and rank states, fed by messages (the only place they change);
 - :class:`~distnb.controller.session.SessionLog` — cells and pushes, for replay and export;
-- :class:`~distnb.services.diagnostics.Diagnostics` — stacks, diagnoses, collectives, memory, env, checksums;
-- :class:`~distnb.controller.channel.Channel` and :class:`~distnb.launching.torchrun.Launcher` — the wire and the processes;
-- :class:`~distnb.services.multinode.MultiNode` — other machines, when ``nnodes > 1``.
+- :class:`~distnb.services.diagnostics.Diagnostics` — stacks, diagnoses, collectives, memory, env, checksums
+  (:class:`~distnb.services.watch.CellWatch`, the live hang watch, asks it only when the logs look wrong);
+- ``Channel``, ``Launcher`` and ``MultiNode`` — the wire, the processes, the other machines.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from distnb.services.multinode import MultiNode
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
 from distnb.services.waiting import wait_for_cell
+from distnb.services.watch import CellWatch
 from distnb.states import PoolState
 from distnb.status import PoolStatus
 from distnb.wire.cell_code import CompiledCell, compile_source, exec_request
@@ -139,9 +140,7 @@ class Pool:
         """What %dist_push sent, in order, for replay and export."""
         return self._session.pushes
 
-    @property
-    def first_death(self) -> int | None:
-        return self._tracker.first_death
+    first_death = property(lambda self: self._tracker.first_death, doc="The rank that died first (the root cause when several did).")
 
     @property
     def address(self) -> str | None:
@@ -425,6 +424,10 @@ class Pool:
 
     def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:
         return self._diagnostics.diagnose(result, hang_after)
+
+    def watch(self, result: CellResult, hang_after: float | None = None) -> CellWatch:
+        """A running cell's live hang watch (``%%on_ranks`` calls ``.look()`` once a second)."""
+        return CellWatch(self._tracker, self._diagnostics, result, self._config.hang_after if hang_after is None else hang_after)
 
     def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
         """Who arrives last at the recent collectives of ``group`` (from the Flight Recorder's

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-__all__ = ["Ranks", "format_ranks", "group_by", "parse_ranks", "rank_span"]
+__all__ = ["Ranks", "SUMMARY_ABOVE", "format_ranks", "group_by", "parse_ranks", "rank_span"]
 
 #: Which ranks a call is for: ``None`` (all), a rank, ``"0,2"``, ``"1-3"``, ``"0:8:2"``, ``"all"`` or any iterable of ranks.
 Ranks = str | int | Iterable[int] | None
@@ -64,6 +64,10 @@ def parse_ranks(spec: str | int | Iterable[int] | None, world_size: int) -> list
     return sorted(set(items))
 
 
+#: Views list every rank up to this many; above it they lead with the majority and name the outliers.
+SUMMARY_ABOVE = 16
+
+
 def format_ranks(ranks: Iterable[int]) -> str:
     """``[0,1,2,5]`` -> ``"ranks 0-2,5"``; a single rank reads ``"rank 3"``."""
     rs = sorted(set(ranks))
@@ -90,13 +94,26 @@ def rank_span(ranks: Iterable[int]) -> str:
 
 
 def group_by(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
-    """Group ranks whose values are equal, in order of first appearance."""
+    """Group ranks whose values are equal, in order of first appearance.
+
+    Hashable values are grouped through a dict (linear in ranks, whatever the number of distinct
+    values); an unhashable one is compared with the unhashable groups so far."""
     groups: list[tuple[list[int], Any]] = []
+    index: dict[Any, list[int]] = {}
+    loose: list[tuple[list[int], Any]] = []
     for rank, value in items:
-        for ranks, v in groups:
-            if v == value:
-                ranks.append(rank)
-                break
+        try:
+            ranks = index.get(value)
+        except TypeError:
+            ranks = next((rs for rs, v in loose if v == value), None)
+            if ranks is None:
+                loose.append(([rank], value))
+                groups.append(loose[-1])
+                continue
         else:
-            groups.append(([rank], value))
+            if ranks is None:
+                index[value] = [rank]
+                groups.append((index[value], value))
+                continue
+        ranks.append(rank)
     return groups

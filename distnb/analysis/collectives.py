@@ -27,6 +27,10 @@ class CollectiveEvidence(Protocol):
 
     def sequence(self, rank: int, group: str) -> list[dict[str, Any]]: ...
 
+    def seqs(self, rank: int, group: str) -> dict[int, dict[str, Any]]: ...
+
+    def groups_of(self, rank: int) -> dict[str, dict[int, dict[str, Any]]]: ...
+
     def group(self, name: str) -> GroupInfo: ...
 
     def open_calls(self, rank: int) -> list[dict[str, Any]]: ...
@@ -211,19 +215,29 @@ class CollectiveReport:
     ranks: list[int]
     last: int | None = None
 
+    def __post_init__(self) -> None:
+        self._shown = set(self.ranks)
+        self._members: dict[str, list[int]] = {}
+        self._names: list[str] | None = None
+
     def members(self, group: str) -> list[int]:
-        return [r for r in self.log.groups.get(group, self.ranks) if r in self.ranks] or self.ranks
+        members = self._members.get(group)
+        if members is None:  # asked once per rank by the analyses: worked out once per group
+            members = self._members[group] = [r for r in self.log.groups.get(group, self.ranks) if r in self._shown] or self.ranks
+        return members
 
     def group_names(self) -> list[str]:
-        seen = {e["group"] for r in self.ranks for e in self.log.entries.get(r, {}).values() if not e["p2p"]}
-        return sorted(seen, key=lambda g: (g != "0", g))
+        if self._names is None:
+            seen = {g for r in self.ranks for g, held in self.log.groups_of(r).items() if held}
+            self._names = sorted(seen, key=lambda g: (g != "0", g))
+        return self._names
 
     def divergences(self) -> list[Divergence]:
         """First disagreement per group (at most one each), earliest first."""
         out = []
         for group in self.group_names():
             members = self.members(group)
-            seqs = {r: {e["seq"]: e for e in self.log.sequence(r, group)} for r in members}
+            seqs = {r: self.log.seqs(r, group) for r in members}
             top = max((max(s) for s in seqs.values() if s), default=0)
             low = min((min(s) for s in seqs.values() if s), default=1)
             for seq in range(low, top + 1):
@@ -293,7 +307,7 @@ class CollectiveReport:
             if other == group or self.log.group(other).role() != role:
                 continue
             for r in self.members(other):
-                e = next((x for x in self.log.sequence(r, other) if x["seq"] == seq), None)
+                e = self.log.seqs(r, other).get(seq)
                 if e is not None:
                     out[r] = e
         return out
@@ -303,7 +317,7 @@ class CollectiveReport:
         return min((self.log.local_time(r, e) for r, e in d.by_rank.items() if e), default=0.0)
 
     def counts(self, group: str) -> dict[int, int]:
-        return {r: len(self.log.sequence(r, group)) for r in self.members(group)}
+        return {r: len(self.log.seqs(r, group)) for r in self.members(group)}
 
     def text(self) -> str:
         if self.log.unavailable:

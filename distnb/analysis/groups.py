@@ -14,6 +14,7 @@ issuing the same collective at the same point in a cell must agree on the role.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,10 @@ class GroupInfo:
 
     def label(self) -> str:
         """``dp (ranks 1,3)``, ``group 0``, ``group 5 (ranks 0,1), from new_group at cell 2 line 3``."""
+        return self._label
+
+    @functools.cached_property
+    def _label(self) -> str:  # named in every line about the group: its members formatted once
         members = f" ({format_ranks(list(self.ranks))})" if self.ranks else ""
         if self.world:
             return f"group {short_name(self.name)}"

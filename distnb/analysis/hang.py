@@ -138,7 +138,7 @@ def diagnose(
         w = format_ranks([p.rank for p in waiting])
     if log is not None and all(p.group is not None for p in waiting):
         # Finished ranks outside every waiting rank's group are no evidence of anything here.
-        members = {r for p in waiting for r in log.members(str(p.group))}
+        members = {r for g in {str(p.group) for p in waiting} for r in log.members(g)}
         finished = [p for p in finished if p.rank in members]
     if finished and log is not None:
         refined = _refine_missing(waiting, finished, log, positions, sources or {})

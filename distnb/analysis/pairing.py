@@ -111,8 +111,9 @@ def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int, waiting: f
         at = {r: s[k] for r, s in seqs.items() if len(s) > k}
         if len(at) < 2:
             return None
-        roles = {r: log.group(e["group"]).role() for r, e in at.items()}
-        if len(set(roles.values())) == 1:
+        names = {e["group"] for e in at.values()}
+        roles = {r: log.group(e["group"]).role() for r, e in at.items()} if len(names) > 1 else {}
+        if len(set(roles.values())) <= 1:
             if len({e["op"] for e in at.values()}) > 1:
                 return None  # the same groups, other ops: the group's own divergence says it
             continue
@@ -164,13 +165,14 @@ class CrossCell:
 def cross_cell(log: CollectiveEvidence, ranks: list[int], cell: int | None = None) -> CrossCell | None:
     """The latest collective (of ``cell``, when given) whose ranks' calls came from different cells."""
     found: CrossCell | None = None
-    names = {e["group"] for r in ranks for e in log.entries.get(r, {}).values() if not e.get("p2p")}
+    names = {g for r in ranks for g, held in log.groups_of(r).items() if held}
+    shown = set(ranks)
     for group in sorted(names):
-        members = [r for r in log.groups.get(group, ranks) if r in ranks] or ranks
+        members = [r for r in log.groups.get(group, ranks) if r in shown] or ranks
         by_seq: dict[int, dict[int, dict[str, Any]]] = {}
         for r in members:
-            for e in log.sequence(r, group):
-                by_seq.setdefault(e["seq"], {})[r] = e
+            for seq, e in log.seqs(r, group).items():
+                by_seq.setdefault(seq, {})[r] = e
         for seq in sorted(by_seq, reverse=True):
             at = by_seq[seq]
             cells = {_cell(e) for e in at.values()}

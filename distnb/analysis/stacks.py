@@ -119,10 +119,10 @@ class StackReport:
     ranks: list[RankStack]
 
     def __getitem__(self, rank: int) -> RankStack:
-        for r in self.ranks:
-            if r.rank == rank:
-                return r
-        raise KeyError(rank)
+        by_rank = self.__dict__.get("_by_rank")
+        if by_rank is None or len(by_rank) != len(self.ranks):  # built once; again if ranks were added
+            by_rank = self.__dict__["_by_rank"] = {r.rank: r for r in self.ranks}
+        return by_rank[rank]
 
     def groups(self) -> list[tuple[list[int], RankStack]]:
         by_sig = group_by((r.rank, r.signature()) for r in self.ranks)

@@ -10,14 +10,16 @@ NCCL the arrival is the host's enqueue, which runs ahead of the GPU.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 from distnb.analysis.collectives import CollectiveEvidence
-from distnb.ranks import format_ranks
+from distnb.ranks import SUMMARY_ABOVE, format_ranks
 
-__all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_MIN_LATE", "STRAGGLER_NOISE_FACTOR", "STRAGGLER_SHARE", "STRAGGLER_STEP_SHARE"]
+__all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_MIN_LATE", "STRAGGLER_NOISE_FACTOR", "STRAGGLER_SHARE",
+           "STRAGGLER_STEP_SHARE", "straggler_window"]
 
 #: A rank arriving last at this share of the collectives (or more) is the straggler …
 STRAGGLER_SHARE = 0.6
@@ -39,30 +41,54 @@ class Arrival:
     op: str
     times: dict[int, float]  # rank → arrival, controller clock (seconds)
 
-    @property
+    # Cached: the report reads them once per rank per collective (times never change once made).
+    @functools.cached_property
     def first(self) -> float:
         return min(self.times.values())
 
-    @property
+    @functools.cached_property
+    def last(self) -> float:
+        return max(self.times.values())
+
+    @functools.cached_property
     def last_rank(self) -> int:
-        return max(self.times, key=lambda r: (self.times[r], r))
+        last = self.last
+        return max(r for r, t in self.times.items() if t == last)  # on a tie, the highest rank
 
     @property
     def spread(self) -> float:
-        return max(self.times.values()) - self.first
+        return self.last - self.first
+
+
+def straggler_window(world: int) -> int:
+    """How many recent collectives a live straggler check compares: 200 up to 100 ranks, then
+    fewer, so one check reads about 20,000 arrivals at most (never fewer than 20 collectives)."""
+    return max(20, min(200, 20_000 // max(world, 1)))
 
 
 def arrivals(log: CollectiveEvidence, group: str, ranks: list[int], last: int | None = 200, cell: int | None = None) -> list[Arrival]:
     """The last ``last`` collectives of ``group`` that every one of ``ranks`` reached (issued
     in ``cell``, when given)."""
-    seqs = {r: {e["seq"]: e for e in log.sequence(r, group) if cell is None or e.get("cell") == cell} for r in ranks}
-    common = sorted(set.intersection(*(set(s) for s in seqs.values()))) if seqs else []
-    if last is not None:
-        common = common[-last:]
+    if not ranks:
+        return []
+    rows = [(r, log.seqs(r, group), log.offset(r)) for r in ranks]
+    # Newest first from the rank with the fewest: only ``last`` of them are read, however long the history.
+    fewest = min(rows, key=lambda row: len(row[1]))[1]
     out = []
-    for seq in common:
-        entries = {r: seqs[r][seq] for r in ranks}
-        out.append(Arrival(group, seq, entries[ranks[0]]["op"], {r: log.local_time(r, e) for r, e in entries.items()}))
+    for seq in sorted(fewest, reverse=True):
+        own = fewest[seq].get("cell")
+        if cell is not None and isinstance(own, int) and own < cell:
+            break  # a rank's cells only grow with its sequence numbers: the rest is older
+        try:
+            entries = [(r, held[seq], off) for r, held, off in rows]
+        except KeyError:
+            continue  # a rank has not reached it (or its log let it go)
+        if cell is not None and any(e.get("cell") != cell for _, e, _ in entries):
+            continue
+        out.append(Arrival(group, seq, entries[0][1]["op"], {r: e["t"] - off for r, e, off in entries}))
+        if last is not None and len(out) >= last:
+            break
+    out.reverse()
     return out
 
 
@@ -79,24 +105,44 @@ class StragglerReport:
     def on(self) -> str:
         return self.label or f"group {self.group}"
 
+    # Every per-rank figure comes from one pass over the collectives (ranks × collectives), kept:
+    # a report is built for one look and its collectives are not changed after.
+    @functools.cached_property
+    def _lasts(self) -> dict[int, list[float]]:
+        """Per rank, its lateness (spread) at each collective it arrived last at."""
+        out: dict[int, list[float]] = {r: [] for r in self.ranks}
+        for a in self.collectives:
+            out.setdefault(a.last_rank, []).append(a.spread)
+        return out
+
     def last_share(self) -> dict[int, float]:
         """Per rank, the share of collectives it arrived last at."""
         n = len(self.collectives) or 1
-        return {r: sum(a.last_rank == r for a in self.collectives) / n for r in self.ranks}
+        lasts = self._lasts
+        return {r: len(lasts[r]) / n for r in self.ranks}
 
     def lateness(self, rank: int) -> float:
         """Median seconds ``rank`` arrived after the first, over the collectives it was last at."""
-        late = [a.spread for a in self.collectives if a.last_rank == rank]
+        late = self._lasts.get(rank)
         return statistics.median(late) if late else 0.0
 
     def span(self) -> float:
         if not self.collectives:
             return 0.0
-        return max(max(a.times.values()) for a in self.collectives) - self.collectives[0].first
+        return max(a.last for a in self.collectives) - self.collectives[0].first
+
+    @functools.cached_property
+    def _waiting(self) -> dict[int, float]:
+        out = dict.fromkeys(self.ranks, 0.0)
+        for a in self.collectives:
+            for r, t in a.times.items():
+                if r in out:
+                    out[r] += a.last - t
+        return out
 
     def waiting(self) -> dict[int, float]:
         """Per rank, seconds spent between its arrival and the last one's, summed."""
-        return {r: sum(max(a.times.values()) - a.times[r] for a in self.collectives) for r in self.ranks}
+        return dict(self._waiting)
 
     def waiting_share(self) -> dict[int, float]:
         """Per rank, the share of the window's wall time it spent waiting for the last arrival."""
@@ -114,17 +160,24 @@ class StragglerReport:
     def noise(self, rank: int) -> float:
         """Median spread of the other ranks' arrivals among themselves, over the collectives
         ``rank`` was last at: how late is merely late on this machine."""
-        spreads = [max(t for r, t in a.times.items() if r != rank) - min(t for r, t in a.times.items() if r != rank)
-                   for a in self.collectives if a.last_rank == rank and len(a.times) > 2]
+        spreads = []
+        for a in self.collectives:
+            if a.last_rank == rank and len(a.times) > 2:
+                others = [t for r, t in a.times.items() if r != rank]
+                spreads.append(max(others) - min(others))
         return statistics.median(spreads) if spreads else 0.0
 
-    def candidate(self) -> int | None:
-        """The rank that arrives last most often, when that is most of the time."""
+    @functools.cached_property
+    def _candidate(self) -> int | None:
         share = self.last_share()
         if len(self.collectives) < 5 or not share:
             return None
         rank = max(share, key=lambda r: share[r])
         return rank if share[rank] >= STRAGGLER_SHARE else None
+
+    def candidate(self) -> int | None:
+        """The rank that arrives last most often, when that is most of the time."""
+        return self._candidate
 
     def straggler(self) -> int | None:
         """The candidate, when it is late beyond noise: absolutely, relative to the step, and
@@ -168,12 +221,27 @@ class StragglerReport:
         return (f"rank {rank} arrives last at {self.last_share()[rank]:.0%} of the last {n} {self.ops()}s on {self.on}, "
                 f"{self.measures(rank)}; {format_ranks(others)} spend {avg:.0%} of their time waiting for it.")
 
+    def named(self, count: int = 5) -> list[int]:
+        """The ranks a summary names: those arriving last most often (the straggler first), then
+        those waiting least for peers (a slow rank waits least), in that order, ``count`` each."""
+        share, waits = self.last_share(), self.waiting_share()
+        often = sorted((r for r in self.ranks if share[r] > 0), key=lambda r: (-share[r], r))[:count]
+        least = sorted(self.ranks, key=lambda r: (waits[r], r))[:count]
+        return list(dict.fromkeys(often + least))
+
     def text(self) -> str:
         lines = [f"[distnb] {self.summary()}"]
         if self.collectives:
             share, waits = self.last_share(), self.waiting_share()
+            many = len(self.ranks) > SUMMARY_ABOVE
+            shown = self.named() if many else self.ranks
+            if many:
+                spread = sorted(waits.values())
+                lines.append(f"  time waiting for peers over {len(self.ranks)} ranks: least {spread[0]:.0%}, median "
+                             f"{spread[len(spread) // 2]:.0%}, most {spread[-1]:.0%}; the ranks that arrive last most often, and "
+                             "those that wait least:")
             lines.append("  rank  arrives last  median late when last  time waiting for peers")
-            for r in self.ranks:
+            for r in shown:
                 lines.append(f"  {r:>4}  {share[r]:>12.0%}  {self.lateness(r) * 1000:>19.1f} ms  {waits[r]:>22.0%}")
             lines.append(f"  ({len(self.collectives)} collectives over {self.span():.2f} s; arrival = when the rank issued it)")
         return "\n".join(lines)
@@ -191,7 +259,15 @@ class StragglerReport:
         fig = Figure(figsize=(6.5, 3.0))
         ax = fig.add_subplot()
         xs = [a.seq for a in self.collectives]
-        for r in self.ranks:
+        shown = self.ranks
+        if len(self.ranks) > SUMMARY_ABOVE:
+            # A line per rank is a smear at scale: the band every rank arrived in, the median, and
+            # the named ranks' own lines on top.
+            skews = [sorted((t - a.first) * 1000 for t in a.times.values()) for a in self.collectives]
+            ax.fill_between(xs, [s[0] for s in skews], [s[-1] for s in skews], alpha=0.25, label=f"all {len(self.ranks)} ranks")
+            ax.plot(xs, [s[len(s) // 2] for s in skews], linewidth=1, color="grey", label="median rank")
+            shown = self.named(3)
+        for r in shown:
             ax.plot(xs, [(a.times[r] - a.first) * 1000 for a in self.collectives], marker=".", linewidth=1, label=f"rank {r}")
         ax.set_xlabel(f"collective # on {self.on}")
         ax.set_ylabel("arrival after the first (ms)")

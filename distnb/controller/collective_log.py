@@ -9,7 +9,7 @@ carries the rank's ``now``, and :meth:`CollectiveLog.age` measures against that.
 from __future__ import annotations
 
 import collections
-import heapq
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +18,8 @@ from distnb.analysis.collectives import P2P_OPS, CollectiveReport, describe, pee
 from distnb.analysis.groups import GroupInfo, info_from, site_of
 
 __all__ = ["CollectiveLog"]
+
+_HERE = socket.gethostname()
 
 
 @dataclass
@@ -41,23 +43,36 @@ class CollectiveLog:
     # Per rank, the record id below which entries belong to process groups that no longer exist
     # (a regroup names its new default group "0" again and restarts its sequence at 1).
     floors: dict[int, int] = field(default_factory=dict)
-    # Per rank, recent (rank's clock − controller's clock) samples; each is low by the reply's
-    # transit and queueing time, so the largest recent one is the best estimate of the offset.
-    _skew: dict[int, collections.deque[float]] = field(default_factory=dict)
+    # Per machine, recent (its clock − controller's clock) samples; each is low by the reply's
+    # transit and queueing time (a thousand replies queue for tens of ms here, a GC pause adds
+    # more), so the largest recent one of any of the machine's ranks is the best estimate. Ranks
+    # on the controller's own machine share its clock: no estimate at all.
+    _skew: dict[str, collections.deque[float]] = field(default_factory=dict)
+    _hosts: dict[int, str] = field(default_factory=dict, repr=False)
     _sites: dict[str, tuple[int, int]] | None = field(default=None, repr=False)
+    # Per rank, per group, the collectives (not point-to-point) by sequence number: what every
+    # comparison across ranks reads, kept as entries arrive so a look costs the entries it reads,
+    # not the rank's whole history.
+    _seqs: dict[int, dict[str, dict[int, dict[str, Any]]]] = field(default_factory=dict, repr=False)
+    _infos: dict[str, GroupInfo] = field(default_factory=dict, repr=False)
+    # Per rank, the entries not completed (by id) and the newest id held: what every look at a
+    # running cell asks, without walking the rank's history.
+    _open: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict, repr=False)
+    _newest: dict[int, int] = field(default_factory=dict, repr=False)
+    #: Bumped whenever an entry arrives or changes: a watcher sees at a glance whether anything moved.
+    changes: int = 0
 
     def last_id(self, rank: int) -> int:
-        ids = self.entries.get(rank)
-        return max(max(ids) if ids else -1, self.floors.get(rank, -1))
+        return max(self._newest.get(rank, -1), self.floors.get(rank, -1))
 
     def cursor(self, rank: int) -> int:
         """Where the next read of the rank's recorder starts: after the newest record held, or
-        before the oldest one still held as open among the recent ones — the rank re-sends open
-        entries only while they are open, so one that completed after its last read would stay
-        "entered, not completed" here for good."""
-        ids = self.entries.get(rank, {})
-        open_ = sorted(i for i in heapq.nlargest(200, ids) if not ids[i]["done"])
-        return min(self.last_id(rank), open_[0] - 1) if open_ else self.last_id(rank)
+        before the oldest one still held as open among the recent ones (the last 200 ids) — the
+        rank re-sends open entries only while they are open, so one that completed after its last
+        read would stay "entered, not completed" here for good."""
+        last = self.last_id(rank)
+        open_ = [i for i in self._open.get(rank, {}) if i > last - 200]
+        return min(last, min(open_) - 1) if open_ else last
 
     def last_call(self, rank: int) -> int:
         """Where the next read of the rank's calls starts: after the newest held, or before the
@@ -83,25 +98,51 @@ class CollectiveLog:
             return
         self.unavailable = None
         self.missing.update(reply.get("missing", {}))
-        if "now" in reply:
-            self._skew.setdefault(rank, collections.deque(maxlen=16)).append(float(reply["now"]) - time.time())
+        host = self._hosts.get(rank, f"rank {rank}")
+        if "now" in reply and host != _HERE:
+            self._skew.setdefault(host, collections.deque(maxlen=64)).append(float(reply["now"]) - time.time())
         floor = self.floors.get(rank, -1)
         mine = self.entries.setdefault(rank, {})
+        seqs = self._seqs.setdefault(rank, {})
+        open_ = self._open.setdefault(rank, {})
         for e in reply.get("entries", []):
             if e["id"] > floor:
+                held = mine.get(e["id"])
+                if held is None or held["done"] != e["done"]:
+                    self.changes += 1
                 mine[e["id"]] = e
-                if e.get("desc"):
+                self._newest[rank] = max(self._newest.get(rank, -1), e["id"])
+                if e["done"]:
+                    open_.pop(e["id"], None)
+                else:
+                    open_[e["id"]] = e
+                if not e.get("p2p"):
+                    seqs.setdefault(e["group"], {})[e["seq"]] = e
+                if e.get("desc") and self.descs.get(e["group"]) != e["desc"]:
                     self.descs[e["group"]] = e["desc"]
-        self.groups.update(reply.get("groups", {}))
+                    self._infos.pop(e["group"], None)
+        if reply.get("groups"):
+            self.groups.update(reply["groups"])
+            self._infos.clear()
         for name, desc in reply.get("descs", {}).items():
-            self.descs.setdefault(name, desc)  # an entry's own description (above) stands
+            if name not in self.descs:  # an entry's own description (above) stands
+                self.descs[name] = desc
+                self._infos.pop(name, None)
         if len(mine) > 5000:  # the recorder itself keeps 2000; keep a bounded history
             for rid in sorted(mine)[: len(mine) - 5000]:
-                del mine[rid]
+                gone = mine.pop(rid)
+                open_.pop(rid, None)
+                by_seq = seqs.get(gone["group"], {})
+                if by_seq.get(gone["seq"]) is gone:
+                    del by_seq[gone["seq"]]
 
     def clear(self) -> None:
         """Forget everything (a fresh launch: new processes, record ids from 0 again)."""
         self.entries.clear()
+        self._seqs.clear()
+        self._open.clear()
+        self._newest.clear()
+        self._infos.clear()
         self.groups.clear()
         self.descs.clear()
         self.calls.clear()
@@ -117,6 +158,10 @@ class CollectiveLog:
         ignore records up to ``floors[rank]`` should a rank send them again (an old collective
         that never completed stays in its recorder)."""
         self.entries.clear()
+        self._seqs.clear()
+        self._open.clear()
+        self._newest.clear()
+        self._infos.clear()
         self.groups.clear()
         self.descs.clear()
         self._sites = None
@@ -127,9 +172,14 @@ class CollectiveLog:
         """Seconds since the rank recorded ``entry``, by the rank's own clock."""
         return max(0.0, time.time() + self.offset(rank) - float(entry["t"]))
 
+    def place(self, rank: int, host: str) -> None:
+        """The machine the rank runs on (its HELLO): ranks of one machine share one clock."""
+        self._hosts[rank] = host
+
     def offset(self, rank: int) -> float:
-        """The rank's clock minus the controller's, seconds (0 until a reply says otherwise)."""
-        samples = self._skew.get(rank)
+        """The rank's clock minus the controller's, seconds (0 on this machine, and until a reply
+        says otherwise)."""
+        samples = self._skew.get(self._hosts.get(rank, f"rank {rank}"))
         return max(samples) if samples else 0.0
 
     def local_time(self, rank: int, entry: dict[str, Any]) -> float:
@@ -139,7 +189,7 @@ class CollectiveLog:
     def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None:
         """The collective the rank entered most recently and has not completed (in ``cell``, when
         given: the rank attributed it to that cell by its own clock)."""
-        open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"] and (cell is None or e.get("cell") == cell)]
+        open_ = [e for e in self._open.get(rank, {}).values() if cell is None or e.get("cell") == cell]
         return max(open_, key=lambda e: e["id"]) if open_ else None
 
     def stuck(self, rank: int) -> dict[str, Any] | None:
@@ -147,8 +197,8 @@ class CollectiveLog:
         its collectives in order, so its oldest open one is the one its peers must join first;
         NCCL (and gloo's ``async_op=True``) return to the host long before — the host then waits
         at a sync (``.item()``, ``.cpu()``, ``work.wait()``), not in the collective."""
-        open_ = [e for e in self.entries.get(rank, {}).values() if not e["done"]]
-        return min(open_, key=lambda e: e["id"]) if open_ else None
+        open_ = self._open.get(rank)
+        return open_[min(open_)] if open_ else None
 
     def open_calls(self, rank: int) -> list[dict[str, Any]]:
         """Watched calls the rank is in now (a blocking send/recv, new_group) or has not seen
@@ -179,7 +229,11 @@ class CollectiveLog:
         if self._sites is None:  # texts name many groups: build the map once per change of the calls
             self._sites = {c["made"]: site for calls in self.calls.values() for c in calls.values()
                            if c["op"] == "new_group" and "made" in c and (site := site_of(c)) is not None}
-        return info_from(name, self.groups, self.descs, self._sites)
+            self._infos.clear()
+        info = self._infos.get(name)
+        if info is None:  # kept until what it was made from changes (groups, descriptions, sites)
+            info = self._infos[name] = info_from(name, self.groups, self.descs, self._sites)
+        return info
 
     def creations(self, rank: int) -> dict[int, dict[str, Any]]:
         """The rank's ``new_group`` calls by torch's group counter before each (1 = the first
@@ -190,13 +244,22 @@ class CollectiveLog:
         return sorted((c for c in self.calls.get(rank, {}).values() if c["op"] in P2P_OPS), key=lambda c: c["n"])
 
     def sequence(self, rank: int, group: str) -> list[dict[str, Any]]:
-        return sorted((e for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]), key=lambda e: e["seq"])
+        by_seq = self.seqs(rank, group)
+        return [by_seq[s] for s in sorted(by_seq)]
+
+    def groups_of(self, rank: int) -> dict[str, dict[int, dict[str, Any]]]:
+        """The rank's collectives (not point-to-point) by group, then sequence number (read-only)."""
+        return self._seqs.get(rank, {})
+
+    def seqs(self, rank: int, group: str) -> dict[int, dict[str, Any]]:
+        """The rank's collectives on ``group`` by sequence number (read-only: the log's own index)."""
+        return self._seqs.get(rank, {}).get(group, {})
 
     def last_seq(self, rank: int, group: str) -> int | None:
         """The highest sequence number the rank reached on ``group`` as far as the log knows —
         unlike a count of entries, right however much history the log has let go."""
-        seqs = [e["seq"] for e in self.entries.get(rank, {}).values() if e["group"] == group and not e["p2p"]]
-        return max(seqs) if seqs else None
+        by_seq = self.seqs(rank, group)
+        return max(by_seq) if by_seq else None
 
     def report(self, ranks: list[int], last: int | None = None) -> CollectiveReport:
         return CollectiveReport(self, sorted(ranks), last)

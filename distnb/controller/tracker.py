@@ -362,6 +362,7 @@ class Tracker:
                 elif msg["t"] == Msg.HELLO:
                     info.pid, info.host, info.local_rank = msg["pid"], msg["host"], msg["local_rank"]
                     info.main_ident = msg.get("main_ident")
+                    self.collective_log.place(info.rank, msg["host"])
                     if info.state in (RankState.LAUNCHED, RankState.STARTED):
                         self._set_rank(info, RankState.CONNECTED)
                 elif msg["t"] == Msg.READY:

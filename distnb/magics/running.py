@@ -49,10 +49,10 @@ class _HangWatch:
     def __init__(self, pool: Pool, result: CellResult, hang_after: float, view: CellDisplay | LivePrinter) -> None:
         self._pool = pool
         self._result = result
-        self._hang_after = hang_after
         self._view = view
         self._next = time.monotonic() + min(hang_after, 1.0)
         self._shown = ""
+        self._watch = pool.watch(result, hang_after)
 
     def tick(self, result: CellResult) -> None:
         view = self._view
@@ -68,11 +68,13 @@ class _HangWatch:
             return  # (the debugger console says where paused ranks are)
         self._next = now + 1.0
         try:
-            diag = self._pool.diagnose(result, hang_after=self._hang_after)
+            diag = self._watch.look()
         except Exception as exc:  # diagnosis is best effort; the cell keeps streaming
             headline = f"could not diagnose: {exc}"
             diag_text, kind = f"[distnb] {headline}", "error"
         else:
+            if diag is None:
+                return  # the ranks' logs show progress: nothing to say
             headline, diag_text, kind = diag.summary, diag.text(), diag.kind
         # Said again only when the headline changes (it carries no durations); a failing diagnosis
         # is said once too, so a broken watch is not silent.

@@ -25,7 +25,7 @@ from distnb.analysis.pairing import cross_cell
 from distnb.analysis.position import Position, position_from_stack, position_paused
 from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
 from distnb.analysis.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
-from distnb.analysis.stragglers import StragglerReport, arrivals
+from distnb.analysis.stragglers import StragglerReport, arrivals, straggler_window
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog
 from distnb.controller.tracker import Tracker
@@ -159,13 +159,20 @@ class Diagnostics:
         diag = diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes())
         if diag.kind == "ok" and busy:
             # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
-            report = StragglerReport("0", list(result.ranks), arrivals(tracker.collective_log, "0", list(result.ranks), 200, result.cell))
-            rank = report.straggler()
-            if rank is not None:
-                # The figures go under the headline, which must not change while nothing else does.
-                return Diagnosis("slow", f"rank {rank} is a straggler: it arrives last at most collectives of this cell, late beyond "
-                                 "the step and the other ranks' noise (see %dist_timeline).", positions, [rank], [f"  {report.summary()}"])
+            return self.straggler(result, straggler_window(len(result.ranks)), positions) or diag
         return diag
+
+    def straggler(self, result: CellResult, last: int = 200, positions: list[Position] | None = None) -> Diagnosis | None:
+        """A "slow" diagnosis naming the rank that keeps the others waiting at most of the cell's
+        last ``last`` collectives on the default group, from the log alone; None when none does."""
+        ranks = list(result.ranks)
+        report = StragglerReport("0", ranks, arrivals(self._tracker.collective_log, "0", ranks, last, result.cell))
+        rank = report.straggler()
+        if rank is None:
+            return None
+        # The figures go under the headline, which must not change while nothing else does.
+        return Diagnosis("slow", f"rank {rank} is a straggler: it arrives last at most collectives of this cell, late beyond "
+                         "the step and the other ranks' noise (see %dist_timeline).", positions or [], [rank], [f"  {report.summary()}"])
 
     def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
         """Per-rank time of a cell run with ``profile=True``; see :meth:`distnb.Pool.profile`."""

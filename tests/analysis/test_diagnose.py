@@ -122,8 +122,9 @@ def test_uneven_loops_are_recognised_however_much_history_the_log_let_go() -> No
     assert d.summary.startswith("uneven collective counts: rank 0 reached all_reduce #7003 on group 0, rank 1 stopped after #7002"), d.summary
     assert d.culprits == [1]
     # A rank that stopped two calls short did not run one loop iteration less: rank-conditional.
-    log.merge(1, {"entries": []})
-    log.entries[1].pop(2)
+    log = CollectiveLog()
+    log.merge(0, {"entries": [_entry(i, 7000 + i, cell=9) for i in range(3)] + [_entry(3, 7003, cell=9, done=False)]})
+    log.merge(1, {"entries": [_entry(i, 7000 + i, cell=9) for i in range(2)]})
     d = diagnose([Position(0, "collective", op="all_reduce", seq=7003, group="0", since=5.0), Position(1, "finished")],
                  3.0, 5.0, log.report([0, 1]))
     assert d.summary.startswith("rank-conditional collective"), d.summary

@@ -5,6 +5,8 @@ pools, are in test_magics.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,10 @@ class FakePool:
     def wait(self, result: CellResult, timeout: float | None = None, on_tick: Any = None, tick: float = 1.0, ask: Any = None) -> CellResult:
         self.calls.append(("wait", timeout))
         return result
+
+    def watch(self, result: CellResult, hang_after: float | None = None) -> Any:
+        self.calls.append(("watch", hang_after))
+        return SimpleNamespace(look=lambda: None)  # the scripted cells end at once: nothing to diagnose
 
     def status(self) -> PoolStatus:
         ranks = [RankStatus(rank=r, state=RankState.IDLE, pid=100 + r, host="h", device="cpu") for r in range(self.world_size)]  # type: ignore[call-arg]
