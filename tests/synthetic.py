@@ -98,9 +98,12 @@ class SyntheticPool:
         self.ranks[rank].entries.append(entry)
         return entry
 
-    def push(self, rank: int) -> None:
-        """The rank's control thread pushes its new entries unasked, as after a collective."""
+    def push(self, rank: int, queued: float = 0.0) -> None:
+        """The rank's control thread pushes its new entries unasked, as after a collective;
+        ``queued``: seconds the push waited in the controller before it was read (its ``now`` is
+        that much older than the controller's clock at reading)."""
         reply = self._collectives(rank, -1)
+        reply["now"] -= queued
         feed(self.tracker, "c", rank, {"t": Msg.COLLECTIVES_PUSH, "rank": rank, **reply})
 
     def in_collective(self, rank: int, line: int = 2, code: str = "dist.all_reduce(x)") -> None:
@@ -136,10 +139,11 @@ class SyntheticPool:
         feed(self.tracker, "c", rank, reply)
 
 
-def healthy_cell(pool: SyntheticPool, steps: int = 50, step_s: float = 0.3) -> CellResult:
+def healthy_cell(pool: SyntheticPool, steps: int = 50, step_s: float = 0.3, queued: dict[int, float] | None = None) -> CellResult:
     """A cell still running on every rank after ``steps`` all_reduces that every rank completed,
     arriving in a rank-dependent but small spread (nobody straggles); each rank has just entered
-    the next one (the watch sees collectives in progress, not a hang)."""
+    the next one (the watch sees collectives in progress, not a hang). ``queued``: ranks whose
+    push the controller read that late (seconds)."""
     result = pool.cell("for step in range(100):\n    dist.all_reduce(x)\n    y = model(x)")
     base = pool.now  # one instant for every rank: building thousands of ranks takes a while
     for r in range(pool.world):
@@ -147,7 +151,7 @@ def healthy_cell(pool: SyntheticPool, steps: int = 50, step_s: float = 0.3) -> C
             pool.collective(r, s, result.cell, base - 100 + s * step_s + ((r * 7919 + s * 31) % 13) * 1e-4)
         pool.collective(r, steps + 1, result.cell, base - 0.01, done=False)
         pool.in_collective(r, line=2)
-        pool.push(r)
+        pool.push(r, (queued or {}).get(r, 0.0))
     return result
 
 

@@ -4,15 +4,17 @@ the ranks' sequences side by side with the first place where they disagree."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
+from distnb.analysis.collective_table import GroupTable, Row
+from distnb.analysis.entry_words import describe
 from distnb.analysis.groups import GroupInfo, short_name
 from distnb.ranks import format_ranks, group_by
 
 __all__ = [
-    "CollectiveEvidence", "CollectiveReport", "Divergence", "P2P_OPS", "RECORDER_NAMES", "args_text", "describe", "issued_words", "odd_ones",
-    "peer_of", "peer_words", "same_op", "signature", "state_mark",
+    "CollectiveEvidence", "CollectiveReport", "Divergence", "P2P_OPS", "RECORDER_NAMES", "issued_words", "odd_ones", "peer_of", "peer_words",
+    "same_op", "signature",
 ]
 
 class CollectiveEvidence(Protocol):
@@ -49,15 +51,6 @@ class CollectiveEvidence(Protocol):
 
 
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
-
-_DTYPE_SHORT = {"Float": "f32", "Double": "f64", "Half": "f16", "BFloat16": "bf16", "Long": "i64", "Int": "i32",
-                "Byte": "u8", "Bool": "bool", "Char": "i8", "Short": "i16"}
-
-
-def args_text(args: dict[str, Any] | None) -> str:
-    """``src=1``, ``op=MAX``: the arguments a call was given, the usual reduce op (SUM) left out."""
-    return " ".join(f"{k}={v}" for k, v in (args or {}).items() if v is not None and not (k == "op" and v == "SUM"))
-
 
 def peer_of(call: dict[str, Any]) -> int | None:
     """The global rank a send goes to or a recv takes from (None: any rank, or only a group rank)."""
@@ -99,27 +92,8 @@ def odd_ones(values: dict[int, Any]) -> list[int]:
     return sorted(r for r in values if r not in majority)
 
 
-def describe(entry: dict[str, Any], with_op: bool = True) -> str:
-    """``all_reduce [3] f32`` (shapes and dtypes of the inputs), ``broadcast [2] f32 src=1``."""
-    shapes = " ".join("[" + ",".join(map(str, s)) + "]" for s in entry.get("sizes", [])[:4])
-    if len(entry.get("sizes", [])) > 4:
-        shapes += f" +{len(entry['sizes']) - 4}"
-    dtypes = sorted({_DTYPE_SHORT.get(d, d) for d in entry.get("dtypes", [])})
-    args = args_text(entry.get("args"))
-    parts = ([entry["op"]] if with_op else []) + ([shapes] if shapes else []) + ([",".join(dtypes)] if dtypes else []) + ([args] if args else [])
-    return " ".join(parts)
-
-
 #: distnb's recorder names (worker/flight_recorder.py) in words.
 RECORDER_NAMES = {"nccl": "NCCL", "fr": "gloo (and other non-NCCL)"}
-
-
-def state_mark(entry: dict[str, Any]) -> str:
-    """`` ⏳`` for an entry not completed, `` ⏸`` for an NCCL one still queued behind other GPU
-    work (its kernel has not started: the stream is busy before it), ``""`` when done."""
-    if entry["done"]:
-        return ""
-    return " ⏸" if entry.get("queued") else " ⏳"
 
 
 def issued_words(entry: dict[str, Any]) -> str:
@@ -162,6 +136,9 @@ _KINDS: dict[str, Callable[[dict[str, Any]], Any]] = {
 def _first_difference(entries: list[dict[str, Any]]) -> str | None:
     """The first kind (op, shape, dtype, args) in which these entries of one position differ;
     arguments only among the entries the call log annotated."""
+    views = [(e["op"], e.get("sizes"), e.get("dtypes"), e.get("args")) for e in entries]
+    if views.count(views[0]) == len(views) if views else True:
+        return None  # the common case, compared in C: a thousand ranks agree
     return next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in entries if k != "args" or "args" in e}) > 1), None)
 
 
@@ -214,11 +191,13 @@ class CollectiveReport:
     log: CollectiveEvidence
     ranks: list[int]
     last: int | None = None
+    page: int | None = None  # a page of the per-rank view (many ranks); None: the summary
 
     def __post_init__(self) -> None:
         self._shown = set(self.ranks)
         self._members: dict[str, list[int]] = {}
         self._names: list[str] | None = None
+        self._divergences: list[Divergence] | None = None
 
     def members(self, group: str) -> list[int]:
         members = self._members.get(group)
@@ -234,6 +213,11 @@ class CollectiveReport:
 
     def divergences(self) -> list[Divergence]:
         """First disagreement per group (at most one each), earliest first."""
+        if self._divergences is None:  # the text and the HTML both ask; the log does not change under a report
+            self._divergences = self._find_divergences()
+        return list(self._divergences)
+
+    def _find_divergences(self) -> list[Divergence]:
         out = []
         for group in self.group_names():
             members = self.members(group)
@@ -328,51 +312,43 @@ class CollectiveReport:
         if not groups and not p2p:
             return "\n".join([f"no collective recorded on {format_ranks(self.ranks)} yet.", *gaps])
         divs = {d.group: d for d in self.divergences()}
-        lines = []
-        first = min(divs.values(), key=self._when) if divs else None
-        paired = self.paired(first) if first is not None else None
-        if paired:
-            lines.append(f"first divergence: {paired}")
-        elif first is not None:
-            lines.append(f"first divergence: {first.text(self.members(first.group))}")
-        else:
-            lines.append(f"the collective sequences of {format_ranks(self.ranks)} agree.")
+        lines = [self.headline()]
         for group in groups:
-            members = self.members(group)
-            seqs = {r: {e["seq"]: e for e in self.log.sequence(r, group)} for r in members}
-            all_seqs = sorted({s for m in seqs.values() for s in m})
-            shown = all_seqs[-self.last :] if self.last else all_seqs
-            info = self.log.group(group)
-            name = f"group {short_name(group)}, {format_ranks(members)}" if info.world else f"{self.label(group)}, torch's group {short_name(group)}"
-            lines.append(f"── {name}: "
-                         + ", ".join(f"rank {r} {len(seqs[r])}" for r in members) + " collectives"
-                         + (f" (last {len(shown)} shown)" if len(shown) < len(all_seqs) else ""))
-            cols = [f"rank {r}" for r in members]
-            div = divs.get(group)
-            odd = div.odd() if div is not None and div.kind != "missing" else []
-            rows = []
-            for seq in shown:
-                cells = []
-                for r in members:
-                    e = seqs[r].get(seq)
-                    if e is None:
-                        cells.append("—")
-                    else:
-                        flag = div is not None and div.seq == seq and r in odd
-                        cell = ("✗ " if flag else "") + describe(e) + state_mark(e)
-                        if e.get("cell") is not None:
-                            cell += f" c{e['cell']}"
-                        cells.append(cell)
-                rows.append((seq, cells, "  ◀ first divergence" if div is not None and div.seq == seq else ""))
-            # Wide enough for the entries shown (arguments make them longer), within reason.
-            width = min(40, max([24, *(len(c) + 2 for _, cells, _ in rows for c in cells)]))
-            lines.append("    #  " + "".join(c.ljust(width) for c in cols))
-            for seq, cells, mark in rows:
-                lines.append(f"  {seq:>3}  " + "".join(c[: width - 1].ljust(width) for c in cells) + mark)
+            lines.extend(self.table(group, divs.get(group)).lines(self.page))
         lines.extend(p2p)
         lines.extend(gaps)
         lines.append("(⏳ entered, not completed · ⏸ queued on the GPU, not started · cN: issued in cell N · — never entered · ✗ the odd one out)")
         return "\n".join(lines)
+
+    def headline(self) -> str:
+        """The first line: where the sequences first disagree, or that they agree."""
+        divs = self.divergences()
+        first = min(divs, key=self._when) if divs else None
+        paired = self.paired(first) if first is not None else None
+        if paired:
+            return f"first divergence: {paired}"
+        if first is not None:
+            return f"first divergence: {first.text(self.members(first.group))}"
+        return f"the collective sequences of {format_ranks(self.ranks)} agree."
+
+    def table(self, group: str, div: Divergence | None = None) -> GroupTable:
+        """The group's shown positions, rank by rank, with its first divergence marked."""
+        members = self.members(group)
+        seqs = {r: self.log.seqs(r, group) for r in members}
+        all_seqs = sorted({s for m in seqs.values() for s in m})
+        shown = all_seqs[-self.last:] if self.last else all_seqs
+        info = self.log.group(group)
+        title = f"group {short_name(group)}, {format_ranks(members)}" if info.world else f"{self.label(group)}, torch's group {short_name(group)}"
+        odd = div.odd() if div is not None and div.kind != "missing" else []
+        rows = [Row(seq, {r: seqs[r].get(seq) for r in members}, div is not None and div.seq == seq, odd) for seq in shown]
+        return GroupTable(title, members, {r: len(seqs[r]) for r in members}, rows, len(all_seqs) - len(shown))
+
+    def paged(self, page: int) -> CollectiveReport:
+        """The same report with every group shown rank by rank, ``page`` (from 1) of its members
+        at a time (:data:`~distnb.analysis.collective_table.PAGE_RANKS` per page)."""
+        if page < 1:
+            raise ValueError(f"pages count from 1, not {page}; e.g. --page 2.")
+        return replace(self, page=page)
 
     def _p2p_lines(self) -> list[str]:
         """The ranks' recent send/recv calls (gloo's recorder does not see them; distnb does)."""

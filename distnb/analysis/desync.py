@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distnb.analysis.cell_source import because
-from distnb.analysis.collectives import CollectiveEvidence, describe
+from distnb.analysis.collectives import CollectiveEvidence
+from distnb.analysis.entry_words import describe
 from distnb.ranks import format_ranks
 
 __all__ = ["CountMismatch", "carry_over", "count_mismatches", "mismatch_text"]

@@ -12,7 +12,8 @@ from typing import Any
 
 from distnb._processes import signal_meaning
 from distnb.analysis.cell_source import because
-from distnb.analysis.collectives import CollectiveReport, args_text, describe, odd_ones, signature
+from distnb.analysis.collectives import CollectiveReport, odd_ones, signature
+from distnb.analysis.entry_words import args_text, describe
 from distnb.analysis.group_creation import creation_mismatch
 from distnb.analysis.p2p import match_p2p
 from distnb.analysis.pairing import cross_cell, cross_group

@@ -43,7 +43,7 @@ class Asks:
         for r in targets:
             req_id = self._requests.expect(self._log.merge, ttl=10.0)
             transport.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": req_id, "since": self._log.cursor(r),
-                                                 "calls_since": self._log.last_call(r)})
+                                                 "calls_since": self._log.last_call(r), "groups": self._log.wants_groups([r])})
 
     def memory_of(self, into: dict[int, dict[str, Any]], ranks: list[int]) -> None:
         """The others usually wait for an out-of-memory rank in a collective and will report no

@@ -12,9 +12,10 @@ import collections
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
-from distnb.analysis.collectives import P2P_OPS, CollectiveReport, describe, peer_of
+from distnb.analysis.collectives import P2P_OPS, CollectiveReport, peer_of
+from distnb.analysis.entry_words import describe
 from distnb.analysis.groups import GroupInfo, info_from, site_of
 
 __all__ = ["CollectiveLog"]
@@ -61,6 +62,11 @@ class CollectiveLog:
     _newest: dict[int, int] = field(default_factory=dict, repr=False)
     #: Bumped whenever an entry arrives or changes: a watcher sees at a glance whether anything moved.
     changes: int = 0
+    # Per rank, the key of the group table whose members it sent (a rank sends them only when its
+    # table changes), and the key its latest reply carried: when they differ, a reply with the
+    # members was missed, and the next request asks for them (``wants_groups``).
+    _gkeys: dict[int, Any] = field(default_factory=dict, repr=False)
+    _gseen: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def last_id(self, rank: int) -> int:
         return max(self._newest.get(rank, -1), self.floors.get(rank, -1))
@@ -121,9 +127,12 @@ class CollectiveLog:
                 if e.get("desc") and self.descs.get(e["group"]) != e["desc"]:
                     self.descs[e["group"]] = e["desc"]
                     self._infos.pop(e["group"], None)
-        if reply.get("groups"):
+        if "groups" in reply:
+            self._gkeys[rank] = reply.get("gkey")
             self.groups.update(reply["groups"])
             self._infos.clear()
+        if "gkey" in reply:
+            self._gseen[rank] = reply["gkey"]
         for name, desc in reply.get("descs", {}).items():
             if name not in self.descs:  # an entry's own description (above) stands
                 self.descs[name] = desc
@@ -143,6 +152,7 @@ class CollectiveLog:
         self._open.clear()
         self._newest.clear()
         self._infos.clear()
+        self._gkeys.clear()
         self.groups.clear()
         self.descs.clear()
         self.calls.clear()
@@ -162,6 +172,7 @@ class CollectiveLog:
         self._open.clear()
         self._newest.clear()
         self._infos.clear()
+        self._gkeys.clear()
         self.groups.clear()
         self.descs.clear()
         self._sites = None
@@ -171,6 +182,11 @@ class CollectiveLog:
     def age(self, rank: int, entry: dict[str, Any]) -> float:
         """Seconds since the rank recorded ``entry``, by the rank's own clock."""
         return max(0.0, time.time() + self.offset(rank) - float(entry["t"]))
+
+    def wants_groups(self, ranks: Iterable[int]) -> bool:
+        """Should a request to these ranks ask for their groups' members again? (Never sent since
+        the log was cleared, or a reply carrying them went missing.)"""
+        return any(r not in self._gkeys or self._gseen.get(r, self._gkeys[r]) != self._gkeys[r] for r in ranks)
 
     def place(self, rank: int, host: str) -> None:
         """The machine the rank runs on (its HELLO): ranks of one machine share one clock."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from distnb.analysis.collectives import describe
+from distnb.analysis.entry_words import describe
 from distnb.analysis.position import position_at_death
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.rank_record import RankRecord

@@ -11,7 +11,8 @@ import html
 from typing import Any, Iterable, Sequence
 
 from distnb.analysis.checks import CheckReport
-from distnb.analysis.collectives import CollectiveReport, describe
+from distnb.analysis.collective_table import MAX_MINORITIES, cell_text
+from distnb.analysis.collectives import CollectiveReport
 from distnb.analysis.comms import CommsReport
 from distnb.analysis.env import EnvReport
 from distnb.analysis.memory import MemoryReport
@@ -64,25 +65,25 @@ def collectives_html(report: CollectiveReport) -> str:
     if report.log.unavailable or not report.group_names():
         return f"<pre>{_esc(report.text())}</pre>"
     divs = {d.group: d for d in report.divergences()}
-    parts = [f"<pre style='margin:0'>{_esc(report.text().splitlines()[0])}</pre>"]
+    parts = [f"<pre style='margin:0'>{_esc(report.headline())}</pre>"]
     for group in report.group_names():
-        members = report.members(group)
-        seqs = {r: {e["seq"]: e for e in report.log.sequence(r, group)} for r in members}
-        shown = sorted({s for m in seqs.values() for s in m})
-        if report.last:
-            shown = shown[-report.last :]
-        rows = []
-        for seq in shown:
-            cells = [_esc(seq)]
-            div = divs.get(group)
-            odd = div.odd() if div is not None and div.seq == seq and div.kind != "missing" else []
-            for r in members:
-                e = seqs[r].get(seq)
-                cells.append("—" if e is None else ("✗ " if r in odd else "") + _esc(describe(e)) + ("" if e["done"] else " ⏳"))
-            open_here = any(e is not None and not e["done"] for e in (seqs[r].get(seq) for r in members))
-            style = BAD if div is not None and div.seq == seq else (WARN if open_here else "")
-            rows.append((cells, style))
-        parts.append(table(["#", *[f"rank {r}" for r in members]], rows, f"group {group} ({format_ranks(members)})"))
+        t = report.table(group, divs.get(group))
+        style = lambda row: BAD if row.divergence else (WARN if row.open else "")  # noqa: E731
+        if t.summarised and report.page is None:
+            rows = []
+            for row in t.rows:
+                (most, words), others = row.sides()[0], row.sides()[1:]
+                differ = "<br>".join(f"{_esc(format_ranks(rs))}: {_esc(w)}" for rs, w in others[:MAX_MINORITIES])
+                if len(others) > MAX_MINORITIES:
+                    differ += f"<br>… {sum(len(rs) for rs, _ in others[MAX_MINORITIES:])} more ranks (--per-rank shows each)"
+                rows.append(([_esc(row.seq), _esc(words), _esc(format_ranks(most)) if others else "all", differ], style(row)))
+            parts.append(table(["#", "most ranks", "which", "the ranks that differ"], rows, t.header()[3:]))
+            continue
+        columns = t.members if report.page is None else t.page(report.page)
+        rows = [([_esc(row.seq), *(_esc(cell_text(row.by_rank.get(r), row.divergence and r in row.odd)) for r in columns)], style(row))
+                for row in t.rows]
+        caption = t.header()[3:] + (f" · page {report.page} of {t.pages}" if report.page is not None else "")
+        parts.append(table(["#", *[f"rank {r}" for r in columns]], rows, caption))
     return "".join(parts)
 
 

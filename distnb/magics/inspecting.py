@@ -88,15 +88,19 @@ class InspectMagics(Magics):
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")
     @argument("--last", type=int, default=None, metavar="K", help="Only the last K collectives of each group.")
+    @argument("--per-rank", action="store_true", help="A column per rank even above 16 ranks, 8 ranks a page (with --page).")
+    @argument("--page", type=int, default=None, metavar="N", help="The page of the per-rank view (from 1; implies --per-rank).")
     @line_magic
     def dist_collectives(self, line: str) -> Any:
-        """Each rank's collective sequence (incl. DDP/FSDP internals) side by side; the first divergence marked."""
+        """Each rank's collective sequence (incl. DDP/FSDP internals) side by side; the first divergence marked.
+        Above 16 ranks: the majority's sequence with the ranks that differ (--per-rank: every rank, paged)."""
         args = parse(self.dist_collectives, line)
         if args.last is not None and args.last < 1:
             raise UsageError("--last takes a positive count, e.g. --last 10.")
         pool = pool_or_usage_error()
         with usage_errors():
-            return pool.collectives(args.ranks, last=args.last)
+            report = pool.collectives(args.ranks, last=args.last)
+            return report.paged(args.page or 1) if args.per_rank or args.page is not None else report
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to compare: 0,2 · 1-3 · all (default: the group's members).")

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable
 
 from distnb import _processes
 from distnb.analysis.checks import CheckReport, compare
-from distnb.analysis.collectives import P2P_OPS, CollectiveReport, describe, issued_words
+from distnb.analysis.collectives import P2P_OPS, CollectiveReport, issued_words
+from distnb.analysis.entry_words import describe
 from distnb.analysis.desync import mismatch_text
 from distnb.analysis.env import EnvReport
 from distnb.analysis.failures import is_timeout
@@ -79,7 +80,7 @@ class Diagnostics:
         # the GIL) then costs one timeout here, not one more per question.
         since = {r: log.cursor(r) for r in alive}
         msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1),
-               "calls_since": min((log.last_call(r) for r in alive), default=-1)}
+               "calls_since": min((log.last_call(r) for r in alive), default=-1), "groups": log.wants_groups(alive)}
         replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
         self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
         # A control thread that answered with an error instead of stacks gave no stack either.
@@ -330,7 +331,8 @@ class Diagnostics:
             since = {r: tracker.collective_log.cursor(r) for r in alive}
             floor = min(since.values(), default=-1)
             calls = min((tracker.collective_log.last_call(r) for r in alive), default=-1)
-            replies = tracker.requests.ask(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor, "calls_since": calls}, 1.0, partial=True)
+            replies = tracker.requests.ask(control_identity, alive, {"t": Msg.COLLECTIVES, "since": floor, "calls_since": calls,
+                                                                     "groups": tracker.collective_log.wants_groups(alive)}, 1.0, partial=True)
             self._merge_collectives(replies, since)
         return tracker.collective_log.report(targets, last)
 

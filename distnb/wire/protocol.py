@@ -242,8 +242,9 @@ class CollectivesPush(TypedDict, total=False):
     entries: list[dict[str, Any]]
     calls: list[dict[str, Any]]
     now: float
-    groups: dict[str, list[int]]
-    descs: dict[str, str]  # group name → torch's description (mesh_dp …)
+    groups: dict[str, list[int]]  # only when the rank's group table changed since it last sent it (or asked)
+    descs: dict[str, str]  # group name → torch's description (mesh_dp …), with ``groups``
+    gkey: int  # the rank's group table's key, in every reply: a missed ``groups`` shows as a new key
     unavailable: str
 
 
@@ -272,6 +273,7 @@ class Request(TypedDict, total=False):
     collectives_since: int
     calls_since: int
     since: int
+    groups: bool  # STACKS, COLLECTIVES: send the groups' members even if unchanged
     cell: int | None
     wait: float
 

@@ -268,13 +268,15 @@ class ControlThread(threading.Thread):
                 # In the same answer, so a rank that can't answer (a C loop holding the GIL) costs
                 # the caller one timeout, not one per question.
                 reply["collectives"] = read_collectives(int(msg["collectives_since"]), self.executor.clock,
-                                                        self.executor.calls, int(msg.get("calls_since", -1)))
+                                                        self.executor.calls, int(msg.get("calls_since", -1)),
+                                                        groups=bool(msg.get("groups")))
             return reply
         if msg["t"] == Msg.MEMORY:
             # Safe from this thread: /proc reads and CUDA allocator counters take no user locks.
             return {"memory": self.executor.memory.stop()}
         if msg["t"] == Msg.COLLECTIVES:
-            return read_collectives(int(msg.get("since", -1)), self.executor.clock, self.executor.calls, int(msg.get("calls_since", -1)))
+            return read_collectives(int(msg.get("since", -1)), self.executor.clock, self.executor.calls, int(msg.get("calls_since", -1)),
+                                    groups=bool(msg.get("groups")))
         if msg["t"] == Msg.ENV:
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
         if msg["t"] == Msg.MESHES:

@@ -25,7 +25,8 @@ from typing import Any
 from distnb.worker.call_log import CallLog
 from distnb.worker.group_state import group_backends
 
-__all__ = ["CellClock", "DUMPERS", "RecordIds", "SeqWatch", "dump_recorders", "backends_in_use", "entry_view", "open_nccl", "read_collectives"]
+__all__ = ["CellClock", "DUMPERS", "GROUPS", "SentGroups", "RecordIds", "SeqWatch", "dump_recorders", "backends_in_use", "entry_view",
+           "open_nccl", "read_collectives"]
 
 
 class CellClock:
@@ -53,6 +54,38 @@ class CellClock:
             return None
         cell, t0, t1 = self._spans[i]
         return cell if t1 is None or t <= t1 else None
+
+
+class SentGroups:
+    """What the controller has been told of this rank's process groups. Members never change once
+    a group exists, so a reply carries the groups only when the table changed since the last one
+    that did (or when asked): at 1,024 ranks the world group's member list alone in every reply is
+    a megabyte per round. Every reply carries ``gkey``, the table's key, so a controller that
+    missed a reply with the groups (a late answer it dropped) sees it and asks again."""
+
+    def __init__(self) -> None:
+        self._sent: int | None = None
+
+    def key(self) -> int:
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            return hash(tuple(sorted(str(n) for n in list(c10d._world.pg_names.values()))))
+        except Exception:
+            return 0
+
+    def fields(self, force: bool = False) -> dict[str, Any]:
+        """``gkey``, plus ``groups`` and ``descs`` when they changed since last sent (or ``force``)."""
+        key = self.key()
+        if not force and key == self._sent:
+            return {"gkey": key}
+        groups, descs = _groups()
+        self._sent = key
+        return {"gkey": key, "groups": groups, "descs": descs}
+
+
+#: This process's table (the control thread's pushes and replies share it).
+GROUPS = SentGroups()
 
 
 def _groups() -> tuple[dict[str, list[int]], dict[str, str]]:
@@ -238,7 +271,7 @@ def entry_view(did: int, rec: str, e: dict[str, Any], clock: CellClock) -> dict[
 
 
 def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None, calls_since: int = -1,
-                     ids: RecordIds = IDS) -> dict[str, Any]:
+                     ids: RecordIds = IDS, groups: bool = False) -> dict[str, Any]:
     """Entries newer than id ``since`` plus every entry not yet completed (its state may change),
     from every recorder the rank's groups write, each with the arguments of the call that created
     it (``calls``), and the watched calls newer than ``calls_since`` (point-to-point and group
@@ -246,7 +279,8 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
 
     ``now`` is this rank's wall clock at the read: the controller measures how long an entry has
     been open against it, never against its own clock (another machine's may be off by seconds).
-    ``missing`` names the recorders that could not be read, and why.
+    ``missing`` names the recorders that could not be read, and why. The groups' members come
+    when they changed since last sent, or with ``groups`` (:class:`SentGroups`).
     """
     extra: dict[str, Any] = {"calls": calls.since(calls_since)} if calls is not None else {}
     dumps, missing = dump_recorders()
@@ -262,8 +296,7 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
         created.append(int(e.get("time_created_ns", 0)))
     if calls is not None:
         calls.annotate(entries, created)
-    groups, descs = _groups()
-    reply = {"entries": entries, "groups": groups, "descs": descs, "now": now, **extra}
+    reply = {"entries": entries, "now": now, **GROUPS.fields(groups), **extra}
     if missing:
         reply["missing"] = missing
     return reply

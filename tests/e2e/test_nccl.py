@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from distnb.analysis.collectives import state_mark
+from distnb.analysis.entry_words import state_mark
 from distnb.analysis.desync import CountMismatch, carry_over, count_mismatches, mismatch_text
 from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame, watchdog_cause
 from distnb.analysis.position import Position
