@@ -3,13 +3,20 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from distnb._processes import signal_meaning
+from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.states import RankState
 
 __all__ = ["PoolStatus", "RankStatus"]
+
+
+def _natural(name: str) -> list[Any]:
+    """``node2`` before ``node10``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 @dataclass
@@ -52,12 +59,42 @@ class PoolStatus:
     internal_errors: int = 0  # failures distnb's I/O thread caught and survived
     last_internal_error: str | None = None
 
+    every_rank: bool = False  # a line per rank even above SUMMARY_ABOVE ranks (%dist_status --all)
+
     def text(self) -> str:
         nodes = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
         lines = [
             f"pool {self.state}: {self.world_size} ranks{nodes}, backend {self.backend or '?'}, "
             f"{self.cells_run} cells run, torchrun agent pid {self.agent_pid}, controller {self.address}"
         ]
+        lines += self._summary() if len(self.ranks) > SUMMARY_ABOVE and not self.every_rank else self._table()
+        if self.nodes:
+            lines += ["other nodes:", *("  " + line for line in self.nodes.splitlines())]
+        if self.rejected:
+            lines.append(f"refused {self.rejected} frame(s) or handshake(s) from peers without this pool's key")
+        if self.internal_errors:
+            last = (self.last_internal_error or "").strip().splitlines()
+            lines.append(f"{self.internal_errors} internal error(s) on distnb's I/O thread (it kept running; please report them); "
+                         f"the last: {last[0] if last else '?'}{(' — ' + last[-1]) if len(last) > 1 else ''}")
+        return "\n".join(lines)
+
+    def _summary(self) -> list[str]:
+        """Ranks grouped by state, the most common first; a group of a few ranks names each one's
+        machine and pid (the odd ones out are what one looks for)."""
+        groups = sorted(group_by((r.rank, r.describe(with_elapsed=False)) for r in self.ranks), key=lambda g: -len(g[0]))
+        by_rank = {r.rank: r for r in self.ranks}
+        lines = []
+        for ranks, state in groups:
+            hosts = sorted({by_rank[r].host or "?" for r in ranks}, key=_natural)
+            where = (", ".join(f"rank {r} on {by_rank[r].host or '?'} (pid {by_rank[r].pid or '-'})" for r in ranks) if len(ranks) <= 4
+                     else f"{format_ranks(ranks)} on {len(hosts)} machine{'s' if len(hosts) > 1 else ''}"
+                     + (f" ({hosts[0]} … {hosts[-1]})" if len(hosts) > 2 else f" ({', '.join(hosts)})"))
+            lines.append(f"  {state}: {where}")
+        lines.append("  (a line per rank: %dist_status --all, or pool.status().ranks)")
+        return lines
+
+    def _table(self) -> list[str]:
+        lines = []
         multi = self.nnodes > 1
         head = ("rank", "node", "pid", "host", "device") if multi else ("rank", "pid", "host", "device")
         rows = [(*head, "state")]
@@ -68,15 +105,7 @@ class PoolStatus:
         widths = [max(len(row[i]) for row in rows) for i in range(n)]
         for row in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[:n], widths)) + "  " + row[n])
-        if self.nodes:
-            lines += ["other nodes:", *("  " + line for line in self.nodes.splitlines())]
-        if self.rejected:
-            lines.append(f"refused {self.rejected} frame(s) or handshake(s) from peers without this pool's key")
-        if self.internal_errors:
-            last = (self.last_internal_error or "").strip().splitlines()
-            lines.append(f"{self.internal_errors} internal error(s) on distnb's I/O thread (it kept running; please report them); "
-                         f"the last: {last[0] if last else '?'}{(' — ' + last[-1]) if len(last) > 1 else ''}")
-        return "\n".join(lines)
+        return lines
 
     def __repr__(self) -> str:
         return self.text()

@@ -23,6 +23,7 @@ from distnb.launching.remote_nodes import Nodes
 from distnb.results import CellEvents, CellResult, RankResult
 from distnb.services.diagnostics import Diagnostics
 from distnb.wire.protocol import Msg
+from distnb.worker.flight_recorder import SentGroups
 
 __all__ = ["SyntheticPool", "healthy_cell", "hung_cell"]
 
@@ -34,7 +35,7 @@ class _Rank:
     entries: list[dict[str, Any]] = field(default_factory=list)
     frames: list[tuple[str, int, str, str]] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)
-    groups_sent: bool = False
+    groups: SentGroups | None = None  # the rank side's own logic: members sent once, as a real rank does
 
 
 class SyntheticPool:
@@ -112,13 +113,13 @@ class SyntheticPool:
     def computing(self, rank: int, line: int = 1, code: str = "y = model(x)") -> None:
         self.ranks[rank].frames = [("<cell-1>", line, "<module>", code)]
 
-    def _collectives(self, rank: int, since: int) -> dict[str, Any]:
+    def _collectives(self, rank: int, since: int, force: bool = False) -> dict[str, Any]:
         state = self.ranks[rank]
-        reply: dict[str, Any] = {"entries": [e for e in state.entries if e["id"] > since or not e["done"]], "now": self.now, "calls": []}
-        if not state.groups_sent:
-            reply["groups"] = {"0": list(range(self.world))}
-            state.groups_sent = True
-        return reply
+        if state.groups is None:
+            world = list(range(self.world))
+            state.groups = SentGroups(key=lambda: 1, read=lambda: ({"0": world}, {"0": "default_pg"}))
+        return {"entries": [e for e in state.entries if e["id"] > since or not e["done"]], "now": self.now, "calls": [],
+                **state.groups.fields(force)}
 
     def _answer(self, identity: bytes, msg: dict[str, Any]) -> None:
         kind, rank = identity[:1], int(identity[1:])
@@ -128,9 +129,9 @@ class SyntheticPool:
         if msg["t"] == Msg.STACKS:
             frames = self.ranks[rank].frames or [("/distnb/worker/rank.py", 1, "serve", "")]
             reply.update(stacks=[{"thread": "MainThread", "main": True, "frames": frames}],
-                         collectives=self._collectives(rank, int(msg.get("collectives_since", -1))))
+                         collectives=self._collectives(rank, int(msg.get("collectives_since", -1)), bool(msg.get("groups"))))
         elif msg["t"] == Msg.COLLECTIVES:
-            reply.update(self._collectives(rank, int(msg.get("since", -1))))
+            reply.update(self._collectives(rank, int(msg.get("since", -1)), bool(msg.get("groups"))))
         elif msg["t"] == Msg.MEMORY:
             reply.update(memory=self.ranks[rank].memory or {"rss": 1 << 30})
         else:

@@ -24,6 +24,10 @@ from distnb.ranks import format_ranks, group_by
 __all__ = ["Diagnosis", "diagnose", "exit_detail", "victim"]
 
 
+#: Places (ranks grouped by where they are) a diagnosis lists before "… and N more".
+MAX_PLACES = 8
+
+
 @dataclass
 class Diagnosis:
     kind: str  # ok · slow · hang · running · paused · failed (over, with a cause elsewhere than the dead rank)
@@ -39,9 +43,20 @@ class Diagnosis:
         lines = [f"[distnb] {self.summary}"]
         # Ranks waiting in the same place are one line even though their waits differ by a few ms.
         by_rank = {p.rank: p for p in self.positions}
-        for ranks, _ in group_by((p.rank, p.where([])) for p in self.positions):
+        places = group_by((p.rank, p.where([])) for p in self.positions)
+        if len(places) > MAX_PLACES:
+            # A thousand ranks in as many places: the culprits' places, then the most crowded.
+            culprits = set(self.culprits)
+            keep = sorted(places, key=lambda g: (not set(g[0]) & culprits, -len(g[0])))[:MAX_PLACES]
+            left = [g for g in places if g not in keep]
+            places = [g for g in places if g in keep]
+        else:
+            left = []
+        for ranks, _ in places:
             durations = [since for r in ranks if (since := by_rank[r].since) is not None]
             lines.append(f"  {format_ranks(ranks)}: {by_rank[ranks[0]].where(durations)}")
+        if left:
+            lines.append(f"  … and {sum(len(rs) for rs, _ in left)} more ranks in {len(left)} other places (each: .positions)")
         lines.extend(self.details)
         return "\n".join(lines)
 

@@ -17,7 +17,7 @@ from distnb.analysis.comms import CommsReport
 from distnb.analysis.env import EnvReport
 from distnb.analysis.memory import MemoryReport
 from distnb.analysis.stacks import StackReport
-from distnb.ranks import format_ranks
+from distnb.ranks import SUMMARY_ABOVE, format_ranks
 from distnb.states import RankState
 from distnb.status import PoolStatus
 
@@ -47,8 +47,10 @@ def status_html(status: PoolStatus) -> str:
     def style(state: RankState) -> str:
         return BAD if state == RankState.DEAD else BUSY if state == RankState.RUNNING else ""
 
-    rows = [([_esc(r.rank), _esc(r.pid), _esc(r.host), _esc(r.device), _esc(r.describe())], style(r.state)) for r in status.ranks]
     caption = f"pool {status.state}: {status.world_size} ranks, backend {status.backend or '?'}, {status.cells_run} cells run"
+    if len(status.ranks) > SUMMARY_ABOVE and not status.every_rank:
+        return f"<b>{_esc(caption)}</b><pre>{_esc(chr(10).join(status.text().splitlines()[1:]))}</pre>"
+    rows = [([_esc(r.rank), _esc(r.pid), _esc(r.host), _esc(r.device), _esc(r.describe())], style(r.state)) for r in status.ranks]
     return table(["rank", "pid", "host", "device", "state"], rows, caption)
 
 

@@ -259,13 +259,16 @@ class DistMagics(Magics):
         print(result.text())
 
     @magic_arguments()
+    @argument("--all", action="store_true", help="A line per rank even above 16 ranks (else: ranks grouped by state, the odd ones named).")
     @line_magic
     def dist_status(self, line: str) -> None:
         """Per rank: pid, host, device and state (idle · running cell k for t s · dead)."""
-        _parse(self.dist_status, line)
+        args = _parse(self.dist_status, line)
         from IPython.display import display
 
-        display(self._pool().status())
+        status = self._pool().status()
+        status.every_rank = args.all
+        display(status)
 
     # -- cells ----------------------------------------------------------------------------------
     @magic_arguments()

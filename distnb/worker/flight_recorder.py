@@ -20,7 +20,7 @@ import os
 import pickle
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from distnb.worker.call_log import CallLog
 from distnb.worker.group_state import group_backends
@@ -63,25 +63,30 @@ class SentGroups:
     a megabyte per round. Every reply carries ``gkey``, the table's key, so a controller that
     missed a reply with the groups (a late answer it dropped) sees it and asks again."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Callable[[], int] | None = None,
+                 read: Callable[[], tuple[dict[str, list[int]], dict[str, str]]] | None = None) -> None:
+        self._key = key  # None: this process's own table (the functions below)
+        self._read = read
         self._sent: int | None = None
-
-    def key(self) -> int:
-        from torch.distributed import distributed_c10d as c10d
-
-        try:
-            return hash(tuple(sorted(str(n) for n in list(c10d._world.pg_names.values()))))
-        except Exception:
-            return 0
 
     def fields(self, force: bool = False) -> dict[str, Any]:
         """``gkey``, plus ``groups`` and ``descs`` when they changed since last sent (or ``force``)."""
-        key = self.key()
+        key = (self._key or _table_key)()
         if not force and key == self._sent:
             return {"gkey": key}
-        groups, descs = _groups()
+        groups, descs = (self._read or _groups)()
         self._sent = key
         return {"gkey": key, "groups": groups, "descs": descs}
+
+
+def _table_key() -> int:
+    """The group table's key: its group names (a group's members never change once it exists)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        return hash(tuple(sorted(str(n) for n in list(c10d._world.pg_names.values()))))
+    except Exception:
+        return 0
 
 
 #: This process's table (the control thread's pushes and replies share it).

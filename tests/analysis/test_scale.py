@@ -13,7 +13,7 @@ from synthetic import SyntheticPool, healthy_cell, hung_cell
 from distnb.analysis.collective_table import PAGE_RANKS
 from distnb.controller.collective_log import CollectiveLog
 from distnb.display.html import collectives_html
-from distnb.ranks import SUMMARY_ABOVE, group_by
+from distnb.ranks import SUMMARY_ABOVE, group_by, parse_ranks
 from distnb.services.watch import CellWatch
 from distnb.wire.protocol import Msg
 
@@ -122,13 +122,11 @@ def test_each_rank_sends_its_groups_once_and_is_asked_again_when_a_reply_went_mi
     assert log.wants_groups([0])
 
 
-def test_the_rank_side_sends_members_only_when_its_table_changed(monkeypatch) -> None:
+def test_the_rank_side_sends_members_only_when_its_table_changed() -> None:
     from distnb.worker import flight_recorder
 
     table = {"0": [0, 1]}
-    monkeypatch.setattr(flight_recorder.SentGroups, "key", lambda self: hash(tuple(sorted(table))))
-    monkeypatch.setattr(flight_recorder, "_groups", lambda: (dict(table), {}))
-    sent = flight_recorder.SentGroups()
+    sent = flight_recorder.SentGroups(key=lambda: hash(tuple(sorted(table))), read=lambda: (dict(table), {}))
     assert sent.fields()["groups"] == {"0": [0, 1]}
     assert "groups" not in sent.fields() and "gkey" in sent.fields()
     assert sent.fields(force=True)["groups"] == {"0": [0, 1]}
@@ -159,3 +157,35 @@ def test_views_of_a_handful_of_ranks_list_every_rank() -> None:
         pool.push(r)
     text = pool.diagnostics.stragglers().text()
     assert all(any(line.split()[:1] == [str(r)] for line in text.splitlines()) for r in range(8)), text
+
+
+def test_status_groups_a_thousand_ranks_by_state_and_names_the_dead_one() -> None:
+    import time
+
+    from conftest import feed
+
+    from distnb.status import PoolStatus
+
+    pool = SyntheticPool(WORLD)
+    feed(pool.tracker, "s", 17, {"t": Msg.RANK_EXIT, "rank": 17, "returncode": -9, "stderr_tail": "", "time": time.time()})
+    status = PoolStatus(state=pool.tracker.state.value, backend="gloo", world_size=WORLD, ranks=pool.tracker.rank_statuses(), nnodes=128)
+    lines = status.text().splitlines()
+    assert lines[1] == "  idle: ranks 0-16,18-1023 on 128 machines (node0 … node127)", lines
+    assert lines[2].startswith("  dead: killed (SIGKILL") and lines[2].endswith("rank 17 on node2 (pid 20017)") and len(lines) == 4
+    status.every_rank = True
+    assert len(status.text().splitlines()) == WORLD + 2
+
+
+def test_a_diagnosis_of_ranks_in_many_places_lists_the_culprits_and_the_crowded_places() -> None:
+    from distnb.analysis.hang import MAX_PLACES, Diagnosis
+    from distnb.analysis.position import Position
+
+    positions = [Position(r, "collective", op="all_reduce", seq=1 + r % 40, group="0", since=5.0) for r in range(WORLD)]
+    positions[999] = Position(999, "computing", line=7, code="loss = model(x)", since=5.0)
+    text = Diagnosis("hang", "ranks wait", positions, [999]).text()
+    lines = text.splitlines()
+    assert len(lines) == 1 + MAX_PLACES + 1, text
+    assert any(line.startswith("  rank 999:") for line in lines) and "more ranks in" in lines[-1]
+    named = sum(len(parse_ranks(line.split(":")[0].strip().split(" ", 1)[1], WORLD)) for line in lines[1:-1])
+    left = int(lines[-1].split("and ")[1].split(" ")[0])
+    assert named + left == WORLD, "every rank is either listed or counted"
