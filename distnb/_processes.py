@@ -161,6 +161,30 @@ def start_time(pid: int) -> int | None:
     return int(fields[_START]) if fields is not None else None
 
 
+def memory_of(pid: int) -> int | None:
+    """The process's resident memory (bytes), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_available() -> int | None:
+    """What this machine can still give processes without swapping (MemAvailable, bytes)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def same_process(pid: int, started: int | None) -> bool:
     """True while the process that had start time ``started`` still runs as ``pid`` (not a zombie)."""
     if started is None:

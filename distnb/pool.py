@@ -191,7 +191,7 @@ class Pool:
         except BaseException:
             self._teardown()
             raise
-        request_spares(self._channel, config)
+        request_spares(self._channel, config, tracker, on_note)
         self._session.mark_launch()
         _current = self
         return self

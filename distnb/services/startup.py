@@ -80,15 +80,32 @@ def respawn(tracker: Tracker, channel: Channel, launcher: Launcher, config: Laun
         if on_note is not None:
             on_note(f"fresh ranks under the running torchrun failed ({str(exc).splitlines()[0]}); starting torchrun anew")
         return False
-    request_spares(channel, config)
+    request_spares(channel, config, tracker)  # said once, at the launch
     return True
 
 
-def request_spares(channel: Channel, config: LaunchConfig) -> None:
+#: Spares are started on this machine only while they leave this share of its available memory free.
+SPARE_MEMORY_SHARE = 0.6
+
+
+def request_spares(channel: Channel, config: LaunchConfig, tracker: Tracker, on_note: OnNote | None = None) -> None:
     """Each supervisor starts a spare for the next restart (once the ranks are ready, so that the
-    spares' imports don't slow the start)."""
-    if config.spares:
-        channel.send_many(map(supervisor_identity, range(config.world_size)), {"t": Msg.SPARE})
+    spares' imports don't slow the start) — but on this machine only if they fit: a spare is a
+    second Python with torch per rank, and 64 ranks' spares are ~10 GB more."""
+    if not config.spares:
+        return
+    here = [r for r, info in tracker.ranks.items() if not info.agent or config.local_nodes]
+    sizes = [size for r in here[:4] if (pid := tracker.ranks[r].pid) and (size := _processes.memory_of(pid))]
+    available = _processes.memory_available()
+    need = len(here) * max(sizes) if sizes else 0
+    targets = list(range(config.world_size))
+    if available is not None and need > SPARE_MEMORY_SHARE * available:
+        targets = [r for r in targets if r not in set(here)]
+        if on_note is not None:
+            on_note(f"no spare rank processes on this machine: {len(here)} would need ~{need / 2**30:.1f} GiB of the "
+                    f"{available / 2**30:.1f} GiB available; %dist_restart starts fresh processes instead (slower).")
+    if targets:
+        channel.send_many(map(supervisor_identity, targets), {"t": Msg.SPARE})
 
 
 def start_failure(tracker: Tracker, launcher: Launcher, multinode: MultiNode | None) -> LaunchError | None:
