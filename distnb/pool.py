@@ -12,6 +12,7 @@ It composes the parts that do the work and keeps each to its job:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import time
 import weakref
@@ -302,14 +303,15 @@ class Pool:
 
     # -- cells ----------------------------------------------------------------------------------
     def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None, profile: bool = False,
-               pdb: bool = False, label: int | None = None, comms: bool = False) -> CellResult:
+               pdb: bool = False, label: int | None = None, comms: bool = False, paths: bool = False) -> CellResult:
         """Start a cell on the ranks and return its live :class:`CellResult` at once. ``profile``
         runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`); with ``pdb``
         a rank that raises stops in the debugger at the error (:meth:`wait` answers it). ``label``
         is the notebook's In[n] for it (the magic passes it; export speaks in it). ``comms`` runs it
-        under PyTorch's CommDebugMode: ``result.comms()`` then reads collectives per module."""
+        under CommDebugMode (``result.comms()``). ``paths`` records which notebook lines each rank ran
+        (default on 3.12+ ranks, or DISTNB_PATHS=1): failures name the first decision that differed."""
         compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
-        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb, "comms": comms}, compiled=compiled,
+        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb, "comms": comms, "paths": paths}, compiled=compiled,
                            label=label)
 
     def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True,
@@ -493,8 +495,6 @@ def current_pool() -> Pool:
 @atexit.register
 def _shutdown_all() -> None:
     for pool in list(_live_pools):
-        try:
+        with contextlib.suppress(Exception):
             pool.shutdown()
-        except Exception:
-            pass
 

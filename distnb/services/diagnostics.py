@@ -22,6 +22,7 @@ from distnb.analysis.failures import is_timeout
 from distnb.analysis.hang import Diagnosis, diagnose, victim
 from distnb.analysis.memory import MemoryReport
 from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame
+from distnb.analysis.paths import first_difference
 from distnb.analysis.pairing import cross_cell
 from distnb.analysis.position import Position, position_from_stack, position_paused
 from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
@@ -58,13 +59,15 @@ class Diagnostics:
         self._session = session
         self._run_dir = run_dir
         self._world = config.world_size
+        self._live_paths: dict[int, dict[str, Any]] = {}  # running ranks' path records, from the last stacks round
 
     def require_pool(self) -> None:
         if self._tracker.state in (PoolState.NEW, PoolState.STOPPED):
             raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
 
     # -- stacks ---------------------------------------------------------------------------------
-    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = STACKS_TIMEOUT) -> StackReport:
+    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = STACKS_TIMEOUT,
+               paths: bool = False) -> StackReport:
         """Where every (or each given) rank is right now; works while cells run or hang.
 
         The rank's control thread answers even while the main thread waits in a collective. A
@@ -80,8 +83,9 @@ class Diagnostics:
         # the GIL) then costs one timeout here, not one more per question.
         since = {r: log.cursor(r) for r in alive}
         msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1),
-               "calls_since": min((log.last_call(r) for r in alive), default=-1), "groups": log.wants_groups(alive)}
+               "calls_since": min((log.last_call(r) for r in alive), default=-1), "groups": log.wants_groups(alive), "paths": paths}
         replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
+        self._live_paths = {r: m["paths"] for r, m in replies.items() if m.get("paths")}
         self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
         # A control thread that answered with an error instead of stacks gave no stack either.
         silent = [r for r in alive if "stacks" not in replies.get(r, {})]
@@ -153,7 +157,7 @@ class Diagnostics:
         alive = tracker.alive(list(range(self._world)))
         # One round trip: stacks of every live rank (idle ones answer at once) with their collective
         # logs, so a rank holding the GIL costs one timeout per diagnosis.
-        stacks = self.stacks(alive) if busy else None
+        stacks = self.stacks(alive, paths=True) if busy else None
         log = self.collectives(refresh=not busy)
         positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
         threshold = self._config.hang_after if hang_after is None else hang_after
@@ -161,7 +165,20 @@ class Diagnostics:
         if diag.kind == "ok" and busy:
             # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
             return self.straggler(result, straggler_window(len(result.ranks)), positions) or diag
+        if diag.kind in ("hang", "slow", "failed"):
+            why = self.why(result)
+            if why:
+                diag.details.append(f"  why: {why}")
         return diag
+
+    def why(self, result: CellResult, quiet_expected: bool = False) -> str:
+        """The first decision in the notebook's code that the cell's ranks took differently, in
+        words (finished ranks' records from their CELL_DONE, running ones' from the last stacks
+        round); "" when they decided alike or recorded nothing."""
+        paths = {r: res.paths for r, res in result.results.items() if res.paths}
+        paths.update({r: p for r, p in self._live_paths.items() if r in result.results and result.results[r].status == "running"})
+        found = first_difference(paths, self._session.codes(), quiet_expected)
+        return found.summary() if found is not None else ""
 
     def straggler(self, result: CellResult, last: int = 200, positions: list[Position] | None = None) -> Diagnosis | None:
         """A "slow" diagnosis naming the rank that keeps the others waiting at most of the cell's
@@ -230,6 +247,13 @@ class Diagnostics:
             result.root_cause = self.death_note(result) or self.timeout_note(result)
         if result.desync:
             result.desync_note = self.desync_note(result)
+        if result.failed or result.desync:
+            why = self.why(result)
+            result.path_note = f"why: {why}" if why else ""
+        else:
+            # Finished alike everywhere: only a difference nobody asked for (not `if rank == 0:`) is said.
+            why = self.why(result, quiet_expected=True)
+            result.path_note = f"the ranks ran different code, though the cell finished everywhere — {why}" if why else ""
 
     def timeout_note(self, result: CellResult) -> str:
         """After a collective timeout: who never arrived, by sequence numbers — from the Flight

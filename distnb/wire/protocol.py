@@ -189,6 +189,7 @@ class CellDone(_CellDoneKind, total=False):
     profile: dict[str, Any]  # with EXEC's ``profile``: collective time, top ops, the zlib'd Chrome trace
     comms: dict[str, Any]  # with EXEC's ``comms``: collectives per module with group and bytes, redistributes
     sync: dict[str, Any] | None  # collectives issued per group and groups created (worker/group_state.py)
+    paths: dict[str, Any] | None  # the notebook lines' transitions the cell made (worker/paths.py)
 
 
 class StdinRequest(TypedDict):
@@ -256,6 +257,7 @@ class Exec(TypedDict, total=False):
     profile: bool  # run under torch.profiler (%%on_ranks --profile)
     comms: bool  # run under PyTorch's CommDebugMode (%%on_ranks --comms)
     pdb: bool  # an exception opens the debugger at its frame (%%on_ranks --pdb)
+    paths: bool  # record which of the notebook's lines ran (%%on_ranks --paths; absent: the rank's default)
     debug_last: bool  # instead of code: the debugger at the last error's frame (%dist_debug)
 
 
@@ -274,6 +276,7 @@ class Request(TypedDict, total=False):
     calls_since: int
     since: int
     groups: bool  # STACKS, COLLECTIVES: send the groups' members even if unchanged
+    paths: bool  # STACKS: with the running cell's path record so far
     cell: int | None
     wait: float
 

@@ -264,6 +264,8 @@ class ControlThread(threading.Thread):
     def handle(self, msg: ToControl) -> dict[str, Any] | None:
         if msg["t"] == Msg.STACKS:
             reply = {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
+            if msg.get("paths") and self.executor.paths.on:
+                reply["paths"] = self.executor.paths.snapshot()  # where a hung cell's ranks went so far
             if "collectives_since" in msg:
                 # In the same answer, so a rank that can't answer (a C loop holding the GIL) costs
                 # the caller one timeout, not one per question.

@@ -20,6 +20,7 @@ from distnb.worker.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.flight_recorder import CellClock
 from distnb.worker.group_state import group_errors, live_groups, sync_state
 from distnb.worker.memory_sampler import MemorySampler
+from distnb.worker.paths import PathRecorder
 
 __all__ = ["Executor", "mimebundle"]
 
@@ -76,6 +77,7 @@ class Executor:
         self.memory = memory or MemorySampler()
         self.clock = CellClock()
         self.calls = CallLog(CELL_PREFIX)
+        self.paths = PathRecorder(CELL_PREFIX)
         self._send_display = send_display
         self.cell: int | None = None
         self.started = 0.0
@@ -95,11 +97,12 @@ class Executor:
             self._send_display(self.cell if self.cell is not None else -1, mimebundle(obj))
 
     def run(self, cell_id: int, code: str, post_mortem: bool = False, body: Callable[[], None] | None = None,
-            compiled: CompiledCell | None = None) -> dict[str, Any]:
+            compiled: CompiledCell | None = None, paths: bool = False) -> dict[str, Any]:
         """Run ``code`` as cell ``cell_id``; with ``post_mortem``, an exception opens the debugger
         at its frame (the namespace alive) before the cell reports it. ``body`` runs instead of
         code (distnb's own work in a cell's clothes: interruptible, reported like one).
-        ``compiled`` is ``code`` compiled by the notebook (see distnb.wire.cell_code)."""
+        ``compiled`` is ``code`` compiled by the notebook (see distnb.wire.cell_code); ``paths``
+        records which of the notebook's lines ran (worker/paths.py)."""
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         # Keep the sources of recent cells only: a long session must not grow without bound.
@@ -118,8 +121,16 @@ class Executor:
             if pending:
                 raise KeyboardInterrupt
             try:
-                value = body() if body is not None else self._exec(compiled or compile_cell(code, filename))
+                if body is not None:
+                    value = body()
+                else:
+                    cell = compiled or compile_cell(code, filename)
+                    if paths:
+                        self.paths.start([c for c in cell if c is not None])
+                    value = self._exec(cell)
             finally:
+                if self.paths.on:
+                    reply["paths"] = self.paths.stop()
                 if self.debug is not None:
                     self.debug.end_cell()  # before any of distnb's own code runs: no stepping into it
             if value is not None:

@@ -42,6 +42,7 @@ from distnb.worker.execute import Executor, mimebundle
 from distnb.worker.flight_recorder import open_nccl
 from distnb.worker.memory_sampler import MemorySampler
 from distnb.worker.comms import run_with_comms
+from distnb.worker.paths import record_paths
 from distnb.worker.profiling import run_profiled
 from distnb.worker.quiet import QuietCheck
 from distnb.worker.regroup import regroup
@@ -259,7 +260,8 @@ class Rank:
                     reply = self.executor.debug_last(cell)
                 else:
                     compiled = unpack(msg.get("compiled"))
-                    run = partial(self.executor.run, cell, msg["code"], bool(msg.get("pdb")), compiled=compiled)
+                    run = partial(self.executor.run, cell, msg["code"], bool(msg.get("pdb")), compiled=compiled,
+                                  paths=record_paths(msg.get("paths")))
                     if msg.get("comms"):
                         run = partial(run_with_comms, run)
                     reply = run_profiled(run) if msg.get("profile") else run()
