@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 from distnb.analysis.checks import CheckReport
 from distnb.analysis.collectives import CollectiveReport
+from distnb.analysis.compiles import CompileReport
 from distnb.analysis.env import EnvReport
 from distnb.analysis.hang import Diagnosis
 from distnb.analysis.memory import MemoryReport
@@ -311,8 +312,8 @@ class Pool:
         under CommDebugMode (``result.comms()``). ``paths`` records which notebook lines each rank ran
         (default on 3.12+ ranks, or DISTNB_PATHS=1): failures name the first decision that differed."""
         compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
-        return self._start(code, parse_ranks(ranks, self.world_size), events, {"profile": profile, "pdb": pdb, "comms": comms, "paths": paths}, compiled=compiled,
-                           label=label)
+        flags = {"profile": profile, "pdb": pdb, "comms": comms, "paths": paths}
+        return self._start(code, parse_ranks(ranks, self.world_size), events, flags, compiled=compiled, label=label)
 
     def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True,
                compiled: CompiledCell | None = None, label: int | None = None) -> CellResult:
@@ -403,19 +404,12 @@ class Pool:
         """Per-rank pid, host, device and state, from what the controller knows (no round trip)."""
         channel, multinode = self._channel, self._multinode
         return PoolStatus(
-            state=self.state.value,
-            backend=self._tracker.backend(),
-            world_size=self.world_size,
-            ranks=self._tracker.rank_statuses(),
-            agent_pid=self._launcher.pid if self._launcher else None,
-            address=self.address or (channel.address if channel else None),
-            cells_run=len(self._session),
-            nnodes=self._config.nnodes,
+            state=self.state.value, backend=self._tracker.backend(), world_size=self.world_size, ranks=self._tracker.rank_statuses(),
+            agent_pid=self._launcher.pid if self._launcher else None, address=self.address or (channel.address if channel else None),
+            cells_run=len(self._session), nnodes=self._config.nnodes,
             nodes=multinode.nodes.text(self._tracker.ranks_by_agent()) if multinode else "",
-            rejected=channel.rejected if channel else 0,
-            internal_errors=channel.errors if channel else 0,
-            last_internal_error=channel.last_error if channel else None,
-        )
+            rejected=channel.rejected if channel else 0, internal_errors=channel.errors if channel else 0,
+            last_internal_error=channel.last_error if channel else None)
 
     def pids(self) -> list[int]:
         """Every process of the pool known to be alive (agent, supervisors, ranks)."""
@@ -438,6 +432,9 @@ class Pool:
 
     def collectives(self, ranks: Ranks = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
         return self._diagnostics.collectives(ranks, last, refresh)
+
+    def compiles(self, ranks: Ranks = None) -> CompileReport:
+        return self._diagnostics.compiles(ranks)
 
     def memory(self, ranks: Ranks = None) -> MemoryReport:
         return self._diagnostics.memory(ranks)
@@ -463,7 +460,7 @@ class Pool:
         return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"
 
 
-for _name in ("stacks", "diagnose", "collectives", "memory", "env", "check"):
+for _name in ("stacks", "diagnose", "collectives", "compiles", "memory", "env", "check"):
     getattr(Pool, _name).__doc__ = getattr(Diagnostics, _name).__doc__
 
 

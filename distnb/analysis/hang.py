@@ -199,6 +199,16 @@ def diagnose(
             f"{'is' if len(computing) == 1 else 'are'} still importing modules ({computing[0].detail}): slow, not a hang yet.",
             positions, [p.rank for p in computing],
         )
+    if computing and all(p.detail.startswith("compiling") for p in computing):
+        # A compile takes seconds; one on some ranks only (a recompile: a guard failed there) makes
+        # the others wait at their next collective.
+        return Diagnosis(
+            "slow",
+            f"{w} {_waits(waiting)} in {waiting[0].op} while {format_ranks([p.rank for p in computing])} "
+            f"{'is' if len(computing) == 1 else 'are'} {computing[0].detail}: slow, not a hang yet (if it recompiles on every "
+            "step, %dist_compile says which guard fails).",
+            positions, [p.rank for p in computing],
+        )
     if computing:
         return Diagnosis(
             "hang",

@@ -132,7 +132,7 @@ def position_from_stack(stack: RankStack, cell: int | None = None) -> Position:
     )
     if op is not None:
         return Position(stack.rank, "collective", op=op, **where)
-    return Position(stack.rank, "computing", detail=_importing(frames), **where)
+    return Position(stack.rank, "computing", detail=_importing(frames) or _compiling(frames), **where)
 
 
 def position_paused(rank: int, paused: dict[str, Any], cell: int | None) -> Position:
@@ -162,6 +162,16 @@ def collective_at_death(stderr: str, main_ident: int | None = None) -> str | Non
     """``all_reduce at cell line 2 (…)``: :func:`position_at_death` in words."""
     pos = position_at_death(stderr, main_ident)
     return None if pos is None else pos.death_words()
+
+
+def _compiling(frames: list[Any]) -> str:
+    """``compiling `train_step` with torch.compile`` when the rank is inside dynamo or inductor
+    (a first compile, or a recompile after a guard failed), else ``""``."""
+    at = next((i for i, f in enumerate(frames) if "/torch/_dynamo/" in f.filename or "/torch/_inductor/" in f.filename), None)
+    if at is None:
+        return ""
+    caller = next((f for f in reversed(frames[:at]) if f.is_cell), None)
+    return f"compiling {'`' + caller.name + '` ' if caller and caller.name != '<module>' else ''}with torch.compile"
 
 
 def _importing(frames: list[Any]) -> str:

@@ -416,7 +416,7 @@ class Tracker:
         res.status = msg["status"]
         res.value, res.error = msg.get("value"), msg.get("error")
         res.duration, res.memory, res.profile, res.sync = msg.get("duration"), msg.get("memory"), msg.get("profile"), msg.get("sync")
-        res.paths = msg.get("paths")
+        res.paths, res.compiles = msg.get("paths"), msg.get("compiles")
         res.comms = msg.get("comms")
         res.finished_at, res.direct = time.monotonic(), direct
         run.waiting_done.discard(info.rank)

@@ -17,7 +17,18 @@ __all__ = ["InspectMagics"]
 @magics_class
 class InspectMagics(Magics):
     """``%dist_stacks``, ``%dist_check``, ``%dist_export``, ``%dist_memory``, ``%dist_collectives``,
-    ``%dist_timeline``, ``%dist_mesh``, ``%dist_env`` and ``%dist_debug``."""
+    ``%dist_timeline``, ``%dist_mesh``, ``%dist_compile``, ``%dist_env`` and ``%dist_debug``."""
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="Ranks to compare: 0,2 · 1-3 · all (default: all).")
+    @line_magic
+    def dist_compile(self, line: str) -> Any:
+        """What torch.compile did on each rank this session: frames compiled, recompiles with the guard that
+        failed, graph breaks, the collectives in its graphs (with --paths cells); the ranks that differ named."""
+        args = parse(self.dist_compile, line)
+        pool = pool_or_usage_error()
+        with usage_errors():
+            return pool.compiles(args.ranks)
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 
 from distnb import _processes
 from distnb.analysis.checks import CheckReport, compare
+from distnb.analysis.compiles import CompileReport
 from distnb.analysis.collectives import P2P_OPS, CollectiveReport, issued_words
 from distnb.analysis.entry_words import describe
 from distnb.analysis.desync import mismatch_text
@@ -60,6 +61,7 @@ class Diagnostics:
         self._run_dir = run_dir
         self._world = config.world_size
         self._live_paths: dict[int, dict[str, Any]] = {}  # running ranks' path records, from the last stacks round
+        self._live_compiles: dict[int, dict[str, Any]] = {}  # and their compile records
 
     def require_pool(self) -> None:
         if self._tracker.state in (PoolState.NEW, PoolState.STOPPED):
@@ -86,6 +88,7 @@ class Diagnostics:
                "calls_since": min((log.last_call(r) for r in alive), default=-1), "groups": log.wants_groups(alive), "paths": paths}
         replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
         self._live_paths = {r: m["paths"] for r, m in replies.items() if m.get("paths")}
+        self._live_compiles = {r: m["compiles"] for r, m in replies.items() if m.get("compiles")}
         self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
         # A control thread that answered with an error instead of stacks gave no stack either.
         silent = [r for r in alive if "stacks" not in replies.get(r, {})]
@@ -169,7 +172,33 @@ class Diagnostics:
             why = self.why(result)
             if why:
                 diag.details.append(f"  why: {why}")
+            compiled = self.compiles(cells=[result.cell], live=True)
+            if compiled.differences():
+                diag.details.append(f"  {compiled.summary()}")
         return diag
+
+    def compiles(self, ranks: Ranks = None, cells: list[int] | None = None, live: bool = False) -> CompileReport:
+        """What torch.compile did on each rank — frames compiled, recompiles with the guard that
+        failed, graph breaks, collectives in the graphs — over the session's cells (or ``cells``),
+        compared across ranks. ``live``: a running cell's ranks as of the last stacks round."""
+        targets = parse_ranks(ranks, self._world)
+        events: dict[int, list[dict[str, Any]]] = {r: [] for r in targets}
+        breaks: dict[int, dict[str, int]] = {r: {} for r in targets}
+        seen = []
+        for res in self._session.history:
+            if not isinstance(res, CellResult) or (cells is not None and res.cell not in cells):
+                continue
+            records = {r: rr.compiles for r, rr in res.results.items() if rr.compiles}
+            if live:
+                records.update({r: c for r, c in self._live_compiles.items() if r in res.results and res.results[r].status == "running"})
+            for r, record in records.items():
+                if r in events:
+                    events[r].extend(record.get("compiles", []))
+                    for reason, n in record.get("breaks", {}).items():
+                        breaks[r][reason] = breaks[r].get(reason, 0) + n
+            if records:
+                seen.append(res.cell)
+        return CompileReport(events, breaks, seen, self._session.codes())
 
     def why(self, result: CellResult, quiet_expected: bool = False) -> str:
         """The first decision in the notebook's code that the cell's ranks took differently, in
@@ -247,6 +276,8 @@ class Diagnostics:
             result.root_cause = self.death_note(result) or self.timeout_note(result)
         if result.desync:
             result.desync_note = self.desync_note(result)
+        compiled = self.compiles(list(result.ranks), cells=[result.cell])
+        result.compile_note = compiled.summary() if compiled.differences() else ""
         if result.failed or result.desync:
             why = self.why(result)
             result.path_note = f"why: {why}" if why else ""

@@ -190,6 +190,7 @@ class CellDone(_CellDoneKind, total=False):
     comms: dict[str, Any]  # with EXEC's ``comms``: collectives per module with group and bytes, redistributes
     sync: dict[str, Any] | None  # collectives issued per group and groups created (worker/group_state.py)
     paths: dict[str, Any] | None  # the notebook lines' transitions the cell made (worker/paths.py)
+    compiles: dict[str, Any] | None  # what torch.compile did during the cell (worker/compile_record.py)
 
 
 class StdinRequest(TypedDict):

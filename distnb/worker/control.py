@@ -266,6 +266,8 @@ class ControlThread(threading.Thread):
             reply = {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
             if msg.get("paths") and self.executor.paths.on:
                 reply["paths"] = self.executor.paths.snapshot()  # where a hung cell's ranks went so far
+            if msg.get("paths") and self.executor.compiles.on:
+                reply["compiles"] = self.executor.compiles.snapshot()
             if "collectives_since" in msg:
                 # In the same answer, so a rank that can't answer (a C loop holding the GIL) costs
                 # the caller one timeout, not one per question.

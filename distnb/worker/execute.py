@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from distnb.wire.cell_code import CELL_PREFIX, CompiledCell, cell_filename, compile_cell
 from distnb.worker.call_log import CallLog
+from distnb.worker.compile_record import CompileRecorder
 from distnb.worker.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.flight_recorder import CellClock
 from distnb.worker.group_state import group_errors, live_groups, sync_state
@@ -78,6 +79,7 @@ class Executor:
         self.clock = CellClock()
         self.calls = CallLog(CELL_PREFIX)
         self.paths = PathRecorder(CELL_PREFIX)
+        self.compiles = CompileRecorder()
         self._send_display = send_display
         self.cell: int | None = None
         self.started = 0.0
@@ -125,12 +127,15 @@ class Executor:
                     value = body()
                 else:
                     cell = compiled or compile_cell(code, filename)
+                    self.compiles.start(graphs=paths)
                     if paths:
                         self.paths.start([c for c in cell if c is not None])
                     value = self._exec(cell)
             finally:
                 if self.paths.on:
                     reply["paths"] = self.paths.stop()
+                if self.compiles.on:
+                    reply["compiles"] = self.compiles.stop()
                 if self.debug is not None:
                     self.debug.end_cell()  # before any of distnb's own code runs: no stepping into it
             if value is not None:

@@ -60,7 +60,8 @@ def test_a_swallowed_exception_on_one_rank_is_named() -> None:
     data[1]["values"] = [1, -2, 3]
     diff = first_difference(run_ranks(cells, "", 4, data), cells)
     assert diff is not None and diff.odd == [1], diff and diff.text()
-    assert diff.cell == 1 and diff.decided == 2 and "rank 1 took line 3 (`raise RuntimeError('negative')`, under `if x < 0:`) at iteration 2 of 3" in diff.text()
+    assert diff.cell == 1 and diff.decided == 2
+    assert "rank 1 took line 3 (`raise RuntimeError('negative')`, under `if x < 0:`) at iteration 2 of 3" in diff.text()
 
 
 def test_a_data_dependent_loop_bound_says_each_side_s_trip_count() -> None:
@@ -100,3 +101,19 @@ def test_recording_steps_aside_for_a_debugger_s_tracer() -> None:
         assert recorder.stop() == {"skipped": "another tracer (a debugger or coverage) was active"}
     finally:
         sys.settrace(previous)
+
+
+def test_a_rank_inside_torch_compile_keeps_the_others_waiting_and_is_called_slow() -> None:
+    from distnb.analysis.hang import diagnose
+    from distnb.analysis.position import Position, position_from_stack
+    from distnb.analysis.stacks import Frame, RankStack, ThreadStack
+
+    frames = [Frame("<cell-4>", 3, "<module>", "loss = step(x)"), Frame("<cell-2>", 5, "step", "return compiled(x)"),
+              Frame("/site-packages/torch/_dynamo/eval_frame.py", 900, "_fn", "return fn(*args)"),
+              Frame("/site-packages/torch/_dynamo/convert_frame.py", 1200, "_compile", "out = transform()")]
+    pos = position_from_stack(RankStack(1, "running cell 4", "control thread", [ThreadStack("MainThread", True, frames)]), 4)
+    assert pos.state == "computing" and pos.detail == "compiling `step` with torch.compile"
+    waiting = [Position(r, "collective", op="all_reduce", seq=3, group="0", since=5.0) for r in (0, 2, 3)]
+    d = diagnose([*waiting, pos], 3.0, 10.0)
+    assert d.kind == "slow" and d.culprits == [1], d.text()
+    assert "rank 1 is compiling `step` with torch.compile: slow, not a hang yet" in d.summary

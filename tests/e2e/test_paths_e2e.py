@@ -87,3 +87,29 @@ def test_rank_targeting_stays_quiet(pool4: distnb.Pool) -> None:
     res = run(pool, "if rank == 0:\n    print('from rank 0')\nelse:\n    rt_x = 1\n")
     assert res.ok and res.path_note == "", res.path_note
     assert all(res[r].paths and res[r].paths.get("transitions") for r in range(4))
+
+
+def test_a_recompile_on_one_rank_is_named_with_the_guard_that_failed(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    # Rank 1's batches change size every step: each new size fails the compiled graph's shape guard.
+    res = run(pool, "rc_step = torch.compile(lambda x: (x * 2).sum(), backend='aot_eager', dynamic=False)\n"
+                    "for i in range(4):\n    rc_step(torch.ones(8 * (i + 1) if rank == 1 else 8))\n")
+    assert res.ok, res.text()
+    assert res.compile_note.startswith("torch.compile differs across ranks (cell "), res.compile_note
+    assert "rank 1 recompiled `<lambda>` (cell " in res.compile_note and " 4 times (guard failed: tensor 'x' size mismatch at index 0. " \
+        "expected 8, actual 16" in res.compile_note, res.compile_note
+    assert "ranks 0,2,3 compiled it once" in res.compile_note
+    report = pool.compiles()
+    assert report.odd_ranks() == [1] and "rank 1 4×" in report.text(), report.text()
+
+
+def test_graphs_holding_other_collectives_on_one_rank_are_named(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    # Every rank reduces twice, but rank 2 in one graph of two all_reduces, the others by one graph
+    # of one, run twice: nothing hangs, and the compiled programs differ.
+    res = run(pool, "def cg_step(x, n):\n    for _ in range(n):\n        dist.all_reduce(x)\n    return x * 2\n"
+                    "cg_fn = torch.compile(cg_step, backend='aot_eager')\n"
+                    "for _ in range(1 if rank == 2 else 2):\n    cg_out = cg_fn(torch.ones(4), 2 if rank == 2 else 1)\n")
+    assert res.ok, res.text()
+    assert "the graphs of `cg_step` (cell " in res.compile_note, res.text()
+    assert "ranks 0,1,3: all_reduce ×1; rank 2: all_reduce ×2" in res.compile_note, res.compile_note
