@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from distnb._processes import signal_meaning
-from distnb._text import merge_lines, prefix_lines
+from distnb._text import MAX_ROWS, MERGED_NOTE, Rows, merge_lines, merge_rows, prefix_lines
 from distnb.analysis.failures import differing_messages, is_timeout, salient_lines
 from distnb.analysis.nccl_dumps import watchdog_cause
-from distnb.ranks import format_ranks, group_by
+from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 
 __all__ = [
     "CellEvents",
@@ -23,10 +23,28 @@ __all__ = [
     "PushRecord",
     "RankResult",
     "Step",
+    "ranks_label",
 ]
 
 
 _DIGITS = re.compile(r"\d+")
+#: Above SUMMARY_ABOVE ranks: deaths told in full (the first first), and error groups shown with
+#: their traceback; the others are one line each, grouped, and the result keeps every one.
+MAX_POST_MORTEMS = 3
+MAX_TRACEBACKS = 3
+#: A header names its ranks in at most about this many characters: every 8th of 4,096 ranks is
+#: ~2,500 of them, past a title's length (the result's ``ranks`` lists them all).
+HEADER_RANKS_CHARS = 200
+
+
+def ranks_label(ranks: list[int]) -> str:
+    """A cell's ranks for its header: ``ranks 0-1023``, or for a scattered set past
+    HEADER_RANKS_CHARS, ``512 ranks (0,8,16,…)``."""
+    label = format_ranks(ranks)
+    if len(label) <= HEADER_RANKS_CHARS:
+        return label
+    return f"{len(ranks):,} ranks ({label.removeprefix('ranks ')[:HEADER_RANKS_CHARS].rsplit(',', 1)[0]},…)"
+
 
 def _output_size(r: RankResult) -> int:
     return len(r.stdout) + len(r.stderr) + sum(len(v) for d in r.displays for v in d.values())
@@ -94,17 +112,22 @@ class RankResult:
     profile: dict[str, Any] | None = None  # with --profile: what worker/profiling.py measured
     comms: dict[str, Any] | None = None  # with --comms: what worker/comms.py accounted
     sync: dict[str, Any] | None = None  # collectives issued per group at the cell's end (worker/group_state.py)
+    paths: dict[str, Any] | None = None  # which notebook lines ran, as transitions (worker/paths.py)
+    compiles: dict[str, Any] | None = None  # torch.compile's frames compiled, recompiles, graph breaks (worker/compile_record.py)
 
     def add_output(self, stream: str, text: str) -> None:
         """Append ``text`` to ``stream`` (``"stdout"`` or ``"stderr"``) without copying what is there."""
         self.__dict__["_" + stream].append(text)
 
+    def death_reason(self) -> str:
+        """Why the rank died, in words: its signal or exit code, and the cause where one is known."""
+        why = signal_meaning(self.returncode) if self.returncode is not None else ""
+        return f"{why}; {self.cause}" if why and self.cause else why or self.cause or "gone without an exit report"
+
     def death_text(self) -> str:
         """Post-mortem of a rank that died during the cell."""
         first = " first" if self.first_death else ""
-        why = signal_meaning(self.returncode) if self.returncode is not None else ""
-        why = f"{why}; {self.cause}" if why and self.cause else why or self.cause or "gone without an exit report"
-        text = f"rank {self.rank} died{first}: {why}"
+        text = f"rank {self.rank} died{first}: {self.death_reason()}"
         watchdog = watchdog_cause(self.stderr_tail or self.stderr)
         if watchdog:
             text += f" — {watchdog}"
@@ -140,6 +163,11 @@ class CellResult:
     # (sync_check.CountMismatch), and the words for them, with the entries involved.
     desync: list[Any] = field(default_factory=list)
     desync_note: str = ""
+    # The first decision in the notebook's code that ranks took differently (analysis/paths.py), in
+    # words: after a failure or desync, why; in a cell that finished alike, a quiet note.
+    path_note: str = ""
+    # torch.compile did something else on some ranks in this cell (analysis/compiles.py), in words.
+    compile_note: str = ""
     # Memory of ranks still running when another ran out of memory (asked live at that moment).
     live_memory: dict[int, dict[str, Any]] = field(default_factory=dict)
     # The notebook's In[n] of the cell that ran it (%%on_ranks), None from Python: what export's
@@ -181,31 +209,39 @@ class CellResult:
 
     def header(self) -> str:
         done = sum(1 for r in self.results.values() if r.status != "running")
-        return f"cell {self.cell} on {format_ranks(self.ranks)}: {self.state}, {done}/{len(self.ranks)} done, {self.elapsed:.2f} s"
+        return f"cell {self.cell} on {ranks_label(self.ranks)}: {self.state}, {done}/{len(self.ranks)} done, {self.elapsed:.2f} s"
 
-    def output_text(self) -> str:
-        parts: list[str] = []
+    def output_rows(self) -> list[tuple[str, Rows]]:
+        """Each stream's output as rows of ``(ranks, line)``, each line once for the ranks that
+        share it (above SUMMARY_ABOVE ranks, lines that differ only in numbers merged, with the
+        odd ranks named: :func:`~distnb._text.merge_lines`)."""
+        out = []
         for stream in ("stdout", "stderr"):
-            items = [(r.rank, getattr(r, stream)) for r in self._ordered() if getattr(r, stream)]
+            items = [(r.rank, text) for r in self._ordered() for text in [getattr(r, stream)] if text]
+            out.append((stream, merge_lines(items)))
+        return out
+
+    def output_text(self, rows: list[tuple[str, Rows]] | None = None) -> str:
+        """The output grouped across ranks; ``rows``: :meth:`output_rows`, where the caller has them."""
+        parts: list[str] = []
+        merged = False
+        for stream, lines in self.output_rows() if rows is None else rows:
             suffix = "" if stream == "stdout" else " stderr"
-            parts.extend(f"[{format_ranks(ranks)}{suffix}] {line}" for ranks, line in merge_lines(items))
+            parts.extend(f"[{format_ranks(ranks)}{suffix}] {line}" for ranks, line in lines)
+            merged = merged or lines.merged
+        if merged:
+            parts.append(MERGED_NOTE)
         return "\n".join(parts)
 
     def outcome_text(self) -> str:
         """Values, errors, deaths and still-running ranks: everything but the streamed output."""
-        parts: list[str] = []
-        displays = [(r.rank, d.get("text/plain", "")) for r in self._ordered() for d in r.displays]
-        for ranks, text in group_by(displays):
-            parts.append(prefix_lines(f"display {format_ranks(ranks)}", text))
-        values = [(r.rank, r.value_text) for r in self._ordered() if r.value is not None]
-        for ranks, text in group_by(values):
-            label = f"Out[{format_ranks(ranks)}]:"
-            parts.append(f"{label} {text}" if "\n" not in (text or "") else f"{label}\n{text}")
+        parts = self.display_texts()
+        parts.extend(self._value_texts())
         # Root cause first: a death usually explains the errors of the ranks that waited for it.
         dead = [r for r in sorted(self._ordered(), key=lambda r: not r.first_death) if r.status == "dead"]
         if self.root_cause:  # a death's true cause (a victim of gloo's abort) or a timeout's blame
             parts.append(self.root_cause)
-        parts.extend(r.death_text() for r in dead)
+        parts.extend(self._death_texts(dead))
         if dead:
             others = group_by(
                 (r.rank, f"raised {r.error['ename']}" if r.error else f"stranded in {r.collective}" if r.status == "stranded"
@@ -219,6 +255,10 @@ class CellResult:
         parts.extend(self._error_texts())
         if self.desync_note:
             parts.append("[distnb] desync at the end of the cell: " + self.desync_note)
+        if self.path_note:
+            parts.append("[distnb] " + self.path_note)
+        if self.compile_note:
+            parts.append("[distnb] " + self.compile_note)
         if any(r.error and "OutOfMemoryError" in r.error.get("ename", "") for r in self.results.values()):
             from distnb.analysis.memory import MemoryReport
 
@@ -260,21 +300,67 @@ class CellResult:
 
         return memory_line({r.rank: r.memory for r in self._ordered() if r.memory})
 
+    def _many(self) -> bool:
+        return len(self.results) > SUMMARY_ABOVE
+
+    def display_texts(self) -> list[str]:
+        """The displays' text forms, each once for the ranks that made it (``[display ranks 0-3]
+        <Figure>``); above SUMMARY_ABOVE ranks, one-line texts that differ only in numbers merged."""
+        displays = [(r.rank, d.get("text/plain", "")) for r in self._ordered() for d in r.displays]
+        many = len({r for r, _ in displays}) > SUMMARY_ABOVE and not any("\n" in t for _, t in displays)
+        return [prefix_lines(f"display {format_ranks(ranks)}", text) for ranks, text in (merge_rows(displays) if many else group_by(displays))]
+
+    def _value_texts(self) -> list[str]:
+        values = [(r.rank, r.value_text or "") for r in self._ordered() if r.value is not None]
+        many = len(values) > SUMMARY_ABOVE
+        # Many one-line values (a loss per rank): merged as output lines are, odd ranks named.
+        rows = merge_rows(values) if many and not any("\n" in t for _, t in values) else group_by(values)
+        out = []
+        for n, (ranks, text) in enumerate(rows):
+            if many and n == MAX_ROWS:
+                rest = [r for rs, _ in rows[n:] for r in rs]
+                out.append(f"Out[{format_ranks(rest)}]: ⋯ {len(rows) - n:,} other values, each of fewer ranks: _dist.values[rank]")
+                break
+            label = f"Out[{format_ranks(ranks)}]:"
+            out.append(f"{label} {text}" if "\n" not in text else f"{label}\n{text}")
+        if isinstance(rows, Rows) and rows.merged:
+            out.append("[distnb] values that differ only in their numbers are shown once, as output lines are: ⟨lo … hi⟩ is their "
+                       "range, ⟨rank⟩ each rank's own number; each rank's own value: _dist.values[rank].")
+        return out
+
+    def _death_texts(self, dead: list[RankResult]) -> list[str]:
+        """Each death's post-mortem; above SUMMARY_ABOVE ranks, the first few in full and the rest
+        a line per cause (a lost node's eight ranks, a job killed whole)."""
+        if not self._many() or len(dead) <= MAX_POST_MORTEMS:
+            return [r.death_text() for r in dead]
+        out = [r.death_text() for r in dead[:MAX_POST_MORTEMS]]
+        rows = merge_rows([(r.rank, r.death_reason()) for r in dead[MAX_POST_MORTEMS:]])
+        out.extend(f"{format_ranks(ranks)} died too: {why}" for ranks, why in rows)
+        out.append("[distnb] each dead rank's post-mortem: _dist[rank].death_text()")
+        return out
+
     def _error_texts(self) -> list[str]:
         errored = [r for r in self.results.values() if r.error and r.status in ("error", "interrupted")]
         # Root cause first: the rank that failed earliest leads.
         errored.sort(key=lambda r: (r.finished_at or float("inf"), r.rank))
         # Same error up to its numbers (f"rank {rank} …", "cuda:2" vs "cuda:3"): one group, one
-        # traceback, and each rank's own message under it when they differ.
-        keyed = [(r.rank, (e["ename"], e.get("line"), e["traceback"].replace(e["evalue"], ""), _DIGITS.sub("#", e["evalue"])))
-                 for r in errored for e in [r.error or {}]]
+        # traceback, and each rank's own message under it when they differ. Many ranks' tracebacks
+        # are grouped up to their numbers too (a path or a device that names the rank).
+        many = self._many()
+        keyed = [(r.rank, (e["ename"], e.get("line"), _DIGITS.sub("#", tb) if many else tb, _DIGITS.sub("#", e["evalue"])))
+                 for r in errored for e in [r.error or {}] for tb in [e["traceback"].replace(e["evalue"], "")]]
         out = []
-        for ranks, (ename, *_) in group_by(keyed):
+        for n, (ranks, (ename, *_)) in enumerate(group_by(keyed)):
             errors = [self.results[r].error or {} for r in ranks]
             line = next((e.get("line") for e in errors if e.get("line")), None)
             where = f" at cell line {line}" if line else ""
+            if many and n >= MAX_TRACEBACKS:
+                message = (errors[0].get("evalue") or "").split("\n", 1)[0][:200]
+                out.append(f"── {ename} on {format_ranks(ranks)}{where}: {message} (its traceback: _dist[{ranks[0]}].error['traceback'])")
+                continue
             text = f"── {ename} on {format_ranks(ranks)}{where} ──\n{errors[0]['traceback'].rstrip()}"
-            text += differing_messages(ename, [(r, e.get("evalue", "")) for r, e in zip(ranks, errors)])
+            messages = [(r, e.get("evalue", "")) for r, e in zip(ranks, errors)]
+            text += _merged_messages(ename, messages) if len(ranks) > SUMMARY_ABOVE else differing_messages(ename, messages)
             out.append(text)
         return out
 
@@ -296,12 +382,12 @@ class CellResult:
         notes = []
         cut = [(r.rank, r.output_truncated) for r in self._ordered() if r.output_truncated]
         if cut:
-            what = ", ".join(f"rank {r}: {n:,}" for r, n in cut)
+            what = _per_rank_counts(cut)
             notes.append(f"[distnb] output past the first MiB per rank and stream was not kept ({what} characters); "
                          "write large output to a file on the ranks instead.")
         gone = [(r.rank, r.released) for r in self._ordered() if r.released]
         if gone:
-            what = ", ".join(f"rank {r}: {n:,}" for r, n in gone)
+            what = _per_rank_counts(gone)
             notes.append(f"[distnb] this cell's output was let go as later cells wrote more ({what} characters), to keep "
                          "the notebook's memory bounded; the notebook's own copy of the cell still shows it.")
         return "\n".join(notes)
@@ -318,6 +404,30 @@ class CellResult:
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())
+
+
+def _per_rank_counts(counts: list[tuple[int, int]]) -> str:
+    """``rank 0: 1,200, rank 3: 800``; above SUMMARY_ABOVE ranks their total and the largest."""
+    if len(counts) <= SUMMARY_ABOVE:
+        return ", ".join(f"rank {r}: {n:,}" for r, n in counts)
+    top, most = max(counts, key=lambda c: c[1])
+    return f"{format_ranks([r for r, _ in counts])}: {sum(n for _, n in counts):,} in all, the most rank {top}: {most:,}"
+
+
+#: Lines of many ranks' differing error messages shown under their traceback.
+_MESSAGE_ROWS = 12
+
+
+def _merged_messages(ename: str, messages: list[tuple[int, str]]) -> str:
+    """Many ranks' messages of one error, their lines merged as output lines are (``device
+    ⟨0 … 7⟩``): the many-rank form of :func:`~distnb.analysis.failures.differing_messages`."""
+    if len({m for _, m in messages}) < 2:
+        return ""
+    rows = merge_lines(messages)
+    lines = [f"  [{format_ranks(ranks)}] {line}" for ranks, line in rows[:_MESSAGE_ROWS]]
+    if len(rows) > _MESSAGE_ROWS:
+        lines.append(f"  ⋯ {len(rows) - _MESSAGE_ROWS:,} more lines: _dist[rank].error['evalue']")
+    return f"\n  the {ename} messages differ:\n" + "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,19 @@
-"""Per-rank memory: the compact line under each cell, the %dist_memory table, plots, imbalance."""
+"""Per-rank memory: the compact line under each cell, the %dist_memory table, plots, imbalance.
+
+Up to :data:`~distnb.ranks.SUMMARY_ABOVE` ranks the table has a row per rank and the bar chart a
+bar per rank. Above, a row per rank is no view (1,024 of them): the text gives each column's
+distribution — min, median, max, with the ranks at the extremes named — and the plots draw the
+distribution (a box, a band) with bars or lines only for the ranks named (the extremes, the ranks
+flagged for imbalance). :meth:`MemoryReport.table` keeps every rank's row.
+"""
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from distnb._text import MiB, size
-from distnb.ranks import format_ranks
+from distnb.ranks import SUMMARY_ABOVE, format_ranks
 
 __all__ = ["Imbalance", "MemoryReport", "figure_png", "imbalance", "imbalances", "memory_line"]
 
@@ -15,6 +21,14 @@ __all__ = ["Imbalance", "MemoryReport", "figure_png", "imbalance", "imbalances",
 IMBALANCE_RATIO = 1.5
 #: … and at least this much above it (small absolute differences are noise).
 IMBALANCE_MIN_BYTES = 64 << 20
+#: Imbalances named one by one before the rest are counted (and their ranks listed).
+MAX_FLAGS = 5
+#: Ranks the summarised plots draw on their own (the extremes and the flagged).
+PLOT_RANKS = 8
+
+_Sample = dict[str, Any]
+#: A table column: its name, its number from a rank's samples (now, now-or-last, last cell), how a number reads.
+_Column = tuple[str, Callable[[_Sample, _Sample, _Sample], float | None], Callable[[float | None], str]]
 
 
 def figure_png(fig: Any) -> bytes:
@@ -57,17 +71,39 @@ def imbalances(samples: dict[int, dict[str, Any]]) -> list[Imbalance]:
     if len(peaks) < 2 or max(peaks.values()) - min(peaks.values()) < IMBALANCE_MIN_BYTES:
         return []  # no rank can be that far above a median of the others (every cell asks this)
     what = "CUDA peak" if key == "cuda_peak" else "RSS peak"
+    ordered = sorted(peaks.values())
+    index = {v: i for i, v in enumerate(ordered)}  # a value's last place: which one is left out doesn't matter
     out = []
     for r, p in sorted(peaks.items()):
-        med = statistics.median(v for q, v in peaks.items() if q != r)
+        med = _median_without(ordered, index[p])
         if med > 0 and p >= IMBALANCE_RATIO * med and p - med >= IMBALANCE_MIN_BYTES:
             out.append(Imbalance(r, what, p, med))
     return out
 
 
+def _median_without(ordered: list[float], i: int) -> float:
+    """The median of the sorted values less the one at ``i``, in O(1): a rank's "median of the
+    others" for every rank costs one sort, not a median per rank (quadratic at 1,024 ranks)."""
+    n = len(ordered) - 1
+
+    def at(j: int) -> float:  # the j-th of the others
+        return ordered[j if j < i else j + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
 def imbalance(samples: dict[int, dict[str, Any]]) -> list[str]:
-    """The imbalances in words, e.g. 'rank 3 peaks at 1.9× the median RSS peak of the others …'."""
-    return [flag.text() for flag in imbalances(samples)]
+    """The imbalances in words, e.g. 'rank 3 peaks at 1.9× the median RSS peak of the others …';
+    past :data:`MAX_FLAGS`, the highest ones and a line that counts and lists the rest."""
+    return _flag_words(imbalances(samples))
+
+
+def _flag_words(flags: list[Imbalance]) -> list[str]:
+    if len(flags) <= MAX_FLAGS:
+        return [flag.text() for flag in flags]
+    top = sorted(flags, key=lambda f: -f.ratio)
+    rest = sorted(f.rank for f in top[MAX_FLAGS:])
+    return [f.text() for f in top[:MAX_FLAGS]] + [f"{len(rest):,} more ranks peak that far above the others' median: {format_ranks(rest)}"]
 
 
 def memory_line(samples: dict[int, dict[str, Any]]) -> str:
@@ -87,12 +123,24 @@ def memory_line(samples: dict[int, dict[str, Any]]) -> str:
     return "memory: " + " · ".join(parts) + ("  ⚠ " + "; ".join(flags) if flags else "")
 
 
-def _delta(sample: dict[str, Any], key: str) -> str:
-    """The change of ``key`` over the cell ("+300 MiB"), from its ``<key>_start`` companion."""
+def _delta_bytes(sample: dict[str, Any], key: str) -> float | None:
+    """The change of ``key`` over the cell, from its ``<key>_start`` companion."""
     start, end = sample.get(f"{key}_start"), sample.get(key)
-    if start is None or end is None:
-        return "-"
-    return ("+" if end >= start else "") + size(end - start)
+    return None if start is None or end is None else end - start
+
+
+def _signed(n_bytes: float | None) -> str:
+    """A change in words: "+300 MiB", "-12 MiB", "-" for none."""
+    return "-" if n_bytes is None else ("+" if n_bytes >= 0 else "") + size(n_bytes)
+
+
+def _who(ranks: list[int], of: int) -> str:
+    """The rank at an extreme: ``rank 3``, ``rank 3 and 1,020 others`` where many share it, or
+    ``every rank`` where all ``of`` do."""
+    if len(ranks) == of > 1:
+        return "every rank"
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" + (f" and {len(ranks) - 1:,} others" if len(ranks) > 1 else "")
 
 
 @dataclass
@@ -113,41 +161,87 @@ class MemoryReport:
         return imbalances(self.last_cell() or self.current)
 
     def imbalance(self) -> list[str]:
-        return [flag.text() for flag in self.imbalances()]
+        return _flag_words(self.imbalances())
+
+    def _ranks(self) -> list[int]:
+        return sorted(set(self.current) | set(self.last_cell()))
+
+    @property
+    def summarised(self) -> bool:
+        """More ranks than a table lists (SUMMARY_ABOVE): :meth:`text` gives each column's distribution."""
+        return len(self._ranks()) > SUMMARY_ABOVE
+
+    def _columns(self) -> list[_Column]:
+        """Each column: its name, its number from a rank's samples (now, now-or-last, last cell)
+        and how a number reads. CUDA columns appear once a rank uses CUDA; the device column once
+        NVML reported the device."""
+        samples = list(self.current.values()) + list(self.last_cell().values())
+        cols: list[_Column] = [
+            ("RSS now", lambda now, src, cell: now.get("rss"), size),
+            ("RSS peak (last cell)", lambda now, src, cell: cell.get("rss_peak"), size),
+            ("Δ RSS (last cell)", lambda now, src, cell: _delta_bytes(cell, "rss"), _signed),
+        ]
+        if any("cuda_allocated" in s for s in samples):
+            cols += [
+                ("CUDA alloc", lambda now, src, cell: src.get("cuda_allocated"), size),
+                ("Δ CUDA alloc (last cell)", lambda now, src, cell: _delta_bytes(cell, "cuda_allocated"), _signed),
+                ("reserved", lambda now, src, cell: src.get("cuda_reserved"), size),
+                ("CUDA peak (last cell)", lambda now, src, cell: cell.get("cuda_peak"), size),
+            ]
+        if any("device_used" in s for s in samples):
+            cols.append(("GPU used/total (NVML)", lambda now, src, cell: src.get("device_used"), size))
+        return cols
+
+    def _values(self) -> tuple[list[str], dict[int, list[float | None]]]:
+        """Column names and each rank's numbers (None where the rank has none)."""
+        last = self.last_cell()
+        cols = self._columns()
+        out: dict[int, list[float | None]] = {}
+        for r in self._ranks():
+            now, cell = self.current.get(r, {}), last.get(r, {})
+            src = now or cell  # "now" when the rank answered, else what its last cell ended with
+            out[r] = [get(now, src, cell) for _, get, _ in cols]
+        return [name for name, _, _ in cols], out
 
     def table(self) -> tuple[list[str], list[tuple[int, list[str]]]]:
         """Column names and each rank's row of cells, shared by :meth:`text` and the HTML view so
-        both always carry the same columns. CUDA columns appear once a rank uses CUDA; the device
-        column once NVML reported the device."""
+        both always carry the same columns (every rank's row, however many)."""
+        names, values = self._values()
+        shows = [show for _, _, show in self._columns()]
         last = self.last_cell()
-        ranks = sorted(set(self.current) | set(last))
-        samples = list(self.current.values()) + list(last.values())
-        cuda = any("cuda_allocated" in s for s in samples)
-        device = any("device_used" in s for s in samples)
-        cols = ["rank", "RSS now", "RSS peak (last cell)", "Δ RSS (last cell)"]
-        if cuda:
-            cols += ["CUDA alloc", "Δ CUDA alloc (last cell)", "reserved", "CUDA peak (last cell)"]
-        if device:
-            cols += ["GPU used/total (NVML)"]
         rows = []
-        for r in ranks:
-            now, cell = self.current.get(r, {}), last.get(r, {})
-            row = [str(r), size(now.get("rss")), size(cell.get("rss_peak")), _delta(cell, "rss")]
-            src = now or cell  # "now" when the rank answered, else what its last cell ended with
-            if cuda:
-                row += [
-                    size(src.get("cuda_allocated")),
-                    _delta(cell, "cuda_allocated"),
-                    size(src.get("cuda_reserved")),
-                    size(cell.get("cuda_peak")),
-                ]
-            if device:
+        for r, numbers in values.items():
+            row = [str(r)] + [show(v) for show, v in zip(shows, numbers)]
+            if names[-1] == "GPU used/total (NVML)":
+                src = self.current.get(r) or last.get(r, {})
                 used = src.get("device_used")
-                row.append(f"{size(used)} / {size(src.get('device_total'))}" if used is not None else "-")
+                row[-1] = f"{size(used)} / {size(src.get('device_total'))}" if used is not None else "-"
             rows.append((r, row))
-        return cols, rows
+        return ["rank", *names], rows
+
+    def summary(self) -> tuple[list[str], list[list[str]]]:
+        """Each column's distribution over the ranks: ``min (rank 3) · median · max (rank 17)``,
+        a row per column — what :meth:`text` shows above SUMMARY_ABOVE ranks."""
+        names, values = self._values()
+        shows = [show for _, _, show in self._columns()]
+        rows = []
+        for i, (name, show) in enumerate(zip(names, shows)):
+            per_rank = {r: x for r, v in values.items() if (x := v[i]) is not None}
+            if name == "GPU used/total (NVML)":
+                totals = sorted({s["device_total"] for s in self.current.values() if s.get("device_total")})
+                name = "GPU used (NVML)" + (f", of {size(totals[0])}" if len(totals) == 1 else "")
+            if not per_rank:
+                rows.append([name, "-", "-", "-"])
+                continue
+            ordered = sorted(per_rank.values())
+            lo, hi = ordered[0], ordered[-1]
+            rows.append([name, f"{show(lo)} ({_who([r for r, v in per_rank.items() if v == lo], len(per_rank))})",
+                         show(ordered[len(ordered) // 2]), f"{show(hi)} ({_who([r for r, v in per_rank.items() if v == hi], len(per_rank))})"])
+        return ["", "min", "median", "max"], rows
 
     def text(self) -> str:
+        if self.summarised:
+            return self._summary_text()
         cols, rows = self.table()
         cells = [cols] + [row for _, row in rows]
         widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
@@ -159,6 +253,31 @@ class MemoryReport:
                          "context, NCCL's buffers, other libraries and processes)")
         return "\n".join(lines)
 
+    def _summary_text(self) -> str:
+        cols, rows = self.summary()
+        cells = [cols] + rows
+        widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+        ranks = self._ranks()
+        lines = [f"memory of {format_ranks(ranks)} ({len(ranks):,} ranks): each column's min, median and max, with the ranks at the extremes"]
+        lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+        lines += [f"  ⚠ {flag}" for flag in self.imbalance()]
+        if any(name.startswith("CUDA") for name, *_ in rows):
+            lines.append("  (CUDA rows: PyTorch's caching allocator; GPU used (NVML): everything on the device)")
+        lines.append("  a rank's own row: %dist_memory <rank>; every rank's: pool.memory().table()")
+        return "\n".join(lines)
+
+    def named(self, count: int = PLOT_RANKS) -> list[int]:
+        """The ranks a summarised plot draws on their own: the flagged (highest first), then the
+        ranks at the top and bottom of the last cell's peaks, ``count`` in all."""
+        last = self.last_cell()
+        key = _peak_key(last) if last else "rss_peak"
+        peaks = {r: s[key] for r, s in last.items() if s.get(key) is not None}
+        order = [f.rank for f in sorted(self.imbalances(), key=lambda f: -f.ratio)]
+        if peaks:
+            by_peak = sorted(peaks, key=lambda r: (-peaks[r], r))
+            order += [by_peak[0], min(peaks, key=lambda r: (peaks[r], r)), *by_peak[1:3]]
+        return list(dict.fromkeys(order))[:count]
+
     def __repr__(self) -> str:
         return self.text()
 
@@ -167,42 +286,63 @@ class MemoryReport:
 
     # -- plots (matplotlib, imported only when asked) -------------------------------------------
     def plot_bars(self) -> Any:
-        """Bar chart of current and last-cell peak per rank."""
+        """Bar chart of current and last-cell peak per rank; above SUMMARY_ABOVE ranks, a box of
+        each over all ranks, then bars for the ranks :meth:`named` (flagged ones marked ⚠)."""
         import matplotlib
         from matplotlib.figure import Figure
 
         last = self.last_cell()
-        ranks = sorted(set(self.current) | set(last))
+        ranks = self._ranks()
         key = _peak_key(last) if last else "rss_peak"
         now_key = "cuda_allocated" if key == "cuda_peak" else "rss"
-        fig = Figure(figsize=(max(4.0, 0.6 * len(ranks) + 2), 3.0))
+        every, many = ranks, len(ranks) > SUMMARY_ABOVE
+        if many:
+            ranks = self.named()
+        fig = Figure(figsize=(max(4.0, 0.6 * (len(ranks) + 2 * many) + 2), 3.0))
         ax = fig.add_subplot()
-        xs = range(len(ranks))
+        first = 2 if many else 0  # the boxes of all ranks take the first places
+        xs = range(first, first + len(ranks))
         now = [self.current.get(r, {}).get(now_key, 0) / MiB for r in ranks]
         peak = [last.get(r, {}).get(key, 0) / MiB for r in ranks]
+        if many:
+            boxes = [[v / MiB for r in every if (v := self.current.get(r, {}).get(now_key)) is not None],
+                     [v / MiB for r in every if (v := last.get(r, {}).get(key)) is not None]]
+            kept = [(x, b) for x, b in zip((0.3, 0.7), boxes) if b]
+            if kept:
+                ax.boxplot([b for _, b in kept], positions=[x for x, _ in kept], widths=0.3)
+            ax.axvline(1.5, color="grey", linewidth=0.5)
         ax.bar([x - 0.2 for x in xs], now, width=0.4, label="now")
         ax.bar([x + 0.2 for x in xs], peak, width=0.4, label="peak (last cell)")
         flagged = {flag.rank for flag in self.imbalances()}
-        for x, r in zip(xs, ranks):
+        for x, r, p in zip(xs, ranks, peak):
             if r in flagged:
-                ax.annotate("⚠", (x + 0.2, peak[x]), ha="center", va="bottom", color="red")
-        ax.set_xticks(list(xs), [str(r) for r in ranks])
+                ax.annotate("⚠", (x + 0.2, p), ha="center", va="bottom", color="red")
+        ticks = ([0.5], [f"all {len(every):,}\n(now · peak)"]) if many else ([], [])
+        ax.set_xticks([*ticks[0], *xs], [*ticks[1], *(str(r) for r in ranks)])
         ax.set_xlabel("rank")
         ax.set_ylabel("MiB (CUDA)" if key == "cuda_peak" else "MiB (RSS)")
-        ax.set_title("memory per rank")
+        ax.set_title(f"memory of {len(every):,} ranks: the extremes and the flagged" if many else "memory per rank")
         ax.legend(loc="best", fontsize="small")
         fig.tight_layout()
         del matplotlib
         return fig
 
     def plot_timeline(self) -> Any:
-        """Each rank's peak per cell."""
+        """Each rank's peak per cell; above SUMMARY_ABOVE ranks, the band all ranks' peaks span,
+        their median, and the lines of the ranks :meth:`named`."""
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(6.0, 3.0))
         ax = fig.add_subplot()
         key = _peak_key(self.last_cell()) if self.timeline else "rss_peak"
         ranks = sorted({r for _c, s in self.timeline for r in s})
+        if len(ranks) > SUMMARY_ABOVE:
+            cells = [(c, sorted(v[key] / MiB for v in s.values() if key in v)) for c, s in self.timeline]
+            cells = [(c, vs) for c, vs in cells if vs]
+            xs = [c for c, _ in cells]
+            ax.fill_between(xs, [vs[0] for _, vs in cells], [vs[-1] for _, vs in cells], alpha=0.25, label=f"all {len(ranks):,} ranks")
+            ax.plot(xs, [vs[len(vs) // 2] for _, vs in cells], color="grey", linewidth=1, label="median")
+            ranks = self.named(5)
         for r in ranks:
             pts = [(c, s[r][key] / MiB) for c, s in self.timeline if r in s and key in s[r]]
             if pts:

@@ -22,18 +22,17 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from distnb.ranks import format_ranks, group_by
+from distnb.worker.paths import LEFT  # the "line" a frame goes to when it returns
 
 __all__ = ["PathDifference", "first_difference", "rank_condition"]
 
 _CELL = re.compile(r"<cell-(\d+)>")
 #: Names whose value differs by rank on purpose: a condition on them is rank targeting.
-RANK_NAMES = frozenset({"rank", "local_rank", "global_rank", "node_rank", "group_rank", "world_rank", "is_main_process",
+RANK_CONDITION_NAMES = frozenset({"rank", "local_rank", "global_rank", "node_rank", "group_rank", "world_rank", "is_main_process",
                         "master_process", "is_master", "is_main", "main_process", "ddp_rank", "ddp_local_rank", "RANK", "LOCAL_RANK",
                         "get_rank", "get_local_rank", "is_rank_zero", "rank_zero"})
 
 Transition = tuple[str, int, int]
-#: The "line" a frame goes to when it returns (worker/paths.py's LEFT: the rank side's own word for it).
-LEFT = -1
 
 
 def _cell_of(filename: str) -> int | None:
@@ -62,7 +61,7 @@ def rank_condition(code: str) -> bool:
         return False
     for node in ast.walk(tree):
         name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
-        if name in RANK_NAMES:
+        if name in RANK_CONDITION_NAMES:
             return True
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in ("RANK", "LOCAL_RANK"):
             return True  # os.environ["RANK"]

@@ -123,6 +123,11 @@ def memory_html(report: MemoryReport) -> str:
     """The memory table with the text form's columns (``MemoryReport.table``: RSS, its change over
     the last cell, CUDA allocated with its change, reserved and peak, NVML device used/total);
     ranks flagged for imbalance are highlighted."""
+    if report.summarised:
+        # A row per column (min, median, max with the ranks at the extremes), not a row per rank.
+        cols, dist_rows = report.summary()
+        notes = "".join(f"<div style='color:#cf222e'>⚠ {_esc(line)}</div>" for line in report.imbalance())
+        return table(cols, [([_esc(c) for c in cells], "") for cells in dist_rows], report.text().splitlines()[0]) + notes
     cols, rows = report.table()
     flags = report.imbalances()
     flagged = {flag.rank for flag in flags}

@@ -4,7 +4,9 @@ Output arrives on distnb's I/O thread (which also sends the supervisors' heartbe
 lock held), so :meth:`LivePrinter.feed` only appends the chunk to a list. Splitting into lines,
 grouping and printing happen in :meth:`LivePrinter.flush` on the thread that waits for the cell
 (in Jupyter, the kernel's main thread), so they land in the right cell. Lines that several ranks
-print at about the same time are printed once with their rank set.
+print at about the same time are printed once with their rank set; above
+:data:`~distnb.ranks.SUMMARY_ABOVE` ranks, lines that differ only in their numbers are one line too
+(:func:`~distnb._text.merge_rows`: the range over the ranks, the odd ranks named).
 
 Everything is bounded: the lines shown (``max_lines``/``max_chars``), the backlog between two
 flushes, each unfinished line (its head and tail are kept, the middle counted), and output that
@@ -19,8 +21,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, TextIO
 
-from distnb._text import prefix_lines, size
-from distnb.ranks import format_ranks, group_by, rank_span
+from distnb._text import MERGED_NOTE, merge_rows, prefix_lines, size
+from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by, rank_span
 from distnb.results import RankResult
 from distnb.states import RankState
 
@@ -33,6 +35,8 @@ __all__ = ["LINE_KEEP", "LivePrinter", "StartProgress", "kept_per_stream", "stag
 LINE_KEEP = 4096
 #: Rank displays shown live per cell; more are counted (the result keeps them all).
 MAX_DISPLAYS = 50
+#: Ranks the summaries single out (``LivePrinter.odd``) that are remembered, the first ones.
+MAX_ODD = 64
 #: Small tail pieces are merged up to this size, so a trickle of 1-byte chunks does not pile up
 #: millions of tiny strings (merging copies at most this much per chunk: still linear).
 _MERGE_BELOW = 1024
@@ -177,6 +181,11 @@ class LivePrinter:
         self._dropped: dict[tuple[int, str], bool] = {}  # (rank, stream) → its last dropped text ended mid-line
         self._closed = False  # after the final flush nothing more is kept
         self._expected: set[int] | None = set(ranks) if ranks is not None else None
+        # A cell on many ranks merges lines that differ only in numbers even in a flush that
+        # holds few of them, so that its view reads the same from one flush to the next.
+        self._many = self._expected is not None and len(self._expected) > SUMMARY_ABOVE
+        self.merged = False  # a merged line was shown (MERGED_NOTE said once, with the first)
+        self.odd: dict[int, None] = {}  # ranks the merged lines singled out, in order (a view gives them a tab)
         # Only the flushing thread touches these.
         self._flush_lock = threading.Lock()
         self._partial: dict[tuple[int, str], _LineBuffer] = {}
@@ -270,7 +279,19 @@ class LivePrinter:
             per_rank = {r: [line for s, line in ls if s == stream] for r, ls in sorted(pending.items())}
             # Line i of every rank that has one, grouped: extra lines on one rank don't split the rest.
             for i in range(max((len(ls) for ls in per_rank.values()), default=0)):
-                for ranks, line in group_by((r, ls[i]) for r, ls in per_rank.items() if i < len(ls)):
+                items = [(r, ls[i]) for r, ls in per_rank.items() if i < len(ls)]
+                rows: list[tuple[list[int], str]]
+                if self._many or len(items) > SUMMARY_ABOVE:
+                    merged = merge_rows(items)
+                    if merged.merged and not self.merged:
+                        self.merged = True
+                        self._emit_note(MERGED_NOTE.removeprefix("[distnb] "))
+                    for r in merged.odd[: max(0, MAX_ODD - len(self.odd))]:
+                        self.odd[r] = None
+                    rows = merged
+                else:
+                    rows = group_by(items)
+                for ranks, line in rows:
                     text = f"[{format_ranks(ranks)}{' stderr' if stream == 'stderr' else ''}] {line}"
                     if self.lines_printed >= self._max_lines or self.chars_printed >= self._max_chars:
                         capped += len(ranks)
@@ -350,12 +371,11 @@ class LivePrinter:
         outcome = result.outcome_text()
         for note in self.announced:
             outcome = _remove_once(outcome, note)
-        ordered = [result.results[r] for r in sorted(result.results)]
-        displays = [(r.rank, d.get("text/plain", "")) for r in ordered for d in r.displays]
-        if displays and self.displays_seen == len(displays) and not self.displays_capped:
+        displays = sum(len(r.displays) for r in result.results.values())
+        if displays and self.displays_seen == displays and not self.displays_capped:
             # The same blocks CellResult.outcome_text writes (tests/test_widgets.py checks they match).
-            for ranks, text in group_by(displays):
-                outcome = _remove_once(outcome, prefix_lines(f"display {format_ranks(ranks)}", text))
+            for block in result.display_texts():
+                outcome = _remove_once(outcome, block)
         return outcome.strip("\n")
 
 

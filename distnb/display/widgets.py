@@ -10,6 +10,10 @@ appends cost O(n²) in memory churn and comm traffic.
 
 Everything shown is capped (each rank's tab, the grouped view, displays), with a visible note
 saying how much was left out and that the cell's result (``_dist``) keeps it.
+
+Above :data:`~distnb.ranks.SUMMARY_ABOVE` ranks, an Output per rank (a comm each, ~0.5 ms to make)
+is no view: the per-rank part is the ranks' distribution and a tab for the first rank and each
+that stands out (at most :data:`LIVE_SECTIONS`), from the live result: a few widgets at any size.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ import time
 from typing import Any, Callable
 
 from distnb._text import prefix_lines
-from distnb.display.static import diagnosis_html, header_html
+from distnb.display.static import diagnosis_html, header_html, spread_lines, standouts
 from distnb.display.text import LivePrinter, kept_per_stream
-from distnb.ranks import format_ranks
-from distnb.results import CellResult, RankResult
+from distnb.ranks import SUMMARY_ABOVE, format_ranks
+from distnb.results import CellResult, RankResult, ranks_label
 
 __all__ = ["CellView", "widgets_available", "TAB_LIMIT"]
 
@@ -41,10 +45,13 @@ LIVE_GROUPED_CHARS = 1 << 20
 #: (characters it shows) / SYNC_RATE seconds: about SYNC_RATE characters a second per widget
 #: however long the cell runs, instead of a full copy ten times a second.
 SYNC_RATE = 1 << 20
+#: Above SUMMARY_ABOVE ranks: tabs shown (the first rank and the ranks that stand out), and how
+#: often the distribution and the choice of ranks are refreshed (each is a pass over all ranks).
+LIVE_SECTIONS = 8
+SPREAD_EVERY = 0.5
 #: Lines of the grouped view that not every rank printed: magenta with a leading "≠" (ANSI
 #: colours render in JupyterLab, Notebook 7 and VS Code output; the mark survives without them).
 DIFF_START, DIFF_END = "\x1b[35m≠ ", "\x1b[0m"
-
 
 
 def widgets_available() -> bool:
@@ -90,6 +97,19 @@ def _overwrite_cr(text: str) -> str:
             body = line.rstrip("\r")
             lines[i] = body[body.rfind("\r") + 1 :] + line[len(body) :]
     return "\n".join(lines)
+
+
+def _rank_entries(rr: RankResult) -> tuple[dict[str, Any], ...]:
+    """A rank's tab above SUMMARY_ABOVE ranks, from its result: stdout then stderr, the first
+    LIVE_RANK_CHARS in all, and a note saying where the rest is."""
+    out, err = _overwrite_cr(rr.stdout)[:LIVE_RANK_CHARS], _overwrite_cr(rr.stderr)
+    err = err[: LIVE_RANK_CHARS - len(out)]
+    entries = [{"output_type": "stream", "name": name, "text": text} for name, text in (("stdout", out), ("stderr", err)) if text]
+    cut = len(rr.stdout) + len(rr.stderr) - len(out) - len(err)
+    if cut > 0:
+        entries.append(_note_entry(f"[distnb] {cut:,} more characters of rank {rr.rank}'s output not shown (a tab keeps "
+                                   f"{LIVE_RANK_CHARS >> 10:,} kB); the cell's result (_dist) keeps them: _dist[{rr.rank}].stdout / .stderr."))
+    return tuple(entries)
 
 
 class _OutputBuffer:
@@ -263,11 +283,19 @@ class CellView:
         self.diagnosis = w.HTML(layout=w.Layout(display="none"))  # its own: shown once a hang appears
         self.grouped = w.Output(layout=w.Layout(max_height="400px", overflow="auto"))
         tab_layout = w.Layout(max_height="300px", overflow="auto")
-        self.rank_outputs = {r: w.Output(layout=tab_layout) for r in self.ranks}
-        if len(self.ranks) <= TAB_LIMIT:
-            self.selector: Any = w.Tab(children=[self.rank_outputs[r] for r in self.ranks], layout=plain)
+        self.many = len(self.ranks) > SUMMARY_ABOVE
+        self.rank_outputs = {} if self.many else {r: w.Output(layout=tab_layout) for r in self.ranks}
+        # Many ranks: the tabs' Outputs, each with [Output, (rank, sizes, status) shown, when, characters].
+        self._sections: list[list[Any]] = [[w.Output(layout=tab_layout), None, 0.0, 0] for _ in range(LIVE_SECTIONS * self.many)]
+        self._spread_at = -SPREAD_EVERY
+        if self.many:
+            self.spread = w.HTML(layout=plain)
+            self.selector: Any = w.Tab(children=[], layout=plain)
+            per_rank: Any = w.VBox([self.spread, self.selector], layout=plain)
+        elif len(self.ranks) <= TAB_LIMIT:
+            self.selector = w.Tab(children=[self.rank_outputs[r] for r in self.ranks], layout=plain)
             self.selector.titles = tuple(f"rank {r}" for r in self.ranks)
-            per_rank: Any = self.selector
+            per_rank = self.selector
         else:
             self.selector = w.Dropdown(options=[(f"rank {r}", r) for r in self.ranks], value=self.ranks[0], description="rank", layout=plain)
             shown = w.Box([self.rank_outputs[self.ranks[0]]], layout=plain)
@@ -282,8 +310,7 @@ class CellView:
             self.outcome,
         ], layout=plain)
         self._rank_bufs = {
-            r: _OutputBuffer(self.rank_outputs[r], rank_max_chars, rank_max_lines, functools.partial(self._rank_note, r))
-            for r in self.ranks
+            r: _OutputBuffer(out, rank_max_chars, rank_max_lines, functools.partial(self._rank_note, r)) for r, out in self.rank_outputs.items()
         }
         # The printer caps the grouped text; this cap only bounds displays added beside it.
         self._grouped_buf = _OutputBuffer(self.grouped, 2 * max_chars, None, self._grouped_note)
@@ -323,11 +350,35 @@ class CellView:
             if bundle is not None:
                 self._grouped_buf.add_display(bundle)
 
-    def tick(self, _result: CellResult | None = None) -> None:
-        """Called about ten times a second while the cell runs: flush batched output."""
+    def tick(self, result: CellResult | None = None) -> None:
+        """Called about ten times a second while the cell runs: flush batched output; ``result``,
+        the cell's live result, feeds the per-rank part above SUMMARY_ABOVE ranks."""
         self.printer.flush()
         self._sync(final=False)
+        if result is not None:
+            self._summarise_ranks(result, final=False)
         self.update_header()
+
+    def _summarise_ranks(self, result: CellResult, final: bool) -> None:
+        """Many ranks: the distribution, and a tab for the first rank and each that stands out, from
+        the live result: a pass over the ranks every SPREAD_EVERY s at most; a tab re-rendered when
+        its rank's output grew, at most every (characters / SYNC_RATE) s."""
+        now = time.monotonic()
+        if not self.many or (not final and now - self._spread_at < SPREAD_EVERY):
+            return
+        self._spread_at = now
+        # traitlets sends a value only when it changed: unchanged ones cost no message.
+        self.spread.value = "<pre style='margin:2px 0'>" + html.escape("\n".join(spread_lines(result, self._fed))) + "</pre>"
+        chosen = [(self.ranks[0], "")] + [s for s in standouts(result, list(self.printer.odd)) if s[0] != self.ranks[0]][: LIVE_SECTIONS - 1]
+        for i, (r, _) in enumerate(chosen):
+            section, rr = self._sections[i], result.results[r]
+            key = (r, len(rr.stdout), len(rr.stderr), rr.status)
+            due = final or section[1] is None or section[1][0] != r or now - section[2] >= section[3] / SYNC_RATE
+            if key != section[1] and due:
+                section[0].outputs = _rank_entries(rr)
+                section[1:] = [key, now, key[1] + key[2]]
+        self.selector.children = tuple(section[0] for section in self._sections[: len(chosen)])
+        self.selector.titles = tuple(f"rank {r}" + (f" · {why}" if why else "") for r, why in chosen)
 
     def _grouped_note(self) -> str:
         note = self.printer.cap_note()
@@ -384,6 +435,7 @@ class CellView:
             self._closed = True
             self._done = {r for r, rr in result.results.items() if rr.status != "running"}
         self._sync(final=True)
+        self._summarise_ranks(result, final=True)
         self.update_header(result.state)
         outcome = self.printer.outcome_text(result)
         colour = "#cf222e" if result.failed or result.running else "#24292f"
@@ -421,7 +473,7 @@ class CellView:
         else:
             with self._lock:
                 done = len(self._done)
-            parts.append(f"cell {self.cell} on {format_ranks(self.ranks)}: running, {done}/{len(self.ranks)} done, "
+            parts.append(f"cell {self.cell} on {ranks_label(self.ranks)}: running, {done}/{len(self.ranks)} done, "
                          f"{time.monotonic() - self._start:.2f} s")
         note = self._grouped_note()
         if result is not None and not note:

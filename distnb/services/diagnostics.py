@@ -200,12 +200,15 @@ class Diagnostics:
                 seen.append(res.cell)
         return CompileReport(events, breaks, seen, self._session.codes())
 
-    def why(self, result: CellResult, quiet_expected: bool = False) -> str:
+    def why(self, result: CellResult, quiet_expected: bool = False, hint: bool = True) -> str:
         """The first decision in the notebook's code that the cell's ranks took differently, in
         words (finished ranks' records from their CELL_DONE, running ones' from the last stacks
-        round); "" when they decided alike or recorded nothing."""
+        round); "" when they decided alike; with ``hint``, how to record them when no rank did."""
         paths = {r: res.paths for r, res in result.results.items() if res.paths}
         paths.update({r: p for r, p in self._live_paths.items() if r in result.results and result.results[r].status == "running"})
+        if not paths and hint and len(result.ranks) > 1:
+            return ("run the cell again with %%on_ranks --paths (pool.submit(code, paths=True)) to see the first decision the "
+                    "ranks took differently (recorded by default on Python 3.12+ ranks, or with DISTNB_PATHS=1)")
         found = first_difference(paths, self._session.codes(), quiet_expected)
         return found.summary() if found is not None else ""
 
@@ -279,11 +282,12 @@ class Diagnostics:
         compiled = self.compiles(list(result.ranks), cells=[result.cell])
         result.compile_note = compiled.summary() if compiled.differences() else ""
         if result.failed or result.desync:
-            why = self.why(result)
+            # Every rank failing alike needs no "why ranks differ"; some failing, or counts apart, does.
+            why = self.why(result, hint=bool(result.desync) or len(result.failed) < len(result.ranks))
             result.path_note = f"why: {why}" if why else ""
         else:
             # Finished alike everywhere: only a difference nobody asked for (not `if rank == 0:`) is said.
-            why = self.why(result, quiet_expected=True)
+            why = self.why(result, quiet_expected=True, hint=False)
             result.path_note = f"the ranks ran different code, though the cell finished everywhere — {why}" if why else ""
 
     def timeout_note(self, result: CellResult) -> str:
