@@ -46,7 +46,8 @@ def _view(e: dict[str, Any] | None) -> tuple[Any, ...] | None:
     """The fields a table shows, as a tuple compared in C (lists inside compare element-wise)."""
     if e is None:
         return None
-    return (e["op"], e.get("sizes"), e.get("dtypes"), e["done"], e.get("cell"), e.get("queued"), e.get("args"))
+    get = e.get  # bound once: this runs for every rank at every position shown
+    return (e["op"], get("sizes"), get("dtypes"), e["done"], get("cell"), get("queued"), get("args"))
 
 
 def _by_entry(by_rank: dict[int, dict[str, Any] | None]) -> list[list[int]]:

@@ -198,6 +198,7 @@ class CollectiveReport:
         self._members: dict[str, list[int]] = {}
         self._names: list[str] | None = None
         self._divergences: list[Divergence] | None = None
+        self._tables: dict[Any, GroupTable] = {}
 
     def members(self, group: str) -> list[int]:
         members = self._members.get(group)
@@ -332,7 +333,14 @@ class CollectiveReport:
         return f"the collective sequences of {format_ranks(self.ranks)} agree."
 
     def table(self, group: str, div: Divergence | None = None) -> GroupTable:
-        """The group's shown positions, rank by rank, with its first divergence marked."""
+        """The group's shown positions, rank by rank, with its first divergence marked (built once
+        per report: the text and the HTML both read it)."""
+        key = (group, None if div is None else (div.group, div.seq, div.kind))
+        if key not in self._tables:
+            self._tables[key] = self._table(group, div)
+        return self._tables[key]
+
+    def _table(self, group: str, div: Divergence | None) -> GroupTable:
         members = self.members(group)
         seqs = {r: self.log.seqs(r, group) for r in members}
         all_seqs = sorted({s for m in seqs.values() for s in m})
