@@ -46,6 +46,8 @@ from synthetic import SyntheticPool, healthy_cell, hung_cell  # noqa: E402
 from distnb.display.html import collectives_html  # noqa: E402
 from distnb.display.static import StaticCell  # noqa: E402
 from distnb.services.watch import CellWatch  # noqa: E402
+from distnb.wire.peers import control_identity  # noqa: E402
+from distnb.wire.protocol import Msg  # noqa: E402
 
 
 def cpu(fn: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:
@@ -104,7 +106,13 @@ def measure(world: int, skip: set[str]) -> dict[str, dict[str, Any]]:
         first = pool.reply_bytes - before
         before = pool.reply_bytes
         t2, _ = cpu(lambda: pool.diagnostics.collectives(refresh=True))
-        out["round"] = {"s": t2, "first_s": t, "bytes_first": first, "bytes": pool.reply_bytes - before}
+        later = pool.reply_bytes - before
+        # The same round as before issue 27: every reply carrying every group's member list.
+        before = pool.reply_bytes
+        t3, _ = cpu(lambda: pool.tracker.requests.ask(control_identity, list(range(world)), {"t": Msg.COLLECTIVES, "since": 10**9,
+                                                                                          "calls_since": 10**9, "groups": True}, 5.0, partial=True))
+        out["round"] = {"s": t2, "first_s": t, "bytes_first": first, "bytes": later, "with_members_s": t3,
+                        "bytes_with_members": pool.reply_bytes - before}
     if "watch" not in skip:
         # The tick that sees new collectives (it runs the straggler check), then a tick with none
         # new; on a cell just built, so its open collectives are fresh as a healthy cell's are.
@@ -170,6 +178,11 @@ def main() -> None:
             if figures["s"] > args.budget:
                 skip.add(path)
         print(f"{world:>5} ranks: " + "  ".join(f"{p} {f['s'] * 1000:.1f} ms" for p, f in rows[world].items()), flush=True)
+        if "watch" in rows[world] and "round" in rows[world]:
+            w, r = rows[world]["watch"], rows[world]["round"]
+            print(f"       a watch tick with nothing new {w['idle_s'] * 1000:.1f} ms; a round of replies {r['bytes'] / 1024:.0f} KiB, "
+                  f"{r['bytes_with_members'] / 1024:.0f} KiB ({r['with_members_s'] * 1000:.0f} ms) when each carried every member list",
+                  flush=True)
     paths = sorted({p for r in rows.values() for p in r})
     fits = {p: growth(rows, p) for p in paths}
     print("growth (log-log slope between the two largest sizes): " + ", ".join(f"{p} N^{g}" for p, g in fits.items() if g is not None))

@@ -61,9 +61,10 @@ class Arrival:
 
 
 def straggler_window(world: int) -> int:
-    """How many recent collectives a live straggler check compares: 200 up to 100 ranks, then
-    fewer, so one check reads about 20,000 arrivals at most (never fewer than 20 collectives)."""
-    return max(20, min(200, 20_000 // max(world, 1)))
+    """How many recent collectives a live straggler check compares: 200 up to 50 ranks, then
+    fewer, so one check reads about 10,000 arrivals (never fewer than 10 collectives: among a
+    thousand ranks, one arriving last at 6 of 10 by chance does not happen)."""
+    return max(10, min(200, 10_000 // max(world, 1)))
 
 
 def arrivals(log: CollectiveEvidence, group: str, ranks: list[int], last: int | None = 200, cell: int | None = None) -> list[Arrival]:
@@ -80,12 +81,12 @@ def arrivals(log: CollectiveEvidence, group: str, ranks: list[int], last: int | 
         if cell is not None and isinstance(own, int) and own < cell:
             break  # a rank's cells only grow with its sequence numbers: the rest is older
         try:
-            entries = [(r, held[seq], off) for r, held, off in rows]
+            times = {r: held[seq]["t"] - off for r, held, off in rows}
         except KeyError:
             continue  # a rank has not reached it (or its log let it go)
-        if cell is not None and any(e.get("cell") != cell for _, e, _ in entries):
+        if cell is not None and any(held[seq].get("cell") != cell for _, held, _ in rows):
             continue
-        out.append(Arrival(group, seq, entries[0][1]["op"], {r: e["t"] - off for r, e, off in entries}))
+        out.append(Arrival(group, seq, fewest[seq]["op"], times))
         if last is not None and len(out) >= last:
             break
     out.reverse()
