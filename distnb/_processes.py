@@ -161,28 +161,26 @@ def start_time(pid: int) -> int | None:
     return int(fields[_START]) if fields is not None else None
 
 
-def memory_of(pid: int) -> int | None:
-    """The process's resident memory (bytes), None if it is gone."""
+def _kib_field(path: str, key: bytes) -> int | None:
+    """A ``Key:  123 kB`` line of a /proc file, in bytes; None when the file or line is missing."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
+        with open(path, "rb") as f:
             for line in f:
-                if line.startswith(b"VmRSS:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def memory_of(pid: int) -> int | None:
+    """The process's resident memory (bytes), None if it is gone."""
+    return _kib_field(f"/proc/{pid}/status", b"VmRSS:")
 
 
 def memory_available() -> int | None:
     """What this machine can still give processes without swapping (MemAvailable, bytes)."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _kib_field("/proc/meminfo", b"MemAvailable:")
 
 
 def same_process(pid: int, started: int | None) -> bool:
