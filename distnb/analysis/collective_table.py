@@ -54,11 +54,13 @@ def _by_entry(by_rank: dict[int, dict[str, Any] | None]) -> list[list[int]]:
     """The ranks grouped by entries that read the same, in order of first appearance. Compared
     with each kind seen so far (C-speed equality: a position has one kind or a few); past a few
     kinds, by a written-out key instead."""
+    views = list(map(_view, by_rank.values()))
+    if views and views.count(views[0]) == len(views):
+        return [list(by_rank)]  # the common case, decided in C: every rank did the same
     reps: list[tuple[tuple[Any, ...] | None, list[int]]] = []
     keyed: dict[Any, list[int]] = {}
     out: list[list[int]] = []
-    for r, e in by_rank.items():
-        view = _view(e)
+    for (r, e), view in zip(by_rank.items(), views):
         for rep, ranks in reps:
             if view == rep:
                 ranks.append(r)
@@ -101,7 +103,8 @@ class Row:
 
     @property
     def open(self) -> bool:
-        return any(e is not None and not e["done"] for e in self.by_rank.values())
+        """Some rank entered it and has not completed it (each side's entries read alike)."""
+        return any(self.by_rank[ranks[0]] is not None and not self.by_rank[ranks[0]]["done"] for ranks, _ in self.sides())
 
 
 @dataclass
