@@ -21,7 +21,7 @@ __version__ = _config.VERSION
 # runs this file first, and must not pay for the controller (pool, launch, IPython glue: ~130 ms
 # of every launch) that they never use.
 _PUBLIC = {
-    "DistnbError": "distnb.errors", "LaunchError": "distnb.errors", "NoAnswerError": "distnb.errors",
+    "CellFailed": "distnb.errors", "DistnbError": "distnb.errors", "LaunchError": "distnb.errors", "NoAnswerError": "distnb.errors",
     "NoCellError": "distnb.errors", "NoPoolError": "distnb.errors", "PoolBrokenError": "distnb.errors",
     "PoolBusyError": "distnb.errors", "RemoteError": "distnb.errors", "ShutdownError": "distnb.errors",
     "LaunchConfig": "distnb.config",
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from distnb.analysis.hang import Diagnosis
     from distnb.config import LaunchConfig
     from distnb.controller.prompts import Prompt
-    from distnb.errors import DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError, PoolBusyError, RemoteError, ShutdownError
+    from distnb.errors import (CellFailed, DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError, PoolBusyError,
+                               RemoteError, ShutdownError)
     from distnb.pool import Pool, current_pool, launch
     from distnb.results import CellEvents, CellResult, RankResult
     from distnb.services.debugger import Debugger
@@ -60,6 +61,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CellEvents",
+    "CellFailed",
     "CellResult",
     "Debugger",
     "Diagnosis",

@@ -4,11 +4,16 @@ act on them without parsing the sentence."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import re
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from distnb.ranks import format_ranks
 
+if TYPE_CHECKING:  # the result types sit above this module (results.py names the analyses)
+    from distnb.results import CellResult, RankResult
+
 __all__ = [
+    "CellFailed",
     "DistnbError",
     "LaunchError",
     "NoAnswerError",
@@ -99,3 +104,112 @@ class ShutdownError(DistnbError):
     def __init__(self, message: str, *, pids: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.pids = list(pids)
+
+
+#: How much of an error's message the one-line summary keeps (the report above it has the rest).
+_MESSAGE_CHARS = 160
+#: The root cause the diagnosis found, in its words (``CellResult.root_cause``: "… Root cause: rank 2,
+#: the odd one out; rank 0 is a victim (gloo aborts …)."), without the explanation that follows.
+_ROOT_CAUSE = re.compile(r"Root cause: (.+?)(?: \(|\.\s|\.?$)")
+#: Where a signal's explanation starts: "aborted (SIGABRT: a C++ assertion or abort(), …)".
+_SIGNAL_WHY = re.compile(r"\((SIG[A-Z0-9]+): ")
+
+
+class CellFailed(DistnbError):
+    """A cell did not succeed on every rank: a rank raised, was interrupted or died, ranks were left
+    stranded by a death, or ranks were still running when the wait ended (``--timeout``, a second
+    Ctrl-C). ``%%on_ranks`` raises it after the cell's report is shown, so that Run All, nbclient and
+    CI stop at that cell (``--keep-going``, or ``DISTNB_KEEP_GOING=1``, carries on instead).
+
+    ``result`` is the cell's :class:`~distnb.CellResult` (the notebook's ``_dist`` too); None for a
+    cell that never reached the ranks (a SyntaxError, found before anything was sent). It shows as
+    its one line, not as a traceback: the report above it already says what happened, and where."""
+
+    def __init__(self, message: str, *, result: CellResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+    @classmethod
+    def of(cls, result: CellResult, prefix: str = "") -> CellFailed:
+        """The error for a failed ``result``, its message one line: what went wrong first (a death,
+        else the earliest error, an interrupt, ranks stranded or still running), then the rest, and
+        the rank the diagnosis blamed where that is another (``— root cause: rank 2, …``)."""
+        return cls(prefix + _summary(result), result=result)
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows these lines in place of a traceback (InteractiveShell.showtraceback), and
+        # ipykernel sends them as the error output's traceback (ename and evalue as usual): the
+        # failure reads as one line under the report, not as a second traceback of distnb's frames.
+        return [f"{type(self).__name__}: {self}"]
+
+
+def _summary(result: CellResult) -> str:
+    ranks = [result.results[r] for r in sorted(result.results)]
+    dead = [r for r in ranks if r.status == "dead"]
+    raised = sorted((r for r in ranks if r.status == "error" and r.error), key=lambda r: (r.finished_at or float("inf"), r.rank))
+    cell = f"cell {result.cell}"
+    if dead:  # a death explains the errors of the ranks that waited for it: it leads
+        first = next((r for r in dead if r.first_death), dead[0])
+        order = f", rank {first.rank} first" if len(dead) > 1 else ""
+        why = _without_signal_why(first.death_reason())
+        lead, named = f"{cell} failed: {format_ranks(r.rank for r in dead)} died{order}: {why}", dead
+    elif raised:  # the earliest error, and every rank that raised the same
+        ename = (raised[0].error or {}).get("ename")
+        named = [r for r in raised if (r.error or {}).get("ename") == ename]
+        lead = f"{cell} failed on {format_ranks(r.rank for r in named)}: {_error_line(raised[0])}"
+    else:
+        lead, named = "", []
+    told = {r.rank for r in named}
+    rest = _by_state([r for r in ranks if r.rank not in told and r.status != "ok"])
+    if not lead:
+        if not rest:
+            return f"{cell} failed"
+        state, who = rest.pop(0)
+        lead = {
+            "interrupted": f"{cell} was interrupted on {who}",
+            "stranded": f"{cell} failed: {who} stranded, waiting for a rank that died",
+            "running": f"{cell} timed out: {who} still running after {result.elapsed:.1f} s" if result.timed_out
+            else f"{cell}: stopped waiting after a second interrupt; {who} still running" if result.detached
+            else f"{cell} has not finished: {who} still running",
+        }.get(state, f"{cell} failed: {who} {state}")
+    tail = {"interrupted": "interrupted", "stranded": "stranded", "running": "still running (timed out)" if result.timed_out else "still running"}
+    line = "; ".join([lead] + [f"{who} {tail.get(state, state)}" for state, who in rest])
+    # A death's true cause (gloo aborts the rank that received too much, not the one that sent
+    # it) or a timeout's (the rank that never came): the part that names whom to look at.
+    cause = _ROOT_CAUSE.search(result.root_cause or "")
+    return f"{line} — root cause: {cause[1]}" if cause else line
+
+
+def _without_signal_why(reason: str) -> str:
+    """``aborted (SIGABRT: a C++ assertion or abort(), …)`` → ``aborted (SIGABRT)``: the report
+    above the line explains the signal; the line keeps its name."""
+    found = _SIGNAL_WHY.search(reason)
+    if not found:
+        return reason
+    depth, end = 1, found.end()
+    while end < len(reason) and depth:  # to the parenthesis that closes it: the words may hold "abort()"
+        depth += {"(": 1, ")": -1}.get(reason[end], 0)
+        end += 1
+    return f"{reason[: found.start()]}({found[1]}){reason[end:]}"
+
+
+def _error_line(rank: RankResult) -> str:
+    """``ename: the first line of its message``, the message cut to a line's length."""
+    error = rank.error or {}
+    message = str(error.get("evalue", "")).strip().split("\n", 1)[0]
+    if len(message) > _MESSAGE_CHARS:
+        message = message[: _MESSAGE_CHARS - 1] + "…"
+    ename = error.get("ename") or "an error"
+    return f"{ename}: {message}" if message else ename
+
+
+def _by_state(ranks: list[RankResult]) -> list[tuple[str, str]]:
+    """``(state, ranks in words)`` for the ranks that did not finish well, a group per state in the
+    order a reader needs them: those that raised (``raised KeyError``), were interrupted, were
+    stranded, are still running."""
+    groups: dict[str, list[int]] = {}
+    for r in ranks:
+        state = f"raised {(r.error or {}).get('ename') or 'an error'}" if r.status == "error" else r.status
+        groups.setdefault(state, []).append(r.rank)
+    order = {"interrupted": 1, "stranded": 2, "running": 3}
+    return [(state, format_ranks(rs)) for state, rs in sorted(groups.items(), key=lambda g: (order.get(g[0], 0), g[1][0]))]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
+
 import distnb
 from distnb import pool as pool_module
 
@@ -40,3 +42,14 @@ class Shell:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             self.ip.run_cell_magic("on_ranks", args, code)
         return out.getvalue(), err.getvalue()
+
+    def failing(self, name: str, args: str = "", code: str | None = None) -> tuple[str, str, distnb.CellFailed]:
+        """Run a magic that must fail a cell (``%%name`` when ``code`` is given, else ``%name``): it
+        prints its report, then raises CellFailed. Returns what it printed and the error."""
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(distnb.CellFailed) as failed:
+            if code is None:
+                self.ip.run_line_magic(name, args)
+            else:
+                self.ip.run_cell_magic(name, args, code)
+        return out.getvalue(), err.getvalue(), failed.value

@@ -175,7 +175,7 @@ def test_every_module_is_placed_in_a_layer_and_small() -> None:
 def test_public_surface_is_pinned_and_loads() -> None:
     assert distnb.__all__ == sorted(distnb.__all__)
     assert distnb.__all__ == [
-        "CellEvents", "CellResult", "Debugger", "Diagnosis", "DistnbError", "LaunchConfig", "LaunchError", "NoAnswerError",
+        "CellEvents", "CellFailed", "CellResult", "Debugger", "Diagnosis", "DistnbError", "LaunchConfig", "LaunchError", "NoAnswerError",
         "NoCellError", "NoPoolError", "Pool", "PoolBrokenError", "PoolBusyError", "PoolState", "PoolStatus", "Prompt", "RankResult",
         "RankState", "RankStatus", "RemoteError", "ShutdownError", "checksum", "current_pool", "launch",
         "load_ipython_extension", "unload_ipython_extension",

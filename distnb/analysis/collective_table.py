@@ -104,7 +104,8 @@ class Row:
     @property
     def open(self) -> bool:
         """Some rank entered it and has not completed it (each side's entries read alike)."""
-        return any(self.by_rank[ranks[0]] is not None and not self.by_rank[ranks[0]]["done"] for ranks, _ in self.sides())
+        firsts = [self.by_rank[ranks[0]] for ranks, _ in self.sides()]
+        return any(e is not None and not e["done"] for e in firsts)
 
 
 @dataclass

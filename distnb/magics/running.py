@@ -16,9 +16,9 @@ from distnb.config import LaunchConfig
 from distnb.display.cell_display import CellDisplay
 from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import widgets_available
-from distnb.errors import NoPoolError
+from distnb.errors import CellFailed, NoPoolError
+from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed
 from distnb.magics.support import parse as _parse
-from distnb.magics.support import pool_or_usage_error, show_checks, show_figure
 from distnb.magics.support import usage_errors as _usage_errors
 from distnb.pool import Pool, current_pool
 from distnb.ranks import format_ranks, parse_ranks
@@ -196,6 +196,7 @@ class DistMagics(Magics):
     @magic_arguments()
     @argument("--replay", action="store_true", help="Re-run, in order, the cells that succeeded since launch.")
     @argument("--full", action="store_true", help="Restart torchrun and the supervisors too (what a restart falls back to by itself when one is gone).")
+    @argument("--keep-going", action="store_true", help="With --replay: a replayed cell that fails does not raise CellFailed (see %%on_ranks?).")
     @line_magic
     def dist_restart(self, line: str) -> None:
         """Replace every rank with a fresh process, same configuration (namespaces start empty).
@@ -203,21 +204,28 @@ class DistMagics(Magics):
         Works on a pool with hung or dead ranks. The fresh ranks start under the running torchrun
         from spares that imported torch already (about a second); where a supervisor, torchrun or a
         machine is gone — or with --full — everything restarts. With --replay, the cells that
-        succeeded since launch run again, so the pool is back at the step before the failure.
+        succeeded since launch run again, so the pool is back at the step before the failure; a
+        replayed cell that fails this time stops the replay and raises CellFailed (the pool is not
+        back where it was, so Run All stops too), unless --keep-going or DISTNB_KEEP_GOING=1.
         """
         args = _parse(self.dist_restart, line)
         pool = self._pool()
+        failed: list[CellResult] = []
 
         def replayed(result: CellResult) -> None:
             first = result.code.strip().splitlines()[0] if result.code.strip() else ""
             status = "ok" if result.ok else "FAILED — replay stopped here"
             print(f"replayed cell {result.cell} on {format_ranks(result.ranks)}: {status}  | {first[:60]}")
             if not result.ok:
+                failed.append(result)
                 print(result.outcome_text(), file=sys.stderr)
 
         with _usage_errors():
             pool.restart(on_progress=StartProgress(self._in_kernel()), replay=args.replay, on_replay=replayed, on_note=_print_note, full=args.full)
         print(pool.status().text())
+        if failed:
+            self._user_ns["_dist"] = failed[-1]
+            stop_if_failed(failed[-1], args.keep_going, prefix="replay stopped: ")
 
     @magic_arguments()
     @line_magic
@@ -244,10 +252,14 @@ class DistMagics(Magics):
         print(f"interrupted the cell on {format_ranks(hit)}; %dist_wait shows how it ended." if hit else "no cell is running: nothing to interrupt.")
 
     @magic_arguments()
-    @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Stop waiting after this long.")
+    @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Stop waiting after this long (the cell then counts as failed).")
+    @argument("--keep-going", action="store_true", help="A failed cell does not raise CellFailed (see %%on_ranks?).")
     @line_magic
     def dist_wait(self, line: str) -> None:
-        """Wait for the last cell (e.g. one started with %%on_ranks --bg) and show its result."""
+        """Wait for the last cell (e.g. one started with %%on_ranks --bg) and show its result.
+
+        A cell that failed, or still runs when --timeout passes, raises CellFailed after its result
+        is shown, as %%on_ranks does: Run All stops here unless --keep-going or DISTNB_KEEP_GOING=1."""
         args = _parse(self.dist_wait, line)
         pool = self._pool()
         if not pool.history:
@@ -257,6 +269,7 @@ class DistMagics(Magics):
         pool.wait(result, timeout=args.timeout)
         self._user_ns["_dist"] = result
         print(result.text())
+        stop_if_failed(result, args.keep_going)
 
     @magic_arguments()
     @argument("--all", action="store_true", help="A line per rank even above 16 ranks (else: ranks grouped by state, the odd ones named).")
@@ -273,23 +286,36 @@ class DistMagics(Magics):
     # -- cells ----------------------------------------------------------------------------------
     @magic_arguments()
     @argument("ranks", nargs="*", help="Ranks to run on: 0,2 · 1-3 · all (default: all).")
-    @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Return after this long, naming the ranks still running.")
+    @argument("--timeout", type=float, default=None, metavar="SECONDS",
+              help="Return after this long, naming the ranks still running (the cell then counts as failed: see --keep-going).")
     @argument("--quiet", action="store_true", help="Don't stream output; show only values, errors and ranks still running.")
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report a hang once ranks disagree this long (default: the pool's, 3 s).")
     @argument("--check", default=None, metavar="NAMES", help="After the cell, compare these variables across ranks (comma-separated).")
-    @argument("--bg", action="store_true", help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist).")
+    @argument("--bg", action="store_true",
+              help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist); %%dist_wait raises if it failed.")
+    @argument("--keep-going", action="store_true",
+              help="Don't raise CellFailed when the cell fails: Run All goes on past it. DISTNB_KEEP_GOING=1 does this for every cell.")
     @argument("--pdb", action="store_true", help="A rank that raises stops in the debugger at the error, its namespace alive.")
     @argument("--profile", action="store_true",
               help="Run under torch.profiler on every rank: time in compute, collectives and waiting per rank, top ops, one merged trace.")
     @argument("--comms", action="store_true",
               help="Run under PyTorch's CommDebugMode on every rank: collectives per module and mesh dimension (calls, bytes), "
                    "redistributes with their placements, ranks that differ flagged.")
+    @argument("--paths", action="store_true",
+              help="Record which of the notebook's lines each rank runs (on by default on Python 3.12+; DISTNB_PATHS=1 everywhere): "
+                   "a hang, failure or desync names the first decision ranks took differently.")
     @cell_magic
     def on_ranks(self, line: str, cell: str) -> None:
         """Run the cell on every rank (or the given ones), streaming per-rank output live.
 
         The result is kept in the notebook variable ``_dist`` (a :class:`distnb.CellResult`).
         Ctrl-C interrupts the cell on the ranks; a second Ctrl-C stops waiting.
+
+        A cell that fails — a rank raised, was interrupted or died, or ranks still run when
+        --timeout passes — raises ``distnb.CellFailed`` once its report is shown: one line under
+        it, and Run All (nbclient, CI) stops at this cell. ``--keep-going`` goes on past this cell;
+        ``%env DISTNB_KEEP_GOING=1`` past every cell. A cell meant to fail in a notebook that must
+        run through can carry Jupyter's ``raises-exception`` tag instead.
 
         ``breakpoint()`` (or ``pdb.set_trace()``) pauses the ranks that reach it and ``input()`` asks
         for a line: both are answered at the notebook's prompt, labelled by rank. The console's own
@@ -311,13 +337,16 @@ class DistMagics(Magics):
             with _usage_errors():
                 result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
                                      profile=args.profile, pdb=args.pdb, label=getattr(self.shell, "execution_count", None),
-                                     comms=args.comms)
+                                     comms=args.comms, paths=args.paths)
         except SyntaxError as exc:  # pool.submit compiles the cell before sending anything
             import traceback
 
             print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr)
             print("[distnb] nothing was sent to the ranks.", file=sys.stderr)
-            return
+            if keep_going(args.keep_going):
+                return
+            where = f" at cell line {exc.lineno}" if exc.lineno else ""
+            raise CellFailed(f"the cell was not run: {type(exc).__name__}{where}: {exc.msg}; nothing was sent to the ranks") from None
         self._user_ns["_dist"] = result
         if isinstance(view, CellDisplay):
             view.cell = result.cell
@@ -354,6 +383,7 @@ class DistMagics(Magics):
             display(comms)
             if comms.rows:
                 show_figure(comms.plot())
+        stop_if_failed(result, args.keep_going)  # last: the report, checks and profile are shown first
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
         for note in (printer.cap_note(), result.truncation_note()):

@@ -1,20 +1,30 @@
 """What every distnb magic shares: argument parsing whose errors say where to read the flags,
-distnb's errors as UsageErrors, the current pool, and figures and reports shown inline."""
+distnb's errors as UsageErrors, the current pool, figures and reports shown inline, and a failed
+cell raised once it is shown (so Run All stops there) unless the user keeps going."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator
+import os
+from typing import TYPE_CHECKING, Any, Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
 from distnb.analysis.memory import figure_png
-from distnb.errors import DistnbError
+from distnb.errors import CellFailed, DistnbError
 from distnb.pool import Pool, current_pool
 
-__all__ = ["parse", "pool_or_usage_error", "show_checks", "show_figure", "usage_errors"]
+if TYPE_CHECKING:
+    from distnb.results import CellResult
+
+__all__ = ["KEEP_GOING_ENV", "keep_going", "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed", "usage_errors"]
+
+#: The session's setting: set (``%env DISTNB_KEEP_GOING=1``), a failed cell does not raise, as if
+#: every cell had ``--keep-going``. Read at each failure, so setting it mid-session takes effect.
+KEEP_GOING_ENV = "DISTNB_KEEP_GOING"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 @contextlib.contextmanager
@@ -65,3 +75,24 @@ def pool_or_usage_error() -> Pool:
     """The pool the magics act on, or a UsageError saying how to start one."""
     with usage_errors():
         return current_pool()
+
+
+def keep_going(flag: bool) -> bool:
+    """Whether a failed cell should let the notebook go on: the cell's ``--keep-going``, else the
+    session's ``DISTNB_KEEP_GOING``."""
+    if flag:
+        return True
+    value = os.environ.get(KEEP_GOING_ENV, "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise UsageError(f"{KEEP_GOING_ENV}={os.environ[KEEP_GOING_ENV]!r} is neither on nor off: set it to 1 to keep going past "
+                     f"failed cells, or to 0 (or unset it) to stop at them, e.g. %env {KEEP_GOING_ENV}=1.")
+
+
+def stop_if_failed(result: CellResult, flag: bool, prefix: str = "") -> None:
+    """Raise :class:`~distnb.CellFailed` for a cell that did not succeed on every rank (raised,
+    interrupted, died, stranded, or still running when the wait ended), unless ``flag``
+    (``--keep-going``) or the session's setting keeps going. Called after the cell's report is
+    shown: the exception adds one line under it, and stops Run All, nbclient and CI there."""
+    if not result.ok and not keep_going(flag):
+        raise CellFailed.of(result, prefix)

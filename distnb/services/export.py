@@ -274,7 +274,12 @@ def export_notebook(steps: Iterable[Step], config: LaunchConfig, path: str | Pat
             ranks = f" --ranks {','.join(map(str, step.ranks))}" if target else ""
             nb.cells.append(new_code_cell(f"{code}\n%dist_push {' '.join(step.names)}{ranks}"))
             continue
-        nb.cells.append(new_code_cell(f"%%on_ranks{target}\n{step.code.rstrip()}"))
+        cell = new_code_cell(f"%%on_ranks{target}\n{step.code.rstrip()}")
+        if not step.ok:
+            # It fails as it did (its CellFailed is the point): Run All and nbclient go on to the
+            # shutdown past a cell tagged so, and stop at any other failure.
+            cell.metadata["tags"] = ["raises-exception"]
+        nb.cells.append(cell)
     nb.cells.append(new_code_cell("%dist_shutdown"))
     nbformat.write(nb, str(path))
     return path

@@ -8,7 +8,9 @@ reveals it, the fix, and the fixed cell passing. Notebooks are written without o
 A code cell's metadata says what tests/e2e/test_gallery.py checks after executing the notebook:
 ``distnb_expect`` (text its output must contain), ``distnb_reject`` (text it must not contain) and
 ``distnb_mime`` (output types it must produce, e.g. ``image/png``) and ``distnb_expect_re`` (regular
-expressions that must match a line of its output).
+expressions that must match a line of its output). A cell that fails on purpose carries Jupyter's
+``raises-exception`` tag: its error does not stop Run All (JupyterLab, nbclient), and the test checks
+that it did fail, with distnb's one-line error.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class Code:
     reject: list[str] = field(default_factory=list)
     mime: list[str] = field(default_factory=list)
     expect_re: list[str] = field(default_factory=list)  # regular expressions, searched line by line
+    # The cell fails on purpose (a hang past its --timeout, a rank that raises or dies): %%on_ranks then
+    # raises, which stops Run All; Jupyter's raises-exception tag lets the notebook (and CI) run through.
+    raises: bool = False
 
 
 def launch(n: int, extra: str = "") -> Code:
@@ -85,7 +90,7 @@ GALLERY: list[Notebook] = [
                   "ranks 1,2 finished the cell without entering it",
                   "rank 0: waiting in barrier #1 on group 0",
                   "ranks 1,2: finished the cell",
-                  "rank 0 has timed out after 6.0 s"]),
+                  "rank 0 has timed out after 6.0 s"], raises=True),
             Md("## How distnb reveals it\n\nThe diagnosis above appeared while the cell was running: the rank that "
                "waits, the collective and its cell line, and the ranks that never came. `%dist_status` and "
                "`%dist_stacks` confirm it: rank 0 is still inside the barrier, ranks 1 and 2 are idle."),
@@ -128,7 +133,7 @@ GALLERY: list[Notebook] = [
                  ["[rank 0] 3 batches", "[ranks 1,2] 2 batches",
                   "uneven collective counts: rank 0 made 3 all_reduce calls on group 0, ranks 1,2 stopped after 2",
                   "is inside `for sample in shard:`", "likely a loop of another length per rank",
-                  "rank 0: waiting in all_reduce #3 on group 0"]),
+                  "rank 0: waiting in all_reduce #3 on group 0"], raises=True),
             Md("## How distnb reveals it\n\nThe live diagnosis counts each rank's collectives. `%dist_collectives` "
                "shows the sequences side by side (read from PyTorch's Flight Recorder) with the first divergence "
                "marked."),
@@ -183,7 +188,7 @@ GALLERY: list[Notebook] = [
             Code(f"{HANG}\nbatch = torch.ones(64 if rank == 0 else 48, 16)   # BUG: rank 1 got a short last batch\n"
                  "dist.all_reduce(batch)",
                  ["rank 1 died first: aborted (SIGABRT", "Received data size doesn't match expected size",
-                  "Is there a distributed collective mismatch in your code?"]),
+                  "Is there a distributed collective mismatch in your code?"], raises=True),
             Md("distnb's post-mortem names the rank that died first, how (the signal, in words) and its last stderr "
                "lines — gloo's `Received data size doesn't match expected size`. Rank 0's `Connection reset by "
                "peer` is the consequence, not the cause. `%dist_status` shows the dead rank:"),
@@ -195,7 +200,7 @@ GALLERY: list[Notebook] = [
                  ["shape mismatch at all_reduce #1 on group 0",
                   "rank 0 all_reduce [3] f32", "rank 1 all_reduce [4] f32",
                   "rank 0 completed it anyway; the others wait",
-                  "Out[rank 0]: tensor([2., 2., 2.])"]),
+                  "Out[rank 0]: tensor([2., 2., 2.])"], raises=True),
             Md("Rank 0 got a plausible-looking `tensor([2., 2., 2.])` and carried on; only rank 1 hangs. From the "
                "logs alone you'd look at rank 1. distnb compares both ranks' collective logs and names the "
                "mismatch: `[3]` against `[4]`."),
@@ -203,7 +208,7 @@ GALLERY: list[Notebook] = [
             Code("%dist_shutdown\n%dist_launch -n 2 --backend gloo --debug detail", ["pool ready: 2 ranks"]),
             Code(f"{OK}\nbatch = torch.ones(64 if rank == 0 else 48, 16)\ndist.all_reduce(batch)",
                  ["Detected mismatch between collectives on ranks", "TensorShape=[64, 16]", "TensorShape=[48, 16]",
-                  "Tensor shapes", "RuntimeError on rank"], ["SIGABRT", "timed out"]),
+                  "Tensor shapes", "RuntimeError on rank"], ["SIGABRT", "timed out"], raises=True),
             Md("Every rank raises instead of hanging or aborting, and the pool stays usable. (DETAIL runs extra "
                "collectives per call: use it to diagnose, not in production.)\n\n"
                "## The fix\n\nThe same shape on every rank: `drop_last=True`, or pad to the largest (below), or "
@@ -238,7 +243,7 @@ GALLERY: list[Notebook] = [
                   "Root cause: the error on rank 1.",
                   "ranks 0,2: waiting in all_reduce #1 on group 0",
                   "rank 1: raised KeyError: 'label' at cell line 2",
-                  "KeyError on rank 1 at cell line 2"]),
+                  "KeyError on rank 1 at cell line 2"], raises=True),
             Md("## How distnb reveals it\n\nThe diagnosis puts the error first: the root cause is on rank 1, and "
                "ranks 0 and 2 are only its victims. `%dist_status` shows them still running the cell:"),
             Code("%dist_status", ["running cell 1", "idle"]),
@@ -291,7 +296,7 @@ GALLERY: list[Notebook] = [
                  ["[ranks 0,1] step 0 done", "RuntimeError on ranks 0,1 at cell line 3",
                   "Expected to have finished reduction in the prior iteration", "the RuntimeError messages differ:",
                   "  rank 0: Parameter indices which did not receive grad for rank 0: 2 3",
-                  "  rank 1: Parameter indices which did not receive grad for rank 1: 2 3"], ["step 1 done"]),
+                  "  rank 1: Parameter indices which did not receive grad for rank 1: 2 3"], ["step 1 done"], raises=True),
             Md("## How distnb reveals it\n\nStep 0 printed once for both ranks, then both raised at cell line 3 on step 1, "
                "each naming the parameters that got no gradient: indices 2 and 3, `aux_head`. (`%dist_launch "
                "--debug detail` would print their names.) Nothing hangs here, so the pool is still usable.\n\n"
@@ -348,7 +353,7 @@ GALLERY: list[Notebook] = [
                  "set_device(rank)     # BUG: the global rank",
                  ["Out[rank 0]: 'cuda:0'", "Out[rank 1]: 'cuda:1'",
                   "RuntimeError on ranks 2,3 at cell line 5", "  rank 3: CUDA error: invalid device ordinal (cuda:3 on a node with 2 GPUs)",
-                  "invalid device ordinal (cuda:2 on a node with 2 GPUs)"]),
+                  "invalid device ordinal (cuda:2 on a node with 2 GPUs)"], raises=True),
             Md("Node 0 is fine; both ranks of node 1 fail. (`RANK % gpus_per_node` would hide it here, but "
                "breaks as soon as nodes run different numbers of ranks.)\n\n"
                "## The fix\n\n`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))` — distnb's ranks already bind "
@@ -503,7 +508,7 @@ GALLERY: list[Notebook] = [
                "before wrapping computes the batch statistics across ranks in every forward (001 D10). On CPU, "
                "DDP refuses it (and SyncBatchNorm's own training-mode forward wants a GPU or XPU input):"),
             Code(f"{OK}\nsync_model = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(make_net()))",
-                 ["ValueError on ranks 0,1", "SyncBatchNorm layers only work with GPU modules"]),
+                 ["ValueError on ranks 0,1", "SyncBatchNorm layers only work with GPU modules"], raises=True),
             Md("## Fix on CPU (1): let DDP sync the buffers\n\nWith DDP's default (`forward_sync_buffers=True`, "
                "formerly `broadcast_buffers=True`) rank 0's buffers are copied to every rank before each forward "
                "through the DDP module, so evaluation agrees. (Evaluate through `model`, not `model.module`: the "
@@ -555,6 +560,8 @@ def build(nb_def: Notebook) -> nbformat.NotebookNode:
             code.metadata["distnb_mime"] = list(cell.mime)
         if cell.expect_re:
             code.metadata["distnb_expect_re"] = list(cell.expect_re)
+        if cell.raises:
+            code.metadata["tags"] = ["raises-exception"]
         nb.cells.append(code)
     for i, cell in enumerate(nb.cells):
         cell.id = f"cell-{i:02d}"  # stable ids: regenerating changes only what changed
@@ -581,7 +588,8 @@ reference entries, **002** = the minimal-reproduction debugging guide.
 README_TAIL = """
 Hang cells use `%%on_ranks --timeout 6 --hang-after 1`: the diagnosis appears after a second and the
 cell returns after six, with the hung ranks still blocked; `%dist_restart` replaces them. Every
-notebook ends with `%dist_shutdown`.
+notebook ends with `%dist_shutdown`. A failing `%%on_ranks` cell raises, which stops Run All; the
+cells that fail on purpose carry Jupyter's `raises-exception` tag, so each notebook runs through.
 
 The notebooks are generated, without outputs, by `_make.py` (`python notebooks/gallery/_make.py`);
 edit that script, not the `.ipynb` files.

@@ -34,7 +34,7 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                      "dist.all_reduce(loss, group=mesh.get_group(dim))",
                      ["collective on another group: rank 1 called all_reduce over shard (ranks 0,1) where ranks 0,2,3 used replicate",
                       "Ranks 0,2 completed theirs", "rank 3 waits on replicate (ranks 1,3) for rank 1", "Root cause: rank 1, on the wrong group"],
-                     ["finished the cell without entering"]),
+                     ["finished the cell without entering"], raises=True),
                 Md("## How distnb reveals it\n\ndistnb pairs each rank's calls of the cell across all its groups, names every "
                    "group as the mesh built it (`replicate (ranks 1,3)`, not a process-group number), and takes the majority "
                    "by mesh dimension. `%dist_collectives` leads with the same words; the tables below it show each group."),
@@ -71,7 +71,7 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                      "model = nn.Linear(width, 8)\nfully_shard(model, mesh=mesh['dp'])\n"
                      "model(torch.randn(2, width)).sum().backward()",
                      ["Root cause: rank 2, the odd one out; rank 0 is a victim", "ranks 1,3 had all_gather",
-                      "at #1 on the other groups of this role"]),
+                      "at #1 on the other groups of this role"], raises=True),
                 Md("The root cause comes first, above the aborted rank's own post-mortem. `%dist_collectives` marks the odd "
                    "entry and says which ranks witnessed the usual size:"),
                 # Whether rank 0's entry reached distnb before gloo aborted it is a race: the verdict is the same.
@@ -111,7 +111,7 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                      "parallelize_module(model, mesh['tp'], {'0': ColwiseParallel(), '2': second})",
                      ["ranks are in different collectives: rank 2 in broadcast #4", "rank 3 in scatter #4",
                       "The odd one out: rank 3 — ranks 0,1 made the same call as rank 2 at that position on the other groups of this role"],
-                     ["No majority"]),
+                     ["No majority"], raises=True),
                 Md("## How distnb reveals it\n\nInside tp (ranks 2,3) it is one rank against one; the mesh's other tp group "
                    "made the usual call at the same position, so distnb names rank 3:"),
                 Code("%dist_collectives", ["different ops: rank 2 broadcast", "rank 3 scatter",

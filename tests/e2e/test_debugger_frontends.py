@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -81,6 +82,8 @@ def test_breakpoint_input_and_post_mortem_in_a_real_kernel(leak_check, tmp_path:
         # The stop button while the input box waits: the cell stops on the paused rank, the kernel and pool live on.
         content, out = fe.run("%%on_ranks 0,1\ndbg_i = rank\nif rank == 1:\n    breakpoint()\n    dbg_i = 'never'", INTERRUPT)
         assert "KeyboardInterrupt" in fe.run("print(_dist.text())")[1]
+        # An interrupted cell did not finish: it raises (one line), so a Run All stops there too.
+        assert content["status"] == "error" and content["ename"] == "CellFailed" and content["evalue"].endswith("interrupted on rank 1"), content
         content, out = fe.run("%dist_pull dbg_i --ranks 0,1")
         assert "{0: 0, 1: 1}" in out, out
 
@@ -101,12 +104,15 @@ def test_breakpoint_input_and_post_mortem_in_a_real_kernel(leak_check, tmp_path:
         # Post-mortem at the root-cause rank, then --pdb.
         content, out = fe.run("%%on_ranks\ndef dbg_f(v):\n    dbg_local = v * 2\n    raise KeyError(dbg_local)\nif rank == 3:\n    dbg_f(5)")
         assert "KeyError" in fe.run("print(_dist.text())")[1]  # _dist holds the failed cell
+        assert content["ename"] == "CellFailed" and content["evalue"].endswith("failed on rank 3: KeyError: 10"), content
+        assert out.count("CellFailed") == 1 and content["traceback"] == [f"CellFailed: {content['evalue']}"], out
         fe.prompts.clear()
         content, out = fe.run("%dist_debug", "p dbg_local", "q")
         assert fe.prompts == ["[rank 3] (Pdb) "] * 2 and "rank 3 is in post-mortem at dbg_f() (cell" in out and "[rank 3] 10" in out, out
         fe.prompts.clear()
         content, out = fe.run("%%on_ranks --pdb 0,1\nraise RuntimeError(f'boom {rank}')", "ranks 0,1: p rank * 7", "ranks 0,1: c")
         assert "[rank 0] 0" in out and "[rank 1] 7" in out and "ranks 0,1 are in post-mortem at cell" in out, out
+        assert content["ename"] == "CellFailed" and "failed on ranks 0,1: RuntimeError: boom" in content["evalue"], content
         assert "rank 1: boom 1" in fe.run("print(_dist.text())")[1]
 
         content, out = fe.run("%dist_shutdown")
@@ -129,6 +135,7 @@ def test_breakpoint_and_input_in_the_ipython_terminal(leak_check, tmp_path: Path
         "get_ipython().run_cell_magic('on_ranks', '', 'dbg_n = input(f\"name {rank}? \")')",
         "alice", "bob",
         "%dist_pull dbg_n",
+        "get_ipython().run_cell_magic('on_ranks', '', 'if rank == 1:\\n    raise ValueError(\"term\")')",
         "%dist_shutdown",
         "exit",
     ]) + "\n"
@@ -143,4 +150,7 @@ def test_breakpoint_and_input_in_the_ipython_terminal(leak_check, tmp_path: Path
     assert "rank 1 is paused in the debugger at cell 1 line 4 (dbg_y = dbg_x + 1)" in out, out
     assert "[rank 1] (Pdb) [rank 1] 41" in out and "[rank 1] 42" in out, out
     assert "[rank 0] name 0? [rank 1] name 1? " in out and "{0: 'alice', 1: 'bob'}" in out, out
-    assert "no process left" in out and "Error" not in out, out
+    # A failed cell: its report (the rank's own traceback), then one line, no traceback of distnb's.
+    assert re.search(r"^(In \[\d+\]: )?CellFailed: cell \d+ failed on rank 1: ValueError: term$", out, re.M), out
+    assert out.count("CellFailed") == 1 and out.count("Traceback") == 1 and "ValueError on rank 1 at cell line 2" in out, out
+    assert "no process left" in out and all("ValueError" in line for line in out.splitlines() if "Error" in line), out

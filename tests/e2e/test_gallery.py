@@ -1,7 +1,9 @@
 """The failure gallery: every notebook runs top to bottom in a real kernel, and its checked cells show
 what they should (notebooks/gallery/_make.py puts the checks in each cell's metadata:
 ``distnb_expect`` text that must appear, ``distnb_reject`` text that must not, ``distnb_expect_re``
-patterns a line must match, ``distnb_mime`` output types that must be produced)."""
+patterns a line must match, ``distnb_mime`` output types that must be produced). A cell that fails on
+purpose carries Jupyter's ``raises-exception`` tag, which nbclient honours: it must fail, with distnb's
+one-line error; an error in any other cell stops the notebook there, and the test with it."""
 
 from __future__ import annotations
 
@@ -60,7 +62,14 @@ def test_notebook(path: Path, tmp_path: Path) -> None:
             continue
         text = outputs_text(cell)
         where = f"{path.name}, cell:\n{cell.source}\n--- output:\n{text}"
-        assert not any(o.get("output_type") == "error" for o in cell.outputs), f"the kernel raised in {where}"
+        errors = [o for o in cell.outputs if o.get("output_type") == "error"]
+        if "raises-exception" in cell.metadata.get("tags", []):
+            # It failed as meant to, shown as one line under its report (not a second traceback).
+            assert [(e["ename"], len(e["traceback"])) for e in errors] == [("CellFailed", 1)], f"no CellFailed line in {where}"
+            assert errors[0]["traceback"][0].startswith("CellFailed: cell "), where
+            checked += 1
+        else:  # nbclient stopped at it already; this says which cell
+            assert not errors, f"the kernel raised in {where}"
         for expected in cell.metadata.get("distnb_expect", []):
             assert expected in text, f"{expected!r} missing from {where}"
             checked += 1

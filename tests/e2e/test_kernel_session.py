@@ -27,7 +27,14 @@ def test_hundreds_of_cells_leave_no_widget_and_little_else(leak_check, tmp_path:
         # A slow cell goes live (widgets), a failing one and one with output stay static.
         kernel.run("%%on_ranks\nimport time\ntime.sleep(1.0)\nprint('slow', rank)")
         assert json.loads(kernel.run("from ipywidgets.widgets.widget import _instances\nprint(len(_instances))")) == before["widgets"]
-        kernel.run("%%on_ranks\nif rank == 1:\n    raise ValueError('x')")
+        # A failing cell, in a Run All: its report, then one line of error (no second traceback), and
+        # the cell queued behind it is aborted by the kernel, as JupyterLab's Run All relies on.
+        (failed, shown), (queued, queued_shown) = kernel.run_all(["%%on_ranks\nif rank == 1:\n    raise ValueError('x')", "print('ran anyway')"])
+        errors = [o for o in shown if o["output_type"] == "error"]
+        assert failed["status"] == "error" and failed["ename"] == "CellFailed", failed
+        assert [e["traceback"] for e in errors] == [[f"CellFailed: {failed['evalue']}"]] and failed["evalue"].endswith("failed on rank 1: ValueError: x")
+        assert any("ValueError on rank 1" in o.get("data", {}).get("text/plain", "") + o.get("text", "") for o in shown), shown
+        assert queued["status"] == "aborted" and not queued_shown, (queued, queued_shown)
         # A background cell is live at once; once it ends, its follower hands the widgets back too.
         assert "running in the background" in kernel.run("%%on_ranks --bg\nimport time\ntime.sleep(1.0)")
         assert "ok" in kernel.run("%dist_wait")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import marked_processes, wait_gone
+from conftest import marked_processes, reap_marked, wait_gone
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from nbformat.v4 import new_code_cell, new_notebook
 from nbtext import outputs_text
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -30,7 +33,7 @@ def test_quickstart_is_generated_and_saved_without_outputs() -> None:
     saved = nbformat.read(str(QUICKSTART), as_version=4)
     nbformat.validate(saved)
     built = _make_quickstart.build()
-    assert [(c.cell_type, c.source) for c in saved.cells] == [(c.cell_type, c.source) for c in built.cells], (
+    assert [(c.cell_type, c.source, dict(c.metadata)) for c in saved.cells] == [(c.cell_type, c.source, dict(c.metadata)) for c in built.cells], (
         "notebooks/quickstart.ipynb is stale: run python notebooks/_make_quickstart.py"
     )
     code = [c for c in saved.cells if c.cell_type == "code"]
@@ -73,6 +76,14 @@ def test_quickstart_executes(tmp_path: Path) -> None:
     assert "ValueError on rank 1 at cell line 2" in error and "Out[rank 0]: 'fine'" in error
     hang = text("%%on_ranks --timeout")
     assert "rank-conditional collective: rank 0 entered all_reduce #" in hang, hang
+    # The two cells that fail on purpose raised (tagged raises-exception, so the tour ran on), each
+    # as one line under its report; no other cell raised.
+    raised = {c.source: [(o.ename, o.evalue, o.traceback) for o in c.outputs if o.output_type == "error"] for c in code}
+    line = "cell 3 failed on rank 1: ValueError: rank 1 got a bad batch"
+    assert raised.pop(next(s for s in raised if s.startswith("%%on_ranks\nif rank == 1"))) == [("CellFailed", line, [f"CellFailed: {line}"])]
+    [(ename, evalue, tb)] = raised.pop(next(s for s in raised if s.startswith("%%on_ranks --timeout")))
+    assert ename == "CellFailed" and re.fullmatch(r"cell 4 timed out: rank 0 still running after 4\.\d s", evalue) and tb == [f"CellFailed: {evalue}"]
+    assert not any(raised.values()), raised
     assert "in all_reduce" in text("%dist_stacks")  # %dist_stacks annotates the waiting rank
     assert "first divergence" in text("%dist_collectives")
     assert "{0: 0.1, 1: 0.1}" in text("lr = 0.1")
@@ -105,3 +116,43 @@ def test_quickstart_executes(tmp_path: Path) -> None:
     assert not seen["after_shutdown"], f"processes left after %dist_shutdown: {seen['after_shutdown']}"
     assert not wait_gone(seen["kernel"] | seen["pool"], 10.0), "the kernel or a pool process outlived the notebook"
     assert not wait_gone(marked_processes(MARK, mark), 5.0)
+
+
+RUN_ALL = ["%load_ext distnb\n%dist_launch -n 2 --backend gloo", "%%on_ranks\nif rank == 1:\n    raise ValueError('stop here')",
+           "print('after the failure')", "%dist_shutdown"]
+
+
+def _run_all(tags: list[str], cwd: Path) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
+    """RUN_ALL executed by nbclient as CI runs a notebook (errors not allowed), the failing cell
+    tagged ``tags``; the notebook and what stopped it. Nothing the kernel started may be left."""
+    nb = new_notebook(cells=[new_code_cell(source) for source in RUN_ALL])
+    nb.cells[1].metadata["tags"] = tags
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    token, stopped = uuid.uuid4().hex, None
+    try:
+        NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute(env={**os.environ, MARK: token})
+    except CellExecutionError as exc:
+        stopped = exc
+    finally:
+        left = reap_marked(MARK, token)
+    assert not left, "the notebook left processes behind:\n  " + "\n  ".join(left)
+    return nb, stopped
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_cell_stops_run_all_unless_tagged(tmp_path: Path) -> None:
+    nb, stopped = _run_all([], tmp_path)
+    failed = nb.cells[1]
+    errors = [o for o in failed.outputs if o.output_type == "error"]
+    # The report first, then one line: the kernel's error output, whose traceback is that line alone.
+    assert "ValueError on rank 1 at cell line 2" in outputs_text(failed) and failed.outputs[-1].output_type == "error"
+    assert [(e.ename, e.evalue, e.traceback) for e in errors] == [
+        ("CellFailed", "cell 1 failed on rank 1: ValueError: stop here", ["CellFailed: cell 1 failed on rank 1: ValueError: stop here"])]
+    # nbclient stopped there, as CI does, and says why in one line; the cells after it never ran.
+    assert stopped is not None and "CellFailed: cell 1 failed on rank 1: ValueError: stop here" in str(stopped)
+    assert all(not c.outputs and c.execution_count is None for c in nb.cells[2:])
+
+    # Tagged raises-exception: the same error, and the notebook runs through to its shutdown.
+    nb, stopped = _run_all(["raises-exception"], tmp_path)
+    assert stopped is None and [o.ename for o in nb.cells[1].outputs if o.output_type == "error"] == ["CellFailed"]
+    assert "after the failure" in outputs_text(nb.cells[2]) and "pool stopped" in outputs_text(nb.cells[3])

@@ -132,16 +132,29 @@ def test_subset_and_per_rank_lines(sh: Shell) -> None:
 
 
 def test_errors_grouped_with_cell_line(sh: Shell) -> None:
-    out, err = sh.cell("", "if rank == 1:\n    raise KeyError('missing shard')")
+    out, err, failed = sh.failing("on_ranks", "", "if rank == 1:\n    raise KeyError('missing shard')")
     assert "── KeyError on rank 1 at cell line 2 ──" in err
     assert "raise KeyError('missing shard')" in err and "distnb/" not in err
+    # The report first, then one error that stops Run All: the result it carries is _dist.
+    res = sh.ip.user_ns["_dist"]
+    assert failed.result is res and str(failed) == f"cell {res.cell} failed on rank 1: KeyError: 'missing shard'"
+    assert failed._render_traceback_() == [f"CellFailed: {failed}"]
+
+
+def test_keep_going_shows_the_report_and_raises_nothing(sh: Shell, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, err = sh.cell("--keep-going", "1/0 if rank == 0 else None")
+    assert "ZeroDivisionError on rank 0" in err and sh.ip.user_ns["_dist"].failed == [0]
+    monkeypatch.setenv("DISTNB_KEEP_GOING", "1")  # the session's setting (%env DISTNB_KEEP_GOING=1)
+    out, err = sh.cell("", "1/0 if rank == 1 else None")
+    assert "ZeroDivisionError on rank 1" in err
 
 
 def test_syntax_error_is_reported_once_and_nothing_sent(sh: Shell) -> None:
     before = len(distnb.current_pool().history)
-    out, err = sh.cell("", "x = (1,\n")
+    out, err, failed = sh.failing("on_ranks", "", "x = (1,\n")
     assert err.count("SyntaxError") == 1 and "nothing was sent" in err
     assert len(distnb.current_pool().history) == before
+    assert failed.result is None and str(failed).startswith("the cell was not run: SyntaxError at cell line 1: "), failed
 
 
 @pytest.mark.parametrize("spec, hint", [("9", "out of range"), ("-1", "out of range"), ("3-1", "backwards"), ("a", "can't read")])
@@ -151,12 +164,14 @@ def test_bad_rank_specs(sh: Shell, spec: str, hint: str) -> None:
 
 
 def test_timeout_names_running_ranks_then_pool_recovers(sh: Shell) -> None:
-    out, err = sh.cell("--timeout 1 --hang-after 30", "import time\nif rank == 1:\n    time.sleep(20)")
+    out, err, failed = sh.failing("on_ranks", "--timeout 1 --hang-after 30", "import time\nif rank == 1:\n    time.sleep(20)")
     pool = distnb.current_pool()
     res = sh.ip.user_ns["_dist"]
     try:
         # The elapsed time is measured, not the timeout repeated: a loaded machine may say 1.1 s.
         assert re.search(r"rank 1 has timed out after 1\.\d s \(cell \d+\)", err), err
+        # The cell did not finish: Run All must not go on as if it had.
+        assert re.fullmatch(rf"cell {res.cell} timed out: rank 1 still running after 1\.\d s", str(failed)), failed
     finally:  # rank 1 must not stay asleep: the tests after this one share the pool
         pool.interrupt([1])
         pool.wait(res, timeout=15)
@@ -166,8 +181,9 @@ def test_timeout_names_running_ranks_then_pool_recovers(sh: Shell) -> None:
 
 
 def test_quiet_hides_output_but_not_errors(sh: Shell) -> None:
-    out, err = sh.cell("--quiet", "print('noise')\n1/0 if rank == 0 else None")
+    out, err, failed = sh.failing("on_ranks", "--quiet", "print('noise')\n1/0 if rank == 0 else None")
     assert "noise" not in out and "ZeroDivisionError on rank 0" in err
+    assert "failed on rank 0: ZeroDivisionError: division by zero" in str(failed)
 
 
 def test_huge_output_is_capped_with_a_note(sh: Shell) -> None:
@@ -243,7 +259,7 @@ def test_restart_replay_magic_restores_state(sh: Shell) -> None:
     sh.ip.user_ns["rp_b"] = 7
     sh.line("dist_push", "rp_b")
     sh.cell("1", "rp_c = rp_a * 10")
-    sh.cell("", "raise RuntimeError('not replayed')")
+    sh.failing("on_ranks", "", "raise RuntimeError('not replayed')")
     old = rank_pids()
     _, out, err = sh.line("dist_restart", "--replay")
     assert set(old).isdisjoint(rank_pids())
@@ -263,8 +279,8 @@ def test_restart_gives_fresh_ranks(sh: Shell) -> None:
     old, agent = rank_pids(), distnb.current_pool().status().agent_pid
     _, out, _ = sh.line("dist_restart")
     assert "pool ready" in out and set(old).isdisjoint(rank_pids()) and distnb.current_pool().status().agent_pid == agent
-    out, err = sh.cell("", "marker")
-    assert "NameError" in err
+    out, err, failed = sh.failing("on_ranks", "", "marker")
+    assert "NameError" in err and "ranks 0,1: NameError: name 'marker' is not defined" in str(failed)
     old = distnb.current_pool().pids()  # torchrun, supervisors and ranks
     _, out, _ = sh.line("dist_restart", "--full")
     assert "pool ready" in out and set(old).isdisjoint(distnb.current_pool().pids())

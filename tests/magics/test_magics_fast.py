@@ -17,7 +17,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from distnb.analysis.env import EnvReport
 from distnb.analysis.stacks import Frame, RankStack, StackReport, ThreadStack
 from distnb.config import LaunchConfig
-from distnb.errors import NoPoolError, PoolBusyError
+from distnb.errors import CellFailed, NoPoolError, PoolBusyError
 from distnb.magics import running, support
 from distnb.ranks import parse_ranks
 from distnb.results import CellEvents, CellResult, RankResult
@@ -40,7 +40,7 @@ class FakePool:
         self.script: dict[int, tuple[str, dict[str, Any] | None]] = {}
 
     def submit(self, code: str, ranks: Any = None, events: CellEvents | None = None, profile: bool = False, pdb: bool = False,
-               label: int | None = None, comms: bool = False) -> CellResult:
+               label: int | None = None, comms: bool = False, paths: bool = False) -> CellResult:
         compile(code, "<cell>", "exec")  # the real pool raises a SyntaxError before sending
         targets = parse_ranks(ranks, self.world_size)
         result = CellResult(cell=len(self.history) + 1, code=code, ranks=targets, results={r: RankResult(r) for r in targets}, label=label)
@@ -98,6 +98,16 @@ class FakePool:
     def shutdown(self) -> None:
         self.state = PoolState.STOPPED
 
+    def restart(self, on_progress: Any = None, replay: bool = False, on_replay: Any = None, on_note: Any = None, full: bool = False) -> FakePool:
+        """Replays the cells of the history as they are scripted now: stops at the first that fails."""
+        self.calls.append(("restart", replay))
+        for old in list(self.history) if replay else []:
+            result = self.submit(old.code, old.ranks)
+            on_replay(result)
+            if not result.ok:
+                break
+        return self
+
     def regroup(self) -> None:
         raise PoolBusyError.of({1: 3})
 
@@ -121,7 +131,8 @@ def test_a_cell_shows_grouped_output_and_the_failing_rank_with_its_line(shell: I
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     error = {"ename": "ValueError", "evalue": "bad batch", "traceback": "Traceback …\nValueError: bad batch\n", "line": 3}
     fake.script = {r: ("step 1\n", error if r == 2 else None) for r in range(4)}
-    shell.run_cell_magic("on_ranks", "0-3", "x = 1\nprint('step 1')\nraise ValueError('bad batch')")
+    with pytest.raises(CellFailed, match=r"^cell 1 failed on rank 2: ValueError: bad batch$"):
+        shell.run_cell_magic("on_ranks", "0-3", "x = 1\nprint('step 1')\nraise ValueError('bad batch')")
     out, err = capsys.readouterr()
     assert "[ranks 0-3] step 1" in out
     assert "── ValueError on rank 2 at cell line 3 ──" in err and "ValueError: bad batch" in err
@@ -173,9 +184,13 @@ def test_every_magic_without_a_pool_says_how_to_start_one(shell: InteractiveShel
 
 
 def test_a_syntax_error_is_shown_once_and_nothing_is_sent(shell: InteractiveShell, fake: FakePool, capsys: pytest.CaptureFixture[str]) -> None:
-    shell.run_cell_magic("on_ranks", "", "x = (")
+    with pytest.raises(CellFailed, match=r"^the cell was not run: SyntaxError at cell line 1: .*; nothing was sent to the ranks$") as failed:
+        shell.run_cell_magic("on_ranks", "", "x = (")
     err = capsys.readouterr().err
     assert "SyntaxError" in err and "nothing was sent to the ranks" in err and not fake.history
+    assert failed.value.result is None
+    shell.run_cell_magic("on_ranks", "--keep-going", "x = (")  # said, and nothing raised
+    assert "nothing was sent to the ranks" in capsys.readouterr().err
 
 
 def test_launch_flags_become_a_validated_config(shell: InteractiveShell, monkeypatch: pytest.MonkeyPatch,
@@ -249,3 +264,98 @@ def test_export_prints_the_command_that_runs_the_script(shell: InteractiveShell,
     assert f"wrote {target} with In[3], In[4]; it ends with In[4], which failed, so it fails the same way." in out
     assert f"Run it with: torchrun --nproc-per-node 4 {target}" in out
     assert fake.calls[-1] == ("export", ("3-4", False, False, True))  # the cells by the notebook's In[n]
+
+
+# -- a failed cell stops Run All ----------------------------------------------------------------
+BAD_BATCH = {"ename": "ValueError", "evalue": "bad batch", "traceback": "Traceback …\nValueError: bad batch\n", "line": 2}
+
+
+def test_a_failed_cell_shows_its_report_then_one_line(shell: InteractiveShell, fake: FakePool, capsys: pytest.CaptureFixture[str]) -> None:
+    """As a notebook runs it (run_cell): the report, then the error as one line — no second traceback
+    of distnb's frames — and the cell counts as failed, which is what stops Run All."""
+    fake.script = {2: ("", BAD_BATCH)}
+    ran = shell.run_cell("%%on_ranks\nx = 1\nraise ValueError('bad batch')")
+    out, err = capsys.readouterr()
+    assert not ran.success and isinstance(ran.error_in_exec, CellFailed)
+    assert ran.error_in_exec.result is shell.user_ns["_dist"] is fake.history[-1]  # _dist is set before the raise
+    assert "── ValueError on rank 2 at cell line 2 ──" in err
+    shown = [line for line in out.splitlines() if "CellFailed" in line]
+    assert shown == ["CellFailed: cell 1 failed on rank 2: ValueError: bad batch"], out
+    assert "Traceback" not in out and "distnb/" not in out + err.replace("Traceback …", "")
+
+
+def test_keep_going_per_cell_and_for_the_session(shell: InteractiveShell, fake: FakePool, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    fake.script = {0: ("", BAD_BATCH)}
+    shell.run_cell_magic("on_ranks", "--keep-going", "raise ValueError('bad batch')")
+    assert "ValueError on rank 0" in capsys.readouterr().err and shell.user_ns["_dist"].failed == [0]
+    for value in ("1", "on", " True "):
+        monkeypatch.setenv("DISTNB_KEEP_GOING", value)
+        shell.run_cell_magic("on_ranks", "", "raise ValueError('bad batch')")
+    for value in ("0", "off", ""):
+        monkeypatch.setenv("DISTNB_KEEP_GOING", value)
+        with pytest.raises(CellFailed):
+            shell.run_cell_magic("on_ranks", "", "raise ValueError('bad batch')")
+    monkeypatch.setenv("DISTNB_KEEP_GOING", "maybe")
+    with pytest.raises(UsageError, match=r"DISTNB_KEEP_GOING='maybe' is neither on nor off: set it to 1"):
+        shell.run_cell_magic("on_ranks", "", "raise ValueError('bad batch')")
+    monkeypatch.delenv("DISTNB_KEEP_GOING")
+    fake.script = {}
+    shell.run_cell_magic("on_ranks", "", "pass")  # a cell that succeeds raises nothing
+    assert "--keep-going" in shell.find_cell_magic("on_ranks").parser.format_help()
+    assert "DISTNB_KEEP_GOING" in (shell.find_cell_magic("on_ranks").__doc__ or "")
+
+
+def test_wait_and_replay_raise_for_the_cell_they_show(shell: InteractiveShell, fake: FakePool, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.script = {1: ("", BAD_BATCH)}
+    shell.run_cell_magic("on_ranks", "--bg", "raise ValueError('bad batch')")  # --bg: nothing to raise yet
+    assert "running in the background" in capsys.readouterr().out
+    with pytest.raises(CellFailed, match=r"^cell 1 failed on rank 1: ValueError: bad batch$"):
+        shell.run_line_magic("dist_wait", "")
+    assert "ValueError on rank 1" in capsys.readouterr().out
+    shell.run_line_magic("dist_wait", "--keep-going")
+    # A replayed cell that fails this time: the pool is not back where it was.
+    with pytest.raises(CellFailed, match=r"^replay stopped: cell 2 failed on rank 1: ValueError: bad batch$") as failed:
+        shell.run_line_magic("dist_restart", "--replay")
+    assert failed.value.result is shell.user_ns["_dist"] is fake.history[-1]
+    assert "FAILED — replay stopped here" in capsys.readouterr().out
+    shell.run_line_magic("dist_restart", "--replay --keep-going")
+    fake.script = {}
+    shell.run_line_magic("dist_restart", "--replay")  # every replayed cell succeeds: nothing raised
+
+
+def _cell(statuses: dict[int, str], **fields: Any) -> CellResult:
+    result = CellResult(cell=7, code="", ranks=sorted(statuses), results={r: RankResult(r, status=s) for r, s in statuses.items()})
+    for name, value in fields.items():
+        setattr(result, name, value)
+    return result
+
+
+def test_the_one_line_names_the_root_cause_first() -> None:
+    # Errors: the earliest first, with every rank that raised the same; the others after it.
+    result = _cell({0: "error", 1: "error", 2: "error", 3: "running"}, timed_out=True, elapsed=6.02)
+    for r, (ename, evalue, at) in {0: ("RuntimeError", "Connection closed by peer", 5.0), 1: ("RuntimeError", "Connection closed", 5.1),
+                                   2: ("ValueError", "bad batch\nmore lines", 1.0)}.items():
+        result[r].error, result[r].finished_at = {"ename": ename, "evalue": evalue, "traceback": ""}, at
+    assert str(CellFailed.of(result)) == "cell 7 failed on rank 2: ValueError: bad batch; ranks 0,1 raised RuntimeError; rank 3 still running (timed out)"
+    # A death leads: it explains the ranks that waited for it (the signal's explanation is the report's).
+    result = _cell({0: "stranded", 1: "dead", 2: "dead", 3: "ok"})
+    result[1].returncode, result[2].returncode, result[2].first_death = -6, -9, True
+    assert str(CellFailed.of(result)) == "cell 7 failed: ranks 1,2 died, rank 2 first: killed (SIGKILL); rank 0 stranded"
+    # Unless the diagnosis found the rank that caused it: then the line names that rank too.
+    result = _cell({0: "dead", 1: "ok", 2: "error"}, root_cause="rank 0 died (aborted) inside all_gather #1 on dp (ranks 0,2), a shape "
+                   "mismatch: … Root cause: rank 2, the odd one out; rank 0 is a victim (gloo aborts a rank that receives data …).")
+    result[0].returncode, result[2].error = -6, {"ename": "RuntimeError", "evalue": "Connection reset by peer", "traceback": ""}
+    assert str(CellFailed.of(result)) == ("cell 7 failed: rank 0 died: aborted (SIGABRT); rank 2 raised RuntimeError — "
+                                          "root cause: rank 2, the odd one out; rank 0 is a victim")
+    # No rank raised or died.
+    assert str(CellFailed.of(_cell({0: "interrupted", 1: "interrupted"}))) == "cell 7 was interrupted on ranks 0,1"
+    assert str(CellFailed.of(_cell({0: "ok", 1: "running"}, timed_out=True, elapsed=4.04))) == "cell 7 timed out: rank 1 still running after 4.0 s"
+    assert str(CellFailed.of(_cell({0: "running"}, detached=True))) == "cell 7: stopped waiting after a second interrupt; rank 0 still running"
+    assert str(CellFailed.of(_cell({0: "stranded", 1: "ok"}))) == "cell 7 failed: rank 0 stranded, waiting for a rank that died"
+    # A long message is cut to a line; many ranks are named compactly.
+    result = _cell({r: "error" for r in range(64)})
+    for r in range(64):
+        result[r].error = {"ename": "OSError", "evalue": "x" * 500, "traceback": ""}
+    line = str(CellFailed.of(result))
+    assert line.startswith("cell 7 failed on ranks 0-63: OSError: xxx") and line.endswith("…") and len(line) < 200

@@ -143,3 +143,16 @@ def test_an_export_fails_the_way_the_session_did(tmp_path: Path) -> None:
     assert "ValueError: bad batch on rank 1" in err1.read_text()
     [out0] = list(logs.rglob("attempt_0/0/stdout.log"))
     assert out0.read_text().splitlines() == ["sum [3.0, 3.0]", "'fine'"]
+
+
+def test_an_exported_notebook_tags_its_failing_cell_so_it_runs_through_to_the_shutdown(tmp_path: Path) -> None:
+    import nbformat
+
+    from distnb.config import LaunchConfig
+    from distnb.results import CellRecord
+    from distnb.services.export import export_notebook
+
+    steps = [CellRecord(1, "x = 1", (0, 1), True), CellRecord(2, "1/0", (0, 1), False)]
+    nb = nbformat.read(str(export_notebook(steps, LaunchConfig(nproc=2, backend="gloo"), tmp_path / "r.ipynb")), as_version=4)
+    tags = [c.metadata.get("tags", []) for c in nb.cells if c.cell_type == "code"]
+    assert tags == [[], [], ["raises-exception"], []], tags  # launch, cell 1, the failing cell, the shutdown
