@@ -331,7 +331,8 @@ class DistMagics(Magics):
             with _usage_errors():
                 view = CellDisplay(parse_ranks(args.ranks, pool.world_size), output=not args.quiet)
         else:
-            view = LivePrinter()
+            with _usage_errors():
+                view = LivePrinter(ranks=parse_ranks(args.ranks, pool.world_size))  # above 16 ranks it merges by number
         events = CellEvents(on_output=None if args.quiet else view.feed, on_display=view.display_bundle, on_rank_done=view.rank_done)
         try:
             with _usage_errors():
