@@ -33,6 +33,8 @@ RANK_CONDITION_NAMES = frozenset({"rank", "local_rank", "global_rank", "node_ran
                         "get_rank", "get_local_rank", "is_rank_zero", "rank_zero"})
 
 Transition = tuple[str, int, int]
+#: Sides of a decision named before "… and N more ranks in M other ways".
+MAX_SIDES = 5
 
 
 def _cell_of(filename: str) -> int | None:
@@ -111,6 +113,11 @@ class PathDifference:
         majority = [r for r in self.took if r not in odd] or list(self.took)
         runs = Counter(self.decided_runs.get(r, 0) for r in majority).most_common(1)[0][0]
         sides = sorted(self.sides, key=lambda side: not set(side[0]) <= odd)  # the odd ranks first: the culprits
+        more = ""
+        if len(sides) > MAX_SIDES:  # a thousand ranks, each leaving a loop at its own count
+            rest = sides[MAX_SIDES - 1:]
+            sides = sides[: MAX_SIDES - 1] + [sides[-1]]  # the majority's side stays
+            more = f"; and {sum(len(rs) for rs, _ in rest[:-1])} more ranks in {len(rest) - 1} other ways (.took has each)"
         kind = _kind(self.source)
         targets = {what[0] for _, what in sides if what is not None}
         if kind == "loop" and len(targets) == 1:
@@ -125,7 +132,7 @@ class PathDifference:
                     parts.append(f"{format_ranks(rs)} left the loop `{self.source}` after {what[1] - 1} iteration{'s' if what[1] != 2 else ''}")
                 else:
                     parts.append(f"{format_ranks(rs)} after {what[1] - 1}")
-            return "; ".join(parts)
+            return "; ".join(parts) + more
         how = f"under `{self.source}`" if kind in ("if", "loop") else f"after `{self.source}`" if self.source else f"after line {self.decided}"
         parts = []
         for ranks, what in sides:
@@ -139,7 +146,7 @@ class PathDifference:
             target = self.target_source.get(to, "")
             iteration = f" at iteration {at} of {runs}" if runs > 1 else ""
             parts.append(f"{format_ranks(ranks)} took line {to} (" + (f"`{target}`, " if target else "") + f"{how}){iteration}")
-        return "; ".join(parts)
+        return "; ".join(parts) + more
 
     def summary(self) -> str:
         """The sentence a diagnosis adds: ``Why: …`` with the cell and line."""

@@ -117,3 +117,11 @@ def test_a_rank_inside_torch_compile_keeps_the_others_waiting_and_is_called_slow
     d = diagnose([*waiting, pos], 3.0, 10.0)
     assert d.kind == "slow" and d.culprits == [1], d.text()
     assert "rank 1 is compiling `step` with torch.compile: slow, not a hang yet" in d.summary
+
+
+def test_a_thousand_ranks_leaving_a_loop_each_at_its_own_count_read_in_a_few_words() -> None:
+    cells = {1: "seen = 0\nfor b in range(n_batches):\n    seen += b\nseen\n"}
+    paths = run_ranks(cells, "", 64, {r: {"n_batches": 10 if r < 40 else r} for r in range(64)})
+    diff = first_difference(paths, cells)
+    assert diff is not None and diff.text().count(";") <= 5, diff.text()
+    assert "more ranks in" in diff.text() and "ranks 0-39 after 10" in diff.text(), diff.text()
