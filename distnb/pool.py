@@ -45,7 +45,7 @@ from distnb.services.export import Export, export_session
 from distnb.services.multinode import MultiNode
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
-from distnb.services.waiting import wait_for_cell
+from distnb.services.waiting import rebuild_after_unblock, wait_for_cell
 from distnb.services.watch import CellWatch
 from distnb.states import PoolState
 from distnb.status import PoolStatus
@@ -348,11 +348,12 @@ class Pool:
         (default ``input()``; see :class:`~distnb.services.debugger.Debugger`); None leaves them to
         :attr:`debugger`."""
         run = self._tracker.run_of(result)
-        wait_for_cell(result, run, self._debugger, self.interrupt, timeout, on_tick, tick, ask)
+        wait_for_cell(result, run, self._debugger, self.interrupt, timeout, on_tick, tick, ask, tracker=self._tracker)
         result.elapsed = time.monotonic() - run.started
         if run.finished.is_set() and not run.death_checked:
             run.death_checked = True
             self._diagnostics.conclude(result)
+            rebuild_after_unblock(result, self._tracker, self.regroup)  # after an interrupt that had to unblock a rank
         if on_tick is not None:
             on_tick(result)
         return result

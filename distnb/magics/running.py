@@ -249,7 +249,9 @@ class DistMagics(Magics):
             busy = [s.rank for s in pool.status().ranks if s.state == RankState.RUNNING]
             chosen = busy if args.ranks is None else [r for r in parse_ranks(args.ranks, pool.world_size) if r in busy]
             hit = pool.interrupt(chosen) if chosen else []
-        print(f"interrupted the cell on {format_ranks(hit)}; %dist_wait shows how it ended." if hit else "no cell is running: nothing to interrupt.")
+        print(f"interrupting the cell on {format_ranks(hit)}: they stop at their next Python line; one blocked in a collective is "
+              "unblocked after 2 s (its group aborted, then rebuilt when the cell has ended, namespaces kept). %dist_wait shows how it "
+              "ended." if hit else "no cell is running: nothing to interrupt.")
 
     @magic_arguments()
     @argument("--timeout", type=float, default=None, metavar="SECONDS", help="Stop waiting after this long (the cell then counts as failed).")

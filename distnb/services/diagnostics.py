@@ -207,8 +207,8 @@ class Diagnostics:
         paths = {r: res.paths for r, res in result.results.items() if res.paths}
         paths.update({r: p for r, p in self._live_paths.items() if r in result.results and result.results[r].status == "running"})
         if not paths and hint and len(result.ranks) > 1:
-            return ("run the cell again with %%on_ranks --paths (pool.submit(code, paths=True)) to see the first decision the "
-                    "ranks took differently (recorded by default on Python 3.12+ ranks, or with DISTNB_PATHS=1)")
+            return ("run the cell again with %%on_ranks --paths to see the first decision the ranks took differently "
+                    "(recorded by default on Python 3.12+ ranks, or with %env DISTNB_PATHS=1)")
         found = first_difference(paths, self._session.codes(), quiet_expected)
         return found.summary() if found is not None else ""
 

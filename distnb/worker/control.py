@@ -32,6 +32,7 @@ from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker.execute import Executor
 from distnb.worker.meshes import describe_meshes
 from distnb.worker.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
+from distnb.worker.group_abort import ESCALATE_AFTER
 
 __all__ = ["ControlThread", "thread_stacks"]
 
@@ -47,8 +48,6 @@ WATCH_INTERVAL = 0.05
 #: 2000-entry Flight Recorder takes ~50 ms, so pushes then come at most every ~2.5 s (the
 #: controller's 1 s poll still runs); with the few entries of a typical notebook, every 50 ms.
 WATCH_CPU_SHARE = 0.02
-#: Seconds an interrupted cell may stay put before distnb aborts the rank's NCCL communicators.
-ESCALATE_AFTER = 2.0
 
 
 def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
@@ -76,7 +75,38 @@ def _main_in_collective() -> bool:
     return False
 
 
+def _c10d_call() -> str:
+    """The torch.distributed function the main thread is in (outermost), or ""."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    name, depth = "", 0
+    while frame is not None and depth < 64:
+        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            name = frame.f_code.co_name
+        frame, depth = frame.f_back, depth + 1
+    return name
+
+
+#: torch.distributed calls whose wait is on the rendezvous store, not on a gloo pair.
+_GROUP_SETUP = {"init_process_group", "new_group", "new_subgroups", "new_subgroups_by_enumeration", "destroy_process_group",
+                "split_group", "_new_group_with_tag", "_new_process_group_helper"}
+
+
+def _in_group_setup() -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    depth = 0
+    while frame is not None and depth < 64:
+        if frame.f_code.co_filename.endswith("distributed_c10d.py") and frame.f_code.co_name in _GROUP_SETUP:
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
 class ControlThread(threading.Thread):
+    #: The last interrupted cell whose group this thread aborted (or whose gloo connections it
+    #: shut down) because the interrupt could not land: the controller reads it from the status
+    #: (STACKS) once the cell has ended, and rebuilds the process group.
+    unblocked: dict[str, Any] | None = None
+
     def __init__(self, ctx: zmq.Context, addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0) -> None:
         """``generation``: the rank's respawn generation, in its connection's name (peers.in_generation)."""
         super().__init__(name="distnb-control", daemon=True)
@@ -88,6 +118,7 @@ class ControlThread(threading.Thread):
         self.sock.setsockopt(zmq.LINGER, 0)
         creds.secure_client(self.sock)
         self.sock.connect(addr)
+        self.addr = addr
         self.codec = Codec(creds.key, name.decode())
         self.guard = ReplayGuard()
         self.state = "starting"
@@ -228,6 +259,7 @@ class ControlThread(threading.Thread):
             "cell": cell,
             "elapsed": time.monotonic() - ex.started if cell is not None else None,
             "pid": os.getpid(),
+            "unblocked": self.unblocked,
         }
 
     def _nudge(self, cell: int, sigints: int) -> None:
@@ -238,28 +270,71 @@ class ControlThread(threading.Thread):
 
     def _escalate(self, cell: int, sigints: int) -> None:
         """The interrupt has not landed: a Python signal handler can't run while the main thread
-        waits in a CUDA sync, and the sync waits for an NCCL collective whose peers never come.
-        Aborting this rank's communicators ends the collective, the sync returns, the pending
-        KeyboardInterrupt is raised in the cell, and the namespace stays; the group is then
-        unusable until %dist_regroup."""
+        waits in C++ — in gloo's wait for a peer, or in a CUDA sync that waits for an NCCL
+        collective whose peers never come. NCCL: aborting the rank's communicators ends the
+        collective. gloo: its abort does not wake the wait, so the rank's gloo connections are
+        shut down under it (``worker/gloo_unblock.py``) and the collective raises. Either way the
+        pending KeyboardInterrupt is raised in the cell and the namespace stays; the group is then
+        unusable, and the controller rebuilds it once the cell has ended on every rank."""
         ex = self.executor
         with ex.lock:
             if ex.cell != cell or ex.sigints != sigints:
                 return
-        waiting = open_nccl()
-        if not waiting and _main_in_collective() and "nccl" in backends_in_use():
+        from distnb.worker.gloo_unblock import open_gloo
+
+        backends = backends_in_use()
+        nccl = open_nccl() if "nccl" in backends else ""
+        gloo = "" if nccl or "gloo" not in backends else open_gloo()
+        entering = not nccl and not gloo and _main_in_collective()
+        if entering and "nccl" in backends:
             # Inside the call itself, before its entry exists: NCCL connects to the group's
             # peers at its first collective, and the host waits there for peers that never come.
-            waiting = "a collective it is still entering (connecting to its peers)"
-        if not waiting:
-            return  # not an NCCL wait (a long kernel, C code): an abort would not help
+            nccl = "a collective it is still entering (connecting to its peers)"
+        elif entering and "gloo" in backends and not _in_group_setup():
+            gloo = f"{_c10d_call() or 'a collective'} (gloo)"
+        if nccl:
+            self._abort_nccl(cell, nccl)
+        elif gloo:
+            self._unblock_gloo(cell, gloo, also_nccl="nccl" in backends)
+        # else: not a wait on a peer (a long kernel, C code): an abort would not help
+
+    def _abort_nccl(self, cell: int, waiting: str) -> None:
         from distnb.worker.group_abort import abort_backends
 
+        self.unblocked = {"cell": cell, "backend": "nccl", "waiting": waiting}
         print(f"distnb: rank {self.rank} did not react to the interrupt for {ESCALATE_AFTER:.0f} s while its GPU waited for "
-              f"{waiting}: aborting its NCCL communicators so the cell can stop (the namespace stays; %dist_regroup "
-              "builds a new process group).", file=sys.stderr, flush=True)
+              f"{waiting}: aborting its NCCL communicators so the cell can stop (the namespace stays; the process group is "
+              "rebuilt once the cell has ended on every rank).", file=sys.stderr, flush=True)
         if not abort_backends(timeout=10.0):
             print("distnb: the abort has not finished after 10 s; %dist_restart if the cell stays stuck.", file=sys.stderr, flush=True)
+
+    def _unblock_gloo(self, cell: int, waiting: str, also_nccl: bool) -> None:
+        from distnb.worker.gloo_unblock import gloo_connections, shut_down, store_and_controller_ports
+        from distnb.worker.group_abort import abort_backends
+
+        record = {"cell": cell, "backend": "gloo", "waiting": waiting}
+        if also_nccl:  # NCCL's own sockets go with its communicators, not by a shutdown under them
+            self.unblocked = record
+            abort_backends(timeout=10.0)
+        conns = gloo_connections(store_and_controller_ports(self.addr))
+        if not conns:
+            print(f"distnb: rank {self.rank} did not react to the interrupt for {ESCALATE_AFTER:.0f} s while blocked in {waiting}, "
+                  "and distnb found none of its gloo connections to shut down: the cell stops when the collective times out "
+                  "(--pg-timeout); %dist_restart to stop it now.", file=sys.stderr, flush=True)
+            return
+        if self.executor.cell != cell and not also_nccl:
+            return  # ended meanwhile (a peer's shutdown reached it): the group is rebuilt on that peer's word
+        self.unblocked = {**record, "connections": len(conns)}
+        print(f"distnb: rank {self.rank} did not react to the interrupt for {ESCALATE_AFTER:.0f} s while blocked in {waiting}: "
+              f"shutting down its {len(conns)} gloo connection{'s' * (len(conns) != 1)} so the cell can stop (the namespace stays; "
+              "the process group is rebuilt once the cell has ended on every rank).", file=sys.stderr, flush=True)
+        shut_down(conns)
+        deadline = time.monotonic() + ESCALATE_AFTER * 2
+        while time.monotonic() < deadline and self.executor.cell == cell:
+            time.sleep(0.05)
+        if self.executor.cell == cell:
+            print(f"distnb: rank {self.rank} is still in the cell {ESCALATE_AFTER * 2:.0f} s later: it waits in something else "
+                  "(%dist_stacks shows where); %dist_restart if it stays stuck.", file=sys.stderr, flush=True)
 
     def handle(self, msg: ToControl) -> dict[str, Any] | None:
         if msg["t"] == Msg.STACKS:

@@ -82,3 +82,38 @@ def test_jupyter_interrupt_stops_the_cell_and_keeps_kernel_and_pool(leak_check, 
     finally:
         left = kernel.close()
     assert not left, "the kernel left processes behind:\n  " + "\n  ".join(left)
+
+
+@pytest.mark.timeout(240)
+def test_one_jupyter_interrupt_unblocks_ranks_stuck_in_a_gloo_collective(leak_check, tmp_path: Path) -> None:
+    """Rank 1 never joins the all_reduce: rank 0 waits inside gloo (C++), where no signal handler
+    runs. One interrupt is still enough: the notebook says at once what happens, the rank's
+    connections are shut down ESCALATE_AFTER later, the cell ends, the group is rebuilt and the
+    namespaces stay."""
+    from distnb.worker.group_abort import ESCALATE_AFTER
+
+    kernel = Kernel(tmp_path)
+    try:
+        content, out, _ = kernel.execute("%load_ext distnb\n%dist_launch -n 2 --backend gloo")
+        assert content["status"] == "ok", out
+        content, out, _ = kernel.execute("%%on_ranks\nkept = 10 + rank\nt = torch.ones(1)")
+        assert content["status"] == "ok", out
+
+        code = "%%on_ranks\nif rank == 0:\n    print('entering', flush=True)\n    dist.all_reduce(t)\n    print('never got here')"
+        interrupt_after = 3.0
+        content, out, took = kernel.execute(code, interrupt_after=interrupt_after)
+        # Bounded by the product's own delay (plus the rebuild and messages), not by --pg-timeout (30 min).
+        assert took < interrupt_after + ESCALATE_AFTER + 15, f"the interrupted cell took {took:.1f} s:\n{out}"
+        assert "entering" in out and "never got here" not in out, out
+        assert "interrupting cell" in out and "Rank 0 is blocked in all_reduce" in out, out
+        assert "shutting down its 1 gloo connection so the cell can stop" in out, out
+        assert "Every rank now has a fresh default process group" in out, out
+        assert "pool." not in out.replace("pool.submit", ""), out  # hints name magics, not methods
+
+        content, out, _ = kernel.execute("%%on_ranks\nu = torch.ones(1)\ndist.all_reduce(u)\n(u.item(), kept)")
+        assert content["status"] == "ok" and "(2.0, 10)" in out and "(2.0, 11)" in out, out
+        content, out, _ = kernel.execute("%dist_shutdown")
+        assert "no process left" in out, out
+    finally:
+        left = kernel.close()
+    assert not left, "the kernel left processes behind:\n  " + "\n  ".join(left)

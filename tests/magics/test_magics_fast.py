@@ -246,7 +246,7 @@ def test_interrupt_reaches_only_the_busy_ranks(shell: InteractiveShell, fake: Fa
     status.ranks[1].state = status.ranks[3].state = RankState.RUNNING
     monkeypatch.setattr(fake, "status", lambda: status)
     shell.run_line_magic("dist_interrupt", "0-1")
-    assert fake.calls[-1] == ("interrupt", [1]) and "interrupted the cell on rank 1" in capsys.readouterr().out
+    assert fake.calls[-1] == ("interrupt", [1]) and "interrupting the cell on rank 1: they stop at their next Python line" in capsys.readouterr().out
     shell.run_line_magic("dist_interrupt", "")
     assert fake.calls[-1] == ("interrupt", [1, 3])
 
