@@ -172,20 +172,22 @@ class Diagnostics:
             why = self.why(result)
             if why:
                 diag.details.append(f"  why: {why}")
-            compiled = self.compiles(cells=[result.cell], live=True)
+            compiled = self.compiles(cells=[result.cell], live=True, results=[result])
             if compiled.differences():
                 diag.details.append(f"  {compiled.summary()}")
         return diag
 
-    def compiles(self, ranks: Ranks = None, cells: list[int] | None = None, live: bool = False) -> CompileReport:
+    def compiles(self, ranks: Ranks = None, cells: list[int] | None = None, live: bool = False,
+                 results: list[CellResult] | None = None) -> CompileReport:
         """What torch.compile did on each rank — frames compiled, recompiles with the guard that
         failed, graph breaks, collectives in the graphs — over the session's cells (or ``cells``),
-        compared across ranks. ``live``: a running cell's ranks as of the last stacks round."""
+        compared across ranks. ``live``: a running cell's ranks as of the last stacks round;
+        ``results``: these cells' results instead of the session's."""
         targets = parse_ranks(ranks, self._world)
         events: dict[int, list[dict[str, Any]]] = {r: [] for r in targets}
         breaks: dict[int, dict[str, int]] = {r: {} for r in targets}
         seen = []
-        for res in self._session.history:
+        for res in self._session.history if results is None else results:
             if not isinstance(res, CellResult) or (cells is not None and res.cell not in cells):
                 continue
             records = {r: rr.compiles for r, rr in res.results.items() if rr.compiles}
@@ -209,6 +211,8 @@ class Diagnostics:
         if not paths and hint and len(result.ranks) > 1:
             return ("run the cell again with %%on_ranks --paths to see the first decision the ranks took differently "
                     "(recorded by default on Python 3.12+ ranks, or with %env DISTNB_PATHS=1)")
+        if len(paths) < 2:
+            return ""  # nothing to compare (and the session's sources are not worth gathering)
         found = first_difference(paths, self._session.codes(), quiet_expected)
         return found.summary() if found is not None else ""
 
@@ -279,8 +283,9 @@ class Diagnostics:
             result.root_cause = self.death_note(result) or self.timeout_note(result)
         if result.desync:
             result.desync_note = self.desync_note(result)
-        compiled = self.compiles(list(result.ranks), cells=[result.cell])
-        result.compile_note = compiled.summary() if compiled.differences() else ""
+        if any(rr.compiles for rr in result.results.values()):  # most cells compile nothing: nothing to walk
+            compiled = self.compiles(list(result.ranks), cells=[result.cell], results=[result])
+            result.compile_note = compiled.summary() if compiled.differences() else ""
         if result.failed or result.desync:
             # Every rank failing alike needs no "why ranks differ"; some failing, or counts apart, does.
             why = self.why(result, hint=bool(result.desync) or len(result.failed) < len(result.ranks))
