@@ -9,6 +9,7 @@ object the ranks are grouped by what they did; the odd ones are named, with the 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,6 +46,12 @@ class CompileReport:
 
     def codes(self) -> dict[tuple[str, str, int], dict[int, list[dict[str, Any]]]]:
         """(name, file, line) of each compiled code object -> each rank's compiles of it."""
+        return self._codes
+
+    # A report is built for one look at records that do not change: grouped and compared once,
+    # however many of summary(), differences(), odd_ranks() and text() ask.
+    @functools.cached_property
+    def _codes(self) -> dict[tuple[str, str, int], dict[int, list[dict[str, Any]]]]:
         out: dict[tuple[str, str, int], dict[int, list[dict[str, Any]]]] = {}
         for r, events in self.events.items():
             for e in events:
@@ -62,6 +69,10 @@ class CompileReport:
 
     def differences(self) -> list[str]:
         """Sentences, one per thing ranks did differently: compiles, graph breaks, collectives in graphs."""
+        return list(self._differences)
+
+    @functools.cached_property
+    def _differences(self) -> list[str]:
         out = []
         ranks = self.ranks
         for key, by_rank in self.codes().items():

@@ -60,8 +60,8 @@ class Diagnostics:
         self._session = session
         self._run_dir = run_dir
         self._world = config.world_size
-        self._live_paths: dict[int, dict[str, Any]] = {}  # running ranks' path records, from the last stacks round
-        self._live_compiles: dict[int, dict[str, Any]] = {}  # and their compile records
+        # Running ranks' path and compile records, from the last stacks round (by kind, then rank).
+        self._live: dict[str, dict[int, dict[str, Any]]] = {"paths": {}, "compiles": {}}
 
     def require_pool(self) -> None:
         if self._tracker.state in (PoolState.NEW, PoolState.STOPPED):
@@ -87,8 +87,7 @@ class Diagnostics:
         msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1),
                "calls_since": min((log.last_call(r) for r in alive), default=-1), "groups": log.wants_groups(alive), "paths": paths}
         replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
-        self._live_paths = {r: m["paths"] for r, m in replies.items() if m.get("paths")}
-        self._live_compiles = {r: m["compiles"] for r, m in replies.items() if m.get("compiles")}
+        self._live = {kind: {r: m[kind] for r, m in replies.items() if m.get(kind)} for kind in ("paths", "compiles")}
         self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
         # A control thread that answered with an error instead of stacks gave no stack either.
         silent = [r for r in alive if "stacks" not in replies.get(r, {})]
@@ -190,9 +189,7 @@ class Diagnostics:
         for res in self._session.history if results is None else results:
             if not isinstance(res, CellResult) or (cells is not None and res.cell not in cells):
                 continue
-            records = {r: rr.compiles for r, rr in res.results.items() if rr.compiles}
-            if live:
-                records.update({r: c for r, c in self._live_compiles.items() if r in res.results and res.results[r].status == "running"})
+            records = self._records(res, "compiles", live)
             for r, record in records.items():
                 if r in events:
                     events[r].extend(record.get("compiles", []))
@@ -206,8 +203,7 @@ class Diagnostics:
         """The first decision in the notebook's code that the cell's ranks took differently, in
         words (finished ranks' records from their CELL_DONE, running ones' from the last stacks
         round); "" when they decided alike; with ``hint``, how to record them when no rank did."""
-        paths = {r: res.paths for r, res in result.results.items() if res.paths}
-        paths.update({r: p for r, p in self._live_paths.items() if r in result.results and result.results[r].status == "running"})
+        paths = self._records(result, "paths", live=True)
         if not paths and hint and len(result.ranks) > 1:
             return ("run the cell again with %%on_ranks --paths to see the first decision the ranks took differently "
                     "(recorded by default on Python 3.12+ ranks, or with %env DISTNB_PATHS=1)")
@@ -215,6 +211,14 @@ class Diagnostics:
             return ""  # nothing to compare (and the session's sources are not worth gathering)
         found = first_difference(paths, self._session.codes(), quiet_expected)
         return found.summary() if found is not None else ""
+
+    def _records(self, result: CellResult, kind: str, live: bool) -> dict[int, dict[str, Any]]:
+        """Each rank's ``kind`` record (``paths``, ``compiles``) of the cell: a finished rank's from
+        its CELL_DONE; with ``live``, a running one's as the last stacks round saw it."""
+        records = {r: rec for r, res in result.results.items() if (rec := getattr(res, kind))}
+        if live:
+            records.update({r: rec for r, rec in self._live[kind].items() if r in result.results and result.results[r].status == "running"})
+        return records
 
     def straggler(self, result: CellResult, last: int = 200, positions: list[Position] | None = None) -> Diagnosis | None:
         """A "slow" diagnosis naming the rank that keeps the others waiting at most of the cell's

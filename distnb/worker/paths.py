@@ -157,25 +157,22 @@ class PathRecorder:
         """The frame returns (or ends by an exception): its last line, then out (line ``LEFT``) —
         a loop that ends a frame has no line after it, and its way out is a decision too."""
         prev = self._last.pop(where, None)
-        if prev is None:
-            return
-        key = (filename, prev, LEFT)
+        if prev is not None:
+            self._take(filename, prev, LEFT)
+
+    def _line(self, filename: str, where: Any, line: int) -> None:
+        self._events += 1
+        here = (filename, line)
+        self._lines[here] = self._lines.get(here, 0) + 1
+        prev = self._last.get(where, 0)  # 0: entered the frame
+        self._last[where] = line
+        self._take(filename, prev, line)
+
+    def _take(self, filename: str, prev: int, to: int) -> None:
+        """Count the transition; its first taking keeps how often ``prev`` had run, and when."""
+        key = (filename, prev, to)
         seen = self.transitions.get(key)
         if seen is not None:
             seen[0] += 1
         elif len(self.transitions) < MAX_TRANSITIONS:
             self.transitions[key] = [1, self._lines.get((filename, prev), 0), self._events]
-
-    def _line(self, filename: str, where: Any, line: int) -> None:
-        self._events += 1
-        lines = self._lines
-        here = (filename, line)
-        lines[here] = lines.get(here, 0) + 1
-        prev = self._last.get(where, 0)  # 0: entered the frame
-        self._last[where] = line
-        key = (filename, prev, line)
-        seen = self.transitions.get(key)
-        if seen is not None:
-            seen[0] += 1
-        elif len(self.transitions) < MAX_TRANSITIONS:
-            self.transitions[key] = [1, lines.get((filename, prev), 0), self._events]
