@@ -41,6 +41,7 @@ from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankR
 from distnb.services.debugger import Ask, Debugger, read_line
 from distnb.services.diagnostics import STACKS_TIMEOUT, Diagnostics
 from distnb.services.meshes import mesh_report
+from distnb.services.rank_debug import RankDebug
 from distnb.services.export import Export, export_session
 from distnb.services.multinode import MultiNode
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
@@ -102,6 +103,8 @@ class Pool:
         self._session = SessionLog()
         self._diagnostics = Diagnostics(self._tracker, self._config, self._session, lambda: self.run_dir)
         self._debugger = Debugger(self._tracker, self._config, self.diagnose)
+        self._panel = RankDebug(self._tracker.requests, self._tracker.rank_statuses)
+        self._tracker.dap_handler = self._panel.deliver
         self._channel: Channel | None = None
         self._launcher: Launcher | None = None
         self._multinode: MultiNode | None = None
@@ -123,6 +126,11 @@ class Pool:
     def debugger(self) -> Debugger:
         """Ranks waiting for a line (pdb, ``input()``) and the means to answer them."""
         return self._debugger
+
+    @property
+    def panel(self) -> RankDebug:
+        """The ranks' debugpy, one target for the notebook's debugger panel (distnb.magics.panel)."""
+        return self._panel
 
     @property
     def state(self) -> PoolState:
@@ -149,20 +157,14 @@ class Pool:
         """What other machines connect to (multi-node pools)."""
         return self._multinode.address if self._multinode else None
 
-    @property
-    def key_file(self) -> str | None:
-        return self._multinode.key_file if self._multinode else None
-
-    @property
-    def join_command(self) -> str | None:
-        return self._multinode.join_command if self._multinode else None
+    key_file = property(lambda self: self._multinode.key_file if self._multinode else None, doc="A multi-node pool's key file.")
+    join_command = property(lambda self: self._multinode.join_command if self._multinode else None, doc="What joins a machine to it.")
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, on_progress: OnProgress | None = None, on_note: OnNote | None = None) -> Pool:
         """Launch torchrun and return once every rank's process group is ready.
 
-        ``on_progress`` hears each change of the ranks' stages; ``on_note`` what a multi-node
-        start has to say (the command to run on the other machines, each machine joining)."""
+        ``on_progress`` hears each change of the ranks' stages; ``on_note`` what a multi-node start has to say."""
         global _current
         if self.state not in (PoolState.NEW, PoolState.STOPPED):
             raise LaunchError(f"this pool is {self.state.value}; call shutdown() or restart() instead of start().")
@@ -243,9 +245,8 @@ class Pool:
     ) -> Pool:
         """Fresh ranks with the same configuration (cell numbers keep counting).
 
-        Fresh rank processes start under the running torchrun and supervisors, from spares that
-        have imported torch already (see :attr:`LaunchConfig.spares`); where that can't be done (a
-        supervisor or torchrun gone, a machine lost) or ``full`` is asked, everything restarts.
+        Fresh rank processes start under the running torchrun and supervisors, from spares (see
+        :attr:`LaunchConfig.spares`); where that can't be (a supervisor, torchrun or machine lost) or ``full``, all restarts.
 
         With ``replay``, the cells that succeeded since the launch are re-run in order on the same
         ranks, with the values pushed between them, bringing the fresh pool back to the state
@@ -279,9 +280,8 @@ class Pool:
         targets = list(range(self.world_size))
         self._tracker.ensure_idle(targets)
         self._regroups += 1
-        # The new default group is named "0" again and counts from #1, while the ranks' recorders
-        # keep the old group's entries: start a new generation of the log, ignoring every record
-        # the ranks made so far (ranks are idle, so nothing new is recorded before the regroup).
+        # The new default group is named "0" again and counts from #1 while the ranks' recorders keep
+        # the old one's entries: a new generation of the log ignores every record made so far (idle ranks).
         self.collectives(refresh=True)
         log = self._tracker.collective_log
         with self._tracker.lock:
@@ -304,18 +304,20 @@ class Pool:
 
     # -- cells ----------------------------------------------------------------------------------
     def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None, profile: bool = False,
-               pdb: bool = False, label: int | None = None, comms: bool = False, paths: bool = False) -> CellResult:
+               pdb: bool = False, label: int | None = None, comms: bool = False, paths: bool = False,
+               source: dict[str, Any] | None = None) -> CellResult:
         """Start a cell on the ranks and return its live :class:`CellResult` at once. ``profile``
         runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`); with ``pdb``
         a rank that raises stops in the debugger at the error (:meth:`wait` answers it). ``label``
         is the notebook's In[n] for it (the magic passes it; export speaks in it). ``comms`` runs it
         under CommDebugMode (``result.comms()``). ``paths`` records which notebook lines each rank ran
-        (default on 3.12+ ranks, or DISTNB_PATHS=1): failures name the first decision that differed."""
+        (default on 3.12+ ranks, or DISTNB_PATHS=1): failures name the first decision that differed.
+        ``source`` is the notebook cell the code is ({"path", "line"}), for the debugger panel."""
         compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
-        flags = {"profile": profile, "pdb": pdb, "comms": comms, "paths": paths}
+        flags = {"profile": profile, "pdb": pdb, "comms": comms, "paths": paths, "source": source}
         return self._start(code, parse_ranks(ranks, self.world_size), events, flags, compiled=compiled, label=label)
 
-    def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, bool], record: bool = True,
+    def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, Any], record: bool = True,
                compiled: CompiledCell | None = None, label: int | None = None) -> CellResult:
         with self._tracker.lock:
             self._tracker.ensure_idle(targets)

@@ -94,6 +94,7 @@ class Tracker:
         self.liveness: Liveness | None = None
         #: ``handler(agent, msg)`` for node agents' messages (multi-node pools), under the lock.
         self.node_handler: Callable[[int, FromNode], None] | None = None
+        self.dap_handler: Callable[[int, list[dict[str, Any]]], None] | None = None  # the ranks' debugpy (services/rank_debug.py)
         self.ranks: dict[int, RankRecord] = {}
         self.notes: list[str] = []  # for start()'s on_note, taken on the caller's thread
         self._state = PoolState.NEW
@@ -343,6 +344,8 @@ class Tracker:
                     self.requests.deliver(info.rank, cast(dict[str, Any], msg))
                 elif msg["t"] == Msg.COLLECTIVES_PUSH:
                     self.collective_log.merge(info.rank, cast(dict[str, Any], msg))
+                elif msg["t"] == Msg.DAP_PUSH and self.dap_handler is not None:
+                    self.dap_handler(info.rank, msg["msgs"])
                 elif msg["t"] == Msg.SUP_HELLO:
                     self._on_sup_hello(info, msg)
                 elif msg["t"] == Msg.OUTPUT:

@@ -15,6 +15,9 @@ def load(ipython: Any) -> None:
     ipython.register_magics(DistMagics)
     ipython.register_magics(InspectMagics)
     register(ipython)
+    from distnb.magics.panel import install
+
+    install(ipython)  # JupyterLab's debugger panel reaches the ranks (a no-op outside ipykernel)
 
 
 def unload(ipython: Any) -> None:

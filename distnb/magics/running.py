@@ -17,6 +17,7 @@ from distnb.display.cell_display import CellDisplay
 from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import widgets_available
 from distnb.errors import CellFailed, NoPoolError
+from distnb.magics.panel import cell_source
 from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed
 from distnb.magics.support import parse as _parse
 from distnb.magics.support import usage_errors as _usage_errors
@@ -340,7 +341,7 @@ class DistMagics(Magics):
             with _usage_errors():
                 result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
                                      profile=args.profile, pdb=args.pdb, label=getattr(self.shell, "execution_count", None),
-                                     comms=args.comms, paths=args.paths)
+                                     comms=args.comms, paths=args.paths, source=cell_source(self.shell, pool))
         except SyntaxError as exc:  # pool.submit compiles the cell before sending anything
             import traceback
 

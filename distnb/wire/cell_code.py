@@ -22,7 +22,7 @@ import io
 import marshal
 import tokenize
 from types import CodeType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from distnb.wire.protocol import Exec, Msg
 
@@ -114,7 +114,7 @@ def unpack(blob: bytes | None) -> CompiledCell | None:
     return CompiledCell(body, last)
 
 
-def exec_request(cell: int, code: str, compiled: CompiledCell | None, flags: dict[str, bool]) -> Exec:
+def exec_request(cell: int, code: str, compiled: CompiledCell | None, flags: dict[str, Any]) -> Exec:
     """The EXEC that runs ``code`` as cell number ``cell``, with its code objects when they fit."""
     msg = Exec(t=Msg.EXEC, cell=cell, code=code)
     msg.update({k: v for k, v in flags.items() if v})  # type: ignore[typeddict-item]

@@ -24,6 +24,8 @@ from distnb.wire.peers import PeerKind
 __all__ = [
     "CellDone",
     "CollectivesPush",
+    "Dap",
+    "DapPush",
     "Display",
     "Event",
     "Exec",
@@ -86,6 +88,8 @@ class Msg:
     REPLY: Final = "reply"
     # c -> C, unasked: new Flight Recorder entries, within ~50 ms of a collective being issued
     COLLECTIVES_PUSH: Final = "collectives_push"
+    # c -> C, unasked: DAP messages (responses, events) from the rank's debugpy (worker/panel_link.py)
+    DAP_PUSH: Final = "dap_push"
     # C -> x (main thread: runs in order with cells)
     EXEC: Final = "exec"
     PUSH: Final = "push"
@@ -101,6 +105,7 @@ class Msg:
     COLLECTIVES: Final = "collectives"
     INTERRUPT: Final = "interrupt"
     WATCH: Final = "watch"  # the cell has run a while: look at its collectives until it ends (unanswered)
+    DAP: Final = "dap"  # DAP requests for the rank's debugpy (started on the first); answers come as DAP_PUSH
     # C -> s
     PING: Final = "ping"  # the controller's heartbeat (also to node agents)
     FAULT_REQUEST: Final = "fault_request"  # SIGUSR1 the rank so faulthandler dumps every thread
@@ -260,6 +265,7 @@ class Exec(TypedDict, total=False):
     pdb: bool  # an exception opens the debugger at its frame (%%on_ranks --pdb)
     paths: bool  # record which of the notebook's lines ran (%%on_ranks --paths; absent: the rank's default)
     debug_last: bool  # instead of code: the debugger at the last error's frame (%dist_debug)
+    source: dict[str, Any]  # the notebook cell this code is: {"path", "line"} (the debugger panel maps its breakpoints)
 
 
 class Request(TypedDict, total=False):
@@ -280,6 +286,22 @@ class Request(TypedDict, total=False):
     paths: bool  # STACKS: with the running cell's path record so far
     cell: int | None
     wait: float
+
+
+class Dap(TypedDict):
+    """DAP requests for the rank's in-process debugpy, relayed by its control thread (the notebook's
+    debugger panel, services/rank_debug.py); its REPLY says whether the link is up."""
+
+    t: Literal["dap"]
+    id: str
+    msgs: list[dict[str, Any]]
+    rules: list[dict[str, Any]]  # debugpy's attach ``rules``: the paths whose frames are not the user's
+
+
+class DapPush(TypedDict):
+    t: Literal["dap_push"]
+    rank: int
+    msgs: list[dict[str, Any]]  # DAP responses and events, in the order debugpy sent them
 
 
 class NodeHello(TypedDict):
@@ -326,7 +348,7 @@ class Ping(TypedDict, total=False):
 #: A rank's main thread, to the controller (a silent cell's CELL_DONE comes straight from it).
 FromExec = Hello | Ready | StartFailed | CellDone | Reply
 #: A rank's control thread: answers, and the collective entries it pushes unasked.
-FromControl = Reply | CollectivesPush
+FromControl = Reply | CollectivesPush | DapPush
 #: A rank's supervisor: the rank's output, its events (after the output before them), its exit.
 FromSupervisor = SupHello | Output | Event | RankExit | Reply
 #: A node agent on another machine.
@@ -337,7 +359,7 @@ Inbound = FromExec | FromControl | FromSupervisor | FromNode
 RankEvent = CellDone | Display | StdinRequest
 #: The controller, to a rank's main thread, its control thread, its supervisor, a node agent.
 ToExec = Exec | Request | StdinReply
-ToControl = Request | Ping
+ToControl = Request | Ping | Dap
 ToSupervisor = Request | Ping
 ToNode = NodeStart | NodeRefused | Ping
 
@@ -392,12 +414,12 @@ def accept_event(event: object) -> RankEvent:
 #: Kinds each of the ranks' connections (and a node agent) takes from the controller.
 _TO: dict[PeerKind, frozenset[str]] = {
     PeerKind.EXEC: frozenset({Msg.EXEC, Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STDIN_REPLY}),
-    PeerKind.CONTROL: frozenset({Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.INTERRUPT, Msg.WATCH}),
+    PeerKind.CONTROL: frozenset({Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.INTERRUPT, Msg.WATCH, Msg.DAP}),
     PeerKind.SUPERVISOR: frozenset({Msg.PING, Msg.FAULT_REQUEST, Msg.RESPAWN, Msg.SPARE, Msg.SHUTDOWN, Msg.INTERRUPT}),
     PeerKind.NODE: frozenset({Msg.NODE_START, Msg.NODE_REFUSED, Msg.PING, Msg.SHUTDOWN}),
 }
 #: Requests whose sender waits for a REPLY with their ``id``.
-_ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST})
+_ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST, Msg.DAP})
 
 
 @overload

@@ -133,6 +133,8 @@ class ControlThread(threading.Thread):
         self._was_running = False
         self._next_push = 0.0
         self._next_watch = 0.0
+        self._poller: zmq.Poller | None = None
+        self._panel_fd: int | None = None  # debugpy's socket, once the notebook's debugger panel asked
         self.watch_dumps = 0  # Flight Recorder reads the watch made, and their total time (benchmarks)
         self.watch_seconds = 0.0
 
@@ -140,7 +142,7 @@ class ControlThread(threading.Thread):
         # An idle rank's control thread sleeps until a request comes: no wake-ups between cells,
         # nor in a quick cell. A cell still running after WATCH_AFTER gets a WATCH from the
         # controller, and the thread looks every WATCH_INTERVAL from then until the cell ends.
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while True:
             try:
@@ -150,6 +152,8 @@ class ControlThread(threading.Thread):
                 events = dict(poller.poll(wait_ms))
                 if self.sock in events:
                     self._serve_one(recv_frames(self.sock))
+                if self._panel_fd is not None and self._panel_fd in events:
+                    self._relay_panel()
                 if self.seqs is not None and time.monotonic() >= self._next_watch:
                     self._next_watch = time.monotonic() + WATCH_INTERVAL
                     self._watch()
@@ -336,7 +340,32 @@ class ControlThread(threading.Thread):
             print(f"distnb: rank {self.rank} is still in the cell {ESCALATE_AFTER * 2:.0f} s later: it waits in something else "
                   "(%dist_stacks shows where); %dist_restart if it stays stuck.", file=sys.stderr, flush=True)
 
+    def _start_panel(self, msgs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Relay DAP requests to this rank's debugpy (started on the first): the answers come back
+        unasked, as DAP_PUSH, in the order debugpy sends them."""
+        link = self.executor.panel
+        why = link.start()
+        if why:
+            return {"error": why}
+        if link.sock is not None and self._panel_fd != link.sock.fileno() and self._poller is not None:
+            self._panel_fd = link.sock.fileno()
+            self._poller.register(self._panel_fd, zmq.POLLIN)
+        link.send(msgs)
+        return {"ok": True}
+
+    def _relay_panel(self) -> None:
+        link = self.executor.panel
+        msgs, open_ = link.read()
+        if not open_ and self._poller is not None and self._panel_fd is not None:
+            self._poller.unregister(self._panel_fd)
+            self._panel_fd = None
+            msgs.append({"type": "event", "event": "distnb_link_closed", "body": {}})
+        if msgs:
+            send_frames(self.sock, self.codec.encode({"t": Msg.DAP_PUSH, "rank": self.rank, "msgs": msgs}))
+
     def handle(self, msg: ToControl) -> dict[str, Any] | None:
+        if msg["t"] == Msg.DAP:
+            return self._start_panel(msg["msgs"])
         if msg["t"] == Msg.STACKS:
             reply = {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
             if msg.get("paths") and self.executor.paths.on:

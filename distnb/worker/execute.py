@@ -21,6 +21,7 @@ from distnb.worker.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.flight_recorder import CellClock
 from distnb.worker.group_state import group_errors, live_groups, sync_state
 from distnb.worker.memory_sampler import MemorySampler
+from distnb.worker.panel_link import PanelLink
 from distnb.worker.paths import PathRecorder
 
 __all__ = ["Executor", "mimebundle"]
@@ -89,6 +90,7 @@ class Executor:
         self.sigints = 0  # KeyboardInterrupts raised by the SIGINT handler
         self.busy = ""  # what the main thread does for distnb outside a cell ("distnb's check")
         self.debug: Hooks | None = None  # breakpoint(), input() and post-mortems answered from the notebook
+        self.panel = PanelLink()  # debugpy for the notebook's debugger panel, started when it asks
         self.last_traceback: TracebackType | None = None  # of the last cell that raised, for %dist_debug
         self.ns.setdefault("__name__", "__main__")
         self.ns["display"] = self.display
@@ -99,14 +101,17 @@ class Executor:
             self._send_display(self.cell if self.cell is not None else -1, mimebundle(obj))
 
     def run(self, cell_id: int, code: str, post_mortem: bool = False, body: Callable[[], None] | None = None,
-            compiled: CompiledCell | None = None, paths: bool = False) -> dict[str, Any]:
+            compiled: CompiledCell | None = None, paths: bool = False, source: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run ``code`` as cell ``cell_id``; with ``post_mortem``, an exception opens the debugger
         at its frame (the namespace alive) before the cell reports it. ``body`` runs instead of
         code (distnb's own work in a cell's clothes: interruptible, reported like one).
         ``compiled`` is ``code`` compiled by the notebook (see distnb.wire.cell_code); ``paths``
-        records which of the notebook's lines ran (worker/paths.py)."""
+        records which of the notebook's lines ran (worker/paths.py); ``source`` is where the code
+        stands in the notebook, for the debugger panel's breakpoints (worker/panel_link.py)."""
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        if source is not None:
+            self.panel.map_cell(filename, source, code.count("\n") + 1)
         # Keep the sources of recent cells only: a long session must not grow without bound.
         linecache.cache.pop(cell_filename(cell_id - _KEEP_SOURCES), None)
         reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}

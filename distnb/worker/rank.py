@@ -261,7 +261,7 @@ class Rank:
                 else:
                     compiled = unpack(msg.get("compiled"))
                     run = partial(self.executor.run, cell, msg["code"], bool(msg.get("pdb")), compiled=compiled,
-                                  paths=record_paths(msg.get("paths")))
+                                  paths=record_paths(msg.get("paths")), source=msg.get("source"))
                     if msg.get("comms"):
                         run = partial(run_with_comms, run)
                     reply = run_profiled(run) if msg.get("profile") else run()

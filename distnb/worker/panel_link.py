@@ -1,0 +1,142 @@
+"""The rank's end of the notebook's debugger panel: debugpy inside the rank, spoken to by the rank's
+control thread, which relays DAP between it and the notebook (services/rank_debug.py).
+
+Why in-process (``in_process_debug_adapter``): debugpy's usual adapter is a second process per rank
+that outlives the rank; pydevd itself speaks DAP. It listens on 127.0.0.1, port 0 — nothing another
+machine can reach, and the control thread connects at once (pydevd serves one client). The relay
+rides the rank's existing, authenticated control connection, so a remote rank needs no new port.
+
+Cells keep their ``<cell-N>`` file names (the call log, the path recorder and every report name
+cells so); the panel knows a cell by the file ipykernel compiled it as (its text's hash).
+:meth:`PanelLink.map_cell` tells pydevd, with a source map, that the panel's file from line L is
+``<cell-N>`` from line 1 — so gutter breakpoints land in the rank's code and frames point back at
+the notebook's cell. Breakpoints set before the map exist are applied when it comes (pydevd
+re-applies them on every new map).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+__all__ = ["PanelLink", "private_thread"]
+
+#: debugpy's attach options for a rank: its stdout stays distnb's (no output events), child
+#: processes are not followed, and only the user's code is stepped through.
+ATTACH = {"justMyCode": True, "subProcess": False, "redirectOutput": False, "showReturnValue": False}
+
+
+def private_thread(thread: threading.Thread) -> threading.Thread:
+    """Mark one of distnb's threads as pydevd marks its own: never traced, never suspended when a
+    breakpoint stops the rank (the control thread must go on answering the notebook)."""
+    thread.pydev_do_not_trace = True  # type: ignore[attr-defined]
+    thread.is_pydev_daemon_thread = True  # type: ignore[attr-defined]
+    return thread
+
+
+class PanelLink:
+    """debugpy in this rank, and the loopback socket the control thread speaks DAP over."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self._buf = b""
+        self.error = ""
+
+    def start(self) -> str:
+        """Start debugpy once (later calls reuse it); returns why it could not, or ""."""
+        if self.sock is not None:
+            return ""
+        if self.error:
+            return self.error
+        for t in threading.enumerate():
+            if t.name.startswith("distnb") or t is threading.current_thread():
+                private_thread(t)
+        # Its warning about frozen modules would reach the notebook from every rank: cells are
+        # not frozen modules, and the panel's breakpoints are in cells.
+        os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        pdb: Any = sys.modules.get("pdb")
+        saved = (sys.breakpointhook, getattr(pdb, "set_trace", None))
+        try:
+            import debugpy
+
+            try:
+                host, port = debugpy.listen(("127.0.0.1", 0), in_process_debug_adapter=True)
+            except TypeError:  # debugpy before 1.8.1: its adapter process, still on loopback
+                host, port = debugpy.listen(("127.0.0.1", 0))
+            self.sock = socket.create_connection((host, port), timeout=30)
+            self.sock.setblocking(False)
+        except Exception as exc:  # ImportError, a refused listen: said once, in every answer
+            self.error = (f"debugpy could not start in this rank ({type(exc).__name__}: {exc}); "
+                          "pip install debugpy in the ranks' environment")
+            return self.error
+        finally:
+            # breakpoint() and pdb stay distnb's console (worker/debug.py), panel or not.
+            sys.breakpointhook = saved[0]
+            if pdb is not None and saved[1] is not None:
+                pdb.set_trace = saved[1]
+        return ""
+
+    def send(self, msgs: list[dict[str, Any]]) -> None:
+        if self.sock is None:
+            raise RuntimeError("the debugger link is not started")
+        data = b""
+        for msg in msgs:
+            if msg.get("command") == "attach":
+                msg = {**msg, "arguments": {**ATTACH, **msg.get("arguments", {}), "rules": _rules()}}
+            body = json.dumps(msg).encode()
+            data += b"Content-Length: %d\r\n\r\n" % len(body) + body
+        self.sock.setblocking(True)
+        try:
+            self.sock.sendall(data)
+        finally:
+            self.sock.setblocking(False)
+
+    def read(self) -> tuple[list[dict[str, Any]], bool]:
+        """The whole messages debugpy has sent so far, and whether the link is still open."""
+        if self.sock is None:
+            return [], False
+        open_ = True
+        while True:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                open_ = False
+                self.sock.close()
+                self.sock = None
+                break
+            self._buf += chunk
+        msgs = []
+        while (end := self._buf.find(b"\r\n\r\n")) >= 0:
+            length = int(self._buf[:end].split(b":", 1)[1])
+            if len(self._buf) < end + 4 + length:
+                break
+            msg = json.loads(self._buf[end + 4 : end + 4 + length])
+            msg.pop("pydevd_cmd_id", None)
+            msgs.append(msg)
+            self._buf = self._buf[end + 4 + length :]
+        return msgs, open_
+
+    def map_cell(self, filename: str, source: dict[str, Any], lines: int) -> None:
+        """From the main thread, before cell ``filename`` runs: the panel's file ``source["path"]``
+        from line ``source["line"]`` is this cell's code from line 1."""
+        pydevd = sys.modules.get("pydevd")
+        if self.sock is None or pydevd is None or lines <= 0:
+            return
+        from _pydevd_bundle.pydevd_api import PyDevdAPI  # vendored by debugpy, importable once it runs
+
+        first = int(source["line"])
+        entry = PyDevdAPI.SourceMappingEntry(first, first + lines - 1, 1, filename)
+        PyDevdAPI().set_source_mapping(pydevd.get_global_debugger(), str(source["path"]), [entry])
+
+
+def _rules() -> list[dict[str, Any]]:
+    """distnb's own frames are not the user's: the panel never steps into them or shows them."""
+    return [{"path": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "include": False}]

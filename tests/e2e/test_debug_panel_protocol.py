@@ -1,0 +1,146 @@
+"""JupyterLab's debugger panel on ``%%on_ranks`` cells, at the protocol level: a real ipykernel with
+distnb loaded and a gloo pool, driven with the requests JupyterLab's debugger sends (the Jupyter
+debug protocol: DAP in ``debug_request`` on the control channel, events as ``debug_event`` on
+iopub). The browser test (tests/display/test_debug_panel.py) clicks the same path."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import kernels
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MARK = "DISTNB_PANEL_TEST"
+CELL = "%%on_ranks\nimport torch.distributed as dist\nx = dist.get_rank() * 10 + 7\ny = x + 1\nprint('y is', y)\n"
+#: Seconds for one DAP round trip through the kernel and the ranks: services/rank_debug.py's own
+#: bound for a rank's answer, with margin.
+ANSWER = 30.0
+
+
+class PanelKernel(kernels.Kernel):
+    """A kernel driven as JupyterLab's debugger drives it."""
+
+    def __init__(self, cwd: Path) -> None:
+        super().__init__(cwd, MARK)
+        self.seq = itertools.count(1)
+        self.iopub: list[dict[str, Any]] = []
+
+    def debug(self, command: str, **arguments: Any) -> dict[str, Any]:
+        msg = self.kc.session.msg("debug_request", {"type": "request", "seq": next(self.seq), "command": command, "arguments": arguments})
+        self.kc.control_channel.send(msg)
+        deadline = time.monotonic() + ANSWER
+        while True:
+            reply = self.kc.get_control_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return reply["content"]
+
+    def wait_iopub(self, pred: Callable[[dict[str, Any]], bool], timeout: float = ANSWER) -> dict[str, Any]:
+        """The first iopub message (seen before or now) that ``pred`` accepts; it is used up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, msg in enumerate(self.iopub):
+                if pred(msg):
+                    return self.iopub.pop(i)
+            try:
+                self.iopub.append(self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"no such iopub message within {timeout} s; seen: "
+                                     f"{[(m['msg_type'], m['content'].get('event')) for m in self.iopub]}") from None
+
+    def stopped(self) -> dict[str, Any]:
+        return self.wait_iopub(lambda m: m["msg_type"] == "debug_event" and m["content"].get("event") == "stopped")["content"]
+
+    def reply_of(self, msg_id: str, timeout: float = 120) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"]
+
+
+@pytest.fixture
+def kernel(tmp_path: Path, leak_check: None):
+    k = PanelKernel(tmp_path)
+    try:
+        k.run("%load_ext distnb\n%dist_launch -n 2 --backend gloo")
+        yield k
+    finally:
+        left = k.close()
+        assert not left, left
+
+
+def _start_panel(k: PanelKernel) -> None:
+    assert k.debug("debugInfo")["body"]["isStarted"] is False
+    init = k.debug("initialize", clientID="jupyterlab", clientName="JupyterLab", adapterID="python", pathFormat="path",
+                   linesStartAt1=True, columnsStartAt1=True, supportsVariableType=True, supportsVariablePaging=True,
+                   supportsRunInTerminalRequest=False, locale="en")
+    assert init["success"], init
+    assert k.debug("attach")["success"]
+    k.debug("configurationDone")
+
+
+def _variable(k: PanelKernel, frame: dict[str, Any], name: str) -> str:
+    scopes = k.debug("scopes", frameId=frame["id"])
+    assert scopes["success"], scopes
+    ref = scopes["body"]["scopes"][0]["variablesReference"]
+    found = {v["name"]: v["value"] for v in k.debug("variables", variablesReference=ref)["body"]["variables"]}
+    return found[name]
+
+
+def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_continues_each(kernel: PanelKernel) -> None:
+    k = kernel
+    _start_panel(k)
+    path = k.debug("dumpCell", code=CELL)["body"]["sourcePath"]
+    bp = k.debug("setBreakpoints", source={"path": path}, breakpoints=[{"line": 4}], sourceModified=False)
+    assert bp["success"] and bp["body"]["breakpoints"][0]["line"] == 4, bp
+    msg_id = k.kc.execute(CELL)
+
+    first, second = k.stopped(), k.stopped()  # one event per rank
+    assert {first["body"]["description"], second["body"]["description"]} == {"rank 0 breakpoint", "rank 1 breakpoint"}
+    assert len([t for t in k.debug("debugInfo")["body"]["stoppedThreads"] if t >= 1_000_000_000]) == 2
+    names = [t["name"] for t in k.debug("threads")["body"]["threads"]]
+    assert "rank 0 · MainThread" in names and "rank 1 · MainThread" in names, names
+    assert not [n for n in names if n.startswith("distnb")], names  # the kernel's distnb threads stay hidden
+
+    frames = k.debug("stackTrace", threadId=first["body"]["threadId"])["body"]["stackFrames"]
+    by_rank = {f["name"].split(" · ")[0]: f for f in frames}
+    assert set(by_rank) == {"rank 0", "rank 1"}, [f["name"] for f in frames]
+    for frame in by_rank.values():
+        assert frame["source"]["path"] == path and frame["line"] == 4, frame  # the cell itself, the clicked line
+        assert frame["name"].endswith("· MainThread · <module>"), frame
+    assert _variable(k, by_rank["rank 0"], "x") == "7"
+    assert _variable(k, by_rank["rank 1"], "x") == "17"  # selected last: continue acts on rank 1
+
+    assert k.debug("continue", threadId=first["body"]["threadId"])["success"]
+    again = k.stopped()  # the panel is told which rank is still paused
+    assert "rank 0" in again["body"].get("description", ""), again
+    frames = k.debug("stackTrace", threadId=again["body"]["threadId"])["body"]["stackFrames"]
+    assert [f["name"].split(" · ")[0] for f in frames] == ["rank 0"], frames
+    assert k.debug("continue", threadId=again["body"]["threadId"])["success"]
+    k.wait_iopub(lambda m: m["msg_type"] == "debug_event" and m["content"].get("event") == "continued")
+    assert k.reply_of(msg_id)["status"] == "ok"
+    out = k.run("print(_dist.text())")  # what the cell's view shows, as text
+    assert "y is 8" in out and "y is 18" in out, out
+
+    # A plain cell keeps the kernel's own debugger.
+    plain = "a = 41\nb = a + 1\n"
+    plain_path = k.debug("dumpCell", code=plain)["body"]["sourcePath"]
+    assert k.debug("setBreakpoints", source={"path": plain_path}, breakpoints=[{"line": 2}], sourceModified=False)["success"]
+    plain_id = k.kc.execute(plain)
+    stop = k.stopped()
+    assert stop["body"]["threadId"] < 1_000_000_000, stop
+    top = k.debug("stackTrace", threadId=stop["body"]["threadId"])["body"]["stackFrames"][0]
+    assert top["source"]["path"] == plain_path and top["line"] == 2 and not top["name"].startswith("rank"), top
+    assert k.debug("continue", threadId=stop["body"]["threadId"])["success"]
+    assert k.reply_of(plain_id)["status"] == "ok"
+
+    # Turning the debugger off leaves no rank stopped at the breakpoints it set.
+    k.debug("disconnect", restart=False, terminateDebuggee=True)
+    again_id = k.kc.execute(CELL)
+    assert k.reply_of(again_id, timeout=ANSWER + 60)["status"] == "ok"
