@@ -257,7 +257,9 @@ def _paused(paused: list[Position], waiting: list[Position], positions: list[Pos
     if waiting:
         summary += (f"; {format_ranks([p.rank for p in waiting])} {_waits(waiting)} for {'it' if one else 'them'} "
                     f"in {waiting[0].collective()}")
-    return Diagnosis("paused", summary + " — not a hang: answer the prompt (c continues), or interrupt the cell.", positions)
+    act = "continue in the debugger panel" if all(p.detail.startswith("paused in the debugger panel") for p in paused) else \
+        "answer the prompt (c continues)"
+    return Diagnosis("paused", summary + f" — not a hang: {act}, or interrupt the cell.", positions)
 
 
 def victim(dead: Position, log: CollectiveReport | None) -> tuple[str, list[int]] | None:

@@ -138,7 +138,7 @@ def position_from_stack(stack: RankStack, cell: int | None = None) -> Position:
 def position_paused(rank: int, paused: dict[str, Any], cell: int | None) -> Position:
     """A rank waiting for the notebook's line: pdb's next command, or ``input()``."""
     w = paused.get("where") or {}
-    doing = "paused in the debugger" if paused.get("kind") == "pdb" else "waiting for input()"
+    doing = {"pdb": "paused in the debugger", "panel": "paused in the debugger panel"}.get(paused.get("kind", ""), "waiting for input()")
     if w and w.get("cell") is None:  # stepped into library code
         doing += f" in {w.get('func')}() ({w.get('file')}:{w.get('line')})"
     return Position(rank, "paused", detail=doing, since=paused.get("since"), line=w.get("line") if w.get("cell") is not None else None,

@@ -104,7 +104,8 @@ class Diagnostics:
                 threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]]
                 rs = RankStack(r, state, "control thread", threads, paused=replies[r].get("paused"))
                 if rs.paused:
-                    rs.annotation = "paused in the debugger" if rs.paused["kind"] == "pdb" else "waiting for a line for input()"
+                    rs.annotation = {"pdb": "paused in the debugger", "panel": "paused in the debugger panel"}.get(
+                        rs.paused["kind"], "waiting for a line for input()")
             elif dumps.get(r, {}).get("text"):
                 threads = parse_faulthandler(dumps[r]["text"], sources, info.main_ident)
                 if not all_threads:

@@ -254,7 +254,7 @@ class ControlThread(threading.Thread):
     def status(self) -> dict[str, Any]:
         ex = self.executor
         cell = ex.cell
-        paused = ex.debug.prompter.paused if ex.debug is not None else None
+        paused = (ex.debug.prompter.paused if ex.debug is not None else None) or ex.panel.paused()
         return {
             "state": "running" if cell is not None else "busy" if ex.busy else self.state,
             "busy": ex.busy,

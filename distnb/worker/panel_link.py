@@ -16,11 +16,14 @@ re-applies them on every new map).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import linecache
 import os
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 __all__ = ["PanelLink", "private_thread"]
@@ -45,6 +48,7 @@ class PanelLink:
         self.sock: socket.socket | None = None
         self._buf = b""
         self.error = ""
+        self.stopped: dict[int, float] = {}  # debugpy's ids of the threads it stopped → since (monotonic)
 
     def start(self) -> str:
         """Start debugpy once (later calls reuse it); returns why it could not, or ""."""
@@ -68,6 +72,7 @@ class PanelLink:
             except TypeError:  # debugpy before 1.8.1: its adapter process, still on loopback
                 host, port = debugpy.listen(("127.0.0.1", 0))
             self.sock = socket.create_connection((host, port), timeout=30)
+            _stop_listening(self.sock)
             self.sock.setblocking(False)
         except Exception as exc:  # ImportError, a refused listen: said once, in every answer
             self.error = (f"debugpy could not start in this rank ({type(exc).__name__}: {exc}); "
@@ -121,8 +126,34 @@ class PanelLink:
             msg = json.loads(self._buf[end + 4 : end + 4 + length])
             msg.pop("pydevd_cmd_id", None)
             msgs.append(msg)
+            self._track(msg)
             self._buf = self._buf[end + 4 + length :]
         return msgs, open_
+
+    def _track(self, msg: dict[str, Any]) -> None:
+        body = msg.get("body") or {}
+        if msg.get("event") == "stopped":
+            self.stopped.setdefault(body.get("threadId", 0), time.monotonic())
+        elif msg.get("event") == "continued":
+            if body.get("allThreadsContinued"):
+                self.stopped.clear()
+            self.stopped.pop(body.get("threadId", 0), None)
+
+    def paused(self) -> dict[str, Any] | None:
+        """Like the pdb console's pause (worker/debug.py): {kind, where, since} while debugpy holds
+        the rank stopped — a rank paused in the panel is not hung, nor are those waiting for it."""
+        if not self.stopped:
+            return None
+        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        while frame is not None and not frame.f_code.co_filename.startswith("<cell-"):
+            frame = frame.f_back
+        where: dict[str, Any] = {}
+        if frame is not None:
+            name = frame.f_code.co_filename
+            code = linecache.getline(name, frame.f_lineno).strip()
+            where = {"file": name, "line": frame.f_lineno, "func": frame.f_code.co_name, "code": code,
+                     "cell": int(name[6:-1]) if name[6:-1].isdigit() else None}
+        return {"kind": "panel", "where": where, "since": min(self.stopped.values())}
 
     def map_cell(self, filename: str, source: dict[str, Any], lines: int) -> None:
         """From the main thread, before cell ``filename`` runs: the panel's file ``source["path"]``
@@ -135,6 +166,22 @@ class PanelLink:
         first = int(source["line"])
         entry = PyDevdAPI.SourceMappingEntry(first, first + lines - 1, 1, filename)
         PyDevdAPI().set_source_mapping(pydevd.get_global_debugger(), str(source["path"]), [entry])
+
+
+def _stop_listening(mine: socket.socket) -> None:
+    """Once pydevd serves this connection, close its listening socket: it would take any later
+    connection from this machine (another user's too) in place of ours."""
+    py_db = sys.modules["pydevd"].get_global_debugger()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        served = getattr(getattr(py_db, "reader", None), "sock", None)
+        with contextlib.suppress(OSError):
+            if served is not None and served.getpeername() == mine.getsockname():
+                break
+        time.sleep(0.01)
+    waiter = getattr(py_db, "_waiting_for_connection_thread", None)
+    if waiter is not None:
+        waiter.do_kill_pydev_thread()
 
 
 def _rules() -> list[dict[str, Any]]:

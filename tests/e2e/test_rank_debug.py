@@ -1,0 +1,101 @@
+"""The ranks' debugpy behind :class:`distnb.services.rank_debug.RankDebug` (what the debugger panel
+drives), through the Python API: ranks on two nodes (one started by a node agent, as on another
+machine), a breakpoint one rank reaches while the other waits for it in a collective, the pool's
+diagnosis while it is paused, and the listening socket debugpy opened closed again."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import distnb
+import pytest
+from conftest import wait_until
+
+from distnb.services.rank_debug import ANSWER_TIMEOUT, ATTACH_TIMEOUT
+
+pytestmark = pytest.mark.timeout(240)
+
+#: The panel's file for a made-up cell (ipykernel's hash path); the body starts at its line 2.
+PATH = "/tmp/ipykernel_0/4242.py"
+BODY = ("import torch, torch.distributed as dist\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "if dist.get_rank() == 0:\n"
+        "    mark = 'rank 0 was here'\n"
+        "dist.all_reduce(t)\n"
+        "total = t.item()\n")
+
+
+@pytest.fixture
+def two_node_pool(fresh_pool: Callable[..., distnb.Pool]) -> distnb.Pool:
+    # A fresh pool: debugpy, once started in a rank, stays there for the rank's life.
+    return fresh_pool(nproc=1, nnodes=2, local_nodes=True, spares=False)
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports process ``pid`` listens on (from /proc: its sockets' inodes in the LISTEN state)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_node_pool: distnb.Pool) -> None:
+    pool = two_node_pool
+    events: list[dict[str, Any]] = []
+    pool.panel.on_event = events.append
+    before = {s.rank: _listening_ports(s.pid) for s in pool.status().ranks if s.pid}
+    assert pool.panel.attach({PATH: [{"line": 5}]}) == ""
+    assert pool.panel.attached == [0, 1]
+    after = {s.rank: _listening_ports(s.pid) for s in pool.status().ranks if s.pid}
+    assert after == before, f"debugpy left a listening socket in a rank: {before} → {after}"
+
+    result = pool.submit(BODY, source={"path": PATH, "line": 2})
+    wait_until(lambda: pool.panel.paused().keys() == {0}, ATTACH_TIMEOUT, "rank 0 to stop at the panel's breakpoint")
+    assert [e["body"]["description"] for e in events if e["event"] == "stopped"] == ["rank 0 breakpoint"]
+
+    frames = pool.panel.stack()
+    assert [(f["name"], f["line"], f["source"]["path"]) for f in frames] == [("rank 0 · MainThread · <module>", 5, PATH)]
+
+    # Rank 1 reaches the all_reduce and waits there for rank 0, which the panel holds.
+    def diagnosis() -> distnb.Diagnosis:
+        return pool.diagnose(result, hang_after=0.0)
+
+    wait_until(lambda: "waits for it" in diagnosis().text(), ANSWER_TIMEOUT * 3, "rank 1 to wait in the all_reduce")
+    diag = diagnosis()
+    assert diag.kind == "paused", diag.text()
+    assert "rank 0 is paused in the debugger panel" in diag.text() and "rank 1 waits for it in all_reduce" in diag.text(), diag.text()
+    assert "continue in the debugger panel" in diag.text()
+
+    scopes = pool.panel.forward(0, {"seq": 1, "command": "scopes", "arguments": {"frameId": frames[0]["id"]}})
+    ref = scopes["body"]["scopes"][0]["variablesReference"]
+    names = {v["name"]: v["value"] for v in pool.panel.forward(0, {"seq": 2, "command": "variables",
+                                                                    "arguments": {"variablesReference": ref}})["body"]["variables"]}
+    assert names["t"].startswith("tensor([1.])"), names
+
+    assert pool.panel.step("next")["success"]  # one line: the panel's "next" on the selected rank
+    wait_until(lambda: pool.panel.paused().keys() == {0}, ANSWER_TIMEOUT, "rank 0 to stop after one step")
+    assert pool.panel.stack()[0]["line"] == 6
+    assert pool.panel.step("continue")["success"]
+    done = pool.wait(result, timeout=ANSWER_TIMEOUT * 3)
+    assert done.ok, done.text()
+    assert pool.pull("total") == {0: 3.0, 1: 3.0}
+    assert events[-1]["event"] == "continued"
+
+    # The panel turned off: no breakpoint left, the cell runs through.
+    pool.panel.detach()
+    again = pool.wait(pool.submit(BODY, source={"path": PATH, "line": 2}), timeout=ANSWER_TIMEOUT * 3)
+    assert again.ok and not pool.panel.paused(), again.text()
