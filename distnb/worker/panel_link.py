@@ -33,6 +33,10 @@ __all__ = ["PanelLink", "private_thread"]
 ATTACH = {"justMyCode": True, "subProcess": False, "redirectOutput": False, "showReturnValue": False}
 
 
+#: Cells whose place in the panel's files a rank remembers (a map is a few dozen bytes).
+MAPS_KEPT = 2000
+
+
 def private_thread(thread: threading.Thread) -> threading.Thread:
     """Mark one of distnb's threads as pydevd marks its own: never traced, never suspended when a
     breakpoint stops the rank (the control thread must go on answering the notebook)."""
@@ -49,6 +53,9 @@ class PanelLink:
         self._buf = b""
         self.error = ""
         self.stopped: dict[int, float] = {}  # debugpy's ids of the threads it stopped → since (monotonic)
+        # The panel's file → (cell file, its first line there, lines): kept before debugpy starts too,
+        # so a function defined in a cell run before the panel was turned on takes its breakpoints.
+        self._maps: dict[str, tuple[str, int, int]] = {}
 
     def start(self) -> str:
         """Start debugpy once (later calls reuse it); returns why it could not, or ""."""
@@ -74,6 +81,8 @@ class PanelLink:
             self.sock = socket.create_connection((host, port), timeout=30)
             _stop_listening(self.sock)
             self.sock.setblocking(False)
+            for path, (filename, first, lines) in self._maps.items():
+                self._apply(path, filename, first, lines)
         except Exception as exc:  # ImportError, a refused listen: said once, in every answer
             self.error = (f"debugpy could not start in this rank ({type(exc).__name__}: {exc}); "
                           "pip install debugpy in the ranks' environment")
@@ -158,14 +167,23 @@ class PanelLink:
     def map_cell(self, filename: str, source: dict[str, Any], lines: int) -> None:
         """From the main thread, before cell ``filename`` runs: the panel's file ``source["path"]``
         from line ``source["line"]`` is this cell's code from line 1."""
+        path, first = str(source["path"]), int(source["line"])
+        self._maps.pop(path, None)  # re-inserted last: the oldest go first
+        self._maps[path] = (filename, first, lines)
+        while len(self._maps) > MAPS_KEPT:
+            del self._maps[next(iter(self._maps))]
+        if self.sock is not None:
+            self._apply(path, filename, first, lines)
+
+    @staticmethod
+    def _apply(path: str, filename: str, first: int, lines: int) -> None:
         pydevd = sys.modules.get("pydevd")
-        if self.sock is None or pydevd is None or lines <= 0:
+        if pydevd is None or lines <= 0:
             return
         from _pydevd_bundle.pydevd_api import PyDevdAPI  # vendored by debugpy, importable once it runs
 
-        first = int(source["line"])
         entry = PyDevdAPI.SourceMappingEntry(first, first + lines - 1, 1, filename)
-        PyDevdAPI().set_source_mapping(pydevd.get_global_debugger(), str(source["path"]), [entry])
+        PyDevdAPI().set_source_mapping(pydevd.get_global_debugger(), path, [entry])
 
 
 def _stop_listening(mine: socket.socket) -> None:

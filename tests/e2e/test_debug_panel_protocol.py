@@ -18,6 +18,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MARK = "DISTNB_PANEL_TEST"
 CELL = "%%on_ranks\nimport torch.distributed as dist\nx = dist.get_rank() * 10 + 7\ny = x + 1\nprint('y is', y)\n"
+#: Run before the panel is turned on; its function is called later, under a breakpoint in its body.
+EARLIER = "%%on_ranks\ndef scaled(v):\n    w = v * 2\n    return w\n"
+LATER = "%%on_ranks\nz = scaled(x)\nprint('z is', z)\n"
 #: Seconds for one DAP round trip through the kernel and the ranks: services/rank_debug.py's own
 #: bound for a rank's answer, with margin.
 ANSWER = 30.0
@@ -53,8 +56,18 @@ class PanelKernel(kernels.Kernel):
                 raise AssertionError(f"no such iopub message within {timeout} s; seen: "
                                      f"{[(m['msg_type'], m['content'].get('event')) for m in self.iopub]}") from None
 
-    def stopped(self) -> dict[str, Any]:
-        return self.wait_iopub(lambda m: m["msg_type"] == "debug_event" and m["content"].get("event") == "stopped")["content"]
+    def stopped(self, why: str | None = None) -> dict[str, Any]:
+        """The next ``stopped`` event (with ``why``: whose description is that, e.g. "rank 1 breakpoint";
+        "kernel": the kernel's own thread), older ones included."""
+        def wanted(m: dict[str, Any]) -> bool:
+            event = m["content"]
+            if m["msg_type"] != "debug_event" or event.get("event") != "stopped":
+                return False
+            if why == "kernel":
+                return bool(event["body"]["threadId"] < 1_000_000_000)
+            return why is None or event["body"].get("description") == why
+
+        return self.wait_iopub(wanted)["content"]
 
     def reply_of(self, msg_id: str, timeout: float = 120) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -69,6 +82,7 @@ def kernel(tmp_path: Path, leak_check: None):
     k = PanelKernel(tmp_path)
     try:
         k.run("%load_ext distnb\n%dist_launch -n 2 --backend gloo")
+        k.run(EARLIER)
         yield k
     finally:
         left = k.close()
@@ -128,19 +142,61 @@ def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_co
     out = k.run("print(_dist.text())")  # what the cell's view shows, as text
     assert "y is 8" in out and "y is 18" in out, out
 
+    # A breakpoint in a function defined in a cell that ran before the panel was turned on.
+    earlier = k.debug("dumpCell", code=EARLIER)["body"]["sourcePath"]
+    assert k.debug("setBreakpoints", source={"path": earlier}, breakpoints=[{"line": 3}], sourceModified=False)["success"]
+    later_id = k.kc.execute(LATER)
+    k.stopped("rank 0 breakpoint"), k.stopped("rank 1 breakpoint")
+    frames = k.debug("stackTrace", threadId=first["body"]["threadId"])["body"]["stackFrames"]
+    assert [(f["name"], f["source"]["path"], f["line"]) for f in frames] == [
+        ("rank 0 · MainThread · scaled", earlier, 3), ("rank 0 · MainThread · <module>", k.debug("dumpCell", code=LATER)["body"]["sourcePath"], 2),
+        ("rank 1 · MainThread · scaled", earlier, 3), ("rank 1 · MainThread · <module>", frames[3]["source"]["path"], 2)], frames
+    assert _variable(k, frames[2], "v") == "17"
+    _continue_all(k, first["body"]["threadId"])
+    assert k.reply_of(later_id)["status"] == "ok"
+    assert k.debug("setBreakpoints", source={"path": earlier}, breakpoints=[], sourceModified=False)["success"]
+
     # A plain cell keeps the kernel's own debugger.
     plain = "a = 41\nb = a + 1\n"
     plain_path = k.debug("dumpCell", code=plain)["body"]["sourcePath"]
     assert k.debug("setBreakpoints", source={"path": plain_path}, breakpoints=[{"line": 2}], sourceModified=False)["success"]
     plain_id = k.kc.execute(plain)
-    stop = k.stopped()
+    stop = k.stopped("kernel")
     assert stop["body"]["threadId"] < 1_000_000_000, stop
     top = k.debug("stackTrace", threadId=stop["body"]["threadId"])["body"]["stackFrames"][0]
     assert top["source"]["path"] == plain_path and top["line"] == 2 and not top["name"].startswith("rank"), top
     assert k.debug("continue", threadId=stop["body"]["threadId"])["success"]
     assert k.reply_of(plain_id)["status"] == "ok"
 
-    # Turning the debugger off leaves no rank stopped at the breakpoints it set.
-    k.debug("disconnect", restart=False, terminateDebuggee=True)
+    # Fresh rank processes (a restart) are attached at the next %%on_ranks cell, breakpoints and all.
+    k.run("%dist_restart")
+    fresh_id = k.kc.execute(CELL)
+    stop = k.stopped("rank 0 breakpoint")
+    k.stopped("rank 1 breakpoint")
+    frames = k.debug("stackTrace", threadId=stop["body"]["threadId"])["body"]["stackFrames"]
+    assert [f["name"] for f in frames] == ["rank 0 · MainThread · <module>", "rank 1 · MainThread · <module>"], frames
+    _continue_all(k, stop["body"]["threadId"])
+    assert k.reply_of(fresh_id)["status"] == "ok"
+
+    # Turning the debugger off (as JupyterLab does) leaves no rank stopped at the breakpoints it set;
+    # turned on again, the ranks' debuggers serve it as before.
+    k.debug("disconnect", restart=False, terminateDebuggee=False)
     again_id = k.kc.execute(CELL)
     assert k.reply_of(again_id, timeout=ANSWER + 60)["status"] == "ok"
+    _start_panel(k)
+    assert k.debug("setBreakpoints", source={"path": path}, breakpoints=[{"line": 5}], sourceModified=False)["success"]
+    last_id = k.kc.execute(CELL)
+    stop = k.stopped("rank 0 breakpoint")
+    k.stopped("rank 1 breakpoint")
+    assert {f["line"] for f in k.debug("stackTrace", threadId=stop["body"]["threadId"])["body"]["stackFrames"]} == {5}
+    _continue_all(k, stop["body"]["threadId"])
+    assert k.reply_of(last_id)["status"] == "ok"
+
+
+def _continue_all(k: PanelKernel, thread: int) -> None:
+    """Continue until no rank is paused (each continue acts on one rank)."""
+    deadline = time.monotonic() + ANSWER
+    while [t for t in k.debug("debugInfo")["body"]["stoppedThreads"] if t >= 1_000_000_000]:
+        assert time.monotonic() < deadline, "ranks stayed paused"
+        assert k.debug("continue", threadId=thread)["success"]
+        time.sleep(0.2)
