@@ -87,7 +87,8 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     assert names["t"].startswith("tensor([1.])"), names
 
     assert pool.panel.step("next")["success"]  # one line: the panel's "next" on the selected rank
-    wait_until(lambda: pool.panel.paused().keys() == {0}, ANSWER_TIMEOUT, "rank 0 to stop after one step")
+    wait_until(lambda: events[-1]["event"] == "stopped" and events[-1]["body"]["reason"] == "step", ANSWER_TIMEOUT,
+               "rank 0 to stop after one step")
     assert pool.panel.stack()[0]["line"] == 6
     assert pool.panel.step("continue")["success"]
     done = pool.wait(result, timeout=ANSWER_TIMEOUT * 3)
