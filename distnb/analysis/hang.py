@@ -250,15 +250,13 @@ def _paired(positions: list[Position], log: CollectiveReport) -> Diagnosis | Non
 
 def _paused(paused: list[Position], waiting: list[Position], positions: list[Position]) -> Diagnosis:
     """Ranks waiting for the notebook (pdb, input()) are not hung, and neither are those waiting for them."""
-    first = paused[0]
-    one = len(paused) == 1
+    first, one = paused[0], len(paused) == 1
     at = first.at() if all(p.at() == first.at() for p in paused) else ""
     summary = f"{format_ranks([p.rank for p in paused])} {'is' if one else 'are'} {first.detail}{at}"
     if waiting:
         summary += (f"; {format_ranks([p.rank for p in waiting])} {_waits(waiting)} for {'it' if one else 'them'} "
                     f"in {waiting[0].collective()}")
-    act = "continue in the debugger panel" if all(p.detail.startswith("paused in the debugger panel") for p in paused) else \
-        "answer the prompt (c continues)"
+    act = "continue in the debugger panel" if "panel" in first.detail else "answer the prompt (c continues)"
     return Diagnosis("paused", summary + f" — not a hang: {act}, or interrupt the cell.", positions)
 
 
