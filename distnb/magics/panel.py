@@ -72,7 +72,7 @@ def cell_source(shell: Any, pool: Any) -> dict[str, Any] | None:
     path = get_file_name(raw)
     if getattr(debugger, "is_started", False):
         _hide_threads()
-        problems = pool.panel.attach(_breakpoints(debugger))
+        problems = pool.panel.attach(_breakpoints(debugger), getattr(debugger, "_distnb_exceptions", None))
         if problems:
             print(f"[distnb] the debugger panel cannot reach every rank: {problems}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -107,6 +107,8 @@ def _panel(debugger: Any) -> Any:
 async def _route(debugger: Any, original: Any, message: dict[str, Any]) -> dict[str, Any]:
     command = message.get("command", "")
     args = message.get("arguments") or {}
+    if command == "setExceptionBreakpoints":
+        debugger._distnb_exceptions = dict(args)  # for the ranks of a pool started later
     panel = _panel(debugger)
     if panel is not None:
         key = _BY_FRAME.get(command)
@@ -131,12 +133,14 @@ async def _route(debugger: Any, original: Any, message: dict[str, Any]) -> dict[
     body = reply.get("body")
     if command == "attach" and reply.get("success"):
         _hide_threads()
-        problems = await asyncio.to_thread(panel.attach, _breakpoints(debugger))
+        problems = await asyncio.to_thread(panel.attach, _breakpoints(debugger), getattr(debugger, "_distnb_exceptions", None))
         if problems:
             debugger.event_callback({"type": "event", "event": "output", "body": {
                 "category": "console", "output": f"distnb: the debugger panel cannot reach every rank: {problems}\n"}})
     elif command == "setBreakpoints" and panel.attached:
         await asyncio.to_thread(panel.set_breakpoints, args.get("source", {}).get("path", ""), args.get("breakpoints", []))
+    elif command == "setExceptionBreakpoints":
+        await asyncio.to_thread(panel.set_exception_breakpoints, args)
     elif command == "disconnect":
         await asyncio.to_thread(panel.detach)
     elif command == "threads" and isinstance(body, dict):

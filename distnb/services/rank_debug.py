@@ -85,6 +85,7 @@ class RankDebug:
         self._ids = _Ids()
         self._ranks: dict[int, _Rank] = {}
         self._breakpoints: dict[str, list[dict[str, Any]]] = {}  # the panel's file → its breakpoints
+        self._exceptions: dict[str, Any] | None = None  # the panel's "pause on exceptions" (setExceptionBreakpoints' arguments)
         self._cond = threading.Condition()
         self.selected: int | None = None
         #: Called with each event for the panel (ids already the panel's), from the pool's I/O thread.
@@ -95,12 +96,15 @@ class RankDebug:
     def attached(self) -> list[int]:
         return sorted(self._ranks)
 
-    def attach(self, breakpoints: dict[str, list[dict[str, Any]]] | None = None, timeout: float = ATTACH_TIMEOUT) -> str:
+    def attach(self, breakpoints: dict[str, list[dict[str, Any]]] | None = None, exceptions: dict[str, Any] | None = None,
+               timeout: float = ATTACH_TIMEOUT) -> str:
         """Start debugpy in every live rank not yet attached, and give it the panel's breakpoints
-        (``breakpoints``: the panel's, by file, when they are known). Returns what went wrong, in
-        words ("" when every rank is attached)."""
+        (``breakpoints``: the panel's, by file, and ``exceptions``, its "pause on exceptions", when
+        they are known). Returns what went wrong, in words ("" when every rank is attached)."""
         if breakpoints is not None:
             self._breakpoints = {path: [dict(b) for b in points] for path, points in breakpoints.items() if points}
+        if exceptions is not None:
+            self._exceptions = dict(exceptions)
         live = {s.rank: s.pid for s in self._statuses() if s.state is not RankState.DEAD and s.pid is not None}
         for rank in [r for r, link in self._ranks.items() if live.get(r, -1) != link.pid]:
             self._drop(rank)  # a restarted or dead rank: its debugpy is gone
@@ -129,6 +133,8 @@ class RankDebug:
                 self._drop(r)
         for path, points in self._breakpoints.items():
             self._each([r for r in attached if r in self._ranks], "setBreakpoints", {"source": {"path": path}, "breakpoints": points})
+        if self._exceptions is not None:
+            self._each([r for r in attached if r in self._ranks], "setExceptionBreakpoints", self._exceptions)
         return "; ".join(problems)
 
     def detach(self) -> None:
@@ -137,6 +143,9 @@ class RankDebug:
         paths, self._breakpoints = list(self._breakpoints), {}
         for path in paths:
             self._each(self.attached, "setBreakpoints", {"source": {"path": path}, "breakpoints": []})
+        if self._exceptions is not None:
+            self._exceptions = None
+            self._each(self.attached, "setExceptionBreakpoints", {"filters": []})
         for r in self.attached:
             for tid in list(self._ranks[r].paused):
                 self.request(r, "continue", {"threadId": tid})
@@ -157,6 +166,12 @@ class RankDebug:
         else:
             self._breakpoints.pop(path, None)
         self._each(self.attached, "setBreakpoints", {"source": {"path": path}, "breakpoints": breakpoints})
+
+    def set_exception_breakpoints(self, arguments: dict[str, Any]) -> None:
+        """The panel's "pause on exceptions" filters, for every rank now and later (a rank's error
+        in a cell is "user uncaught": distnb's frames, which catch it, are not the user's)."""
+        self._exceptions = dict(arguments)
+        self._each(self.attached, "setExceptionBreakpoints", self._exceptions)
 
     def paused(self) -> dict[int, list[int]]:
         """The paused ranks and the panel's ids of their stopped threads."""

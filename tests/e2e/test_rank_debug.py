@@ -100,3 +100,15 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     pool.panel.detach()
     again = pool.wait(pool.submit(BODY, source={"path": PATH, "line": 2}), timeout=ANSWER_TIMEOUT * 3)
     assert again.ok and not pool.panel.paused(), again.text()
+
+    # "Pause on exceptions": the rank whose cell raises stops at the raise, in the cell.
+    pool.panel.set_exception_breakpoints({"filters": ["userUnhandled"]})
+    raising = pool.submit("import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('odd rank')\n",
+                          source={"path": "/tmp/ipykernel_0/77.py", "line": 2})
+    wait_until(lambda: pool.panel.paused().keys() == {1}, ATTACH_TIMEOUT, "rank 1 to stop at its exception")
+    assert events[-1]["body"]["reason"] == "exception", events[-1]
+    [frame] = pool.panel.stack()
+    assert frame["name"].startswith("rank 1 · MainThread · <module>") and frame["line"] == 4, frame  # (pydevd adds "(Current frame)")
+    assert pool.panel.step("continue")["success"]
+    failed = pool.wait(raising, timeout=ANSWER_TIMEOUT * 3)
+    assert failed.failed == [1] and "ValueError: odd rank" in failed.text(), failed.text()
