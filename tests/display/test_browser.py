@@ -9,50 +9,13 @@ changes the checkout.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
-from conftest import cmdline, kill_pids, marked_processes, wait_gone
+from lab_harness import BROWSER_MARKS, ROOT, jupyter_server, launch_chromium, playwright_api, run_all, shots_dir
 
-ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
-DOC_SHOTS = ROOT / "docs" / "screenshots"
-# Set in the server's environment only: the server, its kernel and the pool that kernel starts
-# inherit it, so teardown can find exactly the processes a server fixture started.
-MARK = "DISTNB_BROWSER_TEST"
-
-# CI sets DISTNB_REQUIRE_BROWSER=1: there a missing browser is a failed install step, not a skip.
-REQUIRED = os.environ.get("DISTNB_REQUIRE_BROWSER") == "1"
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(420),
-    pytest.mark.skipif(not REQUIRED and not os.path.exists(CHROMIUM), reason="needs Debian's chromium (apt-get install chromium)"),
-]
-
-
-def playwright_api():
-    if REQUIRED:
-        import playwright.sync_api as api  # an ImportError here fails the test: CI installs it
-
-        assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing; .ci/run installs Debian's chromium"
-        return api
-    return pytest.importorskip("playwright.sync_api")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = BROWSER_MARKS
 
 
 def debugger_notebook(path: Path) -> None:
@@ -70,72 +33,15 @@ def debugger_notebook(path: Path) -> None:
     nbformat.write(nb, str(path))
 
 
-def jupyter_server(app: str, tmp_path_factory: pytest.TempPathFactory):
-    """Start ``jupyter lab`` or ``jupyter notebook`` (Notebook 7: the same jupyter_server flags) on
-    127.0.0.1 with private config/runtime/settings dirs and no token; yield its URL; stop it and
-    everything it started."""
-    home = tmp_path_factory.mktemp(app)
-    served = tmp_path_factory.mktemp("served")
-    # Serve a copy: the frontend's autosave must never write outputs into the repository's notebook.
+def serve_quickstart(served: Path) -> None:
     shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", served / "quickstart.ipynb")
     debugger_notebook(served / "debugger.ipynb")
-    port = free_port()
-    mark = uuid.uuid4().hex
-    env = {
-        **os.environ,
-        MARK: mark,
-        "JUPYTER_CONFIG_DIR": str(home / "config"),
-        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-        "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
-        "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
-    }
-    cmd = [
-        sys.executable, "-m", "jupyter", app, "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-        "--IdentityProvider.token=", "--ServerApp.password=", f"--ServerApp.root_dir={served}",
-        "--ServerApp.disable_check_xsrf=True",
-    ]
-    if app == "lab":
-        cmd += ["--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
-    log_path = home / f"{app}.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"jupyter {app} did not start:\n{log_path.read_text()[-3000:]}") from None
-                time.sleep(0.3)
-        yield url
-    finally:
-        # Stop the server by its process session, which we created; on SIGTERM it shuts down its kernels.
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(5)
-        log.close()
-        # The kernel runs in a session of its own and the pool in others: find them by the mark.
-        # The quickstart ends with %dist_shutdown, so nothing of the pool may be left by now.
-        survivors = wait_gone(marked_processes(MARK, mark), 15.0)
-        if survivors:
-            details = [f"{p}: {cmdline(p)}" for p in survivors]
-            kill_pids(survivors)  # ours (they carry this fixture's mark); don't leave them behind
-            raise AssertionError(f"processes started by jupyter {app} outlived it:\n  " + "\n  ".join(details))
 
 
 @pytest.fixture
 def lab(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("jupyterlab")
-    yield from jupyter_server("lab", tmp_path_factory)
+    yield from jupyter_server("lab", tmp_path_factory, serve_quickstart)
 
 
 @pytest.fixture
@@ -143,32 +49,13 @@ def notebook7(tmp_path_factory: pytest.TempPathFactory):
     notebook = pytest.importorskip("notebook")
     if int(notebook.__version__.split(".")[0]) < 7:
         pytest.skip(f"needs Jupyter Notebook 7, found {notebook.__version__}")
-    yield from jupyter_server("notebook", tmp_path_factory)
+    yield from jupyter_server("notebook", tmp_path_factory, serve_quickstart)
 
 
 @pytest.fixture
 def shots(tmp_path: Path) -> Path:
     """Where screenshots go: docs/screenshots/ when DISTNB_SCREENSHOTS=1, else a scratch folder."""
-    if os.environ.get("DISTNB_SCREENSHOTS") == "1":
-        DOC_SHOTS.mkdir(parents=True, exist_ok=True)
-        return DOC_SHOTS
-    return tmp_path
-
-
-def run_all(page, url: str) -> None:
-    """Open the notebook at ``url``, wait for an idle kernel, and Run All Cells."""
-    page.goto(url)
-    # The kernel must be up (its name no longer "No Kernel") and idle before Run All: both
-    # frontends share Lab's toolbar kernel name and execution indicator (it reads "connecting" first).
-    page.wait_for_selector(".jp-Notebook", timeout=60_000)
-    page.wait_for_function(
-        """() => { const k = document.querySelector('.jp-Toolbar-kernelName');
-                   const s = document.querySelector('.jp-Notebook-ExecutionIndicator');
-                   return k && !k.textContent.includes('No Kernel') && s && s.getAttribute('data-status') === 'idle'; }""",
-        timeout=60_000,
-    )
-    page.get_by_role("menuitem", name="Run", exact=True).click()
-    page.get_by_text("Run All Cells", exact=True).click()
+    return shots_dir(tmp_path)
 
 
 def run_quickstart(sync_api, url: str, check, live_shot: Path | None = None) -> None:
@@ -176,12 +63,7 @@ def run_quickstart(sync_api, url: str, check, live_shot: Path | None = None) -> 
     check distnb's live and finished views (a screenshot of the live one to ``live_shot``), then call
     ``check(page)`` for the frontend's own checks and screenshots."""
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
-        )
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             run_all(page, url)
@@ -256,8 +138,7 @@ def test_a_debugger_command_typed_into_jupyterlabs_input_box(lab: str, shots: Pa
     command typed there is answered, labelled by rank; c lets the cell (and the notebook) finish."""
     sync_api = playwright_api()
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             run_all(page, f"{lab}/lab/tree/debugger.ipynb")
