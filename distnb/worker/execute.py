@@ -112,6 +112,7 @@ class Executor:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         if source is not None:
             self.panel.map_cell(filename, source, code.count("\n") + 1)
+        self.panel.before_cell()
         # Keep the sources of recent cells only: a long session must not grow without bound.
         linecache.cache.pop(cell_filename(cell_id - _KEEP_SOURCES), None)
         reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}

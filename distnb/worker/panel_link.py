@@ -56,6 +56,11 @@ class PanelLink:
         # The panel's file → (cell file, its first line there, lines): kept before debugpy starts too,
         # so a function defined in a cell run before the panel was turned on takes its breakpoints.
         self._maps: dict[str, tuple[str, int, int]] = {}
+        # Whether the panel set any breakpoint or "pause on exceptions" (read off the requests
+        # relayed): pydevd's tracing costs every cell 1.3-2×, so with none the main thread runs
+        # untraced (benchmarks/bench_panel.py).
+        self._armed: dict[str, bool] = {}
+        self._tracing = False
 
     def start(self) -> str:
         """Start debugpy once (later calls reuse it); returns why it could not, or ""."""
@@ -83,6 +88,7 @@ class PanelLink:
             self.sock.setblocking(False)
             for path, (filename, first, lines) in self._maps.items():
                 self._apply(path, filename, first, lines)
+            self._tracing = True  # debugpy traces every thread it finds when a client connects
         except Exception as exc:  # ImportError, a refused listen: said once, in every answer
             self.error = (f"debugpy could not start in this rank ({type(exc).__name__}: {exc}); "
                           "pip install debugpy in the ranks' environment")
@@ -99,6 +105,11 @@ class PanelLink:
             raise RuntimeError("the debugger link is not started")
         data = b""
         for msg in msgs:
+            args = msg.get("arguments") or {}
+            if msg.get("command") == "setBreakpoints":
+                self._armed[str(args.get("source", {}).get("path"))] = bool(args.get("breakpoints"))
+            elif msg.get("command") == "setExceptionBreakpoints":
+                self._armed[""] = bool(args.get("filters") or args.get("exceptionOptions"))
             if msg.get("command") == "attach":
                 msg = {**msg, "arguments": {**ATTACH, **msg.get("arguments", {}), "rules": _rules()}}
             body = json.dumps(msg).encode()
@@ -108,6 +119,30 @@ class PanelLink:
             self.sock.sendall(data)
         finally:
             self.sock.setblocking(False)
+        if not self._tracing and (any(self._armed.values()) or any(m.get("command") == "pause" for m in msgs)):
+            self._trace_main_thread()
+
+    def _trace_main_thread(self) -> None:
+        """A breakpoint (or a pause) arrived while the main thread runs untraced: trace it from
+        here on, from this thread (pydevd's own way of tracing threads it did not start; it marks
+        the frames running now itself when breakpoints change)."""
+        pydevd = sys.modules.get("pydevd")
+        main = threading.main_thread().ident
+        if pydevd is None or main is None:
+            return
+        try:
+            import pydevd_tracing
+
+            py_db = pydevd.get_global_debugger()
+            if getattr(pydevd_tracing, "PYDEVD_USE_SYS_MONITORING", False):
+                py_db.enable_tracing(apply_to_all_threads=True)  # 3.12+: sys.monitoring reaches every thread
+            else:
+                pydevd_tracing.set_trace_to_threads(py_db.trace_dispatch, thread_idents=[main], create_dummy_thread=False)
+            py_db.set_tracing_for_untraced_contexts()
+            self._tracing = True
+        except Exception as exc:  # the next cell starts traced (before_cell) whatever happens here
+            print(f"distnb: the debugger panel's breakpoint applies from the next cell ({type(exc).__name__}: {exc})",
+                  file=sys.stderr, flush=True)
 
     def read(self) -> tuple[list[dict[str, Any]], bool]:
         """The whole messages debugpy has sent so far, and whether the link is still open."""
@@ -163,6 +198,20 @@ class PanelLink:
             where = {"file": name, "line": frame.f_lineno, "func": frame.f_code.co_name, "code": code,
                      "cell": int(name[6:-1]) if name[6:-1].isdigit() else None}
         return {"kind": "panel", "where": where, "since": min(self.stopped.values())}
+
+    def before_cell(self) -> None:
+        """From the main thread, as a cell starts: traced by debugpy only while the panel has a
+        breakpoint or pauses on exceptions. (A breakpoint set while a cell runs untraced is
+        applied by pydevd to the frames running then, and fully from the next cell.)"""
+        armed = any(self._armed.values())
+        if self.sock is None or armed == self._tracing or (pydevd := sys.modules.get("pydevd")) is None:
+            return
+        py_db = pydevd.get_global_debugger()
+        if armed:
+            py_db.enable_tracing()
+        else:
+            py_db.disable_tracing()
+        self._tracing = armed
 
     def map_cell(self, filename: str, source: dict[str, Any], lines: int) -> None:
         """From the main thread, before cell ``filename`` runs: the panel's file ``source["path"]``

@@ -101,6 +101,16 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     again = pool.wait(pool.submit(BODY, source={"path": PATH, "line": 2}), timeout=ANSWER_TIMEOUT * 3)
     assert again.ok and not pool.panel.paused(), again.text()
 
+    # With no breakpoint the ranks run untraced; one set while a cell runs still stops that cell.
+    late = pool.submit("import time\ntime.sleep(2)\nlate_total = 0\nfor late_i in range(3):\n    late_total += late_i\n",
+                       source={"path": "/tmp/ipykernel_0/55.py", "line": 2})
+    wait_until(lambda: "time.sleep" in pool.stacks(all_threads=False).text(), ANSWER_TIMEOUT, "the cell to reach its sleep")
+    pool.panel.set_breakpoints("/tmp/ipykernel_0/55.py", [{"line": 6}])
+    wait_until(lambda: pool.panel.paused().keys() == {0, 1}, ATTACH_TIMEOUT, "both ranks to stop at a breakpoint set mid-cell")
+    assert {f["line"] for f in pool.panel.stack()} == {6}
+    pool.panel.detach()
+    assert pool.wait(late, timeout=ANSWER_TIMEOUT * 3).ok and pool.pull("late_total") == {0: 3, 1: 3}
+
     # "Pause on exceptions": the rank whose cell raises stops at the raise, in the cell.
     pool.panel.set_exception_breakpoints({"filters": ["userUnhandled"]})
     raising = pool.submit("import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('odd rank')\n",
