@@ -440,6 +440,8 @@ class Tracker:
         if run is None or not run.rank_finished(info.rank):
             return
         info.run = None
+        if self.dap_handler is not None:  # a rank the debugger panel held when its cell ended (interrupted, died)
+            self.dap_handler(info.rank, [{"type": "event", "event": "distnb_cell_done"}])
         if info.state == RankState.RUNNING:
             self._set_rank(info, RankState.IDLE)
         if run.events.on_rank_done:

@@ -258,6 +258,12 @@ class RankDebug:
                         self._cond.notify_all()
             elif msg.get("event") == "distnb_link_closed":
                 self._drop(rank)
+            elif msg.get("event") == "distnb_cell_done":
+                # The cell ended while debugpy held the rank (an interrupt, a death): it holds nothing now.
+                link = self._ranks.get(rank)
+                if link is not None and link.paused:
+                    self._on_event(rank, {"type": "event", "event": "continued",
+                                          "body": {"threadId": link.paused[0], "allThreadsContinued": True}})
             elif msg.get("event") in _EVENTS:
                 self._on_event(rank, msg)
 
@@ -300,7 +306,11 @@ class RankDebug:
     def _send(self, ranks: list[int], msgs: dict[int, list[dict[str, Any]]], timeout: float) -> dict[int, dict[str, Any]]:
         """Give each rank its requests; the acknowledgements (the link is up), by rank."""
         acks: dict[int, dict[str, Any]] = {}
-        for r in ranks:  # one message per rank: each carries its own requests
+        dead = {s.rank for s in self._statuses() if s.state is RankState.DEAD}
+        for r in [r for r in ranks if r in dead]:
+            acks[r] = {"error": "the rank has died"}
+            self._drop(r)
+        for r in [r for r in ranks if r not in dead]:  # one message per rank: each carries its own requests
             acks.update(self._requests.ask(control_identity, [r], {"t": Msg.DAP, "msgs": msgs[r]}, timeout, partial=True))
         return acks
 

@@ -162,6 +162,7 @@ class Executor:
             reply["error"] = self._error_info(etype, evalue, tb, filename)
         finally:
             self.cell = None  # first: from here on a late SIGINT is ignored
+            self.panel.after_cell()  # an interrupt can end a cell debugpy held: it holds nothing now
             reply["duration"] = time.monotonic() - self.started
             reply["memory"] = self.memory.stop()
             self.clock.end(time.time())

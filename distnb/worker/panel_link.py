@@ -213,6 +213,19 @@ class PanelLink:
             py_db.disable_tracing()
         self._tracing = armed
 
+    def after_cell(self) -> None:
+        """From the main thread, as a cell ends. An interrupt raised through debugpy's wait leaves
+        debugpy believing the thread suspended: it would hold the next traced cell at its first
+        line without a word. The cell is over, so nothing of it is held now."""
+        self.stopped.clear()
+        if self.sock is None or "pydevd" not in sys.modules:
+            return
+        with contextlib.suppress(Exception):  # pydevd's internals: a newer debugpy may lack them
+            from _pydevd_bundle.pydevd_additional_thread_info import set_additional_thread_info
+            from _pydevd_bundle.pydevd_thread_lifecycle import internal_run_thread
+
+            internal_run_thread(threading.current_thread(), set_additional_thread_info)
+
     def map_cell(self, filename: str, source: dict[str, Any], lines: int) -> None:
         """From the main thread, before cell ``filename`` runs: the panel's file ``source["path"]``
         from line ``source["line"]`` is this cell's code from line 1."""

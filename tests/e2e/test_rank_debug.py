@@ -111,6 +111,18 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     pool.panel.detach()
     assert pool.wait(late, timeout=ANSWER_TIMEOUT * 3).ok and pool.pull("late_total") == {0: 3, 1: 3}
 
+    # Nobody at the panel: interrupting the cell ends it on ranks paused there too.
+    pool.panel.set_breakpoints(PATH, [{"line": 5}])
+    held = pool.submit(BODY, source={"path": PATH, "line": 2})
+    wait_until(lambda: pool.panel.paused().keys() == {0}, ATTACH_TIMEOUT, "rank 0 to stop at the panel's breakpoint")
+    pool.interrupt()
+    stopped = pool.wait(held, timeout=ANSWER_TIMEOUT * 3)
+    assert {res.status for res in stopped.results.values()} == {"interrupted"}, stopped.text()
+    wait_until(lambda: not pool.panel.paused(), ANSWER_TIMEOUT, "the panel to hear that rank 0 is no longer held")
+    assert "paused" not in pool.stacks().text()
+    pool.panel.detach()
+    assert pool.wait(pool.submit("dist.all_reduce(t)"), timeout=ANSWER_TIMEOUT * 3).ok  # the group still works
+
     # "Pause on exceptions": the rank whose cell raises stops at the raise, in the cell.
     pool.panel.set_exception_breakpoints({"filters": ["userUnhandled"]})
     raising = pool.submit("import torch.distributed as dist\nif dist.get_rank() == 1:\n    raise ValueError('odd rank')\n",
@@ -121,4 +133,4 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     assert frame["name"].startswith("rank 1 · MainThread · <module>") and frame["line"] == 4, frame  # (pydevd adds "(Current frame)")
     assert pool.panel.step("continue")["success"]
     failed = pool.wait(raising, timeout=ANSWER_TIMEOUT * 3)
-    assert failed.failed == [1] and "ValueError: odd rank" in failed.text(), failed.text()
+    assert failed[0].status == "ok" and failed.failed == [1] and "ValueError: odd rank" in failed.text(), failed.text()
