@@ -44,6 +44,12 @@ class Prompt:
             return f"{w['func']}() (cell {w['cell']} line {w['line']}){code}"
         return f"cell {w['cell']} line {w['line']}{code}"
 
+    @property
+    def before(self) -> dict[str, Any] | None:
+        """The collective the rank is paused before, nothing issued yet (pdb's ``nc``, the console's
+        hold): op, group, members, desc, args, sizes, dtypes, cell, line, why; None otherwise."""
+        return (self.where or {}).get("before")
+
     def source(self) -> str:
         """The lines around the paused one, the paused one marked."""
         w = self.where or {}

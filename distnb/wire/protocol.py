@@ -34,6 +34,7 @@ __all__ = [
     "FromNode",
     "FromSupervisor",
     "Hello",
+    "Hold",
     "Inbound",
     "Msg",
     "NodeBeat",
@@ -105,6 +106,7 @@ class Msg:
     COLLECTIVES: Final = "collectives"
     INTERRUPT: Final = "interrupt"
     WATCH: Final = "watch"  # the cell has run a while: look at its collectives until it ends (unanswered)
+    HOLD: Final = "hold"  # before the next collective: pause in the debugger, or raise rather than wait for ranks that left
     DAP: Final = "dap"  # DAP requests for the rank's debugpy (started on the first); answers come as DAP_PUSH
     # C -> s
     PING: Final = "ping"  # the controller's heartbeat (also to node agents)
@@ -288,6 +290,20 @@ class Request(TypedDict, total=False):
     wait: float
 
 
+class Hold(TypedDict, total=False):
+    """What the rank's main thread does just before its next watched collective (worker/call_log.py):
+    ``mode`` "hold" pauses it in the debugger there (the console holds the pool at one point);
+    "release" makes a call that needs one of ``ranks`` (they left the cell) raise instead of wait.
+    The REPLY says where the rank is: ``state`` running · inside (a collective, named) · paused · finished."""
+
+    t: Literal["hold"]
+    id: str
+    cell: int
+    mode: str
+    ranks: list[int]
+    why: str
+
+
 class Dap(TypedDict):
     """DAP requests for the rank's in-process debugpy, relayed by its control thread (the notebook's
     debugger panel, services/rank_debug.py); its REPLY says whether the link is up."""
@@ -359,7 +375,7 @@ Inbound = FromExec | FromControl | FromSupervisor | FromNode
 RankEvent = CellDone | Display | StdinRequest
 #: The controller, to a rank's main thread, its control thread, its supervisor, a node agent.
 ToExec = Exec | Request | StdinReply
-ToControl = Request | Ping | Dap
+ToControl = Request | Ping | Dap | Hold
 ToSupervisor = Request | Ping
 ToNode = NodeStart | NodeRefused | Ping
 
@@ -414,12 +430,13 @@ def accept_event(event: object) -> RankEvent:
 #: Kinds each of the ranks' connections (and a node agent) takes from the controller.
 _TO: dict[PeerKind, frozenset[str]] = {
     PeerKind.EXEC: frozenset({Msg.EXEC, Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STDIN_REPLY}),
-    PeerKind.CONTROL: frozenset({Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.INTERRUPT, Msg.WATCH, Msg.DAP}),
+    PeerKind.CONTROL: frozenset({Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.INTERRUPT, Msg.WATCH, Msg.DAP, Msg.HOLD}),
     PeerKind.SUPERVISOR: frozenset({Msg.PING, Msg.FAULT_REQUEST, Msg.RESPAWN, Msg.SPARE, Msg.SHUTDOWN, Msg.INTERRUPT}),
     PeerKind.NODE: frozenset({Msg.NODE_START, Msg.NODE_REFUSED, Msg.PING, Msg.SHUTDOWN}),
 }
 #: Requests whose sender waits for a REPLY with their ``id``.
-_ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST, Msg.DAP})
+_ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST, Msg.DAP,
+                       Msg.HOLD})
 
 
 @overload

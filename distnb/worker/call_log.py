@@ -11,6 +11,11 @@ arguments.
 
 A call's record is matched to the Flight Recorder entry it created by time: the entry is created
 while the call runs, in its group (both clocks are this process's wall clock, in ns).
+
+The wrapper is also where the rank's debugger stops *before* a collective (:data:`STOPS`): pdb's
+``nc`` and the console's hold (``%%on_ranks --pdb``) pause the main thread at the innermost cell
+frame calling it, nothing issued yet; and once a rank has left the cell from its debugger, a call
+that would wait for it raises instead (:class:`LeftCell`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, Callable
 
 from distnb.worker.patching import wrap_c10d
 
-__all__ = ["CallLog", "install"]
+__all__ = ["STOPS", "CallLog", "LeftCell", "StopFlags", "install", "needs"]
 
 #: Function → the arguments kept (those that must agree across the ranks of a collective, or name
 #: the peer of a point-to-point call).
@@ -59,6 +64,44 @@ P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 _ASYNC = {"isend", "irecv"}
 _KEEP = 4000
 _inside = threading.local()
+_MAIN = threading.main_thread().ident
+#: The parameter holding a call's input tensor(s), the first found: the shapes a stop shows.
+_INPUTS = ("tensor", "input_tensor", "input", "input_list", "input_tensor_list")
+#: torch's dtypes by the names its Flight Recorder gives them, so a stop reads as an entry does.
+_DTYPES = {"float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16", "int64": "Long",
+           "int32": "Int", "uint8": "Byte", "bool": "Bool", "int8": "Char", "int16": "Short"}
+
+
+class LeftCell(KeyboardInterrupt):
+    """Raised before a watched call that would wait for ranks that left the cell from their
+    debugger (``q``, or the end of a post-mortem): the cell reports it as interrupted, never as an
+    error of its own (and ``--pdb`` does not open on it)."""
+
+
+class StopFlags:
+    """What the main thread does just before its next watched call. ``hold`` (why: "nc", "hold")
+    pauses it in the debugger there; ``gone`` ranks left the cell, so a call that needs one raises.
+    Set by pdb's ``nc`` or the control thread, cleared at each cell's start and end.
+
+    ``calling`` is the watched call the main thread is in (name, group, arguments), set *before*
+    the flags are read: a control thread that sets a flag and then reads ``calling`` either sees the
+    call (and interrupts it) or knows the main thread will read the flag first.
+    """
+
+    def __init__(self) -> None:
+        self.hold = ""
+        self.gone: frozenset[int] = frozenset()
+        self.why = ""  # who left and how, for the words of a LeftCell
+        self.calling: tuple[str, Any, dict[str, Any]] | None = None
+        self.watching = False  # the calls are wrapped (DISTNB_CALL_LOG=0: not, and nothing can stop before one)
+        #: Pauses the main thread in its debugger: ``hook(info, cell_frame)`` (worker/debug.py).
+        self.hook: Callable[[dict[str, Any], Any], None] | None = None
+
+    def clear(self) -> None:
+        self.hold, self.gone, self.why = "", frozenset(), ""
+
+
+STOPS = StopFlags()
 
 
 def _plain(value: Any) -> Any:
@@ -193,6 +236,7 @@ def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]
     keep = [(k, params.index(k), None if sig[k].default is inspect.Parameter.empty else sig[k].default)
             for k in WATCHED[name] if k in params]
     group_at = params.index("group") if "group" in params else None
+    input_at = next(((params.index(k), k) for k in _INPUTS if k in params), None)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -201,9 +245,21 @@ def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]
         try:
             got = {k: _plain(args[i] if i < len(args) else kwargs.get(k, d)) for k, i, d in keep}
             group = args[group_at] if group_at is not None and group_at < len(args) else kwargs.get("group")
-            rec = log.begin(name, group, got)
         except Exception:  # recording must never break the user's call
             return fn(*args, **kwargs)
+        main = threading.get_ident() == _MAIN
+        if main:
+            STOPS.calling = (name, group, got)  # before the flags are read (see StopFlags)
+            if STOPS.hold or STOPS.gone:
+                try:
+                    _stop(log, name, group, got, _inputs(args, kwargs, input_at))
+                except BaseException:
+                    STOPS.calling = None
+                    raise
+        try:
+            rec = log.begin(name, group, got)
+        except Exception:
+            rec = None
         work = None
         _inside.call = True
         try:
@@ -211,13 +267,101 @@ def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]
             return work
         finally:
             _inside.call = False
-            log.end(rec, work)
+            if main:
+                STOPS.calling = None
+            if rec is not None:
+                log.end(rec, work)
 
     return call
+
+
+def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any], at: tuple[int, str] | None) -> Any:
+    if at is None:
+        return None
+    return args[at[0]] if at[0] < len(args) else kwargs.get(at[1])
+
+
+def _stop(log: CallLog, name: str, group: Any, got: dict[str, Any], inputs: Any) -> None:
+    """Before the call: pause in the debugger if asked, then raise if it needs a rank that left."""
+    why, STOPS.hold = STOPS.hold, ""
+    frame = _cell_frame(log._prefix) if why and STOPS.hook is not None else None
+    if frame is not None and STOPS.hook is not None:
+        info = {"op": name, "group": _group_name(group), "members": _members(group), "desc": _desc(group),
+                "args": {k: v for k, v in got.items() if v is not None}, **_shapes(inputs),
+                "cell": int(frame.f_code.co_filename[len(log._prefix):-1]), "line": frame.f_lineno,
+                "func": frame.f_code.co_name, "why": why}
+        STOPS.calling = None  # paused, not in the call: a release that comes meanwhile is read below
+        try:
+            STOPS.hook(info, frame)
+        finally:
+            STOPS.calling = (name, group, got)
+    if STOPS.gone and needs(name, group, got, STOPS.gone):
+        left = ",".join(map(str, sorted(STOPS.gone)))
+        print(f"distnb: stopped before {name} on group {_group_name(group)} rather than wait for rank{'s' * (len(STOPS.gone) > 1)} "
+              f"{left}, which left this cell{f' ({STOPS.why})' if STOPS.why else ''}: nothing was issued.", file=sys.stderr, flush=True)
+        raise LeftCell(f"rank {left} left the cell")
+
+
+def needs(name: str, group: Any, got: dict[str, Any], ranks: frozenset[int]) -> bool:
+    """Would this call wait for one of ``ranks``? (new_group needs every rank; unknown: yes.)"""
+    if name == "new_group":
+        return True
+    if name in P2P:
+        side = "dst" if P2P[name] == "send" else "src"
+        peer = got.get(side)
+        if peer is None and got.get(f"group_{side}") is not None:
+            members = _members(group)
+            peer = members[got[f"group_{side}"]] if members and got[f"group_{side}"] < len(members) else None
+        return peer is None or peer in ranks
+    members = _members(group)
+    return members is None or bool(set(members) & ranks)
+
+
+def _cell_frame(prefix: str) -> Any:
+    """The innermost frame of a notebook cell on the main thread's stack (None outside cells)."""
+    frame: Any = sys._getframe(2)
+    for _ in range(64):
+        if frame is None:
+            return None
+        if frame.f_code.co_filename.startswith(prefix) and frame.f_code.co_filename[len(prefix):-1].isdigit():
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _members(group: Any) -> list[int] | None:
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    try:
+        return sorted(int(r) for r in c10d.get_process_group_ranks(group if group is not None else c10d._world.default_pg))  # type: ignore[union-attr]
+    except Exception:
+        return None
+
+
+def _desc(group: Any) -> str | None:
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    try:
+        desc = (group if group is not None else c10d._world.default_pg).group_desc  # type: ignore[union-attr]
+        return str(desc) if desc else None
+    except Exception:
+        return None
+
+
+def _shapes(inputs: Any) -> dict[str, Any]:
+    """The input tensors' shapes and dtypes, named as the Flight Recorder names them."""
+    tensors = inputs if isinstance(inputs, (list, tuple)) else [] if inputs is None else [inputs]
+    sizes, dtypes = [], []
+    for t in tensors[:64]:
+        shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
+        if shape is None or dtype is None:
+            continue
+        sizes.append([int(n) for n in shape])
+        name = str(dtype).rsplit(".", 1)[-1]
+        dtypes.append(_DTYPES.get(name, name))
+    return {"sizes": sizes, "dtypes": dtypes} if sizes else {}
 
 
 def install(log: CallLog) -> None:
     """Wrap the watched functions in ``torch.distributed`` and its ``distributed_c10d`` module
     (both bindings: ``dist.x`` reads the first, torch's own internal calls the second)."""
     wrap_c10d(WATCHED, lambda name, fn: _wrap(log, name, fn), "__distnb_wrapped__")
-    log.installed = True
+    log.installed = STOPS.watching = True

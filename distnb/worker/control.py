@@ -29,6 +29,7 @@ from distnb.wire.peers import PeerKind, control_identity
 from distnb.wire.protocol import Msg, ToControl, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
+from distnb.worker.debug import hold_request
 from distnb.worker.execute import Executor
 from distnb.worker.meshes import describe_meshes
 from distnb.worker.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
@@ -389,6 +390,8 @@ class ControlThread(threading.Thread):
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
         if msg["t"] == Msg.MESHES:
             return {"meshes": describe_meshes()}
+        if msg["t"] == Msg.HOLD:  # before the next collective: pause there, or raise rather than wait (worker/debug.py)
+            return hold_request(self.executor.debug, msg)
         if msg["t"] == Msg.WATCH:
             return None  # waking this thread was the point: the loop now watches the running cell
         if msg["t"] == Msg.INTERRUPT:

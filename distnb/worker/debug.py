@@ -6,6 +6,12 @@ other request reaches a rank in a cell). A request for a line leaves through the
 a ``display()``, so it reaches the notebook after everything the cell printed before it; the line
 comes back on the main thread's own socket as a STDIN_REPLY. pdb writes into a buffer that goes
 with the next request: each command's answer arrives whole, and ranks' answers can be compared.
+
+The debugger also stops *before a collective* (worker/call_log.py's ``STOPS``): pdb's ``nc``
+continues to just before the rank's next watched torch.distributed call, and the control thread's
+HOLD does the same for a rank the console holds (:func:`hold_request`), or makes a call that would
+wait for ranks that left the cell raise instead. The prompt then says which call is next
+(``(Pdb before all_reduce)``) and the request carries it (``where["before"]``), nothing issued yet.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import time
 from types import FrameType, TracebackType
 from typing import Any, Callable
 
-from distnb.wire.protocol import Msg, StdinReply
+from distnb.wire.protocol import Hold, Msg, StdinReply
+from distnb.worker.call_log import STOPS, needs
 
-__all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "install", "quit_error"]
+__all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "hold_request", "install", "quit_error"]
 
 #: Lines of source either side of the paused line sent with each prompt.
 CONTEXT = 2
@@ -56,6 +63,10 @@ class Prompter:
 
     def begin_cell(self) -> None:
         self.detached, self.mode = False, "breakpoint"
+        STOPS.clear()  # a stop asked for in an earlier cell is not this one's
+
+    def current_cell(self) -> int | None:
+        return self._cell()
 
     def usable(self) -> str:
         """``""`` when a line can be asked for now, else why not."""
@@ -141,6 +152,38 @@ class RankPdb(pdb.Pdb):
         stdin: Any = _PdbIn(self)  # a readline() is all pdb uses of it
         super().__init__(stdin=stdin, stdout=self.out, skip=["distnb.*", "zmq.*"], nosigint=True, readrc=False)
         self.prompter = prompter
+        self.before: dict[str, Any] | None = None  # the collective the rank is paused before (nothing issued)
+
+    def do_nc(self, arg: str) -> bool | None:
+        """nc
+        Continue until just before this rank's next torch.distributed collective (distnb): the
+        rank pauses there, nothing issued, and the console shows every paused rank's next one
+        side by side. (``p nc`` prints a variable named nc.)"""
+        if not STOPS.watching:
+            self.message("*** nc needs distnb's call log, which DISTNB_CALL_LOG=0 turned off: nothing can stop before a collective.")
+            return None
+        STOPS.hold = "nc"
+        return self.do_continue(arg)
+
+    def stop_before(self, frame: FrameType, info: dict[str, Any]) -> None:
+        """Pause at ``frame`` (the cell's line calling the collective ``info`` names) before the
+        call is issued. Tracing starts only after the prompt, as the command asks (a step, a next),
+        so pdb's own frames are never traced; ``c`` and ``nc`` leave it off."""
+        self.before, self.prompt = info, f"(Pdb before {info['op']}) "
+        try:
+            self.reset()
+            outer: FrameType | None = frame
+            while outer is not None:  # as bdb's set_trace: every frame from the cell's outwards
+                outer.f_trace = self.trace_dispatch
+                self.botframe = outer
+                outer = outer.f_back
+            self.interaction(frame, None)
+        finally:
+            self.before, self.prompt = None, "(Pdb) "
+        if self.quitting:
+            raise bdb.BdbQuit
+        if self.breaks or not (self.stopframe is self.botframe and self.stoplineno == -1):
+            sys.settrace(self.trace_dispatch)  # a stepping command (or breakpoints): trace from here on
 
     # A cell runs as two code objects, its statements then its last expression (for its value):
     # stepping from one into the other must look like going to the next line, not a return and a call.
@@ -161,6 +204,8 @@ class RankPdb(pdb.Pdb):
         if len(text) > ANSWER_CAP:
             text = text[:ANSWER_CAP] + f"\n… [{len(text) - ANSWER_CAP:,} more characters not shown]\n"
         where = _where(*self.stack[self.curindex]) if self.stack else None
+        if where is not None and self.before is not None:
+            where["before"] = self.before
         try:
             answer = self.prompter.ask("pdb", prompt, text, where)
         except KeyboardInterrupt:
@@ -208,11 +253,55 @@ class Hooks:
         finally:
             self.prompter.mode = "breakpoint"
 
+    def before_collective(self, info: dict[str, Any], frame: FrameType) -> None:
+        """The main thread is about to issue the collective ``info`` names, from ``frame``'s line:
+        pause there (pdb's ``nc``, or the console's hold unless this rank was detached)."""
+        if self.prompter.usable() or (info["why"] == "hold" and self.prompter.detached):
+            return
+        self.active = self.active or RankPdb(self.prompter)
+        self.active.stop_before(frame, info)
+
     def end_cell(self) -> None:
         """The cell's code has returned: no more tracing (the rest is distnb's)."""
+        STOPS.clear()
         if self.active is not None:
             sys.settrace(None)
             self.active = None
+
+
+def hold_request(hooks: Hooks | None, msg: Hold) -> dict[str, Any]:
+    """The control thread's HOLD: for the running cell, pause before the next collective ("hold",
+    only a rank still running: one paused is the user's) or raise before one that needs ranks that
+    left ("release"); says where the main thread is, read after the flag is set (see StopFlags)."""
+    cell = hooks.prompter.current_cell() if hooks is not None else None
+    if hooks is None or cell is None or cell != msg.get("cell"):
+        return {"state": "finished"}
+    paused = hooks.prompter.paused is not None
+    if msg.get("mode") == "release":
+        STOPS.why = str(msg.get("why", ""))
+        STOPS.gone = STOPS.gone | frozenset(int(r) for r in msg.get("ranks", []))
+    elif msg.get("mode") == "hold" and not paused and not hooks.prompter.detached:
+        STOPS.hold = STOPS.hold or "hold"
+    calling = STOPS.calling
+    inside = calling[0] if calling is not None else _c10d_call()
+    reply: dict[str, Any] = {"state": "paused" if paused else "inside" if inside else "running", "inside": inside}
+    if calling is not None and STOPS.gone:
+        reply["needs"] = needs(*calling, STOPS.gone)  # the call it is in waits for a rank that left
+    return reply
+
+
+def _c10d_call() -> str:
+    """The torch.distributed function the main thread is in (outermost), or "": a collective the
+    call log does not wrap."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    name = ""
+    for _ in range(64):
+        if frame is None:
+            break
+        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            name = frame.f_code.co_name
+        frame = frame.f_back
+    return name
 
 
 def quit_error(evalue: BaseException) -> bool:
@@ -224,6 +313,7 @@ def install(prompter: Prompter) -> Hooks:
     """Route ``breakpoint()``, ``pdb.set_trace``/``post_mortem``/``pm``, ``input()`` and
     ``sys.stdin`` of this process to the notebook."""
     hooks = Hooks(prompter)
+    STOPS.hook = hooks.before_collective
     sys.breakpointhook = hooks.breakpoint
     pdb.set_trace = hooks.set_trace
     pdb.post_mortem = hooks.post_mortem  # type: ignore[assignment]

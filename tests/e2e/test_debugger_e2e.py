@@ -3,11 +3,17 @@ what a front-end types (a script of lines here), ``write`` what it shows."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import pytest
 
 import distnb
+from distnb.worker.group_abort import ESCALATE_AFTER
+
+#: From q to the cell's end on a rank released from a collective: the interrupt's escalation
+#: (ESCALATE_AFTER), then the gloo wait's end and the messages back, with margin for a loaded machine.
+RELEASE_BOUND = ESCALATE_AFTER + 10.0
 
 
 class Console:
@@ -165,23 +171,26 @@ def test_input_on_two_ranks_is_answered_in_turn_and_no_input_box_is_a_clear_eof(
     assert result[0].error["ename"] == "EOFError" and "input() got no answer" in result[0].error["evalue"]
 
 
-def test_a_paused_rank_the_others_wait_for_times_out_as_the_console_warned(fresh_pool: Callable[..., distnb.Pool]) -> None:
-    """q leaves the others in the collective: they get the normal hang diagnosis, then --pg-timeout
-    ends their wait as the console said it would; a regroup brings the pool back."""
-    pool = fresh_pool(2, pg_timeout=6.0, hang_after=1.0)
+def test_quitting_a_rank_the_others_wait_for_releases_them_as_the_console_says(fresh_pool: Callable[..., distnb.Pool]) -> None:
+    """q on the rank the others wait for in a collective. This used to leave them there until
+    --pg-timeout (the trap): now they are interrupted at once — their gloo wait is unblocked after
+    ESCALATE_AFTER — the group is rebuilt once the cell has ended, and the pool runs on. The
+    --pg-timeout is far beyond the bound, so a pass can't come from the collective timing out."""
+    pool = fresh_pool(2, pg_timeout=120.0, hang_after=1.0)
     with pytest.raises(distnb.NoCellError, match="nothing to debug post-mortem"):
         pool.debug()
     nothing = pool.debug(0, ask=Console().ask)  # no cell raised on rank 0: a clear error, not a prompt
     assert nothing[0].status == "error" and "nothing to debug" in nothing[0].error["evalue"]
-    diagnoses: list[distnb.Diagnosis] = []
-    con = Console("q")
-    result = run(pool, "t = torch.ones(1)\nif rank == 1:\n    breakpoint()\ndist.all_reduce(t)", con, timeout=3)
-    assert "rank 0 waits for the paused rank: --pg-timeout (6 s) ends its wait with an error in" in con.text
-    diagnoses.append(pool.diagnose(result))
-    assert diagnoses[0].kind == "hang" and diagnoses[0].culprits == [1] and "BdbQuit" in diagnoses[0].summary
-    pool.wait(result, timeout=30)
-    assert result[0].status == "error" and result[1].error["ename"] == "BdbQuit"
-    pool.regroup()
+    quit_at: list[float] = []
+    con = Console("q", during=lambda _: quit_at.append(time.monotonic()))
+    result = run(pool, "t = torch.ones(1)\nif rank == 1:\n    breakpoint()\ndist.all_reduce(t)", con, timeout=RELEASE_BOUND + 30)
+    ended = time.monotonic() - quit_at[-1]
+    assert "rank 0 waits for the paused rank: --pg-timeout (120 s) ends its wait with an error in" in con.text  # warned first
+    assert ("[distnb] rank 1 leaves the cell (quit from the debugger (q)): rank 0 was waiting for it in all_reduce: interrupting "
+            f"it now (a wait in gloo or NCCL is unblocked within {ESCALATE_AFTER:.0f} s") in con.text
+    assert result[1].error["ename"] == "BdbQuit" and result[0].status == "interrupted", result.text()
+    assert ended < RELEASE_BOUND, f"the cell ended {ended:.1f} s after q"
+    assert any("fresh default process group" in n for n in result.notes), result.text()
     assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
 
 
