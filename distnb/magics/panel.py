@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from functools import partial
 from typing import Any
 
 from distnb.worker.panel_link import private_thread
@@ -116,9 +117,9 @@ async def _route(debugger: Any, original: Any, message: dict[str, Any]) -> dict[
         if command == "stackTrace" and panel.owner(args.get("threadId")):
             frames = await asyncio.to_thread(panel.stack)
             return _reply(message, {"stackFrames": frames, "totalFrames": len(frames)})
-        if command in _STEPS and panel.owner(args.get("threadId")):
-            return {**await asyncio.to_thread(panel.step, command, args.get("threadId")), "request_seq": message.get("seq"),
-                    "command": command, "type": "response"}
+        if command in _STEPS and _for_ranks(debugger, panel, command, args.get("threadId")):
+            step = panel.pause_all if command == "pause" and not panel.paused() else partial(panel.step, command, args.get("threadId"))
+            return {**await asyncio.to_thread(step), "request_seq": message.get("seq"), "command": command, "type": "response"}
         if owner is not None and command == "richInspectVariables":
             reply = await asyncio.to_thread(panel.forward, owner[0], {"seq": message.get("seq"), "command": "evaluate", "arguments": {
                 "expression": args.get("variableName", ""), "frameId": args.get("frameId"), "context": "hover"}})
@@ -148,6 +149,19 @@ async def _route(debugger: Any, original: Any, message: dict[str, Any]) -> dict[
     elif command == "debugInfo" and isinstance(body, dict):
         body["stoppedThreads"] = [*body.get("stoppedThreads", []), *(t for ts in panel.paused().values() for t in ts)]
     return reply
+
+
+def _for_ranks(debugger: Any, panel: Any, command: str, thread: Any) -> bool:
+    """Whether a continue / next / step / pause is the ranks'. JupyterLab names the thread of the
+    last stop it heard of — but on continue it forgets that thread first and sends 1, the
+    kernel's main thread, which is not stopped (debugpy would never answer for it). So: the
+    ranks' when the thread is theirs, or when it is no stopped thread of the kernel's while a rank
+    is paused; a pause while a cell runs on the ranks pauses the ranks."""
+    if panel.owner(thread):
+        return True
+    if thread in getattr(debugger, "stopped_threads", ()):
+        return False
+    return bool(panel.paused()) or (command == "pause" and panel.running())
 
 
 def _reply(message: dict[str, Any], body: dict[str, Any], success: bool = True) -> dict[str, Any]:

@@ -237,6 +237,26 @@ class RankDebug:
             reply["body"] = {"allThreadsContinued": False}
         return reply
 
+    def running(self) -> bool:
+        """Whether an attached rank runs a cell now (a pause then means the ranks)."""
+        return any(s.state is RankState.RUNNING and s.rank in self._ranks for s in self._statuses())
+
+    def pause_all(self) -> dict[str, Any]:
+        """The panel's pause while a cell runs on the ranks: every attached rank running it stops
+        where it is (in Python: a rank inside a collective stops when the collective returns)."""
+        running = sorted(s.rank for s in self._statuses() if s.state is RankState.RUNNING and s.rank in self._ranks)
+        seqs = {r: self._seq(r, "threads") for r in running}
+        self._send(running, {r: [_request(seq, "threads", {})] for r, seq in seqs.items()}, ANSWER_TIMEOUT)
+        paused = []
+        for r, seq in seqs.items():
+            threads = self._wait(r, seq, ANSWER_TIMEOUT).get("body", {}).get("threads", [])
+            main = next((t["id"] for t in threads if t.get("name") == "MainThread"), None)
+            if main is not None and self.request(r, "pause", {"threadId": main}).get("success"):
+                paused.append(r)
+        if not paused:
+            return {"success": False, "message": "no rank runs a cell to pause"}
+        return {"success": True, "body": {}}
+
     def request(self, rank: int, command: str, arguments: dict[str, Any], timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
         """Send one request to rank ``rank``'s debugpy and wait for its response (ids as debugpy's)."""
         if rank not in self._ranks:

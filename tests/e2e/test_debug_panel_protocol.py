@@ -13,6 +13,9 @@ from typing import Any, Callable
 
 import kernels
 import pytest
+from conftest import wait_until
+
+from distnb.services.rank_debug import ATTACH_TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,9 +24,10 @@ CELL = "%%on_ranks\nimport torch.distributed as dist\nx = dist.get_rank() * 10 +
 #: Run before the panel is turned on; its function is called later, under a breakpoint in its body.
 EARLIER = "%%on_ranks\ndef scaled(v):\n    w = v * 2\n    return w\n"
 LATER = "%%on_ranks\nz = scaled(x)\nprint('z is', z)\n"
-#: Seconds for one DAP round trip through the kernel and the ranks: services/rank_debug.py's own
-#: bound for a rank's answer, with margin.
-ANSWER = 30.0
+#: Seconds for one DAP round trip through the kernel and the ranks (the first attaches them): the
+#: bound services/rank_debug.py gives an attach, with margin for a loaded machine. Waits end as
+#: soon as the answer is there.
+ANSWER = ATTACH_TIMEOUT + 30.0
 
 
 class PanelKernel(kernels.Kernel):
@@ -107,7 +111,7 @@ def _variable(k: PanelKernel, frame: dict[str, Any], name: str) -> str:
     return found[name]
 
 
-def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_continues_each(kernel: PanelKernel) -> None:
+def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_continues_each(kernel: PanelKernel, tmp_path: Path) -> None:
     k = kernel
     _start_panel(k)
     path = k.debug("dumpCell", code=CELL)["body"]["sourcePath"]
@@ -131,7 +135,8 @@ def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_co
     assert _variable(k, by_rank["rank 0"], "x") == "7"
     assert _variable(k, by_rank["rank 1"], "x") == "17"  # selected last: continue acts on rank 1
 
-    assert k.debug("continue", threadId=first["body"]["threadId"])["success"]
+    # JupyterLab forgets the stopped thread before it sends continue, and names thread 1 (the kernel's).
+    assert k.debug("continue", threadId=1)["success"]
     again = k.stopped()  # the panel is told which rank is still paused
     assert "rank 0" in again["body"].get("description", ""), again
     frames = k.debug("stackTrace", threadId=again["body"]["threadId"])["body"]["stackFrames"]
@@ -155,6 +160,19 @@ def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_co
     _continue_all(k, first["body"]["threadId"])
     assert k.reply_of(later_id)["status"] == "ok"
     assert k.debug("setBreakpoints", source={"path": earlier}, breakpoints=[], sourceModified=False)["success"]
+
+    # Pause while a cell runs on the ranks (no breakpoint): every rank stops where it is.
+    spin = ("%%on_ranks\nimport time\nspin_end = time.time() + 8\nopen(f'spin_{dist.get_rank()}', 'w').close()\n"
+            "while time.time() < spin_end:\n    time.sleep(0.02)\n")
+    spin_id = k.kc.execute(spin)
+    wait_until(lambda: (tmp_path / "spin_0").exists() and (tmp_path / "spin_1").exists(), ANSWER, "the ranks to start the cell")
+    assert k.debug("pause", threadId=1)["success"]
+    paused = [k.stopped("rank 0 pause"), k.stopped("rank 1 pause")]
+    frames = k.debug("stackTrace", threadId=paused[0]["body"]["threadId"])["body"]["stackFrames"]
+    cell_frames = [f for f in frames if f["name"].endswith("<module>")]
+    assert [f["name"].split(" · ")[0] for f in cell_frames] == ["rank 0", "rank 1"] and {f["line"] for f in cell_frames} <= {5, 6}, frames
+    _continue_all(k, paused[0]["body"]["threadId"])
+    assert k.reply_of(spin_id)["status"] == "ok"
 
     # A plain cell keeps the kernel's own debugger.
     plain = "a = 41\nb = a + 1\n"
