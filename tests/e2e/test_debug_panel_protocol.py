@@ -193,7 +193,11 @@ def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_co
     k.stopped("rank 1 breakpoint")
     frames = k.debug("stackTrace", threadId=stop["body"]["threadId"])["body"]["stackFrames"]
     assert [f["name"] for f in frames] == ["rank 0 · MainThread · <module>", "rank 1 · MainThread · <module>"], frames
-    _continue_all(k, stop["body"]["threadId"])
+    # The panel's Terminate: JupyterLab restarts its debug session (off, on, breakpoints restored);
+    # every paused rank goes on.
+    k.debug("disconnect", restart=False, terminateDebuggee=False)
+    _start_panel(k)
+    assert k.debug("setBreakpoints", source={"path": path}, breakpoints=[{"line": 4}], sourceModified=False)["success"]
     assert k.reply_of(fresh_id)["status"] == "ok"
 
     # Turning the debugger off (as JupyterLab does) leaves no rank stopped at the breakpoints it set;
