@@ -24,7 +24,9 @@ def _roots() -> list[Any]:
     found = []
     for obj in gc.get_objects():
         try:
-            if isinstance(obj, cls) and getattr(obj, "_root_mesh", None) in (None, obj):
+            # type(), not isinstance(): that would read __class__ of every object, and some warn when
+            # touched (torch's deprecated reduce_op prints a FutureWarning into the running cell).
+            if issubclass(type(obj), cls) and getattr(obj, "_root_mesh", None) in (None, obj):
                 found.append(obj)
         except Exception:  # an object whose __class__ lookup fails (proxies): not a mesh
             continue
