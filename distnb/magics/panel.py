@@ -27,12 +27,18 @@ from typing import Any
 
 from distnb.worker.panel_link import private_thread
 
-__all__ = ["cell_source", "install"]
+__all__ = ["STOPS_FILTER", "cell_source", "install"]
 
 #: Requests about the paused code's ids: a rank's when the id is one of the ranks' (rank_debug).
 _BY_FRAME = {"scopes": "frameId", "evaluate": "frameId", "richInspectVariables": "frameId", "variables": "variablesReference",
              "setVariable": "variablesReference", "setExpression": "frameId", "copyToGlobals": "srcFrameId"}
 _STEPS = {"continue", "next", "stepIn", "stepOut", "pause"}
+#: The "pause on exceptions" option distnb adds to the panel: every rank stops before each
+#: collective it calls (nothing issued), the Callstack naming what each is about to call.
+STOPS_FILTER = "distnbCollectives"
+STOPS_OPTION = {"filter": STOPS_FILTER, "label": "Before each collective (distnb ranks)", "default": False,
+                "description": "Every rank stops before each torch.distributed collective it calls, nothing issued yet; "
+                               "the Callstack shows what each is about to call, side by side."}
 _raw_cell: dict[str, str] = {"text": ""}  # the cell running now, as the user wrote it (pre_run_cell)
 
 
@@ -73,7 +79,8 @@ def cell_source(shell: Any, pool: Any) -> dict[str, Any] | None:
     path = get_file_name(raw)
     if getattr(debugger, "is_started", False):
         _hide_threads()
-        problems = pool.panel.attach(_breakpoints(debugger), getattr(debugger, "_distnb_exceptions", None))
+        problems = pool.panel.attach(_breakpoints(debugger), getattr(debugger, "_distnb_exceptions", None),
+                                     getattr(debugger, "_distnb_stops", None))
         if problems:
             print(f"[distnb] the debugger panel cannot reach every rank: {problems}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -109,6 +116,11 @@ async def _route(debugger: Any, original: Any, message: dict[str, Any]) -> dict[
     command = message.get("command", "")
     args = message.get("arguments") or {}
     if command == "setExceptionBreakpoints":
+        # distnb's own filter is the ranks' alone: the kernel's debugpy never sees it.
+        filters = list(args.get("filters") or [])
+        debugger._distnb_stops = STOPS_FILTER in filters
+        args = {**args, "filters": [f for f in filters if f != STOPS_FILTER]}
+        message = {**message, "arguments": args}
         debugger._distnb_exceptions = dict(args)  # for the ranks of a pool started later
     panel = _panel(debugger)
     if panel is not None:
@@ -132,9 +144,12 @@ async def _route(debugger: Any, original: Any, message: dict[str, Any]) -> dict[
     if panel is None or not isinstance(reply, dict):
         return reply
     body = reply.get("body")
-    if command == "attach" and reply.get("success"):
+    if command == "initialize" and isinstance(body, dict):
+        body["exceptionBreakpointFilters"] = [*body.get("exceptionBreakpointFilters", []), STOPS_OPTION]
+    elif command == "attach" and reply.get("success"):
         _hide_threads()
-        problems = await asyncio.to_thread(panel.attach, _breakpoints(debugger), getattr(debugger, "_distnb_exceptions", None))
+        problems = await asyncio.to_thread(panel.attach, _breakpoints(debugger), getattr(debugger, "_distnb_exceptions", None),
+                                           getattr(debugger, "_distnb_stops", None))
         if problems:
             debugger.event_callback({"type": "event", "event": "output", "body": {
                 "category": "console", "output": f"distnb: the debugger panel cannot reach every rank: {problems}\n"}})
@@ -142,6 +157,7 @@ async def _route(debugger: Any, original: Any, message: dict[str, Any]) -> dict[
         await asyncio.to_thread(panel.set_breakpoints, args.get("source", {}).get("path", ""), args.get("breakpoints", []))
     elif command == "setExceptionBreakpoints":
         await asyncio.to_thread(panel.set_exception_breakpoints, args)
+        await asyncio.to_thread(panel.set_collective_stops, debugger._distnb_stops)
     elif command == "disconnect":
         await asyncio.to_thread(panel.detach)
     elif command == "threads" and isinstance(body, dict):

@@ -77,6 +77,8 @@ class _HangWatch:
             if diag is None:
                 return  # the ranks' logs show progress: nothing to say
             headline, diag_text, kind = diag.summary, diag.text(), diag.kind
+            if kind == "paused" and (verdict := self._pool.panel.verdict()):
+                headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
         # Said again only when the headline changes (it carries no durations); a failing diagnosis
         # is said once too, so a broken watch is not silent.
         if kind in ("hang", "slow", "error", "paused") and headline != self._shown:

@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from distnb.analysis.entry_words import describe
+from distnb.analysis.groups import GroupInfo
+from distnb.analysis.next_calls import NextCall, compare_next
 from distnb.controller.requests import Requests
 from distnb.ranks import format_ranks
 from distnb.states import RankState
@@ -72,6 +75,7 @@ class _Rank:
     seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     waiting: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # request seq → [response]
     paused: list[int] = field(default_factory=list)  # debugpy's ids of its stopped threads, in order
+    before: dict[int, dict[str, Any]] = field(default_factory=dict)  # thread → the collective it stopped before
     names: dict[int, str] = field(default_factory=dict)  # thread id → name
 
 
@@ -86,6 +90,7 @@ class RankDebug:
         self._ranks: dict[int, _Rank] = {}
         self._breakpoints: dict[str, list[dict[str, Any]]] = {}  # the panel's file → its breakpoints
         self._exceptions: dict[str, Any] | None = None  # the panel's "pause on exceptions" (setExceptionBreakpoints' arguments)
+        self._stops = False  # the panel's "before each collective"
         self._cond = threading.Condition()
         self.selected: int | None = None
         #: Called with each event for the panel (ids already the panel's), from the pool's I/O thread.
@@ -97,7 +102,7 @@ class RankDebug:
         return sorted(self._ranks)
 
     def attach(self, breakpoints: dict[str, list[dict[str, Any]]] | None = None, exceptions: dict[str, Any] | None = None,
-               timeout: float = ATTACH_TIMEOUT) -> str:
+               stops: bool | None = None, timeout: float = ATTACH_TIMEOUT) -> str:
         """Start debugpy in every live rank not yet attached, and give it the panel's breakpoints
         (``breakpoints``: the panel's, by file, and ``exceptions``, its "pause on exceptions", when
         they are known). Returns what went wrong, in words ("" when every rank is attached)."""
@@ -105,6 +110,8 @@ class RankDebug:
             self._breakpoints = {path: [dict(b) for b in points] for path, points in breakpoints.items() if points}
         if exceptions is not None:
             self._exceptions = dict(exceptions)
+        if stops is not None:
+            self._stops = stops
         live = {s.rank: s.pid for s in self._statuses() if s.state is not RankState.DEAD and s.pid is not None}
         for rank in [r for r, link in self._ranks.items() if live.get(r, -1) != link.pid]:
             self._drop(rank)  # a restarted or dead rank: its debugpy is gone
@@ -135,6 +142,8 @@ class RankDebug:
             self._each([r for r in attached if r in self._ranks], "setBreakpoints", {"source": {"path": path}, "breakpoints": points})
         if self._exceptions is not None:
             self._each([r for r in attached if r in self._ranks], "setExceptionBreakpoints", self._exceptions)
+        if self._stops:
+            self._send([r for r in attached if r in self._ranks], {r: [] for r in attached}, ANSWER_TIMEOUT, stops=True)
         return "; ".join(problems)
 
     def detach(self) -> None:
@@ -146,6 +155,8 @@ class RankDebug:
         if self._exceptions is not None:
             self._exceptions = None
             self._each(self.attached, "setExceptionBreakpoints", {"filters": []})
+        if self._stops:
+            self.set_collective_stops(False)
         for r in self.attached:
             for tid in list(self._ranks[r].paused):
                 self.request(r, "continue", {"threadId": tid})
@@ -172,6 +183,32 @@ class RankDebug:
         in a cell is "user uncaught": distnb's frames, which catch it, are not the user's)."""
         self._exceptions = dict(arguments)
         self._each(self.attached, "setExceptionBreakpoints", self._exceptions)
+
+    def set_collective_stops(self, on: bool) -> None:
+        """The panel's "before each collective" (a "pause on exceptions" filter distnb adds): every
+        rank stops in the panel before each collective it calls, nothing issued, and the stack names
+        what each is about to call — a desync seen before it hangs."""
+        self._stops = on
+        self._send(self.attached, {r: [] for r in self.attached}, ANSWER_TIMEOUT, stops=on)
+
+    def verdict(self) -> str:
+        """The paused ranks' next collectives compared (analysis/next_calls.py), when they stopped before one."""
+        with self._cond:
+            befores = {r: link.before[t] for r, link in self._ranks.items() for t in link.paused[:1] if t in link.before}
+        if not befores:
+            return ""
+        calls = {}
+        for r, b in befores.items():
+            info = GroupInfo(str(b.get("group", "?")), b.get("desc"), tuple(b["members"]) if b.get("members") else None)
+            calls[r] = NextCall(r, str(b.get("op")), info.name, info.label(), info.role(), info.ranks,
+                                tuple(sorted((b.get("args") or {}).items())), tuple(tuple(x) for x in b.get("sizes", [])),
+                                tuple(b.get("dtypes", [])), f"cell {b.get('cell')} line {b.get('line')}")
+        report = compare_next(calls, unknown={r: "is still running" for r in self.attached if r not in befores})
+        width = max(len(format_ranks(rs)) for rs, _ in report.rows)
+        lines = ["[distnb] next collectives of the ranks the debugger panel holds (nothing issued yet):"]
+        lines += [f"  {format_ranks(rs):<{width}}  {text}" for rs, text in report.rows]
+        lines += [f"[distnb] {p}" for p in report.problems] or ["[distnb] they match: Continue on each rank issues it, Terminate continues them all."]
+        return "\n".join(lines + [f"  {n}" for n in report.notes])
 
     def paused(self) -> dict[int, list[int]]:
         """The paused ranks and the panel's ids of their stopped threads."""
@@ -204,8 +241,9 @@ class RankDebug:
         for (r, t), seq in sorted(seqs.items()):
             reply = self._wait(r, seq, ANSWER_TIMEOUT)
             name = self._ranks[r].names.get(t, "MainThread") if r in self._ranks else "MainThread"
-            for frame in reply.get("body", {}).get("stackFrames", []):
-                frames.append(self._frame_out(r, name, frame))
+            before = self._ranks[r].before.get(t) if r in self._ranks else None
+            for i, frame in enumerate(reply.get("body", {}).get("stackFrames", [])):
+                frames.append(self._frame_out(r, name, frame, before if i == 0 else None))
         return frames
 
     def forward(self, rank: int, msg: dict[str, Any]) -> dict[str, Any]:
@@ -297,10 +335,15 @@ class RankDebug:
             if msg["event"] == "stopped":
                 if tid not in link.paused:
                     link.paused.append(tid)
+                before = body.pop("distnbBefore", None)
+                if before is not None:
+                    link.before[tid] = before
+                why = f"before {before.get('op')}" if before is not None else body.get("reason", "stopped")
                 event = {**msg, "body": {**body, "threadId": self._ids.out(rank, "thread", tid), "allThreadsStopped": False,
-                                         "description": f"rank {rank} {body.get('reason', 'stopped')}"}}
+                                         "description": f"rank {rank} {why}"}}
             else:
                 link.paused = [t for t in link.paused if t != tid] if not body.get("allThreadsContinued") else []
+                link.before = {t: b for t, b in link.before.items() if t in link.paused}
                 still = [(r, ln.paused[0]) for r, ln in sorted(self._ranks.items()) if ln.paused]
                 if still:
                     # The panel shows one thread's stack and forgets it on "continued": while other
@@ -323,15 +366,17 @@ class RankDebug:
             link.waiting[seq] = []
             return seq
 
-    def _send(self, ranks: list[int], msgs: dict[int, list[dict[str, Any]]], timeout: float) -> dict[int, dict[str, Any]]:
-        """Give each rank its requests; the acknowledgements (the link is up), by rank."""
+    def _send(self, ranks: list[int], msgs: dict[int, list[dict[str, Any]]], timeout: float, stops: bool | None = None) -> dict[int, dict[str, Any]]:
+        """Give each rank its requests (and the panel's "before each collective", ``stops``); the
+        acknowledgements (the link is up), by rank."""
         acks: dict[int, dict[str, Any]] = {}
         dead = {s.rank for s in self._statuses() if s.state is RankState.DEAD}
         for r in [r for r in ranks if r in dead]:
             acks[r] = {"error": "the rank has died"}
             self._drop(r)
         for r in [r for r in ranks if r not in dead]:  # one message per rank: each carries its own requests
-            acks.update(self._requests.ask(control_identity, [r], {"t": Msg.DAP, "msgs": msgs[r]}, timeout, partial=True))
+            ask: dict[str, Any] = {"t": Msg.DAP, "msgs": msgs[r]} if stops is None else {"t": Msg.DAP, "msgs": msgs[r], "stops": stops}
+            acks.update(self._requests.ask(control_identity, [r], ask, timeout, partial=True))
         return acks
 
     def _wait(self, rank: int, seq: int, timeout: float) -> dict[str, Any]:
@@ -354,8 +399,14 @@ class RankDebug:
         for r, s in seqs.items():
             self._wait(r, s, ANSWER_TIMEOUT)
 
-    def _frame_out(self, rank: int, thread: str, frame: dict[str, Any]) -> dict[str, Any]:
-        out = {**frame, "id": self._ids.out(rank, "frame", frame["id"]), "name": f"rank {rank} · {thread} · {frame.get('name', '?')}"}
+    def _frame_out(self, rank: int, thread: str, frame: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]:
+        name = f"rank {rank} · {thread} · {frame.get('name', '?')}"
+        if before is not None:  # side by side in the Callstack: what each rank is about to call
+            group = GroupInfo(str(before.get("group", "?")), before.get("desc"), tuple(before["members"]) if before.get("members") else None)
+            what = describe({"op": before.get("op"), "sizes": before.get("sizes", []), "dtypes": before.get("dtypes", []),
+                             "args": before.get("args") or {}})
+            name += f" · before {what} on {group.label()}"
+        out = {**frame, "id": self._ids.out(rank, "frame", frame["id"]), "name": name}
         source = frame.get("source")
         if isinstance(source, dict) and source.get("sourceReference"):
             out["source"] = {**source, "sourceReference": self._ids.out(rank, "ref", source["sourceReference"])}

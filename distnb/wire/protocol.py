@@ -304,14 +304,17 @@ class Hold(TypedDict, total=False):
     why: str
 
 
-class Dap(TypedDict):
-    """DAP requests for the rank's in-process debugpy, relayed by its control thread (the notebook's
-    debugger panel, services/rank_debug.py); its REPLY says whether the link is up."""
-
+class _DapKind(TypedDict):
     t: Literal["dap"]
     id: str
     msgs: list[dict[str, Any]]
-    rules: list[dict[str, Any]]  # debugpy's attach ``rules``: the paths whose frames are not the user's
+
+
+class Dap(_DapKind, total=False):
+    """DAP requests for the rank's in-process debugpy, relayed by its control thread (the notebook's
+    debugger panel, services/rank_debug.py); its REPLY says whether the link is up."""
+
+    stops: bool  # the panel's "before each collective": on or off (worker/call_log.py STOPS.every)
 
 
 class DapPush(TypedDict):

@@ -96,6 +96,10 @@ class StopFlags:
         self.watching = False  # the calls are wrapped (DISTNB_CALL_LOG=0: not, and nothing can stop before one)
         #: Pauses the main thread in its debugger: ``hook(info, cell_frame)`` (worker/debug.py).
         self.hook: Callable[[dict[str, Any], Any], None] | None = None
+        #: The debugger panel's "before each collective" (worker/panel_link.py): ``every`` stops
+        #: before each watched call, in the panel's debugger (``panel_hook``), until turned off.
+        self.every = False
+        self.panel_hook: Callable[[dict[str, Any], Any], None] | None = None
 
     def clear(self) -> None:
         self.hold, self.gone, self.why = "", frozenset(), ""
@@ -250,7 +254,7 @@ def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]
         main = threading.get_ident() == _MAIN
         if main:
             STOPS.calling = (name, group, got)  # before the flags are read (see StopFlags)
-            if STOPS.hold or STOPS.gone:
+            if STOPS.hold or STOPS.gone or STOPS.every:
                 try:
                     _stop(log, name, group, got, _inputs(args, kwargs, input_at))
                 except BaseException:
@@ -284,15 +288,18 @@ def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any], at: tuple[int, str] |
 def _stop(log: CallLog, name: str, group: Any, got: dict[str, Any], inputs: Any) -> None:
     """Before the call: pause in the debugger if asked, then raise if it needs a rank that left."""
     why, STOPS.hold = STOPS.hold, ""
-    frame = _cell_frame(log._prefix) if why and STOPS.hook is not None else None
-    if frame is not None and STOPS.hook is not None:
+    hook = STOPS.hook
+    if not why and STOPS.every and STOPS.panel_hook is not None:
+        why, hook = "panel", STOPS.panel_hook
+    frame = _cell_frame(log._prefix) if why and hook is not None else None
+    if frame is not None and hook is not None:
         info = {"op": name, "group": _group_name(group), "members": _members(group), "desc": _desc(group),
                 "args": {k: v for k, v in got.items() if v is not None}, **_shapes(inputs),
                 "cell": int(frame.f_code.co_filename[len(log._prefix):-1]), "line": frame.f_lineno,
                 "func": frame.f_code.co_name, "why": why}
         STOPS.calling = None  # paused, not in the call: a release that comes meanwhile is read below
         try:
-            STOPS.hook(info, frame)
+            hook(info, frame)
         finally:
             STOPS.calling = (name, group, got)
     if STOPS.gone and needs(name, group, got, STOPS.gone):

@@ -341,7 +341,7 @@ class ControlThread(threading.Thread):
             print(f"distnb: rank {self.rank} is still in the cell {ESCALATE_AFTER * 2:.0f} s later: it waits in something else "
                   "(%dist_stacks shows where); %dist_restart if it stays stuck.", file=sys.stderr, flush=True)
 
-    def _start_panel(self, msgs: list[dict[str, Any]]) -> dict[str, Any]:
+    def _start_panel(self, msgs: list[dict[str, Any]], stops: bool | None = None) -> dict[str, Any]:
         """Relay DAP requests to this rank's debugpy (started on the first): the answers come back
         unasked, as DAP_PUSH, in the order debugpy sends them."""
         link = self.executor.panel
@@ -351,7 +351,10 @@ class ControlThread(threading.Thread):
         if link.sock is not None and self._panel_fd != link.sock.fileno() and self._poller is not None:
             self._panel_fd = link.sock.fileno()
             self._poller.register(self._panel_fd, zmq.POLLIN)
-        link.send(msgs)
+        if stops is not None:
+            link.collective_stops(stops)
+        if msgs:
+            link.send(msgs)
         return {"ok": True}
 
     def _relay_panel(self) -> None:
@@ -366,7 +369,7 @@ class ControlThread(threading.Thread):
 
     def handle(self, msg: ToControl) -> dict[str, Any] | None:
         if msg["t"] == Msg.DAP:
-            return self._start_panel(msg["msgs"])
+            return self._start_panel(msg["msgs"], msg.get("stops"))
         if msg["t"] == Msg.STACKS:
             reply = {"stacks": thread_stacks(bool(msg.get("all_threads")), {threading.get_ident()}), **self.status()}
             if msg.get("paths") and self.executor.paths.on:

@@ -61,6 +61,7 @@ class PanelLink:
         # untraced (benchmarks/bench_panel.py).
         self._armed: dict[str, bool] = {}
         self._tracing = False
+        self._before: dict[str, Any] | None = None  # the collective the main thread stopped before (the panel's stop)
 
     def start(self) -> str:
         """Start debugpy once (later calls reuse it); returns why it could not, or ""."""
@@ -174,10 +175,39 @@ class PanelLink:
             self._buf = self._buf[end + 4 + length :]
         return msgs, open_
 
+    def collective_stops(self, on: bool) -> None:
+        """The panel's "before each collective" (control thread): the main thread stops in the
+        panel before each collective call it makes, nothing issued, until it is turned off."""
+        from distnb.worker.call_log import STOPS
+
+        STOPS.panel_hook = self._stop_before
+        STOPS.every = on
+        self._armed["collectives"] = on  # stepping on from such a stop needs the thread traced
+        if on and not self._tracing and self.sock is not None:
+            self._trace_main_thread()
+
+    def _stop_before(self, info: dict[str, Any], frame: Any) -> None:
+        """From call_log's wrapper, on the main thread: stop in the panel's debugger at the cell's
+        frame, on the line making the call (the collective not issued yet)."""
+        pydevd = sys.modules.get("pydevd")
+        if self.sock is None or pydevd is None:
+            return
+        from _pydevd_bundle.pydevd_comm_constants import CMD_SET_BREAK
+
+        py_db, thread = pydevd.get_global_debugger(), threading.current_thread()
+        self._before = info  # told with the stop (``_track``, on the control thread)
+        try:
+            py_db.set_suspend(thread, CMD_SET_BREAK)
+            py_db.do_wait_suspend(thread, frame, "line", None)
+        finally:
+            self._before = None
+
     def _track(self, msg: dict[str, Any]) -> None:
         body = msg.get("body") or {}
         if msg.get("event") == "stopped":
             self.stopped.setdefault(body.get("threadId", 0), time.monotonic())
+            if self._before is not None:
+                msg["body"] = {**body, "distnbBefore": self._before}
         elif msg.get("event") == "continued":
             if body.get("allThreadsContinued"):
                 self.stopped.clear()

@@ -15,6 +15,7 @@ import kernels
 import pytest
 from conftest import wait_until
 
+from distnb.magics.panel import STOPS_FILTER
 from distnb.services.rank_debug import ATTACH_TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -99,6 +100,7 @@ def _start_panel(k: PanelKernel) -> None:
                    linesStartAt1=True, columnsStartAt1=True, supportsVariableType=True, supportsVariablePaging=True,
                    supportsRunInTerminalRequest=False, locale="en")
     assert init["success"], init
+    assert STOPS_FILTER in [f["filter"] for f in init["body"]["exceptionBreakpointFilters"]]  # distnb's option in the panel's menu
     assert k.debug("attach")["success"]
     k.debug("configurationDone")
 
@@ -173,6 +175,18 @@ def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_co
     assert [f["name"].split(" · ")[0] for f in cell_frames] == ["rank 0", "rank 1"] and {f["line"] for f in cell_frames} <= {5, 6}, frames
     _continue_all(k, paused[0]["body"]["threadId"])
     assert k.reply_of(spin_id)["status"] == "ok"
+
+    # "Before each collective", the option distnb adds to the panel's pause-on-exceptions menu.
+    assert k.debug("setExceptionBreakpoints", filters=[STOPS_FILTER])["success"]
+    coll_id = k.kc.execute("%%on_ranks\nt9 = torch.ones(2)\ndist.all_reduce(t9)\nprint('sum', t9)\n")
+    stop = k.stopped("rank 0 before all_reduce")
+    k.stopped("rank 1 before all_reduce")
+    frames = k.debug("stackTrace", threadId=stop["body"]["threadId"])["body"]["stackFrames"]
+    tops = [f["name"] for f in frames if "before" in f["name"]]
+    assert tops == [f"rank {r} · MainThread · <module> · before all_reduce [2] f32 on group 0" for r in (0, 1)], frames
+    assert k.debug("setExceptionBreakpoints", filters=[])["success"]
+    _continue_all(k, stop["body"]["threadId"])
+    assert k.reply_of(coll_id)["status"] == "ok"
 
     # A plain cell keeps the kernel's own debugger.
     plain = "a = 41\nb = a + 1\n"

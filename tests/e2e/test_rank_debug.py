@@ -134,3 +134,42 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     assert pool.panel.step("continue")["success"]
     failed = pool.wait(raising, timeout=ANSWER_TIMEOUT * 3)
     assert failed[0].status == "ok" and failed.failed == [1] and "ValueError: odd rank" in failed.text(), failed.text()
+
+
+DESYNC = ("import torch, torch.distributed as dist\n"
+          "t2 = torch.ones(4)\n"
+          "if dist.get_rank() == 0:\n"
+          "    dist.all_reduce(t2)\n"
+          "else:\n"
+          "    dist.barrier()\n")
+
+
+def test_before_each_collective_the_panel_shows_a_desync_before_it_hangs(two_node_pool: distnb.Pool) -> None:
+    pool = two_node_pool
+    events: list[dict[str, Any]] = []
+    pool.panel.on_event = events.append
+    assert pool.panel.attach() == ""
+    pool.panel.set_collective_stops(True)
+
+    result = pool.submit(DESYNC, source={"path": "/tmp/ipykernel_0/99.py", "line": 2})
+    wait_until(lambda: pool.panel.paused().keys() == {0, 1}, ATTACH_TIMEOUT, "both ranks to stop before their collective")
+    assert sorted(e["body"]["description"] for e in events if e["event"] == "stopped") == ["rank 0 before all_reduce", "rank 1 before barrier"]
+    names = {f["name"].split(" · ")[0]: (f["name"], f["line"]) for f in pool.panel.stack() if "before" in f["name"]}
+    assert names == {"rank 0": ("rank 0 · MainThread · <module> · before all_reduce [4] f32 on group 0", 5),
+                     "rank 1": ("rank 1 · MainThread · <module> · before barrier on group 0", 7)}, names
+    verdict = pool.panel.verdict()
+    assert "(nothing issued yet)" in verdict, verdict
+    assert "on group 0, rank 0 calls all_reduce [4] f32; rank 1 calls barrier: continuing would hang." in verdict, verdict
+    diag = pool.diagnose(result, hang_after=0.0)
+    assert diag.kind == "paused" and "paused in the debugger panel" in diag.text(), diag.text()
+
+    # Nothing was issued: interrupting ends the cell at once, no collective to unblock.
+    pool.interrupt()
+    ended = pool.wait(result, timeout=ANSWER_TIMEOUT * 3)
+    assert {r.status for r in ended.results.values()} == {"interrupted"}, ended.text()
+    assert pool.collectives(refresh=True).text().count("barrier") == 0
+
+    # Stops off: the same ranks call matching collectives straight through.
+    pool.panel.set_collective_stops(False)
+    same = pool.wait(pool.submit("dist.all_reduce(t2)\n", source={"path": "/tmp/ipykernel_0/98.py", "line": 2}), timeout=ANSWER_TIMEOUT * 3)
+    assert same.ok and not pool.panel.paused(), same.text()
