@@ -141,12 +141,12 @@ async def _route(debugger: Any, original: Any, message: dict[str, Any]) -> dict[
             reply = await asyncio.to_thread(panel.forward, owner[0], message)
             return {**reply, "command": command, "type": "response"}
     reply = await original(message)
+    body = reply.get("body") if isinstance(reply, dict) else None
+    if command == "initialize" and isinstance(body, dict):  # with a pool or not: the menu is made once
+        body["exceptionBreakpointFilters"] = [*body.get("exceptionBreakpointFilters", []), STOPS_OPTION]
     if panel is None or not isinstance(reply, dict):
         return reply
-    body = reply.get("body")
-    if command == "initialize" and isinstance(body, dict):
-        body["exceptionBreakpointFilters"] = [*body.get("exceptionBreakpointFilters", []), STOPS_OPTION]
-    elif command == "attach" and reply.get("success"):
+    if command == "attach" and reply.get("success"):
         _hide_threads()
         problems = await asyncio.to_thread(panel.attach, _breakpoints(debugger), getattr(debugger, "_distnb_exceptions", None),
                                            getattr(debugger, "_distnb_stops", None))

@@ -50,23 +50,27 @@ class _Ids:
         self._next = itertools.count(FIRST_ID)
         self._to: dict[tuple[int, str, int], int] = {}
         self._from: dict[int, tuple[int, str, int]] = {}
+        self._lock = threading.Lock()  # the pool's I/O thread and the kernel's control thread both map
 
     def out(self, rank: int, kind: str, local: int) -> int:
         if not local:
             return 0  # "no children" stays 0
         key = (rank, kind, local)
-        if key not in self._to:
-            self._to[key] = n = next(self._next)
-            self._from[n] = key
-        return self._to[key]
+        with self._lock:
+            if key not in self._to:
+                self._to[key] = n = next(self._next)
+                self._from[n] = key
+            return self._to[key]
 
     def back(self, panel_id: Any) -> tuple[int, str, int] | None:
-        return self._from.get(panel_id) if isinstance(panel_id, int) else None
+        with self._lock:
+            return self._from.get(panel_id) if isinstance(panel_id, int) else None
 
     def forget(self, rank: int) -> None:
         """A rank moved on: its frames and variables are gone (its threads stay)."""
-        for key in [k for k in self._to if k[0] == rank and k[1] != "thread"]:
-            del self._from[self._to.pop(key)]
+        with self._lock:
+            for key in [k for k in self._to if k[0] == rank and k[1] != "thread"]:
+                del self._from[self._to.pop(key)]
 
 
 @dataclass
