@@ -17,6 +17,7 @@ import pytest
 from conftest import usable, wait_until
 
 import distnb
+from distnb.ranks import format_ranks
 from distnb.worker import gloo_unblock
 from distnb.worker.group_abort import ESCALATE_AFTER
 
@@ -54,10 +55,13 @@ def test_one_interrupt_unblocks_a_gloo_collective_keeps_namespaces_and_rebuilds_
     assert ended >= ESCALATE_AFTER - 0.5, f"ended after {ended:.1f} s: before the escalation, so not by it?\n{text}"
     assert sorted(r for r in res.ranks if res[r].status == "interrupted") == [0, 2, 3], text
     assert res[1].status == "ok" and not any("never got here" in res[r].stdout for r in res.ranks), text
-    for r in (0, 2, 3):
-        assert "shutting down its 3 gloo connections so the cell can stop" in res[r].stderr, text
+    # Each blocked rank shuts its own connections down after ESCALATE_AFTER, unless a peer's shutdown
+    # woke it first (on a loaded machine the three timers fire apart): at least one did, and the note
+    # names exactly those.
+    escalated = [r for r in (0, 2, 3) if "shutting down its 3 gloo connections so the cell can stop" in res[r].stderr]
+    assert escalated, text
     assert any("Every rank now has a fresh default process group and keeps its namespace" in n for n in res.notes), text
-    assert "could not land on ranks 0,2,3, blocked in all_reduce #" in text, text
+    assert f"could not land on {format_ranks(escalated)}, blocked in all_reduce #" in text, text
     # The processes are the same, their namespaces kept; the new group works on every rank.
     again = pool.run("y = torch.ones(2) * (rank + 1)\ndist.all_reduce(y)\n(y.sum().item(), kept, tag)", timeout=30)
     assert again.ok, again.text()
