@@ -14,6 +14,7 @@ What the panel selects decides where commands go: the rank of the frame it last 
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ ANSWER_TIMEOUT = 10.0
 ATTACH_TIMEOUT = 60.0
 #: The first id the panel sees for a rank's thread, frame or variable: far above the kernel's own.
 FIRST_ID = 1_000_000_000
+#: Above this many paused ranks, ranks whose stacks are alike share one entry in the Callstack
+#: (``ranks 0-62 · MainThread · <module>``), the majority first; a step on it steps them all.
+ALIKE_ABOVE = 8
 #: Events the panel needs from a rank; the rest (threads starting, modules, output) are debugpy's
 #: chatter about the rank's own process.
 _EVENTS = {"stopped", "continued"}
@@ -97,6 +101,8 @@ class RankDebug:
         self._stops = False  # the panel's "before each collective"
         self._cond = threading.Condition()
         self.selected: int | None = None
+        self._alike: dict[int, list[int]] = {}  # a shared entry's frame id → the ranks it stands for
+        self._selected_all: list[int] = []  # the ranks of the shared entry the user selected
         #: Called with each event for the panel (ids already the panel's), from the pool's I/O thread.
         self.on_event: Callable[[dict[str, Any]], None] | None = None
 
@@ -241,13 +247,29 @@ class RankDebug:
             names = {t["id"]: t["name"] for t in self._wait(r, seq, ANSWER_TIMEOUT).get("body", {}).get("threads", [])}
             if r in self._ranks:
                 self._ranks[r].names.update(names)
-        frames = []
+        stacks = []
         for (r, t), seq in sorted(seqs.items()):
             reply = self._wait(r, seq, ANSWER_TIMEOUT)
             name = self._ranks[r].names.get(t, "MainThread") if r in self._ranks else "MainThread"
             before = self._ranks[r].before.get(t) if r in self._ranks else None
-            for i, frame in enumerate(reply.get("body", {}).get("stackFrames", [])):
-                frames.append(self._frame_out(r, name, frame, before if i == 0 else None))
+            stacks.append((r, name, before, reply.get("body", {}).get("stackFrames", [])))
+        self._alike = {}
+        if len(paused) <= ALIKE_ABOVE:
+            return [self._frame_out(r, name, f, before if i == 0 else None) for r, name, before, fs in stacks for i, f in enumerate(fs)]
+        # Many ranks: those stopped alike (same thread, places, next collective) share one entry.
+        alike: dict[Any, list[tuple[int, str, Any, list[dict[str, Any]]]]] = {}
+        for st in stacks:
+            key = (st[1], json.dumps(st[2], sort_keys=True), tuple((f.get("name"), (f.get("source") or {}).get("path"), f.get("line")) for f in st[3]))
+            alike.setdefault(key, []).append(st)
+        frames = []
+        for members in sorted(alike.values(), key=lambda m: (-len(m), m[0][0])):
+            r, name, before, fs = members[0]
+            ranks = [m[0] for m in members]
+            for i, f in enumerate(fs):
+                out = self._frame_out(r, name, f, before if i == 0 else None, who=format_ranks(ranks))
+                if len(ranks) > 1:
+                    self._alike[out["id"]] = ranks
+                frames.append(out)
         return frames
 
     def forward(self, rank: int, msg: dict[str, Any]) -> dict[str, Any]:
@@ -260,7 +282,7 @@ class RankDebug:
         if isinstance(args.get("source"), dict) and (owner := self._ids.back(args["source"].get("sourceReference"))):
             args["source"] = {**args["source"], "sourceReference": owner[2]}
         if msg["command"] in ("scopes", "evaluate") and "frameId" in msg.get("arguments", {}):
-            self.selected = rank
+            self.selected, self._selected_all = rank, self._alike.get(msg["arguments"]["frameId"], [])
         reply = self.request(rank, msg["command"], args)
         return {**reply, "seq": msg.get("seq", 0), "request_seq": msg.get("seq", 0), "body": self._body_out(rank, reply.get("body") or {})}
 
@@ -272,6 +294,9 @@ class RankDebug:
         rank = next((r for r in (self.selected, owner[0] if owner else None) if r in paused), paused[0] if paused else None)
         if rank is None:
             return {"success": False, "message": "no rank is paused"}
+        group = [r for r in self._selected_all if r in paused] if rank == self.selected else []
+        for other in [r for r in group if r != rank]:  # a shared entry: its ranks step together
+            self.request(other, command, {"threadId": self._ranks[other].paused[0]})
         link = self._ranks[rank]
         tid = link.paused[0]
         reply = self.request(rank, command, {"threadId": tid})
@@ -403,8 +428,9 @@ class RankDebug:
         for r, s in seqs.items():
             self._wait(r, s, ANSWER_TIMEOUT)
 
-    def _frame_out(self, rank: int, thread: str, frame: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]:
-        name = f"rank {rank} · {thread} · {frame.get('name', '?')}"
+    def _frame_out(self, rank: int, thread: str, frame: dict[str, Any], before: dict[str, Any] | None = None,
+                   who: str | None = None) -> dict[str, Any]:
+        name = f"{who or f'rank {rank}'} · {thread} · {frame.get('name', '?')}"
         if before is not None:  # side by side in the Callstack: what each rank is about to call
             group = GroupInfo(str(before.get("group", "?")), before.get("desc"), tuple(before["members"]) if before.get("members") else None)
             what = describe({"op": before.get("op"), "sizes": before.get("sizes", []), "dtypes": before.get("dtypes", []),

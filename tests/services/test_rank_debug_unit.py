@@ -18,6 +18,7 @@ class ScriptedRanks:
     def __init__(self) -> None:
         self.debug: RankDebug | None = None
         self.sent: list[tuple[int, dict[str, Any]]] = []
+        self.lines: dict[int, int] = {}  # rank → the line its frame stands at (default 4)
 
     def ask(self, identity: Any, ranks: list[int], msg: dict[str, Any], timeout: float, partial: bool = False) -> dict[int, dict[str, Any]]:
         assert self.debug is not None
@@ -25,7 +26,7 @@ class ScriptedRanks:
             for req in msg["msgs"]:
                 self.sent.append((rank, req))
                 body = {
-                    "stackTrace": {"stackFrames": [{"id": 2, "name": "<module>", "line": 4, "source": {"path": "/p.py"}}]},
+                    "stackTrace": {"stackFrames": [{"id": 2, "name": "<module>", "line": self.lines.get(rank, 4), "source": {"path": "/p.py"}}]},
                     "threads": {"threads": [{"id": 1, "name": "MainThread"}]},
                     "scopes": {"scopes": [{"name": "Locals", "variablesReference": 4}, {"name": "Globals", "variablesReference": 5}]},
                     "variables": {"variables": [{"name": "x", "value": str(rank), "variablesReference": 0}]},
@@ -120,3 +121,24 @@ def test_a_restarted_rank_is_attached_again() -> None:
     statuses[0] = RankStatus(rank=0, state=RankState.IDLE, pid=200, host="h", device="cpu")
     assert debug.attach() == ""
     assert [req["command"] for _, req in ranks.sent] == ["initialize", "attach", "configurationDone"]
+
+
+def test_above_a_handful_of_ranks_alike_stacks_share_an_entry_the_odd_rank_named_and_a_step_on_it_steps_them_all() -> None:
+    ranks = ScriptedRanks()
+    ranks.lines[9] = 7  # rank 9 stopped elsewhere
+    statuses = [RankStatus(rank=r, state=RankState.RUNNING, pid=100 + r, host="h", device="cpu") for r in range(10)]
+    debug = RankDebug(ranks, lambda: statuses)  # type: ignore[arg-type]
+    ranks.debug = debug
+    assert debug.attach() == ""
+    for r in range(10):
+        _stop(debug, r)
+    frames = debug.stack()
+    assert [(f["name"], f["line"]) for f in frames] == [("ranks 0-8 · MainThread · <module>", 4), ("rank 9 · MainThread · <module>", 7)]
+    debug.forward(0, {"seq": 1, "command": "scopes", "arguments": {"frameId": frames[0]["id"]}})  # the user clicks the shared entry
+    ranks.sent.clear()
+    assert debug.step("next")["success"]
+    assert sorted(r for r, req in ranks.sent if req["command"] == "next") == list(range(9))  # not rank 9
+    debug.forward(9, {"seq": 2, "command": "scopes", "arguments": {"frameId": frames[1]["id"]}})
+    ranks.sent.clear()
+    assert debug.step("continue")["success"]
+    assert [(r, req["command"]) for r, req in ranks.sent] == [(9, "continue")]
