@@ -3,8 +3,9 @@ control thread, which relays DAP between it and the notebook (services/rank_debu
 
 Why in-process (``in_process_debug_adapter``): debugpy's usual adapter is a second process per rank
 that outlives the rank; pydevd itself speaks DAP. It listens on 127.0.0.1, port 0 — nothing another
-machine can reach, and the control thread connects at once (pydevd serves one client). The relay
-rides the rank's existing, authenticated control connection, so a remote rank needs no new port.
+machine can reach — only until the control thread's connection is served; then its listening socket
+is closed (pydevd would hand the session to any later local connection). The relay rides the
+rank's existing, authenticated control connection, so a remote rank needs no new port.
 
 Cells keep their ``<cell-N>`` file names (the call log, the path recorder and every report name
 cells so); the panel knows a cell by the file ipykernel compiled it as (its text's hash).
@@ -80,12 +81,15 @@ class PanelLink:
         try:
             import debugpy
 
+            in_process = True
             try:
                 host, port = debugpy.listen(("127.0.0.1", 0), in_process_debug_adapter=True)
             except TypeError:  # debugpy before 1.8.1: its adapter process, still on loopback
+                in_process = False
                 host, port = debugpy.listen(("127.0.0.1", 0))
             self.sock = socket.create_connection((host, port), timeout=30)
-            _stop_listening(self.sock)
+            if in_process:
+                _stop_listening(self.sock)
             self.sock.setblocking(False)
             for path, (filename, first, lines) in self._maps.items():
                 self._apply(path, filename, first, lines)
