@@ -15,6 +15,7 @@ from typing import Any
 
 from distnb.analysis.collectives import P2P_OPS, odd_ones
 from distnb.analysis.entry_words import describe
+from distnb.analysis.groups import GroupInfo
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["NextCall", "NextReport", "compare_next"]
@@ -41,6 +42,14 @@ class NextCall:
     dtypes: tuple[str, ...] = ()
     place: str = ""  # ``cell 7 line 5 (dist.all_reduce(t))``
     inside: bool = False
+
+    @classmethod
+    def stopped_before(cls, rank: int, before: dict[str, Any], group: GroupInfo, place: str) -> NextCall:
+        """A rank paused before a collective, from what call_log's wrapper told of it (op, args,
+        sizes, dtypes) and its group as the caller names it."""
+        return cls(rank, str(before.get("op")), group.name, group.label(), group.role(), group.ranks,
+                   tuple(sorted((before.get("args") or {}).items())), tuple(tuple(s) for s in before.get("sizes", [])),
+                   tuple(before.get("dtypes", [])), place)
 
     def what(self) -> str:
         """``all_reduce [4] f32``, ``broadcast [2] f32 src=1``."""

@@ -94,10 +94,7 @@ class CollectiveStops:
 
     def _paused_call(self, prompt: Prompt) -> NextCall:
         b = prompt.before or {}
-        info = self._info(str(b.get("group", "?")), b.get("desc"), b.get("members"))
-        return NextCall(prompt.rank, str(b.get("op")), info.name, info.label(), info.role(), info.ranks,
-                        tuple(sorted((b.get("args") or {}).items())), tuple(tuple(s) for s in b.get("sizes", [])),
-                        tuple(b.get("dtypes", [])), prompt.place())
+        return NextCall.stopped_before(prompt.rank, b, self._info(str(b.get("group", "?")), b.get("desc"), b.get("members")), prompt.place())
 
     def _inside_call(self, pos: Position, cell: int) -> NextCall:
         info = self._info(str(pos.group), None, None)

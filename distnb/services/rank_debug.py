@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from distnb.analysis.entry_words import describe
 from distnb.analysis.groups import GroupInfo
 from distnb.analysis.next_calls import NextCall, compare_next
 from distnb.controller.requests import Requests
@@ -207,12 +206,7 @@ class RankDebug:
             befores = {r: link.before[t] for r, link in self._ranks.items() for t in link.paused[:1] if t in link.before}
         if not befores:
             return ""
-        calls = {}
-        for r, b in befores.items():
-            info = GroupInfo(str(b.get("group", "?")), b.get("desc"), tuple(b["members"]) if b.get("members") else None)
-            calls[r] = NextCall(r, str(b.get("op")), info.name, info.label(), info.role(), info.ranks,
-                                tuple(sorted((b.get("args") or {}).items())), tuple(tuple(x) for x in b.get("sizes", [])),
-                                tuple(b.get("dtypes", [])), f"cell {b.get('cell')} line {b.get('line')}")
+        calls = {r: _next_call(r, b) for r, b in befores.items()}
         report = compare_next(calls, unknown={r: "is still running" for r in self.attached if r not in befores})
         width = max(len(format_ranks(rs)) for rs, _ in report.rows)
         lines = ["[distnb] next collectives of the ranks the debugger panel holds (nothing issued yet):"]
@@ -432,10 +426,8 @@ class RankDebug:
                    who: str | None = None) -> dict[str, Any]:
         name = f"{who or f'rank {rank}'} · {thread} · {frame.get('name', '?')}"
         if before is not None:  # side by side in the Callstack: what each rank is about to call
-            group = GroupInfo(str(before.get("group", "?")), before.get("desc"), tuple(before["members"]) if before.get("members") else None)
-            what = describe({"op": before.get("op"), "sizes": before.get("sizes", []), "dtypes": before.get("dtypes", []),
-                             "args": before.get("args") or {}})
-            name += f" · before {what} on {group.label()}"
+            call = _next_call(rank, before)
+            name += f" · before {call.what()} on {call.label}"
         out = {**frame, "id": self._ids.out(rank, "frame", frame["id"]), "name": name}
         source = frame.get("source")
         if isinstance(source, dict) and source.get("sourceReference"):
@@ -450,6 +442,12 @@ class RankDebug:
             if key in body:
                 body[key] = [{**v, "variablesReference": self._ids.out(rank, "ref", v.get("variablesReference", 0))} for v in body[key]]
         return body
+
+
+def _next_call(rank: int, before: dict[str, Any]) -> NextCall:
+    """What a rank stopped before (the wrapper's account of it, carried with the stop)."""
+    group = GroupInfo(str(before.get("group", "?")), before.get("desc"), tuple(before["members"]) if before.get("members") else None)
+    return NextCall.stopped_before(rank, before, group, f"cell {before.get('cell')} line {before.get('line')}")
 
 
 def _request(seq: int, command: str, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from distnb.worker.patching import wrap_c10d
 
-__all__ = ["STOPS", "CallLog", "LeftCell", "StopFlags", "install", "needs"]
+__all__ = ["STOPS", "CallLog", "LeftCell", "StopFlags", "c10d_calls", "install", "needs"]
 
 #: Function → the arguments kept (those that must agree across the ranks of a collective, or name
 #: the peer of a point-to-point call).
@@ -307,6 +307,20 @@ def _stop(log: CallLog, name: str, group: Any, got: dict[str, Any], inputs: Any)
         print(f"distnb: stopped before {name} on group {_group_name(group)} rather than wait for rank{'s' * (len(STOPS.gone) > 1)} "
               f"{left}, which left this cell{f' ({STOPS.why})' if STOPS.why else ''}: nothing was issued.", file=sys.stderr, flush=True)
         raise LeftCell(f"rank {left} left the cell")
+
+
+def c10d_calls() -> list[str]:
+    """The torch.distributed functions the main thread is in now, outermost first (read from
+    another thread: the control thread's watch and escalation, a HOLD's answer)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    names: list[str] = []
+    for _ in range(64):
+        if frame is None:
+            break
+        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names[::-1]
 
 
 def needs(name: str, group: Any, got: dict[str, Any], ranks: frozenset[int]) -> bool:

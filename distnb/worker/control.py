@@ -29,6 +29,7 @@ from distnb.wire.peers import PeerKind, control_identity
 from distnb.wire.protocol import Msg, ToControl, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
+from distnb.worker.call_log import c10d_calls
 from distnb.worker.debug import hold_request
 from distnb.worker.execute import Executor
 from distnb.worker.meshes import describe_meshes
@@ -65,41 +66,9 @@ def thread_stacks(all_threads: bool, skip: set[int]) -> list[dict[str, Any]]:
     return out
 
 
-def _main_in_collective() -> bool:
-    """Is the main thread inside a torch.distributed call right now (e.g. blocked in a collective)?"""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    depth = 0
-    while frame is not None and depth < 64:
-        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
-            return True
-        frame, depth = frame.f_back, depth + 1
-    return False
-
-
-def _c10d_call() -> str:
-    """The torch.distributed function the main thread is in (outermost), or ""."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    name, depth = "", 0
-    while frame is not None and depth < 64:
-        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
-            name = frame.f_code.co_name
-        frame, depth = frame.f_back, depth + 1
-    return name
-
-
 #: torch.distributed calls whose wait is on the rendezvous store, not on a gloo pair.
 _GROUP_SETUP = {"init_process_group", "new_group", "new_subgroups", "new_subgroups_by_enumeration", "destroy_process_group",
                 "split_group", "_new_group_with_tag", "_new_process_group_helper"}
-
-
-def _in_group_setup() -> bool:
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    depth = 0
-    while frame is not None and depth < 64:
-        if frame.f_code.co_filename.endswith("distributed_c10d.py") and frame.f_code.co_name in _GROUP_SETUP:
-            return True
-        frame, depth = frame.f_back, depth + 1
-    return False
 
 
 class ControlThread(threading.Thread):
@@ -201,7 +170,7 @@ class ControlThread(threading.Thread):
             if seqs is None:
                 return
             moved = seqs != self._pushed_seqs
-            in_collective = _main_in_collective()
+            in_collective = bool(c10d_calls())
             # Pushed as open, and the main thread is no longer in torch.distributed: likely done.
             # (Without this, a rank killed while computing after a collective would be reported
             # as dying inside it.)
@@ -290,13 +259,14 @@ class ControlThread(threading.Thread):
         backends = backends_in_use()
         nccl = open_nccl() if "nccl" in backends else ""
         gloo = "" if nccl or "gloo" not in backends else open_gloo()
-        entering = not nccl and not gloo and _main_in_collective()
+        calls = c10d_calls()
+        entering = not nccl and not gloo and bool(calls)
         if entering and "nccl" in backends:
             # Inside the call itself, before its entry exists: NCCL connects to the group's
             # peers at its first collective, and the host waits there for peers that never come.
             nccl = "a collective it is still entering (connecting to its peers)"
-        elif entering and "gloo" in backends and not _in_group_setup():
-            gloo = f"{_c10d_call() or 'a collective'} (gloo)"
+        elif entering and "gloo" in backends and not _GROUP_SETUP.intersection(calls):
+            gloo = f"{calls[0]} (gloo)"
         if nccl:
             self._abort_nccl(cell, nccl)
         elif gloo:

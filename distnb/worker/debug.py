@@ -30,9 +30,9 @@ from types import FrameType, TracebackType
 from typing import Any, Callable
 
 from distnb.wire.protocol import Hold, Msg, StdinReply
-from distnb.worker.call_log import STOPS, needs
+from distnb.worker.call_log import STOPS, c10d_calls, needs
 
-__all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "hold_request", "install", "quit_error"]
+__all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "cell_place", "hold_request", "install", "quit_error"]
 
 #: Lines of source either side of the paused line sent with each prompt.
 CONTEXT = 2
@@ -133,7 +133,8 @@ def _cell_module(frame: FrameType) -> bool:
     return frame.f_code.co_name == "<module>" and frame.f_code.co_filename.startswith("<cell-")
 
 
-def _where(frame: FrameType, lineno: int) -> dict[str, Any]:
+def cell_place(frame: FrameType, lineno: int) -> dict[str, Any]:
+    """Where a paused rank stands, as the notebook shows it: file, line, function, cell, code, the lines around."""
     filename = frame.f_code.co_filename
     lines = linecache.getlines(filename, frame.f_globals)
     cell = int(filename[6:-1]) if filename.startswith("<cell-") and filename[6:-1].isdigit() else None
@@ -203,7 +204,7 @@ class RankPdb(pdb.Pdb):
             text = text[: -len(prompt)]
         if len(text) > ANSWER_CAP:
             text = text[:ANSWER_CAP] + f"\n… [{len(text) - ANSWER_CAP:,} more characters not shown]\n"
-        where = _where(*self.stack[self.curindex]) if self.stack else None
+        where = cell_place(*self.stack[self.curindex]) if self.stack else None
         if where is not None and self.before is not None:
             where["before"] = self.before
         try:
@@ -283,25 +284,11 @@ def hold_request(hooks: Hooks | None, msg: Hold) -> dict[str, Any]:
     elif msg.get("mode") == "hold" and not paused and not hooks.prompter.detached:
         STOPS.hold = STOPS.hold or "hold"
     calling = STOPS.calling
-    inside = calling[0] if calling is not None else _c10d_call()
+    inside = calling[0] if calling is not None else next(iter(c10d_calls()), "")  # a collective the call log does not wrap
     reply: dict[str, Any] = {"state": "paused" if paused else "inside" if inside else "running", "inside": inside}
     if calling is not None and STOPS.gone:
         reply["needs"] = needs(*calling, STOPS.gone)  # the call it is in waits for a rank that left
     return reply
-
-
-def _c10d_call() -> str:
-    """The torch.distributed function the main thread is in (outermost), or "": a collective the
-    call log does not wrap."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    name = ""
-    for _ in range(64):
-        if frame is None:
-            break
-        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
-            name = frame.f_code.co_name
-        frame = frame.f_back
-    return name
 
 
 def quit_error(evalue: BaseException) -> bool:

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import linecache
 import os
 import socket
 import sys
 import threading
 import time
 from typing import Any
+
+from distnb.worker.call_log import STOPS
+from distnb.worker.debug import cell_place
 
 __all__ = ["PanelLink", "private_thread"]
 
@@ -182,8 +184,6 @@ class PanelLink:
     def collective_stops(self, on: bool) -> None:
         """The panel's "before each collective" (control thread): the main thread stops in the
         panel before each collective call it makes, nothing issued, until it is turned off."""
-        from distnb.worker.call_log import STOPS
-
         STOPS.panel_hook = self._stop_before
         STOPS.every = on
         self._armed["collectives"] = on  # stepping on from such a stop needs the thread traced
@@ -225,12 +225,7 @@ class PanelLink:
         frame = sys._current_frames().get(threading.main_thread().ident or -1)
         while frame is not None and not frame.f_code.co_filename.startswith("<cell-"):
             frame = frame.f_back
-        where: dict[str, Any] = {}
-        if frame is not None:
-            name = frame.f_code.co_filename
-            code = linecache.getline(name, frame.f_lineno).strip()
-            where = {"file": name, "line": frame.f_lineno, "func": frame.f_code.co_name, "code": code,
-                     "cell": int(name[6:-1]) if name[6:-1].isdigit() else None}
+        where = cell_place(frame, frame.f_lineno) if frame is not None else {}
         return {"kind": "panel", "where": where, "since": min(self.stopped.values())}
 
     def before_cell(self) -> None:
