@@ -102,7 +102,7 @@ class Pool:
         self._tracker = Tracker(self._config.world_size, CollectiveLog())
         self._session = SessionLog()
         self._diagnostics = Diagnostics(self._tracker, self._config, self._session, lambda: self.run_dir)
-        self._debugger = Debugger(self._tracker, self._config, self.diagnose)
+        self._debugger = Debugger(self._tracker, self._config, self.diagnose, self.meshes)
         self._panel = RankDebug(self._tracker.requests, self._tracker.rank_statuses)
         self._tracker.dap_handler = self._panel.deliver
         self._channel: Channel | None = None

@@ -41,7 +41,6 @@ from distnb.ranks import format_ranks, group_by, parse_ranks
 from distnb.results import CellRecord, CellResult
 from distnb.services.collective_stops import CollectiveStops, left_words
 from distnb.services.mesh_ranks import mesh_ranks
-from distnb.services.meshes import mesh_report
 from distnb.wire.peers import exec_identity
 from distnb.wire.protocol import Msg
 
@@ -161,9 +160,7 @@ class Debugger:
         self._tracker = tracker
         self._config = config
         self._diagnose = diagnose
-        # The pool's meshes as Pool.meshes reads them, unless a caller injects its own.
-        self._meshes = meshes or (lambda: mesh_report(tracker.requests, tracker.collective_log,
-                                                      tracker.alive(list(range(config.world_size)))))
+        self._meshes = meshes  # Pool.meshes; without it, ranks are chosen by number only
         self._mesh_seen: tuple[int, MeshReport] | None = None  # read once per cell: a walk of each rank's objects
         self.stops = CollectiveStops(tracker, config.world_size)
 
@@ -181,6 +178,7 @@ class Debugger:
 
     def select(self, result: CellResult, spec: str) -> list[int]:
         """The ranks at mesh coordinates ``spec`` (``dp=0``, ``dp=0,tp=1``) of the pool's meshes."""
+        assert self._meshes is not None, "mesh coordinates need the pool's meshes"
         if self._mesh_seen is None or self._mesh_seen[0] != result.cell:
             self._mesh_seen = (result.cell, self._meshes())
         return mesh_ranks(spec, self._mesh_seen[1], self._config.world_size)
@@ -287,7 +285,7 @@ class Debugger:
             if line is None:
                 continue
             try:
-                cmd = parse_command(line, world, lambda spec: self.select(result, spec))
+                cmd = parse_command(line, world, (lambda spec: self.select(result, spec)) if self._meshes is not None else None)
             except ValueError as exc:
                 write(f"[distnb] {exc}")
                 continue
