@@ -69,7 +69,7 @@ class CollectiveStops:
         released = set(self._released.get(result.cell, ()))
         by_rank = {p.rank: p for p in positions}
         paused = {p.rank: p for p in waiting}
-        running = self._running(result)
+        running = self.running(result)
         for r in result.ranks:
             if r in before:
                 continue
@@ -88,9 +88,9 @@ class CollectiveStops:
 
     def _info(self, name: str, desc: str | None, members: list[int] | None) -> GroupInfo:
         log = self._tracker.collective_log
-        site = self._tracker.under_lock(lambda: log.group(name).site)
-        known = members or self._tracker.under_lock(lambda: log.groups.get(name))
-        return GroupInfo(name, desc or self._tracker.under_lock(lambda: log.descs.get(name)), tuple(known) if known else None, site)
+        site, known, described = self._tracker.under_lock(lambda: (log.group(name).site, log.groups.get(name), log.descs.get(name)))
+        known = members or known
+        return GroupInfo(name, desc or described, tuple(known) if known else None, site)
 
     def _paused_call(self, prompt: Prompt) -> NextCall:
         b = prompt.before or {}
@@ -106,7 +106,8 @@ class CollectiveStops:
     def _blocked(self, log: CollectiveLog, rank: int, cell: int, left: set[int]) -> str:
         return self._tracker.under_lock(lambda: log.blocked_on(rank, cell, left))
 
-    def _running(self, result: CellResult) -> set[int]:
+    def running(self, result: CellResult) -> set[int]:
+        """The cell's ranks still running it."""
         run = self._tracker.run_of(result)
         return self._tracker.under_lock(lambda: set(run.waiting_done))
 
@@ -122,7 +123,7 @@ class CollectiveStops:
             return [], ""
         self._held = {c for c in self._held if c > result.cell - 16} | {result.cell}
         paused = {p.rank for p in waiting}
-        targets = sorted(self._running(result) - paused)
+        targets = sorted(self.running(result) - paused)
         if not targets:
             return [], ""
         replies = self._ask(targets, {"t": Msg.HOLD, "cell": result.cell, "mode": "hold"})
@@ -145,7 +146,7 @@ class CollectiveStops:
         self._released.setdefault(result.cell, set()).update(left)
         while len(self._released) > 16:  # recent cells only
             del self._released[min(self._released)]
-        others = sorted(self._running(result) - set(left))
+        others = sorted(self.running(result) - set(left))
         if not others:
             return ""
         replies = self._ask(others, {"t": Msg.HOLD, "cell": result.cell, "mode": "release", "ranks": left, "why": why})

@@ -322,7 +322,8 @@ class Debugger:
         if left and (words := self.stops.release(result, left, "it raised")):
             write(words)
         if cmd.kind == "next":
-            done = [r for r in ranks if r not in still and r not in self._tracker.under_lock(lambda: set(self._tracker.run_of(result).waiting_done))]
+            running = self.stops.running(result)
+            done = [r for r in ranks if r not in still and r not in running]
             for rs, words in group_by((r, left_words(result.results[r])) for r in done):
                 write(f"[distnb] {format_ranks(rs)} {words}.")
         if still and self.pending(result):
