@@ -1,0 +1,213 @@
+"""Run programs and their mutants on a real pool and score the verdicts distnb gives.
+
+Each mutant: the program's setup (fresh models, meshes and groups), then the mutated step cell,
+watched as the notebook watches it — ``Pool.diagnose`` once the hang threshold has passed, until a
+verdict names a hang or a failure, or the cell ends (then the ended cell's verdict). The cell is
+then interrupted if it still runs, and the pool restarted if a rank died or it would not stop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from corpus.mutations import PRELUDE, Mutant
+from corpus.programs import Program
+
+import distnb
+from distnb.analysis.verdicts.verdict import Certainty, Kind, State, Verdict
+
+__all__ = ["Outcome", "Runner", "score_table"]
+
+HANG_AFTER = 1.0
+#: How long a mutant may take to show its verdict before the last one is taken.
+VERDICT_WITHIN = 20.0
+SETUP_TIMEOUT = 180.0
+
+
+@dataclass
+class Outcome:
+    name: str
+    program: str
+    operator: str
+    healthy: bool
+    culprit: list[int]
+    kinds: list[str]
+    lines: list[int]
+    state: str = ""
+    kind: str = ""
+    culprits: list[int] = field(default_factory=list)
+    sites: list[tuple[int | None, int | None]] = field(default_factory=list)
+    certainty: str = ""
+    rule: str = ""
+    summary: str = ""
+    culprit_right: bool = False
+    kind_right: bool = False
+    site_right: bool = False
+    false_claim: bool = False
+    false_alarm: bool = False
+    seconds: float = 0.0
+    error: str = ""
+    report: str = ""  # the cell's own end report (root cause, notes), for reading a miss
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Runner:
+    """One pool for the whole run; ``pool`` is reused across programs and restarted when broken."""
+
+    def __init__(self, pool: distnb.Pool | None = None, log: Callable[[str], None] = print) -> None:
+        self._own = pool is None
+        self.pool = pool or distnb.launch(nproc=4, backend="gloo", hang_after=HANG_AFTER)
+        self._log = log
+        self._ready_for: str | None = None
+
+    def close(self) -> None:
+        if self._own:
+            self.pool.shutdown()
+
+    # -- one cell -----------------------------------------------------------------------------
+    def _usable(self) -> None:
+        pool = self.pool
+        if pool.state != distnb.PoolState.READY or any(s.state == distnb.RankState.RUNNING for s in pool.status().ranks):
+            pool.restart()
+
+    def _setup(self, program: Program) -> None:
+        self._usable()
+        code = PRELUDE + (program.values + "\n" if program.values else "") + program.setup
+        res = self.pool.run(code, timeout=SETUP_TIMEOUT)
+        if res.failed or res.running:
+            raise RuntimeError(f"{program.name}: setup failed:\n{res.text()}")
+
+    def _watch(self, code: str) -> tuple[distnb.CellResult, Verdict]:
+        pool = self.pool
+        res = pool.submit(code)
+        t0 = time.monotonic()
+        verdict: Verdict | None = None
+        while True:
+            pool.wait(res, timeout=0.25, ask=None)
+            if not res.running:
+                break
+            elapsed = time.monotonic() - t0
+            if elapsed >= HANG_AFTER + 0.5:
+                verdict = _as_verdict(pool.diagnose(res))
+                if verdict.state in (State.HANG, State.FAILED) or elapsed > VERDICT_WITHIN:
+                    break
+        if not res.running:
+            verdict = _as_verdict(pool.diagnose(res))
+        assert verdict is not None
+        return res, verdict
+
+    def _stop(self, res: distnb.CellResult) -> None:
+        pool = self.pool
+        if res.running:
+            pool.interrupt()
+            pool.wait(res, timeout=15.0, ask=None)
+        if res.running or pool.state != distnb.PoolState.READY:
+            pool.restart()
+
+    # -- programs and mutants -----------------------------------------------------------------
+    def healthy(self, program: Program) -> Outcome:
+        out = Outcome(f"{program.name}:healthy", program.name, "healthy", True, [], [Kind.NONE.value], [])
+        t0 = time.monotonic()
+        try:
+            self._setup(program)
+            res, verdict = self._watch(program.step_code())
+            self._stop(res)
+        except Exception as exc:  # a program that can't run is a finding of the run, not its end
+            out.error = f"{type(exc).__name__}: {exc}"
+            out.false_alarm = True
+            return out
+        _fill(out, verdict, res)
+        notes = [n for n in (res.root_cause, res.desync_note, res.path_note) if n]
+        out.false_alarm = bool(res.failed or res.running or verdict.is_problem or notes)
+        out.report = "\n".join(notes) if notes else ""
+        out.seconds = time.monotonic() - t0
+        return out
+
+    def mutant(self, m: Mutant) -> Outcome:
+        out = Outcome(m.name, m.program.name, m.operator, False, sorted(m.blamed), sorted(k.value for k in m.kinds), sorted(m.lines))
+        t0 = time.monotonic()
+        try:
+            self._setup(m.program)
+            res, verdict = self._watch(m.step)
+            report = res.text()
+            self._stop(res)
+        except Exception as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+            try:
+                self.pool.restart()
+            except Exception:
+                self.pool = distnb.launch(nproc=4, backend="gloo", hang_after=HANG_AFTER)
+            return out
+        _fill(out, verdict, res)
+        out.culprit_right = set(verdict.culprits) == m.blamed
+        out.kind_right = verdict.kind in m.kinds
+        out.site_right = any(s.cell == res.cell and s.line in m.lines for s in verdict.sites)
+        out.false_claim = verdict.certainty == Certainty.CERTAIN and not (out.culprit_right and out.kind_right)
+        out.report = report[-3000:]
+        out.seconds = time.monotonic() - t0
+        return out
+
+
+def _as_verdict(d: Any) -> Verdict:
+    if isinstance(d, Verdict):
+        return d
+    return Verdict(State(d.kind), Kind.UNKNOWN if d.kind != "ok" else Kind.NONE, d.summary, list(d.culprits), positions=d.positions)
+
+
+def _fill(out: Outcome, verdict: Verdict, res: distnb.CellResult) -> None:
+    out.state = str(verdict.state)
+    out.kind = str(verdict.kind)
+    out.culprits = list(verdict.culprits)
+    out.sites = [(s.cell, s.line) for s in verdict.sites]
+    out.certainty = str(verdict.certainty)
+    out.rule = verdict.rule
+    out.summary = verdict.summary
+
+
+def score_table(outcomes: list[Outcome]) -> dict[str, Any]:
+    """The figures: over mutants, culprit and kind right, site right, false claims; over healthy
+    programs, false alarms; per operator and per program the same."""
+    mutants = [o for o in outcomes if not o.healthy]
+    healthy = [o for o in outcomes if o.healthy]
+
+    def figures(rows: list[Outcome]) -> dict[str, Any]:
+        n = len(rows)
+        return {
+            "mutants": n,
+            "culprit_right": sum(o.culprit_right for o in rows),
+            "kind_right": sum(o.kind_right for o in rows),
+            "culprit_and_kind_right": sum(o.culprit_right and o.kind_right for o in rows),
+            "site_right": sum(o.site_right for o in rows),
+            "false_claims": sum(o.false_claim for o in rows),
+            "errors": sum(bool(o.error) for o in rows),
+        }
+
+    by_op: dict[str, list[Outcome]] = {}
+    by_program: dict[str, list[Outcome]] = {}
+    for o in mutants:
+        by_op.setdefault(o.operator, []).append(o)
+        by_program.setdefault(o.program, []).append(o)
+    total = figures(mutants)
+    confusion: dict[str, dict[str, int]] = {}
+    for o in mutants:
+        want = "|".join(o.kinds)
+        confusion.setdefault(want, {})
+        confusion[want][o.kind or "error"] = confusion[want].get(o.kind or "error", 0) + 1
+    return {
+        "mutants": len(mutants),
+        "culprit_and_kind_right": round(total["culprit_and_kind_right"] / len(mutants), 4) if mutants else None,
+        "culprit_right": round(total["culprit_right"] / len(mutants), 4) if mutants else None,
+        "kind_right": round(total["kind_right"] / len(mutants), 4) if mutants else None,
+        "site_right": round(total["site_right"] / len(mutants), 4) if mutants else None,
+        "false_claims": total["false_claims"],
+        "false_alarms_on_healthy": sum(o.false_alarm for o in healthy),
+        "healthy_programs": len(healthy),
+        "errors": total["errors"],
+        "by_operator": {k: figures(v) for k, v in sorted(by_op.items())},
+        "by_program": {k: figures(v) for k, v in sorted(by_program.items())},
+        "confusion": confusion,
+    }

@@ -1,0 +1,143 @@
+"""A verdict is data: what is wrong (:class:`Kind`), whether the cell hangs, runs slow or failed
+(:class:`State`), who caused it and who suffers it, where in the notebook, which records prove it
+and how sure distnb is. Words come last (:mod:`distnb.analysis.verdicts.render`); the live view,
+the cell's report and ``CellFailed`` all read the same verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from distnb.ranks import format_ranks, group_by
+
+__all__ = ["MAX_PLACES", "Certainty", "Evidence", "Kind", "Site", "State", "Verdict"]
+
+#: Places (ranks grouped by where they are) a verdict lists before "… and N more".
+MAX_PLACES = 8
+
+
+class State(str, Enum):
+    """The situation of the cell's ranks (the old ``Diagnosis.kind`` strings, so comparisons with
+    them still hold)."""
+
+    OK = "ok"  # nothing wrong seen (yet)
+    RUNNING = "running"  # ranks compute with nobody waiting: nothing to judge
+    SLOW = "slow"  # ranks wait, and will likely get through
+    HANG = "hang"  # ranks wait for something that will not come
+    PAUSED = "paused"  # ranks wait for the notebook (pdb, input(), the debugger panel)
+    FAILED = "failed"  # over: a rank died or raised, with a cause found
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Kind(str, Enum):
+    """What broke the agreement between ranks, as a class of causes."""
+
+    NONE = "none"  # nothing wrong found
+    RAISED = "raised"  # a rank raised an error of its own and left the cell
+    DIED = "died"  # a rank's process died
+    CALL_MISSING = "call_missing"  # ranks did not make a call the rest of its group made
+    CALL_EXTRA = "call_extra"  # ranks made a call the rest of its group did not
+    LOOP_COUNT = "loop_count"  # ranks repeated the same calls (a loop) another number of times
+    MISMATCH = "mismatch"  # the same position of a group's sequence: another op, shape, dtype or argument
+    WRONG_GROUP = "wrong_group"  # a call over another group (mesh dimension) than its peers'
+    P2P_UNMATCHED = "p2p_unmatched"  # a send or receive with no partner (another peer, a missing side)
+    CROSS_CELL = "cross_cell"  # one collective paired calls of different cells (a call left pending)
+    GROUP_CREATION = "group_creation"  # new_group out of step across ranks
+    NOT_IN_CELL = "not_in_cell"  # a collective needs ranks the cell does not run on
+    UNRESPONSIVE = "unresponsive"  # a rank gives no stack at all
+    STILL_RUNNING = "still_running"  # ranks compute while the others wait for them
+    COMPILING = "compiling"  # ranks still in torch.compile while others wait
+    IMPORTING = "importing"  # ranks still importing modules while others wait
+    SLOW_COLLECTIVE = "slow_collective"  # every rank in the same collective or transfer
+    STRAGGLER = "straggler"  # a rank late at most collectives, beyond the noise
+    PAUSED = "paused"  # ranks paused in a debugger (not a fault)
+    UNKNOWN = "unknown"  # ranks hang and the records do not say why
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Certainty(str, Enum):
+    CERTAIN = "certain"  # the records prove it
+    LIKELY = "likely"  # inferred: ``Verdict.reason`` says from what
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Site:
+    """A place in the notebook: cell (distnb's number; ``label`` the notebook's In[n]), line, the
+    function it is in, and the line's text."""
+
+    cell: int | None
+    line: int | None
+    func: str = ""
+    code: str = ""
+    what: str = ""  # what happens there, in a few words: "the call", "under `if rank == 0:`"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Which constraint broke, and the records that show it: ``records`` per rank, each a short
+    description of the record (an entry, a call, a stack line) that the rule read."""
+
+    constraint: str  # e.g. "the n-th call on a group matches on every member"
+    records: dict[int, str] = field(default_factory=dict)
+    group: str | None = None  # the group the constraint is about
+    seq: int | None = None  # the position in that group's sequence
+    fields: tuple[str, ...] = ()  # what differs (op, shape, dtype, op argument, split sizes, group, peer)
+
+
+@dataclass
+class Verdict:
+    """The diagnosis of a cell: ``kind`` of cause, ``state`` of the ranks, ``culprits`` (whose
+    code or process caused it), ``victims`` (who suffers it: waiting, aborted), ``sites`` (where),
+    ``evidence`` and ``certainty``. ``summary`` and ``details`` are the words, made from the data
+    by the rule that found it; ``positions`` are the ranks' places, for the per-rank lines."""
+
+    state: State
+    kind: Kind
+    summary: str
+    culprits: list[int] = field(default_factory=list)
+    victims: list[int] = field(default_factory=list)
+    sites: list[Site] = field(default_factory=list)
+    evidence: Evidence | None = None
+    certainty: Certainty = Certainty.LIKELY
+    reason: str = ""  # why only likely: what was inferred, from what
+    positions: list[Any] = field(default_factory=list)  # analysis.position.Position, per rank
+    details: list[str] = field(default_factory=list)  # more lines under the per-rank ones
+    rule: str = ""  # the rule that found it (for tests and the corpus' confusion table)
+
+    @property
+    def is_problem(self) -> bool:
+        return self.state in (State.HANG, State.SLOW, State.FAILED) or self.kind not in (Kind.NONE, Kind.PAUSED)
+
+    def text(self) -> str:
+        """The headline, then one line per place the ranks are in (ranks in the same place share
+        a line whatever their waits), the culprits' places first above :data:`MAX_PLACES`."""
+        lines = [f"[distnb] {self.summary}"]
+        by_rank = {p.rank: p for p in self.positions}
+        places = group_by((p.rank, p.where([])) for p in self.positions)
+        left: list[tuple[list[int], Any]] = []
+        if len(places) > MAX_PLACES:
+            culprits = set(self.culprits)
+            keep = sorted(places, key=lambda g: (not set(g[0]) & culprits, -len(g[0])))[:MAX_PLACES]
+            left = [g for g in places if g not in keep]
+            places = [g for g in places if g in keep]
+        for ranks, _ in places:
+            durations = [since for r in ranks if (since := by_rank[r].since) is not None]
+            lines.append(f"  {format_ranks(ranks)}: {by_rank[ranks[0]].where(durations)}")
+        if left:
+            lines.append(f"  … and {sum(len(rs) for rs, _ in left)} more ranks in {len(left)} other places (each: .positions)")
+        lines.extend(self.details)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
