@@ -30,11 +30,13 @@ _PUBLIC = {
     "CellResult": "distnb.results", "PoolStatus": "distnb.status", "RankResult": "distnb.results",
     "RankState": "distnb.states", "RankStatus": "distnb.status",
     "checksum": "distnb.worker.checksum",
-    "Debugger": "distnb.services.debugger", "Prompt": "distnb.controller.prompts", "Diagnosis": "distnb.analysis.hang",
+    "Debugger": "distnb.services.debugger", "Prompt": "distnb.controller.prompts",
+    "Verdict": "distnb.analysis.verdicts.verdict", "Kind": "distnb.analysis.verdicts.verdict", "Certainty": "distnb.analysis.verdicts.verdict",
+    "VerdictState": "distnb.analysis.verdicts.verdict", "Site": "distnb.analysis.verdicts.verdict", "Evidence": "distnb.analysis.verdicts.verdict",
 }
 
 if TYPE_CHECKING:
-    from distnb.analysis.hang import Diagnosis
+    from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
     from distnb.config import LaunchConfig
     from distnb.controller.prompts import Prompt
     from distnb.errors import (CellFailed, DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError, PoolBusyError,
@@ -63,9 +65,11 @@ __all__ = [
     "CellEvents",
     "CellFailed",
     "CellResult",
+    "Certainty",
     "Debugger",
-    "Diagnosis",
     "DistnbError",
+    "Evidence",
+    "Kind",
     "LaunchConfig",
     "LaunchError",
     "NoAnswerError",
@@ -82,6 +86,9 @@ __all__ = [
     "RankStatus",
     "RemoteError",
     "ShutdownError",
+    "Site",
+    "Verdict",
+    "VerdictState",
     "checksum",
     "current_pool",
     "launch",

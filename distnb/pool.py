@@ -22,7 +22,7 @@ from distnb.analysis.checks import CheckReport
 from distnb.analysis.collectives import CollectiveReport
 from distnb.analysis.compiles import CompileReport
 from distnb.analysis.env import EnvReport
-from distnb.analysis.hang import Diagnosis
+from distnb.analysis.verdicts.verdict import Verdict
 from distnb.analysis.memory import MemoryReport
 from distnb.analysis.profile import ProfileReport
 from distnb.analysis.stacks import StackReport
@@ -421,7 +421,7 @@ class Pool:
     def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = STACKS_TIMEOUT) -> StackReport:
         return self._diagnostics.stacks(ranks, all_threads, native, timeout)
 
-    def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:
+    def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Verdict:
         return self._diagnostics.diagnose(result, hang_after)
 
     def watch(self, result: CellResult, hang_after: float | None = None) -> CellWatch:

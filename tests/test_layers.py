@@ -175,9 +175,10 @@ def test_every_module_is_placed_in_a_layer_and_small() -> None:
 def test_public_surface_is_pinned_and_loads() -> None:
     assert distnb.__all__ == sorted(distnb.__all__)
     assert distnb.__all__ == [
-        "CellEvents", "CellFailed", "CellResult", "Debugger", "Diagnosis", "DistnbError", "LaunchConfig", "LaunchError", "NoAnswerError",
-        "NoCellError", "NoPoolError", "Pool", "PoolBrokenError", "PoolBusyError", "PoolState", "PoolStatus", "Prompt", "RankResult",
-        "RankState", "RankStatus", "RemoteError", "ShutdownError", "checksum", "current_pool", "launch",
+        "CellEvents", "CellFailed", "CellResult", "Certainty", "Debugger", "DistnbError", "Evidence", "Kind", "LaunchConfig", "LaunchError",
+        "NoAnswerError", "NoCellError", "NoPoolError", "Pool", "PoolBrokenError", "PoolBusyError", "PoolState", "PoolStatus", "Prompt",
+        "RankResult", "RankState", "RankStatus", "RemoteError", "ShutdownError", "Site", "Verdict", "VerdictState", "checksum",
+        "current_pool", "launch",
         "load_ipython_extension", "unload_ipython_extension",
     ]
     for name in distnb.__all__:

@@ -9,6 +9,7 @@ then interrupted if it still runs, and the pool restarted if a rank died or it w
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ from corpus.mutations import PRELUDE, Mutant
 from corpus.programs import Program
 
 import distnb
-from distnb.analysis.verdicts.verdict import Certainty, Kind, State, Verdict
+from distnb.analysis.verdicts.verdict import Certainty, Kind, VerdictState, Verdict
 
 __all__ = ["Outcome", "Runner", "score_table"]
 
@@ -93,7 +94,7 @@ class Runner:
             elapsed = time.monotonic() - t0
             if elapsed >= HANG_AFTER + 0.5:
                 verdict = _as_verdict(pool.diagnose(res))
-                if verdict.state in (State.HANG, State.FAILED) or elapsed > VERDICT_WITHIN:
+                if verdict.state in (VerdictState.HANG, VerdictState.FAILED) or elapsed > VERDICT_WITHIN:
                     break
         if not res.running:
             verdict = _as_verdict(pool.diagnose(res))
@@ -136,7 +137,7 @@ class Runner:
             report = res.text()
             self._stop(res)
         except Exception as exc:
-            out.error = f"{type(exc).__name__}: {exc}"
+            out.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
             try:
                 self.pool.restart()
             except Exception:
@@ -155,7 +156,7 @@ class Runner:
 def _as_verdict(d: Any) -> Verdict:
     if isinstance(d, Verdict):
         return d
-    return Verdict(State(d.kind), Kind.UNKNOWN if d.kind != "ok" else Kind.NONE, d.summary, list(d.culprits), positions=d.positions)
+    return Verdict(VerdictState(d.kind), Kind.UNKNOWN if d.kind != "ok" else Kind.NONE, d.summary, list(d.culprits), positions=d.positions)
 
 
 def _fill(out: Outcome, verdict: Verdict, res: distnb.CellResult) -> None:

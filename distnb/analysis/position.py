@@ -1,5 +1,5 @@
 """Where one rank is in a running cell, read off its stack and collective log, and the words
-for it; :class:`Diagnosis` is what :mod:`distnb.analysis.hang` concludes from every rank's position."""
+for it; the verdict rules (:mod:`distnb.analysis.verdicts`) judge every rank's position."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ class _HangWatch:
         else:
             if diag is None:
                 return  # the ranks' logs show progress: nothing to say
-            headline, diag_text, kind = diag.summary, diag.text(), diag.kind
+            headline, diag_text, kind = diag.summary, diag.text(), str(diag.state)
             if kind == "paused" and (verdict := self._pool.panel.verdict()):
                 headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
         # Said again only when the headline changes (it carries no durations); a failing diagnosis

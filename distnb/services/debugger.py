@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from distnb.analysis.hang import Diagnosis
+from distnb.analysis.verdicts.verdict import Verdict
 from distnb.analysis.meshes import MeshReport
 from distnb.analysis.position import Position
 from distnb.config import LaunchConfig
@@ -47,7 +47,7 @@ from distnb.wire.protocol import Msg
 __all__ = ["SETTLE", "Ask", "Command", "Debugger", "Diagnose", "parse_command", "read_line"]
 
 #: How the debugger reads where the other ranks are: the pool's diagnosis of a cell, right now.
-Diagnose = Callable[..., Diagnosis]
+Diagnose = Callable[..., Verdict]
 #: The pool's device meshes (Pool.meshes): what ``attach dp=0`` resolves against.
 Meshes = Callable[[], MeshReport]
 

@@ -20,7 +20,9 @@ from distnb.analysis.entry_words import describe
 from distnb.analysis.desync import mismatch_text
 from distnb.analysis.env import EnvReport
 from distnb.analysis.failures import is_timeout
-from distnb.analysis.hang import Diagnosis, diagnose, victim
+from distnb.analysis.verdicts.diagnose import diagnose
+from distnb.analysis.verdicts.event_rules import victim
+from distnb.analysis.verdicts.verdict import Kind, VerdictState, Verdict
 from distnb.analysis.memory import MemoryReport
 from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame
 from distnb.analysis.paths import first_difference
@@ -146,7 +148,7 @@ class Diagnostics:
         return "neither its control thread nor faulthandler gave a stack (a process stopped, or stuck in the kernel)"
 
     # -- diagnosis ------------------------------------------------------------------------------
-    def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Diagnosis:
+    def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Verdict:
         """Is the (last) cell hung, and why? Names the ranks, collectives and cell lines involved.
         ``hang_after`` (seconds) overrides the pool's threshold for this call."""
         if result is None:
@@ -164,11 +166,11 @@ class Diagnostics:
         log = self.collectives(refresh=not busy)
         positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
         threshold = self._config.hang_after if hang_after is None else hang_after
-        diag = diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes())
-        if diag.kind == "ok" and busy:
+        diag = diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes(), result.cell)
+        if diag.state == VerdictState.OK and busy:
             # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
             return self.straggler(result, straggler_window(len(result.ranks)), positions) or diag
-        if diag.kind in ("hang", "slow", "failed"):
+        if diag.state in (VerdictState.HANG, VerdictState.SLOW, VerdictState.FAILED):
             why = self.why(result)
             if why:
                 diag.details.append(f"  why: {why}")
@@ -221,7 +223,7 @@ class Diagnostics:
             records.update({r: rec for r, rec in self._live[kind].items() if r in result.results and result.results[r].status == "running"})
         return records
 
-    def straggler(self, result: CellResult, last: int = 200, positions: list[Position] | None = None) -> Diagnosis | None:
+    def straggler(self, result: CellResult, last: int = 200, positions: list[Position] | None = None) -> Verdict | None:
         """A "slow" diagnosis naming the rank that keeps the others waiting at most of the cell's
         last ``last`` collectives on the default group, from the log alone; None when none does."""
         ranks = list(result.ranks)
@@ -230,8 +232,9 @@ class Diagnostics:
         if rank is None:
             return None
         # The figures go under the headline, which must not change while nothing else does.
-        return Diagnosis("slow", f"rank {rank} is a straggler: it arrives last at most collectives of this cell, late beyond "
-                         "the step and the other ranks' noise (see %dist_timeline).", positions or [], [rank], [f"  {report.summary()}"])
+        return Verdict(VerdictState.SLOW, Kind.STRAGGLER, f"rank {rank} is a straggler: it arrives last at most collectives of this cell, late "
+                       "beyond the step and the other ranks' noise (see %dist_timeline).", [rank], positions=positions or [],
+                       details=[f"  {report.summary()}"], reason="from the arrival times of the cell's collectives", rule="straggler")
 
     def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
         """Per-rank time of a cell run with ``profile=True``; see :meth:`distnb.Pool.profile`."""
@@ -347,7 +350,9 @@ class Diagnostics:
                             detail=f"{res.error['ename']}: {res.error['evalue'][:200]}")
         if res.status == "dead":
             return Position(r, "dead", detail=_processes.signal_meaning(res.returncode))
-        assert stacks is not None
+        if res.status != "running" or stacks is None:
+            # Over without an error of its own: stranded by a death, or interrupted.
+            return Position(r, "stranded" if res.status == "stranded" else "finished", detail=res.collective or "")
         if not stacks[r].threads:
             return Position(r, "unresponsive", since=elapsed, detail=self.why_silent(r))
         if (paused := stacks[r].paused) is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from distnb.analysis.hang import Diagnosis
+from distnb.analysis.verdicts.verdict import VerdictState, Verdict
 from distnb.analysis.stragglers import straggler_window
 from distnb.controller.tracker import Tracker
 from distnb.results import CellResult
@@ -47,7 +47,7 @@ class CellWatch:
         self._straggler_changes = -1
         self.full_looks = 0  # how many looks needed the full diagnosis (for tests and benchmarks)
 
-    def look(self) -> Diagnosis | None:
+    def look(self) -> Verdict | None:
         """The diagnosis to show now, or None when the log shows the ranks making progress."""
         result = self._result
         running = result.running
@@ -62,7 +62,7 @@ class CellWatch:
         if self._suspect(running) or (now - self._moved >= self._hang_after and now >= self._next_full):
             self.full_looks += 1
             diag = self._diagnostics.diagnose(result, self._hang_after)
-            calm = diag.kind in ("ok", "running")
+            calm = diag.state in (VerdictState.OK, VerdictState.RUNNING)
             self._quiet = min(self._quiet * 2, QUIET_MAX) if calm else 1.0
             self._next_full = now + self._quiet
             if not calm:

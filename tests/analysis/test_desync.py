@@ -8,7 +8,9 @@ import json
 import zlib
 
 from distnb.analysis.group_creation import creation_mismatch
-from distnb.analysis.hang import diagnose, victim
+from distnb.analysis.verdicts.diagnose import diagnose
+from distnb.analysis.verdicts.event_rules import victim
+from distnb.analysis.verdicts.verdict import Kind
 from distnb.analysis.p2p import match_p2p
 from distnb.analysis.position import Position
 from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
@@ -57,7 +59,7 @@ def test_waiting_ranks_with_different_roots_are_an_argument_mismatch() -> None:
     positions = [Position(r, "collective", op="broadcast", seq=1, group="0", since=5.0, sizes=[[4]], dtypes=["Float"],
                           args={"src": 1 if r == 2 else 0}) for r in range(4)]
     d = diagnose(positions, 3.0, 5.0)
-    assert d.kind == "hang" and d.culprits == [2] and "different src" in d.summary, d.summary
+    assert d.state == "hang" and d.culprits == [2] and "different src" in d.summary, d.summary
 
 
 # -- point-to-point ----------------------------------------------------------------------------------
@@ -82,18 +84,18 @@ def test_tags_that_differ_and_pairs_that_match() -> None:
 
 def test_matched_pairs_in_progress_are_not_a_hang() -> None:
     d = diagnose([_p2p(0, "send", 1), _p2p(1, "recv", 0), Position(2, "finished")], 3.0, 5.0)
-    assert d.kind == "slow" and "every open call has its partner" in d.summary, d.summary
+    assert d.state == "slow" and "every open call has its partner" in d.summary, d.summary
 
 
 def test_a_rank_caught_between_two_entries_is_no_different_call() -> None:
     positions = [Position(r, "collective", op="all_reduce", seq=69, group="0", since=0.0) for r in (0, 1, 3)]
     positions.insert(2, Position(2, "collective", op="all_reduce", since=2.0))
-    assert diagnose(positions, 1.0, 2.0).kind != "hang"
+    assert diagnose(positions, 1.0, 2.0).state != "hang"
 
 
 def test_diagnose_prefers_pairs_to_collective_blame() -> None:
     d = diagnose([_p2p(0, "send", 1), _p2p(1, "recv", 2), Position(2, "finished"), Position(3, "finished")], 3.0, 5.0)
-    assert d.kind == "hang" and d.culprits == [1] and d.summary.startswith("point-to-point calls without a partner"), d.summary
+    assert d.state == "hang" and d.culprits == [1] and d.summary.startswith("point-to-point calls without a partner"), d.summary
     assert "rank 1: receiving from rank 2" in d.text()
 
 
@@ -112,7 +114,7 @@ def test_a_skipped_new_group_names_the_rank_out_of_step() -> None:
     assert "ranks 0,1,3 called new_group([0, 1]) (cell 3 line 1); rank 2 called new_group([2, 3]) (cell 3 line 2)" in found.text()
     positions = [Position(r, "collective", op="new_group", since=5.0) for r in range(4)]
     d = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]))
-    assert d.kind == "hang" and d.culprits == [2] and "group creation out of step" in d.summary
+    assert d.state == "hang" and d.culprits == [2] and "group creation out of step" in d.summary
 
 
 def test_members_in_another_order_are_the_same_group() -> None:
@@ -129,7 +131,7 @@ def test_a_rank_still_computing_is_not_yet_out_of_step() -> None:
 
 def test_every_rank_stuck_in_the_same_new_group_is_a_hang_not_slow() -> None:
     d = diagnose([Position(r, "collective", op="new_group", line=2, since=9.0) for r in range(3)], 3.0, 9.0)
-    assert d.kind == "hang" and "new_group" in d.summary and "slow but consistent" not in d.summary
+    assert d.state == "hang" and "new_group" in d.summary and "slow but consistent" not in d.summary
 
 
 # -- steps ---------------------------------------------------------------------------------------------
@@ -151,8 +153,8 @@ def test_an_fsdp_loop_one_step_short_is_an_uneven_loop() -> None:
     log = _log({0: ahead, 1: ahead, 2: behind})
     positions = [Position(r, "collective", op="all_gather", seq=9, group="0", since=5.0) for r in (0, 1)] + [Position(2, "finished")]
     d = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2]))
-    assert d.summary.startswith("uneven collective counts: ranks 0,1 ran 5 steps of (all_gather, reduce_scatter) on group 0, "
-                                "rank 2 stopped after 4"), d.summary
+    assert d.summary.startswith("uneven loop: rank 2 ran 4 steps of (all_gather [4] f32, reduce_scatter [4] f32)"), d.summary
+    assert "ranks 0,1 ran 5" in d.summary and d.kind == Kind.LOOP_COUNT and d.culprits == [2], d.summary
     assert d.culprits == [2]
 
 

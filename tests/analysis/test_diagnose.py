@@ -5,42 +5,43 @@ from __future__ import annotations
 
 import time
 
-from distnb.analysis.hang import diagnose
+from distnb.analysis.verdicts.diagnose import diagnose
+from distnb.analysis.verdicts.verdict import Certainty, Kind
 from distnb.analysis.position import Position, position_from_stack
 from distnb.analysis.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
 
 
 def test_diagnose_rank_conditional() -> None:
     d = diagnose([Position(0, "collective", op="barrier", line=3, since=5.0), Position(1, "finished")], 3.0, 5.0)
-    assert d.kind == "hang" and "rank-conditional" in d.summary and d.culprits == [1]
+    assert d.state == "hang" and "rank-conditional" in d.summary and d.culprits == [1]
     assert "barrier at cell line 3" in d.summary
 
 
 def test_diagnose_slow_but_consistent() -> None:
     d = diagnose([Position(r, "collective", op="all_reduce", since=9.0) for r in range(3)], 3.0, 9.0)
-    assert d.kind == "slow" and "not a hang" in d.summary
+    assert d.state == "slow" and "not a hang" in d.summary
 
 
 def test_diagnose_waits_below_threshold_are_ok() -> None:
     d = diagnose([Position(0, "collective", op="all_reduce", since=1.0), Position(1, "finished")], 3.0, 1.0)
-    assert d.kind == "ok"
+    assert d.state == "ok"
 
 
 def test_diagnose_a_wait_that_just_began_is_not_the_whole_cell() -> None:
     # Every rank entered the collective a moment ago, late in a long cell: nothing is hung yet.
     d = diagnose([Position(0, "collective", op="all_reduce", since=0.0), Position(1, "finished")], 3.0, 20.0)
-    assert d.kind == "ok"
+    assert d.state == "ok"
 
 
 def test_diagnose_a_silent_rank_is_named_even_with_nobody_waiting() -> None:
     d = diagnose([Position(0, "finished"), Position(1, "unresponsive", detail="its process (pid 7) is stopped")], 3.0, 4.0)
-    assert d.kind == "hang" and d.culprits == [1] and "rank 1 is not answering: its process (pid 7) is stopped" in d.summary
-    assert diagnose([Position(1, "unresponsive", detail="x")], 3.0, 1.0).kind == "ok"  # not yet past the threshold
+    assert d.state == "hang" and d.culprits == [1] and "rank 1 is not answering: its process (pid 7) is stopped" in d.summary
+    assert diagnose([Position(1, "unresponsive", detail="x")], 3.0, 1.0).state == "ok"  # not yet past the threshold
 
 
 def test_diagnose_dead_rank_is_root_cause() -> None:
     d = diagnose([Position(0, "collective", op="all_reduce", since=4.0), Position(1, "dead", detail="killed (SIGKILL)")], 3.0, 4.0)
-    assert d.kind == "hang" and d.culprits == [1] and "Root cause: rank 1" in d.summary
+    assert d.state == "hang" and d.culprits == [1] and "Root cause: rank 1" in d.summary
 
 
 def test_diagnosis_groups_ranks_waiting_in_the_same_place_whatever_their_wait() -> None:
@@ -63,10 +64,10 @@ def test_a_rank_still_importing_is_slow_not_hung() -> None:
     assert pos.state == "computing" and pos.detail.startswith("importing") and "_dynamo/__init__.py" in pos.detail
     pos.since = 5.0
     d = diagnose([Position(0, "collective", op="all_reduce", since=5.0), pos], 3.0, 5.0)
-    assert d.kind == "slow" and "still importing modules" in d.summary and "not a hang yet" in d.summary
+    assert d.state == "slow" and "still importing modules" in d.summary and "not a hang yet" in d.summary
     assert "rank 1: running Python code (not in a collective, importing" in d.text()
     pos.detail = ""
-    assert diagnose([Position(0, "collective", op="all_reduce", since=5.0), pos], 3.0, 5.0).kind == "hang"
+    assert diagnose([Position(0, "collective", op="all_reduce", since=5.0), pos], 3.0, 5.0).state == "hang"
 
 
 def test_post_mortem_keeps_the_abort_message_not_the_cpp_frames() -> None:
@@ -119,15 +120,17 @@ def test_uneven_loops_are_recognised_however_much_history_the_log_let_go() -> No
     log.merge(1, {"entries": [_entry(i, 7000 + i, cell=9) for i in range(3)]})
     d = diagnose([Position(0, "collective", op="all_reduce", seq=7003, group="0", since=5.0), Position(1, "finished")],
                  3.0, 5.0, log.report([0, 1]))
-    assert d.summary.startswith("uneven collective counts: rank 0 reached all_reduce #7003 on group 0, rank 1 stopped after #7002"), d.summary
-    assert d.culprits == [1]
-    # A rank that stopped two calls short did not run one loop iteration less: rank-conditional.
+    # Two ranks, one call apart: no majority says which ran the loop once too often or too few.
+    assert d.summary.startswith("uneven loop: rank 0 ran 4 steps of (all_reduce [2] f32)"), d.summary
+    assert "rank 1 ran 3" in d.summary and "No majority to tell which side went wrong: rank 0 against rank 1" in d.summary
+    assert d.kind == Kind.LOOP_COUNT and d.culprits == [0, 1] and d.certainty == Certainty.LIKELY
+    # Two calls apart, the same: two steps.
     log = CollectiveLog()
     log.merge(0, {"entries": [_entry(i, 7000 + i, cell=9) for i in range(3)] + [_entry(3, 7003, cell=9, done=False)]})
     log.merge(1, {"entries": [_entry(i, 7000 + i, cell=9) for i in range(2)]})
     d = diagnose([Position(0, "collective", op="all_reduce", seq=7003, group="0", since=5.0), Position(1, "finished")],
                  3.0, 5.0, log.report([0, 1]))
-    assert d.summary.startswith("rank-conditional collective"), d.summary
+    assert d.summary.startswith("uneven loop: rank 0 ran 4 steps") and "rank 1 ran 2" in d.summary, d.summary
 
 
 def test_same_op_at_different_places_says_what_differs() -> None:
@@ -161,13 +164,13 @@ def test_the_rank_that_died_first_is_the_root_cause_not_the_lowest() -> None:
                  Position(2, "dead", detail="killed (SIGKILL)")]
     d = diagnose(positions, 3.0, 4.0, first_death=2)
     assert d.summary.startswith("rank 2 died first (killed (SIGKILL)), then rank 0;") and "Root cause: rank 2." in d.summary
-    assert d.culprits == [2, 0]
+    assert d.culprits == [2] and 0 in d.victims and d.kind == Kind.DIED
 
 
 def test_ranks_outside_the_cell_are_not_blamed_as_finished() -> None:
     # The cell runs on rank 0 only; rank 1 never had it, so it did not "finish without entering".
     d = diagnose([Position(0, "collective", op="all_reduce", seq=1, group="0", since=5.0), Position(1, "idle")], 3.0, 5.0)
-    assert d.kind == "hang" and d.culprits == [1] and "finished" not in d.summary, d.summary
+    assert d.state == "hang" and d.culprits == [1] and "finished" not in d.summary, d.summary
     assert "rank 1, which is not part of this cell" in d.summary
     assert "rank 1: idle: not part of this cell" in d.text()
     d = diagnose([Position(0, "collective", op="barrier", since=5.0), Position(1, "finished"), Position(2, "idle")], 3.0, 5.0)

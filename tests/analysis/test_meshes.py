@@ -7,7 +7,8 @@ from typing import Any
 
 from distnb.analysis.cell_source import because
 from distnb.analysis.groups import GroupInfo, short_name
-from distnb.analysis.hang import diagnose, victim
+from distnb.analysis.verdicts.diagnose import diagnose
+from distnb.analysis.verdicts.event_rules import victim
 from distnb.analysis.pairing import cross_cell, cross_group
 from distnb.analysis.position import Position
 from distnb.analysis.stragglers import Arrival, StragglerReport
@@ -118,7 +119,7 @@ def test_a_victim_of_gloos_abort_leads_to_the_odd_rank_even_when_it_died_before_
     # Once the cell is over, the diagnosis says the same (no rank waits any more).
     d = diagnose([dead, Position(1, "finished"), Position(2, "failed", detail="RuntimeError: Connection reset"), Position(3, "finished")],
                  1.0, 5.0, log.report([0, 1, 2, 3]), first_death=0)
-    assert d.kind == "failed" and d.culprits == [2]
+    assert d.state == "failed" and d.culprits == [2]
 
 
 def test_an_async_call_left_pending_is_paired_with_the_next_cells_call() -> None:

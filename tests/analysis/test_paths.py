@@ -104,7 +104,7 @@ def test_recording_steps_aside_for_a_debugger_s_tracer() -> None:
 
 
 def test_a_rank_inside_torch_compile_keeps_the_others_waiting_and_is_called_slow() -> None:
-    from distnb.analysis.hang import diagnose
+    from distnb.analysis.verdicts.diagnose import diagnose
     from distnb.analysis.position import Position, position_from_stack
     from distnb.analysis.stacks import Frame, RankStack, ThreadStack
 
@@ -115,7 +115,7 @@ def test_a_rank_inside_torch_compile_keeps_the_others_waiting_and_is_called_slow
     assert pos.state == "computing" and pos.detail == "compiling `step` with torch.compile"
     waiting = [Position(r, "collective", op="all_reduce", seq=3, group="0", since=5.0) for r in (0, 2, 3)]
     d = diagnose([*waiting, pos], 3.0, 10.0)
-    assert d.kind == "slow" and d.culprits == [1], d.text()
+    assert d.state == "slow" and d.culprits == [1], d.text()
     assert "rank 1 is compiling `step` with torch.compile: slow, not a hang yet" in d.summary
 
 

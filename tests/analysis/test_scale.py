@@ -38,7 +38,7 @@ def test_the_watch_diagnoses_in_full_once_a_collective_waits_past_hang_after() -
     result = hung_cell(pool, odd=17)
     watch = CellWatch(pool.tracker, pool.diagnostics, result, 1.0)
     diag = watch.look()
-    assert diag is not None and diag.kind == "hang" and diag.culprits == [17], diag and diag.text()
+    assert diag is not None and diag.state == "hang" and diag.culprits == [17], diag and diag.text()
     assert watch.full_looks == 1 and asked(pool, Msg.STACKS) >= 1
     # The text stays a few lines at any size: ranks waiting alike are one line.
     assert len(diag.text().splitlines()) <= 6, diag.text()
@@ -177,12 +177,12 @@ def test_status_groups_a_thousand_ranks_by_state_and_names_the_dead_one() -> Non
 
 
 def test_a_diagnosis_of_ranks_in_many_places_lists_the_culprits_and_the_crowded_places() -> None:
-    from distnb.analysis.hang import MAX_PLACES, Diagnosis
     from distnb.analysis.position import Position
+    from distnb.analysis.verdicts.verdict import MAX_PLACES, Kind, Verdict, VerdictState
 
     positions = [Position(r, "collective", op="all_reduce", seq=1 + r % 40, group="0", since=5.0) for r in range(WORLD)]
     positions[999] = Position(999, "computing", line=7, code="loss = model(x)", since=5.0)
-    text = Diagnosis("hang", "ranks wait", positions, [999]).text()
+    text = Verdict(VerdictState.HANG, Kind.STILL_RUNNING, "ranks wait", [999], positions=positions).text()
     lines = text.splitlines()
     assert len(lines) == 1 + MAX_PLACES + 1, text
     assert any(line.startswith("  rank 999:") for line in lines) and "more ranks in" in lines[-1]

@@ -294,8 +294,10 @@ def test_diagnostics_name_the_rank_that_never_came_from_messages_alone() -> None
     transport.on_send = answer
     config = LaunchConfig(nproc=tracker.world_size, backend="gloo", hang_after=1.0)
     diagnosis = Diagnostics(tracker, config, session, run_dir=lambda: None).diagnose()
-    assert diagnosis.kind == "hang" and diagnosis.culprits == [1], diagnosis.text()
-    assert "all_reduce" in diagnosis.text()
+    # Two ranks, one in the call and one gone: no majority says whether rank 0's call is extra or
+    # rank 1 skipped it; both are named, the call and the rank that never came among them.
+    assert diagnosis.state == "hang" and diagnosis.culprits == [0, 1], diagnosis.text()
+    assert "all_reduce #1 [2] f32" in diagnosis.summary and "No majority to tell which side went wrong: rank 0 against rank 1" in diagnosis.summary
 
 
 def test_ranks_blocked_on_a_dead_rank_end_the_cell_on_the_tick(monkeypatch) -> None:

@@ -21,7 +21,7 @@ def test_rank_conditional_async_collective_from_issue_to_timeout_and_regroup(fre
     later = pool.run("x = 1")
     assert f"rank 0 is still 1 collective ahead of rank 1 on group 0 (since cell {issued.cell}" in later.text(), later.text()
     res = pool.submit("import time\ntime.sleep(0.05)\nif rank == 0:\n    w.wait()\n")
-    wait_until(lambda: pool.diagnose(res).kind == "hang", 15, "the hang diagnosis", poll=0.1)
+    wait_until(lambda: pool.diagnose(res).state == "hang", 15, "the hang diagnosis", poll=0.1)
     diag = pool.diagnose(res)
     assert diag.culprits == [1] and diag.summary.startswith(
         f"rank-conditional collective: rank 0 entered all_reduce #1 (issued in cell {issued.cell}, line 3)"), diag.text()

@@ -63,7 +63,7 @@ def run(pool: distnb.Pool, code: str, console: Console, **kwargs: Any) -> distnb
 
 
 def test_a_breakpoint_on_one_rank_of_four_steps_with_labelled_answers_while_the_others_wait(pool: distnb.Pool) -> None:
-    diagnoses: list[distnb.Diagnosis] = []
+    diagnoses: list[distnb.Verdict] = []
     code = "dbg_x = rank + 40\nif rank == 2:\n    breakpoint()\ndbg_y = dbg_x + 1\nt = torch.tensor([float(dbg_y)])\ndist.all_reduce(t)\nt"
     con = Console("p dbg_x", "n", "p dbg_y", "c", during=lambda _: diagnoses.append(pool.diagnose(pool.history[-1])))
     result = run(pool, code, con)
@@ -80,7 +80,7 @@ def test_a_breakpoint_on_one_rank_of_four_steps_with_labelled_answers_while_the_
     assert "[rank 2] 42" in text and "[rank 2] 43" in text
     assert text.index("[rank 2] 42") < text.index("line 5 (t = torch.tensor") < text.index("[rank 2] 43")
     # Paused is not hung: the hang watch says who waits for whom.
-    assert diagnoses and all(d.kind == "paused" for d in diagnoses)
+    assert diagnoses and all(d.state == "paused" for d in diagnoses)
     assert diagnoses[0].summary.startswith("rank 2 is paused in the debugger at cell line 4; ranks 0,1,3 wait for it in all_reduce #")
     assert "not a hang" in diagnoses[0].summary
     stacks = pool.stacks()  # after the cell: nobody paused

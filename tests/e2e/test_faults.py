@@ -238,7 +238,7 @@ def test_sigstopped_rank_shows_as_hung_with_others_stacks(pool2: distnb.Pool) ->
         assert f"no answer: its process (pid {pid}) is stopped (SIGSTOP" in report[1].source, report.text()
         # The hang names the stopped rank as the one rank 0 waits for, and why it is silent.
         diag = pool.diagnose(res, hang_after=0.5)
-        assert diag.kind == "hang" and diag.culprits == [1], diag.text()
+        assert diag.state == "hang" and diag.culprits == [1], diag.text()
         assert "rank 0 waits in all_reduce for rank 1, which is not answering at all" in diag.summary, diag.text()
         assert "rank 1: not answering: its process" in diag.text() and "SIGCONT resumes it" in diag.text(), diag.text()
     finally:

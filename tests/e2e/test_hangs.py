@@ -22,7 +22,7 @@ def wait_for_hang(pool: distnb.Pool, result: distnb.CellResult, within: float = 
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         diag = pool.diagnose(result)
-        if diag.kind == "hang":
+        if diag.state == "hang":
             return diag
         time.sleep(0.3)
     raise AssertionError(f"no hang diagnosed within {within} s; last: {diag.text()}")
@@ -445,8 +445,8 @@ def test_a_healthy_ddp_loop_is_never_called_a_hang(pool3: distnb.Pool) -> None:
     seen = []
     while res.running:
         diag = pool.diagnose(res)  # the pool's threshold: the default 3 s would apply; pool3 uses 1 s
-        seen.append(diag.kind)
-        assert diag.kind != "hang", diag.text()
+        seen.append(diag.state)
+        assert diag.state != "hang", diag.text()
         time.sleep(0.5)
     pool.wait(res, timeout=60)
     assert res.ok, res.text()

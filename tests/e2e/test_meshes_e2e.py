@@ -41,11 +41,11 @@ def mesh_pool(request: pytest.FixtureRequest) -> distnb.Pool:
     return pool
 
 
-def _hang(pool: distnb.Pool, res: distnb.CellResult, within: float = 30.0) -> distnb.Diagnosis:
+def _hang(pool: distnb.Pool, res: distnb.CellResult, within: float = 30.0) -> distnb.Verdict:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         diag = pool.diagnose(res, hang_after=1.0)
-        if diag.kind == "hang":
+        if diag.state == "hang":
             return diag
         time.sleep(0.3)
     raise AssertionError(f"no hang diagnosed within {within} s; last: {diag.text()}")
@@ -175,7 +175,7 @@ def test_a_healthy_fsdp2_and_tensor_parallel_run_reports_no_divergence(mesh_pool
                    "for _ in range(3):\n    ok_model(torch.randn(4, 8, device=device)).pow(2).mean().backward()\n"
                    "    ok_opt.step()\n    ok_opt.zero_grad()\n", timeout=120)
     assert res.ok and not res.desync and "desync" not in res.text(), res.text()
-    assert pool.diagnose(res).kind == "ok"
+    assert pool.diagnose(res).state == "ok"
     log = pool.collectives()
     assert log.divergences() == [] and "agree" in log.text().splitlines()[0], log.text()
     assert "different shapes" not in log.text() and "✗" not in log.text().rsplit("\n", 1)[0]

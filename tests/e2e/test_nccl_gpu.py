@@ -106,7 +106,7 @@ def test_timeout_keeps_every_rank_blames_who_never_came_and_regroup_recovers(sha
     res = shared2.submit("v = u.sum().item()\n")
     time.sleep(2.5)
     diag = shared2.diagnose(res)
-    assert diag.kind == "hang", diag.text()
+    assert diag.state == "hang", diag.text()
     assert "waiting for all_reduce #" in diag.text() and "now blocked at cell line 1 (v = u.sum().item())" in diag.text(), diag.text()
     shared2.wait(res, timeout=90)
     text = res.text()
@@ -141,7 +141,7 @@ def test_interrupt_inside_a_groups_first_collective_aborts_too(leak_check) -> No
     before any recorder entry exists. The interrupt escalates there too."""
     with distnb.Pool(nproc=2, share_gpus=True, pg_timeout=600, hang_after=1.0) as pool:
         res = pool.submit("f = torch.ones(2, device=device)\nif rank == 0:\n    dist.all_reduce(f)\n    f.sum().item()\n")
-        wait_until(lambda: pool.diagnose(res).kind == "hang", 20, "the hang diagnosis", poll=0.2)
+        wait_until(lambda: pool.diagnose(res).state == "hang", 20, "the hang diagnosis", poll=0.2)
         pool.interrupt()
         pool.wait(res, timeout=30)
         assert not res.running and res[0].status in ("interrupted", "error"), res.text()
@@ -163,7 +163,7 @@ def test_four_ranks_on_one_gpu_name_the_rank_that_never_came(leak_check) -> None
         # after it, NCCL returns at enqueue and the host waits at its next sync.
         assert pool.run("q = torch.ones(2, device=device)\ndist.all_reduce(q)").ok
         res = pool.submit("if rank != 2:\n    dist.all_reduce(q)\n    q.sum().item()\n")
-        wait_until(lambda: pool.diagnose(res).kind == "hang", 20, "the hang diagnosis", poll=0.2)
+        wait_until(lambda: pool.diagnose(res).state == "hang", 20, "the hang diagnosis", poll=0.2)
         diag = pool.diagnose(res)
         assert "rank 2 finished the cell without entering it" in diag.text() and diag.culprits == [2], diag.text()
         assert "ranks 0,1,3: waiting for all_reduce #2 on group 0" in diag.text(), diag.text()

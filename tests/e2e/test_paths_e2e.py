@@ -34,7 +34,7 @@ def hung(pool: distnb.Pool, code: str, within: float = 30.0) -> tuple[distnb.Cel
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         diag = pool.diagnose(res, hang_after=1.0)
-        if diag.kind == "hang":
+        if diag.state == "hang":
             return res, diag.text()
         time.sleep(0.3)
     raise AssertionError(f"no hang within {within} s; last: {diag.text()}")

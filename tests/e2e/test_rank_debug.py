@@ -71,12 +71,12 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     assert [(f["name"], f["line"], f["source"]["path"]) for f in frames] == [("rank 0 · MainThread · <module>", 5, PATH)]
 
     # Rank 1 reaches the all_reduce and waits there for rank 0, which the panel holds.
-    def diagnosis() -> distnb.Diagnosis:
+    def diagnosis() -> distnb.Verdict:
         return pool.diagnose(result, hang_after=0.0)
 
     wait_until(lambda: "waits for it" in diagnosis().text(), ANSWER_TIMEOUT * 3, "rank 1 to wait in the all_reduce")
     diag = diagnosis()
-    assert diag.kind == "paused", diag.text()
+    assert diag.state == "paused", diag.text()
     assert "rank 0 is paused in the debugger panel" in diag.text() and "rank 1 waits for it in all_reduce" in diag.text(), diag.text()
     assert "continue in the debugger panel" in diag.text()
 
@@ -161,7 +161,7 @@ def test_before_each_collective_the_panel_shows_a_desync_before_it_hangs(two_nod
     assert "(nothing issued yet)" in verdict, verdict
     assert "on group 0, rank 0 calls all_reduce [4] f32; rank 1 calls barrier: continuing would hang." in verdict, verdict
     diag = pool.diagnose(result, hang_after=0.0)
-    assert diag.kind == "paused" and "paused in the debugger panel" in diag.text(), diag.text()
+    assert diag.state == "paused" and "paused in the debugger panel" in diag.text(), diag.text()
 
     # Nothing was issued: interrupting ends the cell at once, no collective to unblock.
     pool.interrupt()

@@ -151,14 +151,14 @@ def test_a_rank_that_skips_the_all_reduce_is_named(big_pool: distnb.Pool) -> Non
     hung = pool.submit(f"sr_h = torch.ones(1)\nif rank != {ODD}:\n    dist.all_reduce(sr_h)\n")
     deadline = time.monotonic() + HANG_AFTER + CELL_TIMEOUT
     diag = pool.diagnose(hung)
-    while diag.kind != "hang" and time.monotonic() < deadline:
+    while diag.state != "hang" and time.monotonic() < deadline:
         time.sleep(0.3)
         diag = pool.diagnose(hung)
     FIGURES["hang_named_after_s"] = time.perf_counter() - t0  # HANG_AFTER of it is the threshold
     t1 = time.perf_counter()
     again = pool.diagnose(hung)
     FIGURES["diagnose_s"] = time.perf_counter() - t1
-    assert diag.kind == "hang", diag.text()
+    assert diag.state == "hang", diag.text()
     assert diag.culprits == [ODD], diag.text()
     summary = diag.summary
     others = [r for r in range(WORLD) if r != ODD]
@@ -166,7 +166,7 @@ def test_a_rank_that_skips_the_all_reduce_is_named(big_pool: distnb.Pool) -> Non
     # the line that let it skip the collective.
     assert "rank-conditional" in summary and f"{format_ranks(others)} entered all_reduce" in summary, summary
     assert f"rank {ODD} finished the cell" in summary and f"`if rank != {ODD}:`" in summary, summary
-    assert again.kind == "hang" and again.culprits == [ODD] and again.summary == summary, again.text()
+    assert again.state == "hang" and again.culprits == [ODD] and again.summary == summary, again.text()
     assert hung[ODD].status == "ok" and sorted(hung.running) == others, hung.text()
     # The odd rank makes the missing all_reduce in a cell of its own: the hang resolves, and the
     # pool goes on without a restart.

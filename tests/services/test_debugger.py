@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distnb.analysis.hang import diagnose
+from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.position import Position, position_paused
 from distnb.config import LaunchConfig
 from distnb.controller.prompts import Prompt
@@ -72,7 +72,7 @@ def test_a_paused_rank_is_not_a_hang_and_the_ranks_waiting_for_it_are_named() ->
     paused = position_paused(2, {"kind": "pdb", "since": 30.0, "where": {"line": 4, "cell": 7, "code": "y = x + 1", "func": "<module>"}}, 7)
     waiting = [Position(r, "collective", op="all_reduce", seq=3, group="0", since=30.0, line=6) for r in (0, 1, 3)]
     diag = diagnose([waiting[0], waiting[1], paused, waiting[2]], hang_after=1.0, elapsed=31.0)
-    assert diag.kind == "paused" and not diag.culprits
+    assert diag.state == "paused" and not diag.culprits
     assert diag.summary == ("rank 2 is paused in the debugger at cell line 4; ranks 0,1,3 wait for it in all_reduce #3 at cell line 6 "
                             "— not a hang: answer the prompt (c continues), or interrupt the cell.")
     assert "  rank 2: paused in the debugger for 30.0 s at cell line 4 (y = x + 1)" in diag.text()

@@ -1,5 +1,5 @@
 """A verdict is data: what is wrong (:class:`Kind`), whether the cell hangs, runs slow or failed
-(:class:`State`), who caused it and who suffers it, where in the notebook, which records prove it
+(:class:`VerdictState`), who caused it and who suffers it, where in the notebook, which records prove it
 and how sure distnb is. Words come last (:mod:`distnb.analysis.verdicts.render`); the live view,
 the cell's report and ``CellFailed`` all read the same verdict."""
 
@@ -11,13 +11,13 @@ from typing import Any
 
 from distnb.ranks import format_ranks, group_by
 
-__all__ = ["MAX_PLACES", "Certainty", "Evidence", "Kind", "Site", "State", "Verdict"]
+__all__ = ["MAX_PLACES", "Certainty", "Evidence", "Kind", "Site", "VerdictState", "Verdict"]
 
 #: Places (ranks grouped by where they are) a verdict lists before "… and N more".
 MAX_PLACES = 8
 
 
-class State(str, Enum):
+class VerdictState(str, Enum):
     """The situation of the cell's ranks (the old ``Diagnosis.kind`` strings, so comparisons with
     them still hold)."""
 
@@ -99,7 +99,7 @@ class Verdict:
     ``evidence`` and ``certainty``. ``summary`` and ``details`` are the words, made from the data
     by the rule that found it; ``positions`` are the ranks' places, for the per-rank lines."""
 
-    state: State
+    state: VerdictState
     kind: Kind
     summary: str
     culprits: list[int] = field(default_factory=list)
@@ -114,7 +114,7 @@ class Verdict:
 
     @property
     def is_problem(self) -> bool:
-        return self.state in (State.HANG, State.SLOW, State.FAILED) or self.kind not in (Kind.NONE, Kind.PAUSED)
+        return self.state in (VerdictState.HANG, VerdictState.SLOW, VerdictState.FAILED) or self.kind not in (Kind.NONE, Kind.PAUSED)
 
     def text(self) -> str:
         """The headline, then one line per place the ranks are in (ranks in the same place share

@@ -1,0 +1,127 @@
+"""The calls ranks must agree on, as signatures.
+
+Every collective a rank issues is a :class:`Call`: its group (by name, and by *role*: the mesh
+dimension, torch's description, the ``new_group`` site, so two ranks on different groups of one
+dimension compare), its position in the group's sequence, op, shapes, dtypes, the arguments that
+must match (reduce op, root), split sizes (which must match between sender and receiver, not
+across ranks), and its call site in the notebook when distnb's call log saw the Python call
+(``dist.all_reduce`` at cell 5 line 7); collectives issued from C++ (DDP's buckets, FSDP's
+all_gathers) have no site, and their signature stands for one.
+
+A rank's calls of a cell, in issue order and without their groups, are its *program* as the
+other ranks must run it too (SPMD): :func:`program_key` is what makes two ranks' programs
+comparable — the call site (or the signature where there is none), op, shapes, dtypes, arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distnb.analysis.collectives import CollectiveEvidence, same_op
+from distnb.analysis.entry_words import describe
+
+__all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "op_stem", "program_key"]
+
+#: Arguments that differ across ranks by design and are checked pairwise instead (all_to_all).
+SPLIT_ARGS = ("input_split_sizes", "output_split_sizes")
+#: Ops whose input exists on the root alone (the recorder shows the scattered tensor on the
+#: source rank and nothing on the others): their shapes are not compared.
+_ROOT_INPUT_ONLY = {"scatter"}
+_FORMS = ("_into_tensor", "_single", "_base", "_tensor", "_coalesced")
+
+
+def op_stem(op: str) -> str:
+    """``all_gather`` for ``all_gather_into_tensor``, ``_all_gather_base``, ``all_gather_single``."""
+    op = op.lstrip("_")
+    for form in _FORMS:
+        op = op.removesuffix(form)
+    return op
+
+
+def _tup(x: Any) -> Any:
+    return tuple(_tup(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective of one rank, as the ranks of its group must all make it."""
+
+    rank: int
+    group: str
+    role: str  # what ranks in step share while their groups differ (groups.GroupInfo.role)
+    seq: int | None  # position in the group's sequence (None: in the call, not yet recorded)
+    op: str
+    sizes: Any  # tuple of shapes (None: not known)
+    dtypes: Any
+    args: tuple[tuple[str, str], ...]  # the arguments that must match, sorted
+    splits: tuple[Any, Any] | None  # (input split sizes, output split sizes) of an all_to_all
+    cell: int | None  # the cell that issued it
+    line: int | None  # its line there, when the call log saw the Python call
+    func: str
+    done: bool
+    t: float  # when the rank issued it, on the controller's clock
+    entry: dict[str, Any]
+
+    def signature(self) -> tuple[Any, ...]:
+        """What must be equal across the group's members at this position."""
+        return (op_stem(self.op), self.sizes, self.dtypes, self.args)
+
+    def site(self) -> tuple[int, int] | None:
+        return (self.cell, self.line) if self.cell is not None and self.line is not None else None
+
+    def words(self) -> str:
+        """``all_reduce [4] f32``."""
+        return describe(self.entry)
+
+    def at(self) -> str:
+        """`` (cell 5 line 7)``, or ``""`` for a call issued from C++."""
+        if self.line is None:
+            return ""
+        func = f" in {self.func}()" if self.func not in ("", "<module>") else ""
+        return f" (cell {self.cell} line {self.line}{func})"
+
+
+def call_of(log: CollectiveEvidence, rank: int, e: dict[str, Any]) -> Call:
+    """The :class:`Call` of one log entry (a Flight Recorder entry with the call log's arguments)."""
+    args = e.get("args") or {}
+    kept = tuple(sorted((k, repr(v)) for k, v in args.items() if k not in SPLIT_ARGS and v is not None))
+    splits = (_tup(args.get("input_split_sizes")), _tup(args.get("output_split_sizes"))) \
+        if any(args.get(k) is not None for k in SPLIT_ARGS) else None
+    root_only = e["op"] in _ROOT_INPUT_ONLY
+    cell = e.get("call_cell", e.get("cell"))
+    return Call(
+        rank=rank, group=str(e["group"]), role=log.group(str(e["group"])).role(), seq=e.get("seq"), op=e["op"],
+        sizes=None if root_only else _tup(e.get("sizes")), dtypes=None if root_only else _tup(e.get("dtypes")), args=kept,
+        splits=splits, cell=int(cell) if cell is not None else None, line=e.get("line") if e.get("call_cell") is not None else None,
+        func=e.get("func") or "", done=bool(e.get("done")), t=log.local_time(rank, e), entry=e,
+    )
+
+
+def cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[Call]:
+    """The rank's collectives issued in ``cell``, in issue order: its recorder's entries, then the
+    collective it is in when the recorder has no entry for it yet (a call the log watched)."""
+    entries = sorted((e for e in log.entries.get(rank, {}).values()
+                      if not e.get("p2p") and e.get("call_cell", e.get("cell")) == cell), key=lambda e: e["id"])
+    out = [call_of(log, rank, e) for e in entries]
+    for c in log.open_calls(rank):
+        if c.get("cell") != cell or c["op"] in ("new_group", "send", "recv", "isend", "irecv") or c.get("group") in (None, "?"):
+            continue
+        t = c["t"] / 1e9
+        if any(e["group"] == c["group"] and e["t"] >= t - 1e-3 for e in entries):
+            continue  # its entry is in
+        entry = {"id": float("inf"), "group": c["group"], "op": c["op"], "done": False, "cell": cell, "call_cell": cell,
+                 "line": c.get("line"), "func": c.get("func"), "p2p": False, "seq": None, "t": t, "args": c.get("args") or {}}
+        out.append(call_of(log, rank, entry))
+    return out
+
+
+def program_key(call: Call) -> tuple[Any, ...]:
+    """What two ranks running the same program have in common at the same point of a cell: the
+    call site (the signature for a call from C++), op, shapes, dtypes and arguments — not the
+    group, which differs between ranks of one mesh dimension."""
+    return (call.site() or ("C++",), *call.signature())
+
+
+def same_call_op(a: Call, b: Call) -> bool:
+    return same_op(a.op, b.op)

@@ -1,0 +1,181 @@
+"""The first place where a group's members stop agreeing, and who stands out there.
+
+A group pairs its members' calls by sequence number: at every position each member must make a
+call, and the same one (op, shapes, dtypes, reduce op, root). :func:`disagreements` walks each
+group the cell used, position by position, and stops at the first where the members that
+*definitively* made no call (they finished the cell, raised, died, or wait elsewhere) stand beside
+members that did, or where the calls differ. A member still computing may yet arrive: it is no
+evidence either way.
+
+Who is wrong is judged by majority, counting beside the group's members the ranks in step on the
+other groups of the same role (a mesh's other ``tp`` groups made their ``#k`` call too), so a
+one-against-one split inside a group of two still has a majority across the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from distnb.analysis.agreement.calls import Call, call_of, op_stem
+from distnb.analysis.collectives import CollectiveEvidence, odd_ones
+from distnb.ranks import group_by
+
+__all__ = ["Disagreement", "Presence", "disagreements"]
+
+
+class Presence(str, Enum):
+    """Where a rank stands with respect to a position of a group it belongs to."""
+
+    GONE = "gone"  # it left the cell (finished, raised, died, stranded, not part of it): it will make no more calls
+    ELSEWHERE = "elsewhere"  # it waits in another collective or transfer: it is not coming now
+    MOVING = "moving"  # it runs code: it may yet come
+
+
+@dataclass
+class Disagreement:
+    """The first position of ``group`` where its members disagree."""
+
+    group: str
+    seq: int
+    by_rank: dict[int, Call | None]  # each member's call there (None: it made none, definitively)
+    witnesses: dict[int, Call | None]  # ranks in step on the other groups of this role
+    odd: list[int]  # the members that stand out by majority (every member involved on a tie)
+    tie: bool  # no majority: ``odd`` is every member involved
+    fields: tuple[str, ...]  # what differs: presence, op, shape, dtype, and the argument names
+    inside: list[int] = field(default_factory=list)  # members that died inside this call before its entry came
+
+    @property
+    def presence(self) -> bool:
+        return "presence" in self.fields
+
+    @property
+    def t(self) -> float:
+        """When the first call at this position was issued (controller's clock)."""
+        return min((c.t for c in self.by_rank.values() if c is not None), default=float("inf"))
+
+    def majority(self) -> list[int]:
+        return sorted(r for r in self.by_rank if r not in self.odd)
+
+    def voters(self) -> dict[int, Call | None]:
+        return {**self.witnesses, **self.by_rank}
+
+
+def _value(call: Call | None) -> Any:
+    return ("out",) if call is None else ("in", call.signature())
+
+
+def _fields(calls: list[Call]) -> tuple[str, ...]:
+    out = []
+    if len({op_stem(c.op) for c in calls}) > 1:
+        out.append("op")
+    if len({repr(c.sizes) for c in calls if c.sizes is not None}) > 1:
+        out.append("shape")
+    if len({repr(c.dtypes) for c in calls if c.dtypes is not None}) > 1:
+        out.append("dtype")
+    keys = sorted({k for c in calls for k, _ in c.args})
+    out.extend(k for k in keys if len({dict(c.args).get(k) for c in calls}) > 1)
+    return tuple(out)
+
+
+def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence], waiting_in: dict[int, str] | None = None,
+                  ) -> list[Disagreement]:
+    """The first disagreement of each group the cell issued collectives on, earliest first.
+
+    ``where`` says, for each rank of the cell, whether it left it, waits elsewhere or still runs
+    code (ranks missing from it are not part of the cell and are left out of every comparison);
+    ``waiting_in``, the group a waiting rank's collective is on, when known (a call the recorder
+    has no entry for yet is in that group, not absent from it)."""
+    out = []
+    groups = sorted({str(e["group"]) for r in where for e in log.entries.get(r, {}).values()
+                     if not e.get("p2p") and e.get("call_cell", e.get("cell")) == cell})
+    for g in groups:
+        members = [r for r in log.groups.get(g, []) if r in where] or [r for r in where if log.seqs(r, g)]
+        found = _first(log, g, members, cell, where, waiting_in or {})
+        if found is not None:
+            out.append(found)
+    out.sort(key=lambda d: d.t)
+    return out
+
+
+def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where: dict[int, Presence],
+           waiting_in: dict[int, str]) -> Disagreement | None:
+    seqs = {r: log.seqs(r, g) for r in members}
+    in_cell = [s for m in seqs.values() for s, e in m.items() if e.get("call_cell", e.get("cell")) == cell]
+    if len(members) < 2 or not in_cell:
+        return None
+    top = max(s for m in seqs.values() for s in m)
+    for k in range(min(in_cell), top + 1):
+        at: dict[int, Call | None] = {}
+        inside = []
+        for r in members:
+            e = seqs[r].get(k)
+            if e is not None:
+                at[r] = call_of(log, r, e)
+                continue
+            if seqs[r] and min(seqs[r]) > k:
+                continue  # its log starts later (the recorder let old entries go): no evidence
+            last = max(seqs[r], default=0)
+            died = log.died_in.get(r)
+            if died is not None and last < k and any(op_stem(died) == op_stem(e["op"]) for m in seqs.values() if (e := m.get(k))):
+                inside.append(r)  # died inside this call before its entry reached distnb: it did enter it
+                continue
+            if where.get(r, Presence.MOVING) == Presence.MOVING and last < k:
+                continue  # still running code: it may yet make this call
+            if waiting_in.get(r) == g:
+                continue  # in a call on this group that the recorder has not shown yet
+            if where.get(r) == Presence.ELSEWHERE and last < k - 1:
+                continue  # waits in an earlier call elsewhere: behind, not absent
+            at[r] = None
+        present = [c for c in at.values() if c is not None]
+        if not present:
+            continue
+        absent = [r for r, c in at.items() if c is None]
+        fields = ("presence",) if absent else _fields(present)
+        if not fields:
+            continue
+        witnesses = _witnesses(log, g, k, set(members), where)
+        odd, tie = _odd(at, witnesses)
+        return Disagreement(g, k, at, witnesses, odd, tie, fields, inside)
+    return None
+
+
+def _witnesses(log: CollectiveEvidence, g: str, k: int, members: set[int], where: dict[int, Presence]) -> dict[int, Call | None]:
+    """Each rank's call at position ``k`` on its own group of ``g``'s role (the other groups of a
+    mesh dimension, or of one ``new_group`` site); None where it definitively made none."""
+    role = log.group(g).role()
+    if role.startswith("group "):  # a group known by its name alone has no peers
+        return {}
+    out: dict[int, Call | None] = {}
+    for other, ranks in log.groups.items():
+        if other == g or log.group(other).role() != role:
+            continue
+        for r in ranks:
+            if r in members or r not in where:
+                continue
+            e = log.seqs(r, other).get(k)
+            if e is not None:
+                out[r] = call_of(log, r, e)
+            elif where[r] == Presence.GONE and log.seqs(r, other) and max(log.seqs(r, other)) < k:
+                out[r] = None
+    return out
+
+
+def _odd(at: dict[int, Call | None], witnesses: dict[int, Call | None]) -> tuple[list[int], bool]:
+    """The members that stand out by majority over members and witnesses; on a tie, every member
+    whose value is not shared by all (and ``tie``)."""
+    values = {r: _value(c) for r, c in {**witnesses, **at}.items()}
+    odd = [r for r in odd_ones(values) if r in at]
+    groups = group_by((r, v) for r, v in sorted(values.items()))
+    sizes = sorted((len(rs) for rs, _ in groups), reverse=True)
+    tie = len(sizes) > 1 and sizes[0] == sizes[1]
+    if odd and len(odd) < len(at) and not tie:
+        return sorted(odd), False
+    # Members alone (the witnesses may be too few to break the tie).
+    own = odd_ones({r: _value(c) for r, c in at.items()})
+    own_groups = group_by((r, _value(c)) for r, c in sorted(at.items()))
+    own_sizes = sorted((len(rs) for rs, _ in own_groups), reverse=True)
+    if own and len(own) < len(at) and not (len(own_sizes) > 1 and own_sizes[0] == own_sizes[1]):
+        return sorted(own), False
+    return sorted(at), True

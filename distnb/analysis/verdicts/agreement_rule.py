@@ -1,0 +1,257 @@
+"""The rule the others lean on: the first place the cell's ranks broke an SPMD constraint, who
+broke it, and how — from the agreement model (:mod:`distnb.analysis.agreement`).
+
+A disagreement in a group (members that left the cell beside members waiting in a call, or
+different calls at one position) is the gate: nothing is judged while every group agrees. The odd
+ranks are the group's minority, counting the ranks in step on the other groups of its role; on a
+tie, the ranks whose whole program of the cell departs from the other ranks'. How the odd rank's
+program departs — a call missing or extra, a loop run another number of times, another call at the
+same site, another group — is the kind. An odd rank that left the cell by raising an error of its
+own, or by dying before the call, is a ``raised`` or ``died`` verdict instead: its error or death
+explains the calls it did not make.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distnb.analysis.agreement.calls import Call, cell_calls
+from distnb.analysis.agreement.compare import Disagreement, Presence, disagreements
+from distnb.analysis.agreement.programs import Change, Difference, compare_programs
+from distnb.analysis.cell_source import around
+from distnb.analysis.verdicts.records import Records
+from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
+from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
+from distnb.ranks import format_ranks
+
+__all__ = ["agreement"]
+
+#: Other ranks a tied rank's program is compared with (the majority needs a handful, not all).
+_SAMPLE = 8
+
+_KINDS = {Change.MISSING: Kind.CALL_MISSING, Change.EXTRA: Kind.CALL_EXTRA, Change.REPEATS: Kind.LOOP_COUNT,
+          Change.DIFFERENT: Kind.MISMATCH, Change.OTHER_GROUP: Kind.WRONG_GROUP}
+
+
+def agreement(rec: Records) -> Verdict | None:
+    log, cell = rec.log, rec.judged_cell
+    if log is None or cell is None:
+        return None
+    where = rec.presence()
+    found = disagreements(log.log, cell, where, rec.waiting_in())
+    if not found:
+        return None
+    d = found[0]
+    programs: dict[int, list[Call]] = {}
+
+    def program(r: int) -> list[Call]:
+        if r not in programs:
+            programs[r] = cell_calls(log.log, r, cell)
+        return programs[r]
+
+    odd, tie, how = _blame(d, where, program, rec)
+    if not odd:
+        return None
+    if tie and how == "no majority":
+        # No side to call odd: compare the two sides' programs, the ranks in the call against the others.
+        inside = [r for r in odd if d.by_rank.get(r) is not None] or odd[:1]
+        a = inside[0]
+        ref = next((r for r in odd if not _same_value(d, r, a)), None)
+    else:
+        a = odd[0]
+        ref = _reference(d, odd, program)
+    diff = compare_programs(program(a), program(ref), where.get(a) == Presence.GONE,
+                            where.get(ref) == Presence.GONE) if ref is not None else None
+    if _left_first(rec, d, odd):
+        return None  # their error or death explains the calls they did not make: the event rules say so
+    kind = _KINDS[diff.change] if diff is not None else (
+        Kind.CALL_MISSING if d.presence and all(d.by_rank.get(r) is None for r in odd) else
+        Kind.CALL_EXTRA if d.presence else Kind.MISMATCH)
+    return _verdict(rec, d, odd, tie, how, kind, diff, ref)
+
+
+def _blame(d: Disagreement, where: dict[int, Presence], program: Any, rec: Records) -> tuple[list[int], bool, str]:
+    """The odd ranks, whether only a tie-break named them, and how they were found (in words)."""
+    if not d.tie:
+        voters = len(d.voters())
+        return d.odd, False, f"by majority over {voters} ranks" + (" (the group's members and the ranks in step on the other groups of its role)"
+                                                                   if d.witnesses else "")
+    # A tie inside the group: the ranks whose programs depart from the other ranks' of the cell.
+    cell_ranks = [r for r in where if r not in d.by_rank][:_SAMPLE]
+    departs = []
+    for r in d.by_rank:
+        others = [o for o in [*cell_ranks, *d.by_rank] if o != r][:_SAMPLE]
+        if not others:
+            continue
+        differ = sum(compare_programs(program(r), program(o), where.get(r) == Presence.GONE) is not None for o in others)
+        if differ * 2 > len(others):
+            departs.append(r)
+    if departs and len(departs) < len(d.by_rank):
+        return sorted(departs), True, "its calls in this cell depart from the other ranks'"
+    return sorted(d.odd), True, "no majority"
+
+
+def _reference(d: Disagreement, odd: list[int], program: Any) -> int | None:
+    """A majority rank to compare the odd rank's program with: the one that got furthest."""
+    pool = [r for r in d.by_rank if r not in odd] or [r for r in d.witnesses if r not in odd]
+    return max(pool, key=lambda r: (len(program(r)), -r)) if pool else None
+
+
+def _left_first(rec: Records, d: Disagreement, odd: list[int]) -> bool:
+    """Odd ranks that made no call because they raised an error of their own or died before it."""
+    if not odd or not all(d.by_rank.get(r) is None and r not in d.inside for r in odd):
+        return False
+    left = {p.rank for p in rec.raised} | {p.rank for p in rec.dead}
+    return all(r in left for r in odd)
+
+
+def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str, kind: Kind, diff: Difference | None,
+             ref: int | None) -> Verdict:
+    log = rec.log
+    assert log is not None
+    undecided = tie and how == "no majority"
+    others = [r for r in d.by_rank if r not in odd]
+    if undecided:  # both sides named: the ranks in the call against those without it, or one value against the other
+        lead = next((r for r in odd if d.by_rank.get(r) is not None), odd[0])
+        side = [r for r in odd if _same_value(d, r, lead)]
+        first, second = side, [r for r in odd if r not in side]
+    else:
+        first, second = odd, others or ([ref] if ref is not None else [])
+    waiting = [p.rank for p in rec.waiting if p.rank not in odd]
+    dead = [p.rank for p in rec.dead if p.rank not in odd]
+    sites = _sites(rec, d, odd, diff, ref)
+    cause = _cause(rec, sites)
+    summary, kind = _words(rec, d, kind, diff, first, second)
+    tail = []
+    if cause:
+        tail.append(cause)
+    if waiting:
+        tail.append(f"{format_ranks(waiting)} {ranks_verb(waiting, 'wait')} for it")
+    if dead:
+        tail.append(f"{format_ranks(dead)} died in it ({_victim_words(rec, dead)})")
+    if undecided:
+        blame = f" No majority to tell which side went wrong: {format_ranks(first)} against {format_ranks(second)}."
+    else:
+        blame = f" Root cause: {format_ranks(odd)}" + ("." if not tie else f" ({how}).")
+    certain = _certain(kind, tie, d, diff, cause)
+    return Verdict(
+        VerdictState.HANG if rec.running else VerdictState.FAILED, kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
+        culprits=odd, victims=sorted(set(waiting) | set(dead)), sites=sites,
+        evidence=Evidence("the n-th call on a group is made, and the same, by every member", _records(d), d.group, d.seq,
+                          diff.fields if diff is not None and diff.fields else d.fields),
+        certainty=certain, reason="" if certain == Certainty.CERTAIN else f"the odd {'ones' if len(odd) > 1 else 'one'} found {how}",
+        positions=rec.positions, rule="agreement",
+    )
+
+
+def _same_value(d: Disagreement, a: int, b: int) -> bool:
+    x, y = d.by_rank.get(a), d.by_rank.get(b)
+    return (x is None) == (y is None) and (x is None or y is None or x.signature() == y.signature())
+
+
+def _words(rec: Records, d: Disagreement, kind: Kind, diff: Difference | None, odd: list[int], others: list[int]) -> tuple[str, Kind]:
+    """The headline for the kind, ``odd`` against ``others`` (the majority, or the other side)."""
+    log = rec.log
+    assert log is not None
+    label = group_words(log, d.group)
+    who, them = format_ranks(odd), format_ranks(others) if others else "the others"
+    at = next((c for r in others if (c := d.by_rank.get(r)) is not None), None)
+    if kind == Kind.CALL_MISSING:
+        missing = diff.majority_calls if diff is not None and diff.majority_calls else [c for c in [at] if c is not None]
+        call = missing[0] if missing else None
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"{who} did not make {call_words(call)}{more}{site_of_call(call, rec)} on {label}, which {them} made", kind
+    if kind == Kind.CALL_EXTRA:
+        extra = diff.odd_calls if diff is not None and diff.odd_calls else [c for r in odd if (c := d.by_rank.get(r)) is not None]
+        call = extra[0] if extra else None
+        on = group_words(log, call.group) if call is not None else label
+        return f"{who} made a call {them} did not: {call_words(call)}{site_of_call(call, rec)} on {on}", kind
+    if kind == Kind.LOOP_COUNT and diff is not None and diff.loop is not None:
+        ran, maj = diff.loop
+        body = ", ".join(dict.fromkeys(c.words() for c in diff.body))
+        where = site_of_call(diff.body[0], rec) if diff.body else ""
+        return (f"uneven loop: {who} ran {ran} step{'s' * (ran != 1)} of ({body}){where} on {label}, {them} ran {maj}: a loop of another "
+                "length per rank, or a condition in it that differs"), kind
+    if kind == Kind.WRONG_GROUP and diff is not None:
+        first, second = diff.odd_calls[0], diff.majority_calls[0]
+        return (f"collective on another group: {who} called {first.op}{site_of_call(first, rec)} over {group_words(log, first.group)} "
+                f"where {them} used {second.role}"), kind
+    mine = diff.odd_calls[0] if diff is not None and diff.odd_calls else next((c for r in odd if (c := d.by_rank.get(r))), None)
+    theirs = diff.majority_calls[0] if diff is not None and diff.majority_calls else at
+    fields = (diff.fields if diff is not None and diff.fields else d.fields) or ("call",)
+    sides = "; ".join(part for part in (f"{who} {call_words(mine)}{site_of_call(mine, rec)}" if mine else "",
+                                         f"{them} {call_words(theirs)}" if theirs and others else "") if part)
+    op = (mine or theirs).op if (mine or theirs) else "a collective"
+    return f"{' and '.join(fields)} mismatch at {op} #{d.seq} on {label}: {sides}", Kind.MISMATCH
+
+
+def _victim_words(rec: Records, dead: list[int]) -> str:
+    return "gloo aborts a rank that receives data its own tensor can't hold" if any("SIGABRT" in rec.by_rank[r].detail for r in dead) else \
+        "a victim"
+
+
+def _certain(kind: Kind, tie: bool, d: Disagreement, diff: Difference | None, cause: str) -> Certainty:
+    """Certain only where the records leave no other reading: a strict majority of at least three
+    ranks, the same call site on both sides (a mismatch), or a rank condition around the call."""
+    if tie or len(d.voters()) < 3:
+        return Certainty.LIKELY
+    if kind == Kind.MISMATCH and diff is not None and diff.odd_calls and diff.majority_calls and \
+            diff.odd_calls[0].site() is not None and diff.odd_calls[0].site() == diff.majority_calls[0].site():
+        return Certainty.CERTAIN
+    if kind in (Kind.CALL_EXTRA, Kind.CALL_MISSING) and "under `if" in cause:
+        return Certainty.CERTAIN
+    return Certainty.LIKELY
+
+
+def _records(d: Disagreement) -> dict[int, str]:
+    return {r: (c.words() + c.at()) if c is not None else "no call" for r, c in sorted(d.by_rank.items())}
+
+
+def _sites(rec: Records, d: Disagreement, odd: list[int], diff: Difference | None, ref: int | None) -> list[Site]:
+    """Where in the notebook: the odd rank's call (extra, mismatched, misrouted), or the call the
+    majority made that it did not; the majority's position when the call came from C++."""
+    calls: list[Call] = []
+    if diff is not None:
+        calls = diff.odd_calls or diff.majority_calls or diff.body
+    out = []
+    for c in calls[:1]:
+        if c.site() is not None:
+            out.append(Site(c.cell, c.line, c.func, _code(rec, c.cell, c.line), "the call"))
+    if not out:
+        # Issued from C++ (DDP, FSDP): the line the ranks were at when they made it.
+        side = odd if diff is not None and diff.odd_calls else [r for r in d.by_rank if r not in odd] or odd
+        for r in side:
+            p = rec.by_rank.get(r)
+            if p is not None and p.line:
+                cell = p.line_cell if p.line_cell is not None else p.running if p.running is not None else rec.judged_cell
+                out.append(Site(cell, p.line, p.func, p.code, "where the call was made"))
+                break
+    if diff is not None and diff.change == Change.REPEATS and out:
+        found = around(rec.sources.get(out[0].cell or -1, ""), out[0].line or 0)
+        loop = found.loop() if found else None
+        if loop is not None:
+            out.append(Site(out[0].cell, loop[0], "", loop[1], "the loop"))
+    return out
+
+
+def _code(rec: Records, cell: int | None, line: int | None) -> str:
+    code = rec.sources.get(cell) if cell is not None else None
+    lines = code.splitlines() if code else []
+    return lines[line - 1].strip() if line and line <= len(lines) else ""
+
+
+def _cause(rec: Records, sites: list[Site]) -> str:
+    """What the cell's code says around the site: a rank condition, a loop."""
+    if not sites or sites[0].line is None:
+        return ""
+    s = sites[0]
+    found = around(rec.sources.get(s.cell or -1, ""), s.line or 0)
+    if found is None:
+        return ""
+    cond = found.rank_condition()
+    if cond is not None:
+        return f"the call at cell {s.cell} line {s.line} is under `{cond[1]}` (line {cond[0]}): a collective only some ranks reach"
+    loop = found.loop()
+    if loop is not None:
+        return f"the call is inside `{loop[1]}` (cell {s.cell} line {loop[0]})"
+    return ""

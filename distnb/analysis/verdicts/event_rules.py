@@ -1,0 +1,117 @@
+"""Rules for ranks that left the cell by an event of their own: a death, an error.
+
+A rank aborted inside a collective whose ranks disagree (gloo kills the rank that receives data
+its tensor cannot hold) is a victim, and the odd rank of that collective the cause; any other
+first death is the cause. An error of a rank's own (not a peer's connection closing, not a
+timeout, not an interrupt) is the cause of the waits it leaves behind.
+"""
+
+from __future__ import annotations
+
+from distnb.analysis.collectives import CollectiveReport
+from distnb.analysis.entry_words import describe
+from distnb.analysis.position import Position
+from distnb.analysis.verdicts.records import Records
+from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
+from distnb.analysis.verdicts.words import ranks_verb
+from distnb.ranks import format_ranks, group_by
+
+__all__ = ["died", "raised", "victim", "victim_of_mismatch"]
+
+
+def died(rec: Records) -> Verdict | None:
+    if not rec.dead:
+        return None
+    d = rec.dead[0]
+    later = [p.rank for p in rec.dead if p is not d]
+    then = f", then {format_ranks(later)}" if later else ""
+    waiting = rec.waiting
+    sites = [Site(p.line_cell if p.line_cell is not None else rec.judged_cell, p.line, p.func, p.code, "where it was last seen")
+             for p in [d] if p.line]
+    if waiting:
+        w = format_ranks([p.rank for p in waiting])
+        summary = (f"rank {d.rank} died{' first' if later else ''} ({d.detail}){then}; {w} {ranks_verb(waiting, 'wait')} for it in "
+                   f"{waiting[0].op} and can't finish. Root cause: rank {d.rank}.")
+    elif rec.running:
+        return None
+    else:
+        summary = f"rank {d.rank} died{' first' if later else ''} ({d.detail}){then}. Root cause: rank {d.rank}."
+    # A death by the rank's own hand (an exit, a kill) is certain; an abort or a crash inside a
+    # collective may be the consequence of a mismatch the records did not catch.
+    inside = rec.log is not None and d.rank in rec.log.log.died_in
+    certain = not inside and "SIGABRT" not in d.detail
+    return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, Kind.DIED, summary, [d.rank], [p.rank for p in waiting] + later, sites,
+                   Evidence("every rank of the cell stays alive", {d.rank: d.detail}), Certainty.CERTAIN if certain else Certainty.LIKELY,
+                   "" if certain else "it died inside a collective: a mismatch there may have caused it", positions=rec.positions,
+                   rule="died")
+
+
+def victim_of_mismatch(rec: Records) -> Verdict | None:
+    """The first rank to die did so inside a collective whose ranks disagree, and was not the odd
+    one: the odd rank is the cause."""
+    if not rec.dead:
+        return None
+    dead = rec.dead[0]
+    found = victim(dead, rec.log)
+    if found is None:
+        return None
+    summary, odd = found
+    return Verdict(VerdictState.HANG if rec.waiting else VerdictState.FAILED, Kind.MISMATCH, summary, odd, [dead.rank], [],
+                   Evidence("the n-th call on a group is the same on every member", {dead.rank: dead.detail}), Certainty.LIKELY,
+                   "by majority at the collective it died in", positions=rec.positions, rule="victim")
+
+
+def victim(dead: Position, log: CollectiveReport | None) -> tuple[str, list[int]] | None:
+    """A rank that died inside a collective whose ranks disagree (gloo aborts the rank that
+    receives data it can't fit): the odd rank of the mismatch is the root cause, not the victim."""
+    if log is None:
+        return None
+    for div in log.divergences():
+        present = [e for e in div.by_rank.values() if e is not None]
+        entry = div.by_rank.get(dead.rank) or (present[0] if log.log.died_in.get(dead.rank) and dead.rank in div.by_rank else None)
+        if div.kind == "missing" or entry is None:
+            continue
+        odd = div.odd()
+        if not odd or dead.rank in odd or len(odd) == len(div.by_rank):
+            continue
+        what = {"op": "different ops", "shape": "shape mismatch", "dtype": "dtype mismatch", "args": "argument mismatch"}[div.kind]
+        detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by((r, describe(e)) for r, e in sorted(div.by_rank.items()) if e))
+        if div.peers:
+            detail += f" (where {div.witnesses()})"
+        return (
+            f"rank {dead.rank} died ({dead.detail}) inside {entry['op']} #{div.seq} on {div.label or f'group {div.group}'}, a {what}: {detail}. "
+            f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out; rank {dead.rank} is a victim "
+            "(gloo aborts a rank that receives data its own tensor can't hold).",
+            odd,
+        )
+    return None
+
+
+def raised(rec: Records) -> Verdict | None:
+    failed = rec.raised
+    if not failed:
+        return None
+    waiting = rec.waiting
+    f = failed[0]
+    ranks = [p.rank for p in failed if p.detail.split(":", 1)[0] == f.detail.split(":", 1)[0]] or [f.rank]
+    who = format_ranks(ranks)
+    sites = [Site(p.line_cell if p.line_cell is not None else rec.judged_cell, p.line, p.func, p.code, "the error")
+             for p in failed if p.rank == ranks[0] and p.line]
+    if waiting:
+        w = format_ranks([p.rank for p in waiting])
+        summary = (f"{who} raised {f.detail} and left the cell; {w} {ranks_verb(waiting, 'wait')} in {waiting[0].op} for "
+                   f"{'it' if len(ranks) == 1 else 'them'}. Root cause: the error on {who}.")
+        state = VerdictState.HANG
+    elif rec.running:
+        return None
+    else:
+        summary = f"{who} raised {f.detail}. Root cause: the error on {who}."
+        state = VerdictState.FAILED
+    # Raised by the cell's own code (a raise, an assert) it is the cause; raised inside torch (DDP
+    # finding a reduction it never made, say), it may be the consequence of an earlier difference.
+    own = any(word in f.code for word in ("raise ", "assert ")) or (f.code.strip().startswith(("raise", "assert")))
+    return Verdict(state, Kind.RAISED, summary, ranks, [p.rank for p in waiting], sites,
+                   Evidence("no rank leaves the cell while the others need it", {p.rank: p.detail for p in failed}),
+                   Certainty.CERTAIN if own else Certainty.LIKELY,
+                   "" if own else "raised inside a library: it may follow from an earlier difference between the ranks",
+                   positions=rec.positions, rule="raised")

@@ -1,0 +1,91 @@
+"""Rules that read the calls beyond one group's sequence: group creation out of step, a collective
+that paired calls of different cells, and point-to-point calls left without a partner."""
+
+from __future__ import annotations
+
+from distnb.analysis.group_creation import creation_mismatch
+from distnb.analysis.p2p import match_p2p
+from distnb.analysis.pairing import cross_cell, cross_group
+from distnb.analysis.verdicts.records import Records
+from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
+
+__all__ = ["creation_out_of_step", "p2p_unmatched", "paired_across_cells", "wrong_group"]
+
+
+def creation_out_of_step(rec: Records) -> Verdict | None:
+    """new_group out of step: every rank must create every group, in the same order."""
+    if rec.log is None or not (rec.waiting or not rec.running):
+        return None
+    moving = {p.rank for p in rec.of("computing")}
+    found = creation_mismatch(rec.log.log, [p.rank for p in rec.positions if p.state != "idle"], moving)
+    if found is None:
+        return None
+    odd = found.odd
+    calls = [c for r, c in sorted(found.by_rank.items()) if r in odd and c is not None]
+    sites = [Site(c.get("cell"), c.get("line"), c.get("func") or "", "", "the new_group call") for c in calls[:1] if c.get("line")]
+    return Verdict(VerdictState.HANG if rec.running else VerdictState.FAILED, Kind.GROUP_CREATION, found.text(), odd,
+                   [p.rank for p in rec.waiting if p.rank not in odd], sites,
+                   Evidence("every rank creates the same groups in the same order", {r: "none" if c is None else str(c.get("args"))
+                                                                                      for r, c in found.by_rank.items()}),
+                   Certainty.LIKELY, "by majority over the ranks' new_group calls", positions=rec.positions, rule="creation")
+
+
+def paired_across_cells(rec: Records) -> Verdict | None:
+    """A collective that paired calls of different cells (a call left pending in an earlier one)."""
+    cell = rec.judged_cell
+    if rec.log is None or cell is None or not rec.waiting:
+        return None
+    ranks = [p.rank for p in rec.positions if p.state != "idle"]
+    found = cross_cell(rec.log.log, ranks, cell)
+    if found is None:
+        return None
+    odd = found.odd
+    return Verdict(VerdictState.HANG, Kind.CROSS_CELL, found.text(), odd, [r for r in found.by_rank if r not in odd], [],
+                   Evidence("a collective pairs the same call on every member", {r: f"cell {e.get('call_cell', e.get('cell'))}"
+                                                                                  for r, e in found.by_rank.items()}, found.group, found.seq),
+                   Certainty.LIKELY, "by majority over the cells that issued the paired calls", positions=rec.positions, rule="cross_cell")
+
+
+def wrong_group(rec: Records) -> Verdict | None:
+    """Ranks in step by group but not by meaning: the n-th collective of the cell over a group of
+    another role (mesh dimension, new_group site) than the majority's, with a rank waiting for it.
+    A tie between roles is no evidence (``mine = lo if rank < 2 else hi`` is a healthy program)."""
+    cell = rec.judged_cell
+    if rec.log is None or cell is None or not rec.waiting:
+        return None
+    ranks = [p.rank for p in rec.positions if p.state != "idle"]
+    found = cross_group(rec.log.log, ranks, cell, frozenset(p.rank for p in rec.waiting))
+    if found is None or not found.waits_for or not found.odd or len(found.odd) * 2 >= len(found.by_rank):
+        return None
+    odd = found.odd
+    e = found.by_rank[odd[0]]
+    sites = [Site(e.get("call_cell", e.get("cell")), e["line"], e.get("func") or "", "", "the call")] if e.get("line") else []
+    return Verdict(VerdictState.HANG, Kind.WRONG_GROUP, found.text(), odd, [r for r in found.waits_for if r not in odd], sites,
+                   Evidence("ranks in step call over groups of the same role", {r: found.labels[r] for r in found.by_rank}),
+                   Certainty.LIKELY, "by majority over the roles of the ranks' calls at that point of the cell", positions=rec.positions,
+                   rule="wrong_group")
+
+
+def p2p_unmatched(rec: Records) -> Verdict | None:
+    """Open sends and receives without a partner (every open call with its partner: a transfer)."""
+    if not any(p.peers for p in rec.waiting):
+        return None
+    found = match_p2p(rec.positions)
+    if found.sentences:
+        return Verdict(VerdictState.HANG, Kind.P2P_UNMATCHED, "point-to-point calls without a partner: " + "; ".join(found.sentences) + ".",
+                       found.culprits, [p.rank for p in rec.waiting if p.rank not in found.culprits], _p2p_sites(rec, found.culprits),
+                       Evidence("a send is matched by a receive on its peer, with the same tag"), Certainty.LIKELY,
+                       "which side of an unmatched pair is wrong is inferred from the other calls", positions=rec.positions, rule="p2p")
+    if all(p.peers for p in rec.waiting):
+        return Verdict(VerdictState.SLOW, Kind.SLOW_COLLECTIVE, "send/recv in progress: every open call has its partner (a large transfer, or a "
+                       "slow link).", positions=rec.positions, rule="p2p")
+    return None
+
+
+def _p2p_sites(rec: Records, culprits: list[int]) -> list[Site]:
+    out = []
+    for r in culprits:
+        p = rec.by_rank.get(r)
+        if p is not None and p.line:
+            out.append(Site(p.line_cell if p.line_cell is not None else rec.judged_cell, p.line, p.func, p.code, "where it is"))
+    return out[:1]

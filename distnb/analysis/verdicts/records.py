@@ -1,0 +1,100 @@
+"""What the rules read: every rank's position, the collective log, the cells' code, the first
+death, and the questions every rule asks of them (who waits, who left, who raised an error of its
+own and who only a consequence of another rank's failure)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from distnb.analysis.agreement.compare import Presence
+from distnb.analysis.collectives import CollectiveReport
+from distnb.analysis.position import Position
+
+__all__ = ["Records", "is_consequence"]
+
+#: Errors a rank raises because of another rank (its peer died, closed its connections, never
+#: came), or because distnb or the user stopped it: never a root cause of their own.
+_CONSEQUENCE = re.compile(
+    r"Connection (reset|closed) by peer|Timed out waiting|Application timeout caused pair closure|Socket Timeout|Broken pipe|"
+    r"NCCL communicator was aborted|communicator .*abort|Watchdog caught collective operation timeout|"
+    r"ProcessGroup.* (abort|shut ?down)|Connection refused|pair closure|Read error|Write error",
+    re.IGNORECASE)
+_CONSEQUENCE_NAMES = {"KeyboardInterrupt", "LeftCell", "DistNetworkError", "DistBackendError"}
+
+
+def is_consequence(detail: str) -> bool:
+    """Whether a rank's error (``ename: evalue``) only reports another rank's failure or a stop."""
+    ename = detail.split(":", 1)[0].strip()
+    return ename in _CONSEQUENCE_NAMES or bool(_CONSEQUENCE.search(detail))
+
+
+@dataclass
+class Records:
+    """The evidence a diagnosis has: what the rules read, and nothing they could not."""
+
+    positions: list[Position]
+    hang_after: float
+    elapsed: float
+    log: CollectiveReport | None = None
+    first_death: int | None = None
+    sources: dict[int, str] = field(default_factory=dict)
+    cell: int | None = None  # the cell judged (None: read off the positions)
+
+    def of(self, *states: str) -> list[Position]:
+        return [p for p in self.positions if p.state in states]
+
+    @cached_property
+    def by_rank(self) -> dict[int, Position]:
+        return {p.rank: p for p in self.positions}
+
+    @cached_property
+    def waiting(self) -> list[Position]:
+        return self.of("collective")
+
+    @cached_property
+    def running(self) -> bool:
+        """Some rank of the cell still runs it (waits, computes, or gives no answer)."""
+        return bool(self.of("collective", "computing", "unresponsive", "paused"))
+
+    @cached_property
+    def raised(self) -> list[Position]:
+        """Ranks that raised an error of their own (not a consequence of another rank's failure)."""
+        return [p for p in self.of("failed") if not is_consequence(p.detail)]
+
+    @cached_property
+    def dead(self) -> list[Position]:
+        dead = self.of("dead")
+        return sorted(dead, key=lambda p: p.rank != self.first_death)
+
+    @cached_property
+    def judged_cell(self) -> int | None:
+        if self.cell is not None:
+            return self.cell
+        cell = next((p.running for p in self.positions if p.running is not None), None)
+        if cell is None and self.log is not None:
+            cell = next((e.get("cell") for p in self.waiting if (e := self.log.log.pending(p.rank)) is not None), None)
+        return cell
+
+    def presence(self) -> dict[int, Presence]:
+        """Each rank of the cell as the agreement model needs it: left the cell, waits elsewhere,
+        or may yet come (ranks not part of the cell are left out)."""
+        out = {}
+        for p in self.positions:
+            if p.state == "idle":
+                continue
+            if p.state in ("finished", "failed", "dead", "stranded") or not self.running:
+                out[p.rank] = Presence.GONE
+            elif p.state == "collective" or p.state == "paused":
+                out[p.rank] = Presence.ELSEWHERE
+            else:
+                out[p.rank] = Presence.MOVING
+        return out
+
+    def waiting_in(self) -> dict[int, str]:
+        return {p.rank: p.group for p in self.waiting if p.group is not None}
+
+    def longest_wait(self) -> float:
+        # since == 0.0 is a wait that just began, not an unknown one.
+        return max((self.elapsed if p.since is None else p.since for p in self.waiting), default=0.0)
