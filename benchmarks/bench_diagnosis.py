@@ -60,7 +60,7 @@ def main() -> None:
             outcomes.append(o)
             mark = "ok  " if o.culprit_right and o.kind_right else "MISS"
             print(f"[{i}/{len(mutants)}] {mark} {o.name} want {o.culprit} {o.kinds} got {o.culprits} {o.kind} "
-                  f"({o.certainty}, {o.rule}, {o.seconds:.1f} s) {o.error}", flush=True)
+                  f"({o.certainty}, {o.rule}, {o.seconds:.1f} s {o.phases}) {o.error}", flush=True)
             if mark == "MISS":
                 print(f"      {o.summary[:400]}", flush=True)
     finally:

@@ -14,6 +14,7 @@ from distnb._processes import signal_meaning
 from distnb._text import MAX_ROWS, MERGED_NOTE, Rows, merge_lines, merge_rows, prefix_lines
 from distnb.analysis.failures import differing_messages, is_timeout, salient_lines
 from distnb.analysis.nccl_dumps import watchdog_cause
+from distnb.analysis.verdicts.verdict import Verdict
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 
 __all__ = [
@@ -168,6 +169,9 @@ class CellResult:
     path_note: str = ""
     # torch.compile did something else on some ranks in this cell (analysis/compiles.py), in words.
     compile_note: str = ""
+    # The diagnosis of the ended cell when it failed or desynced (services.diagnostics.conclude):
+    # what the report, the live view and CellFailed name as its cause.
+    verdict: Verdict | None = None
     # Memory of ranks still running when another ran out of memory (asked live at that moment).
     live_memory: dict[int, dict[str, Any]] = field(default_factory=dict)
     # The notebook's In[n] of the cell that ran it (%%on_ranks), None from Python: what export's

@@ -49,6 +49,7 @@ class Outcome:
     false_claim: bool = False
     false_alarm: bool = False
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # setup, watch, stop: where the seconds went
     error: str = ""
     report: str = ""  # the cell's own end report (root cause, notes), for reading a miss
 
@@ -133,9 +134,12 @@ class Runner:
         t0 = time.monotonic()
         try:
             self._setup(m.program)
+            t1 = time.monotonic()
             res, verdict = self._watch(m.step)
+            t2 = time.monotonic()
             report = res.text()
             self._stop(res)
+            out.phases = {"setup": round(t1 - t0, 2), "watch": round(t2 - t1, 2), "stop": round(time.monotonic() - t2, 2)}
         except Exception as exc:
             out.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
             try:

@@ -22,6 +22,7 @@ class P2PFinding:
     sentences: list[str]
     culprits: list[int]
     matched: list[tuple[int, int]]  # (sender, receiver) pairs that match and should complete
+    explicit: list[int]  # ranks whose call names the wrong peer or tag (not merely blocked)
 
 
 def _tag(call: dict[str, Any]) -> int:
@@ -58,6 +59,7 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
             matched.append((i, j))  # type: ignore[arg-type]
     sentences: list[str] = []
     culprits: set[int] = set()
+    explicit: set[int] = set()
     explained_sends: set[int] = set()
     for j, r in free_recvs:
         peer = peer_of(r)
@@ -74,6 +76,7 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
             sentences.append(f"rank {j} receives from rank {i} with tag {_tag(r)}, but rank {i} sends to it with tag {_tag(s)}: "
                              "the tags must match")
             culprits.update((i, j))
+            explicit.update((i, j))
             explained_sends.add(id(s))
             continue
         if to_me:
@@ -84,6 +87,7 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
                 f"rank {j}'s recv most likely names the wrong peer (src={i})"
             )
             culprits.add(j)
+            explicit.add(j)
             explained_sends.update(id(s) for _, s in to_me)
             continue
         # Nobody sends to j. If i sends to someone else, i's dst is the likely mistake.
@@ -92,6 +96,7 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
             sentences.append(f"rank {j} waits to receive from rank {i}, which is sending to rank {peer_of(theirs[0])} instead: "
                              f"rank {i}'s send most likely names the wrong peer (dst={peer_of(theirs[0])})")
             explained_sends.update(id(s) for s in theirs)
+            explicit.add(i)
         else:
             sentences.append(f"rank {j} waits to receive from rank {i}, which {_elsewhere(by_rank.get(i))} without sending to it")
         culprits.add(i)
@@ -101,4 +106,4 @@ def match_p2p(positions: list[Position]) -> P2PFinding:
             continue
         sentences.append(f"rank {i} sends to rank {dst}, which {_elsewhere(by_rank.get(dst))} without receiving from it")
         culprits.add(dst)
-    return P2PFinding(sentences, sorted(culprits), matched)
+    return P2PFinding(sentences, sorted(culprits), matched, sorted(explicit))

@@ -44,6 +44,9 @@ from distnb.wire.protocol import Msg
 
 __all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "STACKS_TIMEOUT"]
 
+#: Rules whose verdict the cell's own report already says (its errors, its deaths).
+_SAID_BY_THE_REPORT = {"died", "raised", "quiet", "none"}
+
 #: How long the control threads have to answer a stacks request; one that can't (its rank holds
 #: the GIL in a C loop) is asked of its supervisor through faulthandler instead.
 STACKS_TIMEOUT = 0.25
@@ -287,8 +290,12 @@ class Diagnostics:
     def conclude(self, result: CellResult) -> None:
         """Once a cell has finished everywhere: the root cause of deaths and timeouts, and the
         words for an end-of-cell desync."""
-        if result.failed:
-            result.root_cause = self.death_note(result) or self.timeout_note(result)
+        if result.failed or result.desync:
+            verdict = result.verdict = self.diagnose(result)
+            # The deaths and errors are in the report already: the verdict is said when it names
+            # a cause they do not (a mismatch that aborted a neighbour, a skipped call, a loop).
+            told = verdict.rule in _SAID_BY_THE_REPORT or not verdict.is_problem
+            result.root_cause = (self.timeout_note(result) if told else "") or ("" if told else verdict.summary)
         if result.desync:
             result.desync_note = self.desync_note(result)
         if any(rr.compiles for rr in result.results.values()):  # most cells compile nothing: nothing to walk

@@ -135,7 +135,7 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
         blame = f" Root cause: {format_ranks(odd)}" + ("." if not tie else f" ({how}).")
     certain = _certain(kind, tie, d, diff, cause)
     return Verdict(
-        VerdictState.HANG if rec.running else VerdictState.FAILED, kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
+        VerdictState.HANG if rec.running else VerdictState.FAILED if rec.of("failed", "dead", "stranded") else VerdictState.DESYNC, kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
         culprits=odd, victims=sorted(set(waiting) | set(dead)), sites=sites,
         evidence=Evidence("the n-th call on a group is made, and the same, by every member", _records(d), d.group, d.seq,
                           diff.fields if diff is not None and diff.fields else d.fields),
@@ -181,7 +181,8 @@ def _words(rec: Records, d: Disagreement, kind: Kind, diff: Difference | None, o
     fields = (diff.fields if diff is not None and diff.fields else d.fields) or ("call",)
     sides = "; ".join(part for part in (f"{who} {call_words(mine)}{site_of_call(mine, rec)}" if mine else "",
                                          f"{them} {call_words(theirs)}" if theirs and others else "") if part)
-    op = (mine or theirs).op if (mine or theirs) else "a collective"
+    shown = mine or theirs
+    op = shown.op if shown is not None else "a collective"
     return f"{' and '.join(fields)} mismatch at {op} #{d.seq} on {label}: {sides}", Kind.MISMATCH
 
 

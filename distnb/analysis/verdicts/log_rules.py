@@ -3,10 +3,12 @@ that paired calls of different cells, and point-to-point calls left without a pa
 
 from __future__ import annotations
 
+from distnb.analysis.agreement.p2p_roots import p2p_roots
 from distnb.analysis.group_creation import creation_mismatch
 from distnb.analysis.p2p import match_p2p
 from distnb.analysis.pairing import cross_cell, cross_group
 from distnb.analysis.verdicts.records import Records
+from distnb.ranks import format_ranks
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
 
 __all__ = ["creation_out_of_step", "p2p_unmatched", "paired_across_cells", "wrong_group"]
@@ -72,8 +74,12 @@ def p2p_unmatched(rec: Records) -> Verdict | None:
         return None
     found = match_p2p(rec.positions)
     if found.sentences:
-        return Verdict(VerdictState.HANG, Kind.P2P_UNMATCHED, "point-to-point calls without a partner: " + "; ".join(found.sentences) + ".",
-                       found.culprits, [p.rank for p in rec.waiting if p.rank not in found.culprits], _p2p_sites(rec, found.culprits),
+        root = p2p_roots(rec.positions, rec.log.log if rec.log is not None else None, rec.judged_cell, found.explicit)
+        culprits = root.culprits if root is not None else found.culprits
+        sites = [Site(root.site[0], root.site[1], "", "", "the call")] if root is not None and root.site else _p2p_sites(rec, culprits)
+        blame = f" Root cause: {format_ranks(culprits)} ({root.how})." if root is not None else ""
+        return Verdict(VerdictState.HANG, Kind.P2P_UNMATCHED, "point-to-point calls without a partner: " + "; ".join(found.sentences) + "." + blame,
+                       culprits, [p.rank for p in rec.waiting if p.rank not in culprits], sites,
                        Evidence("a send is matched by a receive on its peer, with the same tag"), Certainty.LIKELY,
                        "which side of an unmatched pair is wrong is inferred from the other calls", positions=rec.positions, rule="p2p")
     if all(p.peers for p in rec.waiting):

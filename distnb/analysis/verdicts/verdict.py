@@ -27,6 +27,7 @@ class VerdictState(str, Enum):
     HANG = "hang"  # ranks wait for something that will not come
     PAUSED = "paused"  # ranks wait for the notebook (pdb, input(), the debugger panel)
     FAILED = "failed"  # over: a rank died or raised, with a cause found
+    DESYNC = "desync"  # over on every rank, but their calls disagreed: wrong results, or the next sync hangs
 
     def __str__(self) -> str:
         return self.value
@@ -114,7 +115,8 @@ class Verdict:
 
     @property
     def is_problem(self) -> bool:
-        return self.state in (VerdictState.HANG, VerdictState.SLOW, VerdictState.FAILED) or self.kind not in (Kind.NONE, Kind.PAUSED)
+        return self.state in (VerdictState.HANG, VerdictState.SLOW, VerdictState.FAILED, VerdictState.DESYNC) or \
+            self.kind not in (Kind.NONE, Kind.PAUSED)
 
     def text(self) -> str:
         """The headline, then one line per place the ranks are in (ranks in the same place share

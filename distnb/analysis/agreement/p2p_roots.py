@@ -1,0 +1,109 @@
+"""Which rank a tangle of point-to-point waits starts from.
+
+A send or a receive waits for one peer; a rank blocked in one blocks the peers waiting for it in
+turn, so on a ring or a pipeline one missing send leaves every rank waiting, each on the next.
+The pairs without a partner (:func:`distnb.analysis.p2p.match_p2p`) name every link of that chain;
+the cause is where it ends: a rank the others wait for that waits for no one (it finished, raised,
+died, or computes). When the waits close into a cycle (every rank waits), the cause is a call
+that names the wrong peer or tag, else the rank whose point-to-point calls in the cell depart
+from the other ranks' at the same call site: another count, or another peer relative to itself
+(``dst = rank + 1`` on every rank but one).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from distnb.analysis.collectives import P2P_OPS, CollectiveEvidence, odd_ones, peer_of
+from distnb.analysis.position import Position
+
+__all__ = ["P2PRoot", "p2p_roots"]
+
+
+@dataclass
+class P2PRoot:
+    culprits: list[int]
+    how: str  # how they were found, in words
+    site: tuple[int, int] | None  # (cell, line) of the call the culprits made or did not make
+
+
+def _waits(positions: list[Position]) -> dict[int, set[int]]:
+    """rank → the ranks its open sends and receives wait for."""
+    recv_from = {(p.rank, peer_of(c)) for p in positions for c in p.peers if P2P_OPS[c["op"]] == "recv"}
+    out: dict[int, set[int]] = {}
+    for p in positions:
+        for c in p.peers:
+            peer = peer_of(c)
+            if peer is None:
+                continue
+            if P2P_OPS[c["op"]] == "recv" or (peer, p.rank) not in recv_from and (peer, None) not in recv_from:
+                out.setdefault(p.rank, set()).add(peer)
+    return out
+
+
+def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: int | None, explicit: list[int]) -> P2PRoot | None:
+    """The ranks the point-to-point waits start from; ``explicit``: the ranks a pairing found
+    naming a wrong peer or tag (used when the waits form a cycle)."""
+    by_rank = {p.rank: p for p in positions}
+    waits = _waits(positions)
+    if not waits:
+        return None
+    waited = {q for targets in waits.values() for q in targets}
+    sinks = sorted(q for q in waited if q not in waits and (p := by_rank.get(q)) is not None and p.state != "collective")
+    if sinks:
+        return P2PRoot(sinks, "the rank the chain of waits ends at", _their_site(positions, log, cell, sinks))
+    if explicit:
+        return P2PRoot(sorted(explicit), "a call that names the wrong peer or tag", None)
+    if log is None or cell is None:
+        return None
+    odd, site = _site_majority(log, cell, [p.rank for p in positions if p.state != "idle"])
+    if odd:
+        return P2PRoot(odd, "its point-to-point calls depart from the other ranks' at the same call site", site)
+    return None
+
+
+def _cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str, Any]]:
+    return [c for c in log.p2p(rank) if c.get("cell") == cell]
+
+
+def _site_majority(log: CollectiveEvidence, cell: int, ranks: list[int]) -> tuple[list[int], tuple[int, int] | None]:
+    """Per call site of the cell: how many sends or receives each rank made there and to which
+    peers relative to itself; the ranks that stand out at the first site where one does."""
+    world = max(ranks) + 1 if ranks else 1
+    per_site: dict[tuple[int, int, str], dict[int, Any]] = {}
+    for r in ranks:
+        for c in _cell_calls(log, r, cell):
+            if c.get("line") is None:
+                continue
+            key = (int(c["cell"]), int(c["line"]), P2P_OPS[c["op"]])
+            peer = peer_of(c)
+            rel = (peer - r) % world if peer is not None else None
+            per_site.setdefault(key, {}).setdefault(r, Counter())[rel] += 1
+    for key in sorted(per_site):
+        seen = per_site[key]
+        values = {r: tuple(sorted(seen.get(r, Counter()).items(), key=repr)) for r in ranks}
+        odd = odd_ones(values)
+        if odd and len(odd) * 2 < len(ranks):
+            return odd, (key[0], key[1])
+    return [], None
+
+
+def _their_site(positions: list[Position], log: CollectiveEvidence | None, cell: int | None, culprits: list[int]) -> tuple[int, int] | None:
+    """The site of the calls the others made towards the culprits (a send the culprit never
+    matched is at the same line on every rank of a ring or pipeline)."""
+    if log is None or cell is None:
+        return None
+    for p in positions:
+        for c in p.peers:
+            if peer_of(c) in culprits:
+                kind = "send" if P2P_OPS[c["op"]] == "recv" else "recv"
+                # The culprit's matching call, where the others made theirs.
+                for q in positions:
+                    if q.rank in culprits:
+                        continue
+                    for call in _cell_calls(log, q.rank, cell):
+                        if P2P_OPS[call["op"]] == kind and call.get("line") is not None:
+                            return int(call["cell"]), int(call["line"])
+    return None
