@@ -25,7 +25,7 @@ _PUBLIC = {
     "NoCellError": "distnb.errors", "NoPoolError": "distnb.errors", "PoolBrokenError": "distnb.errors",
     "PoolBusyError": "distnb.errors", "RemoteError": "distnb.errors", "ShutdownError": "distnb.errors",
     "LaunchConfig": "distnb.config",
-    "CellEvents": "distnb.results", "Pool": "distnb.pool", "PoolState": "distnb.states", "current_pool": "distnb.pool",
+    "CellEvents": "distnb.results", "Pool": "distnb.pool", "PoolState": "distnb.states", "current_pool": "distnb.pools", "live_pools": "distnb.pools",
     "launch": "distnb.pool",
     "CellResult": "distnb.results", "PoolStatus": "distnb.status", "RankResult": "distnb.results",
     "RankState": "distnb.states", "RankStatus": "distnb.status",
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from distnb.controller.prompts import Prompt
     from distnb.errors import (CellFailed, DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError, PoolBusyError,
                                RemoteError, ShutdownError)
-    from distnb.pool import Pool, current_pool, launch
+    from distnb.pool import Pool, launch
+    from distnb.pools import current_pool, live_pools
     from distnb.results import CellEvents, CellResult, RankResult
     from distnb.services.debugger import Debugger
     from distnb.states import PoolState, RankState
@@ -92,6 +93,7 @@ __all__ = [
     "checksum",
     "current_pool",
     "launch",
+    "live_pools",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]

@@ -11,11 +11,8 @@ It composes the parts that do the work and keeps each to its job:
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import inspect
 import time
-import weakref
 from typing import Any, Callable, Iterable
 
 from distnb.analysis.checks import CheckReport
@@ -26,14 +23,16 @@ from distnb.analysis.verdicts.verdict import Verdict
 from distnb.analysis.memory import MemoryReport
 from distnb.analysis.profile import ProfileReport
 from distnb.analysis.stacks import StackReport
-from distnb.analysis.meshes import MeshReport
+from distnb.analysis.meshes import MeshReport, mesh_dims
+from distnb.analysis.check_within import WithinReport
 from distnb.analysis.stragglers import StragglerReport
 from distnb.config import LaunchConfig
 from distnb.controller.channel import Channel
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.session import SessionLog
 from distnb.controller.tracker import Tracker
-from distnb.errors import LaunchError, NoPoolError, RemoteError, ShutdownError
+from distnb import pools
+from distnb.errors import LaunchError, RemoteError, ShutdownError
 from distnb.launching.remote_nodes import Nodes
 from distnb.launching.torchrun import Launcher
 from distnb.ranks import Ranks, format_ranks, parse_ranks
@@ -55,10 +54,8 @@ from distnb.wire.peers import control_identity, exec_identity, supervisor_identi
 from distnb.wire.protocol import Msg
 from distnb.wire.security import Credentials
 
-__all__ = ["Pool", "current_pool", "launch"]
+__all__ = ["Pool", "launch"]
 
-_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
-_current: Pool | None = None
 
 
 class Pool:
@@ -110,7 +107,7 @@ class Pool:
         self._multinode: MultiNode | None = None
         self._regroups = 0
         self._respawns = 0
-        _live_pools.add(self)
+        pools.add_pool(self)
 
     # -- read-only views of the parts -----------------------------------------------------------
     @property
@@ -165,7 +162,6 @@ class Pool:
         """Launch torchrun and return once every rank's process group is ready.
 
         ``on_progress`` hears each change of the ranks' stages; ``on_note`` what a multi-node start has to say."""
-        global _current
         if self.state not in (PoolState.NEW, PoolState.STOPPED):
             raise LaunchError(f"this pool is {self.state.value}; call shutdown() or restart() instead of start().")
         config, tracker = self._config, self._tracker
@@ -197,17 +193,16 @@ class Pool:
             raise
         request_spares(self._channel, config, tracker, on_note)
         self._session.mark_launch()
-        _current = self
+        pools.set_current(self)
         return self
 
     def shutdown(self) -> None:
         """Stop every rank: ask nicely, then SIGTERM, then SIGKILL, and verify nothing is left."""
-        global _current
         if not self._tracker.begin_stop():
             return
         leftovers = self._teardown()
-        if _current is self:
-            _current = None
+        if pools.current_or_none() is self:
+            pools.set_current(None)
         if leftovers:
             raise ShutdownError(
                 f"processes {leftovers} of the pool survived SIGKILL (stuck in the kernel, e.g. on a "
@@ -450,8 +445,11 @@ class Pool:
         self._diagnostics.require_pool()
         return mesh_report(self._tracker.requests, self._tracker.collective_log, self._tracker.alive(parse_ranks(ranks, self.world_size)))
 
-    def check(self, names: str | Iterable[str], ranks: Ranks = None) -> list[CheckReport]:
-        return self._diagnostics.check(names, ranks)
+    def check(self, names: str | Iterable[str], ranks: Ranks = None, within: str | None = None) -> list[CheckReport | WithinReport]:
+        """Compare names (tensors, modules, state dicts, optimizers) across ranks by fingerprint.
+        ``within``: a mesh dimension (``"tp"``) — compare inside each of its groups, where the
+        values must agree (tensor-parallel peers see one batch), not across the whole world."""
+        return self._diagnostics.check(names, ranks, lambda: mesh_dims(self.meshes(ranks)), within)
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
                by_label: bool = False) -> Export:
@@ -483,18 +481,3 @@ def _launch_signature() -> inspect.Signature:
 
 
 launch.__signature__ = _launch_signature()  # type: ignore[attr-defined]
-
-
-def current_pool() -> Pool:
-    """The pool the magics act on; raises :class:`NoPoolError` when none is running."""
-    if _current is None or _current.state in (PoolState.STOPPED, PoolState.NEW):
-        raise NoPoolError("no pool is running; start one with %dist_launch -n 4 (or distnb.launch(nproc=4)).")
-    return _current
-
-
-@atexit.register
-def _shutdown_all() -> None:
-    for pool in list(_live_pools):
-        with contextlib.suppress(Exception):
-            pool.shutdown()
-

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"launching"},  # torchrun, addresses, node agents and how they start
     {"controller"},  # the controller's live state
     {"services"},  # built from the controller's parts, never from the Pool
-    {"pool"},  # the public face
+    {"pool", "pools"},  # the public face and the registry of live pools
     {"display"},
     {"magics", "__main__", "__init__", "node"},
 ]
@@ -32,7 +32,8 @@ WORKER_MAY_IMPORT = {"wire", "_text", "_processes"}
 #: The wire is the bottom of both sides: it may import only these.
 WIRE_MAY_IMPORT = {"_text"}
 #: The root keeps the public face and a few shared helpers, no more.
-ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "config", "errors", "node", "pool", "ranks", "results", "states", "status"}
+ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "config", "errors", "node", "pool", "pools", "ranks", "results", "states",
+                "status"}
 
 
 def _room(name: str) -> str:
@@ -178,7 +179,7 @@ def test_public_surface_is_pinned_and_loads() -> None:
         "CellEvents", "CellFailed", "CellResult", "Certainty", "Debugger", "DistnbError", "Evidence", "Kind", "LaunchConfig", "LaunchError",
         "NoAnswerError", "NoCellError", "NoPoolError", "Pool", "PoolBrokenError", "PoolBusyError", "PoolState", "PoolStatus", "Prompt",
         "RankResult", "RankState", "RankStatus", "RemoteError", "ShutdownError", "Site", "Verdict", "VerdictState", "checksum",
-        "current_pool", "launch",
+        "current_pool", "launch", "live_pools",
         "load_ipython_extension", "unload_ipython_extension",
     ]
     for name in distnb.__all__:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-__all__ = ["Around", "around", "because"]
+__all__ = ["Around", "around", "because", "loop_span"]
 
 _RANK_NAMES = {"rank", "local_rank", "get_rank", "group_rank", "get_local_rank", "get_coordinate", "global_rank"}
 
@@ -74,6 +74,24 @@ def around(code: str, line: int) -> Around | None:
 
     walk(tree.body)
     return Around(chain)
+
+
+def loop_span(code: str | None, line: int) -> tuple[int, int] | None:
+    """The first and last line of the innermost loop around ``line`` of ``code`` (None: in no
+    loop, or the code does not parse)."""
+    if not code:
+        return None
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    best: tuple[int, int] | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.While, ast.AsyncFor)):
+            end = getattr(node, "end_lineno", node.lineno) or node.lineno
+            if node.lineno <= line <= end and (best is None or node.lineno >= best[0]):
+                best = (node.lineno, end)
+    return best
 
 
 def because(code: str | None, line: int | None, cell: int | None = None) -> str:

@@ -26,6 +26,7 @@ class CollectiveEvidence(Protocol):
     unavailable: str | None
     missing: dict[str, str]  # recorders some rank could not read, and why
     died_in: dict[int, str]  # ranks that died inside a collective before its entry came: op
+    died_at: dict[int, tuple[int | None, int | None]]  # … and its (cell, line), from the stack at death
 
     def sequence(self, rank: int, group: str) -> list[dict[str, Any]]: ...
 
@@ -48,6 +49,8 @@ class CollectiveEvidence(Protocol):
     def creations(self, rank: int) -> dict[int, dict[str, Any]]: ...
 
     def p2p(self, rank: int) -> list[dict[str, Any]]: ...
+
+    def calls_of(self, rank: int) -> list[dict[str, Any]]: ...
 
 
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}

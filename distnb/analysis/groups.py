@@ -78,14 +78,18 @@ class GroupInfo:
         return f"group {short_name(self.name)}{members}{site}"
 
     def role(self) -> str:
-        """What ranks in step must share: the mesh dimension, torch's description, the
-        ``new_group`` site, or (knowing none of these) the group itself."""
+        """What ranks in step must share: the mesh dimension, torch's description, the size of a
+        ``new_group`` group (or its site), or (knowing none of these) the group itself."""
         if self.world:
             return "group 0"
         if self.dim is not None:
             return self.dim
         if self.described:
             return str(self.desc)
+        # Groups new_group made are alike when they are as large: ``lo = new_group([0, 1]); hi =
+        # new_group([2, 3])`` at two lines are one role (``mine = lo if rank < 2 else hi``).
+        if self.ranks:
+            return f"the groups of {len(self.ranks)} ranks made by new_group"
         if self.site:
             return f"the groups of new_group at cell {self.site[0]} line {self.site[1]}"
         return f"group {short_name(self.name)}"

@@ -14,7 +14,7 @@ from typing import Any
 from distnb.analysis.collectives import odd_ones
 from distnb.ranks import format_ranks, group_by
 
-__all__ = ["MeshReport", "dim_groups", "nested", "shape_words"]
+__all__ = ["MeshReport", "dim_groups", "mesh_dims", "nested", "shape_words"]
 
 #: Above this many ranks, the per-rank table gives way to the majority and its outliers.
 ROWS_UP_TO = 8
@@ -42,6 +42,18 @@ def dim_groups(shape: list[int], layout: list[int], dim: int) -> list[list[int]]
         key = coord[:dim] + coord[dim + 1:]
         groups.setdefault(key, []).append(rank)
     return [sorted(g) for _, g in sorted(groups.items())]
+
+
+def mesh_dims(report: MeshReport) -> dict[str, list[list[int]]]:
+    """Each named dimension of the ranks' meshes (the majority's) → its rank groups; a name two
+    meshes give different groups keeps the first (the larger mesh)."""
+    out: dict[str, list[list[int]]] = {}
+    for mesh in sorted(report.majority(), key=lambda m: -len(m["layout"])):
+        if not mesh.get("named", True):
+            continue
+        for i, name in enumerate(mesh["names"]):
+            out.setdefault(name, dim_groups(mesh["shape"], mesh["layout"], i))
+    return out
 
 
 def _signature(meshes: list[dict[str, Any]]) -> tuple[Any, ...]:

@@ -11,6 +11,7 @@ NCCL the arrival is the host's enqueue, which runs ahead of the GPU.
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,8 @@ from typing import Any
 from distnb.analysis.collectives import CollectiveEvidence
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
 
-__all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_MIN_LATE", "STRAGGLER_NOISE_FACTOR", "STRAGGLER_SHARE",
+__all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_CHANCE", "STRAGGLER_MIN_COLLECTIVES", "STRAGGLER_MIN_LATE",
+           "STRAGGLER_NOISE_FACTOR", "STRAGGLER_SHARE",
            "STRAGGLER_STEP_SHARE", "straggler_window"]
 
 #: A rank arriving last at this share of the collectives (or more) is the straggler …
@@ -28,8 +30,14 @@ STRAGGLER_MIN_LATE = 0.002
 #: … and late by this share of a step (the median time between the group's collectives): 3 ms at
 #: steps of 300 ms keeps nobody waiting worth the name …
 STRAGGLER_STEP_SHARE = 0.05
-#: … and this many times later than the other ranks are spread among themselves (their noise).
+#: … and this many times later than the other ranks are spread among themselves (their noise) …
 STRAGGLER_NOISE_FACTOR = 3.0
+#: … over at least this many collectives (a handful says nothing: on a busy machine any rank is
+#: last at 4 of 5 by chance) …
+STRAGGLER_MIN_COLLECTIVES = 20
+#: … and so often last that chance would do it less than once in this many windows (a binomial
+#: tail, every rank equally likely to be last).
+STRAGGLER_CHANCE = 1000
 
 
 @dataclass
@@ -60,11 +68,16 @@ class Arrival:
         return self.last - self.first
 
 
+def _chance(n: int, k: int, p: float) -> float:
+    """P(at least ``k`` of ``n``) for a rank last with probability ``p`` at each collective."""
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
 def straggler_window(world: int) -> int:
     """How many recent collectives a live straggler check compares: 200 up to 50 ranks, then
-    fewer, so one check reads about 10,000 arrivals (never fewer than 10 collectives: among a
-    thousand ranks, one arriving last at 6 of 10 by chance does not happen)."""
-    return max(10, min(200, 10_000 // max(world, 1)))
+    fewer, so one check reads about 10,000 arrivals (never fewer than the collectives a verdict
+    needs)."""
+    return max(STRAGGLER_MIN_COLLECTIVES, min(200, 10_000 // max(world, 1)))
 
 
 def arrivals(log: CollectiveEvidence, group: str, ranks: list[int], last: int | None = 200, cell: int | None = None) -> list[Arrival]:
@@ -171,10 +184,13 @@ class StragglerReport:
     @functools.cached_property
     def _candidate(self) -> int | None:
         share = self.last_share()
-        if len(self.collectives) < 5 or not share:
+        n = len(self.collectives)
+        if n < STRAGGLER_MIN_COLLECTIVES or not share:
             return None
         rank = max(share, key=lambda r: share[r])
-        return rank if share[rank] >= STRAGGLER_SHARE else None
+        if share[rank] < STRAGGLER_SHARE or _chance(n, round(share[rank] * n), 1 / len(self.ranks)) * STRAGGLER_CHANCE > 1:
+            return None
+        return rank
 
     def candidate(self) -> int | None:
         """The rank that arrives last most often, when that is most of the time."""

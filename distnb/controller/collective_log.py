@@ -41,6 +41,8 @@ class CollectiveLog:
     # Ranks that died inside a collective (by the stack they printed) before its entry reached
     # the controller: op name. Their missing entry is not "never entered".
     died_in: dict[int, str] = field(default_factory=dict)
+    # And where in the notebook (cell, line) its stack at death put that call.
+    died_at: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
     # Per rank, the record id below which entries belong to process groups that no longer exist
     # (a regroup names its new default group "0" again and restarts its sequence at 1).
     floors: dict[int, int] = field(default_factory=dict)
@@ -158,6 +160,7 @@ class CollectiveLog:
         self.calls.clear()
         self._sites = None
         self.died_in.clear()
+        self.died_at.clear()
         self.floors.clear()
         self._skew.clear()
         self.unavailable = None
@@ -255,6 +258,10 @@ class CollectiveLog:
         """The rank's ``new_group`` calls by torch's group counter before each (1 = the first
         after init_process_group): every rank must make the same ones in the same order."""
         return {c["count"]: c for c in self.calls.get(rank, {}).values() if c["op"] == "new_group" and c.get("count") is not None}
+
+    def calls_of(self, rank: int) -> list[dict[str, Any]]:
+        """The rank's watched calls as held, oldest first (read-only)."""
+        return sorted(self.calls.get(rank, {}).values(), key=lambda c: c["n"])
 
     def p2p(self, rank: int) -> list[dict[str, Any]]:
         return sorted((c for c in self.calls.get(rank, {}).values() if c["op"] in P2P_OPS), key=lambda c: c["n"])

@@ -75,3 +75,4 @@ class Deaths:
         res.collective = died_in.death_words() if died_in is not None else ""
         if died_in is not None and died_in.op:
             self._log.died_in[info.rank] = died_in.op
+            self._log.died_at[info.rank] = (died_in.line_cell, died_in.line)

@@ -22,9 +22,9 @@ def load(ipython: Any) -> None:
 
 def unload(ipython: Any) -> None:
     """``%unload_ext distnb`` / ``%reload_ext distnb``: no pool of this kernel outlives the extension."""
-    from distnb import pool as pool_module
+    from distnb.pools import live_pools
     from distnb.states import PoolState
 
-    for pool in list(pool_module._live_pools):
+    for pool in live_pools():
         if pool.state not in (PoolState.STOPPED, PoolState.NEW):
             pool.shutdown()

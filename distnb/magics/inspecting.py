@@ -45,13 +45,17 @@ class InspectMagics(Magics):
     @magic_arguments()
     @argument("names", nargs="+", help="Tensors, modules, state dicts or optimizers defined on the ranks.")
     @argument("--ranks", default=None, help="Only these ranks: 0,2 · 1-3 · all.")
+    @argument("--within", default=None, metavar="DIM",
+              help="Compare inside each group of this mesh dimension (e.g. tp: tensor-parallel peers must see the same batch).")
     @line_magic
     def dist_check(self, line: str) -> None:
-        """Compare tensors across ranks by bitwise fingerprint, sum, norm, NaN/Inf: identical, or the odd ranks."""
+        """Compare tensors across ranks by bitwise fingerprint, sum, norm, NaN/Inf: identical, or the odd ranks.
+        A name that differs across ranks says along which mesh dimensions it agrees; --within DIM compares inside
+        each group of DIM only."""
         args = parse(self.dist_check, line)
         pool = pool_or_usage_error()
         with usage_errors():
-            reports = pool.check(args.names, ranks=args.ranks)
+            reports = pool.check(args.names, ranks=args.ranks, within=args.within)
         show_checks(reports)
 
     @magic_arguments()

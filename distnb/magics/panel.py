@@ -101,11 +101,10 @@ def _hide_threads() -> None:
 
 def _panel(debugger: Any) -> Any:
     """The running pool's rank debugger, wired to publish on this kernel; None without a pool."""
-    from distnb import pool as pool_module
-    from distnb.states import PoolState
+    from distnb.pools import current_or_none
 
-    pool = pool_module._current
-    if pool is None or pool.state in (PoolState.STOPPED, PoolState.NEW):
+    pool = current_or_none()
+    if pool is None:
         return None
     panel = pool.panel
     panel.on_event = debugger.event_callback

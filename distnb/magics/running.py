@@ -21,7 +21,8 @@ from distnb.magics.panel import cell_source
 from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed
 from distnb.magics.support import parse as _parse
 from distnb.magics.support import usage_errors as _usage_errors
-from distnb.pool import Pool, current_pool
+from distnb.pool import Pool
+from distnb.pools import current_pool
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellEvents, CellResult
 from distnb.states import PoolState, RankState

@@ -14,7 +14,8 @@ from IPython.core.magic_arguments import parse_argstring
 
 from distnb.analysis.memory import figure_png
 from distnb.errors import CellFailed, DistnbError
-from distnb.pool import Pool, current_pool
+from distnb.pool import Pool
+from distnb.pools import current_pool
 
 if TYPE_CHECKING:
     from distnb.results import CellResult

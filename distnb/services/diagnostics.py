@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from distnb import _processes
+from distnb.analysis.check_within import WithinReport, agreement_by_dim, compare_within
 from distnb.analysis.checks import CheckReport, compare
 from distnb.analysis.compiles import CompileReport
 from distnb.analysis.collectives import P2P_OPS, CollectiveReport, issued_words
@@ -441,9 +442,33 @@ class Diagnostics:
         replies = self._tracker.requests.ask(control_identity, targets, {"t": Msg.ENV}, 5.0)
         return EnvReport({r: m["env"] for r, m in sorted(replies.items())}, {r: self._tracker.ranks[r].host for r in targets})
 
-    def check(self, names: str | Iterable[str], ranks: Ranks = None) -> list[CheckReport]:
+    def check(self, names: str | Iterable[str], ranks: Ranks = None, dims: Callable[[], dict[str, list[list[int]]]] | None = None,
+              within: str | None = None) -> list[CheckReport | WithinReport]:
         """Checksum names (tensors, modules, state dicts, optimizers) on every rank and compare:
-        identical, or which entries differ and which ranks are the odd ones out."""
+        identical, or which entries differ and which ranks are the odd ones out. ``dims`` gives
+        the rank groups of each mesh dimension (asked only when needed: a round trip); ``within``:
+        compare inside the groups of that dimension (else a name that differs across the world
+        says along which dimensions it agrees)."""
+        groups = dims() if within is not None and dims is not None else None
+        if within is not None and (groups is None or within not in groups):
+            have = ", ".join(groups or {}) or "none: the ranks hold no device mesh (init_device_mesh builds one)"
+            raise ValueError(f"no mesh has a dimension {within!r} (dimensions: {have}); name one of them, e.g. --within tp.")
+        per_rank = self._checksums(names, ranks)
+        out: list[CheckReport | WithinReport] = []
+        for name, checks in per_rank.items():
+            if within is not None and groups is not None:
+                out.append(compare_within(name, checks, within, groups[within]))
+                continue
+            report = compare(name, checks)
+            if not report.identical and dims is not None:
+                groups = groups if groups is not None else dims()
+                note = agreement_by_dim(name, checks, groups)
+                if note:
+                    report.layout_notes.append(note)
+            out.append(report)
+        return out
+
+    def _checksums(self, names: str | Iterable[str], ranks: Ranks) -> dict[str, dict[int, dict[str, Any]]]:
         names = [names] if isinstance(names, str) else list(names)
         if not names:
             raise ValueError("name at least one variable to check, e.g. pool.check('model').")
@@ -453,4 +478,4 @@ class Diagnostics:
         errors = {r: m["error"] for r, m in sorted(replies.items()) if m.get("status") != "ok"}
         if errors:
             raise RemoteError(f"check failed on {format_ranks(errors)}: {next(iter(errors.values()))}", errors=errors)
-        return [compare(n, {r: replies[r]["checks"][n] for r in targets}) for n in names]
+        return {n: {r: replies[r]["checks"][n] for r in targets} for n in names}

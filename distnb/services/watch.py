@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from distnb.analysis.verdicts.verdict import VerdictState, Verdict
+from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 from distnb.analysis.stragglers import straggler_window
 from distnb.controller.tracker import Tracker
 from distnb.results import CellResult
@@ -46,6 +46,8 @@ class CellWatch:
         self._next_straggler = 0.0
         self._straggler_changes = -1
         self.full_looks = 0  # how many looks needed the full diagnosis (for tests and benchmarks)
+        # Once a hang, a failure or a desync has been said, a straggler never takes its place.
+        self._alarmed = False
 
     def look(self) -> Verdict | None:
         """The diagnosis to show now, or None when the log shows the ranks making progress."""
@@ -66,7 +68,10 @@ class CellWatch:
             self._quiet = min(self._quiet * 2, QUIET_MAX) if calm else 1.0
             self._next_full = now + self._quiet
             if not calm:
+                self._alarmed = self._alarmed or diag.kind != Kind.STRAGGLER
                 return diag
+        if self._alarmed or any(res.status != "running" and res.status != "ok" for res in result.results.values()):
+            return None
         if now >= self._next_straggler and log.changes != self._straggler_changes:
             self._next_straggler, self._straggler_changes = now + STRAGGLER_EVERY, log.changes
             return self._diagnostics.straggler(result, straggler_window(len(result.ranks)))

@@ -362,7 +362,7 @@ class ControlThread(threading.Thread):
         if msg["t"] == Msg.ENV:
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
         if msg["t"] == Msg.MESHES:
-            return {"meshes": describe_meshes()}
+            return {"meshes": describe_meshes(self.executor.ns)}
         if msg["t"] == Msg.HOLD:  # before the next collective: pause there, or raise rather than wait (worker/debug.py)
             return hold_request(self.executor.debug, msg)
         if msg["t"] == Msg.WATCH:

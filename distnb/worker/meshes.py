@@ -58,10 +58,47 @@ def _one(mesh: Any) -> dict[str, Any]:
     return out
 
 
-def describe_meshes() -> list[dict[str, Any]] | dict[str, str]:
-    """Every root device mesh of this rank, oldest layout first; ``{"error": …}`` when they can't be read."""
+def _held(namespace: dict[str, Any], cls: type) -> set[int]:
+    """The ids of the root meshes the user's namespace holds: a mesh (or a slice of one) bound to a
+    name, in a list, tuple or dict bound to one, or under a DTensor, a module's DTensor parameters
+    (FSDP2, tensor parallel) or a DTensor bound to a name."""
+    out: set[int] = set()
+
+    def take(obj: Any) -> None:
+        if issubclass(type(obj), cls):
+            root = getattr(obj, "_root_mesh", None) or obj
+            out.add(id(root))
+            return
+        mesh = getattr(obj, "device_mesh", None) if type(obj).__name__ in ("DTensor", "Parameter") else None
+        if mesh is not None and issubclass(type(mesh), cls):
+            take(mesh)
+
+    nn = sys.modules.get("torch.nn")
+    module_cls = getattr(nn, "Module", None)
+    for value in list(namespace.values()):
+        try:
+            items = list(value.values()) if isinstance(value, dict) else list(value) if isinstance(value, (list, tuple)) else [value]
+            for obj in items[:64]:
+                take(obj)
+                if module_cls is not None and isinstance(obj, module_cls):
+                    for param in obj.parameters():
+                        take(param)
+                        break  # one parameter tells the module's mesh (per-layer meshes are slices of one root)
+        except Exception:  # a value that can't be walked (a proxy, a lazy object): not a mesh holder
+            continue
+    return out
+
+
+def describe_meshes(namespace: dict[str, Any] | None = None) -> list[dict[str, Any]] | dict[str, str]:
+    """The root device meshes of this rank the user's code holds (``namespace``: the cells'; None:
+    every live one), oldest layout first; ``{"error": …}`` when they can't be read. torch builds
+    meshes of its own (a one-rank mesh per process for DTensor's defaults): those are left out."""
     try:
-        meshes = [_one(m) for m in _roots()]
+        roots = _roots()
+        if namespace is not None and roots:
+            held = _held(namespace, sys.modules["torch.distributed.device_mesh"].DeviceMesh)
+            roots = [m for m in roots if id(m) in held]
+        meshes = [_one(m) for m in roots]
     except Exception as exc:
         return {"error": f"the rank's meshes could not be read: {type(exc).__name__}: {exc}"}
     # The same mesh seen twice (a cached root and its copy) is one; order by shape and names so

@@ -181,3 +181,36 @@ def test_a_healthy_fsdp2_and_tensor_parallel_run_reports_no_divergence(mesh_pool
     assert "different shapes" not in log.text() and "✗" not in log.text().rsplit("\n", 1)[0]
     checks = pool.check("ok_model")
     assert checks[0].identical, checks[0].text()
+
+
+def test_check_within_a_dimension_names_tensor_parallel_peers_fed_other_batches(mesh_pool: distnb.Pool) -> None:
+    # The FSDP+TP example's own warning: inputs seeded by the global rank differ inside each tp
+    # group, which must see one batch; seeded by the dp coordinate they agree there.
+    pool = usable(mesh_pool)
+    res = pool.run(MESH.format(m="cw_mesh") +
+                   "cw_inp = torch.randn(4, generator=torch.Generator().manual_seed(rank))\n"
+                   "cw_ok = torch.randn(4, generator=torch.Generator().manual_seed(cw_mesh.get_coordinate()[0]))\n", timeout=120)
+    assert res.ok, res.text()
+    [bad] = pool.check("cw_inp", within="tp")
+    assert bad.differing == [[0, 1], [2, 3]] and bad.odd_ranks == [0, 1, 2, 3], bad.text()
+    assert bad.header().startswith("check cw_inp within tp: differs inside tp groups (0,1) and (2,3): tensor-parallel peers")
+    [good] = pool.check("cw_ok", within="tp")
+    assert good.identical, good.text()
+    [plain] = pool.check("cw_ok")
+    assert not plain.identical and "cw_ok: identical inside each tp group, differs across them (along dp)" in plain.text(), plain.text()
+    with pytest.raises(ValueError, match="no mesh has a dimension 'xx'"):
+        pool.check("cw_ok", within="xx")
+
+
+def test_dist_mesh_lists_the_meshes_the_cells_hold_not_ones_held_elsewhere(mesh_pool: distnb.Pool) -> None:
+    # A mesh kept alive outside the cells' names (as torch keeps its own) is not the user's.
+    pool = usable(mesh_pool)
+    res = pool.run(MESH.format(m="own_mesh") +
+                   "import sys\nsys.modules['torch']._distnb_test_mesh = init_device_mesh(device.type, (4,), mesh_dim_names=('scratch',))\n",
+                   timeout=120)
+    assert res.ok, res.text()
+    text = pool.meshes().text()
+    assert "(dp=2, tp=2) on " in text and "scratch" not in text, text
+    assert pool.run("own_view = sys.modules['torch']._distnb_test_mesh['scratch']\n").ok
+    assert "(scratch=4) on " in pool.meshes().text()  # a slice bound to a name holds its root
+    pool.restart()

@@ -19,7 +19,7 @@ from conftest import started_pids, track, wait_gone
 from magic_shell import Shell
 
 import distnb
-from distnb import pool as pool_module
+from distnb import pools
 from distnb.launching.remote_nodes import NodeStarters
 from distnb.wire.codec import Codec
 from distnb.wire.peers import supervisor_identity
@@ -272,7 +272,7 @@ def test_start_timeout_lists_the_agents_it_started(leak_check, monkeypatch: pyte
 def test_launch_magic_starts_nodes_over_ssh_with_curve(leak_check, monkeypatch: pytest.MonkeyPatch) -> None:
     """``%dist_launch --hosts`` (ssh replaced by a stand-in that runs the command here) with CURVE."""
     monkeypatch.setenv("DISTNB_SSH", f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'fake_ssh.py'))}")
-    monkeypatch.setattr(pool_module, "_current", None)
+    monkeypatch.setattr(pools, "_current", None)
     sh = Shell()
     try:
         with pytest.raises(Exception, match="can't reach 127.0.0.1"):
@@ -280,7 +280,7 @@ def test_launch_magic_starts_nodes_over_ssh_with_curve(leak_check, monkeypatch: 
         with pytest.raises(Exception, match="--nnodes"):
             sh.line("dist_launch", "--rdzv-endpoint node1:29400")
         _, out, _ = sh.line("dist_launch", "-n 1 --backend gloo --hosts localhost --curve --start-timeout 90")
-        pool = pool_module._current
+        pool = pools.current_or_none()
         assert pool is not None
         track(pool)
         assert "started node agents over ssh on localhost" in out and "node 1 of 1 joined" in out, out
@@ -313,8 +313,8 @@ def test_launch_magic_starts_nodes_over_ssh_with_curve(leak_check, monkeypatch: 
         assert "shut down" in out
         assert not wait_gone(ssh_pids, 10)
     finally:
-        if pool_module._current is not None:
-            pool_module._current.shutdown()
+        if pools.current_or_none() is not None:
+            pools.current_pool().shutdown()
 
 
 def test_srun_and_ssh_commands() -> None:

@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from magic_shell import Shell
 
 import distnb
-from distnb import pool as pool_module
+from distnb import pools
 from distnb.wire import codec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -22,7 +22,7 @@ def sh():
     # A shared pool another module restarted last is "current" (start() makes it so): the magics
     # here launch their own, which %dist_launch refuses while another is ready. The shared pool
     # stays tracked by its owner.
-    pool_module._current = None
+    pools.set_current(None)
     try:
         shell.line("dist_launch", "-n 2 --backend gloo")
         yield shell
@@ -108,15 +108,15 @@ def test_wait_timeout_counts_from_the_call(sh: Shell) -> None:
 def test_launch_errors_name_the_flags(sh: Shell) -> None:
     from IPython.core.error import UsageError as UE
 
-    pool = pool_module._current
-    pool_module._current = None  # let the flag checks run; nothing is launched
+    pool = pools.current_or_none()
+    pools.set_current(None)  # let the flag checks run; nothing is launched
     try:
         with pytest.raises(UE, match="^-n/--nproc must be"):
             sh.line("dist_launch", "-n 0")
         with pytest.raises(UE, match="^--pg-timeout must be"):
             sh.line("dist_launch", "--pg-timeout 0")
     finally:
-        pool_module._current = pool
+        pools.set_current(pool)
 
 
 def test_rank_list_with_spaces(sh: Shell) -> None:
@@ -208,7 +208,7 @@ def test_push_over_the_message_limit_says_what_to_do(sh: Shell, monkeypatch: pyt
     sh.ip.user_ns["too_big"] = b"x" * (2 << 20)
     with pytest.raises(UsageError, match=r"the push is 2\.0 MiB pickled \('too_big' 2\.0 MiB\), over distnb's limit of 1\.0 MiB.*torch\.save"):
         sh.line("dist_push", "too_big")
-    assert not any(p.names == ("too_big",) for p in pool_module._current.pushes)  # nothing recorded
+    assert not any(p.names == ("too_big",) for p in pools.current_pool().pushes)  # nothing recorded
 
 
 def test_status_stacks_env_memory_collectives(sh: Shell) -> None:
@@ -301,14 +301,14 @@ def test_shutdown_then_cells_are_usage_errors(sh: Shell) -> None:
     # Bad --env is caught before anything starts.
     with pytest.raises(UsageError, match="KEY=VALUE"):
         sh.line("dist_launch", "-n 2 --env NOEQUALS")
-    assert pool_module._current is None
+    assert pools.current_or_none() is None
     # Relaunch for the unload test below, and check that unloading stops it.
     sh.line("dist_launch", "-n 2 --backend gloo")
     pool = distnb.current_pool()
     pids = pool.pids()
     assert len(pids) >= 5  # torchrun agent, and a supervisor and a rank process per rank
     sh.ip.run_line_magic("unload_ext", "distnb")
-    assert pool_module._current is None and pool.state == distnb.PoolState.STOPPED
+    assert pools.current_or_none() is None and pool.state == distnb.PoolState.STOPPED
     assert not wait_gone(pids, 5.0) and pool.pids() == []
     sh.ip.run_line_magic("load_ext", "distnb")
     with pytest.raises(UsageError, match="dist_launch"):
@@ -317,7 +317,7 @@ def test_shutdown_then_cells_are_usage_errors(sh: Shell) -> None:
 
 def test_timeline_and_profile_magics(sh, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # the merged trace goes to ./distnb-traces/
-    current = pool_module._current
+    current = pools.current_or_none()
     if current is None or current.state != distnb.PoolState.READY:  # an earlier test shut it down
         sh.line("dist_launch", "-n 2 --backend gloo")
     out, err = sh.cell("", "import time\ntl_x = torch.ones(4)\nfor _ in range(30):\n    if rank == 1:\n"

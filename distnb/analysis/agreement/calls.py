@@ -21,7 +21,7 @@ from typing import Any
 from distnb.analysis.collectives import CollectiveEvidence, same_op
 from distnb.analysis.entry_words import describe
 
-__all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "op_stem", "program_key"]
+__all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "op_stem", "program_key"]
 
 #: Arguments that differ across ranks by design and are checked pairwise instead (all_to_all).
 SPLIT_ARGS = ("input_split_sizes", "output_split_sizes")
@@ -114,6 +114,19 @@ def cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[Call]:
                  "line": c.get("line"), "func": c.get("func"), "p2p": False, "seq": None, "t": t, "args": c.get("args") or {}}
         out.append(call_of(log, rank, entry))
     return out
+
+
+def death_call(log: CollectiveEvidence, rank: int, group: str, seq: int | None) -> Call | None:
+    """The collective a dead rank's stack at death put it in, when its entry never reached distnb:
+    op and site known, shapes not."""
+    op = log.died_in.get(rank)
+    if op is None:
+        return None
+    cell, line = log.died_at.get(rank, (None, None))
+    entry = {"id": float("inf"), "group": group, "op": op, "done": False, "cell": cell, "call_cell": cell if line else None,
+             "line": line, "p2p": False, "seq": seq, "t": float("inf"), "sizes": [], "dtypes": []}
+    return Call(rank=rank, group=group, role=log.group(group).role(), seq=seq, op=op, sizes=None, dtypes=None, args=(),
+                splits=None, cell=cell, line=line, func="", done=False, t=float("inf"), entry=entry)
 
 
 def program_key(call: Call) -> tuple[Any, ...]:

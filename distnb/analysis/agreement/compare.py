@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from distnb.analysis.agreement.calls import Call, call_of, op_stem
+from distnb.analysis.agreement.calls import Call, call_of, death_call, op_stem
 from distnb.analysis.collectives import CollectiveEvidence, odd_ones
 from distnb.ranks import group_by
 
@@ -79,6 +79,14 @@ def _fields(calls: list[Call]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _sites(calls: list[Call], cell: int) -> tuple[str, ...]:
+    """``("call site",)`` when calls of this cell at one position come from different lines:
+    the same signature, but not the same call (a rank that skipped one call met the next)."""
+    lines = {c.line for c in calls if c.cell == cell and c.line is not None}
+    unknown = any(c.line is None for c in calls)
+    return ("call site",) if len(lines) > 1 or (lines and unknown and any(c.sizes is None for c in calls)) else ()
+
+
 def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence], waiting_in: dict[int, str] | None = None,
                   ) -> list[Disagreement]:
     """The first disagreement of each group the cell issued collectives on, earliest first.
@@ -119,7 +127,14 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
             last = max(seqs[r], default=0)
             died = log.died_in.get(r)
             if died is not None and last < k and any(op_stem(died) == op_stem(e["op"]) for m in seqs.values() if (e := m.get(k))):
-                inside.append(r)  # died inside this call before its entry reached distnb: it did enter it
+                # Died inside this call before its entry reached distnb: it did enter it — the same
+                # call as the others' unless its stack at death puts it at another line.
+                mine = death_call(log, r, g, k)
+                lines = {e.get("line") for m in seqs.values() if (e := m.get(k)) and e.get("call_cell") is not None}
+                if mine is not None and mine.line is not None and mine.line not in lines:
+                    at[r] = mine
+                else:
+                    inside.append(r)
                 continue
             if where.get(r, Presence.MOVING) == Presence.MOVING and last < k:
                 continue  # still running code: it may yet make this call
@@ -132,7 +147,7 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
         if not present:
             continue
         absent = [r for r, c in at.items() if c is None]
-        fields = ("presence",) if absent else _fields(present)
+        fields = ("presence",) if absent else _fields(present) or _sites(present, cell)
         if not fields:
             continue
         witnesses = _witnesses(log, g, k, set(members), where)

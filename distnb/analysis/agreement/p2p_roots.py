@@ -50,15 +50,22 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
     waits = _waits(positions)
     if not waits:
         return None
+    ranks = [p.rank for p in positions if p.state != "idle"]
+    if log is not None and cell is not None:
+        # First the call sites: a rank whose sends (or receives) at a line go to another peer
+        # relative to itself, or are more or fewer, than the other ranks' that send there.
+        odd, site = _site_majority(log, cell, ranks, capable=True)
+        if odd:
+            return P2PRoot(odd, "its point-to-point calls depart from the other ranks' at the same call site", site)
+    if explicit:
+        return P2PRoot(sorted(explicit), "a call that names the wrong peer or tag", None)
     waited = {q for targets in waits.values() for q in targets}
     sinks = sorted(q for q in waited if q not in waits and (p := by_rank.get(q)) is not None and p.state != "collective")
     if sinks:
         return P2PRoot(sinks, "the rank the chain of waits ends at", _their_site(positions, log, cell, sinks))
-    if explicit:
-        return P2PRoot(sorted(explicit), "a call that names the wrong peer or tag", None)
     if log is None or cell is None:
         return None
-    odd, site = _site_majority(log, cell, [p.rank for p in positions if p.state != "idle"])
+    odd, site = _site_majority(log, cell, ranks, capable=False)
     if odd:
         return P2PRoot(odd, "its point-to-point calls depart from the other ranks' at the same call site", site)
     return None
@@ -68,11 +75,14 @@ def _cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str,
     return [c for c in log.p2p(rank) if c.get("cell") == cell]
 
 
-def _site_majority(log: CollectiveEvidence, cell: int, ranks: list[int]) -> tuple[list[int], tuple[int, int] | None]:
+def _site_majority(log: CollectiveEvidence, cell: int, ranks: list[int], capable: bool) -> tuple[list[int], tuple[int, int] | None]:
     """Per call site of the cell: how many sends or receives each rank made there and to which
-    peers relative to itself; the ranks that stand out at the first site where one does."""
+    peers relative to itself; the ranks that stand out at the first site where one does. With
+    ``capable``, only the ranks that send (or receive) at all in the cell vote on a send (or
+    receive) site: a pipeline's first stage receives nothing, by design."""
     world = max(ranks) + 1 if ranks else 1
     per_site: dict[tuple[int, int, str], dict[int, Any]] = {}
+    kinds: dict[str, set[int]] = {"send": set(), "recv": set()}
     for r in ranks:
         for c in _cell_calls(log, r, cell):
             if c.get("line") is None:
@@ -81,11 +91,15 @@ def _site_majority(log: CollectiveEvidence, cell: int, ranks: list[int]) -> tupl
             peer = peer_of(c)
             rel = (peer - r) % world if peer is not None else None
             per_site.setdefault(key, {}).setdefault(r, Counter())[rel] += 1
+            kinds[key[2]].add(r)
     for key in sorted(per_site):
         seen = per_site[key]
-        values = {r: tuple(sorted(seen.get(r, Counter()).items(), key=repr)) for r in ranks}
+        voters = sorted(kinds[key[2]]) if capable else ranks
+        if len(voters) < 3:
+            continue  # two ranks apart say nothing of which is wrong
+        values = {r: tuple(sorted(seen.get(r, Counter()).items(), key=repr)) for r in voters}
         odd = odd_ones(values)
-        if odd and len(odd) * 2 < len(ranks):
+        if odd and len(odd) * 2 < len(voters):
             return odd, (key[0], key[1])
     return [], None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from distnb.analysis.agreement.calls import Call, op_stem, program_key
 
@@ -82,15 +82,26 @@ def _fields(a: Call, b: Call) -> tuple[str, ...]:
     return tuple(out)
 
 
+#: (cell, line) → the first and last line of the loop around it in that cell (None: in no loop).
+LoopOf = Callable[[int, int], "tuple[int, int] | None"]
+
+
 def _same_site(a: Call, b: Call) -> bool:
-    return a.site() == b.site() if a.site() is not None and b.site() is not None else op_stem(a.op) == op_stem(b.op)
+    if a.site() is not None and b.site() is not None:
+        return a.site() == b.site()
+    if (a.site() is None) != (b.site() is None):
+        return False  # a call from Python against one from C++: not the same call
+    return op_stem(a.op) == op_stem(b.op)
 
 
-def compare_programs(odd: list[Call], majority: list[Call], odd_left: bool, majority_left: bool = True) -> Difference | None:
+def compare_programs(odd: list[Call], majority: list[Call], odd_left: bool, majority_left: bool = True,
+                     loop_of: LoopOf | None = None) -> Difference | None:
     """The first difference between the odd rank's program and a majority rank's; None when they
     agree call for call (roles included). ``odd_left``: the odd rank has left the cell (its
     program is complete), so calls the majority made after its last are missing, not yet to come;
-    ``majority_left``: so is the majority rank's (else its last loop iteration may be partial)."""
+    ``majority_left``: so is the majority rank's (else its last loop iteration may be partial).
+    ``loop_of`` reads the cells' loops, to tell a rank that went round a loop again from one that
+    skipped a call, when the two calls are at different sites."""
     a = [program_key(c) for c in odd]
     b = [program_key(c) for c in majority]
     ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
@@ -117,8 +128,57 @@ def compare_programs(odd: list[Call], majority: list[Call], odd_left: bool, majo
             return _missing(a, b, odd, majority, i1, j1, j1 + b[j1 + 1 :].index(a[i1]) + 1, True)
         if b[j1] in a[i1 + 1 :]:
             return _extra(a, b, odd, majority, i1, i1 + a[i1 + 1 :].index(b[j1]) + 1, j1)
+        repeated = _repeats(a, b, odd, majority, i1, i2, j1, j2)
+        if repeated is not None:
+            return repeated
+        ordered = _code_order(odd, majority, i1, j1, loop_of)
+        if ordered is not None:
+            return ordered
         return Difference(Change.DIFFERENT, [x], [y], j1, fields=_fields(x, y) or ("call site",))
     return None
+
+
+def _repeats(a: list[Any], b: list[Any], odd: list[Call], majority: list[Call], i1: int, i2: int, j1: int, j2: int) -> Difference | None:
+    """One side went round the loop it was in again where the other went on: its calls there
+    repeat the body just before them, and the other side ran that body too."""
+    for mine, theirs, i, end, more in ((a, b, i1, i2, True), (b, a, j1, j2, False)):
+        run = mine[i:end]
+        p = _period(mine, i, run)
+        if p is None:
+            continue
+        body = mine[i - p : i]
+        ran = _times(theirs, body)
+        if ran:
+            runs = (_times(a, body), _times(b, body))
+            calls = odd[i1:i2] if more else []
+            return Difference(Change.REPEATS, calls, [] if more else majority[j1:j2], j1, runs,
+                              (odd if more else majority)[i - p : i])
+    return None
+
+
+def _code_order(odd: list[Call], majority: list[Call], i1: int, j1: int, loop_of: LoopOf | None) -> Difference | None:
+    """Two calls at different lines of one cell, after the same calls: which way through the
+    cell's code did the odd rank go? Further down than the majority's call, it skipped that call;
+    above it, it made one the majority did not. A side that went back up (round its loop) while
+    the other went on past the loop's end ran the loop another number of times."""
+    x, y = odd[i1], majority[j1]
+    if x.line is None or y.line is None or x.cell != y.cell:
+        return None
+    prev = odd[i1 - 1] if i1 > 0 else None
+    last = prev.line if prev is not None and prev.cell == x.cell and prev.line is not None else 0
+    x_on, y_on = x.line > last, y.line > last
+    if x_on == y_on:
+        if x.line > y.line:
+            return Difference(Change.MISSING, [], [y], j1)
+        return Difference(Change.EXTRA, [x], [], j1)
+    loop = loop_of(x.cell, last) if loop_of is not None and x.cell is not None and last else None
+    if y_on:  # the odd rank went back up, the majority on
+        if loop is not None and y.line > loop[1]:
+            return Difference(Change.REPEATS, [x], [], j1, None, [x])  # it went round again; the majority left the loop
+        return Difference(Change.MISSING, [], [y], j1)
+    if loop is not None and x.line > loop[1]:
+        return Difference(Change.REPEATS, [], [y], j1, None, [y])  # it left the loop; the majority went round again
+    return Difference(Change.EXTRA, [x], [], j1)
 
 
 def _missing(a: list[Any], b: list[Any], odd: list[Call], majority: list[Call], i1: int, j1: int, j2: int,

@@ -13,12 +13,13 @@ explains the calls it did not make.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from distnb.analysis.agreement.calls import Call, cell_calls
+from distnb.analysis.agreement.calls import Call, cell_calls, death_call
 from distnb.analysis.agreement.compare import Disagreement, Presence, disagreements
 from distnb.analysis.agreement.programs import Change, Difference, compare_programs
-from distnb.analysis.cell_source import around
+from distnb.analysis.cell_source import around, loop_span
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
@@ -46,10 +47,16 @@ def agreement(rec: Records) -> Verdict | None:
 
     def program(r: int) -> list[Call]:
         if r not in programs:
-            programs[r] = cell_calls(log.log, r, cell)
+            programs[r] = _program(rec, r, cell)
         return programs[r]
 
-    odd, tie, how = _blame(d, where, program, rec)
+    def loop_of(c: int, line: int) -> tuple[int, int] | None:
+        return loop_span(rec.sources.get(c), line)
+
+    def compare(a: int, b: int) -> Difference | None:
+        return compare_programs(program(a), program(b), where.get(a) == Presence.GONE, where.get(b) == Presence.GONE, loop_of)
+
+    odd, tie, how = _blame(d, where, compare, rec)
     if not odd:
         return None
     if tie and how == "no majority":
@@ -60,8 +67,7 @@ def agreement(rec: Records) -> Verdict | None:
     else:
         a = odd[0]
         ref = _reference(d, odd, program)
-    diff = compare_programs(program(a), program(ref), where.get(a) == Presence.GONE,
-                            where.get(ref) == Presence.GONE) if ref is not None else None
+    diff = compare(a, ref) if ref is not None else None
     if _left_first(rec, d, odd):
         return None  # their error or death explains the calls they did not make: the event rules say so
     kind = _KINDS[diff.change] if diff is not None else (
@@ -70,25 +76,51 @@ def agreement(rec: Records) -> Verdict | None:
     return _verdict(rec, d, odd, tie, how, kind, diff, ref)
 
 
-def _blame(d: Disagreement, where: dict[int, Presence], program: Any, rec: Records) -> tuple[list[int], bool, str]:
-    """The odd ranks, whether only a tie-break named them, and how they were found (in words)."""
+def _program(rec: Records, r: int, cell: int) -> list[Call]:
+    """The rank's calls of the cell; the one it waits in (or raised in) placed at its stack's line
+    when the call came from C++ (DDP's buckets carry no Python site), and the call its stack at
+    death put it in when its entry never came."""
+    assert rec.log is not None
+    calls = cell_calls(rec.log.log, r, cell)
+    p = rec.by_rank.get(r)
+    if calls and p is not None and p.line and calls[-1].line is None and not calls[-1].done and p.state in ("collective", "failed"):
+        here = p.line_cell if p.line_cell is not None else cell
+        calls[-1] = replace(calls[-1], cell=here, line=p.line, func=p.func)
+    if p is not None and p.state == "dead" and (not calls or calls[-1].done):
+        last = calls[-1] if calls else None
+        mine = death_call(rec.log.log, r, last.group if last is not None else "0", None)
+        if mine is not None and mine.cell == cell:
+            calls.append(mine)
+    return calls
+
+
+def _blame(d: Disagreement, where: dict[int, Presence], compare: Any, rec: Records) -> tuple[list[int], bool, str]:
+    """The odd ranks, whether only a tie-break named them, and how they were found (in words).
+
+    In a group of a handful of ranks, the ranks whose programs of the cell depart from most of the
+    other ranks' (a group of two has no majority of its own; a mesh's other groups, or the ranks
+    of other groups, do); in a larger one, its majority with the ranks in step on the other groups
+    of its role."""
+    if len(d.by_rank) <= _SAMPLE:
+        others = [r for r in where if r not in d.by_rank][:_SAMPLE]
+        departs = []
+        for r in d.by_rank:
+            peers = [o for o in [*d.by_rank, *others] if o != r][:_SAMPLE]
+            if peers and sum(compare(r, o) is not None for o in peers) * 2 > len(peers):
+                departs.append(r)
+        if departs and len(departs) * 2 < len(d.by_rank) + len(others):
+            if not d.tie and set(departs) == set(d.odd):
+                return d.odd, False, _by_majority(d)
+            if len(departs) < len(d.by_rank):
+                return sorted(departs), d.tie, "its calls in this cell depart from most other ranks'"
     if not d.tie:
-        voters = len(d.voters())
-        return d.odd, False, f"by majority over {voters} ranks" + (" (the group's members and the ranks in step on the other groups of its role)"
-                                                                   if d.witnesses else "")
-    # A tie inside the group: the ranks whose programs depart from the other ranks' of the cell.
-    cell_ranks = [r for r in where if r not in d.by_rank][:_SAMPLE]
-    departs = []
-    for r in d.by_rank:
-        others = [o for o in [*cell_ranks, *d.by_rank] if o != r][:_SAMPLE]
-        if not others:
-            continue
-        differ = sum(compare_programs(program(r), program(o), where.get(r) == Presence.GONE) is not None for o in others)
-        if differ * 2 > len(others):
-            departs.append(r)
-    if departs and len(departs) < len(d.by_rank):
-        return sorted(departs), True, "its calls in this cell depart from the other ranks'"
+        return d.odd, False, _by_majority(d)
     return sorted(d.odd), True, "no majority"
+
+
+def _by_majority(d: Disagreement) -> str:
+    return f"by majority over {len(d.voters())} ranks" + (" (the group's members and the ranks in step on the other groups of its role)"
+                                                          if d.witnesses else "")
 
 
 def _reference(d: Disagreement, odd: list[int], program: Any) -> int | None:
@@ -135,13 +167,18 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
         blame = f" Root cause: {format_ranks(odd)}" + ("." if not tie else f" ({how}).")
     certain = _certain(kind, tie, d, diff, cause)
     return Verdict(
-        VerdictState.HANG if rec.running else VerdictState.FAILED if rec.of("failed", "dead", "stranded") else VerdictState.DESYNC, kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
+        _state(rec), kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
         culprits=odd, victims=sorted(set(waiting) | set(dead)), sites=sites,
         evidence=Evidence("the n-th call on a group is made, and the same, by every member", _records(d), d.group, d.seq,
                           diff.fields if diff is not None and diff.fields else d.fields),
         certainty=certain, reason="" if certain == Certainty.CERTAIN else f"the odd {'ones' if len(odd) > 1 else 'one'} found {how}",
         positions=rec.positions, rule="agreement",
     )
+
+
+def _state(rec: Records) -> VerdictState:
+    """Ranks still waiting: a hang; over with a failure: failed; over on every rank: a desync."""
+    return VerdictState.HANG if rec.running else VerdictState.FAILED if rec.of("failed", "dead", "stranded") else VerdictState.DESYNC
 
 
 def _same_value(d: Disagreement, a: int, b: int) -> bool:

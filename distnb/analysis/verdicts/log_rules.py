@@ -3,7 +3,10 @@ that paired calls of different cells, and point-to-point calls left without a pa
 
 from __future__ import annotations
 
+from typing import Any
+
 from distnb.analysis.agreement.p2p_roots import p2p_roots
+from distnb.analysis.collectives import same_op
 from distnb.analysis.group_creation import creation_mismatch
 from distnb.analysis.p2p import match_p2p
 from distnb.analysis.pairing import cross_cell, cross_group
@@ -19,10 +22,19 @@ def creation_out_of_step(rec: Records) -> Verdict | None:
     if rec.log is None or not (rec.waiting or not rec.running):
         return None
     moving = {p.rank for p in rec.of("computing")}
-    found = creation_mismatch(rec.log.log, [p.rank for p in rec.positions if p.state != "idle"], moving)
+    cell = rec.judged_cell
+    # A rank whose calls of this cell never reached distnb (its reply lost) made "none" only in
+    # the log: it is left out unless it left the cell.
+    gone = {p.rank for p in rec.of("finished", "failed", "dead", "stranded")}
+    heard = {p.rank for p in rec.positions if p.state != "idle" and
+             (p.rank in gone or any(cell is None or c.get("cell") == cell for c in rec.log.log.calls_of(p.rank)))}
+    found = creation_mismatch(rec.log.log, sorted(heard), moving)
     if found is None:
         return None
     odd = found.odd
+    left = {p.rank for p in rec.raised} | {p.rank for p in rec.dead}
+    if odd and all(found.by_rank.get(r) is None and r in left for r in odd):
+        return None  # they raised or died before creating it: the event rules say so
     calls = [c for r, c in sorted(found.by_rank.items()) if r in odd and c is not None]
     sites = [Site(c.get("cell"), c.get("line"), c.get("func") or "", "", "the new_group call") for c in calls[:1] if c.get("line")]
     return Verdict(VerdictState.HANG if rec.running else VerdictState.FAILED, Kind.GROUP_CREATION, found.text(), odd,
@@ -60,12 +72,21 @@ def wrong_group(rec: Records) -> Verdict | None:
     if found is None or not found.waits_for or not found.odd or len(found.odd) * 2 >= len(found.by_rank):
         return None
     odd = found.odd
+    theirs = [e for r, e in found.by_rank.items() if r not in odd]
+    if not all(_same_call(found.by_rank[r], theirs[0]) for r in odd):
+        return None  # another call, not the same call over another group: the agreement rule says which
     e = found.by_rank[odd[0]]
     sites = [Site(e.get("call_cell", e.get("cell")), e["line"], e.get("func") or "", "", "the call")] if e.get("line") else []
     return Verdict(VerdictState.HANG, Kind.WRONG_GROUP, found.text(), odd, [r for r in found.waits_for if r not in odd], sites,
                    Evidence("ranks in step call over groups of the same role", {r: found.labels[r] for r in found.by_rank}),
                    Certainty.LIKELY, "by majority over the roles of the ranks' calls at that point of the cell", positions=rec.positions,
                    rule="wrong_group")
+
+
+def _same_call(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same op, from the same line when the call log saw both."""
+    lines = (a.get("line"), b.get("line")) if a.get("call_cell") is not None and b.get("call_cell") is not None else (None, None)
+    return same_op(a["op"], b["op"]) and lines[0] == lines[1]
 
 
 def p2p_unmatched(rec: Records) -> Verdict | None:
