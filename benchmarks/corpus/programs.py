@@ -100,7 +100,7 @@ gen = torch.Generator().manual_seed(0)  # tensor-parallel peers see the same bat
 """,
         step="""
 for step in range(2):  #@ loop
-    x = torch.randn(4, 16, generator=gen)
+    x = torch.randn(4, 16, generator=gen, requires_grad=True)  # its gradient is reduced across the tp group
     out = mlp(x)  #@ sync assign
     out.sum().backward()  #@ sync
 score = out.detach().sum().reshape(1)

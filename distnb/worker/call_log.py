@@ -57,7 +57,8 @@ WATCHED: dict[str, tuple[str, ...]] = {
     "all_gather_single": (),
     "reduce_scatter_single": (),
     "all_to_all": (),
-    "all_to_all_single": (),
+    # Split sizes differ across ranks by design; what sender and receiver say must agree.
+    "all_to_all_single": ("output_split_sizes", "input_split_sizes"),
     "barrier": (),
 }
 P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
@@ -145,7 +146,7 @@ class CallLog:
         # Point-to-point calls per group name since the last reset (never trimmed).
         self.p2p_counts: collections.Counter[str] = collections.Counter()
 
-    def begin(self, fn: str, group: Any, args: dict[str, Any]) -> dict[str, Any]:
+    def begin(self, fn: str, group: Any, args: dict[str, Any], inputs: Any = None) -> dict[str, Any]:
         cell, line, func = _caller(self._prefix)
         rec: dict[str, Any] = {
             "n": next(self._next), "op": fn, "group": _group_name(group), "args": args,
@@ -155,6 +156,9 @@ class CallLog:
             rec["count"] = _group_count()
         elif fn in P2P:
             self.p2p_counts[rec["group"]] += 1
+            # No recorder sees a send's or receive's tensor on gloo: its shape, which sender and
+            # receiver must agree on, is kept here (a few µs).
+            rec.update(_shapes(inputs))
         self._records.append(rec)
         return rec
 
@@ -261,7 +265,7 @@ def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]
                     STOPS.calling = None
                     raise
         try:
-            rec = log.begin(name, group, got)
+            rec = log.begin(name, group, got, _inputs(args, kwargs, input_at) if name in P2P else None)
         except Exception:
             rec = None
         work = None

@@ -14,6 +14,7 @@ one-against-one split inside a group of two still has a majority across the mesh
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -77,6 +78,23 @@ def _fields(calls: list[Call]) -> tuple[str, ...]:
     keys = sorted({k for c in calls for k, _ in c.args})
     out.extend(k for k in keys if len({dict(c.args).get(k) for c in calls}) > 1)
     return tuple(out)
+
+
+def _split_pairs(at: dict[int, Call | None], members: list[int]) -> list[tuple[int, int]]:
+    """The (sender, receiver) pairs of an all_to_all whose split sizes disagree: what ``i`` says
+    it sends to ``j`` against what ``j`` says it receives from ``i``."""
+    order = sorted(members)
+    splits = {r: c.splits for r, c in at.items() if c is not None and c.splits is not None}
+    if len(splits) < 2:
+        return []
+    out = []
+    for i, (ins, _) in splits.items():
+        for j, (_, outs) in splits.items():
+            if i == j or not ins or not outs or len(ins) != len(order) or len(outs) != len(order):
+                continue
+            if ins[order.index(j)] != outs[order.index(i)]:
+                out.append((i, j))
+    return out
 
 
 def _sites(calls: list[Call], cell: int) -> tuple[str, ...]:
@@ -149,6 +167,14 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
         absent = [r for r, c in at.items() if c is None]
         fields = ("presence",) if absent else _fields(present) or _sites(present, cell)
         if not fields:
+            broken = _split_pairs(at, members)
+            if broken:
+                # Sender and receiver disagree on how much goes between them: the rank in most of
+                # the broken pairs is the one whose split sizes are off.
+                count = Counter(r for pair in broken for r in pair)
+                top = max(count.values())
+                odd = sorted(r for r, n in count.items() if n == top)
+                return Disagreement(g, k, at, {}, odd, len(odd) > 1, ("split sizes",), inside)
             continue
         witnesses = _witnesses(log, g, k, set(members), where)
         odd, tie = _odd(at, witnesses)

@@ -19,7 +19,7 @@ from typing import Any
 from distnb.analysis.collectives import P2P_OPS, CollectiveEvidence, odd_ones, peer_of
 from distnb.analysis.position import Position
 
-__all__ = ["P2PRoot", "p2p_roots"]
+__all__ = ["P2PRoot", "SiteDeparture", "p2p_roots", "site_departure"]
 
 
 @dataclass
@@ -75,13 +75,24 @@ def _cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str,
     return [c for c in log.p2p(rank) if c.get("cell") == cell]
 
 
-def _site_majority(log: CollectiveEvidence, cell: int, ranks: list[int], capable: bool) -> tuple[list[int], tuple[int, int] | None]:
-    """Per call site of the cell: how many sends or receives each rank made there and to which
-    peers relative to itself; the ranks that stand out at the first site where one does. With
-    ``capable``, only the ranks that send (or receive) at all in the cell vote on a send (or
-    receive) site: a pipeline's first stage receives nothing, by design."""
+@dataclass
+class SiteDeparture:
+    """Ranks whose sends (or receives) at one call site depart from the other ranks' there."""
+
+    odd: list[int]
+    site: tuple[int, int]  # (cell, line)
+    kind: str  # send · recv
+    what: str  # shape (another tensor size or dtype), peer (another peer relative to the rank), count
+    by_rank: dict[int, Counter[Any]]  # each voter's (relative peer, shape) → calls
+
+
+def site_departure(log: CollectiveEvidence, cell: int, ranks: list[int], capable: bool = True) -> SiteDeparture | None:
+    """Per call site of the cell: how many sends or receives each rank made there, to which peers
+    relative to itself, with which tensors; the ranks that stand out at the first site where one
+    does. With ``capable``, only the ranks that send (or receive) at all in the cell vote on a
+    send (or receive) site: a pipeline's first stage receives nothing, by design."""
     world = max(ranks) + 1 if ranks else 1
-    per_site: dict[tuple[int, int, str], dict[int, Any]] = {}
+    per_site: dict[tuple[int, int, str], dict[int, Counter[Any]]] = {}
     kinds: dict[str, set[int]] = {"send": set(), "recv": set()}
     for r in ranks:
         for c in _cell_calls(log, r, cell):
@@ -90,18 +101,31 @@ def _site_majority(log: CollectiveEvidence, cell: int, ranks: list[int], capable
             key = (int(c["cell"]), int(c["line"]), P2P_OPS[c["op"]])
             peer = peer_of(c)
             rel = (peer - r) % world if peer is not None else None
-            per_site.setdefault(key, {}).setdefault(r, Counter())[rel] += 1
+            shape = (repr(c.get("sizes")), repr(c.get("dtypes"))) if c.get("sizes") is not None else None
+            per_site.setdefault(key, {}).setdefault(r, Counter())[(rel, shape)] += 1
             kinds[key[2]].add(r)
     for key in sorted(per_site):
         seen = per_site[key]
         voters = sorted(kinds[key[2]]) if capable else ranks
         if len(voters) < 3:
             continue  # two ranks apart say nothing of which is wrong
-        values = {r: tuple(sorted(seen.get(r, Counter()).items(), key=repr)) for r in voters}
+        counts = {r: seen.get(r, Counter()) for r in voters}
+        values = {r: tuple(sorted(counts[r].items(), key=repr)) for r in voters}
         odd = odd_ones(values)
-        if odd and len(odd) * 2 < len(voters):
-            return odd, (key[0], key[1])
-    return [], None
+        if not odd or len(odd) * 2 >= len(voters):
+            continue
+        usual = next(counts[r] for r in voters if r not in odd)
+        mine = counts[odd[0]]
+        shapes = {k[1] for k in usual} != {k[1] for k in mine} and bool(mine)
+        peers = {k[0] for k in usual} != {k[0] for k in mine} and bool(mine)
+        what = "shape" if shapes else "peer" if peers else "count"
+        return SiteDeparture(odd, (key[0], key[1]), key[2], what, counts)
+    return None
+
+
+def _site_majority(log: CollectiveEvidence, cell: int, ranks: list[int], capable: bool) -> tuple[list[int], tuple[int, int] | None]:
+    found = site_departure(log, cell, ranks, capable)
+    return (found.odd, found.site) if found is not None else ([], None)
 
 
 def _their_site(positions: list[Position], log: CollectiveEvidence | None, cell: int | None, culprits: list[int]) -> tuple[int, int] | None:

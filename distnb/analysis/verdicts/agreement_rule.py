@@ -21,7 +21,7 @@ from distnb.analysis.agreement.compare import Disagreement, Presence, disagreeme
 from distnb.analysis.agreement.programs import Change, Difference, compare_programs
 from distnb.analysis.cell_source import around, loop_span
 from distnb.analysis.verdicts.records import Records
-from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
+from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
 from distnb.ranks import format_ranks
 
@@ -167,18 +167,13 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
         blame = f" Root cause: {format_ranks(odd)}" + ("." if not tie else f" ({how}).")
     certain = _certain(kind, tie, d, diff, cause)
     return Verdict(
-        _state(rec), kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
+        rec.state(), kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
         culprits=odd, victims=sorted(set(waiting) | set(dead)), sites=sites,
         evidence=Evidence("the n-th call on a group is made, and the same, by every member", _records(d), d.group, d.seq,
                           diff.fields if diff is not None and diff.fields else d.fields),
         certainty=certain, reason="" if certain == Certainty.CERTAIN else f"the odd {'ones' if len(odd) > 1 else 'one'} found {how}",
         positions=rec.positions, rule="agreement",
     )
-
-
-def _state(rec: Records) -> VerdictState:
-    """Ranks still waiting: a hang; over with a failure: failed; over on every rank: a desync."""
-    return VerdictState.HANG if rec.running else VerdictState.FAILED if rec.of("failed", "dead", "stranded") else VerdictState.DESYNC
 
 
 def _same_value(d: Disagreement, a: int, b: int) -> bool:
@@ -209,6 +204,12 @@ def _words(rec: Records, d: Disagreement, kind: Kind, diff: Difference | None, o
         where = site_of_call(diff.body[0], rec) if diff.body else ""
         return (f"uneven loop: {who} ran {ran} step{'s' * (ran != 1)} of ({body}){where} on {label}, {them} ran {maj}: a loop of another "
                 "length per rank, or a condition in it that differs"), kind
+    if kind == Kind.LOOP_COUNT and diff is not None and diff.body:
+        first = diff.body[0]
+        again = bool(diff.odd_calls)
+        return (f"uneven loop: {who} {'went round the loop again' if again else 'left the loop'} at {call_words(first)}{site_of_call(first, rec)} "
+                f"where {them} {'left it' if again else 'went round again'}: a loop of another length per rank, or a condition in it "
+                "that differs"), kind
     if kind == Kind.WRONG_GROUP and diff is not None:
         first, second = diff.odd_calls[0], diff.majority_calls[0]
         return (f"collective on another group: {who} called {first.op}{site_of_call(first, rec)} over {group_words(log, first.group)} "

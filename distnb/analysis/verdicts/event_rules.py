@@ -8,6 +8,8 @@ timeout, not an interrupt) is the cause of the waits it leaves behind.
 
 from __future__ import annotations
 
+import re
+
 from distnb.analysis.collectives import CollectiveReport
 from distnb.analysis.entry_words import describe
 from distnb.analysis.position import Position
@@ -17,6 +19,10 @@ from distnb.analysis.verdicts.words import ranks_verb
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["died", "raised", "victim", "victim_of_mismatch"]
+
+#: torch.distributed's own checks of a call's tensors against the group's (gloo, NCCL, c10d).
+_BAD_ARGUMENTS = re.compile(r"invalid tensor (size|type)|Tensors must be|tensor.* must have the same|"
+                            r"Split sizes doesn't match|split_sizes|mismatch between collectives|Detected mismatch", re.IGNORECASE)
 
 
 def died(rec: Records) -> Verdict | None:
@@ -40,6 +46,17 @@ def died(rec: Records) -> Verdict | None:
     # collective may be the consequence of a mismatch the records did not catch.
     inside = rec.log is not None and d.rank in rec.log.log.died_in
     certain = not inside and "SIGABRT" not in d.detail
+    if inside and "SIGABRT" in d.detail:
+        # gloo aborts a rank when a peer sends more than its own tensor holds: a mismatch in that
+        # collective, and with no record of the others' to say who differs, likely its own.
+        op = rec.log.log.died_in[d.rank] if rec.log is not None else "a collective"
+        return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, Kind.MISMATCH,
+                       f"rank {d.rank} aborted inside {op}{then} (gloo's abort when a peer sends more than the rank's own tensor holds: "
+                       f"the ranks' tensors there differ). Root cause: likely rank {d.rank}'s call (%dist_collectives shows the others').",
+                       [d.rank], [p.rank for p in waiting] + later, sites,
+                       Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
+                       "the others' calls there are not recorded: the rank that aborted is the likelier odd one", positions=rec.positions,
+                       rule="died")
     return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, Kind.DIED, summary, [d.rank], [p.rank for p in waiting] + later, sites,
                    Evidence("every rank of the cell stays alive", {d.rank: d.detail}), Certainty.CERTAIN if certain else Certainty.LIKELY,
                    "" if certain else "it died inside a collective: a mismatch there may have caused it", positions=rec.positions,
@@ -52,7 +69,7 @@ def victim_of_mismatch(rec: Records) -> Verdict | None:
     if not rec.dead:
         return None
     dead = rec.dead[0]
-    found = victim(dead, rec.log)
+    found = victim(dead, rec.log, rec.judged_cell)
     if found is None:
         return None
     summary, odd = found
@@ -61,12 +78,15 @@ def victim_of_mismatch(rec: Records) -> Verdict | None:
                    "by majority at the collective it died in", positions=rec.positions, rule="victim")
 
 
-def victim(dead: Position, log: CollectiveReport | None) -> tuple[str, list[int]] | None:
+def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None) -> tuple[str, list[int]] | None:
     """A rank that died inside a collective whose ranks disagree (gloo aborts the rank that
-    receives data it can't fit): the odd rank of the mismatch is the root cause, not the victim."""
+    receives data it can't fit): the odd rank of the mismatch is the root cause, not the victim.
+    ``cell``: only a collective of that cell (an older divergence is another story)."""
     if log is None:
         return None
     for div in log.divergences():
+        if cell is not None and not any(e is not None and e.get("call_cell", e.get("cell")) == cell for e in div.by_rank.values()):
+            continue
         present = [e for e in div.by_rank.values() if e is not None]
         entry = div.by_rank.get(dead.rank) or (present[0] if log.log.died_in.get(dead.rank) and dead.rank in div.by_rank else None)
         if div.kind == "missing" or entry is None:
@@ -107,6 +127,14 @@ def raised(rec: Records) -> Verdict | None:
     else:
         summary = f"{who} raised {f.detail}. Root cause: the error on {who}."
         state = VerdictState.FAILED
+    if _BAD_ARGUMENTS.search(f.detail):
+        # torch.distributed refused the rank's own call (a tensor of another size or dtype than the
+        # group's): a mismatch, found by the rank itself before anything was sent.
+        return Verdict(state, Kind.MISMATCH, f"{who} called a collective with tensors the group does not match: {f.detail}. "
+                       f"Root cause: {who}.", ranks, [p.rank for p in waiting], sites,
+                       Evidence("the n-th call on a group is the same on every member", {p.rank: p.detail for p in failed}),
+                       Certainty.LIKELY, "torch refused the call on that rank; its inputs differ from the group's", positions=rec.positions,
+                       rule="raised")
     # Raised by the cell's own code (a raise, an assert) it is the cause; raised inside torch (DDP
     # finding a reduction it never made, say), it may be the consequence of an earlier difference.
     own = any(word in f.code for word in ("raise ", "assert ")) or (f.code.strip().startswith(("raise", "assert")))

@@ -11,6 +11,7 @@ from functools import cached_property
 from distnb.analysis.agreement.compare import Presence
 from distnb.analysis.collectives import CollectiveReport
 from distnb.analysis.position import Position
+from distnb.analysis.verdicts.verdict import VerdictState
 
 __all__ = ["Records", "is_consequence"]
 
@@ -94,6 +95,13 @@ class Records:
 
     def waiting_in(self) -> dict[int, str]:
         return {p.rank: p.group for p in self.waiting if p.group is not None}
+
+    def state(self) -> VerdictState:
+        """What a cause found now means: ranks still waiting, a hang; over with a failure, failed;
+        over on every rank, a desync (wrong results, or the next sync hangs)."""
+        if self.running:
+            return VerdictState.HANG
+        return VerdictState.FAILED if self.of("failed", "dead", "stranded") else VerdictState.DESYNC
 
     def longest_wait(self) -> float:
         # since == 0.0 is a wait that just began, not an unknown one.
