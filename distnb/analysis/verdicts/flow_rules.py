@@ -191,7 +191,8 @@ def same_collective(rec: Records) -> Verdict | None:
     if not rec.waiting:
         return None
     return _v(rec, VerdictState.SLOW, Kind.SLOW_COLLECTIVE, f"every rank is in the same collective ({rec.waiting[0].op}): slow but consistent, "
-              "not a hang.", rule="same_collective")
+              "not a hang.", rule="same_collective", reason="the ranks agree on the call; what keeps it (a large transfer, a slow link, "
+              "a peer outside distnb's view) is not recorded")
 
 
 def _place(p: Position) -> tuple[Any, ...]:

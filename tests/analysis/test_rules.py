@@ -1,0 +1,241 @@
+"""Each verdict rule on records made for it: the rule that fires, its kind, culprits, site and
+certainty. Every rule in ``RULES`` has a case here (the last test holds the list to it), so a new
+rule comes with its test. The corpus (benchmarks/bench_diagnosis.py) judges them on real pools."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from distnb.analysis.position import Position
+from distnb.analysis.verdicts.diagnose import RULES, diagnose
+from distnb.analysis.verdicts.verdict import Certainty, Kind, Verdict, VerdictState
+from distnb.controller.collective_log import CollectiveLog
+
+CELL = 5
+SOURCE = "\n".join([
+    "x = torch.ones(4)",              # 1
+    "for step in range(3):",          # 2
+    "    dist.all_reduce(x)",         # 3
+    "if rank == 0:",                  # 4
+    "    dist.all_reduce(loss)",      # 5
+    "dist.barrier()",                 # 6
+])
+
+
+def entry(i: int, seq: int, op: str = "all_reduce", line: int | None = 3, size: int = 4, done: bool = True, group: str = "0",
+          dtype: str = "Float", cell: int = CELL, **args: Any) -> dict[str, Any]:
+    e: dict[str, Any] = {"id": i, "group": group, "desc": "default_pg" if group == "0" else DESCS.get(group, "undefined"), "seq": seq, "p2p": False,
+                         "op": op, "sizes": [[size]] if size else [], "dtypes": [dtype] if size else [], "t": float(i), "done": done,
+                         "cell": cell}
+    if line is not None:
+        e.update(line=line, call_cell=cell, func="<module>")
+    if args:
+        e["args"] = args
+    return e
+
+
+def log_of(per_rank: dict[int, list[dict[str, Any]]], groups: dict[str, list[int]] | None = None,
+           calls: dict[int, list[dict[str, Any]]] | None = None, descs: dict[str, str] | None = None) -> CollectiveLog:
+    log = CollectiveLog()
+    for r, entries in per_rank.items():
+        log.merge(r, {"entries": entries, "groups": groups or {"0": sorted(per_rank)}, "descs": descs or {},
+                      "calls": (calls or {}).get(r, []), "now": 0.0})
+    return log
+
+
+def waits(rank: int, op: str = "all_reduce", seq: int | None = None, line: int = 3, group: str | None = "0", **kw: Any) -> Position:
+    return Position(rank, "collective", op=op, seq=seq, group=group, since=5.0, line=line, running=CELL, line_cell=CELL, **kw)
+
+
+def judge(positions: list[Position], log: CollectiveLog | None = None, first_death: int | None = None) -> Verdict:
+    ranks = sorted(p.rank for p in positions)
+    return diagnose(positions, 3.0, 5.0, log.report(ranks) if log is not None else None, first_death, {CELL: SOURCE})
+
+
+def loop_calls(n: int, done: bool = True) -> list[dict[str, Any]]:
+    return [entry(i, i + 1, done=done or i < n - 1) for i in range(n)]
+
+
+# -- the cases: each returns the verdict the named rule must give ---------------------------------
+def case_paused() -> Verdict:
+    return judge([Position(0, "paused", detail="paused in the debugger", line=3, running=CELL), waits(1)])
+
+
+def case_quiet() -> Verdict:
+    return diagnose([Position(0, "collective", op="all_reduce", since=0.5), Position(1, "finished")], 3.0, 0.5)
+
+
+def case_creation() -> Verdict:
+    def made(n: int, ranks: list[int], line: int) -> dict[str, Any]:
+        return {"n": n, "op": "new_group", "group": "0", "args": {"ranks": ranks}, "t": 0, "end": None, "cell": CELL, "line": line,
+                "func": "<module>", "count": n}
+    calls = {r: [made(1, [0, 1], 1), made(2, [2, 3], 2)] for r in (0, 1, 3)}
+    calls[2] = [made(1, [2, 3], 2)]
+    log = log_of({r: [] for r in range(4)}, calls=calls)
+    return judge([waits(r, "new_group", line=2 if r == 2 else 1) for r in range(4)], log)
+
+
+def case_cross_cell() -> Verdict:
+    # Rank 0's all_reduce(async_op=True) of cell 4, never waited on, pairs with the others' of cell 5.
+    per_rank = {0: [entry(0, 1, cell=4, line=2, done=False)], **{r: [entry(0, 1, done=False)] for r in (1, 2, 3)}}
+    return judge([waits(r, seq=1) for r in range(4)], log_of(per_rank))
+
+
+def case_victim() -> Verdict:
+    per_rank = {0: [entry(0, 1, done=False)], 1: [], 2: [entry(0, 1, dtype="Double", done=False)], 3: [entry(0, 1, done=False)]}
+    log = log_of(per_rank)
+    log.died_in[1] = "all_reduce"
+    return judge([waits(0, seq=1), Position(1, "dead", detail="aborted (SIGABRT)"), waits(2, seq=1), waits(3, seq=1)], log, first_death=1)
+
+
+MESH = {"1": [0, 2], "2": [1, 3], "3": [0, 1], "4": [2, 3]}
+DESCS = {"1": "mesh_dp", "2": "mesh_dp", "3": "mesh_tp", "4": "mesh_tp"}
+TP = {0: "3", 1: "3", 2: "4", 3: "4"}
+DP = {0: "1", 1: "2", 2: "1", 3: "2"}
+
+
+def case_wrong_group() -> Verdict:
+    # Rank 1 all_gathers over dp where the others use tp, from the same line.
+    per_rank = {r: [entry(0, 1, "all_gather", line=3, group=DP[r] if r == 1 else TP[r], done=r in (2, 3))] for r in range(4)}
+    log = log_of(per_rank, MESH, descs=DESCS)
+    return judge([waits(0, "all_gather", 1, group="3"), waits(1, "all_gather", 1, group="2"), Position(2, "finished"),
+                  Position(3, "finished")], log)
+
+
+def case_agreement() -> Verdict:
+    # The issue's first case: after a loop of three, `if master_process: dist.all_reduce(loss)` —
+    # rank 0 makes a call (another shape, another line) the others never make.
+    per_rank = {0: loop_calls(3) + [entry(3, 4, line=5, size=1, done=False)], **{r: loop_calls(3) for r in (1, 2, 3)}}
+    return judge([waits(0, seq=4, line=5), *(Position(r, "finished") for r in (1, 2, 3))], log_of(per_rank))
+
+
+def case_p2p_departure() -> Verdict:
+    # A pipeline: each rank receives from the one before and sends to the next; rank 1 sends two ahead.
+    def call(n: int, op: str, peer: int, line: int) -> dict[str, Any]:
+        key = "dst" if op == "send" else "src"
+        return {"n": n, "op": op, "group": "0", "args": {key: peer, "tag": 0}, "t": n, "end": None if op == "recv" else n,
+                "cell": CELL, "line": line, "func": "<module>", "sizes": [[4]], "dtypes": ["Float"]}
+    # Rank 2 sends to rank 0 (two ahead, round the ring) where ranks 0,1 send to the next.
+    calls = {0: [call(1, "send", 1, 6)], 1: [call(1, "recv", 0, 4), call(2, "send", 2, 6)], 2: [call(1, "recv", 1, 4), call(2, "send", 0, 6)],
+             3: [call(1, "recv", 2, 4)]}
+    for c in calls[2] + calls[1]:
+        c["end"] = c["n"]
+    log = log_of({r: [] for r in range(4)}, calls=calls)
+    return judge([Position(0, "finished"), Position(1, "finished"), Position(2, "finished"),
+                  Position(3, "collective", op="recv", since=5.0, peers=calls[3], running=CELL, line=4)], log)
+
+
+def case_died() -> Verdict:
+    return judge([waits(0), Position(1, "dead", detail="exited with code 3"), waits(2)], first_death=1)
+
+
+def case_raised() -> Verdict:
+    return judge([waits(0), Position(1, "failed", line=2, code="raise ValueError('bad batch')", detail="ValueError: bad batch"), waits(2)])
+
+
+def case_p2p() -> Verdict:
+    def p2p(rank: int, op: str, peer: int) -> Position:
+        key = "dst" if op == "send" else "src"
+        return Position(rank, "collective", op=op, since=5.0, peers=[{"op": op, "args": {key: peer, "tag": 0}}])
+    return judge([p2p(0, "send", 1), p2p(1, "recv", 2), Position(2, "finished"), Position(3, "finished")])
+
+
+def case_finished_early() -> Verdict:
+    return judge([waits(0, "barrier", line=6), waits(1, "barrier", line=6), Position(2, "finished")])
+
+
+def case_not_in_cell() -> Verdict:
+    return judge([Position(0, "collective", op="all_reduce", seq=1, group="0", since=5.0), Position(1, "idle")])
+
+
+def case_unresponsive() -> Verdict:
+    return judge([waits(0), Position(1, "unresponsive", detail="its process (pid 7) is stopped")])
+
+
+def case_computing() -> Verdict:
+    return judge([waits(0), Position(1, "computing", line=2, since=5.0)])
+
+
+def case_new_group_wait() -> Verdict:
+    return judge([waits(r, "new_group", line=1, group=None) for r in range(2)])
+
+
+def case_disagree() -> Verdict:
+    return judge([waits(0, "all_reduce", 4, group=None), waits(1, "broadcast", 4, group=None), waits(2, "all_reduce", 4, group=None)])
+
+
+def case_same_collective() -> Verdict:
+    return judge([waits(r, group=None) for r in range(3)])
+
+
+#: rule → (case, kind, culprits, state, certainty or None for either)
+CASES: dict[str, tuple[Callable[[], Verdict], Kind, list[int], VerdictState, Certainty | None]] = {
+    "paused": (case_paused, Kind.PAUSED, [], VerdictState.PAUSED, Certainty.CERTAIN),
+    "quiet": (case_quiet, Kind.NONE, [], VerdictState.OK, None),
+    "creation": (case_creation, Kind.GROUP_CREATION, [2], VerdictState.HANG, Certainty.LIKELY),
+    "cross_cell": (case_cross_cell, Kind.CROSS_CELL, [0], VerdictState.HANG, Certainty.LIKELY),
+    "victim": (case_victim, Kind.MISMATCH, [2], VerdictState.HANG, Certainty.LIKELY),
+    "wrong_group": (case_wrong_group, Kind.WRONG_GROUP, [1], VerdictState.HANG, Certainty.LIKELY),
+    "agreement": (case_agreement, Kind.CALL_EXTRA, [0], VerdictState.HANG, Certainty.CERTAIN),
+    "p2p_departure": (case_p2p_departure, Kind.P2P_UNMATCHED, [2], VerdictState.HANG, Certainty.LIKELY),
+    "died": (case_died, Kind.DIED, [1], VerdictState.HANG, Certainty.CERTAIN),
+    "raised": (case_raised, Kind.RAISED, [1], VerdictState.HANG, Certainty.CERTAIN),
+    "p2p": (case_p2p, Kind.P2P_UNMATCHED, [1], VerdictState.HANG, Certainty.LIKELY),
+    "finished_early": (case_finished_early, Kind.CALL_MISSING, [2], VerdictState.HANG, Certainty.LIKELY),
+    "not_in_cell": (case_not_in_cell, Kind.NOT_IN_CELL, [1], VerdictState.HANG, Certainty.CERTAIN),
+    "unresponsive": (case_unresponsive, Kind.UNRESPONSIVE, [1], VerdictState.HANG, Certainty.LIKELY),
+    "computing": (case_computing, Kind.STILL_RUNNING, [1], VerdictState.HANG, Certainty.LIKELY),
+    "new_group_wait": (case_new_group_wait, Kind.GROUP_CREATION, [], VerdictState.HANG, Certainty.LIKELY),
+    "disagree": (case_disagree, Kind.MISMATCH, [1], VerdictState.HANG, Certainty.LIKELY),
+    "same_collective": (case_same_collective, Kind.SLOW_COLLECTIVE, [], VerdictState.SLOW, None),
+}
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_the_rule_gives_its_verdict(rule: str) -> None:
+    case, kind, culprits, state, certainty = CASES[rule]
+    verdict = case()
+    assert (verdict.rule, verdict.kind, verdict.culprits, verdict.state) == (rule, kind, culprits, state), verdict.text()
+    if certainty is not None:
+        assert verdict.certainty == certainty, verdict.text()
+    if verdict.certainty == Certainty.LIKELY and verdict.is_problem:
+        assert verdict.reason, f"a likely verdict says why it is only likely: {verdict.text()}"
+    assert verdict.text().startswith("[distnb] ")
+
+
+def test_every_rule_has_a_case() -> None:
+    assert [name for name, _ in RULES] == list(CASES)
+
+
+def test_the_agreement_rule_names_site_cause_and_evidence() -> None:
+    verdict = case_agreement()
+    assert verdict.summary.startswith("rank 0 made a call ranks 1-3 did not: all_reduce #4 [1] f32 at cell 5 line 5"), verdict.summary
+    assert "under `if rank == 0:` (line 4)" in verdict.summary and verdict.summary.endswith("Root cause: rank 0.")
+    assert [(s.cell, s.line) for s in verdict.sites] == [(CELL, 5)]
+    assert verdict.evidence is not None and verdict.evidence.records[0].startswith("all_reduce [1] f32")
+    assert verdict.evidence.records[1] == "no call"
+
+
+def test_a_rank_that_skipped_the_call_in_the_loop_is_missing_it() -> None:
+    per_rank = {r: loop_calls(3, done=False) for r in (0, 2, 3)}
+    per_rank[1] = loop_calls(2)
+    verdict = judge([*(waits(r, seq=3) for r in (0, 2, 3)), Position(1, "finished")], log_of(per_rank))
+    assert (verdict.kind, verdict.culprits) == (Kind.LOOP_COUNT, [1]), verdict.text()
+    assert "rank 1 ran 2 steps of (all_reduce [4] f32) at cell 5 line 3" in verdict.summary
+
+
+def test_a_call_at_the_same_site_with_another_shape_is_a_certain_mismatch() -> None:
+    per_rank = {r: [entry(0, 1, size=6 if r == 2 else 4, done=False)] for r in range(4)}
+    verdict = judge([waits(r, seq=1) for r in range(4)], log_of(per_rank))
+    assert (verdict.kind, verdict.culprits, verdict.certainty) == (Kind.MISMATCH, [2], Certainty.CERTAIN), verdict.text()
+    assert verdict.evidence is not None and verdict.evidence.fields == ("shape",)
+
+
+def test_a_rank_whose_call_is_further_down_the_cell_skipped_the_others_call() -> None:
+    # Ranks 0,2,3 wait in the loop's all_reduce; rank 1 is already at the barrier below it.
+    per_rank = {r: [entry(0, 1, done=False)] for r in (0, 2, 3)}
+    per_rank[1] = [entry(0, 1, "barrier", line=6, size=0, done=False)]
+    verdict = judge([*(waits(r, seq=1) for r in (0, 2, 3)), waits(1, "barrier", 1, line=6)], log_of(per_rank))
+    assert (verdict.kind, verdict.culprits) == (Kind.CALL_MISSING, [1]), verdict.text()
