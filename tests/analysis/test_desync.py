@@ -168,7 +168,8 @@ def test_a_rank_aborted_inside_a_mismatch_is_a_victim() -> None:
     found = victim(Position(1, "dead", detail="aborted (SIGABRT)"), report)
     assert found is not None and found[1] == [2] and "rank 1 is a victim" in found[0] and "Root cause: rank 2" in found[0]
     positions = [Position(0, "collective", op="all_reduce", seq=1, group="0", since=5.0), Position(1, "dead", detail="aborted"),
-                 Position(2, "collective", op="all_reduce", seq=1, group="0", since=5.0)]
+                 Position(2, "collective", op="all_reduce", seq=1, group="0", since=5.0),
+                 Position(3, "collective", op="all_reduce", seq=1, group="0", since=5.0)]
     assert diagnose(positions, 3.0, 5.0, report, first_death=1).culprits == [2]
 
 

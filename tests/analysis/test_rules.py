@@ -84,10 +84,13 @@ def case_cross_cell() -> Verdict:
 
 
 def case_victim() -> Verdict:
-    per_rank = {0: [entry(0, 1, done=False)], 1: [], 2: [entry(0, 1, dtype="Double", done=False)], 3: [entry(0, 1, done=False)]}
+    # A rank aborted inside a mismatch no rank's position ties to a cell (the agreement rule judges
+    # one cell): the log's first divergence names the odd rank, not the one that died.
+    per_rank = {0: [entry(0, 1)], 1: [], 2: [entry(0, 1, dtype="Double")], 3: [entry(0, 1)]}
     log = log_of(per_rank)
     log.died_in[1] = "all_reduce"
-    return judge([waits(0, seq=1), Position(1, "dead", detail="aborted (SIGABRT)"), waits(2, seq=1), waits(3, seq=1)], log, first_death=1)
+    return judge([Position(0, "finished"), Position(1, "dead", detail="aborted (SIGABRT)"), Position(2, "finished"),
+                  Position(3, "finished")], log, first_death=1)
 
 
 MESH = {"1": [0, 2], "2": [1, 3], "3": [0, 1], "4": [2, 3]}
@@ -176,9 +179,9 @@ CASES: dict[str, tuple[Callable[[], Verdict], Kind, list[int], VerdictState, Cer
     "quiet": (case_quiet, Kind.NONE, [], VerdictState.OK, None),
     "creation": (case_creation, Kind.GROUP_CREATION, [2], VerdictState.HANG, Certainty.LIKELY),
     "cross_cell": (case_cross_cell, Kind.CROSS_CELL, [0], VerdictState.HANG, Certainty.LIKELY),
-    "victim": (case_victim, Kind.MISMATCH, [2], VerdictState.HANG, Certainty.LIKELY),
     "wrong_group": (case_wrong_group, Kind.WRONG_GROUP, [1], VerdictState.HANG, Certainty.LIKELY),
     "agreement": (case_agreement, Kind.CALL_EXTRA, [0], VerdictState.HANG, Certainty.CERTAIN),
+    "victim": (case_victim, Kind.MISMATCH, [2], VerdictState.FAILED, Certainty.LIKELY),
     "p2p_departure": (case_p2p_departure, Kind.P2P_UNMATCHED, [2], VerdictState.HANG, Certainty.LIKELY),
     "died": (case_died, Kind.DIED, [1], VerdictState.HANG, Certainty.CERTAIN),
     "raised": (case_raised, Kind.RAISED, [1], VerdictState.HANG, Certainty.CERTAIN),

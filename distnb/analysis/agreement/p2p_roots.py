@@ -82,15 +82,18 @@ class SiteDeparture:
     odd: list[int]
     site: tuple[int, int]  # (cell, line)
     kind: str  # send · recv
-    what: str  # shape (another tensor size or dtype), peer (another peer relative to the rank), count
+    what: str  # shape (another tensor size or dtype), peer (another peer relative to the rank), presence (calls there at all), count
     by_rank: dict[int, Counter[Any]]  # each voter's (relative peer, shape) → calls
 
 
-def site_departure(log: CollectiveEvidence, cell: int, ranks: list[int], capable: bool = True) -> SiteDeparture | None:
+def site_departure(log: CollectiveEvidence, cell: int, ranks: list[int], capable: bool = True,
+                   only: tuple[str, ...] = ("shape", "peer", "presence", "count")) -> SiteDeparture | None:
     """Per call site of the cell: how many sends or receives each rank made there, to which peers
     relative to itself, with which tensors; the ranks that stand out at the first site where one
     does. With ``capable``, only the ranks that send (or receive) at all in the cell vote on a
-    send (or receive) site: a pipeline's first stage receives nothing, by design."""
+    send (or receive) site: a pipeline's first stage receives nothing, by design. ``only``: the
+    kinds of departure looked for (a count apart is, while ranks block one another round a ring,
+    more often where each got stuck than a cause)."""
     world = max(ranks) + 1 if ranks else 1
     per_site: dict[tuple[int, int, str], dict[int, Counter[Any]]] = {}
     kinds: dict[str, set[int]] = {"send": set(), "recv": set()}
@@ -116,10 +119,18 @@ def site_departure(log: CollectiveEvidence, cell: int, ranks: list[int], capable
             continue
         usual = next(counts[r] for r in voters if r not in odd)
         mine = counts[odd[0]]
-        shapes = {k[1] for k in usual} != {k[1] for k in mine} and bool(mine)
-        peers = {k[0] for k in usual} != {k[0] for k in mine} and bool(mine)
-        what = "shape" if shapes else "peer" if peers else "count"
-        return SiteDeparture(odd, (key[0], key[1]), key[2], what, counts)
+        if not usual or not mine:
+            what = "presence"  # only one side calls at that line at all
+        elif {k[1] for k in usual} != {k[1] for k in mine}:
+            what = "shape"
+        elif {k[0] for k in usual} != {k[0] for k in mine}:
+            what = "peer"
+        else:
+            what = "count"
+        if what == "presence" and not mine:
+            continue  # the odd ranks make no call where the others do: a stage's shape, or a skip the waits will show
+        if what in only:
+            return SiteDeparture(odd, (key[0], key[1]), key[2], what, counts)
     return None
 
 

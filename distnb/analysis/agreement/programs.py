@@ -128,12 +128,11 @@ def compare_programs(odd: list[Call], majority: list[Call], odd_left: bool, majo
             return _missing(a, b, odd, majority, i1, j1, j1 + b[j1 + 1 :].index(a[i1]) + 1, True)
         if b[j1] in a[i1 + 1 :]:
             return _extra(a, b, odd, majority, i1, i1 + a[i1 + 1 :].index(b[j1]) + 1, j1)
-        repeated = _repeats(a, b, odd, majority, i1, i2, j1, j2)
-        if repeated is not None:
-            return repeated
-        ordered = _code_order(odd, majority, i1, j1, loop_of)
-        if ordered is not None:
-            return ordered
+        # Two lines of one cell: the code says which way the odd rank went; calls from C++ have no
+        # line, and only their repetition says whether one side went round a loop again.
+        found = _code_order(odd, majority, i1, j1, loop_of) or _repeats(a, b, odd, majority, i1, i2, j1, j2)
+        if found is not None:
+            return found
         return Difference(Change.DIFFERENT, [x], [y], j1, fields=_fields(x, y) or ("call site",))
     return None
 

@@ -28,7 +28,7 @@ from distnb.ranks import format_ranks
 __all__ = ["agreement"]
 
 #: Other ranks a tied rank's program is compared with (the majority needs a handful, not all).
-_SAMPLE = 8
+_SAMPLE = 16
 
 _KINDS = {Change.MISSING: Kind.CALL_MISSING, Change.EXTRA: Kind.CALL_EXTRA, Change.REPEATS: Kind.LOOP_COUNT,
           Change.DIFFERENT: Kind.MISMATCH, Change.OTHER_GROUP: Kind.WRONG_GROUP}
@@ -79,17 +79,19 @@ def agreement(rec: Records) -> Verdict | None:
 def _program(rec: Records, r: int, cell: int) -> list[Call]:
     """The rank's calls of the cell; the one it waits in (or raised in) placed at its stack's line
     when the call came from C++ (DDP's buckets carry no Python site), and the call its stack at
-    death put it in when its entry never came."""
+    death put it in when its entry never came (or came without its site)."""
     assert rec.log is not None
     calls = cell_calls(rec.log.log, r, cell)
     p = rec.by_rank.get(r)
-    if calls and p is not None and p.line and calls[-1].line is None and not calls[-1].done and p.state in ("collective", "failed"):
+    if p is None:
+        return calls
+    if calls and p.line and calls[-1].line is None and (p.state == "failed" or p.state == "collective" and not calls[-1].done):
         here = p.line_cell if p.line_cell is not None else cell
         calls[-1] = replace(calls[-1], cell=here, line=p.line, func=p.func)
-    if p is not None and p.state == "dead" and (not calls or calls[-1].done):
+    if p.state == "dead":
         last = calls[-1] if calls else None
         mine = death_call(rec.log.log, r, last.group if last is not None else "0", None)
-        if mine is not None and mine.cell == cell:
+        if mine is not None and mine.cell == cell and (last is None or last.line != mine.line):
             calls.append(mine)
     return calls
 
@@ -97,22 +99,18 @@ def _program(rec: Records, r: int, cell: int) -> list[Call]:
 def _blame(d: Disagreement, where: dict[int, Presence], compare: Any, rec: Records) -> tuple[list[int], bool, str]:
     """The odd ranks, whether only a tie-break named them, and how they were found (in words).
 
-    In a group of a handful of ranks, the ranks whose programs of the cell depart from most of the
-    other ranks' (a group of two has no majority of its own; a mesh's other groups, or the ranks
-    of other groups, do); in a larger one, its majority with the ranks in step on the other groups
-    of its role."""
-    if len(d.by_rank) <= _SAMPLE:
-        others = [r for r in where if r not in d.by_rank][:_SAMPLE]
-        departs = []
-        for r in d.by_rank:
-            peers = [o for o in [*d.by_rank, *others] if o != r][:_SAMPLE]
-            if peers and sum(compare(r, o) is not None for o in peers) * 2 > len(peers):
-                departs.append(r)
-        if departs and len(departs) * 2 < len(d.by_rank) + len(others):
+    The ranks whose programs of the cell depart from most other ranks' (among the cell's ranks,
+    up to a sample: the rank that skipped a call may not be in the group that shows the hang first,
+    and a group of two has no majority of its own); else the group's majority, with the ranks in
+    step on the other groups of its role."""
+    ranks = list(d.by_rank) + [r for r in where if r not in d.by_rank]
+    ranks = ranks[:_SAMPLE] if len(ranks) > _SAMPLE else ranks
+    if len(ranks) >= 3:
+        departs = [r for r in ranks if sum(compare(r, o) is not None for o in ranks if o != r) * 2 > len(ranks) - 1]
+        if departs and len(departs) * 2 < len(ranks):
             if not d.tie and set(departs) == set(d.odd):
                 return d.odd, False, _by_majority(d)
-            if len(departs) < len(d.by_rank):
-                return sorted(departs), d.tie, "its calls in this cell depart from most other ranks'"
+            return sorted(departs), False, f"its calls in this cell depart from most of the other {len(ranks) - 1} ranks'"
     if not d.tie:
         return d.odd, False, _by_majority(d)
     return sorted(d.odd), True, "no majority"

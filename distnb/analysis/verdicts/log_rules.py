@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from distnb.analysis.agreement.p2p_roots import SiteDeparture, p2p_roots, site_departure
+from distnb.analysis.agreement.p2p_roots import p2p_roots, site_departure
 from distnb.analysis.collectives import same_op
 from distnb.analysis.group_creation import creation_mismatch
 from distnb.analysis.p2p import match_p2p
@@ -90,30 +90,28 @@ def _same_call(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def p2p_departure(rec: Records) -> Verdict | None:
-    """A rank whose sends or receives at a line of the cell go to another peer relative to itself,
-    carry another tensor, or are more or fewer than the other ranks' there — while point-to-point
-    calls wait, a rank died or raised in one, or the cell ended. A rank that only made fewer
-    because it raised or died first is the event rules' to say."""
+    """A rank whose sends or receives at a line of the cell go to another peer relative to itself
+    or carry another tensor than the other ranks' there, or that sends or receives at a line no
+    other rank reaches — while point-to-point calls wait, a rank died or raised, or the cell ended."""
     cell = rec.judged_cell
     if rec.log is None or cell is None:
         return None
     p2p_waits = any(p.peers for p in rec.waiting)
     if rec.running and not p2p_waits and not rec.dead and not rec.of("failed"):
         return None
-    found = site_departure(rec.log.log, cell, [p.rank for p in rec.positions if p.state != "idle"])
+    ranks = [p.rank for p in rec.positions if p.state != "idle"]
+    # Another tensor or peer among the ranks that make such calls; calls at a line only the odd
+    # ranks reach, among all.
+    found = site_departure(rec.log.log, cell, ranks, only=("shape", "peer")) or \
+        site_departure(rec.log.log, cell, ranks, capable=False, only=("presence",))
     if found is None:
         return None
-    left = {p.rank for p in rec.raised} | {p.rank for p in rec.dead}
-    if found.what == "count" and set(found.odd) <= left:
-        return None
-    if found.what == "count" and not p2p_waits:
-        return None  # counts apart with nothing waiting: the end-of-cell check says it
     who = format_ranks(found.odd)
     line = found.site[1]
     verb = "sends" if found.kind == "send" else "receives"
     said = {"shape": f"{who}'s {verb} at cell {found.site[0]} line {line} carry another tensor than the other ranks' there",
             "peer": f"{who}'s {verb} at cell {found.site[0]} line {line} go to another peer (relative to the rank) than the other ranks' there",
-            "count": f"{who} made {'more' if _more(found) else 'fewer'} {verb} at cell {found.site[0]} line {line} than the other ranks there"}[found.what]
+            "presence": f"{who} {verb} at cell {found.site[0]} line {line}, where no other rank does"}[found.what]
     kind = Kind.MISMATCH if found.what == "shape" else Kind.P2P_UNMATCHED
     return Verdict(rec.state(), kind, f"point-to-point: {said}. Root cause: {who}.", found.odd,
                    [p.rank for p in rec.waiting if p.rank not in found.odd], [Site(found.site[0], line, "", "", "the call")],
@@ -122,12 +120,6 @@ def p2p_departure(rec: Records) -> Verdict | None:
                                           for (rel, shape), n in c.items()) or "none" for r, c in found.by_rank.items()}),
                    Certainty.LIKELY, "by majority over the ranks that make such calls at that line", positions=rec.positions,
                    rule="p2p_departure")
-
-
-def _more(found: SiteDeparture) -> bool:
-    mine = sum(found.by_rank[found.odd[0]].values())
-    usual = next(sum(c.values()) for r, c in found.by_rank.items() if r not in found.odd)
-    return mine > usual
 
 
 def p2p_unmatched(rec: Records) -> Verdict | None:
