@@ -67,6 +67,8 @@ def agreement(rec: Records) -> Verdict | None:
     else:
         a = odd[0]
         ref = _reference(d, odd, program)
+    if ref is not None:
+        programs[a] = _known_start(programs.get(a) or program(a), program(ref), d, a)
     diff = compare(a, ref) if ref is not None else None
     if _left_first(rec, d, odd):
         return None  # their error or death explains the calls they did not make: the event rules say so
@@ -94,6 +96,28 @@ def _program(rec: Records, r: int, cell: int) -> list[Call]:
         if mine is not None and mine.cell == cell and (last is None or last.line != mine.line):
             calls.append(mine)
     return calls
+
+
+def _known_start(mine: list[Call], theirs: list[Call], d: Disagreement, rank: int) -> list[Call]:
+    """A rank whose calls before the disagreement never reached distnb (it died within
+    milliseconds, before its control thread pushed them): up to the disagreement the ranks agreed
+    — it is the first place they part — so its program starts as the reference rank's does."""
+    at = d.by_rank.get(rank)
+    if at is None:
+        return mine
+    if at.seq is None or any(c.group == d.group and c.seq is not None and c.seq < d.seq for c in mine):
+        return mine
+    before = []
+    for c in theirs:
+        if c.group == d.group and c.seq is not None and c.seq >= d.seq:
+            break
+        before.append(c)
+    if not before:
+        return mine
+    rest = [c for c in mine if not (c.group == d.group and c.seq is not None and c.seq < d.seq)]
+    if rest and rest[0].seq is None and at.entry.get("id") == float("inf"):
+        rest[0] = replace(rest[0], seq=d.seq)  # the call its stack at death put it in is the one at the disagreement
+    return before + rest
 
 
 def _blame(d: Disagreement, where: dict[int, Presence], compare: Any, rec: Records) -> tuple[list[int], bool, str]:
@@ -159,6 +183,9 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
         tail.append(f"{format_ranks(waiting)} {ranks_verb(waiting, 'wait')} for it")
     if dead:
         tail.append(f"{format_ranks(dead)} died in it ({_victim_words(rec, dead)})")
+    gone = [p.rank for p in rec.dead if p.rank in odd]
+    if gone:
+        tail.append(f"{format_ranks(gone)} then died ({rec.by_rank[gone[0]].detail})")
     if undecided:
         blame = f" No majority to tell which side went wrong: {format_ranks(first)} against {format_ranks(second)}."
     else:
