@@ -16,7 +16,7 @@ from typing import Any
 from distnb.analysis.cell_source import because
 from distnb.analysis.collectives import CollectiveEvidence
 from distnb.analysis.entry_words import describe
-from distnb.ranks import format_ranks
+from distnb.ranks import format_ranks, group_by
 
 __all__ = ["CountMismatch", "carry_over", "count_mismatches", "mismatch_text"]
 
@@ -30,6 +30,9 @@ class CountMismatch:
     counts: dict[int, int]
     since: int | None = None  # the cell where this very mismatch was first seen
     repeated: bool = False  # already reported in full at cell ``since``
+    # As many collectives on the group, but other ones (an op argument, a shape, a dtype): the
+    # ranks' digests of the cell's calls differ, grouped here rank → group of equal digests.
+    calls: dict[int, int] | None = None
 
     @property
     def ahead(self) -> list[int]:
@@ -62,6 +65,12 @@ def count_mismatches(syncs: dict[int, dict[str, Any] | None]) -> list[CountMisma
         counts = {r: int(s["seqs"][g]) for r, s in known.items() if g in s.get("seqs", {})}
         if len(counts) > 1 and len(set(counts.values())) > 1:
             out.append(CountMismatch(g, counts))
+    for g in groups:
+        counts = {r: int(s["seqs"][g]) for r, s in known.items() if g in s.get("seqs", {})}
+        digests = {r: s["digests"][g] for r, s in known.items() if g in s.get("digests", {}) and r in counts}
+        if len(set(counts.values())) == 1 and len(digests) > 1 and len(set(digests.values())) > 1:
+            kinds = {d: i for i, d in enumerate(dict.fromkeys(digests.values()))}
+            out.append(CountMismatch(g, counts, calls={r: kinds[d] for r, d in digests.items()}))
     created = {r: int(s["created"]) for r, s in known.items() if s.get("created") is not None}
     if len(set(created.values())) > 1:
         out.append(CountMismatch(None, created))
@@ -71,9 +80,12 @@ def count_mismatches(syncs: dict[int, dict[str, Any] | None]) -> list[CountMisma
 def carry_over(found: list[CountMismatch], before: list[CountMismatch], cell: int) -> list[CountMismatch]:
     """``found`` with ``since`` set on the mismatches already reported (same group, same counts):
     a desync left standing is named once in full, then in a short line per cell."""
-    seen = {(m.group, tuple(sorted(m.counts.items()))): m for m in before}
+    seen = {(m.group, tuple(sorted(m.counts.items()))): m for m in before if m.calls is None}
     out = []
     for m in found:
+        if m.calls is not None:  # this cell's calls: said in full, never carried over
+            out.append(CountMismatch(m.group, m.counts, cell, calls=m.calls))
+            continue
         old = seen.get((m.group, tuple(sorted(m.counts.items()))))
         out.append(CountMismatch(m.group, m.counts, cell) if old is None else CountMismatch(m.group, m.counts, old.since, repeated=True))
     return out
@@ -100,6 +112,10 @@ def mismatch_text(m: CountMismatch, log: CollectiveEvidence | None = None, sourc
     by cell number) gives for why."""
     ahead, behind = format_ranks(m.ahead), format_ranks(m.behind)
     name = (log.group(m.group).label() if log is not None else f"group {m.group}") if m.group is not None else ""
+    if m.calls is not None:
+        sides = " against ".join(format_ranks(rs) for rs, _ in group_by(sorted(m.calls.items())))
+        return (f"{sides} made as many collectives on {name} but not the same ones (another reduce op, root, shape or dtype): "
+                "nothing hung, and the results differ. %dist_collectives shows each rank's calls.")
     verb = "has" if len(m.ahead) == 1 else "have"
     if m.repeated:
         unit = ("collective" if m.group is not None else "process group created") + ("s" if m.extra > 1 else "")

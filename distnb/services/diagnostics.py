@@ -296,9 +296,13 @@ class Diagnostics:
             # The deaths and errors are in the report already: the verdict is said when it names
             # a cause they do not (a mismatch that aborted a neighbour, a skipped call, a loop).
             told = verdict.rule in _SAID_BY_THE_REPORT or not verdict.is_problem
-            result.root_cause = (self.timeout_note(result) if told else "") or ("" if told else verdict.summary)
-        if result.desync:
-            result.desync_note = self.desync_note(result)
+            if result.failed:
+                result.root_cause = (self.timeout_note(result) if told else "") or ("" if told else verdict.summary)
+                if result.desync:
+                    result.desync_note = self.desync_note(result)
+            else:
+                # Over on every rank, the calls apart: the verdict names who and where, else the counts.
+                result.desync_note = verdict.summary if not told else self.desync_note(result)
         if any(rr.compiles for rr in result.results.values()):  # most cells compile nothing: nothing to walk
             compiled = self.compiles(list(result.ranks), cells=[result.cell], results=[result])
             result.compile_note = compiled.summary() if compiled.differences() else ""

@@ -28,6 +28,7 @@ import itertools
 import sys
 import threading
 import time
+import zlib
 from typing import Any, Callable
 
 from distnb.worker.patching import wrap_c10d
@@ -62,6 +63,10 @@ WATCHED: dict[str, tuple[str, ...]] = {
     "barrier": (),
 }
 P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+#: Arguments that differ across ranks by design (checked sender against receiver instead).
+_PER_RANK = {"input_split_sizes", "output_split_sizes"}
+#: Ops whose input tensors exist on the root alone: their shapes differ across ranks by design.
+_ROOT_ONLY = {"scatter", "gather", "all_to_all_single", "all_to_all"}
 _ASYNC = {"isend", "irecv"}
 _KEEP = 4000
 _inside = threading.local()
@@ -145,6 +150,10 @@ class CallLog:
         self.installed = False
         # Point-to-point calls per group name since the last reset (never trimmed).
         self.p2p_counts: collections.Counter[str] = collections.Counter()
+        # Per group, a digest of this cell's watched collective calls (op, the arguments that must
+        # match, input shapes and dtypes): ranks that made as many collectives on a group but with
+        # other arguments show it at the cell's end, though nothing hung (a reduce op, a shape).
+        self.digests: dict[str, int] = {}
 
     def begin(self, fn: str, group: Any, args: dict[str, Any], inputs: Any = None) -> dict[str, Any]:
         cell, line, func = _caller(self._prefix)
@@ -159,6 +168,12 @@ class CallLog:
             # No recorder sees a send's or receive's tensor on gloo: its shape, which sender and
             # receiver must agree on, is kept here (a few µs).
             rec.update(_shapes(inputs))
+        else:
+            kept = sorted((k, v) for k, v in args.items() if k not in _PER_RANK and v is not None)
+            shapes = _shapes(inputs) if fn not in _ROOT_ONLY else {}
+            group = rec["group"]
+            # crc32, not hash(): the digest is compared across processes, whose str hashes differ.
+            self.digests[group] = zlib.crc32(repr((self.digests.get(group), fn, kept, shapes)).encode())
         self._records.append(rec)
         return rec
 
@@ -179,6 +194,7 @@ class CallLog:
             self._records.clear()
             self._works.clear()
             self.p2p_counts.clear()
+            self.digests.clear()
 
     def since(self, n: int) -> list[dict[str, Any]]:
         """Records newer than ``n`` plus every one still open (it may have ended since)."""
@@ -265,7 +281,7 @@ def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]
                     STOPS.calling = None
                     raise
         try:
-            rec = log.begin(name, group, got, _inputs(args, kwargs, input_at) if name in P2P else None)
+            rec = log.begin(name, group, got, _inputs(args, kwargs, input_at) if name != "new_group" else None)
         except Exception:
             rec = None
         work = None

@@ -117,6 +117,7 @@ class Executor:
         linecache.cache.pop(cell_filename(cell_id - _KEEP_SOURCES), None)
         reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}
         self.memory.start()
+        self.calls.digests.clear()  # this cell's calls only
         failed_before = group_errors()
         self.clock.start(cell_id, time.time())
         self.started = time.monotonic()

@@ -69,7 +69,7 @@ def sync_state(calls: CallLog, groups: Groups | None = None) -> dict[str, Any] |
         p2p = calls.p2p_counts
         seqs = {name: int(pg._get_sequence_number_for_group()) - (0 if nccl else p2p.get(name, 0))
                 for pg, name, nccl in (_groups(c10d) if groups is None else groups)}
-        return {"seqs": seqs, "created": int(c10d._world.group_count)}
+        return {"seqs": seqs, "created": int(c10d._world.group_count), "digests": dict(calls.digests)}
     except Exception:  # no group yet, a group being destroyed, a backend without a counter
         return None
 

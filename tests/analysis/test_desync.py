@@ -229,3 +229,36 @@ def test_call_records_give_entries_their_arguments_by_time() -> None:
     log.annotate([before, inside], [rec["t"] - 10, rec["t"] + 1])
     assert "args" not in before and inside["args"] == {"src": 1}
     assert [c["op"] for c in log.since(-1)] == ["broadcast"] and log.since(rec["n"]) == []
+
+
+# -- the same number of calls, other ones -----------------------------------------------------------
+def test_as_many_collectives_with_another_reduce_op_is_a_desync_of_calls() -> None:
+    from distnb.analysis.desync import count_mismatches, mismatch_text
+
+    same = {"seqs": {"0": 5}, "created": 1, "digests": {"0": 111}}
+    odd = {"seqs": {"0": 5}, "created": 1, "digests": {"0": 222}}
+    [m] = count_mismatches({0: same, 1: same, 2: odd, 3: same})
+    assert m.group == "0" and m.calls == {0: 0, 1: 0, 2: 1, 3: 0}
+    assert mismatch_text(m).startswith("ranks 0,1,3 against rank 2 made as many collectives on group 0 but not the same ones")
+    assert count_mismatches({0: same, 1: same}) == []  # digests agree: nothing to say
+
+
+def test_the_call_log_digest_tells_a_reduce_op_and_a_shape_apart() -> None:
+    import torch
+
+    from distnb.worker.call_log import CallLog
+
+    def digest(*calls: tuple[str, dict, object]) -> int:
+        log = CallLog("<cell-")
+        for fn, args, inputs in calls:
+            log.begin(fn, None, args, inputs)
+        return log.digests["?"]  # no process group in this process: its name reads "?"
+
+    base = digest(("all_reduce", {"op": "SUM"}, torch.ones(4)))
+    assert base == digest(("all_reduce", {"op": "SUM"}, torch.zeros(4)))  # values are not the call
+    assert base != digest(("all_reduce", {"op": "MAX"}, torch.ones(4)))
+    assert base != digest(("all_reduce", {"op": "SUM"}, torch.ones(5)))
+    assert base != digest(("all_reduce", {"op": "SUM"}, torch.ones(4, dtype=torch.float64)))
+    # all_to_all's split sizes differ across ranks by design: not part of the digest.
+    a = digest(("all_to_all_single", {"input_split_sizes": [1, 3]}, torch.ones(4)))
+    assert a == digest(("all_to_all_single", {"input_split_sizes": [2, 2]}, torch.ones(4)))

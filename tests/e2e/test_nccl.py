@@ -167,7 +167,7 @@ def test_sync_state_takes_gloo_point_to_point_calls_out(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "torch.distributed.distributed_c10d", types.SimpleNamespace(_world=world))
     calls = CallLog("<cell-")
     calls.p2p_counts.update({"0": 2, "1": 3})
-    assert sync_state(calls) == {"seqs": {"0": 3, "1": 7}, "created": 4}
+    assert sync_state(calls) == {"seqs": {"0": 3, "1": 7}, "created": 4, "digests": {}}
 
 
 def test_interactive_nccl_settings_and_shared_gpus() -> None:
