@@ -13,7 +13,9 @@ How it watches, by Python version:
 
 * 3.12 and newer: ``sys.monitoring`` LINE events enabled only on the notebook's code objects
   (``set_local_events``), so every other frame — torch's, the standard library's — runs at full
-  speed. Written from the documentation of PEP 669; not run here (this project's machine has 3.11).
+  speed. A PY_START callback finds the notebook's functions defined in earlier cells (or before
+  recording began) the first time they run, and turns itself off (``DISABLE``) for every other
+  code object at its first call: each of those costs one callback, once.
 * 3.11 and older: ``sys.settrace`` with a global function that declines every frame but the
   notebook's. Each Python call still reaches it (a C-to-Python call), which is what costs on code
   that makes many small Python calls: ``benchmarks/bench_paths.py`` measures it.
@@ -119,6 +121,7 @@ class PathRecorder:
                     mon.use_tool_id(tool, "distnb paths")
                     mon.register_callback(tool, mon.events.LINE, self._on_line)
                     mon.register_callback(tool, mon.events.PY_RETURN, self._on_return)
+                    mon.register_callback(tool, mon.events.PY_START, self._on_start)
                     self._tool = tool
                     break
             else:
@@ -129,6 +132,7 @@ class PathRecorder:
         events = mon.events.LINE | mon.events.PY_RETURN
         for code in self._codes:
             mon.set_local_events(self._tool, code, events)
+        mon.set_events(self._tool, mon.events.PY_START)
         self.on = True
 
     def _add_code(self, code: CodeType) -> None:
@@ -140,9 +144,25 @@ class PathRecorder:
                 self._add_code(const)
 
     def _stop_monitoring(self) -> None:
+        # The tool id goes back between cells: ids are few (a debugger, coverage and a profiler
+        # have theirs), and a recorder that is let go must not keep one.
         mon = sys.monitoring  # type: ignore[attr-defined,unused-ignore]
+        mon.set_events(self._tool, 0)
         for code in self._codes:
             mon.set_local_events(self._tool, code, 0)
+        mon.free_tool_id(self._tool)
+        self._tool = None
+
+    def _on_start(self, code: CodeType, offset: int) -> Any:
+        """A function starts: the notebook's (defined in an earlier cell) is watched from now on;
+        any other is never reported again (DISABLE: this code object's PY_START is switched off)."""
+        mon = sys.monitoring  # type: ignore[attr-defined,unused-ignore]
+        if not code.co_filename.startswith(self._prefix):
+            return mon.DISABLE
+        if code not in self._codes:
+            self._add_code(code)
+            mon.set_local_events(self._tool, code, mon.events.LINE | mon.events.PY_RETURN)
+        return None
 
     def _on_line(self, code: CodeType, line: int) -> None:
         # The frame is not passed; the code object stands for it (recursion in notebook code
