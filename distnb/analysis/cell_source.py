@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-__all__ = ["Around", "around", "because", "loop_span"]
+__all__ = ["Around", "around", "because", "condition_ranks", "loop_span"]
 
 _RANK_NAMES = {"rank", "local_rank", "get_rank", "group_rank", "get_local_rank", "get_coordinate", "global_rank"}
 
@@ -92,6 +92,49 @@ def loop_span(code: str | None, line: int) -> tuple[int, int] | None:
             if node.lineno <= line <= end and (best is None or node.lineno >= best[0]):
                 best = (node.lineno, end)
     return best
+
+
+_SAFE = (ast.Expression, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.Name, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Load,
+         ast.And, ast.Or, ast.Not, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Add, ast.Sub, ast.Mod,
+         ast.FloorDiv, ast.Mult)
+
+
+def condition_ranks(code: str | None, line: int, world: int) -> set[int] | None:
+    """The ranks that reach ``line`` by the ``if`` statements around it that read only ``rank``
+    and ``world_size`` (``if rank == 0:``, ``if not (rank == 3):``, ``if rank in (1, 2):``, an
+    ``else`` branch); None when no such condition encloses it, or one reads anything else (a loop
+    variable, a config) — the code then does not say which ranks run the line."""
+    if not code:
+        return None
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    ranks: set[int] | None = None
+
+    def walk(body: list[ast.stmt]) -> bool:
+        nonlocal ranks
+        for node in body:
+            end = getattr(node, "end_lineno", node.lineno) or node.lineno
+            if not node.lineno <= line <= end:
+                continue
+            if isinstance(node, ast.If):
+                in_else = bool(node.orelse) and node.orelse[0].lineno <= line
+                names = {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+                if names & {"rank"}:
+                    if not names <= {"rank", "world_size"} or not all(isinstance(n, _SAFE) for n in ast.walk(node.test)):
+                        return False
+                    expr = compile(ast.Expression(node.test), "<condition>", "eval")
+                    taken = {r for r in range(world) if bool(eval(expr, {"__builtins__": {}}, {"rank": r, "world_size": world})) != in_else}
+                    ranks = taken if ranks is None else ranks & taken
+                return walk(node.orelse if in_else else node.body)
+            if isinstance(node, (ast.For, ast.While, ast.AsyncFor, ast.With, ast.AsyncWith, ast.Try)):
+                return walk([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                             *(s for h in getattr(node, "handlers", []) for s in h.body)])
+            return True
+        return True
+
+    return ranks if walk(tree.body) else None
 
 
 def because(code: str | None, line: int | None, cell: int | None = None) -> str:

@@ -53,10 +53,10 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
     ranks = [p.rank for p in positions if p.state != "idle"]
     if log is not None and cell is not None:
         # First the call sites: a rank whose sends (or receives) at a line go to another peer
-        # relative to itself, or are more or fewer, than the other ranks' that send there.
-        odd, site = _site_majority(log, cell, ranks, capable=True)
-        if odd:
-            return P2PRoot(odd, "its point-to-point calls depart from the other ranks' at the same call site", site)
+        # relative to itself, or carry another tensor, than the other ranks' that send there.
+        found = site_departure(log, cell, ranks, only=("shape", "peer"))
+        if found is not None:
+            return P2PRoot(found.odd, "its point-to-point calls depart from the other ranks' at the same call site", found.site)
     if explicit:
         return P2PRoot(sorted(explicit), "a call that names the wrong peer or tag", None)
     waited = {q for targets in waits.values() for q in targets}
@@ -113,7 +113,9 @@ def site_departure(log: CollectiveEvidence, cell: int, ranks: list[int], capable
         if len(voters) < 3:
             continue  # two ranks apart say nothing of which is wrong
         counts = {r: seen.get(r, Counter()) for r in voters}
-        values = {r: tuple(sorted(counts[r].items(), key=repr)) for r in voters}
+        # Peers and tensors compared as sets: how many of them a rank made is where it got stuck.
+        by_count = "count" in only or "presence" in only
+        values = {r: tuple(sorted(counts[r].items(), key=repr)) if by_count else tuple(sorted(map(repr, counts[r]))) for r in voters}
         odd = odd_ones(values)
         if not odd or len(odd) * 2 >= len(voters):
             continue

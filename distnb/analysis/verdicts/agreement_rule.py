@@ -19,7 +19,7 @@ from typing import Any
 from distnb.analysis.agreement.calls import Call, cell_calls, death_call
 from distnb.analysis.agreement.compare import Disagreement, Presence, disagreements
 from distnb.analysis.agreement.programs import Change, Difference, compare_programs
-from distnb.analysis.cell_source import around, loop_span
+from distnb.analysis.cell_source import around, condition_ranks, loop_span
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
@@ -152,11 +152,15 @@ def _reference(d: Disagreement, odd: list[int], program: Any) -> int | None:
 
 
 def _left_first(rec: Records, d: Disagreement, odd: list[int]) -> bool:
-    """Odd ranks that made no call because they raised an error of their own or died before it."""
-    if not odd or not all(d.by_rank.get(r) is None and r not in d.inside for r in odd):
+    """The disagreement is only that ranks made no call because they raised an error of their
+    own, died, or were stranded by a death before it: the event is the cause."""
+    if d.inside or not any(c is None for c in d.by_rank.values()):
         return False
-    left = {p.rank for p in rec.raised} | {p.rank for p in rec.dead}
-    return all(r in left for r in odd)
+    absent = [r for r, c in d.by_rank.items() if c is None]
+    left = {p.rank for p in rec.raised} | {p.rank for p in rec.dead} | {p.rank for p in rec.of("stranded")}
+    if not ({p.rank for p in rec.raised} | {p.rank for p in rec.dead}):
+        return False
+    return all(r in left for r in absent) and (all(d.by_rank.get(r) is None for r in odd) or not set(odd) - left - set(absent))
 
 
 def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str, kind: Kind, diff: Difference | None,
@@ -190,7 +194,7 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
         blame = f" No majority to tell which side went wrong: {format_ranks(first)} against {format_ranks(second)}."
     else:
         blame = f" Root cause: {format_ranks(odd)}" + ("." if not tie else f" ({how}).")
-    certain = _certain(kind, tie, d, diff, cause)
+    certain = _certain(rec, kind, tie, d, diff, odd, sites, how)
     return Verdict(
         rec.state(), kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
         culprits=odd, victims=sorted(set(waiting) | set(dead)), sites=sites,
@@ -254,16 +258,24 @@ def _victim_words(rec: Records, dead: list[int]) -> str:
         "a victim"
 
 
-def _certain(kind: Kind, tie: bool, d: Disagreement, diff: Difference | None, cause: str) -> Certainty:
-    """Certain only where the records leave no other reading: a strict majority of at least three
-    ranks, the same call site on both sides (a mismatch), or a rank condition around the call."""
-    if tie or len(d.voters()) < 3:
+def _certain(rec: Records, kind: Kind, tie: bool, d: Disagreement, diff: Difference | None, odd: list[int], sites: list[Site],
+             how: str) -> Certainty:
+    """Certain only where the records leave no other reading, by a strict majority of at least
+    three ranks: the same call site on both sides with another signature (a mismatch); or a call
+    whose ``if`` on the rank, evaluated for every rank, says exactly which ranks reach it — and
+    they are the odd ones (an extra call) or exactly the ones that don't (a missing one)."""
+    if tie or len(d.voters()) < 3 or not how.startswith("by majority"):
         return Certainty.LIKELY
     if kind == Kind.MISMATCH and diff is not None and diff.odd_calls and diff.majority_calls and \
             diff.odd_calls[0].site() is not None and diff.odd_calls[0].site() == diff.majority_calls[0].site():
         return Certainty.CERTAIN
-    if kind in (Kind.CALL_EXTRA, Kind.CALL_MISSING) and "under `if" in cause:
-        return Certainty.CERTAIN
+    if kind in (Kind.CALL_EXTRA, Kind.CALL_MISSING) and sites and sites[0].line is not None and sites[0].cell is not None:
+        ranks = [p.rank for p in rec.positions if p.state != "idle"]
+        reach = condition_ranks(rec.sources.get(sites[0].cell), sites[0].line, max(ranks) + 1 if ranks else 0)
+        if reach is not None:
+            reach &= set(ranks)
+            if set(odd) == (reach if kind == Kind.CALL_EXTRA else set(ranks) - reach):
+                return Certainty.CERTAIN
     return Certainty.LIKELY
 
 

@@ -104,8 +104,8 @@ def p2p_departure(rec: Records) -> Verdict | None:
     # ranks reach, among all.
     found = site_departure(rec.log.log, cell, ranks, only=("shape", "peer")) or \
         site_departure(rec.log.log, cell, ranks, capable=False, only=("presence",))
-    if found is None:
-        return None
+    if found is None or found.what == "presence" and not all(_past(rec, r, found.site) for r in ranks if r not in found.odd):
+        return None  # the others may not have got there yet: a call they skipped only once they are past it
     who = format_ranks(found.odd)
     line = found.site[1]
     verb = "sends" if found.kind == "send" else "receives"
@@ -120,6 +120,15 @@ def p2p_departure(rec: Records) -> Verdict | None:
                                           for (rel, shape), n in c.items()) or "none" for r, c in found.by_rank.items()}),
                    Certainty.LIKELY, "by majority over the ranks that make such calls at that line", positions=rec.positions,
                    rule="p2p_departure")
+
+
+def _past(rec: Records, rank: int, site: tuple[int, int]) -> bool:
+    """The rank left the cell, or stands further down its code than ``site``."""
+    p = rec.by_rank.get(rank)
+    if p is None or p.state in ("finished", "failed", "dead", "stranded"):
+        return True
+    cell = p.line_cell if p.line_cell is not None else p.running
+    return cell == site[0] and p.line is not None and p.line > site[1]
 
 
 def p2p_unmatched(rec: Records) -> Verdict | None:
