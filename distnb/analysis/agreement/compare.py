@@ -144,15 +144,17 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
                 continue  # its log starts later (the recorder let old entries go): no evidence
             last = max(seqs[r], default=0)
             died = log.died_in.get(r)
-            if died is not None and last < k and any(op_stem(died) == op_stem(e["op"]) for m in seqs.values() if (e := m.get(k))):
-                # Died inside this call before its entry reached distnb: it did enter it — the same
-                # call as the others' unless its stack at death puts it at another line.
-                mine = death_call(log, r, g, k)
-                lines = {e.get("line") for m in seqs.values() if (e := m.get(k)) and e.get("call_cell") is not None}
-                if mine is not None and mine.line is not None and mine.line not in lines:
-                    at[r] = mine
-                else:
-                    inside.append(r)
+            if died is not None and last < k:
+                # Died inside a collective before its entry reached distnb: the one after its last
+                # entry (positions beyond it are unknown). The same call as the others' unless its
+                # stack at death puts it at another line than theirs.
+                if last == k - 1:
+                    mine = death_call(log, r, g, k)
+                    lines = {e.get("line") for m in seqs.values() if (e := m.get(k)) and e.get("call_cell") is not None}
+                    if mine is not None and mine.line is not None and lines and mine.line not in lines:
+                        at[r] = mine
+                    else:
+                        inside.append(r)
                 continue
             if where.get(r, Presence.MOVING) == Presence.MOVING and last < k:
                 continue  # still running code: it may yet make this call
