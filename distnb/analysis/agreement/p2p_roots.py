@@ -58,10 +58,14 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
         if found is not None:
             return P2PRoot(found.odd, "its point-to-point calls depart from the other ranks' at the same call site", found.site)
     if explicit:
-        return P2PRoot(sorted(explicit), "a call that names the wrong peer or tag", None)
+        return P2PRoot(_relative_odd(positions, explicit), "a call that names the wrong peer or tag", None)
     waited = {q for targets in waits.values() for q in targets}
     sinks = sorted(q for q in waited if q not in waits and (p := by_rank.get(q)) is not None and p.state != "collective")
     if sinks:
+        waiters = sorted(waits)
+        if len(waiters) < len(sinks) and all(by_rank[q].state == "finished" for q in sinks):
+            # One rank asks several that finished alike for more: it made the extra calls.
+            return P2PRoot(waiters, "it waits for ranks that all finished alike: it made more calls than they did", None)
         return P2PRoot(sinks, "the rank the chain of waits ends at", _their_site(positions, log, cell, sinks))
     if log is None or cell is None:
         return None
@@ -69,6 +73,21 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
     if odd:
         return P2PRoot(odd, "its point-to-point calls depart from the other ranks' at the same call site", site)
     return None
+
+
+def _relative_odd(positions: list[Position], explicit: list[int]) -> list[int]:
+    """Of the ranks a pairing found naming a wrong peer, those whose open calls' peer relative to
+    themselves departs from the other ranks' calls of the same kind (one wrong send makes its
+    receiver's recv look wrong too)."""
+    world = max((p.rank for p in positions), default=0) + 1
+    rel: dict[tuple[int, str], int | None] = {}
+    for p in positions:
+        for c in p.peers:
+            peer = peer_of(c)
+            rel[(p.rank, P2P_OPS[c["op"]])] = (peer - p.rank) % world if peer is not None else None
+    usual = {kind: Counter(v for (r, k), v in rel.items() if k == kind).most_common(1) for kind in ("send", "recv")}
+    odd = sorted({r for (r, kind), v in rel.items() if r in explicit and usual[kind] and v != usual[kind][0][0] and usual[kind][0][1] > 1})
+    return odd if odd and len(odd) < len(explicit) else sorted(explicit)
 
 
 def _cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str, Any]]:

@@ -53,8 +53,12 @@ def agreement(rec: Records) -> Verdict | None:
     def loop_of(c: int, line: int) -> tuple[int, int] | None:
         return loop_span(rec.sources.get(c), line)
 
+    dead = {p.rank for p in rec.dead}
+
     def compare(a: int, b: int) -> Difference | None:
-        return compare_programs(program(a), program(b), where.get(a) == Presence.GONE, where.get(b) == Presence.GONE, loop_of)
+        # A dead rank's program ends where it died, not where it left the cell: shorter is not "missing".
+        return compare_programs(program(a), program(b), where.get(a) == Presence.GONE and a not in dead,
+                                where.get(b) == Presence.GONE and b not in dead, loop_of)
 
     odd, tie, how = _blame(d, where, compare, rec)
     if not odd:
@@ -264,8 +268,9 @@ def _certain(rec: Records, kind: Kind, tie: bool, d: Disagreement, diff: Differe
     three ranks: the same call site on both sides with another signature (a mismatch); or a call
     whose ``if`` on the rank, evaluated for every rank, says exactly which ranks reach it — and
     they are the odd ones (an extra call) or exactly the ones that don't (a missing one)."""
-    if tie or len(d.voters()) < 3 or not how.startswith("by majority"):
-        return Certainty.LIKELY
+    members = [r for r in d.by_rank if r not in odd]
+    if tie or len(d.voters()) < 3 or not how.startswith("by majority") or len(members) <= len(odd):
+        return Certainty.LIKELY  # the group's own members must outnumber the odd ones
     if kind == Kind.MISMATCH and diff is not None and diff.odd_calls and diff.majority_calls and \
             diff.odd_calls[0].site() is not None and diff.odd_calls[0].site() == diff.majority_calls[0].site():
         return Certainty.CERTAIN
