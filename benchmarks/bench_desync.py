@@ -22,7 +22,7 @@ import sys
 import time
 
 import distnb
-from distnb.analysis.stragglers import StragglerReport, arrivals
+from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
 from distnb.controller.collective_log import CollectiveLog
 
 CALLS = """

@@ -23,7 +23,7 @@ import statistics
 import time
 
 import distnb
-from distnb.analysis.desync import count_mismatches
+from distnb.analysis.agreement.desync import count_mismatches
 
 ENTRIES = 400
 

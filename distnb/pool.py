@@ -15,17 +15,17 @@ import inspect
 import time
 from typing import Any, Callable, Iterable
 
-from distnb.analysis.checks import CheckReport
-from distnb.analysis.collectives import CollectiveReport
-from distnb.analysis.compiles import CompileReport
-from distnb.analysis.env import EnvReport
+from distnb.analysis.reports.checks import CheckReport
+from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.reports.compiles import CompileReport
+from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.verdicts.verdict import Verdict
-from distnb.analysis.memory import MemoryReport
-from distnb.analysis.profile import ProfileReport
-from distnb.analysis.stacks import StackReport
-from distnb.analysis.meshes import MeshReport, mesh_dims
-from distnb.analysis.check_within import WithinReport
-from distnb.analysis.stragglers import StragglerReport
+from distnb.analysis.reports.memory import MemoryReport
+from distnb.analysis.reports.profile import ProfileReport
+from distnb.analysis.verdicts.stacks import StackReport
+from distnb.analysis.reports.meshes import MeshReport, mesh_dims
+from distnb.analysis.reports.check_within import WithinReport
+from distnb.analysis.verdicts.stragglers import StragglerReport
 from distnb.config import LaunchConfig
 from distnb.controller.channel import Channel
 from distnb.controller.collective_log import CollectiveLog

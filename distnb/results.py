@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from distnb._processes import signal_meaning
 from distnb._text import MAX_ROWS, MERGED_NOTE, Rows, merge_lines, merge_rows, prefix_lines
-from distnb.analysis.failures import differing_messages, is_timeout, salient_lines
-from distnb.analysis.nccl_dumps import watchdog_cause
+from distnb.analysis.verdicts.failures import differing_messages, is_timeout, salient_lines
+from distnb.analysis.reports.nccl_dumps import watchdog_cause
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 
@@ -264,7 +264,7 @@ class CellResult:
         if self.compile_note:
             parts.append("[distnb] " + self.compile_note)
         if any(r.error and "OutOfMemoryError" in r.error.get("ename", "") for r in self.results.values()):
-            from distnb.analysis.memory import MemoryReport
+            from distnb.analysis.reports.memory import MemoryReport
 
             samples = {r.rank: r.memory for r in self._ordered() if r.memory}
             # Ranks still blocked (waiting for the one that failed) have no end-of-cell sample:
@@ -291,8 +291,8 @@ class CellResult:
 
     def comms(self) -> Any:
         """With ``comms=True`` (``%%on_ranks --comms``): collectives per module, mesh dimension and
-        rank, and the DTensor redistributes (a :class:`~distnb.analysis.comms.CommsReport`)."""
-        from distnb.analysis.comms import CommsReport
+        rank, and the DTensor redistributes (a :class:`~distnb.analysis.reports.comms.CommsReport`)."""
+        from distnb.analysis.reports.comms import CommsReport
 
         if not any(r.comms for r in self.results.values()):
             raise ValueError(f"cell {self.cell} was not run with comms=True (%%on_ranks --comms), or no rank finished it.")
@@ -300,7 +300,7 @@ class CellResult:
 
     def memory_text(self) -> str:
         """The compact memory line: peak range across ranks and any imbalance."""
-        from distnb.analysis.memory import memory_line
+        from distnb.analysis.reports.memory import memory_line
 
         return memory_line({r.rank: r.memory for r in self._ordered() if r.memory})
 
@@ -424,7 +424,7 @@ _MESSAGE_ROWS = 12
 
 def _merged_messages(ename: str, messages: list[tuple[int, str]]) -> str:
     """Many ranks' messages of one error, their lines merged as output lines are (``device
-    ⟨0 … 7⟩``): the many-rank form of :func:`~distnb.analysis.failures.differing_messages`."""
+    ⟨0 … 7⟩``): the many-rank form of :func:`~distnb.analysis.verdicts.failures.differing_messages`."""
     if len({m for _, m in messages}) < 2:
         return ""
     rows = merge_lines(messages)

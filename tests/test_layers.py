@@ -51,9 +51,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    """distnb modules imported when ``path`` is imported: module level, not under TYPE_CHECKING,
-    not inside functions (those load on first use and can't form an import-time cycle)."""
+def _top_level_imports(path: Path, functions: bool = False) -> set[str]:
+    """distnb modules imported when ``path`` is imported: module level, not under TYPE_CHECKING;
+    with ``functions``, the imports inside functions too (they load on first use, but hide a
+    dependency all the same: they obey the layers, and form no cycle)."""
     found: set[str] = set()
     modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
 
@@ -64,6 +65,8 @@ def _top_level_imports(path: Path) -> set[str]:
             if isinstance(node, (ast.If, ast.Try)):
                 visit(node.body + node.orelse + getattr(node, "finalbody", []) +
                       [s for h in getattr(node, "handlers", []) for s in h.body])
+            elif functions and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.With, ast.For, ast.While)):
+                visit(node.body + getattr(node, "orelse", []))
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("distnb"):
                 base = node.module[len("distnb."):] if node.module != "distnb" else ""
                 for alias in node.names:
@@ -77,8 +80,8 @@ def _top_level_imports(path: Path) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    return {_module_name(p): _top_level_imports(p) for p in PACKAGE.rglob("*.py")}
+def _graph(functions: bool = True) -> dict[str, set[str]]:
+    return {_module_name(p): _top_level_imports(p, functions) for p in PACKAGE.rglob("*.py")}
 
 
 def test_no_import_cycle() -> None:
@@ -102,6 +105,24 @@ def test_no_import_cycle() -> None:
 def test_nothing_imports_a_layer_above_it() -> None:
     wrong = [f"{m} imports {d}" for m, deps in _graph().items() for d in deps if _layer(d) > _layer(m)]
     assert not wrong, "\n".join(wrong)
+
+
+#: analysis/'s rooms: the agreement model below the verdicts and the reports, which don't import
+#: each other.
+ANALYSIS_BELOW = {"agreement": set(), "reports": {"agreement"}, "verdicts": {"agreement"}}
+
+
+def test_analysis_rooms_keep_their_order() -> None:
+    for module, deps in _graph().items():
+        parts = module.split(".")
+        if parts[0] != "analysis" or len(parts) < 3:
+            continue
+        room = parts[1]
+        for dep in deps:
+            sub = dep.split(".")
+            if sub[0] == "analysis" and len(sub) >= 3 and sub[1] != room:
+                assert sub[1] in ANALYSIS_BELOW[room], f"{module} imports {dep}: analysis.{room} may import only {sorted(ANALYSIS_BELOW[room])}"
+        assert room in ANALYSIS_BELOW, f"{module}: a room of analysis/ not in ANALYSIS_BELOW"
 
 
 def test_the_worker_side_speaks_only_through_the_wire() -> None:

@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from distnb.analysis.collectives import P2P_OPS, CollectiveReport, peer_of
-from distnb.analysis.entry_words import describe
-from distnb.analysis.groups import GroupInfo, info_from, site_of
+from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.agreement.evidence import P2P_OPS, peer_of
+from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.groups import GroupInfo, info_from, site_of
 
 __all__ = ["CollectiveLog"]
 

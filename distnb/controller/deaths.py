@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from distnb.analysis.entry_words import describe
-from distnb.analysis.position import position_at_death
+from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.verdicts.position import position_at_death
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.rank_record import RankRecord
 from distnb.results import RankResult

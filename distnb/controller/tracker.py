@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, TypeVar, cast
 
 from distnb import _processes
-from distnb.analysis.desync import CountMismatch, carry_over, count_mismatches
+from distnb.analysis.agreement.desync import CountMismatch, carry_over, count_mismatches
 from distnb.controller.asks import Asks
 from distnb.controller.cell_run import CellRun
 from distnb.controller.channel import FollowUp

@@ -10,13 +10,13 @@ from __future__ import annotations
 import html
 from typing import Any, Iterable, Sequence
 
-from distnb.analysis.checks import CheckReport
-from distnb.analysis.collective_table import MAX_MINORITIES, cell_text
-from distnb.analysis.collectives import CollectiveReport
-from distnb.analysis.comms import CommsReport
-from distnb.analysis.env import EnvReport
-from distnb.analysis.memory import MemoryReport
-from distnb.analysis.stacks import StackReport
+from distnb.analysis.reports.checks import CheckReport
+from distnb.analysis.agreement.collective_table import MAX_MINORITIES, cell_text
+from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.reports.comms import CommsReport
+from distnb.analysis.reports.env import EnvReport
+from distnb.analysis.reports.memory import MemoryReport
+from distnb.analysis.verdicts.stacks import StackReport
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
 from distnb.states import RankState
 from distnb.status import PoolStatus

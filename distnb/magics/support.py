@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
-from distnb.analysis.memory import figure_png
+from distnb.analysis.reports.memory import figure_png
 from distnb.errors import CellFailed, DistnbError
 from distnb.pool import Pool
 from distnb.pools import current_pool

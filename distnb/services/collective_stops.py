@@ -2,7 +2,7 @@
 
 * :meth:`CollectiveStops.report`: every paused rank's next collective (from its prompt: worker/call_log.py
   paused it before the call) beside what the cell's other ranks do — already waiting in one, done
-  with the cell, still running — compared by :mod:`distnb.analysis.next_calls`.
+  with the cell, still running — compared by :mod:`distnb.analysis.verdicts.next_calls`.
 * :meth:`CollectiveStops.hold`: when a rank opens post-mortem (``%%on_ranks --pdb``), the cell's other running
   ranks pause before their next collective (HOLD to their control threads), so the whole pool is
   inspected at one consistent point instead of running on into a hang; ranks already inside a
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from distnb.analysis.groups import GroupInfo
-from distnb.analysis.next_calls import NextCall, NextReport, compare_next
-from distnb.analysis.position import Position
+from distnb.analysis.agreement.groups import GroupInfo
+from distnb.analysis.verdicts.next_calls import NextCall, NextReport, compare_next
+from distnb.analysis.verdicts.position import Position
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.prompts import Prompt
 from distnb.controller.tracker import Tracker

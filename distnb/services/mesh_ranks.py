@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from distnb.analysis.meshes import MeshReport, shape_words
+from distnb.analysis.reports.meshes import MeshReport, shape_words
 from distnb.ranks import parse_ranks
 
 __all__ = ["mesh_ranks"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from distnb.analysis.groups import GroupInfo
-from distnb.analysis.meshes import MeshReport
+from distnb.analysis.agreement.groups import GroupInfo
+from distnb.analysis.reports.meshes import MeshReport
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.requests import Requests
 from distnb.wire.peers import control_identity

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from distnb.analysis.groups import GroupInfo
-from distnb.analysis.next_calls import NextCall, compare_next
+from distnb.analysis.agreement.groups import GroupInfo
+from distnb.analysis.verdicts.next_calls import NextCall, compare_next
 from distnb.controller.requests import Requests
 from distnb.ranks import format_ranks
 from distnb.states import RankState

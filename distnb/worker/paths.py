@@ -7,7 +7,7 @@ in the same frame — each with how often it happened, how many times ``a`` had 
 did (the iteration), and the line event number at that moment. Ranks run the same lines in the
 same order until their first differing decision, so those event numbers are comparable across
 ranks up to it: the earliest transition that ranks disagree on is that decision
-(:mod:`distnb.analysis.paths`).
+(:mod:`distnb.analysis.verdicts.paths`).
 
 How it watches, by Python version:
 

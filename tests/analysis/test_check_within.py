@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from distnb.analysis.check_within import agreement_by_dim, compare_within
-from distnb.analysis.meshes import MeshReport, mesh_dims
+from distnb.analysis.reports.check_within import agreement_by_dim, compare_within
+from distnb.analysis.reports.meshes import MeshReport, mesh_dims
 
 
 def _t(fp: str) -> dict:

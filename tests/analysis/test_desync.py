@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 import zlib
 
-from distnb.analysis.group_creation import creation_mismatch
+from distnb.analysis.agreement.group_creation import creation_mismatch
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
 from distnb.analysis.verdicts.verdict import Kind
-from distnb.analysis.p2p import match_p2p
-from distnb.analysis.position import Position
-from distnb.analysis.profile import ProfileReport, RankTime, merge_traces
-from distnb.analysis.steps import step_pattern, uneven_steps
-from distnb.analysis.stragglers import StragglerReport, arrivals
+from distnb.analysis.verdicts.p2p import match_p2p
+from distnb.analysis.verdicts.position import Position
+from distnb.analysis.reports.profile import ProfileReport, RankTime, merge_traces
+from distnb.analysis.agreement.steps import step_pattern, uneven_steps
+from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
 from distnb.controller.collective_log import CollectiveLog
 from distnb.worker.call_log import CallLog
 
@@ -233,7 +233,7 @@ def test_call_records_give_entries_their_arguments_by_time() -> None:
 
 # -- the same number of calls, other ones -----------------------------------------------------------
 def test_as_many_collectives_with_another_reduce_op_is_a_desync_of_calls() -> None:
-    from distnb.analysis.desync import count_mismatches, mismatch_text
+    from distnb.analysis.agreement.desync import count_mismatches, mismatch_text
 
     same = {"seqs": {"0": 5}, "created": 1, "digests": {"0": 111}}
     odd = {"seqs": {"0": 5}, "created": 1, "digests": {"0": 222}}

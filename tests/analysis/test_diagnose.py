@@ -7,8 +7,8 @@ import time
 
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.verdict import Certainty, Kind
-from distnb.analysis.position import Position, position_from_stack
-from distnb.analysis.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
+from distnb.analysis.verdicts.position import Position, position_from_stack
+from distnb.analysis.verdicts.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
 
 
 def test_diagnose_rank_conditional() -> None:
@@ -214,7 +214,7 @@ def test_a_regroup_starts_a_new_generation_of_the_log() -> None:
 
 
 def test_collective_from_the_stack_a_dying_rank_printed() -> None:
-    from distnb.analysis.position import collective_at_death
+    from distnb.analysis.verdicts.position import collective_at_death
 
     stderr = ("Fatal Python error: Aborted\n\nThread 0x00007f0000000002 (most recent call first):\n"
               '  File "/x/distnb/worker/control.py", line 96 in run\n\n'

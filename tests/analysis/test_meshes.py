@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from distnb.analysis.cell_source import because
-from distnb.analysis.groups import GroupInfo, short_name
+from distnb.analysis.agreement.cell_source import because
+from distnb.analysis.agreement.groups import GroupInfo, short_name
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
-from distnb.analysis.pairing import cross_cell, cross_group
-from distnb.analysis.position import Position
-from distnb.analysis.stragglers import Arrival, StragglerReport
+from distnb.analysis.agreement.pairing import cross_cell, cross_group
+from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.stragglers import Arrival, StragglerReport
 from distnb.controller.collective_log import CollectiveLog
 
 # A (dp=2, tp=2) mesh as torch 2.13 builds it on gloo: dp groups "1" (0,2) and "2" (1,3), tp groups
@@ -209,7 +209,7 @@ def test_recorded_on_an_h200_the_wrong_mesh_dimension_on_nccl() -> None:
 
 
 def test_mesh_report_names_the_rank_whose_mesh_differs_and_scales_to_many_ranks() -> None:
-    from distnb.analysis.meshes import MeshReport, dim_groups, nested
+    from distnb.analysis.reports.meshes import MeshReport, dim_groups, nested
 
     def mesh(rank: int, names: tuple[str, str] = ("dp", "tp"), shape: tuple[int, int] = (2, 2)) -> dict[str, Any]:
         layout = list(range(shape[0] * shape[1]))
@@ -234,7 +234,7 @@ def test_mesh_report_names_the_rank_whose_mesh_differs_and_scales_to_many_ranks(
 
 
 def test_comms_report_merges_ranks_per_module_and_dimension() -> None:
-    from distnb.analysis.comms import CommsReport
+    from distnb.analysis.reports.comms import CommsReport
 
     def rec(module: str, op: str, group: str, desc: str, nbytes: int, bw: bool = False) -> dict[str, Any]:
         return {"module": module, "bw": bw, "op": op, "group": group, "desc": desc, "bytes": nbytes}

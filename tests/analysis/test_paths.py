@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from distnb.analysis.paths import first_difference, rank_condition
+from distnb.analysis.verdicts.paths import first_difference, rank_condition
 from distnb.worker.paths import PathRecorder
 
 GUARD = """\
@@ -114,8 +114,8 @@ def test_recording_steps_aside_for_a_debugger_s_tracer_or_runs_beside_it() -> No
 
 def test_a_rank_inside_torch_compile_keeps_the_others_waiting_and_is_called_slow() -> None:
     from distnb.analysis.verdicts.diagnose import diagnose
-    from distnb.analysis.position import Position, position_from_stack
-    from distnb.analysis.stacks import Frame, RankStack, ThreadStack
+    from distnb.analysis.verdicts.position import Position, position_from_stack
+    from distnb.analysis.verdicts.stacks import Frame, RankStack, ThreadStack
 
     frames = [Frame("<cell-4>", 3, "<module>", "loss = step(x)"), Frame("<cell-2>", 5, "step", "return compiled(x)"),
               Frame("/site-packages/torch/_dynamo/eval_frame.py", 900, "_fn", "return fn(*args)"),

@@ -10,7 +10,7 @@ import socket
 import pytest
 from synthetic import SyntheticPool, healthy_cell, hung_cell
 
-from distnb.analysis.collective_table import PAGE_RANKS
+from distnb.analysis.agreement.collective_table import PAGE_RANKS
 from distnb.controller.collective_log import CollectiveLog
 from distnb.display.html import collectives_html
 from distnb.ranks import SUMMARY_ABOVE, group_by, parse_ranks
@@ -177,7 +177,7 @@ def test_status_groups_a_thousand_ranks_by_state_and_names_the_dead_one() -> Non
 
 
 def test_a_diagnosis_of_ranks_in_many_places_lists_the_culprits_and_the_crowded_places() -> None:
-    from distnb.analysis.position import Position
+    from distnb.analysis.verdicts.position import Position
     from distnb.analysis.verdicts.verdict import MAX_PLACES, Kind, Verdict, VerdictState
 
     positions = [Position(r, "collective", op="all_reduce", seq=1 + r % 40, group="0", since=5.0) for r in range(WORLD)]

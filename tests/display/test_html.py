@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-from distnb.analysis.checks import compare
-from distnb.analysis.env import EnvReport
-from distnb.analysis.memory import MemoryReport
-from distnb.analysis.stacks import Frame, RankStack, StackReport, ThreadStack
+from distnb.analysis.reports.checks import compare
+from distnb.analysis.reports.env import EnvReport
+from distnb.analysis.reports.memory import MemoryReport
+from distnb.analysis.verdicts.stacks import Frame, RankStack, StackReport, ThreadStack
 from distnb.controller.collective_log import CollectiveLog
 from distnb.display.html import BAD, WARN, check_html, collectives_html, env_html, memory_html, register, stacks_html, status_html
 from distnb.states import RankState
@@ -111,7 +111,7 @@ def test_register_installs_formatters() -> None:
 
 
 def test_comms_table_highlights_the_rows_where_ranks_differ() -> None:
-    from distnb.analysis.comms import CommsReport
+    from distnb.analysis.reports.comms import CommsReport
     from distnb.display.html import BAD, comms_html
 
     rec = {"module": "model.2", "bw": False, "op": "all_reduce", "group": "3", "desc": "mesh_tp", "bytes": 128}

@@ -15,7 +15,7 @@ import pytest
 from synthetic import SyntheticPool
 
 from distnb._text import MERGED_NOTE, merge_lines
-from distnb.analysis.memory import MemoryReport, _median_without, imbalances, memory_line
+from distnb.analysis.reports.memory import MemoryReport, _median_without, imbalances, memory_line
 from distnb.display.static import MAX_RANK_SECTIONS, SCALED_DISPLAYS, SCALED_SAVED_BYTES, StaticCell
 from distnb.display.text import LivePrinter
 from distnb.ranks import SUMMARY_ABOVE, group_by, parse_ranks

@@ -11,10 +11,10 @@ import types
 
 import pytest
 
-from distnb.analysis.entry_words import state_mark
-from distnb.analysis.desync import CountMismatch, carry_over, count_mismatches, mismatch_text
-from distnb.analysis.nccl_dumps import dump_marks, read_dumps, seq_blame, watchdog_cause
-from distnb.analysis.position import Position
+from distnb.analysis.agreement.entry_words import state_mark
+from distnb.analysis.agreement.desync import CountMismatch, carry_over, count_mismatches, mismatch_text
+from distnb.analysis.reports.nccl_dumps import dump_marks, read_dumps, seq_blame, watchdog_cause
+from distnb.analysis.verdicts.position import Position
 from distnb.config import LaunchConfig
 from distnb.controller.collective_log import CollectiveLog
 from distnb.launching.torchrun import FR_DUMP_PREFIX, SHARED_GPU_ENV, Launcher, nccl_environment

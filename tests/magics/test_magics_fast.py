@@ -14,8 +14,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from distnb.analysis.env import EnvReport
-from distnb.analysis.stacks import Frame, RankStack, StackReport, ThreadStack
+from distnb.analysis.reports.env import EnvReport
+from distnb.analysis.verdicts.stacks import Frame, RankStack, StackReport, ThreadStack
 from distnb.config import LaunchConfig
 from distnb.errors import CellFailed, NoPoolError, PoolBusyError
 from distnb.magics import running, support

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from distnb.analysis.meshes import MeshReport
-from distnb.analysis.next_calls import NextCall, compare_next
+from distnb.analysis.reports.meshes import MeshReport
+from distnb.analysis.verdicts.next_calls import NextCall, compare_next
 from distnb.config import LaunchConfig
 from distnb.controller.prompts import Prompt
 from distnb.controller.tracker import Tracker

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from distnb.analysis.verdicts.diagnose import diagnose
-from distnb.analysis.position import Position, position_paused
+from distnb.analysis.verdicts.position import Position, position_paused
 from distnb.config import LaunchConfig
 from distnb.controller.prompts import Prompt
 from distnb.controller.tracker import Tracker

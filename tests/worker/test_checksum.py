@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from distnb.analysis import checks as checks
-from distnb.analysis.checks import compare
+from distnb.analysis.reports import checks as checks
+from distnb.analysis.reports.checks import compare
 from distnb.worker import checksum as ck
 from distnb.worker import fingerprint as fp
 from distnb.worker.checksum import checksum
@@ -398,7 +398,7 @@ def test_checks_module_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, distnb.analysis.checks, distnb.worker.checksum; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, distnb.analysis.reports.checks, distnb.worker.checksum; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 

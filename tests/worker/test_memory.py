@@ -15,7 +15,7 @@ import types
 import pytest
 
 import distnb
-from distnb.analysis.memory import MemoryReport, imbalance, memory_line
+from distnb.analysis.reports.memory import MemoryReport, imbalance, memory_line
 from distnb.worker import memory_sampler
 from distnb.worker.memory_sampler import MemorySampler
 
@@ -234,7 +234,7 @@ def test_cuda_memory_is_sampled_per_cell() -> None:
 
 
 def test_imbalance_is_data_first_and_its_words_come_from_it() -> None:
-    from distnb.analysis.memory import Imbalance, imbalances
+    from distnb.analysis.reports.memory import Imbalance, imbalances
 
     samples = {0: {"cuda_peak": 1000 * MB}, 1: {"cuda_peak": 3000 * MB}, 2: {"cuda_peak": 1100 * MB}}
     (flag,) = imbalances(samples)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 
-from distnb.analysis.collectives import CollectiveReport
-from distnb.analysis.entry_words import describe
-from distnb.analysis.position import Position
+from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
 from distnb.analysis.verdicts.words import ranks_verb

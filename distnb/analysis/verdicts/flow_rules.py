@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from distnb.analysis.cell_source import because
-from distnb.analysis.entry_words import args_text
-from distnb.analysis.position import Position
+from distnb.analysis.agreement.cell_source import because
+from distnb.analysis.agreement.entry_words import args_text
+from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Kind, Site, VerdictState, Verdict
 from distnb.analysis.verdicts.words import ranks_verb

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from distnb.analysis.agreement.p2p_roots import p2p_roots, site_departure
-from distnb.analysis.collectives import same_op
-from distnb.analysis.group_creation import creation_mismatch
-from distnb.analysis.p2p import match_p2p
-from distnb.analysis.pairing import cross_cell, cross_group
+from distnb.analysis.verdicts.p2p_roots import p2p_roots, site_departure
+from distnb.analysis.agreement.evidence import same_op
+from distnb.analysis.agreement.group_creation import creation_mismatch
+from distnb.analysis.verdicts.p2p import match_p2p
+from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.analysis.verdicts.records import Records
 from distnb.ranks import format_ranks
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict

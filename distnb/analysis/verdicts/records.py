@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from distnb.analysis.agreement.compare import Presence
-from distnb.analysis.collectives import CollectiveReport
-from distnb.analysis.position import Position
+from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.verdict import VerdictState
 
 __all__ = ["Records", "is_consequence"]

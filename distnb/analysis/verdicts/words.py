@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sized
 
 from distnb.analysis.agreement.calls import Call
-from distnb.analysis.collectives import CollectiveReport
+from distnb.analysis.agreement.collectives import CollectiveReport
 
 if TYPE_CHECKING:
     from distnb.analysis.verdicts.records import Records

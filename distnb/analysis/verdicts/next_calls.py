@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from distnb.analysis.collectives import P2P_OPS, odd_ones
-from distnb.analysis.entry_words import describe
-from distnb.analysis.groups import GroupInfo
+from distnb.analysis.agreement.evidence import odd_ones, P2P_OPS
+from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.groups import GroupInfo
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["NextCall", "NextReport", "compare_next"]

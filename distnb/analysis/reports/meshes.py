@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from distnb.analysis.collectives import odd_ones
+from distnb.analysis.agreement.evidence import odd_ones
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["MeshReport", "dim_groups", "mesh_dims", "nested", "shape_words"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.checks import CheckReport, compare
+from distnb.analysis.reports.checks import CheckReport, compare
 from distnb.ranks import format_ranks
 
 __all__ = ["WithinReport", "agreement_by_dim", "compare_within"]

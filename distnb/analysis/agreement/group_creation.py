@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.collectives import CollectiveEvidence, odd_ones
+from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["CreationMismatch", "creation_mismatch"]

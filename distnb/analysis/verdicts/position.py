@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from distnb.analysis.collectives import P2P_OPS, peer_words
-from distnb.analysis.stacks import RankStack, parse_faulthandler, short_path
+from distnb.analysis.agreement.evidence import P2P_OPS, peer_words
+from distnb.analysis.verdicts.stacks import RankStack, parse_faulthandler, short_path
 
 __all__ = ["Position", "position_from_stack", "collective_at_death", "position_at_death", "COLLECTIVE_FUNCS"]
 

@@ -2,7 +2,7 @@
 
 A send or a receive waits for one peer; a rank blocked in one blocks the peers waiting for it in
 turn, so on a ring or a pipeline one missing send leaves every rank waiting, each on the next.
-The pairs without a partner (:func:`distnb.analysis.p2p.match_p2p`) name every link of that chain;
+The pairs without a partner (:func:`distnb.analysis.verdicts.p2p.match_p2p`) name every link of that chain;
 the cause is where it ends: a rank the others wait for that waits for no one (it finished, raised,
 died, or computes). When the waits close into a cycle (every rank waits), the cause is a call
 that names the wrong peer or tag, else the rank whose point-to-point calls in the cell depart
@@ -16,8 +16,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.collectives import P2P_OPS, CollectiveEvidence, odd_ones, peer_of
-from distnb.analysis.position import Position
+from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, P2P_OPS, peer_of
+from distnb.analysis.verdicts.position import Position
 
 __all__ = ["P2PRoot", "SiteDeparture", "p2p_roots", "site_departure"]
 

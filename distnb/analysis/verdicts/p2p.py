@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.collectives import P2P_OPS, peer_of
-from distnb.analysis.position import Position, p2p_text
+from distnb.analysis.agreement.evidence import P2P_OPS, peer_of
+from distnb.analysis.verdicts.position import Position, p2p_text
 
 __all__ = ["P2PFinding", "match_p2p"]
 

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from distnb.analysis.entry_words import describe, state_mark
+from distnb.analysis.agreement.entry_words import describe, state_mark
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 
 __all__ = ["GroupTable", "Row", "cell_text", "MAX_MINORITIES", "PAGE_RANKS"]

@@ -3,7 +3,7 @@
 Each rank measures its own cell (worker/profiling.py): wall time, time inside collectives (the
 backend's ``gloo:``/``nccl:`` spans, which last until the collective completes) and its top ops.
 Waiting for peers comes from the ranks' arrivals at the cell's collectives (the Flight Recorder,
-clocks aligned: :mod:`distnb.analysis.stragglers`): time between a rank's arrival and the last one's.
+clocks aligned: :mod:`distnb.analysis.verdicts.stragglers`): time between a rank's arrival and the last one's.
 Compute is the rest. The ranks' Chrome traces are merged into one file, one process row per rank.
 """
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distnb._text import mib
-from distnb.analysis.collectives import odd_ones
-from distnb.analysis.groups import GroupInfo
+from distnb.analysis.agreement.evidence import odd_ones
+from distnb.analysis.agreement.groups import GroupInfo
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["CommsReport", "CommRow"]

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from distnb.analysis.collectives import CollectiveEvidence
+from distnb.analysis.agreement.evidence import CollectiveEvidence
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
 
 __all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_CHANCE", "STRAGGLER_MIN_COLLECTIVES", "STRAGGLER_MIN_LATE",

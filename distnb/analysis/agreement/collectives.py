@@ -5,95 +5,16 @@ the ranks' sequences side by side with the first place where they disagree."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
-from distnb.analysis.collective_table import GroupTable, Row
-from distnb.analysis.entry_words import describe
-from distnb.analysis.groups import GroupInfo, short_name
+from distnb.analysis.agreement.collective_table import GroupTable, Row
+from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.evidence import P2P_OPS, CollectiveEvidence, odd_ones, peer_words, same_op
+from distnb.analysis.agreement.groups import short_name
+from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.ranks import format_ranks, group_by
 
-__all__ = [
-    "CollectiveEvidence", "CollectiveReport", "Divergence", "P2P_OPS", "RECORDER_NAMES", "issued_words", "odd_ones", "peer_of", "peer_words",
-    "same_op", "signature",
-]
-
-class CollectiveEvidence(Protocol):
-    """What the analyses read of the ranks' collective logs: the data, not the object that keeps
-    it (the controller's :class:`~distnb.controller.collective_log.CollectiveLog` is one)."""
-
-    entries: dict[int, dict[int, dict[str, Any]]]  # rank -> id -> Flight Recorder entry
-    groups: dict[str, list[int]]  # group name -> member ranks
-    unavailable: str | None
-    missing: dict[str, str]  # recorders some rank could not read, and why
-    died_in: dict[int, str]  # ranks that died inside a collective before its entry came: op
-    died_at: dict[int, tuple[int | None, int | None]]  # … and its (cell, line), from the stack at death
-
-    def sequence(self, rank: int, group: str) -> list[dict[str, Any]]: ...
-
-    def seqs(self, rank: int, group: str) -> dict[int, dict[str, Any]]: ...
-
-    def groups_of(self, rank: int) -> dict[str, dict[int, dict[str, Any]]]: ...
-
-    def group(self, name: str) -> GroupInfo: ...
-
-    def open_calls(self, rank: int) -> list[dict[str, Any]]: ...
-
-    def local_time(self, rank: int, entry: dict[str, Any]) -> float: ...
-
-    def offset(self, rank: int) -> float: ...
-
-    def last_seq(self, rank: int, group: str) -> int | None: ...
-
-    def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None: ...
-
-    def creations(self, rank: int) -> dict[int, dict[str, Any]]: ...
-
-    def p2p(self, rank: int) -> list[dict[str, Any]]: ...
-
-    def calls_of(self, rank: int) -> list[dict[str, Any]]: ...
-
-
-P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
-
-def peer_of(call: dict[str, Any]) -> int | None:
-    """The global rank a send goes to or a recv takes from (None: any rank, or only a group rank)."""
-    return call.get("args", {}).get("dst" if P2P_OPS[call["op"]] == "send" else "src")
-
-
-def peer_words(call: dict[str, Any]) -> str:
-    """``rank 1``, ``group rank 2``, ``any rank``: a send/recv call's peer."""
-    peer = peer_of(call)
-    local = call.get("args", {}).get("group_dst" if P2P_OPS[call["op"]] == "send" else "group_src")
-    return f"rank {peer}" if peer is not None else f"group rank {local}" if local is not None else "any rank"
-
-
-_FORMS = ("_into_tensor", "_single", "_base", "_tensor", "_coalesced")
-
-
-def same_op(a: str | None, b: str | None) -> bool:
-    """The function a stack names and the op its recorder entry names are one collective
-    (``all_gather_single``, ``_all_gather_base`` and ``all_gather_into_tensor`` record as ``all_gather``)."""
-    def stem(op: str) -> str:
-        op = op.lstrip("_")
-        for form in _FORMS:
-            op = op.removesuffix(form)
-        return op
-
-    return a is not None and b is not None and stem(a) == stem(b)
-
-
-def odd_ones(values: dict[int, Any]) -> list[int]:
-    """Ranks whose value differs from the one most ranks share; every rank on a tie (nothing
-    says which side is wrong)."""
-    groups = group_by((r, repr(v)) for r, v in sorted(values.items()))
-    sizes = sorted((len(rs) for rs, _ in groups), reverse=True)
-    if len(groups) < 2:
-        return []
-    if sizes[0] == sizes[1]:
-        return sorted(values)
-    majority = next(rs for rs, _ in groups if len(rs) == sizes[0])
-    return sorted(r for r in values if r not in majority)
-
+__all__ = ["CollectiveReport", "Divergence", "RECORDER_NAMES", "issued_words", "signature"]
 
 #: distnb's recorder names (worker/flight_recorder.py) in words.
 RECORDER_NAMES = {"nccl": "NCCL", "fr": "gloo (and other non-NCCL)"}
@@ -262,9 +183,6 @@ class CollectiveReport:
     def paired(self, first: Divergence) -> str:
         """The first divergence as one group can't see it, in words: in the cell where it began,
         a collective over another group than its peers', or one that paired calls of different cells."""
-        # pairing.py reads entries with this module's words: imported here, not at the top.
-        from distnb.analysis.pairing import cross_cell, cross_group
-
         cells = {c for e in first.by_rank.values() if e is not None and (c := e.get("call_cell", e.get("cell"))) is not None}
         for cell in sorted(cells):
             crossed = cross_group(self.log, self.ranks, cell)
@@ -356,7 +274,7 @@ class CollectiveReport:
 
     def paged(self, page: int) -> CollectiveReport:
         """The same report with every group shown rank by rank, ``page`` (from 1) of its members
-        at a time (:data:`~distnb.analysis.collective_table.PAGE_RANKS` per page)."""
+        at a time (:data:`~distnb.analysis.agreement.collective_table.PAGE_RANKS` per page)."""
         if page < 1:
             raise ValueError(f"pages count from 1, not {page}; e.g. --page 2.")
         return replace(self, page=page)

@@ -1,0 +1,90 @@
+"""What the analyses read of the ranks' collective logs (the data, not the controller's object
+that keeps it), and the words every comparison shares: a point-to-point call's peer, whether two
+names are one collective, and who stands out by majority."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from distnb.analysis.agreement.groups import GroupInfo
+from distnb.ranks import group_by
+
+__all__ = ["P2P_OPS", "CollectiveEvidence", "odd_ones", "peer_of", "peer_words", "same_op"]
+
+
+class CollectiveEvidence(Protocol):
+    """What the analyses read of the ranks' collective logs: the data, not the object that keeps
+    it (the controller's :class:`~distnb.controller.collective_log.CollectiveLog` is one)."""
+
+    entries: dict[int, dict[int, dict[str, Any]]]  # rank -> id -> Flight Recorder entry
+    groups: dict[str, list[int]]  # group name -> member ranks
+    unavailable: str | None
+    missing: dict[str, str]  # recorders some rank could not read, and why
+    died_in: dict[int, str]  # ranks that died inside a collective before its entry came: op
+    died_at: dict[int, tuple[int | None, int | None]]  # … and its (cell, line), from the stack at death
+
+    def sequence(self, rank: int, group: str) -> list[dict[str, Any]]: ...
+
+    def seqs(self, rank: int, group: str) -> dict[int, dict[str, Any]]: ...
+
+    def groups_of(self, rank: int) -> dict[str, dict[int, dict[str, Any]]]: ...
+
+    def group(self, name: str) -> GroupInfo: ...
+
+    def open_calls(self, rank: int) -> list[dict[str, Any]]: ...
+
+    def local_time(self, rank: int, entry: dict[str, Any]) -> float: ...
+
+    def offset(self, rank: int) -> float: ...
+
+    def last_seq(self, rank: int, group: str) -> int | None: ...
+
+    def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None: ...
+
+    def creations(self, rank: int) -> dict[int, dict[str, Any]]: ...
+
+    def p2p(self, rank: int) -> list[dict[str, Any]]: ...
+
+    def calls_of(self, rank: int) -> list[dict[str, Any]]: ...
+
+
+P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+def peer_of(call: dict[str, Any]) -> int | None:
+    """The global rank a send goes to or a recv takes from (None: any rank, or only a group rank)."""
+    return call.get("args", {}).get("dst" if P2P_OPS[call["op"]] == "send" else "src")
+
+
+def peer_words(call: dict[str, Any]) -> str:
+    """``rank 1``, ``group rank 2``, ``any rank``: a send/recv call's peer."""
+    peer = peer_of(call)
+    local = call.get("args", {}).get("group_dst" if P2P_OPS[call["op"]] == "send" else "group_src")
+    return f"rank {peer}" if peer is not None else f"group rank {local}" if local is not None else "any rank"
+
+
+_FORMS = ("_into_tensor", "_single", "_base", "_tensor", "_coalesced")
+
+
+def same_op(a: str | None, b: str | None) -> bool:
+    """The function a stack names and the op its recorder entry names are one collective
+    (``all_gather_single``, ``_all_gather_base`` and ``all_gather_into_tensor`` record as ``all_gather``)."""
+    def stem(op: str) -> str:
+        op = op.lstrip("_")
+        for form in _FORMS:
+            op = op.removesuffix(form)
+        return op
+
+    return a is not None and b is not None and stem(a) == stem(b)
+
+
+def odd_ones(values: dict[int, Any]) -> list[int]:
+    """Ranks whose value differs from the one most ranks share; every rank on a tie (nothing
+    says which side is wrong)."""
+    groups = group_by((r, repr(v)) for r, v in sorted(values.items()))
+    sizes = sorted((len(rs) for rs, _ in groups), reverse=True)
+    if len(groups) < 2:
+        return []
+    if sizes[0] == sizes[1]:
+        return sorted(values)
+    majority = next(rs for rs, _ in groups if len(rs) == sizes[0])
+    return sorted(r for r in values if r not in majority)
