@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -373,10 +374,12 @@ def generate(programs: list[Program] | None = None, operators: list[str] | None 
     taken in turn (culprits over the ranks that run the site, rank 0 included), so the corpus
     covers each operator's variants and every rank as culprit without a hand-picked list."""
     out = []
-    turn = 0
     for program in programs or PROGRAMS:
         for name in operators or list(OPERATORS):
             fn, variants = OPERATORS[name]
+            # Where the culprits start is the (program, operator) pair's own, so a mutant is the
+            # same whichever programs and operators a run takes.
+            turn = zlib.crc32(f"{program.name}:{name}".encode())
             k = 0
             for site in sites(program):
                 candidates = [r for r in site.ranks]
@@ -386,5 +389,4 @@ def generate(programs: list[Program] | None = None, operators: list[str] | None 
                 if mutant is not None:
                     out.append(mutant)
                     k += 1
-            turn += 1
     return out

@@ -94,11 +94,11 @@ class Runner:
                 break
             elapsed = time.monotonic() - t0
             if elapsed >= HANG_AFTER + 0.5:
-                verdict = _as_verdict(pool.diagnose(res))
+                verdict = pool.diagnose(res, hang_after=HANG_AFTER)
                 if verdict.state in (VerdictState.HANG, VerdictState.FAILED) or elapsed > VERDICT_WITHIN:
                     break
         if not res.running:
-            verdict = _as_verdict(pool.diagnose(res))
+            verdict = pool.diagnose(res, hang_after=HANG_AFTER)
         assert verdict is not None
         return res, verdict
 
@@ -155,12 +155,6 @@ class Runner:
         out.report = report[-3000:]
         out.seconds = time.monotonic() - t0
         return out
-
-
-def _as_verdict(d: Any) -> Verdict:
-    if isinstance(d, Verdict):
-        return d
-    return Verdict(VerdictState(d.kind), Kind.UNKNOWN if d.kind != "ok" else Kind.NONE, d.summary, list(d.culprits), positions=d.positions)
 
 
 def _fill(out: Outcome, verdict: Verdict, res: distnb.CellResult) -> None:

@@ -201,6 +201,13 @@ class CallLog:
         self._poll_works()
         return [dict(r) for r in list(self._records) if r["n"] > n or r["end"] is None]
 
+    def open_p2p(self) -> list[dict[str, Any]]:
+        """The point-to-point calls not completed (a blocking send/recv in progress, an
+        isend/irecv whose work has not completed): what a main thread stuck in ``work.wait()``
+        waits for, where no recorder and no torch.distributed frame says so."""
+        self._poll_works()
+        return [dict(r) for r in list(self._records) if r["op"] in P2P and r["end"] is None]
+
     def _poll_works(self) -> None:
         with self._lock:
             works = list(self._works.items())

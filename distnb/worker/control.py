@@ -267,6 +267,14 @@ class ControlThread(threading.Thread):
             nccl = "a collective it is still entering (connecting to its peers)"
         elif entering and "gloo" in backends and not _GROUP_SETUP.intersection(calls):
             gloo = f"{calls[0]} (gloo)"
+        elif not nccl and not gloo and "gloo" in backends:
+            # A main thread in work.wait() of an isend/irecv is in no torch.distributed frame and
+            # no gloo recorder entry: the call log still holds the call as open.
+            pending = ex.calls.open_p2p()
+            if pending:
+                last = pending[-1]
+                peer = last["args"].get("dst" if last["op"] in ("send", "isend") else "src")
+                gloo = f"{last['op']} {'to' if last['op'] in ('send', 'isend') else 'from'} rank {peer} (gloo)"
         if nccl:
             self._abort_nccl(cell, nccl)
         elif gloo:

@@ -123,6 +123,24 @@ def test_an_interrupt_that_lands_leaves_the_group_alone(pool4: distnb.Pool) -> N
     assert still.values == {r: "4.0" for r in range(4)}, still.text()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_one_interrupt_unblocks_a_rank_waiting_on_an_irecv_nobody_sends(pool4: distnb.Pool) -> None:
+    """A main thread in ``work.wait()`` of an irecv is in no torch.distributed frame and gloo records
+    no point-to-point entry: the call log's open irecv is what says it waits on a peer."""
+    pool = usable(pool4)
+    res = pool.submit("buf = torch.empty(3)\nif rank == 0:\n    req = dist.irecv(buf, src=3)\n    print('waiting', flush=True)\n"
+                      "    req.wait()\n    print('never got here', flush=True)\n")
+    wait_until(lambda: "waiting" in res[0].stdout and all(res[r].status == "ok" for r in (1, 2, 3)), 60, "rank 0 in its wait")
+    t0 = time.monotonic()
+    pool.interrupt()
+    wait_until(lambda: not res.running, BOUND, f"the cell to end within {BOUND} s of one interrupt")
+    pool.wait(res, timeout=60)
+    assert time.monotonic() - t0 >= ESCALATE_AFTER - 0.5 and res[0].status == "interrupted", res.text()
+    assert "irecv from rank 3 (gloo)" in res[0].stderr and "never got here" not in res[0].stdout, res.text()
+    assert pool.run("z = torch.ones(1)\ndist.all_reduce(z)\nz.item()", timeout=60).values == {r: "4.0" for r in range(4)}
+
+
 # -- which sockets are gloo's: the rules, on a table made up for the purpose ----------------------
 
 def _table(monkeypatch: pytest.MonkeyPatch, rows: list[tuple[int, tuple[str, int], tuple[str, int], str]], mine: dict[int, int]) -> None:
