@@ -22,11 +22,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import torch  # noqa: E402
+
 from corpus.mutations import generate  # noqa: E402
 from corpus.programs import PROGRAMS  # noqa: E402
 from corpus.runner import Runner, score_table  # noqa: E402
-
-import torch  # noqa: E402
 
 
 def main() -> None:

@@ -41,13 +41,13 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from synthetic import SyntheticPool, healthy_cell, hung_cell  # noqa: E402
-
 from distnb.display.html import collectives_html  # noqa: E402
 from distnb.display.static import StaticCell  # noqa: E402
 from distnb.services.watch import CellWatch  # noqa: E402
 from distnb.wire.peers import control_identity  # noqa: E402
 from distnb.wire.protocol import Msg  # noqa: E402
+
+from synthetic import SyntheticPool, healthy_cell, hung_cell  # noqa: E402
 
 
 def cpu(fn: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:

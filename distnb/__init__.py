@@ -39,8 +39,18 @@ if TYPE_CHECKING:
     from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
     from distnb.config import LaunchConfig
     from distnb.controller.prompts import Prompt
-    from distnb.errors import (CellFailed, DistnbError, LaunchError, NoAnswerError, NoCellError, NoPoolError, PoolBrokenError, PoolBusyError,
-                               RemoteError, ShutdownError)
+    from distnb.errors import (
+        CellFailed,
+        DistnbError,
+        LaunchError,
+        NoAnswerError,
+        NoCellError,
+        NoPoolError,
+        PoolBrokenError,
+        PoolBusyError,
+        RemoteError,
+        ShutdownError,
+    )
     from distnb.pool import Pool, launch
     from distnb.pools import current_pool, live_pools
     from distnb.results import CellEvents, CellResult, RankResult

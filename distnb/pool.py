@@ -15,23 +15,23 @@ import inspect
 import time
 from typing import Any, Callable, Iterable
 
-from distnb.analysis.reports.checks import CheckReport
+from distnb import pools
 from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.reports.check_within import WithinReport
+from distnb.analysis.reports.checks import CheckReport
 from distnb.analysis.reports.compiles import CompileReport
 from distnb.analysis.reports.env import EnvReport
-from distnb.analysis.verdicts.verdict import Verdict
 from distnb.analysis.reports.memory import MemoryReport
+from distnb.analysis.reports.meshes import MeshReport, mesh_dims
 from distnb.analysis.reports.profile import ProfileReport
 from distnb.analysis.verdicts.stacks import StackReport
-from distnb.analysis.reports.meshes import MeshReport, mesh_dims
-from distnb.analysis.reports.check_within import WithinReport
 from distnb.analysis.verdicts.stragglers import StragglerReport
+from distnb.analysis.verdicts.verdict import Verdict
 from distnb.config import LaunchConfig
 from distnb.controller.channel import Channel
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.session import SessionLog
 from distnb.controller.tracker import Tracker
-from distnb import pools
 from distnb.errors import LaunchError, RemoteError, ShutdownError
 from distnb.launching.remote_nodes import Nodes
 from distnb.launching.torchrun import Launcher
@@ -39,10 +39,10 @@ from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankResult
 from distnb.services.debugger import Ask, Debugger, read_line
 from distnb.services.diagnostics import STACKS_TIMEOUT, Diagnostics
-from distnb.services.meshes import mesh_report
-from distnb.services.rank_debug import RankDebug
 from distnb.services.export import Export, export_session
+from distnb.services.meshes import mesh_report
 from distnb.services.multinode import MultiNode
+from distnb.services.rank_debug import RankDebug
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
 from distnb.services.waiting import rebuild_after_unblock, wait_for_cell

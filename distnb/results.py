@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from distnb._processes import signal_meaning
 from distnb._text import MAX_ROWS, MERGED_NOTE, Rows, merge_lines, merge_rows, prefix_lines
-from distnb.analysis.verdicts.failures import differing_messages, is_timeout, salient_lines
 from distnb.analysis.reports.nccl_dumps import watchdog_cause
+from distnb.analysis.verdicts.failures import differing_messages, is_timeout, salient_lines
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 

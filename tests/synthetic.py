@@ -14,8 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from conftest import FakeTransport, feed
-
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog
 from distnb.controller.tracker import Tracker
@@ -24,6 +22,8 @@ from distnb.results import CellEvents, CellResult, RankResult
 from distnb.services.diagnostics import Diagnostics
 from distnb.wire.protocol import Msg
 from distnb.worker.flight_recorder import SentGroups
+
+from conftest import FakeTransport, feed
 
 __all__ = ["SyntheticPool", "healthy_cell", "hung_cell"]
 

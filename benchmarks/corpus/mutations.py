@@ -12,9 +12,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from corpus.programs import PROGRAMS, Program
-
 from distnb.analysis.verdicts.verdict import Kind
+
+from corpus.programs import PROGRAMS, Program
 
 __all__ = ["OPERATORS", "PRELUDE", "Mutant", "Site", "generate", "sites"]
 

@@ -13,11 +13,11 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+import distnb
+from distnb.analysis.verdicts.verdict import Certainty, Kind, Verdict, VerdictState
+
 from corpus.mutations import PRELUDE, Mutant
 from corpus.programs import Program
-
-import distnb
-from distnb.analysis.verdicts.verdict import Certainty, Kind, VerdictState, Verdict
 
 __all__ = ["Outcome", "Runner", "score_table"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from distnb.analysis.agreement.collectives import CollectiveReport
-from distnb.analysis.agreement.evidence import P2P_OPS, peer_of
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.evidence import P2P_OPS, peer_of
 from distnb.analysis.agreement.groups import GroupInfo, info_from, site_of
 
 __all__ = ["CollectiveLog"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import html
 from typing import Any, Iterable, Sequence
 
-from distnb.analysis.reports.checks import CheckReport
 from distnb.analysis.agreement.collective_table import MAX_MINORITIES, cell_text
 from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.reports.checks import CheckReport
 from distnb.analysis.reports.comms import CommsReport
 from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.reports.memory import MemoryReport

@@ -30,9 +30,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from distnb.analysis.verdicts.verdict import Verdict
 from distnb.analysis.reports.meshes import MeshReport
 from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.verdict import Verdict
 from distnb.config import LaunchConfig
 from distnb.controller.prompts import Prompt
 from distnb.controller.tracker import Tracker

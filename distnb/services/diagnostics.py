@@ -13,26 +13,26 @@ import time
 from typing import Any, Callable, Iterable
 
 from distnb import _processes
+from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
+from distnb.analysis.agreement.desync import mismatch_text
+from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.evidence import P2P_OPS
+from distnb.analysis.agreement.pairing import cross_cell
 from distnb.analysis.reports.check_within import WithinReport, agreement_by_dim, compare_within
 from distnb.analysis.reports.checks import CheckReport, compare
 from distnb.analysis.reports.compiles import CompileReport
-from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
-from distnb.analysis.agreement.evidence import P2P_OPS
-from distnb.analysis.agreement.entry_words import describe
-from distnb.analysis.agreement.desync import mismatch_text
 from distnb.analysis.reports.env import EnvReport
-from distnb.analysis.verdicts.failures import is_timeout
-from distnb.analysis.verdicts.diagnose import diagnose
-from distnb.analysis.verdicts.event_rules import victim
-from distnb.analysis.verdicts.verdict import Kind, VerdictState, Verdict
 from distnb.analysis.reports.memory import MemoryReport
 from distnb.analysis.reports.nccl_dumps import dump_marks, read_dumps, seq_blame
-from distnb.analysis.verdicts.paths import first_difference
-from distnb.analysis.agreement.pairing import cross_cell
-from distnb.analysis.verdicts.position import Position, position_from_stack, position_paused
 from distnb.analysis.reports.profile import ProfileReport, RankTime, merge_traces
+from distnb.analysis.verdicts.diagnose import diagnose
+from distnb.analysis.verdicts.event_rules import victim
+from distnb.analysis.verdicts.failures import is_timeout
+from distnb.analysis.verdicts.paths import first_difference
+from distnb.analysis.verdicts.position import Position, position_from_stack, position_paused
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, straggler_window
+from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog
 from distnb.controller.tracker import Tracker

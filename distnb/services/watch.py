@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 
-from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 from distnb.analysis.verdicts.stragglers import straggler_window
+from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 from distnb.controller.tracker import Tracker
 from distnb.results import CellResult
 from distnb.services.diagnostics import Diagnostics

@@ -32,9 +32,9 @@ from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker.call_log import c10d_calls
 from distnb.worker.debug import hold_request
 from distnb.worker.execute import Executor
-from distnb.worker.meshes import describe_meshes
 from distnb.worker.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
 from distnb.worker.group_abort import ESCALATE_AFTER
+from distnb.worker.meshes import describe_meshes
 
 __all__ = ["ControlThread", "thread_stacks"]
 

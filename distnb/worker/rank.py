@@ -35,13 +35,13 @@ from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker import gloo_idle, pasted
 from distnb.worker.call_log import install
 from distnb.worker.checksum import checksum
+from distnb.worker.comms import run_with_comms
 from distnb.worker.control import ControlThread
 from distnb.worker.debug import Prompter
 from distnb.worker.debug import install as install_debugger
 from distnb.worker.execute import Executor, mimebundle
 from distnb.worker.flight_recorder import open_nccl
 from distnb.worker.memory_sampler import MemorySampler
-from distnb.worker.comms import run_with_comms
 from distnb.worker.paths import record_paths
 from distnb.worker.profiling import run_profiled
 from distnb.worker.quiet import QuietCheck

@@ -8,14 +8,14 @@ import json
 import zlib
 
 from distnb.analysis.agreement.group_creation import creation_mismatch
+from distnb.analysis.agreement.steps import step_pattern, uneven_steps
+from distnb.analysis.reports.profile import ProfileReport, RankTime, merge_traces
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
-from distnb.analysis.verdicts.verdict import Kind
 from distnb.analysis.verdicts.p2p import match_p2p
 from distnb.analysis.verdicts.position import Position
-from distnb.analysis.reports.profile import ProfileReport, RankTime, merge_traces
-from distnb.analysis.agreement.steps import step_pattern, uneven_steps
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
+from distnb.analysis.verdicts.verdict import Kind
 from distnb.controller.collective_log import CollectiveLog
 from distnb.worker.call_log import CallLog
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from distnb.analysis.verdicts.diagnose import diagnose
-from distnb.analysis.verdicts.verdict import Certainty, Kind
 from distnb.analysis.verdicts.position import Position, position_from_stack
 from distnb.analysis.verdicts.stacks import Frame, RankStack, ThreadStack, parse_faulthandler
+from distnb.analysis.verdicts.verdict import Certainty, Kind
 
 
 def test_diagnose_rank_conditional() -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 from distnb.analysis.agreement.cell_source import because
 from distnb.analysis.agreement.groups import GroupInfo, short_name
+from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
-from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.stragglers import Arrival, StragglerReport
 from distnb.controller.collective_log import CollectiveLog

@@ -8,8 +8,8 @@ from typing import Any, Callable
 
 import pytest
 
-from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.diagnose import RULES, diagnose
+from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.verdict import Certainty, Kind, Verdict, VerdictState
 from distnb.controller.collective_log import CollectiveLog
 

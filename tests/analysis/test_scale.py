@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-from synthetic import SyntheticPool, healthy_cell, hung_cell
 
 from distnb.analysis.agreement.collective_table import PAGE_RANKS
 from distnb.controller.collective_log import CollectiveLog
@@ -16,6 +15,8 @@ from distnb.display.html import collectives_html
 from distnb.ranks import SUMMARY_ABOVE, group_by, parse_ranks
 from distnb.services.watch import CellWatch
 from distnb.wire.protocol import Msg
+
+from synthetic import SyntheticPool, healthy_cell, hung_cell
 
 WORLD = 1024
 
@@ -162,9 +163,9 @@ def test_views_of_a_handful_of_ranks_list_every_rank() -> None:
 def test_status_groups_a_thousand_ranks_by_state_and_names_the_dead_one() -> None:
     import time
 
-    from conftest import feed
-
     from distnb.status import PoolStatus
+
+    from conftest import feed
 
     pool = SyntheticPool(WORLD)
     feed(pool.tracker, "s", 17, {"t": Msg.RANK_EXIT, "rank": 17, "returncode": -9, "stderr_tail": "", "time": time.time()})

@@ -9,11 +9,12 @@ import signal
 import time
 
 import pytest
-from conftest import wait_gone, wait_until
 
 from distnb import PoolState
 from distnb.wire.codec import BadFrame
 from distnb.wire.peers import control_identity, exec_identity, generation_of, parse_identity
+
+from conftest import wait_gone, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 import pytest
-from conftest import FakeTransport, feed
 
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog
@@ -21,6 +20,8 @@ from distnb.services.diagnostics import Diagnostics
 from distnb.states import PoolState, RankState
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
+
+from conftest import FakeTransport, feed
 
 
 def started(world: int = 2) -> tuple[Tracker, FakeTransport]:

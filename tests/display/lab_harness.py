@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from conftest import cmdline, kill_pids, marked_processes, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from lab_harness import BROWSER_MARKS, ROOT, jupyter_server, launch_chromium, playwright_api, run_all, shots_dir
 
 pytestmark = BROWSER_MARKS

@@ -19,10 +19,11 @@ from typing import Any
 
 import nbformat
 import pytest
-from lab_harness import BROWSER_MARKS, jupyter_server, launch_chromium, open_notebook, playwright_api, shots_dir
 
 from distnb.config import LaunchConfig
 from distnb.services.rank_debug import ANSWER_TIMEOUT, ATTACH_TIMEOUT
+
+from lab_harness import BROWSER_MARKS, jupyter_server, launch_chromium, open_notebook, playwright_api, shots_dir
 
 pytestmark = BROWSER_MARKS
 

@@ -12,7 +12,6 @@ import re
 import statistics
 
 import pytest
-from synthetic import SyntheticPool
 
 from distnb._text import MERGED_NOTE, merge_lines
 from distnb.analysis.reports.memory import MemoryReport, _median_without, imbalances, memory_line
@@ -20,6 +19,8 @@ from distnb.display.static import MAX_RANK_SECTIONS, SCALED_DISPLAYS, SCALED_SAV
 from distnb.display.text import LivePrinter
 from distnb.ranks import SUMMARY_ABOVE, group_by, parse_ranks
 from distnb.results import CellResult, RankResult
+
+from synthetic import SyntheticPool
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,6 @@ from typing import Any
 import ipywidgets as w
 import nbformat
 import pytest
-from conftest import run_notebook
 
 from distnb.display import text as text_module
 from distnb.display.text import LINE_KEEP, LivePrinter
@@ -26,6 +25,8 @@ from distnb.display.widgets import (
     widgets_available,
 )
 from distnb.results import CellResult, RankResult
+
+from conftest import run_notebook
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,6 +6,7 @@ waits; after the timeout the root cause is the rank that never arrived, by seque
 from __future__ import annotations
 
 import pytest
+
 from conftest import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -10,10 +10,11 @@ import os
 import sys
 
 import pytest
-from conftest import usable
 
 import distnb
 from distnb.analysis.verdicts.verdict import Certainty
+
+from conftest import usable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 

@@ -13,10 +13,11 @@ from typing import Any, Callable
 
 import kernels
 import pytest
-from conftest import wait_until
 
 from distnb.magics.panel import STOPS_FILTER
 from distnb.services.rank_debug import ATTACH_TIMEOUT
+
+from conftest import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -9,6 +9,7 @@ unblocked after it; NEXT_SETTLE: how long the console waits for ranks to stop), 
 from __future__ import annotations
 
 import time
+
 from test_debugger_e2e import Console, run
 
 import distnb

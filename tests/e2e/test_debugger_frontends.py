@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import kernels
 import pytest
+
 from conftest import reap_marked
 
 pytestmark = pytest.mark.slow  # every test here starts a kernel or a shell, and a pool

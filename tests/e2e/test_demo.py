@@ -8,6 +8,7 @@ import sys
 import uuid
 
 import pytest
+
 from conftest import kill_pids, marked_processes, started_pids, wait_gone
 
 pytestmark = pytest.mark.slow  # every test here starts processes

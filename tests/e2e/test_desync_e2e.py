@@ -10,11 +10,12 @@ import signal
 import time
 
 import pytest
-from conftest import usable, wait_until
 
 import distnb
 from distnb.controller.channel import TICK
 from distnb.controller.tracker import STRAND_AFTER
+
+from conftest import usable, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

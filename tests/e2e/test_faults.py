@@ -7,12 +7,13 @@ import signal
 import time
 
 import pytest
-from conftest import usable, wait_until
 
 import distnb
 from distnb.controller.channel import ROUTER_RCVHWM
 from distnb.wire.codec import MAGIC
 from distnb.worker.supervisor import READ_SIZE
+
+from conftest import usable, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import run_notebook
 from nbtext import outputs_text
+
+from conftest import run_notebook
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -7,12 +7,13 @@ import re
 import time
 
 import pytest
-from conftest import usable
 
 import distnb
 from distnb import _processes
 from distnb.services.diagnostics import FAULT_WAIT, STACKS_TIMEOUT
 from distnb.services.native_stacks import NATIVE_TIMEOUT
+
+from conftest import usable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

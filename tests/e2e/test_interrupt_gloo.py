@@ -14,12 +14,13 @@ import threading
 import time
 
 import pytest
-from conftest import usable, wait_until
 
 import distnb
 from distnb.ranks import format_ranks
 from distnb.worker import gloo_unblock
 from distnb.worker.group_abort import ESCALATE_AFTER
+
+from conftest import usable, wait_until
 
 #: From the interrupt to the cell's end on every rank: the escalation's delay, then the shutdown,
 #: the collective's error and the cell's end travelling back (milliseconds, given seconds here).

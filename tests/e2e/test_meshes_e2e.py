@@ -13,9 +13,10 @@ import re
 import time
 
 import pytest
-from conftest import usable
 
 import distnb
+
+from conftest import usable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 NCCL = os.environ.get("DISTNB_MESH_BACKEND") == "nccl"

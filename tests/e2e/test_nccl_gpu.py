@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import wait_until
 
 import distnb
 from distnb.worker.fingerprint import fingerprint
+
+from conftest import wait_until
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(240),

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import marked_processes, reap_marked, wait_gone
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_notebook
 from nbtext import outputs_text
+
+from conftest import marked_processes, reap_marked, wait_gone
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import usable
 
 import distnb
+
+from conftest import usable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

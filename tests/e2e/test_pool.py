@@ -20,10 +20,11 @@ import threading
 import time
 
 import pytest
-from conftest import kill_pids, pool_processes, session_id, started_pids, track, wait_gone, wait_until
 
 import distnb
 from distnb import CellEvents, LaunchError, NoPoolError, PoolBrokenError, PoolBusyError, PoolState, RankState, RemoteError, _processes
+
+from conftest import kill_pids, pool_processes, session_id, started_pids, track, wait_gone, wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import distnb
 import pytest
-from conftest import wait_until
 
+import distnb
 from distnb.services.rank_debug import ANSWER_TIMEOUT, ATTACH_TIMEOUT
+
+from conftest import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 

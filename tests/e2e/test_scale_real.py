@@ -14,11 +14,12 @@ import os
 import time
 
 import pytest
-from conftest import cmdline, pool_processes, run_processes, track, usable, wait_gone
 
 import distnb
 from distnb import PoolState, RankState, _processes
 from distnb.ranks import format_ranks
+
+from conftest import cmdline, pool_processes, run_processes, track, usable, wait_gone
 
 NNODES, NPROC = 8, 8
 WORLD = NNODES * NPROC

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import started_pids, track, wait_gone
 from magic_shell import Shell
 
 import distnb
@@ -25,6 +24,8 @@ from distnb.wire.codec import Codec
 from distnb.wire.peers import supervisor_identity
 from distnb.wire.protocol import Msg
 from distnb.wire.security import Credentials
+
+from conftest import started_pids, track, wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

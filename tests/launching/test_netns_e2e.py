@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import RUN_MARK, cmdline, started_pids
-from netns import Cluster, netns_unavailable
 from slurm_cluster import Slurm, slurm_unavailable
 
 from distnb import _processes
@@ -30,6 +28,9 @@ from distnb.controller.channel import TICK
 from distnb.controller.tracker import STRAND_AFTER
 from distnb.launching.remote_nodes import LOST_AFTER
 from distnb.ranks import parse_ranks
+
+from conftest import RUN_MARK, cmdline, started_pids
+from netns import Cluster, netns_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import wait_gone
 from IPython.core.error import UsageError
 from magic_shell import Shell
 
 import distnb
 from distnb import pools
 from distnb.wire import codec
+
+from conftest import wait_gone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

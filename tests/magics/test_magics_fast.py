@@ -5,9 +5,8 @@ pools, are in test_magics.py)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest

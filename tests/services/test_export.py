@@ -9,12 +9,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from conftest import run_notebook
 from nbtext import outputs_text
 
 import distnb
 from distnb.results import CellRecord
 from distnb.services.export import _show_last_value, select_cells
+
+from conftest import run_notebook
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

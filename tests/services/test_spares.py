@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from synthetic import SyntheticPool
-
 from distnb import _processes
 from distnb.config import LaunchConfig
 from distnb.services.startup import request_spares
 from distnb.wire.protocol import Msg
+
+from synthetic import SyntheticPool
 
 GIB = 2**30
 

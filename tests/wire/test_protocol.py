@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +26,8 @@ from distnb.wire.codec import MAGIC, BadFrame, Codec, FrameTooLarge, ReplayGuard
 from distnb.wire.peers import Peer, PeerKind, control_identity, exec_identity, parse_identity, supervisor_identity
 from distnb.wire.protocol import Msg, accept, accept_event, accept_request
 from distnb.wire.security import Credentials
+
+from conftest import wait_until
 
 KEY = b"k" * 32
 OTHER_KEY = b"o" * 32

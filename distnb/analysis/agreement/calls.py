@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.agreement.evidence import CollectiveEvidence, same_op
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.evidence import CollectiveEvidence, same_op
 
 __all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "op_stem", "program_key"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distnb.analysis.agreement.cell_source import because
-from distnb.analysis.agreement.evidence import CollectiveEvidence
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.evidence import CollectiveEvidence
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["CountMismatch", "carry_over", "count_mismatches", "mismatch_text"]

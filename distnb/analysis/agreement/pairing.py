@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["CrossCell", "CrossGroup", "cross_cell", "cross_group"]

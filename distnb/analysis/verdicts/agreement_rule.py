@@ -17,9 +17,9 @@ from dataclasses import replace
 from typing import Any
 
 from distnb.analysis.agreement.calls import Call, cell_calls, death_call
+from distnb.analysis.agreement.cell_source import around, condition_ranks, loop_span
 from distnb.analysis.agreement.compare import Disagreement, Presence, disagreements
 from distnb.analysis.agreement.programs import Change, Difference, compare_programs
-from distnb.analysis.agreement.cell_source import around, condition_ranks, loop_span
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call

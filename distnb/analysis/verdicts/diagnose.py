@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import Callable
 
 from distnb.analysis.agreement.collectives import CollectiveReport
-from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts import event_rules, flow_rules, log_rules
 from distnb.analysis.verdicts.agreement_rule import agreement
+from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
-from distnb.analysis.verdicts.verdict import Kind, VerdictState, Verdict
+from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 
 __all__ = ["RULES", "diagnose", "judge"]
 

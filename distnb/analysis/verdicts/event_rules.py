@@ -14,7 +14,7 @@ from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
-from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
+from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import ranks_verb
 from distnb.ranks import format_ranks, group_by
 

@@ -11,7 +11,7 @@ from distnb.analysis.agreement.cell_source import because
 from distnb.analysis.agreement.entry_words import args_text
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
-from distnb.analysis.verdicts.verdict import Certainty, Kind, Site, VerdictState, Verdict
+from distnb.analysis.verdicts.verdict import Certainty, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import ranks_verb
 from distnb.ranks import format_ranks, group_by
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from distnb.analysis.verdicts.p2p_roots import p2p_roots, site_departure
 from distnb.analysis.agreement.evidence import same_op
 from distnb.analysis.agreement.group_creation import creation_mismatch
-from distnb.analysis.verdicts.p2p import match_p2p
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
+from distnb.analysis.verdicts.p2p import match_p2p
+from distnb.analysis.verdicts.p2p_roots import p2p_roots, site_departure
 from distnb.analysis.verdicts.records import Records
+from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.ranks import format_ranks
-from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, VerdictState, Verdict
 
 __all__ = ["creation_out_of_step", "p2p_departure", "p2p_unmatched", "paired_across_cells", "wrong_group"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from distnb.analysis.agreement.evidence import odd_ones, P2P_OPS
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.evidence import P2P_OPS, odd_ones
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.ranks import format_ranks, group_by
 

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, P2P_OPS, peer_of
+from distnb.analysis.agreement.evidence import P2P_OPS, CollectiveEvidence, odd_ones, peer_of
 from distnb.analysis.verdicts.position import Position
 
 __all__ = ["P2PRoot", "SiteDeparture", "p2p_roots", "site_departure"]

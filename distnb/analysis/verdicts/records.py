@@ -8,8 +8,8 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from distnb.analysis.agreement.compare import Presence
 from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.agreement.compare import Presence
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.verdict import VerdictState
 
