@@ -77,7 +77,7 @@ class ControlThread(threading.Thread):
     #: (STACKS) once the cell has ended, and rebuilds the process group.
     unblocked: dict[str, Any] | None = None
 
-    def __init__(self, ctx: zmq.Context, addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0) -> None:
+    def __init__(self, ctx: zmq.Context[Any], addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0) -> None:
         """``generation``: the rank's respawn generation, in its connection's name (peers.in_generation)."""
         super().__init__(name="distnb-control", daemon=True)
         self.rank = rank

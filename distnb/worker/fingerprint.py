@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["fingerprint", "dense", "dtype_name", "digest", "fetch", "pieces", "sum_tensor", "sums", "WIDTH", "MASK", "PIECE_BYTES"]
 
@@ -38,7 +38,7 @@ _row_weights: dict[str, Any] = {}  # device → (_SPAN_ROWS, 4) int64 for the fi
 
 
 # -- weights ------------------------------------------------------------------------------------
-def _splitmix(seed: int):
+def _splitmix(seed: int) -> Iterator[int]:
     """A tiny, fixed PRNG: weights must be identical on every rank, torch version and device."""
     state = seed & _MASK
     while True:

@@ -24,6 +24,7 @@ import struct
 import subprocess
 import sys
 import time
+from typing import Any
 
 import zmq
 
@@ -41,7 +42,7 @@ _TAIL_BYTES = 16 * 1024
 _LEN = struct.Struct("!I")
 
 
-def write_event(fd: int, msg: dict) -> None:
+def write_event(fd: int, msg: dict[str, Any]) -> None:
     """Rank side: one length-prefixed pickled event on the private pipe to the supervisor."""
     body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     data = memoryview(_LEN.pack(len(body)) + body)
@@ -178,7 +179,7 @@ class Supervisor:
         """The rank process now."""
         return self.current.proc if self.current is not None else None
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict[str, Any]) -> None:
         send_frames(self.sock, self.codec.encode(msg))
 
     def start_child(self, spare: bool = False) -> Child:

@@ -52,7 +52,8 @@ P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
 def peer_of(call: dict[str, Any]) -> int | None:
     """The global rank a send goes to or a recv takes from (None: any rank, or only a group rank)."""
-    return call.get("args", {}).get("dst" if P2P_OPS[call["op"]] == "send" else "src")
+    peer = call.get("args", {}).get("dst" if P2P_OPS[call["op"]] == "send" else "src")
+    return int(peer) if peer is not None else None
 
 
 def peer_words(call: dict[str, Any]) -> str:

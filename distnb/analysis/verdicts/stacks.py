@@ -119,7 +119,7 @@ class StackReport:
     ranks: list[RankStack]
 
     def __getitem__(self, rank: int) -> RankStack:
-        by_rank = self.__dict__.get("_by_rank")
+        by_rank: dict[int, RankStack] | None = self.__dict__.get("_by_rank")
         if by_rank is None or len(by_rank) != len(self.ranks):  # built once; again if ranks were added
             by_rank = self.__dict__["_by_rank"] = {r.rank: r for r in self.ranks}
         return by_rank[rank]
