@@ -52,6 +52,8 @@ class Outcome:
     phases: dict[str, float] = field(default_factory=dict)  # setup, watch, stop: where the seconds went
     error: str = ""
     report: str = ""  # the cell's own end report (root cause, notes), for reading a miss
+    positions: list[str] = field(default_factory=list)  # where each rank was when judged
+    log: str = ""  # %dist_collectives at the verdict, for reading a miss
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +140,7 @@ class Runner:
             res, verdict = self._watch(m.step)
             t2 = time.monotonic()
             report = res.text()
+            out.log = self.pool.collectives(refresh=False).text()[-4000:]
             self._stop(res)
             out.phases = {"setup": round(t1 - t0, 2), "watch": round(t2 - t1, 2), "stop": round(time.monotonic() - t2, 2)}
         except Exception as exc:
@@ -158,6 +161,7 @@ class Runner:
 
 
 def _fill(out: Outcome, verdict: Verdict, res: distnb.CellResult) -> None:
+    out.positions = [f"{p.rank}: {p.where([])}" for p in verdict.positions]
     out.state = str(verdict.state)
     out.kind = str(verdict.kind)
     out.culprits = list(verdict.culprits)

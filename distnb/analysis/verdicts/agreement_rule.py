@@ -161,9 +161,11 @@ def _left_first(rec: Records, d: Disagreement, odd: list[int]) -> bool:
     if d.inside or not any(c is None for c in d.by_rank.values()):
         return False
     absent = [r for r, c in d.by_rank.items() if c is None]
-    left = {p.rank for p in rec.raised} | {p.rank for p in rec.dead} | {p.rank for p in rec.of("stranded")}
-    if not ({p.rank for p in rec.raised} | {p.rank for p in rec.dead}):
+    events = {p.rank for p in rec.raised} | {p.rank for p in rec.dead}
+    if not events:
         return False
+    # Ranks stranded by a death, or failed only because a peer's connection closed, left with it.
+    left = events | {p.rank for p in rec.of("stranded", "failed")}
     return all(r in left for r in absent) and (all(d.by_rank.get(r) is None for r in odd) or not set(odd) - left - set(absent))
 
 

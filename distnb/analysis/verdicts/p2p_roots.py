@@ -76,18 +76,24 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
 
 
 def _relative_odd(positions: list[Position], explicit: list[int]) -> list[int]:
-    """Of the ranks a pairing found naming a wrong peer, those whose open calls' peer relative to
-    themselves departs from the other ranks' calls of the same kind (one wrong send makes its
-    receiver's recv look wrong too)."""
+    """Of the ranks a pairing found naming a wrong peer, those not cleared by the other ranks'
+    calls: a rank whose every open call has the peer, relative to itself, that most calls of its
+    kind have (one wrong send makes its receiver's recv look wrong too) is left out."""
     world = max((p.rank for p in positions), default=0) + 1
-    rel: dict[tuple[int, str], int | None] = {}
+    rel: dict[int, list[tuple[str, int | None]]] = {}
     for p in positions:
         for c in p.peers:
             peer = peer_of(c)
-            rel[(p.rank, P2P_OPS[c["op"]])] = (peer - p.rank) % world if peer is not None else None
-    usual = {kind: Counter(v for (r, k), v in rel.items() if k == kind).most_common(1) for kind in ("send", "recv")}
-    odd = sorted({r for (r, kind), v in rel.items() if r in explicit and usual[kind] and v != usual[kind][0][0] and usual[kind][0][1] > 1})
-    return odd if odd and len(odd) < len(explicit) else sorted(explicit)
+            rel.setdefault(p.rank, []).append((P2P_OPS[c["op"]], (peer - p.rank) % world if peer is not None else None))
+    counts = {kind: Counter(v for calls in rel.values() for k, v in calls if k == kind) for kind in ("send", "recv")}
+    usual = {kind: c.most_common(1)[0] for kind, c in counts.items() if c}
+
+    def cleared(r: int) -> bool:
+        calls = rel.get(r, [])
+        return bool(calls) and all(kind in usual and usual[kind][1] > 1 and v == usual[kind][0] for kind, v in calls)
+
+    kept = [r for r in sorted(explicit) if not cleared(r)]
+    return kept if kept and len(kept) < len(explicit) else sorted(explicit)
 
 
 def _cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str, Any]]:
