@@ -86,19 +86,25 @@ class Runner:
             raise RuntimeError(f"{program.name}: setup failed:\n{res.text()}")
 
     def _watch(self, code: str) -> tuple[distnb.CellResult, Verdict]:
+        """The verdict a user reads: the live watch's once it names a hang or a failure and says the
+        same at the next look half a second later (the notebook shows a diagnosis until it
+        changes; a rank aborting in between changes it), else the ended cell's."""
         pool = self.pool
         res = pool.submit(code)
         t0 = time.monotonic()
         verdict: Verdict | None = None
+        last: tuple[object, ...] | None = None
         while True:
-            pool.wait(res, timeout=0.25, ask=None)
+            pool.wait(res, timeout=0.5, ask=None)
             if not res.running:
                 break
             elapsed = time.monotonic() - t0
             if elapsed >= HANG_AFTER + 0.5:
                 verdict = pool.diagnose(res, hang_after=HANG_AFTER)
-                if verdict.state in (VerdictState.HANG, VerdictState.FAILED) or elapsed > VERDICT_WITHIN:
+                said = (verdict.state, verdict.kind, tuple(verdict.culprits))
+                if verdict.state in (VerdictState.HANG, VerdictState.FAILED) and said == last or elapsed > VERDICT_WITHIN:
                     break
+                last = said
         if not res.running:
             verdict = pool.diagnose(res, hang_after=HANG_AFTER)
         assert verdict is not None

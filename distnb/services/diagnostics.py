@@ -176,7 +176,7 @@ class Diagnostics:
             # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
             return self.straggler(result, straggler_window(len(result.ranks)), positions) or diag
         if diag.state in (VerdictState.HANG, VerdictState.SLOW, VerdictState.FAILED):
-            why = self.why(result)
+            why = self.why(result, culprits=diag.culprits)
             if why:
                 diag.details.append(f"  why: {why}")
             compiled = self.compiles(cells=[result.cell], live=True, results=[result])
@@ -207,10 +207,12 @@ class Diagnostics:
                 seen.append(res.cell)
         return CompileReport(events, breaks, seen, self._session.codes())
 
-    def why(self, result: CellResult, quiet_expected: bool = False, hint: bool = True) -> str:
+    def why(self, result: CellResult, quiet_expected: bool = False, hint: bool = True, culprits: list[int] | None = None) -> str:
         """The first decision in the notebook's code that the cell's ranks took differently, in
         words (finished ranks' records from their CELL_DONE, running ones' from the last stacks
-        round); "" when they decided alike; with ``hint``, how to record them when no rank did."""
+        round); "" when they decided alike; with ``hint``, how to record them when no rank did.
+        ``culprits``: a verdict's — a decision only other ranks took is an effect of what the
+        culprits did (a rank leaving its wait loop because its peer finished), not its cause."""
         paths = self._records(result, "paths", live=True)
         if not paths and hint and len(result.ranks) > 1:
             return ("run the cell again with %%on_ranks --paths to see the first decision the ranks took differently "
@@ -218,7 +220,9 @@ class Diagnostics:
         if len(paths) < 2:
             return ""  # nothing to compare (and the session's sources are not worth gathering)
         found = first_difference(paths, self._session.codes(), quiet_expected)
-        return found.summary() if found is not None else ""
+        if found is None or culprits and not set(found.odd) & set(culprits):
+            return ""
+        return found.summary()
 
     def _records(self, result: CellResult, kind: str, live: bool) -> dict[int, dict[str, Any]]:
         """Each rank's ``kind`` record (``paths``, ``compiles``) of the cell: a finished rank's from
@@ -309,7 +313,8 @@ class Diagnostics:
             result.compile_note = compiled.summary() if compiled.differences() else ""
         if result.failed or result.desync:
             # Every rank failing alike needs no "why ranks differ"; some failing, or counts apart, does.
-            why = self.why(result, hint=bool(result.desync) or len(result.failed) < len(result.ranks))
+            why = self.why(result, hint=bool(result.desync) or len(result.failed) < len(result.ranks),
+                           culprits=result.verdict.culprits if result.verdict is not None else None)
             result.path_note = f"why: {why}" if why else ""
         else:
             # Finished alike everywhere: only a difference nobody asked for (not `if rank == 0:`) is said.
