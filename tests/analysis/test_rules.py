@@ -214,7 +214,8 @@ def test_every_rule_has_a_case() -> None:
 
 def test_the_agreement_rule_names_site_cause_and_evidence() -> None:
     verdict = case_agreement()
-    assert verdict.summary.startswith("rank 0 made a call ranks 1-3 did not: all_reduce #4 [1] f32 at cell 5 line 5"), verdict.summary
+    assert verdict.summary.startswith("rank-conditional collective: rank 0 entered all_reduce #4 [1] f32 at cell line 5, but ranks 1-3 "
+                                      "finished the cell without entering it"), verdict.summary
     assert "under `if rank == 0:` (line 4)" in verdict.summary and verdict.summary.endswith("Root cause: rank 0.")
     assert [(s.cell, s.line) for s in verdict.sites] == [(CELL, 5)]
     assert verdict.evidence is not None and verdict.evidence.records[0].startswith("all_reduce [1] f32")
@@ -226,7 +227,7 @@ def test_a_rank_that_skipped_the_call_in_the_loop_is_missing_it() -> None:
     per_rank[1] = loop_calls(2)
     verdict = judge([*(waits(r, seq=3) for r in (0, 2, 3)), Position(1, "finished")], log_of(per_rank))
     assert (verdict.kind, verdict.culprits) == (Kind.LOOP_COUNT, [1]), verdict.text()
-    assert "rank 1 ran 2 steps of (all_reduce [4] f32) at cell 5 line 3" in verdict.summary
+    assert "rank 1 ran 2 steps of (all_reduce [4] f32) at cell line 3" in verdict.summary
 
 
 def test_a_call_at_the_same_site_with_another_shape_is_a_certain_mismatch() -> None:

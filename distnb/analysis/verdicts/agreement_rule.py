@@ -226,11 +226,15 @@ def _words(rec: Records, d: Disagreement, kind: Kind, diff: Difference | None, o
     if kind == Kind.CALL_MISSING:
         missing = diff.majority_calls if diff is not None and diff.majority_calls else [c for c in [at] if c is not None]
         call = missing[0] if missing else None
+        if _under_rank_condition(rec, call):
+            return _rank_conditional(rec, call, others, odd), kind
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         return f"{who} did not make {call_words(call)}{more}{site_of_call(call, rec)} on {label}, which {them} made", kind
     if kind == Kind.CALL_EXTRA:
         extra = diff.odd_calls if diff is not None and diff.odd_calls else [c for r in odd if (c := d.by_rank.get(r)) is not None]
         call = extra[0] if extra else None
+        if _under_rank_condition(rec, call):
+            return _rank_conditional(rec, call, odd, others), kind
         on = group_words(log, call.group) if call is not None else label
         return f"{who} made a call {them} did not: {call_words(call)}{site_of_call(call, rec)} on {on}", kind
     if kind == Kind.LOOP_COUNT and diff is not None and diff.loop is not None:
@@ -262,6 +266,22 @@ def _words(rec: Records, d: Disagreement, kind: Kind, diff: Difference | None, o
 def _victim_words(rec: Records, dead: list[int]) -> str:
     return "gloo aborts a rank that receives data its own tensor can't hold" if any("SIGABRT" in rec.by_rank[r].detail for r in dead) else \
         "a victim"
+
+
+def _under_rank_condition(rec: Records, call: Call | None) -> bool:
+    if call is None or call.line is None or call.cell is None:
+        return False
+    found = around(rec.sources.get(call.cell, ""), call.line)
+    return found is not None and found.rank_condition() is not None
+
+
+def _rank_conditional(rec: Records, call: Call | None, entered: list[int], skipped: list[int]) -> str:
+    """``rank-conditional collective: rank 0 entered barrier #1 at cell line 4, but ranks 1,2
+    finished the cell without entering it`` — the ranks on each side of an ``if`` on the rank."""
+    finished = all(rec.by_rank[r].state == "finished" for r in skipped if r in rec.by_rank)
+    rest = "finished the cell without entering it" if finished else "did not enter it"
+    return (f"rank-conditional collective: {format_ranks(entered)} entered {call_words(call)}{site_of_call(call, rec)}, but "
+            f"{format_ranks(skipped) if skipped else 'the others'} {rest}")
 
 
 def _certain(rec: Records, kind: Kind, tie: bool, d: Disagreement, diff: Difference | None, odd: list[int], sites: list[Site],

@@ -30,8 +30,10 @@ def site_of_call(call: Call | None, rec: Records) -> str:
         return ""
     if call.line is None:
         return " (issued inside torch, e.g. by DDP or FSDP)"
-    func = f" in {call.func}()" if call.func not in ("", "<module>") else ""
-    return f"{func} at cell {call.cell} line {call.line}"
+    if call.func not in ("", "<module>"):
+        return f" in {call.func}() (cell {call.cell} line {call.line})"
+    # The judged cell's own lines read as the stack's do ("at cell line 4"); an earlier cell's name it.
+    return f" at cell line {call.line}" if call.cell == rec.judged_cell else f" at cell {call.cell} line {call.line}"
 
 
 def group_words(log: CollectiveReport, group: str) -> str:
