@@ -10,7 +10,7 @@ import io
 import pytest
 
 import distnb
-from distnb import pool as pool_module
+from distnb import pools
 
 
 class Shell:
@@ -32,7 +32,7 @@ class Shell:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 value = self.ip.run_line_magic(name, args)
         finally:
-            current = pool_module._current
+            current = pools.current_or_none()
             if current is not None and current not in self.pools:
                 self.pools.append(current)
         return value, out.getvalue(), err.getvalue()

@@ -99,8 +99,9 @@ def test_an_async_call_left_pending_is_paired_with_the_next_cells_call(mesh_pool
     assert pool.run("dist.all_reduce(torch.ones(1, device=device))", timeout=120).ok
     left = pool.run("as_t = torch.ones(4, device=device)\nif rank == 0:\n    as_work = dist.all_reduce(as_t, async_op=True)\n", timeout=120)
     assert left.ok and left.desync, left.text()
-    assert f"Evidence: it was issued with async_op=True and its work is still pending (never waited on); the call at cell {left.cell} line 3 " \
-           f"is under `if rank == 0:` (cell {left.cell} line 2)" in left.text(), left.text()
+    assert f"it was issued with async_op=True and its work is still pending (never waited on); the call at cell {left.cell} line 3 " \
+           "is under `if rank == 0:` (line 2)" in left.text(), left.text()
+    assert left.verdict is not None and left.verdict.culprits == [0], left.text()
     res = pool.submit("as_u = torch.ones(6, device=device) * (rank + 1)\ndist.all_reduce(as_u)\nas_v = as_u.sum().item()\n")
     diag = _hang(pool, res)
     # The sequence number depends on what earlier tests ran on the shared pool.

@@ -187,6 +187,8 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
     cause = _cause(rec, sites)
     summary, kind = _words(rec, d, kind, diff, first, second)
     tail = []
+    if diff is not None and diff.odd_calls and _pending_async(rec, diff.odd_calls[0]):
+        tail.append("it was issued with async_op=True and its work is still pending (never waited on)")
     if cause:
         tail.append(cause)
     if waiting:
@@ -341,6 +343,12 @@ def _code(rec: Records, cell: int | None, line: int | None) -> str:
     code = rec.sources.get(cell) if cell is not None else None
     lines = code.splitlines() if code else []
     return lines[line - 1].strip() if line and line <= len(lines) else ""
+
+
+def _pending_async(rec: Records, call: Call) -> bool:
+    """An ``async_op=True`` call whose work nobody waited on: it leaves its rank a call ahead
+    without any rank blocking in it."""
+    return not call.done and "async_op=True" in _code(rec, call.cell, call.line).replace(" ", "")
 
 
 def _cause(rec: Records, sites: list[Site]) -> str:
