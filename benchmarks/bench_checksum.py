@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from distnb.worker.checksum import checksum
-from distnb.worker.fingerprint import fingerprint
-from distnb.worker.memory_sampler import MemorySampler
+from distnb.worker.recorders.checksum import checksum
+from distnb.worker.recorders.fingerprint import fingerprint
+from distnb.worker.recorders.memory_sampler import MemorySampler
 
 
 def _sync(device: str) -> None:

@@ -57,7 +57,7 @@ def per_collective(n):
 
 WATCH_PROBE = """
 import threading
-from distnb.worker.flight_recorder import SeqWatch, read_collectives, CellClock
+from distnb.worker.torch_hooks.flight_recorder import SeqWatch, read_collectives, CellClock
 def _control():
     return next(t for t in threading.enumerate() if t.name == "distnb-control")
 def look_us(n=20000):
@@ -167,7 +167,7 @@ def tracking_cost(rounds: int) -> dict[str, object]:
         for p in (on2, off2):
             p.run(DDP_BENCH)
         # Collectives one DDP step issues, read from the recorder itself.
-        counts = on2.run("from distnb.worker.flight_recorder import read_collectives, CellClock\n"
+        counts = on2.run("from distnb.worker.torch_hooks.flight_recorder import read_collectives, CellClock\n"
                          "def _n(): return max((e['id'] for e in read_collectives(-1, CellClock())['entries']), default=0)\n"
                          "def per_step(width):\n    a = _n(); bench(width, 20); return (_n() - a) / 25\n"
                          "(per_step(64), per_step(1024))")

@@ -29,8 +29,8 @@ ENTRIES = 400
 
 READ = """
 import time
-from distnb.worker.flight_recorder import read_collectives, CellClock, dump_recorders
-from distnb.worker.group_state import sync_state
+from distnb.worker.torch_hooks.flight_recorder import read_collectives, CellClock, dump_recorders
+from distnb.worker.torch_hooks.group_state import sync_state
 def bench_read(n=20):
     t = time.perf_counter()
     for _ in range(n):

@@ -94,7 +94,7 @@ def descendants() -> list[int]:
 def kind_of(pid: int) -> str:
     cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ")
     # torchrun's command line names the supervisor it runs: it is looked for first.
-    for needle, kind in (("torch.distributed.run", "torchrun"), ("distnb.worker.rank", "rank"), ("-m distnb.worker", "supervisor"),
+    for needle, kind in (("torch.distributed.run", "torchrun"), ("distnb.worker.process.rank", "rank"), ("-m distnb.worker", "supervisor"),
                          ("distnb.node", "node_agent")):
         if needle in cmd:
             return kind

@@ -29,7 +29,7 @@ _PUBLIC = {
     "launch": "distnb.pool",
     "CellResult": "distnb.results", "PoolStatus": "distnb.status", "RankResult": "distnb.results",
     "RankState": "distnb.states", "RankStatus": "distnb.status",
-    "checksum": "distnb.worker.checksum",
+    "checksum": "distnb.worker.recorders.checksum",
     "Debugger": "distnb.services.debugger", "Prompt": "distnb.controller.prompts",
     "Verdict": "distnb.analysis.verdicts.verdict", "Kind": "distnb.analysis.verdicts.verdict", "Certainty": "distnb.analysis.verdicts.verdict",
     "VerdictState": "distnb.analysis.verdicts.verdict", "Site": "distnb.analysis.verdicts.verdict", "Evidence": "distnb.analysis.verdicts.verdict",
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from distnb.services.debugger import Debugger
     from distnb.states import PoolState, RankState
     from distnb.status import PoolStatus, RankStatus
-    from distnb.worker.checksum import checksum
+    from distnb.worker.recorders.checksum import checksum
 
 
 def __getattr__(name: str) -> Any:

@@ -101,7 +101,7 @@ class Pool:
         self._diagnostics = Diagnostics(self._tracker, self._config, self._session, lambda: self.run_dir)
         self._debugger = Debugger(self._tracker, self._config, self.diagnose, self.meshes)
         self._panel = RankDebug(self._tracker.requests, self._tracker.rank_statuses)
-        self._tracker.dap_handler = self._panel.deliver
+        self._tracker.route_debugger(self._panel.deliver)
         self._channel: Channel | None = None
         self._launcher: Launcher | None = None
         self._multinode: MultiNode | None = None
@@ -180,11 +180,11 @@ class Pool:
                     self._multinode = MultiNode(config, tracker, self._channel, self._channel.address, creds)
                 except (OSError, RuntimeError) as exc:
                     raise LaunchError(str(exc)) from None
-                tracker.node_handler = self._multinode.on_message
+                tracker.route_nodes(self._multinode.on_message)
                 rdzv = self._multinode.rdzv
             self._launcher = Launcher(config, self._channel.address, creds, rdzv=rdzv)
             self._launcher.start()
-            tracker.liveness = self._launcher
+            tracker.watch(self._launcher)
             if self._multinode is not None:
                 self._launcher.known_pids |= self._multinode.start_agents()
             wait_ready(tracker, self._launcher, config, self._multinode, on_progress, on_note)
@@ -278,10 +278,7 @@ class Pool:
         # The new default group is named "0" again and counts from #1 while the ranks' recorders keep
         # the old one's entries: a new generation of the log ignores every record made so far (idle ranks).
         self.collectives(refresh=True)
-        log = self._tracker.collective_log
-        with self._tracker.lock:
-            log.new_generation({r: log.last_id(r) for r in targets})
-            self._tracker.desync = []
+        self._tracker.new_generation(targets)
         replies = self._tracker.requests.ask(exec_identity, targets, {"t": Msg.REGROUP, "generation": self._regroups},
                                              self._config.pg_timeout + 30)
         errors = errors_of(replies)

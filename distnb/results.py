@@ -16,6 +16,7 @@ from distnb.analysis.reports.nccl_dumps import watchdog_cause
 from distnb.analysis.verdicts.failures import differing_messages, is_timeout, salient_lines
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
+from distnb.wire.records import CellError, SyncState
 
 __all__ = [
     "CellEvents",
@@ -97,7 +98,7 @@ class RankResult:
     stdout: _Output = _Output()
     stderr: _Output = _Output()
     value: dict[str, str] | None = None
-    error: dict[str, Any] | None = None
+    error: CellError | None = None
     duration: float | None = None
     displays: list[dict[str, str]] = field(default_factory=list)
     returncode: int | None = None
@@ -110,11 +111,11 @@ class RankResult:
     collective: str = ""  # the collective a dead (or stranded) rank was in, from its last polled log
     cause: str = ""  # why it died when no exit code tells (its machine lost)
     direct: bool = False  # its CELL_DONE came straight from the rank (a silent cell), not via its supervisor
-    profile: dict[str, Any] | None = None  # with --profile: what worker/profiling.py measured
-    comms: dict[str, Any] | None = None  # with --comms: what worker/comms.py accounted
-    sync: dict[str, Any] | None = None  # collectives issued per group at the cell's end (worker/group_state.py)
-    paths: dict[str, Any] | None = None  # which notebook lines ran, as transitions (worker/paths.py)
-    compiles: dict[str, Any] | None = None  # torch.compile's frames compiled, recompiles, graph breaks (worker/compile_record.py)
+    profile: dict[str, Any] | None = None  # with --profile: what worker/recorders/profiling.py measured
+    comms: dict[str, Any] | None = None  # with --comms: what worker/torch_hooks/comms.py accounted
+    sync: SyncState | None = None  # collectives issued per group at the cell's end (worker/torch_hooks/group_state.py)
+    paths: dict[str, Any] | None = None  # which notebook lines ran, as transitions (worker/recorders/paths.py)
+    compiles: dict[str, Any] | None = None  # torch.compile's frames compiled, recompiles, graph breaks (worker/torch_hooks/compile_record.py)
 
     def add_output(self, stream: str, text: str) -> None:
         """Append ``text`` to ``stream`` (``"stdout"`` or ``"stderr"``) without copying what is there."""

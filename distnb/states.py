@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["PoolState", "RankState"]
+__all__ = ["POOL_MOVES", "RANK_MOVES", "PoolState", "RankState"]
 
 
 class PoolState(str, Enum):
@@ -33,3 +33,23 @@ class RankState(str, Enum):
     IDLE = "idle"  # process group ready, waiting for a cell
     RUNNING = "running"  # executing a cell
     DEAD = "dead"  # the rank process has ended
+
+
+#: The moves the tracker may make (controller/tracker.py, its one mover); anything else is a bug
+#: (pool) or a late, reordered message (rank), which must not revive a dead rank.
+POOL_MOVES: dict[PoolState, set[PoolState]] = {
+    PoolState.NEW: {PoolState.STARTING},
+    PoolState.STARTING: {PoolState.READY, PoolState.STOPPING},
+    PoolState.READY: {PoolState.BROKEN, PoolState.STOPPING, PoolState.STARTING},  # STARTING: a respawn
+    PoolState.BROKEN: {PoolState.STOPPING, PoolState.STARTING},
+    PoolState.STOPPING: {PoolState.STOPPED},
+    PoolState.STOPPED: {PoolState.STARTING},
+}
+RANK_MOVES: dict[RankState, set[RankState]] = {
+    RankState.LAUNCHED: {RankState.STARTED, RankState.CONNECTED, RankState.IDLE, RankState.DEAD},
+    RankState.STARTED: {RankState.CONNECTED, RankState.IDLE, RankState.DEAD},
+    RankState.CONNECTED: {RankState.IDLE, RankState.DEAD},
+    RankState.IDLE: {RankState.RUNNING, RankState.DEAD},
+    RankState.RUNNING: {RankState.IDLE, RankState.DEAD},
+    RankState.DEAD: set(),
+}

@@ -21,7 +21,7 @@ from distnb.launching.remote_nodes import Nodes
 from distnb.results import CellEvents, CellResult, RankResult
 from distnb.services.diagnostics import Diagnostics
 from distnb.wire.protocol import Msg
-from distnb.worker.flight_recorder import SentGroups
+from distnb.worker.torch_hooks.flight_recorder import SentGroups
 
 from conftest import FakeTransport, feed
 

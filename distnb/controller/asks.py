@@ -4,17 +4,18 @@ dies abruptly), and the memory of ranks left waiting by one that ran out of it."
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.requests import Requests, Transport
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
+from distnb.wire.records import CollectivesRead
 
 __all__ = ["Asks"]
 
 #: Ranks still running a cell are polled every this many ticks: they push their own entries
-#: within ~50 ms (worker/control.py), and a full read of a rank's recorder costs milliseconds.
+#: within ~50 ms (worker/process/control.py), and a full read of a rank's recorder costs milliseconds.
 POLL_RUNNING_EVERY = 5
 
 
@@ -41,7 +42,7 @@ class Asks:
         targets = sorted((self._dirty | polled) - dead)
         self._dirty = set()
         for r in targets:
-            req_id = self._requests.expect(self._log.merge, ttl=10.0)
+            req_id = self._requests.expect(lambda r, reply: self._log.merge(r, cast(CollectivesRead, reply)), ttl=10.0)
             transport.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": req_id, "since": self._log.cursor(r),
                                                  "calls_since": self._log.last_call(r), "groups": self._log.wants_groups([r])})
 

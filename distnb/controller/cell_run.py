@@ -8,7 +8,8 @@ import time
 
 from distnb.controller.prompts import Prompt
 from distnb.ranks import format_ranks
-from distnb.results import CellEvents, CellResult
+from distnb.results import CellEvents, CellResult, RankResult
+from distnb.wire.protocol import CellDone
 
 __all__ = ["CellRun"]
 
@@ -33,6 +34,18 @@ class CellRun:
         run.waiting_done.clear()
         run.finished.set()
         return run
+
+    def done(self, rank: int, msg: CellDone, direct: bool) -> RankResult:
+        """The rank's CELL_DONE: its outcome into its result (``direct``: straight from the rank, a
+        silent cell, not through its supervisor); the run no longer waits for it."""
+        res = self.result.results[rank]
+        res.status = msg["status"]
+        res.value, res.error, res.duration, res.memory = msg.get("value"), msg.get("error"), msg.get("duration"), msg.get("memory")
+        res.profile, res.sync, res.paths, res.compiles, res.comms = (msg.get("profile"), msg.get("sync"), msg.get("paths"),
+                                                                     msg.get("compiles"), msg.get("comms"))
+        res.finished_at, res.direct = time.monotonic(), direct
+        self.waiting_done.discard(rank)
+        return res
 
     def rank_finished(self, rank: int) -> bool:
         return rank not in self.waiting_done

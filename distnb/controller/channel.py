@@ -57,7 +57,7 @@ _TAKE_MAX = 256
 #: every tick can't flood the notebook with one traceback a second.
 _LOGGED_SITES_MAX = 64
 #: Frames queued per peer before its connection is no longer read (ZMQ's default is 1,000): output
-#: travels in frames of at most 64 KiB (worker/supervisor.py), so a flooding rank holds at most
+#: travels in frames of at most 64 KiB (worker/process/supervisor.py), so a flooding rank holds at most
 #: 16 MiB of the notebook's memory in flight.
 ROUTER_RCVHWM = 256
 #: Seconds between the I/O thread's ticks (the tracker's checks: deaths without a report, stranded

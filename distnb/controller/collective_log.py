@@ -16,8 +16,9 @@ from typing import Any, Iterable
 
 from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.entry_words import describe
-from distnb.analysis.agreement.evidence import P2P_OPS, peer_of
+from distnb.analysis.agreement.evidence import peer_of
 from distnb.analysis.agreement.groups import GroupInfo, info_from, site_of
+from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry, CollectivesRead
 
 __all__ = ["CollectiveLog"]
 
@@ -28,7 +29,7 @@ _HERE = socket.gethostname()
 class CollectiveLog:
     """Every rank's Flight Recorder entries as the controller last saw them (kept after death)."""
 
-    entries: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # rank -> id -> entry
+    entries: dict[int, dict[int, CollectiveEntry]] = field(default_factory=dict)  # rank -> id -> entry
     groups: dict[str, list[int]] = field(default_factory=dict)
     # torch's description of each group (``mesh_dp`` for a mesh's dp groups), from its entries.
     descs: dict[str, str] = field(default_factory=dict)
@@ -36,9 +37,9 @@ class CollectiveLog:
     # Recorders some rank could not read (e.g. NCCL's on a torch without it), and why: the log
     # then lacks those collectives, and says so.
     missing: dict[str, str] = field(default_factory=dict)
-    # Per rank, the watched calls (worker/call_log.py) by number: point-to-point, group creation,
+    # Per rank, the watched calls (worker/torch_hooks/call_log.py) by number: point-to-point, group creation,
     # and the arguments of rooted and reducing collectives.
-    calls: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    calls: dict[int, dict[int, CallRecord]] = field(default_factory=dict)
     # Ranks that died inside a collective (by the stack they printed) before its entry reached
     # the controller: op name. Their missing entry is not "never entered".
     died_in: dict[int, str] = field(default_factory=dict)
@@ -57,11 +58,11 @@ class CollectiveLog:
     # Per rank, per group, the collectives (not point-to-point) by sequence number: what every
     # comparison across ranks reads, kept as entries arrive so a look costs the entries it reads,
     # not the rank's whole history.
-    _seqs: dict[int, dict[str, dict[int, dict[str, Any]]]] = field(default_factory=dict, repr=False)
+    _seqs: dict[int, dict[str, dict[int, CollectiveEntry]]] = field(default_factory=dict, repr=False)
     _infos: dict[str, GroupInfo] = field(default_factory=dict, repr=False)
     # Per rank, the entries not completed (by id) and the newest id held: what every look at a
     # running cell asks, without walking the rank's history.
-    _open: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict, repr=False)
+    _open: dict[int, dict[int, CollectiveEntry]] = field(default_factory=dict, repr=False)
     _newest: dict[int, int] = field(default_factory=dict, repr=False)
     #: Bumped whenever an entry arrives or changes: a watcher sees at a glance whether anything moved.
     changes: int = 0
@@ -93,7 +94,7 @@ class CollectiveLog:
         open_ = [n for n, c in calls.items() if c["end"] is None]
         return min(max(calls), min(open_) - 1) if open_ else max(calls)
 
-    def merge(self, rank: int, reply: dict[str, Any]) -> None:
+    def merge(self, rank: int, reply: CollectivesRead) -> None:
         if reply.get("calls"):
             self._sites = None
             mine_calls = self.calls.setdefault(rank, {})
@@ -183,7 +184,7 @@ class CollectiveLog:
         self.calls.clear()  # the ranks cleared theirs: group names and counts start over
         self.floors.update(floors)
 
-    def age(self, rank: int, entry: dict[str, Any]) -> float:
+    def age(self, rank: int, entry: CollectiveEntry) -> float:
         """Seconds since the rank recorded ``entry``, by the rank's own clock."""
         return max(0.0, time.time() + self.offset(rank) - float(entry["t"]))
 
@@ -202,17 +203,17 @@ class CollectiveLog:
         samples = self._skew.get(self._hosts.get(rank, f"rank {rank}"))
         return max(samples) if samples else 0.0
 
-    def local_time(self, rank: int, entry: dict[str, Any]) -> float:
+    def local_time(self, rank: int, entry: CollectiveEntry) -> float:
         """When the rank recorded ``entry``, on the controller's clock (to order ranks' entries)."""
         return float(entry["t"]) - self.offset(rank)
 
-    def pending(self, rank: int, cell: int | None = None) -> dict[str, Any] | None:
+    def pending(self, rank: int, cell: int | None = None) -> CollectiveEntry | None:
         """The collective the rank entered most recently and has not completed (in ``cell``, when
         given: the rank attributed it to that cell by its own clock)."""
         open_ = [e for e in self._open.get(rank, {}).values() if cell is None or e.get("cell") == cell]
         return max(open_, key=lambda e: e["id"]) if open_ else None
 
-    def stuck(self, rank: int) -> dict[str, Any] | None:
+    def stuck(self, rank: int) -> CollectiveEntry | None:
         """The rank's oldest collective not completed, from whichever cell issued it. A group runs
         its collectives in order, so its oldest open one is the one its peers must join first;
         NCCL (and gloo's ``async_op=True``) return to the host long before — the host then waits
@@ -220,7 +221,7 @@ class CollectiveLog:
         open_ = self._open.get(rank)
         return open_[min(open_)] if open_ else None
 
-    def open_calls(self, rank: int) -> list[dict[str, Any]]:
+    def open_calls(self, rank: int) -> list[CallRecord]:
         """Watched calls the rank is in now (a blocking send/recv, new_group) or has not seen
         complete (an isend/irecv), oldest first."""
         return sorted((c for c in self.calls.get(rank, {}).values() if c["end"] is None), key=lambda c: c["n"])
@@ -240,7 +241,7 @@ class CollectiveLog:
                 return "new_group"
         return ""
 
-    def at(self, entry: dict[str, Any]) -> str:
+    def at(self, entry: CollectiveEntry) -> str:
         """``#2 on dp (ranks 1,3)``: where an entry sits, its group named as the user built it."""
         return f"#{entry['seq']} on {self.group(entry['group']).label()}"
 
@@ -255,27 +256,27 @@ class CollectiveLog:
             info = self._infos[name] = info_from(name, self.groups, self.descs, self._sites)
         return info
 
-    def creations(self, rank: int) -> dict[int, dict[str, Any]]:
+    def creations(self, rank: int) -> dict[int, CallRecord]:
         """The rank's ``new_group`` calls by torch's group counter before each (1 = the first
         after init_process_group): every rank must make the same ones in the same order."""
-        return {c["count"]: c for c in self.calls.get(rank, {}).values() if c["op"] == "new_group" and c.get("count") is not None}
+        return {n: c for c in self.calls.get(rank, {}).values() if c["op"] == "new_group" and (n := c.get("count")) is not None}
 
-    def calls_of(self, rank: int) -> list[dict[str, Any]]:
+    def calls_of(self, rank: int) -> list[CallRecord]:
         """The rank's watched calls as held, oldest first (read-only)."""
         return sorted(self.calls.get(rank, {}).values(), key=lambda c: c["n"])
 
-    def p2p(self, rank: int) -> list[dict[str, Any]]:
+    def p2p(self, rank: int) -> list[CallRecord]:
         return sorted((c for c in self.calls.get(rank, {}).values() if c["op"] in P2P_OPS), key=lambda c: c["n"])
 
-    def sequence(self, rank: int, group: str) -> list[dict[str, Any]]:
+    def sequence(self, rank: int, group: str) -> list[CollectiveEntry]:
         by_seq = self.seqs(rank, group)
         return [by_seq[s] for s in sorted(by_seq)]
 
-    def groups_of(self, rank: int) -> dict[str, dict[int, dict[str, Any]]]:
+    def groups_of(self, rank: int) -> dict[str, dict[int, CollectiveEntry]]:
         """The rank's collectives (not point-to-point) by group, then sequence number (read-only)."""
         return self._seqs.get(rank, {})
 
-    def seqs(self, rank: int, group: str) -> dict[int, dict[str, Any]]:
+    def seqs(self, rank: int, group: str) -> dict[int, CollectiveEntry]:
         """The rank's collectives on ``group`` by sequence number (read-only: the log's own index)."""
         return self._seqs.get(rank, {}).get(group, {})
 

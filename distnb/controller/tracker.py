@@ -40,7 +40,7 @@ from distnb.controller.requests import Requests, Transport
 from distnb.errors import NoPoolError, PoolBrokenError, PoolBusyError
 from distnb.launching.remote_nodes import Nodes
 from distnb.results import CellEvents, CellResult, RankResult
-from distnb.states import PoolState, RankState
+from distnb.states import POOL_MOVES, RANK_MOVES, PoolState, RankState
 from distnb.status import RankStatus
 from distnb.wire.peers import Peer, PeerKind, control_identity, supervisor_identity
 from distnb.wire.protocol import CellDone, FromNode, Inbound, Msg, RankEvent, SupHello, accept_event
@@ -58,25 +58,9 @@ OUTPUT_KEEP_BYTES = 1 << 20
 #: tick comes once a second: the notebook hears within ~2 s).
 STRAND_AFTER = 1.0
 #: A cell still running this long wakes its ranks' control threads to watch its collectives
-#: (distnb.worker.control); quicker cells wake nothing but the ranks' main threads.
+#: (distnb.worker.process.control); quicker cells wake nothing but the ranks' main threads.
 WATCH_AFTER = 0.05
 
-_POOL_MOVES: dict[PoolState, set[PoolState]] = {
-    PoolState.NEW: {PoolState.STARTING},
-    PoolState.STARTING: {PoolState.READY, PoolState.STOPPING},
-    PoolState.READY: {PoolState.BROKEN, PoolState.STOPPING, PoolState.STARTING},  # STARTING: a respawn
-    PoolState.BROKEN: {PoolState.STOPPING, PoolState.STARTING},
-    PoolState.STOPPING: {PoolState.STOPPED},
-    PoolState.STOPPED: {PoolState.STARTING},
-}
-_RANK_MOVES: dict[RankState, set[RankState]] = {
-    RankState.LAUNCHED: {RankState.STARTED, RankState.CONNECTED, RankState.IDLE, RankState.DEAD},
-    RankState.STARTED: {RankState.CONNECTED, RankState.IDLE, RankState.DEAD},
-    RankState.CONNECTED: {RankState.IDLE, RankState.DEAD},
-    RankState.IDLE: {RankState.RUNNING, RankState.DEAD},
-    RankState.RUNNING: {RankState.IDLE, RankState.DEAD},
-    RankState.DEAD: set(),
-}
 
 
 class Tracker:
@@ -117,7 +101,7 @@ class Tracker:
         return self._deaths.first
 
     def _move(self, state: PoolState) -> None:
-        if state not in _POOL_MOVES[self._state]:
+        if state not in POOL_MOVES[self._state]:
             raise RuntimeError(f"distnb bug: the pool can't go from {self._state.value} to {state.value}.")
         self._state = state
         self.changed.notify_all()
@@ -125,12 +109,36 @@ class Tracker:
     def _set_rank(self, info: RankRecord, state: RankState) -> None:
         if state == info.state:
             return
-        if state not in _RANK_MOVES[info.state]:
+        if state not in RANK_MOVES[info.state]:
             # Late or reordered messages (a READY after a death) must not revive a rank.
             return
         info.state = state
         if state == RankState.DEAD and self._state == PoolState.READY:
             self._move(PoolState.BROKEN)
+
+    # -- who else hears the ranks (set by the pool) ----------------------------------------------
+    def route_debugger(self, handler: Callable[[int, list[dict[str, Any]]], None]) -> None:
+        """The ranks' debugpy messages go to ``handler(rank, msgs)`` (services/rank_debug.py)."""
+        with self.lock:
+            self.dap_handler = handler
+
+    def route_nodes(self, handler: Callable[[int, FromNode], None]) -> None:
+        """Node agents' messages (a multi-node pool) go to ``handler(agent, msg)``, under the lock."""
+        with self.lock:
+            self.node_handler = handler
+
+    def watch(self, liveness: Liveness) -> None:
+        """How to tell the rank processes this machine started are alive (the launcher)."""
+        with self.lock:
+            self.liveness = liveness
+
+    def new_generation(self, ranks: list[int]) -> None:
+        """A regroup made a new default group, named "0" again and counting from #1: the log ignores
+        every record the ranks made so far, and no end-of-cell mismatch carries over."""
+        with self.lock:
+            log = self.collective_log
+            log.new_generation({r: log.last_id(r) for r in ranks})
+            self.desync = []
 
     # -- lifecycle (called by the pool) ---------------------------------------------------------
     def begin_start(self, transport: Transport, nodes: Nodes) -> None:
@@ -343,7 +351,7 @@ class Tracker:
                 if msg["t"] == Msg.REPLY:  # its fields depend on the request: read as a plain dict, not copied
                     self.requests.deliver(info.rank, cast(dict[str, Any], msg))
                 elif msg["t"] == Msg.COLLECTIVES_PUSH:
-                    self.collective_log.merge(info.rank, cast(dict[str, Any], msg))
+                    self.collective_log.merge(info.rank, msg)
                 elif msg["t"] == Msg.DAP_PUSH and self.dap_handler is not None:
                     self.dap_handler(info.rank, msg["msgs"])
                 elif msg["t"] == Msg.SUP_HELLO:
@@ -415,14 +423,7 @@ class Tracker:
         run = info.run
         if run is None or run.result.cell != msg["cell"]:
             return  # a cell the controller stopped waiting for (restart, detach)
-        res = run.result.results[info.rank]
-        res.status = msg["status"]
-        res.value, res.error = msg.get("value"), msg.get("error")
-        res.duration, res.memory, res.profile, res.sync = msg.get("duration"), msg.get("memory"), msg.get("profile"), msg.get("sync")
-        res.paths, res.compiles = msg.get("paths"), msg.get("compiles")
-        res.comms = msg.get("comms")
-        res.finished_at, res.direct = time.monotonic(), direct
-        run.waiting_done.discard(info.rank)
+        res = run.done(info.rank, msg, direct)
         if res.error and "OutOfMemoryError" in str(res.error.get("ename")) and run.waiting_done:
             self._asks.memory_of(run.result.live_memory, sorted(run.waiting_done))
         self._maybe_finish(info)

@@ -6,7 +6,7 @@ object's ``process_request`` so that, with a pool running:
 
 - breakpoints the panel sets go to the kernel's debugpy as before *and* to every rank's
   (services/rank_debug.py); a ``%%on_ranks`` cell is known to the ranks by the file ipykernel
-  compiles it as (its text's hash), mapped to their ``<cell-N>`` (worker/panel_link.py);
+  compiles it as (its text's hash), mapped to their ``<cell-N>`` (worker/process/panel_link.py);
 - ``threads`` lists the ranks' threads (``rank 2 · MainThread``) after the kernel's, ``debugInfo``
   their stopped threads, and a rank's stop reaches the panel as a ``debug_event``;
 - a request about a rank's thread, frame or variables (the ids say which) goes to that rank;
@@ -25,7 +25,7 @@ import threading
 from functools import partial
 from typing import Any
 
-from distnb.worker.panel_link import private_thread
+from distnb.worker.process.panel_link import private_thread
 
 __all__ = ["STOPS_FILTER", "cell_source", "install"]
 

@@ -1,6 +1,6 @@
 """The console's stops before collectives, on the notebook's side.
 
-* :meth:`CollectiveStops.report`: every paused rank's next collective (from its prompt: worker/call_log.py
+* :meth:`CollectiveStops.report`: every paused rank's next collective (from its prompt: worker/torch_hooks/call_log.py
   paused it before the call) beside what the cell's other ranks do — already waiting in one, done
   with the cell, still running — compared by :mod:`distnb.analysis.verdicts.next_calls`.
 * :meth:`CollectiveStops.hold`: when a rank opens post-mortem (``%%on_ranks --pdb``), the cell's other running
@@ -11,7 +11,7 @@
   post-mortem), the others never wait for them: a rank already waiting in a collective that needs
   one is interrupted (the pool's interrupt: a gloo or NCCL wait is unblocked after ESCALATE_AFTER,
   the group rebuilt once the cell has ended), and the rest raise before such a collective instead of
-  issuing it (worker/call_log.py's ``LeftCell``).
+  issuing it (worker/torch_hooks/call_log.py's ``LeftCell``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from distnb.ranks import format_ranks, group_by
 from distnb.results import CellResult
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
-from distnb.worker.group_abort import ESCALATE_AFTER
+from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
 __all__ = ["HOLD_TIMEOUT", "CollectiveStops", "left_words"]
 

@@ -2,7 +2,7 @@
 that answers them.
 
 A rank paused in pdb (``breakpoint()``, ``pdb.set_trace()``, ``%%on_ranks --pdb``, ``%dist_debug``)
-or waiting in ``input()`` sends a STDIN_REQUEST (worker/debug.py); the tracker files it as a
+or waiting in ``input()`` sends a STDIN_REQUEST (worker/process/debug.py); the tracker files it as a
 :class:`Prompt` of the running cell. :class:`Debugger` is the API a front-end drives — which ranks
 wait (:meth:`Debugger.pending`), send them a line (:meth:`Debugger.answer`), wait for their next
 prompt (:meth:`Debugger.settle`) — and :meth:`Debugger.console` is the loop ``Pool.wait`` runs
@@ -43,6 +43,7 @@ from distnb.services.collective_stops import CollectiveStops, left_words
 from distnb.services.mesh_ranks import mesh_ranks
 from distnb.wire.peers import exec_identity
 from distnb.wire.protocol import Msg
+from distnb.wire.records import CellError
 
 __all__ = ["SETTLE", "Ask", "Command", "Debugger", "Diagnose", "parse_command", "read_line"]
 
@@ -190,7 +191,7 @@ class Debugger:
             if isinstance(cell, CellResult):
                 raised = [res for res in cell.results.values() if res.status == "error" and res.error and res.error.get("ename") != "BdbQuit"]
                 if raised:
-                    return min(raised, key=lambda res: (_consequence(res.error or {}), res.finished_at or 0.0, res.rank)).rank
+                    return min(raised, key=lambda res: (_consequence(res.error or CellError()), res.finished_at or 0.0, res.rank)).rank
         raise NoCellError("no cell has raised on this pool, so there is nothing to debug post-mortem; "
                           "%%on_ranks --pdb stops in the debugger at the next error instead.")
 
@@ -377,7 +378,7 @@ def _why(by_rank: dict[int, Prompt], leaving: list[int]) -> str:
     return "post-mortem ended: the error is the cell's outcome there" if ended else "quit from the debugger (q)"
 
 
-def _consequence(error: dict[str, Any]) -> bool:
+def _consequence(error: CellError) -> bool:
     """An error a rank got because a peer failed (its connection dropped), not a cause."""
     text = f"{error.get('ename')}: {error.get('evalue')}"
     return error.get("ename") in ("DistBackendError", "DistNetworkError") or any(

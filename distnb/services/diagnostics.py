@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 from distnb import _processes
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
 from distnb.analysis.agreement.desync import mismatch_text
 from distnb.analysis.agreement.entry_words import describe
-from distnb.analysis.agreement.evidence import P2P_OPS
 from distnb.analysis.agreement.pairing import cross_cell
 from distnb.analysis.reports.check_within import WithinReport, agreement_by_dim, compare_within
 from distnb.analysis.reports.checks import CheckReport, compare
@@ -43,6 +42,7 @@ from distnb.services.native_stacks import py_spy_dumps
 from distnb.states import PoolState, RankState
 from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
 from distnb.wire.protocol import Msg
+from distnb.wire.records import P2P_OPS, CollectivesRead
 
 __all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "STACKS_TIMEOUT"]
 
@@ -432,7 +432,8 @@ class Diagnostics:
         """Merge the ranks' log replies; each was asked from the lowest ``since`` of the batch, so
         drop what a rank had already sent (entries still open may have changed: keep those)."""
         with self._tracker.lock:
-            for r, reply in replies.items():
+            for r, answer in replies.items():
+                reply = cast(CollectivesRead, answer)  # the answer to COLLECTIVES (worker/torch_hooks/flight_recorder.py)
                 reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since.get(r, -1) or not e["done"]]
                 self._tracker.collective_log.merge(r, reply)
 

@@ -1,6 +1,6 @@
 """Ranks chosen by device-mesh coordinates in the debugger console: ``attach dp=0``, ``ranks
 tp=1: p x``, ``dp=0,tp=1``, ``dp=0-1`` — resolved against the pool's meshes (``Pool.meshes()``,
-each rank's own account of its meshes: worker/meshes.py), with errors that name the dimensions
+each rank's own account of its meshes: worker/torch_hooks/meshes.py), with errors that name the dimensions
 there are when none match."""
 
 from __future__ import annotations

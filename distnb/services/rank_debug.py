@@ -1,6 +1,6 @@
 """The ranks' debugpy, as one debug target for the notebook's debugger panel.
 
-Each rank runs debugpy in-process (worker/panel_link.py); its control thread relays DAP over the
+Each rank runs debugpy in-process (worker/process/panel_link.py); its control thread relays DAP over the
 pool's own connection. This service speaks to all of them at once: it attaches the ranks, keeps the
 panel's breakpoints and replays them to ranks that attach later, and joins their answers into one
 view — the ranks' threads named ``rank 2 · MainThread``, and one call stack holding every paused

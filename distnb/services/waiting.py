@@ -4,7 +4,7 @@ stops waiting and leaves them running (a rank blocked in C++ or a collective may
 
 A rank whose interrupt can't land because it waits in a collective is unblocked by its control
 thread after ESCALATE_AFTER seconds (gloo: its connections shut down; NCCL: its communicators
-aborted; ``worker/control.py``). The group is unusable after that: once the cell has ended on every
+aborted; ``worker/process/control.py``). The group is unusable after that: once the cell has ended on every
 rank, :func:`rebuild_after_unblock` gives every rank a fresh one (``Pool.regroup``), namespaces kept.
 """
 
@@ -22,7 +22,8 @@ from distnb.results import CellResult
 from distnb.services.debugger import Ask, Debugger
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
-from distnb.worker.group_abort import ESCALATE_AFTER
+from distnb.wire.records import CellError
+from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
 __all__ = ["PROBE_TIMEOUT", "interrupt_words", "rebuild_after_unblock", "wait_for_cell"]
 
@@ -131,7 +132,7 @@ def rebuild_after_unblock(result: CellResult, tracker: Tracker, regroup: Callabl
                         "new_group or a DeviceMesh, and objects holding a group (DDP, FSDP), must be made again.")
 
 
-def _broken_collective(error: dict[str, Any] | None) -> bool:
+def _broken_collective(error: CellError | None) -> bool:
     """The error of a rank whose peer shut down its gloo connections, or aborted its NCCL group."""
     return error is not None and (error.get("ename") == "DistBackendError" or "Connection closed by peer" in str(error.get("evalue")))
 

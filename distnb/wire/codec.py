@@ -22,7 +22,7 @@ import pickle
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from distnb._text import mib
 
@@ -130,11 +130,10 @@ class Codec:
         self._counter = itertools.count(time.time_ns())
         self.rejected = 0
 
-    def encode(self, msg: dict[str, Any]) -> list[bytes]:
+    def encode(self, msg: Mapping[str, Any]) -> list[bytes]:
         """Sign ``msg``; raises :class:`FrameTooLarge` for a body the receiver would refuse."""
-        msg["_s"] = self.sender
-        msg["_n"] = next(self._counter)
-        body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        signed = {**msg, "_s": self.sender, "_n": next(self._counter)}
+        body = pickle.dumps(signed, protocol=pickle.HIGHEST_PROTOCOL)
         if len(body) > MAX_FRAME_BYTES:
             raise FrameTooLarge(len(body), MAX_FRAME_BYTES, f"a {msg.get('t', '?')!s} message")
         header = MAGIC + mac(self._key, body)

@@ -20,6 +20,7 @@ from typing import Any, Final, Literal, TypedDict, cast, overload
 
 from distnb.wire.codec import BadFrame
 from distnb.wire.peers import PeerKind
+from distnb.wire.records import CellOutcome, CollectivesRead
 
 __all__ = [
     "CellDone",
@@ -89,7 +90,7 @@ class Msg:
     REPLY: Final = "reply"
     # c -> C, unasked: new Flight Recorder entries, within ~50 ms of a collective being issued
     COLLECTIVES_PUSH: Final = "collectives_push"
-    # c -> C, unasked: DAP messages (responses, events) from the rank's debugpy (worker/panel_link.py)
+    # c -> C, unasked: DAP messages (responses, events) from the rank's debugpy (worker/process/panel_link.py)
     DAP_PUSH: Final = "dap_push"
     # C -> x (main thread: runs in order with cells)
     EXEC: Final = "exec"
@@ -182,22 +183,11 @@ class StartFailed(TypedDict):
     summary: str
 
 
-class _CellDoneKind(TypedDict):
+class CellDone(CellOutcome):
+    """A cell finished on the rank: its outcome (:class:`~distnb.wire.records.CellOutcome`)."""
+
     t: Literal["cell_done"]
     cell: int
-    status: str  # "ok", "error", "interrupted"
-
-
-class CellDone(_CellDoneKind, total=False):
-    value: dict[str, str] | None  # a MIME bundle
-    error: dict[str, Any] | None  # ename, evalue, traceback, line
-    duration: float
-    memory: dict[str, Any] | None
-    profile: dict[str, Any]  # with EXEC's ``profile``: collective time, top ops, the zlib'd Chrome trace
-    comms: dict[str, Any]  # with EXEC's ``comms``: collectives per module with group and bytes, redistributes
-    sync: dict[str, Any] | None  # collectives issued per group and groups created (worker/group_state.py)
-    paths: dict[str, Any] | None  # the notebook lines' transitions the cell made (worker/paths.py)
-    compiles: dict[str, Any] | None  # what torch.compile did during the cell (worker/compile_record.py)
 
 
 class StdinRequest(TypedDict):
@@ -241,20 +231,13 @@ class Reply(_ReplyKind, total=False):
     error: str
 
 
-class CollectivesPush(TypedDict, total=False):
-    """Flight Recorder entries (each with the ``args`` of the call that made it, when watched), the
-    watched calls (point-to-point, group creation) and the rank's clock; a :class:`Reply` to
-    COLLECTIVES carries the same fields."""
+class CollectivesPush(CollectivesRead, total=False):
+    """A read of the rank's recorders and call log (:class:`~distnb.wire.records.CollectivesRead`)
+    the rank's control thread pushes unasked; a :class:`Reply` to COLLECTIVES carries the same
+    fields."""
 
     t: Literal["collectives_push"]
     rank: int
-    entries: list[dict[str, Any]]
-    calls: list[dict[str, Any]]
-    now: float
-    groups: dict[str, list[int]]  # only when the rank's group table changed since it last sent it (or asked)
-    descs: dict[str, str]  # group name → torch's description (mesh_dp …), with ``groups``
-    gkey: int  # the rank's group table's key, in every reply: a missed ``groups`` shows as a new key
-    unavailable: str
 
 
 class Exec(TypedDict, total=False):
@@ -291,7 +274,7 @@ class Request(TypedDict, total=False):
 
 
 class Hold(TypedDict, total=False):
-    """What the rank's main thread does just before its next watched collective (worker/call_log.py):
+    """What the rank's main thread does just before its next watched collective (worker/torch_hooks/call_log.py):
     ``mode`` "hold" pauses it in the debugger there (the console holds the pool at one point);
     "release" makes a call that needs one of ``ranks`` (they left the cell) raise instead of wait.
     The REPLY says where the rank is: ``state`` running · inside (a collective, named) · paused · finished."""
@@ -314,7 +297,7 @@ class Dap(_DapKind, total=False):
     """DAP requests for the rank's in-process debugpy, relayed by its control thread (the notebook's
     debugger panel, services/rank_debug.py); its REPLY says whether the link is up."""
 
-    stops: bool  # the panel's "before each collective": on or off (worker/call_log.py STOPS.every)
+    stops: bool  # the panel's "before each collective": on or off (worker/torch_hooks/call_log.py STOPS.every)
 
 
 class DapPush(TypedDict):

@@ -2,6 +2,6 @@
 
 import sys
 
-from distnb.worker.supervisor import main
+from distnb.worker.process.supervisor import main
 
 sys.exit(main())

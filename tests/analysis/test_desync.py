@@ -17,7 +17,7 @@ from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
 from distnb.analysis.verdicts.verdict import Kind
 from distnb.controller.collective_log import CollectiveLog
-from distnb.worker.call_log import CallLog
+from distnb.worker.torch_hooks.call_log import CallLog
 
 
 def _entry(rid: int, seq: int, name: str = "all_reduce", dtype: str = "Float", done: bool = True, t: float = 100.0, **args: object) -> dict:
@@ -246,7 +246,7 @@ def test_as_many_collectives_with_another_reduce_op_is_a_desync_of_calls() -> No
 def test_the_call_log_digest_tells_a_reduce_op_and_a_shape_apart() -> None:
     import torch
 
-    from distnb.worker.call_log import CallLog
+    from distnb.worker.torch_hooks.call_log import CallLog
 
     def digest(*calls: tuple[str, dict, object]) -> int:
         log = CallLog("<cell-")

@@ -1,4 +1,4 @@
-"""Issue 28, the first differing decision: the rank side's recorder (worker/paths.py) run here on
+"""Issue 28, the first differing decision: the rank side's recorder (worker/recorders/paths.py) run here on
 cells compiled as the notebook's (``<cell-N>``), each "rank" with its own data, and the
 controller's comparison (analysis/paths.py) of what they recorded. The same on real ranks is in
 tests/e2e/test_paths_e2e.py."""
@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from distnb.analysis.verdicts.paths import first_difference, rank_condition
-from distnb.worker.paths import PathRecorder
+from distnb.worker.recorders.paths import PathRecorder
 
 GUARD = """\
 def train(losses):
@@ -93,7 +93,7 @@ def test_ranks_that_decided_alike_have_no_difference() -> None:
 def test_recording_steps_aside_for_a_debugger_s_tracer_or_runs_beside_it() -> None:
     import sys
 
-    from distnb.worker.paths import MONITORING
+    from distnb.worker.recorders.paths import MONITORING
 
     recorder = PathRecorder("<cell-")
     previous = sys.gettrace()

@@ -124,7 +124,7 @@ def test_each_rank_sends_its_groups_once_and_is_asked_again_when_a_reply_went_mi
 
 
 def test_the_rank_side_sends_members_only_when_its_table_changed() -> None:
-    from distnb.worker import flight_recorder
+    from distnb.worker.torch_hooks import flight_recorder
 
     table = {"0": [0, 1]}
     sent = flight_recorder.SentGroups(key=lambda: hash(tuple(sorted(table))), read=lambda: (dict(table), {}))

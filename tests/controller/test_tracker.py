@@ -183,7 +183,7 @@ def test_a_supervisor_gone_without_a_report_is_found_dead_on_the_tick() -> None:
         def returncode() -> int | None:
             return None
 
-    tracker.liveness = Launcher()  # type: ignore[assignment]
+    tracker.watch(Launcher())  # type: ignore[arg-type]
     tracker.on_tick()
     assert tracker.stages() == {0: RankState.IDLE, 1: RankState.DEAD} and tracker.state == PoolState.BROKEN
 

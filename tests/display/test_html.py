@@ -12,7 +12,7 @@ from distnb.controller.collective_log import CollectiveLog
 from distnb.display.html import BAD, WARN, check_html, collectives_html, env_html, memory_html, register, stacks_html, status_html
 from distnb.states import RankState
 from distnb.status import PoolStatus, RankStatus
-from distnb.worker.checksum import checksum
+from distnb.worker.recorders.checksum import checksum
 
 
 def entry(rid: int, seq: int, op: str, size: int, done: bool = True) -> dict:

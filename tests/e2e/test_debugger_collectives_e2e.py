@@ -14,7 +14,7 @@ from test_debugger_e2e import Console, run
 
 import distnb
 from distnb.services.debugger import NEXT_SETTLE
-from distnb.worker.group_abort import ESCALATE_AFTER
+from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
 #: From a release to the cell's end on every rank: the escalation's delay, then the shutdown of
 #: the gloo wait and the messages back (milliseconds; seconds of margin for a loaded machine).
@@ -72,7 +72,7 @@ def test_pdb_holds_the_other_ranks_before_their_next_collective(pool: distnb.Poo
     """Rank 2 raises; rank 3 is already in the all_reduce; ranks 0 and 1 are still computing and
     reach it only once held (they wait for the hold, so no timing decides the test)."""
     code = ("import time\nt = torch.ones(2)\nif rank == 2:\n    time.sleep(1.0)\n    1 / 0\n"
-            "from distnb.worker.call_log import STOPS\n"
+            "from distnb.worker.torch_hooks.call_log import STOPS\n"
             "for _ in range(600 if rank in (0, 1) else 0):\n    if STOPS.hold:\n        break\n    time.sleep(0.05)\n"
             "dist.all_reduce(t)\nt")
     con = Console("ranks 0,1: p rank", "c all")

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 
 import distnb
-from distnb.worker.group_abort import ESCALATE_AFTER
+from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
 #: From q to the cell's end on a rank released from a collective: the interrupt's escalation
 #: (ESCALATE_AFTER), then the gloo wait's end and the messages back, with margin for a loaded machine.

@@ -11,7 +11,7 @@ import pytest
 import distnb
 from distnb.controller.channel import ROUTER_RCVHWM
 from distnb.wire.codec import MAGIC
-from distnb.worker.supervisor import READ_SIZE
+from distnb.worker.process.supervisor import READ_SIZE
 
 from conftest import usable, wait_until
 

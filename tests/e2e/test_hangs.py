@@ -214,7 +214,7 @@ def test_death_inside_a_collective_names_it(pool3: distnb.Pool) -> None:
 
 def test_ranks_push_their_open_collective_and_its_end_without_being_asked(pool3: distnb.Pool, monkeypatch) -> None:
     pool = usable(pool3)
-    # The controller's own poll is switched off: only the ranks' pushes (worker/control.py, every
+    # The controller's own poll is switched off: only the ranks' pushes (worker/process/control.py, every
     # WATCH_INTERVAL once the controller's WATCH came, WATCH_AFTER into the cell) can bring the log
     # news. How quick they are is measured in benchmarks/bench_hangs.py; here, that they come, and
     # that the end of the collective is known while the rank still computes (a death then must not

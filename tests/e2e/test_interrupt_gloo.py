@@ -17,8 +17,8 @@ import pytest
 
 import distnb
 from distnb.ranks import format_ranks
-from distnb.worker import gloo_unblock
-from distnb.worker.group_abort import ESCALATE_AFTER
+from distnb.worker.torch_hooks import gloo_unblock
+from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
 from conftest import usable, wait_until
 

@@ -90,7 +90,7 @@ def test_one_jupyter_interrupt_unblocks_ranks_stuck_in_a_gloo_collective(leak_ch
     runs. One interrupt is still enough: the notebook says at once what happens, the rank's
     connections are shut down ESCALATE_AFTER later, the cell ends, the group is rebuilt and the
     namespaces stay."""
-    from distnb.worker.group_abort import ESCALATE_AFTER
+    from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
     kernel = Kernel(tmp_path)
     try:

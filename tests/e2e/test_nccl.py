@@ -19,10 +19,10 @@ from distnb.config import LaunchConfig
 from distnb.controller.collective_log import CollectiveLog
 from distnb.launching.torchrun import FR_DUMP_PREFIX, SHARED_GPU_ENV, Launcher, nccl_environment
 from distnb.wire.security import Credentials
-from distnb.worker import flight_recorder as fr
-from distnb.worker.call_log import CallLog
-from distnb.worker.flight_recorder import CellClock, RecordIds, entry_view
-from distnb.worker.group_state import sync_state
+from distnb.worker.torch_hooks import flight_recorder as fr
+from distnb.worker.torch_hooks.call_log import CallLog
+from distnb.worker.torch_hooks.flight_recorder import CellClock, RecordIds, entry_view
+from distnb.worker.torch_hooks.group_state import sync_state
 
 
 def _raw(rid: int, seq: int, name: str, state: str, retired: bool, t: int, group: str = "0", started: int | None = None) -> dict:
@@ -203,7 +203,7 @@ def test_a_bounded_abort_then_forgetting_the_groups_lets_a_new_group_start() -> 
 
     code = (
         "import torch, torch.distributed as dist\n"
-        "from distnb.worker.group_abort import abort_backends, forget_groups\n"
+        "from distnb.worker.torch_hooks.group_abort import abort_backends, forget_groups\n"
         "store = dist.HashStore()\n"
         "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
         "side = dist.new_group([0])\n"
@@ -226,9 +226,9 @@ def test_a_check_on_a_gpu_still_busy_says_so_within_its_bound(monkeypatch: pytes
     """A rank whose GPU still has queued work (an NCCL collective whose peers never came) would
     block in any tensor read: the check waits DEVICE_WAIT at most, then names the open work, and
     while it waits the rank reports itself busy in distnb's check."""
-    from distnb.worker import rank as rank_mod
-    from distnb.worker.control import ControlThread
-    from distnb.worker.execute import Executor
+    from distnb.worker.process import rank as rank_mod
+    from distnb.worker.process.control import ControlThread
+    from distnb.worker.process.execute import Executor
 
     class Event:
         def record(self) -> None: ...

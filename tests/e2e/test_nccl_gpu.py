@@ -10,7 +10,7 @@ import time
 import pytest
 
 import distnb
-from distnb.worker.fingerprint import fingerprint
+from distnb.worker.recorders.fingerprint import fingerprint
 
 from conftest import wait_until
 
@@ -74,7 +74,7 @@ def test_device_checksums_match_cpu_and_a_busy_gpu_is_said_not_waited_for(gpu1: 
     assert res.ok, res.text()
     (mat,) = gpu1.check("mat")
     assert mat.identical
-    summary = gpu1.run("from distnb.worker.checksum import checksum\n(checksum(mat)['fingerprint'], checksum(f8)['fingerprint'], "
+    summary = gpu1.run("from distnb.worker.recorders.checksum import checksum\n(checksum(mat)['fingerprint'], checksum(f8)['fingerprint'], "
                        "checksum(row)['fingerprint'] == checksum(row.contiguous())['fingerprint'])")
     assert summary.ok, summary.text()
     fp_mat, fp_f8, row_ok = eval(summary.values[0])

@@ -60,7 +60,7 @@ def mem_available_mib() -> float:
 def kind_of(pid: int) -> str:
     cmd = cmdline(pid)
     # torchrun's command line names the supervisor it runs: it is looked for first.
-    for needle, kind in (("torch.distributed.run", "torchrun"), ("distnb.worker.rank", "rank"), ("-m distnb.worker", "supervisor"),
+    for needle, kind in (("torch.distributed.run", "torchrun"), ("distnb.worker.process.rank", "rank"), ("-m distnb.worker", "supervisor"),
                          ("distnb.node", "node agent")):
         if needle in cmd:
             return kind

@@ -10,7 +10,7 @@ import pytest
 from distnb.wire import cell_code
 from distnb.wire.cell_code import cell_filename, compile_cell, compile_source, exec_request, pack, renamed, unpack
 from distnb.wire.protocol import Msg
-from distnb.worker.execute import Executor
+from distnb.worker.process.execute import Executor
 
 
 def run_as_rank(msg: dict, ns: dict | None = None) -> dict:

@@ -598,7 +598,7 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
 def test_supervisor_replaces_an_event_over_the_limit_so_the_cell_still_ends(monkeypatch):
     """Values and displays are capped on the rank, so this takes a bug; but a DONE that can't be
     sent would leave the notebook waiting for ever, so a small stand-in goes instead."""
-    from distnb.worker.supervisor import Supervisor
+    from distnb.worker.process.supervisor import Supervisor
 
     creds = Credentials.new()
     ctx = zmq.Context()

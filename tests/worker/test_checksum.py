@@ -15,10 +15,10 @@ import torch
 
 from distnb.analysis.reports import checks as checks
 from distnb.analysis.reports.checks import compare
-from distnb.worker import checksum as ck
-from distnb.worker import fingerprint as fp
-from distnb.worker.checksum import checksum
-from distnb.worker.fingerprint import fingerprint
+from distnb.worker.recorders import checksum as ck
+from distnb.worker.recorders import fingerprint as fp
+from distnb.worker.recorders.checksum import checksum
+from distnb.worker.recorders.fingerprint import fingerprint
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore:Sparse:UserWarning")]
 
@@ -398,7 +398,7 @@ def test_checks_module_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, distnb.analysis.reports.checks, distnb.worker.checksum; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, distnb.analysis.reports.checks, distnb.worker.recorders.checksum; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from distnb.wire.cell_code import cell_filename
-from distnb.worker import call_log
-from distnb.worker.call_log import STOPS, CallLog, LeftCell, needs
-from distnb.worker.debug import Hooks, Prompter, RankPdb, hold_request
+from distnb.worker.process.debug import Hooks, Prompter, RankPdb, hold_request
+from distnb.worker.torch_hooks import call_log
+from distnb.worker.torch_hooks.call_log import STOPS, CallLog, LeftCell, needs
 
 
 class Tensor:

@@ -20,8 +20,8 @@ from distnb.controller.tracker import WATCH_AFTER
 from distnb.wire.codec import Codec, ReplayGuard
 from distnb.wire.protocol import Msg
 from distnb.wire.security import Credentials
-from distnb.worker import gloo_idle
-from distnb.worker.control import WATCH_INTERVAL
+from distnb.worker.process.control import WATCH_INTERVAL
+from distnb.worker.torch_hooks import gloo_idle
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -16,8 +16,8 @@ import pytest
 
 import distnb
 from distnb.analysis.reports.memory import MemoryReport, imbalance, memory_line
-from distnb.worker import memory_sampler
-from distnb.worker.memory_sampler import MemorySampler
+from distnb.worker.recorders import memory_sampler
+from distnb.worker.recorders.memory_sampler import MemorySampler
 
 pytestmark = pytest.mark.timeout(120)
 MB = 1 << 20
@@ -36,8 +36,8 @@ def test_sampler_measures_a_cells_peak_in_process() -> None:
 
 _CHILD = """
 import json, sys
-from distnb.worker import memory_sampler
-from distnb.worker.memory_sampler import MemorySampler
+from distnb.worker.recorders import memory_sampler
+from distnb.worker.recorders.memory_sampler import MemorySampler
 sampler = MemorySampler()
 sampler.start()
 print(json.dumps(sampler.stop()))
@@ -120,8 +120,8 @@ def test_cuda_queries_name_the_ranks_device_from_any_thread(monkeypatch) -> None
     """%dist_memory is answered on the control thread, whose CUDA current device is 0."""
     cuda = _FakeCuda()
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
-    monkeypatch.setattr("distnb.worker.memory_sampler.MemorySampler._nvml_handle", lambda self, cuda: None)
-    monkeypatch.setattr("distnb.worker.memory_sampler._peaks", memory_sampler._UserPeaks())
+    monkeypatch.setattr("distnb.worker.recorders.memory_sampler.MemorySampler._nvml_handle", lambda self, cuda: None)
+    monkeypatch.setattr("distnb.worker.recorders.memory_sampler._peaks", memory_sampler._UserPeaks())
     # A cell thread bound to device 1 (as the rank does by LOCAL_RANK); the control thread asks.
     sampler = MemorySampler(local_rank=1)
     cuda.set_device(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from distnb.worker.quiet import QuietCheck, ReadFence
+from distnb.worker.process.quiet import QuietCheck, ReadFence
 
 
 def _pair() -> tuple[ReadFence, QuietCheck, list[tuple[int, int]]]:

@@ -19,26 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from distnb.analysis.agreement.entry_words import describe
-from distnb.analysis.agreement.evidence import CollectiveEvidence, same_op
+from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, op_stem, same_op, unrecorded_calls
+from distnb.wire.records import UNRECORDED, CollectiveEntry
 
-__all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "op_stem", "program_key"]
+__all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "program_key"]
 
 #: Arguments that differ across ranks by design and are checked pairwise instead (all_to_all).
 SPLIT_ARGS = ("input_split_sizes", "output_split_sizes")
-#: Ops whose input exists on the root alone (the recorder shows the scattered tensor on the
-#: source rank and nothing on the others): their shapes are not compared.
-_ROOT_INPUT_ONLY = {"scatter"}
-_FORMS = ("_into_tensor", "_single", "_base", "_tensor", "_coalesced")
-
-
-def op_stem(op: str) -> str:
-    """``all_gather`` for ``all_gather_into_tensor``, ``_all_gather_base``, ``all_gather_single``."""
-    op = op.lstrip("_")
-    for form in _FORMS:
-        op = op.removesuffix(form)
-    return op
-
-
 def _tup(x: Any) -> Any:
     return tuple(_tup(v) for v in x) if isinstance(x, (list, tuple)) else x
 
@@ -61,7 +48,7 @@ class Call:
     func: str
     done: bool
     t: float  # when the rank issued it, on the controller's clock
-    entry: dict[str, Any]
+    entry: CollectiveEntry
 
     def signature(self) -> tuple[Any, ...]:
         """What must be equal across the group's members at this position."""
@@ -82,13 +69,13 @@ class Call:
         return f" (cell {self.cell} line {self.line}{func})"
 
 
-def call_of(log: CollectiveEvidence, rank: int, e: dict[str, Any]) -> Call:
+def call_of(log: CollectiveEvidence, rank: int, e: CollectiveEntry) -> Call:
     """The :class:`Call` of one log entry (a Flight Recorder entry with the call log's arguments)."""
     args = e.get("args") or {}
     kept = tuple(sorted((k, repr(v)) for k, v in args.items() if k not in SPLIT_ARGS and v is not None))
     splits = (_tup(args.get("input_split_sizes")), _tup(args.get("output_split_sizes"))) \
         if any(args.get(k) is not None for k in SPLIT_ARGS) else None
-    root_only = e["op"] in _ROOT_INPUT_ONLY
+    root_only = e["op"] in ROOT_INPUT_ONLY
     cell = e.get("call_cell", e.get("cell"))
     return Call(
         rank=rank, group=str(e["group"]), role=log.group(str(e["group"])).role(), seq=e.get("seq"), op=e["op"],
@@ -103,17 +90,7 @@ def cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[Call]:
     collective it is in when the recorder has no entry for it yet (a call the log watched)."""
     entries = sorted((e for e in log.entries.get(rank, {}).values()
                       if not e.get("p2p") and e.get("call_cell", e.get("cell")) == cell), key=lambda e: e["id"])
-    out = [call_of(log, rank, e) for e in entries]
-    for c in log.open_calls(rank):
-        if c.get("cell") != cell or c["op"] in ("new_group", "send", "recv", "isend", "irecv") or c.get("group") in (None, "?"):
-            continue
-        t = c["t"] / 1e9
-        if any(e["group"] == c["group"] and e["t"] >= t - 1e-3 for e in entries):
-            continue  # its entry is in
-        entry = {"id": float("inf"), "group": c["group"], "op": c["op"], "done": False, "cell": cell, "call_cell": cell,
-                 "line": c.get("line"), "func": c.get("func"), "p2p": False, "seq": None, "t": t, "args": c.get("args") or {}}
-        out.append(call_of(log, rank, entry))
-    return out
+    return [call_of(log, rank, e) for e in entries + unrecorded_calls(log, rank, cell, entries)]
 
 
 def death_call(log: CollectiveEvidence, rank: int, group: str, seq: int | None) -> Call | None:
@@ -123,8 +100,10 @@ def death_call(log: CollectiveEvidence, rank: int, group: str, seq: int | None) 
     if op is None:
         return None
     cell, line = log.died_at.get(rank, (None, None))
-    entry = {"id": float("inf"), "group": group, "op": op, "done": False, "cell": cell, "call_cell": cell if line else None,
-             "line": line, "p2p": False, "seq": seq, "t": float("inf"), "sizes": [], "dtypes": []}
+    entry: CollectiveEntry = {"id": UNRECORDED, "group": group, "op": op, "done": False, "cell": cell, "call_cell": cell if line else None,
+             "line": line, "p2p": False, "t": float("inf"), "sizes": [], "dtypes": []}
+    if seq is not None:
+        entry["seq"] = seq
     return Call(rank=rank, group=group, role=log.group(group).role(), seq=seq, op=op, sizes=None, dtypes=None, args=(),
                 splits=None, cell=cell, line=line, func="", done=False, t=float("inf"), entry=entry)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from distnb.analysis.agreement.entry_words import describe, state_mark
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
+from distnb.wire.records import CollectiveEntry
 
 __all__ = ["GroupTable", "Row", "cell_text", "MAX_MINORITIES", "PAGE_RANKS"]
 
@@ -25,7 +26,7 @@ PAGE_RANKS = 8
 MAX_MINORITIES = 4
 
 
-def cell_text(e: dict[str, Any] | None, odd: bool = False) -> str:
+def cell_text(e: CollectiveEntry | None, odd: bool = False) -> str:
     """``all_reduce [2] f32 ⏳ c3``: one rank's entry at one position, as the tables show it."""
     if e is None:
         return "—"
@@ -33,7 +34,7 @@ def cell_text(e: dict[str, Any] | None, odd: bool = False) -> str:
     return text + (f" c{e['cell']}" if e.get("cell") is not None else "")
 
 
-def _key(e: dict[str, Any] | None) -> Any:
+def _key(e: CollectiveEntry | None) -> Any:
     """What makes two entries read the same in a table, cheaper than writing them out: ranks
     are grouped by it first, and each group's entry is described once."""
     if e is None:
@@ -42,7 +43,7 @@ def _key(e: dict[str, Any] | None) -> Any:
             e["done"], bool(e.get("queued")), e.get("cell"))
 
 
-def _view(e: dict[str, Any] | None) -> tuple[Any, ...] | None:
+def _view(e: CollectiveEntry | None) -> tuple[Any, ...] | None:
     """The fields a table shows, as a tuple compared in C (lists inside compare element-wise)."""
     if e is None:
         return None
@@ -50,7 +51,7 @@ def _view(e: dict[str, Any] | None) -> tuple[Any, ...] | None:
     return (e["op"], get("sizes"), get("dtypes"), e["done"], get("cell"), get("queued"), get("args"))
 
 
-def _by_entry(by_rank: dict[int, dict[str, Any] | None]) -> list[list[int]]:
+def _by_entry(by_rank: dict[int, CollectiveEntry | None]) -> list[list[int]]:
     """The ranks grouped by entries that read the same, in order of first appearance. Compared
     with each kind seen so far (C-speed equality: a position has one kind or a few); past a few
     kinds, by a written-out key instead."""
@@ -83,7 +84,7 @@ class Row:
     """One position of the group's sequence: who did what there."""
 
     seq: int
-    by_rank: dict[int, dict[str, Any] | None]
+    by_rank: dict[int, CollectiveEntry | None]
     divergence: bool = False  # the first divergence of the group is here
     odd: list[int] = field(default_factory=list)  # the odd ranks of that divergence
 

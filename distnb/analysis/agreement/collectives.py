@@ -9,18 +9,19 @@ from typing import Any, Callable
 
 from distnb.analysis.agreement.collective_table import GroupTable, Row
 from distnb.analysis.agreement.entry_words import describe
-from distnb.analysis.agreement.evidence import P2P_OPS, CollectiveEvidence, odd_ones, peer_words, same_op
+from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, odd_ones, peer_words, same_op
 from distnb.analysis.agreement.groups import short_name
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.ranks import format_ranks, group_by
+from distnb.wire.records import P2P_OPS, CollectiveEntry
 
 __all__ = ["CollectiveReport", "Divergence", "RECORDER_NAMES", "issued_words", "signature"]
 
-#: distnb's recorder names (worker/flight_recorder.py) in words.
+#: distnb's recorder names (worker/torch_hooks/flight_recorder.py) in words.
 RECORDER_NAMES = {"nccl": "NCCL", "fr": "gloo (and other non-NCCL)"}
 
 
-def issued_words(entry: dict[str, Any]) -> str:
+def issued_words(entry: CollectiveEntry) -> str:
     """``issued in cell 3, line 4`` (the call's own cell and line when the call log matched it),
     ``issued in cell 3``, or ``issued outside distnb's cells``."""
     cell = entry.get("call_cell", entry.get("cell"))
@@ -31,25 +32,24 @@ def issued_words(entry: dict[str, Any]) -> str:
 
 #: Ops whose input exists on the root alone: the recorder shows the scattered tensor on the source
 #: rank and nothing on the others — by design, not a mismatch (DTensor's distribute_tensor scatters).
-_ROOT_INPUT_ONLY = {"scatter"}
 
 
-def _sizes(e: dict[str, Any]) -> Any:
-    return None if e["op"] in _ROOT_INPUT_ONLY else e.get("sizes")
+def _sizes(e: CollectiveEntry) -> Any:
+    return None if e["op"] in ROOT_INPUT_ONLY else e.get("sizes")
 
 
-def _dtypes(e: dict[str, Any]) -> Any:
-    return None if e["op"] in _ROOT_INPUT_ONLY else e.get("dtypes")
+def _dtypes(e: CollectiveEntry) -> Any:
+    return None if e["op"] in ROOT_INPUT_ONLY else e.get("dtypes")
 
 
-def signature(entry: dict[str, Any]) -> tuple[Any, ...]:
+def signature(entry: CollectiveEntry) -> tuple[Any, ...]:
     """What must match across ranks at one position of a group's sequence."""
     return (entry["op"], tuple(tuple(s) for s in _sizes(entry) or []), tuple(_dtypes(entry) or []),
             tuple(sorted((k, repr(v)) for k, v in (entry.get("args") or {}).items())))
 
 
 #: What must match at one position of a group's sequence, in the order a difference is named.
-_KINDS: dict[str, Callable[[dict[str, Any]], Any]] = {
+_KINDS: dict[str, Callable[[CollectiveEntry], Any]] = {
     "op": lambda e: e["op"],
     "shape": _sizes,
     "dtype": _dtypes,
@@ -57,7 +57,7 @@ _KINDS: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
-def _first_difference(entries: list[dict[str, Any]]) -> str | None:
+def _first_difference(entries: list[CollectiveEntry]) -> str | None:
     """The first kind (op, shape, dtype, args) in which these entries of one position differ;
     arguments only among the entries the call log annotated."""
     views = [(e["op"], e.get("sizes"), e.get("dtypes"), e.get("args")) for e in entries]
@@ -71,11 +71,11 @@ class Divergence:
     group: str
     seq: int
     kind: str  # missing · op · shape · dtype · args
-    by_rank: dict[int, dict[str, Any] | None]
+    by_rank: dict[int, CollectiveEntry | None]
     # The same position (sequence number) on the other groups of the same role (a mesh's other dp
     # groups): ranks in step there are witnesses, so a 1-against-1 split inside one group still has
     # a majority across the mesh.
-    peers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    peers: dict[int, CollectiveEntry] = field(default_factory=dict)
     label: str = ""  # the group as the user built it (``dp (ranks 0,2)``)
 
     def odd(self) -> list[int]:
@@ -202,13 +202,13 @@ class CollectiveReport:
         """A divergence names the default group with its members (``group 0 (ranks 0-2)``)."""
         return "" if self.log.group(group).world else self.label(group)
 
-    def same_role(self, group: str, seq: int) -> dict[int, dict[str, Any]]:
+    def same_role(self, group: str, seq: int) -> dict[int, CollectiveEntry]:
         """Each rank's entry at ``seq`` on the other groups of ``group``'s role (same mesh
         dimension, same new_group site), for a majority wider than one group."""
         role = self.log.group(group).role()
         if role.startswith("group "):  # a group known by its name alone has no peers
             return {}
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, CollectiveEntry] = {}
         for other in self.group_names():
             if other == group or self.log.group(other).role() != role:
                 continue

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from distnb.analysis.agreement.calls import Call, call_of, death_call, op_stem
-from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones
+from distnb.analysis.agreement.calls import Call, call_of, death_call
+from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, op_stem
 from distnb.ranks import group_by
 
 __all__ = ["Disagreement", "Presence", "disagreements"]

@@ -1,7 +1,7 @@
 """Desync caught at the end of a cell, before anything hangs.
 
 When a cell has finished on all its ranks, each rank's count of collectives per group and of
-groups created (``worker/group_state.py``, a few µs per cell) are compared. A rank-conditional
+groups created (``worker/torch_hooks/group_state.py``, a few µs per cell) are compared. A rank-conditional
 collective that every rank got past — NCCL returns once the kernel is queued, gloo's
 ``async_op=True`` too — leaves one rank ahead on that group: the next synchronisation on it will
 hang, or pair the wrong collectives. The check is pure data; :func:`mismatch_text` puts it in
@@ -11,12 +11,12 @@ words with the entries involved, from the collective log.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from distnb.analysis.agreement.cell_source import because
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import CollectiveEvidence
 from distnb.ranks import format_ranks, group_by
+from distnb.wire.records import CollectiveEntry, SyncState
 
 __all__ = ["CountMismatch", "carry_over", "count_mismatches", "mismatch_text"]
 
@@ -53,7 +53,7 @@ class CountMismatch:
         return max(self.counts.values()) - self.low
 
 
-def count_mismatches(syncs: dict[int, dict[str, Any] | None]) -> list[CountMismatch]:
+def count_mismatches(syncs: dict[int, SyncState | None]) -> list[CountMismatch]:
     """Every group on which the ranks that know it issued different numbers of collectives,
     and a difference in groups created; ``syncs`` holds each rank's end-of-cell state."""
     known = {r: s for r, s in syncs.items() if s}
@@ -91,7 +91,7 @@ def carry_over(found: list[CountMismatch], before: list[CountMismatch], cell: in
     return out
 
 
-def _extra(log: CollectiveEvidence, m: CountMismatch) -> list[dict[str, Any]]:
+def _extra(log: CollectiveEvidence, m: CountMismatch) -> list[CollectiveEntry]:
     """The collectives the (first) rank ahead issued beyond the others, as far as the log holds them."""
     return sorted((e for e in log.entries.get(m.ahead[0], {}).values() if e["group"] == m.group and not e["p2p"] and e["seq"] > m.low),
                   key=lambda e: e["seq"])
@@ -140,14 +140,15 @@ def _why(log: CollectiveEvidence, m: CountMismatch, sources: dict[int, str]) -> 
     """The evidence the cell's code gives for the first extra call (its line, the ``if`` or loop
     around it, a pending ``async_op=True`` work), as a sentence; "" when there is none."""
     first = next((e for e in _extra(log, m) if e.get("line") and e.get("call_cell") is not None), None)
-    if first is None:
+    cell, line = (first.get("call_cell"), first.get("line")) if first is not None else (None, None)
+    if first is None or cell is None or not line:
         return ""
-    code = sources.get(int(first["call_cell"]))
+    code = sources.get(cell)
     out = []
-    text = code.splitlines()[first["line"] - 1] if code and first["line"] <= len(code.splitlines()) else ""
+    text = code.splitlines()[line - 1] if code and line <= len(code.splitlines()) else ""
     if not first["done"] and "async_op=True" in text.replace(" ", ""):
         out.append("it was issued with async_op=True and its work is still pending (never waited on)")
-    cause = because(code, first["line"], first["call_cell"])
+    cause = because(code, line, cell)
     if cause:
         out.append(cause)
     return ("Evidence: " + "; ".join(out) + ".") if out else ""

@@ -3,7 +3,7 @@ shapes and dtypes of its inputs, the arguments the call was given, and whether i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 __all__ = ["args_text", "describe", "state_mark"]
 
@@ -16,7 +16,7 @@ def args_text(args: dict[str, Any] | None) -> str:
     return " ".join(f"{k}={v}" for k, v in (args or {}).items() if v is not None and not (k == "op" and v == "SUM"))
 
 
-def describe(entry: dict[str, Any], with_op: bool = True) -> str:
+def describe(entry: Mapping[str, Any], with_op: bool = True) -> str:
     """``all_reduce [3] f32`` (shapes and dtypes of the inputs), ``broadcast [2] f32 src=1``."""
     shapes = " ".join("[" + ",".join(map(str, s)) + "]" for s in entry.get("sizes", [])[:4])
     if len(entry.get("sizes", [])) > 4:
@@ -27,7 +27,7 @@ def describe(entry: dict[str, Any], with_op: bool = True) -> str:
     return " ".join(parts)
 
 
-def state_mark(entry: dict[str, Any]) -> str:
+def state_mark(entry: Mapping[str, Any]) -> str:
     """`` ⏳`` for an entry not completed, `` ⏸`` for an NCCL one still queued behind other GPU
     work (its kernel has not started: the stream is busy before it), ``""`` when done."""
     if entry["done"]:

@@ -1,27 +1,27 @@
 """Group creation in step: every rank must call ``new_group`` for every group, in the same order,
 even for groups it is not in (torch numbers groups by a per-rank counter, so a rank that skips
 one pairs its later groups with the wrong ones). The Flight Recorder does not see group creation;
-each rank's watched calls (worker/call_log.py) do, keyed by torch's own counter.
+each rank's watched calls (worker/torch_hooks/call_log.py) do, keyed by torch's own counter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones
 from distnb.ranks import format_ranks, group_by
+from distnb.wire.records import CallRecord
 
 __all__ = ["CreationMismatch", "creation_mismatch"]
 
 
-def _members(call: dict[str, Any]) -> str:
+def _members(call: CallRecord) -> str:
     ranks = call.get("args", {}).get("ranks")
     # torch sorts the members (sort_ranks=True): [1, 0] and [0, 1] are the same group.
     return "all ranks" if ranks is None else f"[{', '.join(map(str, sorted(ranks)))}]"
 
 
-def _where(call: dict[str, Any]) -> str:
+def _where(call: CallRecord) -> str:
     if call.get("line") is None:
         return ""
     func = f" in {call['func']}()" if call.get("func") not in (None, "", "<module>") else ""
@@ -31,7 +31,7 @@ def _where(call: dict[str, Any]) -> str:
 @dataclass
 class CreationMismatch:
     count: int  # torch's group counter where the ranks part ways
-    by_rank: dict[int, dict[str, Any] | None]  # each rank's call there (None: it made none)
+    by_rank: dict[int, CallRecord | None]  # each rank's call there (None: it made none)
     totals: dict[int, int]  # groups each rank has asked for so far
 
     @property

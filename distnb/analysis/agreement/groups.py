@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from distnb.ranks import format_ranks
+from distnb.wire.records import CallRecord
 
 __all__ = ["GroupInfo", "info_from", "mesh_dim", "short_name", "site_of"]
 
@@ -100,8 +100,7 @@ def info_from(name: str, groups: dict[str, list[int]], descs: dict[str, str], si
     return GroupInfo(name, descs.get(name), tuple(ranks) if ranks else None, sites.get(name))
 
 
-def site_of(call: dict[str, Any]) -> tuple[int, int] | None:
+def site_of(call: CallRecord) -> tuple[int, int] | None:
     """A new_group call's (cell, line), when it was made from a cell."""
-    if call.get("cell") is None or call.get("line") is None:
-        return None
-    return int(call["cell"]), int(call["line"])
+    cell, line = call.get("cell"), call.get("line")
+    return (cell, line) if cell is not None and line is not None else None

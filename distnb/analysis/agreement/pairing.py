@@ -16,25 +16,24 @@ Two mistakes are invisible one group at a time:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from distnb.analysis.agreement.entry_words import describe
-from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones
+from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, unrecorded_calls
 from distnb.ranks import format_ranks, group_by
+from distnb.wire.records import CollectiveEntry
 
 __all__ = ["CrossCell", "CrossGroup", "cross_cell", "cross_group"]
 
 
-_NOT_COLLECTIVE = {"new_group", "send", "recv", "isend", "irecv"}
 
 
-def _cell(e: dict[str, Any]) -> int | None:
+def _cell(e: CollectiveEntry) -> int | None:
     """The cell that issued an entry: the call's own (call log), else the rank's clock's."""
     cell = e.get("call_cell", e.get("cell"))
     return int(cell) if cell is not None else None
 
 
-def _site(e: dict[str, Any]) -> str:
+def _site(e: CollectiveEntry) -> str:
     line = f", line {e['line']}" if e.get("line") and e.get("call_cell") is not None else ""
     return f"cell {_cell(e)}{line}" if _cell(e) is not None else "outside distnb's cells"
 
@@ -45,7 +44,7 @@ class CrossGroup:
 
     cell: int
     index: int  # 1-based position among the cell's collectives, every group counted
-    by_rank: dict[int, dict[str, Any]]  # each rank's entry at that position
+    by_rank: dict[int, CollectiveEntry]  # each rank's entry at that position
     roles: dict[int, str]
     labels: dict[int, str]  # each rank's group there, as the user built it
     odd: list[int]
@@ -86,19 +85,11 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _in_cell(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str, Any]]:
+def _in_cell(log: CollectiveEvidence, rank: int, cell: int) -> list[CollectiveEntry]:
     """The rank's collectives of ``cell`` in issue order: its recorder's entries, then the call it
     is in when the recorder has no entry for it yet (NCCL connecting a group's communicator)."""
     entries = sorted((e for e in log.entries.get(rank, {}).values() if not e.get("p2p") and _cell(e) == cell), key=lambda e: e["id"])
-    for c in log.open_calls(rank):
-        if c.get("cell") != cell or c["op"] in _NOT_COLLECTIVE or c.get("group") in (None, "?"):
-            continue
-        t = c["t"] / 1e9
-        if any(e["group"] == c["group"] and e["t"] >= t - 1e-3 for e in entries):
-            continue  # its entry is in
-        entries.append({"id": float("inf"), "group": c["group"], "op": c["op"], "done": False, "cell": cell, "call_cell": cell,
-                        "line": c.get("line"), "p2p": False, "seq": None, "t": t, "sizes": [], "dtypes": []})
-    return entries
+    return entries + [{**e, "sizes": [], "dtypes": []} for e in unrecorded_calls(log, rank, cell, entries)]
 
 
 def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int, waiting: frozenset[int] = frozenset()) -> CrossGroup | None:
@@ -136,7 +127,7 @@ class CrossCell:
     group: str
     label: str
     seq: int
-    by_rank: dict[int, dict[str, Any]]
+    by_rank: dict[int, CollectiveEntry]
 
     @property
     def odd(self) -> list[int]:
@@ -170,7 +161,7 @@ def cross_cell(log: CollectiveEvidence, ranks: list[int], cell: int | None = Non
     shown = set(ranks)
     for group in sorted(names):
         members = [r for r in log.groups.get(group, ranks) if r in shown] or ranks
-        by_seq: dict[int, dict[int, dict[str, Any]]] = {}
+        by_seq: dict[int, dict[int, CollectiveEntry]] = {}
         for r in members:
             for seq, e in log.seqs(r, group).items():
                 by_seq.setdefault(seq, {})[r] = e
@@ -187,5 +178,5 @@ def cross_cell(log: CollectiveEvidence, ranks: list[int], cell: int | None = Non
     return found
 
 
-def _latest(log: CollectiveEvidence, at: dict[int, dict[str, Any]]) -> float:
+def _latest(log: CollectiveEvidence, at: dict[int, CollectiveEntry]) -> float:
     return max(log.local_time(r, e) for r, e in at.items())

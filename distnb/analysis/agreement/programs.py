@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
-from distnb.analysis.agreement.calls import Call, op_stem, program_key
+from distnb.analysis.agreement.calls import Call, program_key
+from distnb.analysis.agreement.evidence import op_stem
 
 __all__ = ["Change", "Difference", "compare_programs"]
 

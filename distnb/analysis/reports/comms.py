@@ -1,5 +1,5 @@
 """Communication per module (``%%on_ranks --comms``): each rank's collectives as PyTorch's
-CommDebugMode counted them (worker/comms.py), merged across ranks — per module, pass (forward or
+CommDebugMode counted them (worker/torch_hooks/comms.py), merged across ranks — per module, pass (forward or
 backward), collective and mesh dimension: calls and bytes, with the ranks that differ from the
 majority named — and the DTensor redistributes with their source and target placements."""
 
@@ -67,7 +67,7 @@ class CommRow:
 @dataclass
 class CommsReport:
     cell: int
-    per_rank: dict[int, dict[str, Any]]  # rank → its ``comms`` (worker/comms.py)
+    per_rank: dict[int, dict[str, Any]]  # rank → its ``comms`` (worker/torch_hooks/comms.py)
     rows: list[CommRow] = field(default_factory=list)
     redistributes: list[tuple[tuple[str, str, str, str, str, str], dict[int, int]]] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)

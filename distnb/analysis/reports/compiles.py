@@ -1,4 +1,4 @@
-"""``torch.compile`` across ranks: each rank's compile record (worker/compile_record.py) compared.
+"""``torch.compile`` across ranks: each rank's compile record (worker/torch_hooks/compile_record.py) compared.
 
 Ranks that run the same code with the same shapes compile the same frames the same number of
 times. A rank whose guard fails (another input shape, a Python value that changed) recompiles,

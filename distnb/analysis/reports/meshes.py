@@ -2,7 +2,7 @@
 rank layout, each rank's coordinates, the groups of each dimension, collectives per dimension per
 rank, and the ranks whose mesh disagrees — as text first, with a picture of the grid.
 
-Input is each rank's own account of its meshes (worker/meshes.py) and, per rank, its collectives
+Input is each rank's own account of its meshes (worker/torch_hooks/meshes.py) and, per rank, its collectives
 counted by the role of their group (a mesh dimension's name; analysis/groups.py)."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _signature(meshes: list[dict[str, Any]]) -> tuple[Any, ...]:
 
 @dataclass
 class MeshReport:
-    meshes: dict[int, list[dict[str, Any]]]  # rank → its meshes (worker/meshes.py)
+    meshes: dict[int, list[dict[str, Any]]]  # rank → its meshes (worker/torch_hooks/meshes.py)
     errors: dict[int, str] = field(default_factory=dict)  # ranks that could not say, and why
     counts: dict[int, dict[str, int]] = field(default_factory=dict)  # rank → mesh dimension → collectives
 

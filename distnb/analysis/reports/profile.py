@@ -1,6 +1,6 @@
 """Time per rank for a cell run under ``torch.profiler`` (``%%on_ranks --profile``).
 
-Each rank measures its own cell (worker/profiling.py): wall time, time inside collectives (the
+Each rank measures its own cell (worker/recorders/profiling.py): wall time, time inside collectives (the
 backend's ``gloo:``/``nccl:`` spans, which last until the collective completes) and its top ops.
 Waiting for peers comes from the ranks' arrivals at the cell's collectives (the Flight Recorder,
 clocks aligned: :mod:`distnb.analysis.verdicts.stragglers`): time between a rank's arrival and the last one's.

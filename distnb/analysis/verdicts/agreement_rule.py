@@ -24,6 +24,7 @@ from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
 from distnb.ranks import format_ranks
+from distnb.wire.records import UNRECORDED
 
 __all__ = ["agreement"]
 
@@ -119,7 +120,7 @@ def _known_start(mine: list[Call], theirs: list[Call], d: Disagreement, rank: in
     if not before:
         return mine
     rest = [c for c in mine if not (c.group == d.group and c.seq is not None and c.seq < d.seq)]
-    if rest and rest[0].seq is None and at.entry.get("id") == float("inf"):
+    if rest and rest[0].seq is None and at.entry.get("id") == UNRECORDED:
         rest[0] = replace(rest[0], seq=d.seq)  # the call its stack at death put it in is the one at the disagreement
     return before + rest
 

@@ -5,7 +5,8 @@ each rank's message that differs from the others'."""
 from __future__ import annotations
 
 import re
-from typing import Any
+
+from distnb.wire.records import CellError
 
 __all__ = ["differing_messages", "is_timeout", "salient_lines"]
 
@@ -13,7 +14,7 @@ __all__ = ["differing_messages", "is_timeout", "salient_lines"]
 _TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
 
 
-def is_timeout(error: dict[str, Any]) -> bool:
+def is_timeout(error: CellError) -> bool:
     """Did this cell error come from a collective timing out (gloo's or NCCL's words)?"""
     return any(m in error.get("evalue", "") for m in _TIMEOUT_MARKS)
 

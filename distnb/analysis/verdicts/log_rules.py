@@ -3,8 +3,6 @@ that paired calls of different cells, and point-to-point calls left without a pa
 
 from __future__ import annotations
 
-from typing import Any
-
 from distnb.analysis.agreement.evidence import same_op
 from distnb.analysis.agreement.group_creation import creation_mismatch
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
@@ -13,6 +11,7 @@ from distnb.analysis.verdicts.p2p_roots import p2p_roots, site_departure
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.ranks import format_ranks
+from distnb.wire.records import CollectiveEntry
 
 __all__ = ["creation_out_of_step", "p2p_departure", "p2p_unmatched", "paired_across_cells", "wrong_group"]
 
@@ -83,7 +82,7 @@ def wrong_group(rec: Records) -> Verdict | None:
                    rule="wrong_group")
 
 
-def _same_call(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _same_call(a: CollectiveEntry, b: CollectiveEntry) -> bool:
     """The same op, from the same line when the call log saw both."""
     lines = (a.get("line"), b.get("line")) if a.get("call_cell") is not None and b.get("call_cell") is not None else (None, None)
     return same_op(a["op"], b["op"]) and lines[0] == lines[1]

@@ -1,6 +1,6 @@
 """The ranks' next collectives side by side, before any is issued, and whether they will match.
 
-A rank paused before a collective (pdb's ``nc``, the console's hold; worker/call_log.py) has told
+A rank paused before a collective (pdb's ``nc``, the console's hold; worker/torch_hooks/call_log.py) has told
 what it is about to call: op, group, the arguments that must agree, input shapes and dtypes, the
 cell line. Ranks already waiting inside a collective say the same from their log. Compared group by
 group, a mismatch is named before anything hangs: "rank 1 is about to call barrier where ranks
@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distnb.analysis.agreement.entry_words import describe
-from distnb.analysis.agreement.evidence import P2P_OPS, odd_ones
+from distnb.analysis.agreement.evidence import odd_ones
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.ranks import format_ranks, group_by
+from distnb.wire.records import P2P_OPS
 
 __all__ = ["NextCall", "NextReport", "compare_next"]
 

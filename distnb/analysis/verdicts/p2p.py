@@ -9,10 +9,10 @@ and the ranks to blame.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from distnb.analysis.agreement.evidence import P2P_OPS, peer_of
+from distnb.analysis.agreement.evidence import peer_of
 from distnb.analysis.verdicts.position import Position, p2p_text
+from distnb.wire.records import P2P_OPS, CallRecord
 
 __all__ = ["P2PFinding", "match_p2p"]
 
@@ -25,7 +25,7 @@ class P2PFinding:
     explicit: list[int]  # ranks whose call names the wrong peer or tag (not merely blocked)
 
 
-def _tag(call: dict[str, Any]) -> int:
+def _tag(call: CallRecord) -> int:
     return int(call.get("args", {}).get("tag") or 0)
 
 

@@ -16,8 +16,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.agreement.evidence import P2P_OPS, CollectiveEvidence, odd_ones, peer_of
+from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, peer_of
 from distnb.analysis.verdicts.position import Position
+from distnb.wire.records import P2P_OPS, CallRecord
 
 __all__ = ["P2PRoot", "SiteDeparture", "p2p_roots", "site_departure"]
 
@@ -96,7 +97,7 @@ def _relative_odd(positions: list[Position], explicit: list[int]) -> list[int]:
     return kept if kept and len(kept) < len(explicit) else sorted(explicit)
 
 
-def _cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[dict[str, Any]]:
+def _cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[CallRecord]:
     return [c for c in log.p2p(rank) if c.get("cell") == cell]
 
 
@@ -124,9 +125,10 @@ def site_departure(log: CollectiveEvidence, cell: int, ranks: list[int], capable
     kinds: dict[str, set[int]] = {"send": set(), "recv": set()}
     for r in ranks:
         for c in _cell_calls(log, r, cell):
-            if c.get("line") is None:
+            line = c.get("line")
+            if line is None:
                 continue
-            key = (int(c["cell"]), int(c["line"]), P2P_OPS[c["op"]])
+            key = (cell, line, P2P_OPS[c["op"]])
             peer = peer_of(c)
             rel = (peer - r) % world if peer is not None else None
             shape = (repr(c.get("sizes")), repr(c.get("dtypes"))) if c.get("sizes") is not None else None
@@ -180,6 +182,6 @@ def _their_site(positions: list[Position], log: CollectiveEvidence | None, cell:
                     if q.rank in culprits:
                         continue
                     for call in _cell_calls(log, q.rank, cell):
-                        if P2P_OPS[call["op"]] == kind and call.get("line") is not None:
-                            return int(call["cell"]), int(call["line"])
+                        if P2P_OPS[call["op"]] == kind and (line := call.get("line")) is not None:
+                            return cell, line
     return None

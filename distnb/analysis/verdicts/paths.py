@@ -1,6 +1,6 @@
 """Why ranks diverged: the first decision in the notebook's code that ranks took differently.
 
-Each rank sends the transitions its notebook code made (``worker/paths.py``): line ``a`` then
+Each rank sends the transitions its notebook code made (``worker/recorders/paths.py``): line ``a`` then
 line ``b``, how often, how many times ``a`` had run when it first happened, and the rank's line
 event number then. Ranks run the same lines in the same order until their first differing
 decision, so up to it their event numbers line up: the transition ranks disagree on (one side
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from distnb.ranks import format_ranks, group_by
-from distnb.worker.paths import LEFT  # the "line" a frame goes to when it returns
+from distnb.worker.recorders.paths import LEFT  # the "line" a frame goes to when it returns
 
 __all__ = ["PathDifference", "first_difference", "rank_condition"]
 

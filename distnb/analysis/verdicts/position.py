@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from distnb.analysis.agreement.evidence import P2P_OPS, peer_words
+from distnb.analysis.agreement.evidence import peer_words
 from distnb.analysis.verdicts.stacks import RankStack, parse_faulthandler, short_path
+from distnb.wire.records import P2P_OPS, CallRecord
 
 __all__ = ["Position", "position_from_stack", "collective_at_death", "position_at_death", "COLLECTIVE_FUNCS"]
 
@@ -45,11 +46,11 @@ class Position:
     detail: str = ""  # error summary, exit meaning …
     sizes: list[list[int]] | None = None  # input shapes of the collective, when the log knows them
     dtypes: list[str] | None = None
-    args: dict[str, Any] | None = None  # src/dst/op of the collective (worker/call_log.py)
+    args: dict[str, Any] | None = None  # src/dst/op of the collective (worker/torch_hooks/call_log.py)
     line_cell: int | None = None  # the cell ``line`` is in: an earlier one when it is in a function defined there
     func: str = ""  # the function ``line`` is in ("<module>": the cell's own code)
     running: int | None = None  # the cell the rank is running
-    peers: list[dict[str, Any]] = field(default_factory=list)  # open send/recv calls: op, peer, tag
+    peers: list[CallRecord] = field(default_factory=list)  # open send/recv calls: op, peer, tag
     # The collective the rank waits for when that is not where its host is (an async work, issued
     # earlier, waited on now): ``where`` then says both.
     issued: str = ""
@@ -110,7 +111,7 @@ class Position:
         return self.state
 
 
-def p2p_text(call: dict[str, Any]) -> str:
+def p2p_text(call: CallRecord) -> str:
     """``sending to rank 1``, ``receiving from rank 2 (tag 3)``, ``receiving from any rank``."""
     tag = call.get("args", {}).get("tag")
     return f"{'sending to' if P2P_OPS[call['op']] == 'send' else 'receiving from'} {peer_words(call)}" + (f" (tag {tag})" if tag else "")

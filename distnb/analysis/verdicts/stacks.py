@@ -12,7 +12,7 @@ from distnb.ranks import format_ranks, group_by
 
 __all__ = ["Frame", "ThreadStack", "RankStack", "StackReport", "parse_faulthandler", "short_path"]
 
-_DISTNB_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DISTNB_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # distnb/
 # Frames that only say "Python started a thread/module": noise in every stack.
 _BOOTSTRAP = ("<frozen runpy>", "/runpy.py", "/threading.py")
 

@@ -7,8 +7,8 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from distnb.worker.call_log import CallLog
-from distnb.worker.pasted import distnb_calls
+from distnb.worker.torch_hooks.call_log import CallLog
+from distnb.worker.torch_hooks.pasted import distnb_calls
 
 __all__ = ["ABORT_WAIT", "REGROUP_STACKS_AFTER", "regroup"]
 
@@ -30,7 +30,7 @@ def regroup(rank: int, world_size: int, pg_timeout: float, device: Any, calls: C
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from distnb.worker.group_abort import abort_backends, forget_groups
+    from distnb.worker.torch_hooks.group_abort import abort_backends, forget_groups
 
     try:
         store = c10d._get_default_store()

@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any
 
-from distnb.worker.call_log import STOPS
-from distnb.worker.debug import cell_place
+from distnb.worker.process.debug import cell_place
+from distnb.worker.torch_hooks.call_log import STOPS
 
 __all__ = ["PanelLink", "private_thread"]
 
@@ -101,7 +101,7 @@ class PanelLink:
                           "pip install debugpy in the ranks' environment")
             return self.error
         finally:
-            # breakpoint() and pdb stay distnb's console (worker/debug.py), panel or not.
+            # breakpoint() and pdb stay distnb's console (worker/process/debug.py), panel or not.
             sys.breakpointhook = saved[0]
             if pdb is not None and saved[1] is not None:
                 pdb.set_trace = saved[1]
@@ -218,7 +218,7 @@ class PanelLink:
             self.stopped.pop(body.get("threadId", 0), None)
 
     def paused(self) -> dict[str, Any] | None:
-        """Like the pdb console's pause (worker/debug.py): {kind, where, since} while debugpy holds
+        """Like the pdb console's pause (worker/process/debug.py): {kind, where, since} while debugpy holds
         the rank stopped — a rank paused in the panel is not hung, nor are those waiting for it."""
         if not self.stopped:
             return None
@@ -295,4 +295,4 @@ def _stop_listening(mine: socket.socket) -> None:
 
 def _rules() -> list[dict[str, Any]]:
     """distnb's own frames are not the user's: the panel never steps into them or shows them."""
-    return [{"path": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "include": False}]
+    return [{"path": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "include": False}]  # distnb/

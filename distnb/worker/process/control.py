@@ -20,21 +20,21 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Mapping
 
 import zmq
 
 from distnb.wire.codec import BadFrame, Codec, ReplayGuard
 from distnb.wire.peers import PeerKind, control_identity
-from distnb.wire.protocol import Msg, ToControl, accept_request
+from distnb.wire.protocol import CollectivesPush, Msg, ToControl, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
-from distnb.worker.call_log import c10d_calls
-from distnb.worker.debug import hold_request
-from distnb.worker.execute import Executor
-from distnb.worker.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
-from distnb.worker.group_abort import ESCALATE_AFTER
-from distnb.worker.meshes import describe_meshes
+from distnb.worker.process.debug import hold_request
+from distnb.worker.process.execute import Executor
+from distnb.worker.torch_hooks.call_log import c10d_calls
+from distnb.worker.torch_hooks.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
+from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
+from distnb.worker.torch_hooks.meshes import describe_meshes
 
 __all__ = ["ControlThread", "thread_stacks"]
 
@@ -97,7 +97,7 @@ class ControlThread(threading.Thread):
         self._pushed_seqs: tuple[tuple[str, int], ...] | None = None
         self._seen_seqs: tuple[tuple[str, int], ...] | None = None
         self._pushed_id = -1  # the newest record already pushed
-        self._pushed_call = -1  # the newest watched call already pushed (worker/call_log.py)
+        self._pushed_call = -1  # the newest watched call already pushed (worker/torch_hooks/call_log.py)
         self._open_ids: set[int] = set()  # records pushed as not yet completed
         self._stuck_ids: set[int] = set()  # open ones not worth re-reading for
         self._was_running = False
@@ -136,11 +136,11 @@ class ControlThread(threading.Thread):
         except BadFrame:
             return
         try:
-            reply = self.handle(msg)
+            answer = self.handle(msg)
         except Exception as exc:  # a failing probe must never take the control plane down
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        if reply is not None:
-            reply.update(t=Msg.REPLY, id=msg.get("id"), rank=self.rank)
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        if answer is not None:
+            reply = {**answer, "t": Msg.REPLY, "id": msg.get("id"), "rank": self.rank}
             try:
                 frames = self.codec.encode(reply)
             except Exception as exc:  # e.g. FrameTooLarge: answer with the reason, keep serving
@@ -214,8 +214,8 @@ class ControlThread(threading.Thread):
             self._pushed_seqs, self._pushed_id, self._open_ids = seqs, max(self._pushed_id, newest), open_ids
             self._pushed_call = max(self._pushed_call, newest_call)
             if (entries or calls) and not unchanged:
-                reply.update(t=Msg.COLLECTIVES_PUSH, rank=self.rank)
-                send_frames(self.sock, self.codec.encode(reply))
+                push: CollectivesPush = {**reply, "t": Msg.COLLECTIVES_PUSH, "rank": self.rank}
+                send_frames(self.sock, self.codec.encode(push))
         except zmq.ContextTerminated:
             raise
         except Exception:  # best effort: the controller's own poll still runs
@@ -247,14 +247,14 @@ class ControlThread(threading.Thread):
         waits in C++ — in gloo's wait for a peer, or in a CUDA sync that waits for an NCCL
         collective whose peers never come. NCCL: aborting the rank's communicators ends the
         collective. gloo: its abort does not wake the wait, so the rank's gloo connections are
-        shut down under it (``worker/gloo_unblock.py``) and the collective raises. Either way the
+        shut down under it (``worker/torch_hooks/gloo_unblock.py``) and the collective raises. Either way the
         pending KeyboardInterrupt is raised in the cell and the namespace stays; the group is then
         unusable, and the controller rebuilds it once the cell has ended on every rank."""
         ex = self.executor
         with ex.lock:
             if ex.cell != cell or ex.sigints != sigints:
                 return
-        from distnb.worker.gloo_unblock import open_gloo
+        from distnb.worker.torch_hooks.gloo_unblock import open_gloo
 
         backends = backends_in_use()
         nccl = open_nccl() if "nccl" in backends else ""
@@ -282,7 +282,7 @@ class ControlThread(threading.Thread):
         # else: not a wait on a peer (a long kernel, C code): an abort would not help
 
     def _abort_nccl(self, cell: int, waiting: str) -> None:
-        from distnb.worker.group_abort import abort_backends
+        from distnb.worker.torch_hooks.group_abort import abort_backends
 
         self.unblocked = {"cell": cell, "backend": "nccl", "waiting": waiting}
         print(f"distnb: rank {self.rank} did not react to the interrupt for {ESCALATE_AFTER:.0f} s while its GPU waited for "
@@ -292,8 +292,8 @@ class ControlThread(threading.Thread):
             print("distnb: the abort has not finished after 10 s; %dist_restart if the cell stays stuck.", file=sys.stderr, flush=True)
 
     def _unblock_gloo(self, cell: int, waiting: str, also_nccl: bool) -> None:
-        from distnb.worker.gloo_unblock import gloo_connections, shut_down, store_and_controller_ports
-        from distnb.worker.group_abort import abort_backends
+        from distnb.worker.torch_hooks.gloo_unblock import gloo_connections, shut_down, store_and_controller_ports
+        from distnb.worker.torch_hooks.group_abort import abort_backends
 
         record = {"cell": cell, "backend": "gloo", "waiting": waiting}
         if also_nccl:  # NCCL's own sockets go with its communicators, not by a shutdown under them
@@ -345,7 +345,7 @@ class ControlThread(threading.Thread):
         if msgs:
             send_frames(self.sock, self.codec.encode({"t": Msg.DAP_PUSH, "rank": self.rank, "msgs": msgs}))
 
-    def handle(self, msg: ToControl) -> dict[str, Any] | None:
+    def handle(self, msg: ToControl) -> Mapping[str, Any] | None:
         if msg["t"] == Msg.DAP:
             return self._start_panel(msg["msgs"], msg.get("stops"))
         if msg["t"] == Msg.STACKS:
@@ -371,7 +371,7 @@ class ControlThread(threading.Thread):
             return {"env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}}
         if msg["t"] == Msg.MESHES:
             return {"meshes": describe_meshes(self.executor.ns)}
-        if msg["t"] == Msg.HOLD:  # before the next collective: pause there, or raise rather than wait (worker/debug.py)
+        if msg["t"] == Msg.HOLD:  # before the next collective: pause there, or raise rather than wait (worker/process/debug.py)
             return hold_request(self.executor.debug, msg)
         if msg["t"] == Msg.WATCH:
             return None  # waking this thread was the point: the loop now watches the running cell

@@ -12,6 +12,8 @@ import tempfile
 import zlib
 from typing import Any, Callable
 
+from distnb.wire.records import CellOutcome
+
 __all__ = ["run_profiled", "TRACE_CAP"]
 
 #: Compressed trace bytes sent back in the cell's reply; a larger trace stays in a file on the
@@ -20,7 +22,7 @@ TRACE_CAP = 8 << 20
 _COMM_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
 
 
-def run_profiled(run: Callable[[], dict[str, Any]], top: int = 15) -> dict[str, Any]:
+def run_profiled(run: Callable[[], CellOutcome], top: int = 15) -> CellOutcome:
     """``run()`` (the cell) under the profiler; its reply gains ``profile``."""
     import torch
     from torch import profiler as tp

@@ -28,7 +28,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
-from distnb.worker.patching import wrap_c10d
+from distnb.worker.torch_hooks.patching import wrap_c10d
 
 __all__ = ["DEFAULT_SLACK_NS", "slack_ns", "gloo_creation", "install"]
 

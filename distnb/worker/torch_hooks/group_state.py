@@ -14,7 +14,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from distnb.worker.call_log import CallLog
+from distnb.wire.records import SyncState
+from distnb.worker.torch_hooks.call_log import CallLog
 
 __all__ = ["Groups", "group_backends", "group_errors", "live_groups", "sync_state"]
 
@@ -53,7 +54,7 @@ def _groups(c10d: Any) -> Groups:
     return out
 
 
-def sync_state(calls: CallLog, groups: Groups | None = None) -> dict[str, Any] | None:
+def sync_state(calls: CallLog, groups: Groups | None = None) -> SyncState | None:
     """``{"seqs": {group name: collectives issued}, "created": groups created}``, or None before
     torch.distributed is up.
 

@@ -7,7 +7,7 @@ pairs are TCP connections between the ranks, though, and a wait on one fails at 
 ``RuntimeError`` ("Connection closed by peer") in the main thread, the process unharmed — when the
 socket is shut down under it. Every peer blocked in the same collective gets the same error as its
 side of the pair closes, so one rank's shutdown unblocks them all. The group is unusable afterwards,
-and is replaced (``worker/regroup.py``) once the cell has ended on every rank.
+and is replaced (``worker/torch_hooks/regroup.py``) once the cell has ended on every rank.
 
 Which of the process's sockets are gloo's is read from ``/proc``: the process's established TCP
 connections whose local address is that of one of its own listeners (gloo's device listener: a
@@ -171,7 +171,7 @@ def shut_down(connections: Iterable[Connection]) -> int:
 def open_gloo(limit: int = 3) -> str:
     """The gloo collectives of this rank not completed, in words (``all_reduce #2 on group 0``),
     oldest first; ``""`` when none (or the recorder can't be read)."""
-    from distnb.worker.flight_recorder import _completed, dump_recorders
+    from distnb.worker.torch_hooks.flight_recorder import _completed, dump_recorders
 
     dumps, _ = dump_recorders()
     entries = [e for e in dumps.get("fr", {}).get("entries", [])

@@ -31,7 +31,8 @@ import time
 import zlib
 from typing import Any, Callable
 
-from distnb.worker.patching import wrap_c10d
+from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry
+from distnb.worker.torch_hooks.patching import wrap_c10d
 
 __all__ = ["STOPS", "CallLog", "LeftCell", "StopFlags", "c10d_calls", "install", "needs"]
 
@@ -62,7 +63,6 @@ WATCHED: dict[str, tuple[str, ...]] = {
     "all_to_all_single": ("output_split_sizes", "input_split_sizes"),
     "barrier": (),
 }
-P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 #: Arguments that differ across ranks by design (checked sender against receiver instead).
 _PER_RANK = {"input_split_sizes", "output_split_sizes"}
 #: Ops whose input tensors exist on the root alone: their shapes differ across ranks by design.
@@ -100,9 +100,9 @@ class StopFlags:
         self.why = ""  # who left and how, for the words of a LeftCell
         self.calling: tuple[str, Any, dict[str, Any]] | None = None
         self.watching = False  # the calls are wrapped (DISTNB_CALL_LOG=0: not, and nothing can stop before one)
-        #: Pauses the main thread in its debugger: ``hook(info, cell_frame)`` (worker/debug.py).
+        #: Pauses the main thread in its debugger: ``hook(info, cell_frame)`` (worker/process/debug.py).
         self.hook: Callable[[dict[str, Any], Any], None] | None = None
-        #: The debugger panel's "before each collective" (worker/panel_link.py): ``every`` stops
+        #: The debugger panel's "before each collective" (worker/process/panel_link.py): ``every`` stops
         #: before each watched call, in the panel's debugger (``panel_hook``), until turned off.
         self.every = False
         self.panel_hook: Callable[[dict[str, Any], Any], None] | None = None
@@ -143,7 +143,7 @@ class CallLog:
 
     def __init__(self, cell_prefix: str, keep: int = _KEEP) -> None:
         self._prefix = cell_prefix  # cells' code objects are named ``<prefix>N>``
-        self._records: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
+        self._records: collections.deque[CallRecord] = collections.deque(maxlen=keep)
         self._works: dict[int, Any] = {}  # open isend/irecv record → its Work
         self._next = itertools.count(1)
         self._lock = threading.Lock()
@@ -155,19 +155,21 @@ class CallLog:
         # other arguments show it at the cell's end, though nothing hung (a reduce op, a shape).
         self.digests: dict[str, int] = {}
 
-    def begin(self, fn: str, group: Any, args: dict[str, Any], inputs: Any = None) -> dict[str, Any]:
+    def begin(self, fn: str, group: Any, args: dict[str, Any], inputs: Any = None) -> CallRecord:
         cell, line, func = _caller(self._prefix)
-        rec: dict[str, Any] = {
+        rec: CallRecord = {
             "n": next(self._next), "op": fn, "group": _group_name(group), "args": args,
             "t": time.time_ns(), "end": None, "cell": cell, "line": line, "func": func,
         }
         if fn == "new_group":
             rec["count"] = _group_count()
-        elif fn in P2P:
+        elif fn in P2P_OPS:
             self.p2p_counts[rec["group"]] += 1
             # No recorder sees a send's or receive's tensor on gloo: its shape, which sender and
             # receiver must agree on, is kept here (a few µs).
-            rec.update(_shapes(inputs))
+            shapes = _shapes(inputs)
+            if shapes:
+                rec["sizes"], rec["dtypes"] = shapes["sizes"], shapes["dtypes"]
         else:
             kept = sorted((k, v) for k, v in args.items() if k not in _PER_RANK and v is not None)
             shapes = _shapes(inputs) if fn not in _ROOT_ONLY else {}
@@ -177,7 +179,7 @@ class CallLog:
         self._records.append(rec)
         return rec
 
-    def end(self, rec: dict[str, Any], work: Any = None) -> None:
+    def end(self, rec: CallRecord, work: Any = None) -> None:
         if work is not None and rec["op"] in _ASYNC:
             with self._lock:
                 self._works[rec["n"]] = work  # open until the work completes (checked on read)
@@ -196,17 +198,17 @@ class CallLog:
             self.p2p_counts.clear()
             self.digests.clear()
 
-    def since(self, n: int) -> list[dict[str, Any]]:
+    def since(self, n: int) -> list[CallRecord]:
         """Records newer than ``n`` plus every one still open (it may have ended since)."""
         self._poll_works()
-        return [dict(r) for r in list(self._records) if r["n"] > n or r["end"] is None]
+        return [r.copy() for r in list(self._records) if r["n"] > n or r["end"] is None]
 
-    def open_p2p(self) -> list[dict[str, Any]]:
+    def open_p2p(self) -> list[CallRecord]:
         """The point-to-point calls not completed (a blocking send/recv in progress, an
         isend/irecv whose work has not completed): what a main thread stuck in ``work.wait()``
         waits for, where no recorder and no torch.distributed frame says so."""
         self._poll_works()
-        return [dict(r) for r in list(self._records) if r["op"] in P2P and r["end"] is None]
+        return [r.copy() for r in list(self._records) if r["op"] in P2P_OPS and r["end"] is None]
 
     def _poll_works(self) -> None:
         with self._lock:
@@ -223,18 +225,19 @@ class CallLog:
                 if rec is not None:
                     rec["end"] = time.time_ns()
 
-    def annotate(self, entries: list[dict[str, Any]], created_ns: list[int]) -> None:
+    def annotate(self, entries: list[CollectiveEntry], created_ns: list[int]) -> None:
         """Give each Flight Recorder entry the arguments of the call that created it."""
-        by_group: dict[str, list[dict[str, Any]]] = {}
+        by_group: dict[str, list[CallRecord]] = {}
         for r in list(self._records):
-            if r["op"] not in P2P and r["op"] != "new_group":
+            if r["op"] not in P2P_OPS and r["op"] != "new_group":
                 by_group.setdefault(r["group"], []).append(r)
         for e, t in zip(entries, created_ns):
             recs = by_group.get(e["group"])
             if not recs:
                 continue
             i = bisect.bisect_right(recs, t, key=lambda r: r["t"]) - 1
-            if i >= 0 and (recs[i]["end"] is None or t <= recs[i]["end"]):
+            end = recs[i]["end"] if i >= 0 else None
+            if i >= 0 and (end is None or t <= end):
                 rec = recs[i]
                 e["args"] = {k: v for k, v in rec["args"].items() if v is not None}
                 if rec["line"] is not None:
@@ -354,8 +357,8 @@ def needs(name: str, group: Any, got: dict[str, Any], ranks: frozenset[int]) -> 
     """Would this call wait for one of ``ranks``? (new_group needs every rank; unknown: yes.)"""
     if name == "new_group":
         return True
-    if name in P2P:
-        side = "dst" if P2P[name] == "send" else "src"
+    if name in P2P_OPS:
+        side = "dst" if P2P_OPS[name] == "send" else "src"
         peer = got.get(side)
         if peer is None and got.get(f"group_{side}") is not None:
             members = _members(group)

@@ -1,4 +1,4 @@
-"""The rank process (``python -m distnb.worker.rank``), started by its supervisor.
+"""The rank process (``python -m distnb.worker.process.rank``), started by its supervisor.
 
 Order matters: connect and say hello *before* importing torch and initialising the process group,
 so a rank stuck in rendezvous or NCCL init is visible to the controller.
@@ -19,7 +19,7 @@ import time
 import traceback
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import zmq
 
@@ -32,21 +32,21 @@ from distnb.wire.peers import PeerKind, exec_identity
 from distnb.wire.protocol import CellDone, Hello, Msg, Ready, StartFailed, StdinReply, ToExec, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
-from distnb.worker import gloo_idle, pasted
-from distnb.worker.call_log import install
-from distnb.worker.checksum import checksum
-from distnb.worker.comms import run_with_comms
-from distnb.worker.control import ControlThread
-from distnb.worker.debug import Prompter
-from distnb.worker.debug import install as install_debugger
-from distnb.worker.execute import Executor, mimebundle
-from distnb.worker.flight_recorder import open_nccl
-from distnb.worker.memory_sampler import MemorySampler
-from distnb.worker.paths import record_paths
-from distnb.worker.profiling import run_profiled
-from distnb.worker.quiet import QuietCheck
-from distnb.worker.regroup import regroup
-from distnb.worker.supervisor import write_event
+from distnb.worker.process.control import ControlThread
+from distnb.worker.process.debug import Prompter
+from distnb.worker.process.debug import install as install_debugger
+from distnb.worker.process.execute import Executor, mimebundle
+from distnb.worker.process.quiet import QuietCheck
+from distnb.worker.process.supervisor import write_event
+from distnb.worker.recorders.checksum import checksum
+from distnb.worker.recorders.memory_sampler import MemorySampler
+from distnb.worker.recorders.paths import record_paths
+from distnb.worker.recorders.profiling import run_profiled
+from distnb.worker.torch_hooks import gloo_idle, pasted
+from distnb.worker.torch_hooks.call_log import install
+from distnb.worker.torch_hooks.comms import run_with_comms
+from distnb.worker.torch_hooks.flight_recorder import open_nccl
+from distnb.worker.torch_hooks.regroup import regroup
 
 _libc = ctypes.CDLL(None)
 _IONBF = 2
@@ -136,7 +136,7 @@ class Rank:
         self.quiet = QuietCheck(int(fence) if fence else None, (1, 2, self.events_fd))
         self.executor.debug = install_debugger(Prompter(self._ask, self._answer, lambda: self.executor.cell))
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: Mapping[str, Any]) -> None:
         frames = self.codec.encode(msg)
         with self.send_lock:
             send_frames(self.sock, frames)
@@ -269,7 +269,7 @@ class Rank:
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
                          "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}
             self.flush_output()
-            done = CellDone(t=Msg.CELL_DONE, cell=cell, **reply)  # type: ignore[typeddict-item]
+            done: CellDone = {**reply, "t": Msg.CELL_DONE, "cell": cell}
             if self.quiet.quiet_since(mark):
                 try:
                     self.send(done)  # the controller marks the result ``direct``
@@ -285,12 +285,12 @@ class Rank:
             except Exception as exc:
                 self.reply(msg, {"status": "error", "error": f"{type(exc).__name__}: {exc}"})
         elif msg["t"] == Msg.PULL:
-            reply = self.on_device("distnb's pull", lambda: self.pull(msg["names"]))
+            pulled = self.on_device("distnb's pull", lambda: self.pull(msg["names"]))
             try:
-                self.reply(msg, reply)
+                self.reply(msg, pulled)
             except FrameTooLarge as exc:
                 # Each value fitted on its own, together they do not: say which and how big.
-                sizes = ", ".join(f"{n!r} {mib(len(b))}" for n, b in reply.get("values", {}).items())
+                sizes = ", ".join(f"{n!r} {mib(len(b))}" for n, b in pulled.get("values", {}).items())
                 self.reply(msg, {"status": "error",
                            "error": f"{sizes} on rank {self.rank} are {mib(exc.size)} together, over distnb's limit of "
                            f"{mib(exc.limit)} per message; pull them one at a time."})
@@ -433,17 +433,17 @@ def main() -> int:
     r.setup_process()
     control = r.control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor, r.generation)
     control.start()
-    r.send(Hello(t=Msg.HELLO, rank=r.rank, local_rank=r.local_rank, world_size=r.world_size, pid=os.getpid(),  # type: ignore[arg-type]
+    r.send(Hello(t=Msg.HELLO, rank=r.rank, local_rank=r.local_rank, world_size=r.world_size, pid=os.getpid(),
                  host=socket.gethostname(), main_ident=threading.main_thread().ident))
     try:
         info = r.init_distributed()
     except BaseException as exc:
-        r.send(StartFailed(t=Msg.START_FAILED, rank=r.rank, error="".join(traceback.format_exception(exc)),  # type: ignore[arg-type]
+        r.send(StartFailed(t=Msg.START_FAILED, rank=r.rank, error="".join(traceback.format_exception(exc)),
                            summary=f"{type(exc).__name__}: {exc}"))
         time.sleep(0.2)  # let the frame leave before exiting
         return 1
     control.state = "idle"
-    r.send(Ready(t=Msg.READY, rank=r.rank, device=info["device"], backend=info["backend"]))  # type: ignore[arg-type]
+    r.send(Ready(t=Msg.READY, rank=r.rank, device=info["device"], backend=info["backend"]))
     r.serve()
     return 0
 

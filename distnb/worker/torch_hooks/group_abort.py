@@ -18,7 +18,7 @@ __all__ = ["ESCALATE_AFTER", "abort_backends", "forget_groups"]
 
 #: Seconds an interrupted cell may stay put (its KeyboardInterrupt not raised: the main thread
 #: waits in C++ for a collective's peers) before distnb aborts the rank's NCCL communicators, or
-#: shuts down its gloo connections, so the cell can stop (worker/control.py).
+#: shuts down its gloo connections, so the cell can stop (worker/process/control.py).
 ESCALATE_AFTER = 2.0
 
 

@@ -15,21 +15,22 @@ from types import TracebackType
 from typing import Any, Callable
 
 from distnb.wire.cell_code import CELL_PREFIX, CompiledCell, cell_filename, compile_cell
-from distnb.worker.call_log import CallLog
-from distnb.worker.compile_record import CompileRecorder
-from distnb.worker.debug import DebugInterrupt, Hooks, quit_error
-from distnb.worker.flight_recorder import CellClock
-from distnb.worker.group_state import group_errors, live_groups, sync_state
-from distnb.worker.memory_sampler import MemorySampler
-from distnb.worker.panel_link import PanelLink
-from distnb.worker.paths import PathRecorder
+from distnb.wire.records import CellError, CellOutcome
+from distnb.worker.process.debug import DebugInterrupt, Hooks, quit_error
+from distnb.worker.process.panel_link import PanelLink
+from distnb.worker.recorders.memory_sampler import MemorySampler
+from distnb.worker.recorders.paths import PathRecorder
+from distnb.worker.torch_hooks.call_log import CallLog
+from distnb.worker.torch_hooks.compile_record import CompileRecorder
+from distnb.worker.torch_hooks.flight_recorder import CellClock
+from distnb.worker.torch_hooks.group_state import group_errors, live_groups, sync_state
 
 __all__ = ["Executor", "mimebundle"]
 
 _TEXT_CAP = 64 * 1024
 _KEEP_SOURCES = 1000
 # distnb's own frames (e.g. the SIGINT handler that raises KeyboardInterrupt) are hidden from tracebacks.
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # distnb/
 # pdb's and bdb's frames between a cell's line and the BdbQuit its ``q`` raises there.
 _DEBUGGER_FILES = {bdb.__file__, pdb.__file__, cmd.__file__}
 
@@ -101,13 +102,13 @@ class Executor:
             self._send_display(self.cell if self.cell is not None else -1, mimebundle(obj))
 
     def run(self, cell_id: int, code: str, post_mortem: bool = False, body: Callable[[], None] | None = None,
-            compiled: CompiledCell | None = None, paths: bool = False, source: dict[str, Any] | None = None) -> dict[str, Any]:
+            compiled: CompiledCell | None = None, paths: bool = False, source: dict[str, Any] | None = None) -> CellOutcome:
         """Run ``code`` as cell ``cell_id``; with ``post_mortem``, an exception opens the debugger
         at its frame (the namespace alive) before the cell reports it. ``body`` runs instead of
         code (distnb's own work in a cell's clothes: interruptible, reported like one).
         ``compiled`` is ``code`` compiled by the notebook (see distnb.wire.cell_code); ``paths``
-        records which of the notebook's lines ran (worker/paths.py); ``source`` is where the code
-        stands in the notebook, for the debugger panel's breakpoints (worker/panel_link.py)."""
+        records which of the notebook's lines ran (worker/recorders/paths.py); ``source`` is where the code
+        stands in the notebook, for the debugger panel's breakpoints (worker/process/panel_link.py)."""
         filename = cell_filename(cell_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         if source is not None:
@@ -115,7 +116,7 @@ class Executor:
         self.panel.before_cell()
         # Keep the sources of recent cells only: a long session must not grow without bound.
         linecache.cache.pop(cell_filename(cell_id - _KEEP_SOURCES), None)
-        reply: dict[str, Any] = {"status": "ok", "value": None, "error": None}
+        reply: CellOutcome = {"status": "ok", "value": None, "error": None}
         self.memory.start()
         self.calls.digests.clear()  # this cell's calls only
         failed_before = group_errors()
@@ -187,7 +188,7 @@ class Executor:
         except (KeyboardInterrupt, DebugInterrupt, bdb.BdbQuit):
             pass  # the error is the cell's outcome whatever happened in the debugger
 
-    def debug_last(self, cell_id: int) -> dict[str, Any]:
+    def debug_last(self, cell_id: int) -> CellOutcome:
         """``%dist_debug``: as cell ``cell_id``, the debugger at the frame of the last error."""
         tb = self.last_traceback
 
@@ -201,7 +202,7 @@ class Executor:
         return self.run(cell_id, "", body=body)
 
     @staticmethod
-    def _error_info(etype: type[BaseException] | None, evalue: BaseException | None, tb: TracebackType | None, filename: str) -> dict[str, Any]:
+    def _error_info(etype: type[BaseException] | None, evalue: BaseException | None, tb: TracebackType | None, filename: str) -> CellError:
         first = _from_cell(tb)  # without distnb's own frames
         te = traceback.TracebackException(etype, evalue, first)  # type: ignore[arg-type]
         te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.startswith(_PKG_DIR) and f.filename not in _DEBUGGER_FILES])
@@ -239,7 +240,7 @@ def _from_cell(tb: TracebackType | None) -> TracebackType | None:
     return first
 
 
-def _group_failure(failed: dict[str, str]) -> dict[str, Any]:
+def _group_failure(failed: dict[str, str]) -> CellError:
     """The cell's error when NCCL gave up on a group while it ran: the host syncs that waited for
     the aborted collectives returned without raising, and their values are garbage."""
     names = ", ".join(f"group {g} ({e.lower().replace('_', ' ')})" for g, e in sorted(failed.items()))

@@ -1,6 +1,6 @@
 """The rank supervisor: the process torchrun starts for each rank.
 
-It imports no torch. It starts the real rank process (:mod:`distnb.worker.rank`) as its child and
+It imports no torch. It starts the real rank process (:mod:`distnb.worker.process.rank`) as its child and
 owns the child's stdout/stderr pipes, so that:
 
 * output reaches the controller the moment it is written, Python- and C-level alike;
@@ -24,7 +24,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import zmq
 
@@ -34,7 +34,7 @@ from distnb.wire.peers import PeerKind, supervisor_identity
 from distnb.wire.protocol import Msg, ToSupervisor, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import drain, send_frames
-from distnb.worker.quiet import ReadFence
+from distnb.worker.process.quiet import ReadFence
 
 #: The most a supervisor reads from a rank's pipe at once: an OUTPUT frame carries at most this.
 READ_SIZE = 1 << 16
@@ -42,7 +42,7 @@ _TAIL_BYTES = 16 * 1024
 _LEN = struct.Struct("!I")
 
 
-def write_event(fd: int, msg: dict[str, Any]) -> None:
+def write_event(fd: int, msg: Mapping[str, Any]) -> None:
     """Rank side: one length-prefixed pickled event on the private pipe to the supervisor."""
     body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     data = memoryview(_LEN.pack(len(body)) + body)
@@ -74,7 +74,7 @@ class Child:
     def __init__(self, proc: subprocess.Popen[bytes], out_r: int, err_r: int, fault_r: int, events_r: int, wake_w: int = -1,
                  fence: ReadFence | None = None) -> None:
         self.proc = proc
-        self.fence = fence  # moved around every read of its pipes (see worker/quiet.py)
+        self.fence = fence  # moved around every read of its pipes (see worker/process/quiet.py)
         self.streams = {out_r: "stdout", err_r: "stderr"}
         self.fault_r, self.events_r, self.wake_w = fault_r, events_r, wake_w
         self.open_fds = {out_r, err_r, fault_r, events_r}
@@ -201,7 +201,7 @@ class Supervisor:
             env["DISTNB_SPARE_FD"] = str(wake_r)
             passed.append(wake_r)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "distnb.worker.rank"],
+            [sys.executable, "-m", "distnb.worker.process.rank"],
             stdin=subprocess.DEVNULL,
             stdout=out_w,
             stderr=err_w,

@@ -7,7 +7,7 @@ a ``display()``, so it reaches the notebook after everything the cell printed be
 comes back on the main thread's own socket as a STDIN_REPLY. pdb writes into a buffer that goes
 with the next request: each command's answer arrives whole, and ranks' answers can be compared.
 
-The debugger also stops *before a collective* (worker/call_log.py's ``STOPS``): pdb's ``nc``
+The debugger also stops *before a collective* (worker/torch_hooks/call_log.py's ``STOPS``): pdb's ``nc``
 continues to just before the rank's next watched torch.distributed call, and the control thread's
 HOLD does the same for a rank the console holds (:func:`hold_request`), or makes a call that would
 wait for ranks that left the cell raise instead. The prompt then says which call is next
@@ -30,7 +30,7 @@ from types import FrameType, TracebackType
 from typing import Any, Callable
 
 from distnb.wire.protocol import Hold, Msg, StdinReply
-from distnb.worker.call_log import STOPS, c10d_calls, needs
+from distnb.worker.torch_hooks.call_log import STOPS, c10d_calls, needs
 
 __all__ = ["DebugInterrupt", "Hooks", "Prompter", "RankPdb", "cell_place", "hold_request", "install", "quit_error"]
 

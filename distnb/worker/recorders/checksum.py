@@ -4,7 +4,7 @@
 picklable, JSON-able dict: shape, dtype, device, DTensor placement, sum, norm, min, max, NaN/Inf
 counts and a bitwise ``fingerprint``. Only a handful of scalars leave the device.
 
-The fingerprint is :mod:`distnb.worker.fingerprint`'s. This module never imports controller code, and
+The fingerprint is :mod:`distnb.worker.recorders.fingerprint`'s. This module never imports controller code, and
 imports torch only when called (``import distnb`` and the rank's start must not pull it in).
 """
 
@@ -15,15 +15,15 @@ import re
 import sys
 from typing import Any
 
-from distnb.worker import fingerprint as _fp
-from distnb.worker.fingerprint import MASK as _MASK
-from distnb.worker.fingerprint import dense as _dense
-from distnb.worker.fingerprint import digest as _digest
-from distnb.worker.fingerprint import dtype_name as _dtype_name
-from distnb.worker.fingerprint import fetch as _fetch
-from distnb.worker.fingerprint import pieces as _pieces
-from distnb.worker.fingerprint import sum_tensor as _sum_tensor
-from distnb.worker.fingerprint import sums as _sums
+from distnb.worker.recorders import fingerprint as _fp
+from distnb.worker.recorders.fingerprint import MASK as _MASK
+from distnb.worker.recorders.fingerprint import dense as _dense
+from distnb.worker.recorders.fingerprint import digest as _digest
+from distnb.worker.recorders.fingerprint import dtype_name as _dtype_name
+from distnb.worker.recorders.fingerprint import fetch as _fetch
+from distnb.worker.recorders.fingerprint import pieces as _pieces
+from distnb.worker.recorders.fingerprint import sum_tensor as _sum_tensor
+from distnb.worker.recorders.fingerprint import sums as _sums
 
 __all__ = ["checksum", "tensor_summary"]
 

@@ -22,8 +22,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from distnb.worker.call_log import CallLog
-from distnb.worker.group_state import group_backends
+from distnb.wire.records import CollectiveEntry, CollectivesRead
+from distnb.worker.torch_hooks.call_log import CallLog
+from distnb.worker.torch_hooks.group_state import group_backends
 
 __all__ = ["CellClock", "DUMPERS", "GROUPS", "SentGroups", "RecordIds", "SeqWatch", "dump_recorders", "backends_in_use", "entry_view",
            "open_nccl", "read_collectives"]
@@ -69,7 +70,7 @@ class SentGroups:
         self._read = read
         self._sent: int | None = None
 
-    def fields(self, force: bool = False) -> dict[str, Any]:
+    def fields(self, force: bool = False) -> CollectivesRead:
         """``gkey``, plus ``groups`` and ``descs`` when they changed since last sent (or ``force``)."""
         key = (self._key or _table_key)()
         if not force and key == self._sent:
@@ -248,7 +249,7 @@ class RecordIds:
 IDS = RecordIds()
 
 
-def entry_view(did: int, rec: str, e: dict[str, Any], clock: CellClock) -> dict[str, Any]:
+def entry_view(did: int, rec: str, e: dict[str, Any], clock: CellClock) -> CollectiveEntry:
     """A recorder entry as the controller keeps it (JSON-able, a few hundred bytes)."""
     p2p = bool(e.get("is_p2p"))
     t = int(e.get("time_created_ns", 0)) / 1e9
@@ -276,7 +277,7 @@ def entry_view(did: int, rec: str, e: dict[str, Any], clock: CellClock) -> dict[
 
 
 def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None, calls_since: int = -1,
-                     ids: RecordIds = IDS, groups: bool = False) -> dict[str, Any]:
+                     ids: RecordIds = IDS, groups: bool = False) -> CollectivesRead:
     """Entries newer than id ``since`` plus every entry not yet completed (its state may change),
     from every recorder the rank's groups write, each with the arguments of the call that created
     it (``calls``), and the watched calls newer than ``calls_since`` (point-to-point and group
@@ -287,12 +288,15 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
     ``missing`` names the recorders that could not be read, and why. The groups' members come
     when they changed since last sent, or with ``groups`` (:class:`SentGroups`).
     """
-    extra: dict[str, Any] = {"calls": calls.since(calls_since)} if calls is not None else {}
+    recent = calls.since(calls_since) if calls is not None else None  # before the dump: none missed between
     dumps, missing = dump_recorders()
     if not dumps:
-        return {**extra, "unavailable": "; ".join(f"{why}" for why in missing.values()) or "no Flight Recorder could be read"}
+        out: CollectivesRead = {"unavailable": "; ".join(f"{why}" for why in missing.values()) or "no Flight Recorder could be read"}
+        if recent is not None:
+            out["calls"] = recent
+        return out
     now = time.time()
-    entries = []
+    entries: list[CollectiveEntry] = []
     created = []
     for did, rec, e in ids.assign(dumps):
         if did <= since and _completed(e):
@@ -301,7 +305,9 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
         created.append(int(e.get("time_created_ns", 0)))
     if calls is not None:
         calls.annotate(entries, created)
-    reply = {"entries": entries, "now": now, **GROUPS.fields(groups), **extra}
+    reply: CollectivesRead = {"entries": entries, "now": now, **GROUPS.fields(groups)}
+    if recent is not None:
+        reply["calls"] = recent
     if missing:
         reply["missing"] = missing
     return reply

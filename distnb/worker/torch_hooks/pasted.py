@@ -13,7 +13,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
-from distnb.worker.patching import wrap_c10d
+from distnb.worker.torch_hooks.patching import wrap_c10d
 
 __all__ = ["distnb_calls", "install"]
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from distnb.wire.records import CellOutcome
+
 __all__ = ["run_with_comms"]
 
 #: Modules that import ``redistribute_local_tensor`` by name (each must be wrapped).
@@ -115,7 +117,7 @@ def _mode_class() -> Any:
     return Accounting
 
 
-def run_with_comms(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def run_with_comms(run: Callable[[], CellOutcome]) -> CellOutcome:
     """``run()`` (the cell) under the accounting; its reply gains ``comms``."""
     try:
         mode = _mode_class()()

@@ -1,0 +1,122 @@
+"""The records every layer handles, typed once: a rank's watched call, a collective entry as the
+controller keeps it, a read of a rank's collectives, and a cell's outcome on a rank.
+
+A rank builds them (``worker/call_log.py``, ``worker/flight_recorder.py``, ``worker/execute.py``),
+the wire carries them, the controller merges them (``controller/collective_log.py``,
+``controller/tracker.py``) and the analyses read them: each field is named and typed here, so a
+field added on the rank and misspelt where it is read is a type error, not a silent ``None``.
+They stay TypedDicts, not dataclasses, because they cross processes as plain msgpack/JSON maps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, TypedDict
+
+__all__ = ["P2P_OPS", "UNRECORDED", "CallRecord", "CellError", "CellOutcome", "CollectiveEntry", "CollectivesRead", "SyncState"]
+
+#: The id of an entry made from a watched call the recorder has no entry for yet (NCCL connecting
+#: a communicator): above every real id, so it sorts after the rank's recorded calls.
+UNRECORDED: Final = 1 << 62
+#: The point-to-point functions the call log watches, and which side of a pair each is.
+P2P_OPS: Final = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+
+class _CallRecordCore(TypedDict):
+    n: int  # the rank's own number for the call, from 1
+    op: str  # the torch.distributed function called (``all_reduce``, ``isend``, ``new_group``)
+    group: str  # the process group's name (``"0"`` the default group; ``"?"`` none known)
+    args: dict[str, Any]  # the arguments that must agree across ranks (op, src, dst, tag, ranks …)
+    t: int  # when it was called, the rank's wall clock in ns
+    end: int | None  # when it returned (or its work completed); None while open
+    cell: int | None  # the cell it was called from (None: not from a cell's code)
+    line: int | None
+    func: str
+
+
+class CallRecord(_CallRecordCore, total=False):
+    """A call the rank's call log watched (``worker/call_log.py``): point-to-point, group
+    creation, and the arguments of every collective."""
+
+    count: int | None  # new_group: how many groups the rank had created before it
+    made: str  # new_group: the name of the group made (absent on ranks outside it)
+    sizes: list[list[int]]  # the input tensors' shapes (point-to-point, the digested collectives)
+    dtypes: list[str]
+    splits: list[Any]  # all_to_all: the input and output split sizes
+
+
+class CollectiveEntry(TypedDict, total=False):
+    """A collective or point-to-point call as the controller keeps it: a Flight Recorder entry
+    (``worker/flight_recorder.py``) given its Python call's arguments and line, or one the
+    analyses reconstruct from a watched call the recorder did not see (then ``id`` is ``inf``)."""
+
+    id: int  # distnb's id for the recorder entry, increasing per rank (UNRECORDED: made from a call)
+    rec: str  # which recorder wrote it: "nccl" or "fr"
+    group: str
+    desc: str  # torch's description of the group (``mesh_dp``, ``default_pg``)
+    seq: int  # its number in the group's sequence (of point-to-point calls for those); absent: not recorded yet
+    p2p: bool
+    op: str
+    sizes: list[list[int]]
+    dtypes: list[str]
+    t: float  # when it was created, the rank's wall clock in s
+    done: bool
+    state: str  # the recorder's: scheduled, started, completed
+    started: float | None  # when the GPU started and finished it (NCCL with timing on)
+    ended: float | None
+    queued: bool  # not started on the GPU yet (NCCL with timing on)
+    cell: int | None  # the cell running when it was created
+    call_cell: int | None  # the cell its Python call came from, with ``line`` and ``func``
+    line: int | None
+    func: str
+    args: dict[str, Any]  # the arguments of the call that created it (``CallRecord.args``)
+    peer: int  # point-to-point reconstructed from a call: the other rank
+
+
+class CollectivesRead(TypedDict, total=False):
+    """One read of a rank's recorders and call log (the answer to a COLLECTIVES probe)."""
+
+    entries: list[CollectiveEntry]
+    calls: list[CallRecord]
+    now: float  # the rank's wall clock at the read
+    unavailable: str  # no recorder could be read, and why
+    missing: dict[str, str]  # recorders that could not be read, and why
+    groups: dict[str, list[int]]  # the groups' members, only when the rank's table changed since last sent (or asked)
+    gkey: int  # the rank's group table's key, in every read: a missed ``groups`` shows as a new key
+    descs: dict[str, str]  # group name → torch's description (mesh_dp …), with ``groups``
+
+
+class SyncState(TypedDict, total=False):
+    """What a cell left behind on a rank's groups (``worker/group_state.py``): compared across
+    ranks at the cell's end, it shows a rank a call ahead before anything hangs."""
+
+    seqs: dict[str, int]  # per group name, collectives issued since the pool's group was made
+    created: int  # process groups created
+    digests: dict[str, int]  # per group, a crc32 of this cell's calls (op, arguments, shapes)
+
+
+class CellError(TypedDict, total=False):
+    """A cell's exception on a rank, as the notebook shows it."""
+
+    ename: str
+    evalue: str
+    traceback: str
+    line: int | None  # the cell line it was raised at
+    group_failure: bool  # a rank's process group failed under it (not the cell's own error)
+
+
+class _CellOutcomeCore(TypedDict):
+    status: str  # "ok", "error", "interrupted"
+
+
+class CellOutcome(_CellOutcomeCore, total=False):
+    """A cell's outcome on one rank, as the executor builds it (a CELL_DONE without its header)."""
+
+    value: dict[str, str] | None  # a MIME bundle
+    error: CellError | None
+    duration: float
+    memory: dict[str, Any] | None
+    profile: dict[str, Any]  # with EXEC's ``profile``: collective time, top ops, the zlib'd Chrome trace
+    comms: dict[str, Any]  # with EXEC's ``comms``: collectives per module with group and bytes, redistributes
+    sync: SyncState | None
+    paths: dict[str, Any] | None  # the notebook lines' transitions the cell made (worker/paths.py)
+    compiles: dict[str, Any] | None  # what torch.compile did during the cell (worker/compile_record.py)

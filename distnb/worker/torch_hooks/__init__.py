@@ -1,0 +1,33 @@
+"""Every place the rank side reads or wraps PyTorch beyond its public API, in one room.
+
+torch's private names move between releases; keeping every use here means a new torch is checked
+against one folder, and each module degrades to a sentence in the notebook when what it reads is
+missing, never to a failing cell. distnb accepts ``torch>=2.11,<3``; CI runs the whole suite on
+torch 2.13 (Python 3.11) and the fast subset with the core end-to-end tests on torch 2.11
+(Python 3.12). Every name below was checked present on both.
+
+==================  =====================================================  =============================================
+module              what it reads from torch                               without it
+==================  =====================================================  =============================================
+call_log            wraps ``torch.distributed``'s collectives, p2p and     no call sites or arguments: verdicts name the
+                    ``new_group``; ``distributed_c10d._world``             op and group only
+                    (``pg_names``, ``default_pg``, ``group_count``)
+flight_recorder     ``torch._C._distributed_c10d._dump_fr_trace`` (gloo    "no Flight Recorder could be read": the
+                    and NCCL ≥ 2.13), ``_dump_nccl_trace`` (NCCL ≤ 2.12),  collective views and hang verdicts say so
+                    ``ProcessGroup._get_sequence_number_for_group``
+group_state         ``_world.pg_map``, ``_world.group_count``,             no end-of-cell desync check (None)
+                    ``_get_sequence_number_for_group``, NCCL backends'
+                    ``get_error``
+group_abort         ``distributed_c10d._abort_process_group``,             the interrupt or %dist_regroup says what
+gloo_unblock        ``_unregister_all_process_groups``,                    failed; %dist_restart (new processes) still
+regroup             ``_update_default_pg``, ``_get_default_store``         works
+gloo_idle           ``init_process_group``'s ``backend`` argument          gloo threads stay at the default timer slack
+pasted              ``init_process_group``/``destroy_process_group``       a pasted init runs for real and fails
+patching            the functions' homes in ``torch.distributed``          (used by the above)
+meshes              ``torch.distributed.device_mesh.DeviceMesh``           %dist_mesh: "no device mesh"
+compile_record      ``torch._dynamo.utils.counters``,                      %%on_ranks --paths: no compile notes
+                    ``_compilation_metrics``
+comms               ``torch.distributed.tensor.debug.CommDebugMode``,      --comms: "this torch has no CommDebugMode"
+                    DTensor's ``_redistribute``, ``ProcessGroup.unbox``
+==================  =====================================================  =============================================
+"""
