@@ -40,12 +40,13 @@ from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankR
 from distnb.services.debugger import Ask, Debugger, read_line
 from distnb.services.diagnostics import STACKS_TIMEOUT, Diagnostics
 from distnb.services.export import Export, export_session
+from distnb.services.fail_fast import FailFast
 from distnb.services.meshes import mesh_report
 from distnb.services.multinode import MultiNode
 from distnb.services.rank_debug import RankDebug
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
-from distnb.services.waiting import rebuild_after_unblock, wait_for_cell
+from distnb.services.waiting import rebuild_after_unblock, wait_for_cell, why_still_running
 from distnb.services.watch import CellWatch
 from distnb.states import PoolState
 from distnb.status import PoolStatus
@@ -336,13 +337,17 @@ class Pool:
         on_tick: Callable[[CellResult], None] | None = None,
         tick: float = 0.1,
         ask: Ask | None = read_line,
+        fail_fast: bool = True,
     ) -> CellResult:
         """Wait for a submitted cell. The first Ctrl-C interrupts the ranks; a second stops waiting.
         Ranks paused in the debugger or in ``input()`` are answered with lines from ``ask``
         (default ``input()``; see :class:`~distnb.services.debugger.Debugger`); None leaves them to
-        :attr:`debugger`."""
+        :attr:`debugger`. With ``fail_fast`` (default), once a rank has raised or died and every
+        running rank waits in a call that needs it, the cell is ended at once as a Ctrl-C would
+        end it, not at ``timeout`` (checked while one call waits at least a second)."""
         run = self._tracker.run_of(result)
-        wait_for_cell(result, run, self._debugger, self.interrupt, timeout, on_tick, tick, ask, tracker=self._tracker)
+        fast = FailFast(result, self._tracker, lambda ranks: self._diagnostics.collectives(ranks, refresh=True)) if fail_fast else None
+        wait_for_cell(result, run, self._debugger, self.interrupt, timeout, on_tick, tick, ask, tracker=self._tracker, fail_fast=fast)
         result.elapsed = time.monotonic() - run.started
         if run.finished.is_set() and not run.death_checked:
             run.death_checked = True
@@ -352,11 +357,16 @@ class Pool:
             on_tick(result)
         return result
 
+    def explain_timeout(self, result: CellResult) -> None:
+        """After a wait that ended at its timeout: why the ranks still run, as ``result.verdict``
+        and a note in its text (``%%on_ranks --timeout`` calls it)."""
+        why_still_running(result, lambda res: self.diagnose(res, hang_after=0.0))
+
     def run(self, code: str, ranks: Ranks = None, timeout: float | None = None, events: CellEvents | None = None,
-            profile: bool = False, pdb: bool = False, ask: Ask | None = read_line) -> CellResult:
+            profile: bool = False, pdb: bool = False, ask: Ask | None = read_line, fail_fast: bool = True) -> CellResult:
         """Run ``code`` on the ranks (all by default) and return per-rank output, value and error;
-        ``breakpoint()`` and ``input()`` in it are answered by ``ask`` (see :meth:`wait`)."""
-        return self.wait(self.submit(code, ranks, events, profile, pdb), timeout, ask=ask)
+        ``breakpoint()`` and ``input()`` in it are answered by ``ask``; ``fail_fast``: see :meth:`wait`."""
+        return self.wait(self.submit(code, ranks, events, profile, pdb), timeout, ask=ask, fail_fast=fail_fast)
 
     def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
         """Per rank, where a cell run with ``profile=True`` spent its time (compute, collectives,

@@ -273,6 +273,7 @@ class DistMagics(Magics):
         result = pool.history[-1]
         assert isinstance(result, CellResult)  # the newest cells always keep their full results
         pool.wait(result, timeout=args.timeout)
+        pool.explain_timeout(result)
         self._user_ns["_dist"] = result
         print(result.text())
         stop_if_failed(result, args.keep_going)
@@ -296,6 +297,8 @@ class DistMagics(Magics):
               help="Return after this long, naming the ranks still running (the cell then counts as failed: see --keep-going).")
     @argument("--quiet", action="store_true", help="Don't stream output; show only values, errors and ranks still running.")
     @argument("--hang-after", type=float, default=None, metavar="SECONDS", help="Report a hang once ranks disagree this long (default: the pool's, 3 s).")
+    @argument("--no-fail-fast", action="store_true",
+              help="Wait for --timeout even when a rank has raised or died and the others wait in a call that needs it (default: end the cell then).")
     @argument("--check", default=None, metavar="NAMES", help="After the cell, compare these variables across ranks (comma-separated).")
     @argument("--bg", action="store_true",
               help="Return at once; the cell keeps running (see %%dist_stacks, %%dist_wait, _dist); %%dist_wait raises if it failed.")
@@ -365,7 +368,8 @@ class DistMagics(Magics):
                 threading.Thread(target=_follow, args=(pool, result, view), name="distnb-view", daemon=True).start()
             return
         watch = _HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, view)
-        pool.wait(result, timeout=args.timeout, on_tick=watch.tick)
+        pool.wait(result, timeout=args.timeout, on_tick=watch.tick, fail_fast=not args.no_fail_fast)
+        pool.explain_timeout(result)
         if isinstance(view, CellDisplay):
             view.finish(result)
         else:

@@ -44,7 +44,11 @@ from distnb.wire.peers import control_identity, exec_identity, supervisor_identi
 from distnb.wire.protocol import Msg
 from distnb.wire.records import P2P_OPS, CollectivesRead
 
-__all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "STACKS_TIMEOUT"]
+__all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "PATHS_HINT", "STACKS_TIMEOUT"]
+
+#: What "why" says when no rank recorded its paths.
+PATHS_HINT = ("run the cell again with %%on_ranks --paths to see the first decision the ranks took differently "
+              "(recorded by default on Python 3.12+ ranks, or with %env DISTNB_PATHS=1)")
 
 #: Rules whose verdict the cell's own report already says (its errors, its deaths).
 _SAID_BY_THE_REPORT = {"died", "raised", "quiet", "none"}
@@ -215,8 +219,7 @@ class Diagnostics:
         culprits did (a rank leaving its wait loop because its peer finished), not its cause."""
         paths = self._records(result, "paths", live=True)
         if not paths and hint and len(result.ranks) > 1:
-            return ("run the cell again with %%on_ranks --paths to see the first decision the ranks took differently "
-                    "(recorded by default on Python 3.12+ ranks, or with %env DISTNB_PATHS=1)")
+            return PATHS_HINT
         if len(paths) < 2:
             return ""  # nothing to compare (and the session's sources are not worth gathering)
         found = first_difference(paths, self._session.codes(), quiet_expected)

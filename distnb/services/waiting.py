@@ -14,18 +14,21 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
+from distnb.analysis.verdicts.verdict import Verdict
 from distnb.controller.cell_run import CellRun
 from distnb.controller.tracker import Tracker
 from distnb.errors import DistnbError
 from distnb.ranks import format_ranks, group_by
 from distnb.results import CellResult
 from distnb.services.debugger import Ask, Debugger
+from distnb.services.diagnostics import PATHS_HINT
+from distnb.services.fail_fast import FailFast
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CellError
 from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
-__all__ = ["PROBE_TIMEOUT", "interrupt_words", "rebuild_after_unblock", "wait_for_cell"]
+__all__ = ["PROBE_TIMEOUT", "interrupt_words", "rebuild_after_unblock", "wait_for_cell", "why_still_running"]
 
 #: Seconds to wait for the control threads' word on whether they unblocked an interrupted cell.
 PROBE_TIMEOUT = 5.0
@@ -42,9 +45,11 @@ def wait_for_cell(
     ask: Ask | None,
     say: Callable[[str], None] | None = None,
     tracker: Tracker | None = None,
+    fail_fast: FailFast | None = None,
 ) -> None:
     """Return when the cell has finished, ``timeout`` has passed (``result.timed_out``) or a second
-    interrupt came (``result.detached``)."""
+    interrupt came (``result.detached``). With ``fail_fast``, a cell whose running ranks wait for
+    one that left it is interrupted as soon as that is certain (services/fail_fast.py)."""
     # From this call, not the cell's start: %dist_wait --timeout on an old background cell waits.
     deadline = None if timeout is None else time.monotonic() + timeout
     interrupted = False
@@ -58,6 +63,9 @@ def wait_for_cell(
                 return
             if on_tick is not None:
                 on_tick(result)
+            if fail_fast is not None and not interrupted and (doom := fail_fast.check()) is not None:
+                result.notes.append(doom.text())  # said with the result: the cell ends within seconds
+                interrupt(list(doom.waiting))
             if deadline is not None and time.monotonic() >= deadline:
                 result.timed_out = True
                 return
@@ -130,6 +138,27 @@ def rebuild_after_unblock(result: CellResult, tracker: Tracker, regroup: Callabl
         return
     result.notes.append(f"{told}. Every rank now has a fresh default process group and keeps its namespace; groups made with "
                         "new_group or a DeviceMesh, and objects holding a group (DDP, FSDP), must be made again.")
+    # What the old group's counts foretold (a rank a call ahead: "the next synchronisation will
+    # hang") no longer holds: the new group starts every rank at #1.
+    result.desync, result.desync_note = [], ""
+    if result.path_note == f"why: {PATHS_HINT}":
+        result.path_note = ""
+
+
+def why_still_running(result: CellResult, diagnose: Callable[[CellResult], Verdict]) -> None:
+    """A cell ended at its timeout: the diagnosis of the ranks still running, kept on the result
+    (``verdict``) and said in its notes — the live watch may not have spoken yet (a busy
+    machine, a --timeout shorter than --hang-after)."""
+    if not result.timed_out or not result.running or any(n.startswith("[distnb] why ") for n in result.notes):
+        return
+    try:
+        verdict = diagnose(result)
+    except Exception as exc:  # best effort, as the live watch's: the timeout is said regardless
+        result.notes.append(f"[distnb] why {format_ranks(result.running)} still run: not known ({exc})")
+        return
+    result.verdict = verdict
+    one = len(result.running) == 1
+    result.notes.append(f"[distnb] why {format_ranks(result.running)} still {'runs' if one else 'run'}: " + verdict.text().removeprefix("[distnb] "))
 
 
 def _broken_collective(error: CellError | None) -> bool:
