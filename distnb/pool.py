@@ -46,6 +46,7 @@ from distnb.services.multinode import MultiNode
 from distnb.services.rank_debug import RankDebug
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
+from distnb.services.verify import VERIFY_SECONDS
 from distnb.services.waiting import rebuild_after_unblock, wait_for_cell, why_still_running
 from distnb.services.watch import CellWatch
 from distnb.states import PoolState
@@ -459,10 +460,12 @@ class Pool:
         return self._diagnostics.check(names, ranks, lambda: mesh_dims(self.meshes(ranks)), within)
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
-               by_label: bool = False) -> Export:
+               by_label: bool = False, verify: float | None = VERIFY_SECONDS) -> Export:
         """Write the session as a standalone ``torchrun`` script (or a notebook: ``.ipynb``): by
-        default the minimal failing case, see :func:`~distnb.services.export.export_session`."""
-        return export_session(self._session, path, self._config, cells, include_failed, only_ok, by_label)
+        default the minimal failing case, see :func:`~distnb.services.export.export_session`. A
+        script ending with a failed cell is run under torchrun for at most ``verify`` seconds (None:
+        not run) and says whether it reproduced the failure (``.verified``)."""
+        return export_session(self._session, path, self._config, cells, include_failed, only_ok, by_label, verify)
 
     def __repr__(self) -> str:
         return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"

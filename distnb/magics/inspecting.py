@@ -64,18 +64,27 @@ class InspectMagics(Magics):
               help="The notebook's In[n] of the cells to export, e.g. 3-7,9 (default: the minimal failing case, see below).")
     @argument("--all", action="store_true", help="Every cell since launch, the failed ones too.")
     @argument("--ok", action="store_true", help="Only the cells that succeeded (a script that runs through).")
+    @argument("--no-verify", action="store_true", help="Don't run the script to check that it fails as the session did.")
+    @argument("--verify-timeout", type=float, default=None, metavar="SECONDS",
+              help="How long the check may run the script (default 30; a hang reproduces by still running then).")
     @line_magic
     def dist_export(self, line: str) -> None:
         """Write the session as a standalone script (torchrun --nproc-per-node N PATH) or notebook.
 
         By default, the minimal failing case: the cells that succeeded up to the last one that
-        failed, and that one (on the ranks it ran on), so the script fails as the session did;
-        with no failure, every cell that succeeded. Says which cells went in."""
+        failed, and that one (on the ranks it ran on); with no failure, every cell that succeeded.
+        Says which cells went in. A script that ends with a failed cell is then run under torchrun
+        here, with the pool's world size and backend, and said "reproduced" only when it fails as
+        the session did (the same ranks raising the same errors, or hanging); else what differed."""
         args = parse(self.dist_export, line)
+        if args.verify_timeout is not None and args.verify_timeout <= 0:
+            raise UsageError("--verify-timeout takes a positive number of seconds, e.g. --verify-timeout 60.")
         pool = pool_or_usage_error()
         with usage_errors():
             try:
-                written = pool.export(args.path, cells=args.cells, include_failed=args.all, only_ok=args.ok, by_label=True)
+                # The pool's default bound unless told (--verify-timeout), none with --no-verify.
+                verify = {"verify": None} if args.no_verify else {"verify": args.verify_timeout} if args.verify_timeout else {}
+                written = pool.export(args.path, cells=args.cells, include_failed=args.all, only_ok=args.ok, by_label=True, **verify)
             except OSError as exc:  # e.g. a folder that does not exist
                 raise UsageError(f"can't write {args.path}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
         print(written.text())

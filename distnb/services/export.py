@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from distnb.analysis.verdicts.reproduction import FailureSignature
 from distnb.config import DEBUG_ENV, LaunchConfig
 from distnb.ranks import format_ranks, rank_span
 from distnb.results import CellRecord, CellResult, PushRecord, Step
+from distnb.services.verify import Reproduction, session_signature, verify_script
 
 if TYPE_CHECKING:
     from distnb.controller.session import SessionLog
@@ -49,6 +51,9 @@ else:
     device = torch.device("cpu")
 # device_id: NCCL creates its communicator now (eagerly) on this rank's own GPU.
 dist.init_process_group(backend, timeout=timedelta(seconds={pg_timeout!r}), device_id=device if backend == "nccl" else None)
+if os.environ.get("DISTNB_VERIFY_DIR"):  # distnb's own run of this script: which ranks reached the end
+    import atexit
+    atexit.register(lambda: open(os.path.join(os.environ["DISTNB_VERIFY_DIR"], f"rank{{rank}}.done"), "w").close())
 
 
 def display(*objs):
@@ -57,9 +62,44 @@ def display(*objs):
 
 '''
 
-_EPILOGUE = '''
-dist.destroy_process_group()
+#: The cells ran in a pool whose group existed from launch: a pasted ``init_process_group`` kept it
+#: and a pasted ``destroy_process_group()`` of the default group waited for the end (the rank
+#: side's worker/torch_hooks/pasted.py). The script does the same, or it would die at the pasted
+#: init ("initialize the default process group twice") before reaching the failure.
+_KEPT_GROUP = '''
+# As in the session: the pool's process group is kept by a pasted init_process_group and
+# destroy_process_group() (both bindings: torch's own calls read distributed_c10d's).
+from torch.distributed import distributed_c10d as _c10d
+
+_pool_init, _pool_destroy = dist.init_process_group, dist.destroy_process_group
+
+
+def _kept_init(*args, **kwargs):
+    if not dist.is_initialized():
+        return _pool_init(*args, **kwargs)
+
+
+def _kept_destroy(group=None):
+    if group is not None and group is not _c10d.GroupMember.WORLD:
+        return _pool_destroy(group)
+
+
+dist.init_process_group = _c10d.init_process_group = _kept_init
+dist.destroy_process_group = _c10d.destroy_process_group = _kept_destroy
 '''
+
+_EPILOGUE = '''
+{destroy}()
+'''
+
+#: A cell's ``sys.exit()`` ended the cell, not the rank: distnb caught its SystemExit.
+_CAUGHT_EXIT = '''try:
+{body}
+except SystemExit as _exit:  # as in the session: it ended the cell, and the rank kept running
+    print(f"(SystemExit({{_exit.code!r}}) ended this cell; the rank keeps running)")
+'''
+_EXITS = ("exit(", "SystemExit", "quit(")
+_PASTED = ("init_process_group", "destroy_process_group")
 
 
 Cell = CellResult | CellRecord
@@ -191,12 +231,22 @@ def _targeted(body: str, ranks: Sequence[int], everyone: bool) -> str:
     return f"if rank in {{{', '.join(map(str, ranks))}}}:\n{textwrap.indent(body, '    ') or '    pass'}\n"
 
 
+def _as_in_the_session(code: str) -> str:
+    """A cell's code as the session ran it: a ``sys.exit()`` in it ends the cell, not the script."""
+    if not any(word in code for word in _EXITS):
+        return code
+    return _CAUGHT_EXIT.format(body=textwrap.indent(code, "    ") or "    pass").rstrip("\n")
+
+
 def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path) -> Path:
     steps = list(steps)
     path = Path(path)
     cells = [s for s in steps if not isinstance(s, PushRecord)]
+    pasted = any(word in c.code for c in cells for word in _PASTED)
     parts = [_PRELUDE.format(n=len(cells), run=run_command(config, path.name), backend=config.backend,
                              pg_timeout=config.pg_timeout, env=_env_lines(config))]
+    if pasted:
+        parts.append(_KEPT_GROUP)
     all_ranks = list(range(int(config.nproc or 0) * config.nnodes))
     sidecars: list[Path] = []
     for step in steps:
@@ -207,8 +257,8 @@ def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path)
             parts.append(_targeted(_push_code(step, path, len(sidecars) + 1, sidecars), step.ranks, everyone))
             continue
         parts.append(f"# ---- {_name(step)} ({where}){'' if step.ok else ': it failed in the session'} ----")
-        parts.append(_targeted(_show_last_value(step.code.rstrip()), step.ranks, everyone))
-    parts.append(_EPILOGUE)
+        parts.append(_targeted(_as_in_the_session(_show_last_value(step.code.rstrip())), step.ranks, everyone))
+    parts.append(_EPILOGUE.format(destroy="_pool_destroy" if pasted else "dist.destroy_process_group"))
     path.write_text("\n".join(parts))
     return path
 
@@ -288,12 +338,14 @@ def export_notebook(steps: Iterable[Step], config: LaunchConfig, path: str | Pat
 @dataclass(frozen=True)
 class Export:
     """What an export wrote: the file (``str()`` and ``os.fspath()`` give its path), the cells in
-    it, and the failing cell it ends with (the session's last failure), if any."""
+    it, the failing cell it ends with (the session's last failure), if any, and what running it
+    showed (``verified``: None when not run)."""
 
     path: str
     cells: tuple[str, ...]  # "In[3]" (or "cell 5" for a cell run from Python), in order
     failing: str | None
     command: str  # how to run it
+    verified: Reproduction | None = None
 
     def __fspath__(self) -> str:
         return self.path
@@ -302,14 +354,17 @@ class Export:
         return self.path
 
     def text(self) -> str:
-        ending = (f"; it ends with {self.failing}, which failed, so it fails the same way" if self.failing else "")
-        return f"wrote {self.path} with {', '.join(self.cells)}{ending}. Run it with: {self.command}"
+        ending = f"; it ends with {self.failing}, which failed in the session" if self.failing else ""
+        checked = f"\n{self.verified.text()}" if self.verified is not None else ""
+        return f"wrote {self.path} with {', '.join(self.cells)}{ending}. Run it with: {self.command}{checked}"
 
 
 def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: str | None = None, include_failed: bool = False,
-                   only_ok: bool = False, by_label: bool = False) -> Export:
+                   only_ok: bool = False, by_label: bool = False, verify: float | None = None) -> Export:
     """Write the session's cells since launch as a standalone ``torchrun`` script, or as a
-    notebook when ``path`` ends in ``.ipynb`` (which cells: :func:`select_cells`)."""
+    notebook when ``path`` ends in ``.ipynb`` (which cells: :func:`select_cells`). With
+    ``verify`` (seconds), a script that ends with a failed cell is run under torchrun, bounded
+    by it, and its failure compared with the session's (services/verify.py)."""
     history = session.history
     start = session.launch_index
     chosen = select_cells(history[start:] if cells is None else history, cells, include_failed, only_ok, by_label)
@@ -320,5 +375,10 @@ def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: 
     notebook = str(path).endswith(".ipynb")
     written = str((export_notebook if notebook else export_script)(steps, config, path))
     failing = chosen[-1] if not chosen[-1].ok and cells is None and not include_failed else None
+    checked = None
+    if verify is not None and not notebook and not chosen[-1].ok:
+        signature = session_signature(chosen[-1])
+        checked = verify_script(written, config, signature, verify) if signature is not None else Reproduction(
+            False, False, FailureSignature(), None, 0.0, f"{_name(chosen[-1])}'s errors are no longer kept (only the newest cells' are)")
     return Export(written, tuple(_name(c) for c in chosen), _name(failing) if failing is not None else None,
-                  f"open {written}" if notebook else run_command(config, written))
+                  f"open {written}" if notebook else run_command(config, written), checked)

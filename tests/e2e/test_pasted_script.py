@@ -46,3 +46,32 @@ def test_an_init_that_agrees_with_the_pool_is_noted_without_complaint(pool: dist
     assert res.ok, res.text()
     assert "kept the pool's process group (gloo, 4 ranks), which every rank has had since launch." in res.text(), res.text()
     assert "asked" not in res.text(), res.text()
+
+
+FAILING = SCRIPT.replace('    print("sum", int(t.item()), "local", local)\n',
+                         '    print("sum", int(t.item()), "local", local)\n'
+                         '    if dist.get_rank() == 1:\n        raise ValueError("bad shard on rank 1")\n'
+                         '    dist.barrier()\n')
+
+
+def test_the_export_of_a_pasted_script_runs_as_the_cells_did_and_is_verified(fresh_pool, tmp_path) -> None:
+    """The exported script keeps the pool's group at the pasted init and destroy, as the session
+    did (else it dies at once: "initialize the default process group twice"), and %dist_export
+    says "reproduced" only after running it: rank 1's own error, the same under torchrun."""
+    pool = fresh_pool(2)
+    assert pool.run("import sys\nexit_code = 0\ntry:\n    sys.exit(3)\nexcept SystemExit:\n    exit_code = 3", timeout=60).ok
+    res = pool.run(FAILING, timeout=60)  # rank 0 waits in the barrier: ended at once, interrupted
+    assert res[1].status == "error" and res[0].status == "interrupted", res.text()
+    written = pool.export(str(tmp_path / "repro.py"))
+    text = written.text()
+    assert written.verified is not None and written.verified.reproduced, text
+    assert "reproduced the failure (rank 1 raised ValueError: bad shard on rank 1)" in text, text
+    script = (tmp_path / "repro.py").read_text()
+    assert "_kept_init" in script and script.rstrip().endswith("_pool_destroy()"), script
+    # A script that fails otherwise than the session is never called a reproduction.
+    (tmp_path / "other.py").write_text(script.replace('raise ValueError("bad shard on rank 1")', 'raise KeyError("other")'))
+    from distnb.services.verify import session_signature, verify_script
+
+    other = verify_script(tmp_path / "other.py", pool.config, session_signature(res), 60.0)
+    assert other.ran and not other.reproduced and "rank 1: ValueError: bad shard on rank 1 in the session, KeyError: 'other' in the script" \
+        in other.text(), other.text()

@@ -56,9 +56,14 @@ class FakePool:
         self.history.append(result)
         return result
 
-    def wait(self, result: CellResult, timeout: float | None = None, on_tick: Any = None, tick: float = 1.0, ask: Any = None) -> CellResult:
-        self.calls.append(("wait", timeout))
+    def wait(self, result: CellResult, timeout: float | None = None, on_tick: Any = None, tick: float = 1.0, ask: Any = None,
+             fail_fast: bool = True) -> CellResult:
+        self.calls.append(("wait", timeout) if fail_fast else ("wait", timeout, "no fail-fast"))
         return result
+
+    def explain_timeout(self, result: CellResult) -> None:
+        if result.timed_out:
+            result.notes.append("[distnb] why it still runs: (the fake's diagnosis)")
 
     def watch(self, result: CellResult, hang_after: float | None = None) -> Any:
         self.calls.append(("watch", hang_after))
@@ -85,8 +90,8 @@ class FakePool:
         return {r: f"{name}@{r}" for r in parse_ranks(ranks, self.world_size)}
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
-               by_label: bool = False) -> Export:
-        self.calls.append(("export", (cells, include_failed, only_ok, by_label)))
+               by_label: bool = False, **verify: float | None) -> Export:
+        self.calls.append(("export", (cells, include_failed, only_ok, by_label, verify)))
         Path(path).write_text("# exported\n")  # raises OSError for a folder that does not exist, as the real one
         return Export(path, ("In[3]", "In[4]"), "In[4]", run_command(self.config, path))
 
@@ -146,6 +151,8 @@ def test_cell_flags_reach_the_pool(shell: InteractiveShell, fake: FakePool) -> N
     assert fake.calls[0][1]["ranks"] == [1, 3] and fake.calls[0][1]["pdb"] and not fake.calls[0][1]["profile"]
     assert not fake.calls[0][1]["comms"]
     assert ("wait", 5.0) in fake.calls
+    shell.run_cell_magic("on_ranks", "--no-fail-fast --timeout 7", "pass")
+    assert ("wait", 7.0, "no fail-fast") in fake.calls
 
 
 @pytest.mark.parametrize(
@@ -260,9 +267,15 @@ def test_export_prints_the_command_that_runs_the_script(shell: InteractiveShell,
     target = tmp_path / "repro.py"
     shell.run_line_magic("dist_export", f"{target} --cells 3-4")
     out = capsys.readouterr().out
-    assert f"wrote {target} with In[3], In[4]; it ends with In[4], which failed, so it fails the same way." in out
+    assert f"wrote {target} with In[3], In[4]; it ends with In[4], which failed in the session." in out
     assert f"Run it with: torchrun --nproc-per-node 4 {target}" in out
-    assert fake.calls[-1] == ("export", ("3-4", False, False, True))  # the cells by the notebook's In[n]
+    assert fake.calls[-1] == ("export", ("3-4", False, False, True, {}))  # the cells by the notebook's In[n]; the pool's check
+    shell.run_line_magic("dist_export", f"{target} --no-verify")
+    assert fake.calls[-1][1][-1] == {"verify": None}
+    shell.run_line_magic("dist_export", f"{target} --verify-timeout 90")
+    assert fake.calls[-1][1][-1] == {"verify": 90.0}
+    with pytest.raises(UsageError, match="--verify-timeout takes a positive number"):
+        shell.run_line_magic("dist_export", f"{target} --verify-timeout 0")
 
 
 # -- a failed cell stops Run All ----------------------------------------------------------------

@@ -129,7 +129,10 @@ def test_an_export_fails_the_way_the_session_did(tmp_path: Path) -> None:
         assert bad.failed == [1]
         written = pool.export(str(tmp_path / "repro.py"))
     assert written.cells == ("cell 2", "cell 3") and written.failing == "cell 3"
-    assert "it ends with cell 3, which failed, so it fails the same way" in written.text()
+    # Said "reproduced" only once it was run: rank 1 raised the same error under torchrun.
+    assert "it ends with cell 3, which failed in the session" in written.text()
+    assert written.verified is not None and written.verified.reproduced, written.text()
+    assert "verified: running it under torchrun reproduced the failure (rank 1 raised ValueError: bad batch on rank 1)" in written.text()
     assert "torchrun --nproc-per-node 2" in written.text()
     text = Path(written).read_text()
     assert "1/0" not in text and "# ---- cell 3 (all ranks): it failed in the session ----" in text
