@@ -13,7 +13,8 @@ from typing import Any, Callable
 from distnb._processes import signal_meaning
 from distnb._text import MAX_ROWS, MERGED_NOTE, Rows, merge_lines, merge_rows, prefix_lines
 from distnb.analysis.reports.nccl_dumps import watchdog_cause
-from distnb.analysis.verdicts.failures import differing_messages, is_timeout, salient_lines
+from distnb.analysis.verdicts.failures import cut_message, differing_messages, fold_crash_dump, is_timeout, salient_lines
+from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.wire.records import CellError, SyncState
@@ -222,7 +223,8 @@ class CellResult:
         odd ranks named: :func:`~distnb._text.merge_lines`)."""
         out = []
         for stream in ("stdout", "stderr"):
-            items = [(r.rank, text) for r in self._ordered() for text in [getattr(r, stream)] if text]
+            items = [(r.rank, fold_crash_dump(text, r.rank) if r.status == "dead" and stream == "stderr" else text)
+                     for r in self._ordered() for text in [str(getattr(r, stream))] if text]
             out.append((stream, merge_lines(items)))
         return out
 
@@ -355,10 +357,18 @@ class CellResult:
         keyed = [(r.rank, (e["ename"], e.get("line"), _DIGITS.sub("#", tb) if many else tb, _DIGITS.sub("#", e["evalue"])))
                  for r in errored for e in [r.error or {}] for tb in [e["traceback"].replace(e["evalue"], "")]]
         out = []
+        # A peer's closed connection, an interrupt: said in a line when something else caused it.
+        caused = any(r.status == "dead" for r in self.results.values()) or any(
+            not is_consequence(f"{e.get('ename')}: {e.get('evalue')}") for r in errored for e in [r.error or {}])
         for n, (ranks, (ename, *_)) in enumerate(group_by(keyed)):
             errors = [self.results[r].error or {} for r in ranks]
             line = next((e.get("line") for e in errors if e.get("line")), None)
             where = f" at cell line {line}" if line else ""
+            evalue = errors[0].get("evalue") or ""
+            if caused and is_consequence(f"{ename}: {evalue}"):
+                out.append(f"── {ename} on {format_ranks(ranks)}{where}, a consequence: {cut_message(evalue.splitlines()[0] if evalue else '', 160)} "
+                           f"(its traceback: _dist[{ranks[0]}].error['traceback'])")
+                continue
             if many and n >= MAX_TRACEBACKS:
                 message = (errors[0].get("evalue") or "").split("\n", 1)[0][:200]
                 out.append(f"── {ename} on {format_ranks(ranks)}{where}: {message} (its traceback: _dist[{ranks[0]}].error['traceback'])")

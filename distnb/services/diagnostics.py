@@ -26,7 +26,7 @@ from distnb.analysis.reports.nccl_dumps import dump_marks, read_dumps, seq_blame
 from distnb.analysis.reports.profile import ProfileReport, RankTime, merge_traces
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
-from distnb.analysis.verdicts.failures import is_timeout
+from distnb.analysis.verdicts.failures import cut_message, is_timeout
 from distnb.analysis.verdicts.paths import first_difference
 from distnb.analysis.verdicts.position import Position, position_from_stack, position_paused
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
@@ -368,7 +368,7 @@ class Diagnostics:
             lines = result.code.splitlines()
             line = res.error.get("line")
             return Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
-                            detail=f"{res.error['ename']}: {res.error['evalue'][:200]}")
+                            detail=f"{res.error['ename']}: {cut_message(res.error['evalue'], 200)}")
         if res.status == "dead":
             return Position(r, "dead", detail=_processes.signal_meaning(res.returncode))
         if res.status != "running" or stacks is None:

@@ -8,7 +8,7 @@ import re
 
 from distnb.wire.records import CellError
 
-__all__ = ["differing_messages", "is_timeout", "salient_lines"]
+__all__ = ["cut_message", "differing_messages", "fold_crash_dump", "is_timeout", "salient_lines"]
 
 #: Error texts that mean a collective timed out (gloo's and NCCL's words).
 _TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
@@ -19,8 +19,46 @@ def is_timeout(error: CellError) -> bool:
     return any(m in error.get("evalue", "") for m in _TIMEOUT_MARKS)
 
 
-_NOISE = re.compile(r"^\s*(frame #\d+:|<omitting python frames>|Exception raised from |File \"|\^+$)")
+_NOISE = re.compile(r"^\s*(frame #\d+:|<omitting python frames>|Exception raised from |File \"|\^+$|Extension modules: |"
+                    r"Thread 0x[0-9a-f]+ \(most recent call first\):$)")  # other threads' headers: their frames are noise
 _KEY = re.compile(r"terminate called|what\(\):|enforce fail|Fatal Python error|[A-Za-z]*(Error|Exception)\b|Segmentation fault|Aborted")
+
+
+def cut_message(text: str, limit: int = 300) -> str:
+    """A message kept whole when short, else cut at a line boundary (or, for one long line, at a
+    word) with "…": never mid-word inside a headline."""
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    kept = ""
+    for line in text.splitlines():
+        if len(kept) + len(line) + 1 > limit:
+            break
+        kept = f"{kept}\n{line}" if kept else line
+    if not kept:
+        kept = text[:limit].rsplit(" ", 1)[0] if " " in text[:limit] else text[:limit]
+    return kept.rstrip(" ,;:") + " …"
+
+
+#: Python's faulthandler dump, which a rank killed by a signal writes to its stderr.
+_DUMP_START = re.compile(r"^Fatal Python error: ")
+_DUMP_LINE = re.compile(r"^(\s*$|Thread 0x[0-9a-f]+ \(most recent call first\):|Current thread 0x[0-9a-f]+ \(most recent call first\):|"
+                        r"  File \"|  <no Python frame>|  \.\.\.|Python runtime state: |Extension modules: )")
+
+
+def fold_crash_dump(stderr: str, rank: int) -> str:
+    """A dead rank's streamed stderr with Python's crash dump folded into one line: the dump is
+    said once, cut to the user's frames, in the rank's death report (the raw text stays on the
+    rank's result)."""
+    lines = stderr.split("\n")
+    start = next((i for i, line in enumerate(lines) if _DUMP_START.match(line)), None)
+    if start is None:
+        return stderr
+    end = start + 1
+    while end < len(lines) and _DUMP_LINE.match(lines[end]):
+        end += 1
+    folded = f"{lines[start]} (Python's crash dump: rank {rank}'s death report below)"
+    return "\n".join(lines[:start] + [folded] + lines[end:])
 
 
 def differing_messages(ename: str, messages: list[tuple[int, str]]) -> str:
