@@ -50,7 +50,7 @@ from distnb.services.verify import VERIFY_SECONDS
 from distnb.services.waiting import rebuild_after_unblock, wait_for_cell, why_still_running
 from distnb.services.watch import CellWatch
 from distnb.states import PoolState
-from distnb.status import PoolStatus
+from distnb.status import PoolStatus, Regrouped
 from distnb.wire.cell_code import CompiledCell, compile_source, exec_request
 from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
 from distnb.wire.protocol import Msg
@@ -270,10 +270,11 @@ class Pool:
         self._session.mark_launch()
         return True
 
-    def regroup(self) -> None:
+    def regroup(self) -> Regrouped:
         """Recover from a collective timeout without restarting processes: every rank replaces its
         poisoned default process group with a fresh one (namespaces are kept; objects holding
-        the old group, such as a DDP model, must be rebuilt). Ranks must be idle and alive."""
+        the old group, such as a DDP model, must be rebuilt: the result names them). Ranks must be
+        idle and alive."""
         targets = list(range(self.world_size))
         self._tracker.ensure_idle(targets)
         self._regroups += 1
@@ -287,6 +288,7 @@ class Pool:
         if errors:
             raise RemoteError(f"regroup failed on {format_ranks(errors)}: {next(iter(errors.values()))} "
                               "Use %dist_restart --replay instead.", errors=errors)
+        return Regrouped(self.world_size, {n: k for reply in replies.values() for n, k in (reply.get("holders") or {}).items()})
 
     def __enter__(self) -> Pool:
         if self.state == PoolState.NEW:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from distnb._processes import signal_meaning
 from distnb._text import MAX_ROWS, MERGED_NOTE, Rows, merge_lines, merge_rows, prefix_lines
 from distnb.analysis.reports.nccl_dumps import watchdog_cause
-from distnb.analysis.verdicts.failures import cut_message, differing_messages, fold_crash_dump, is_timeout, salient_lines
+from distnb.analysis.verdicts.failures import cut_message, differing_messages, fold_crash_dump, holders_words, is_timeout, salient_lines
 from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
@@ -260,6 +260,11 @@ class CellResult:
                     f"{format_ranks(rs)} {'is' if len(rs) == 1 else 'are'} {what}" if what == "still running" else f"{format_ranks(rs)} {what}"
                     for rs, what in others))
         parts.extend(self._error_texts())
+        stale = {n: k for r in self.results.values() if r.error for n, k in (r.error.get("stale") or {}).items()}
+        if stale:
+            ranks = [r.rank for r in self.results.values() if r.error and r.error.get("stale")]
+            parts.append(f"[distnb] likely why {format_ranks(ranks)} failed on a closed group: a rebuild of the process group "
+                         f"(an interrupt, a regroup) closed the one these still hold — {holders_words(stale)}.")
         if self.desync_note:
             parts.append("[distnb] desync at the end of the cell: " + self.desync_note)
         if self.path_note:

@@ -8,10 +8,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from distnb._processes import signal_meaning
+from distnb.analysis.verdicts.failures import holders_words
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.states import RankState
 
-__all__ = ["PoolStatus", "RankStatus"]
+__all__ = ["PoolStatus", "RankStatus", "Regrouped"]
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    """A regroup's outcome: every rank's fresh default group, and the names in the ranks'
+    namespaces whose objects hold a group it closed (name → kind: DDP, a mesh, a group)."""
+
+    world_size: int
+    holders: dict[str, str]
+
+    def text(self) -> str:
+        head = f"every rank has a fresh default process group ({self.world_size} ranks), namespaces kept"
+        if not self.holders:
+            return head + "; groups made with new_group or a DeviceMesh, and objects holding one (DDP, FSDP), must be made again."
+        return f"{head}. These hold a group it closed and fail at their next collective: {holders_words(self.holders)}."
 
 
 def _natural(name: str) -> list[Any]:

@@ -238,8 +238,7 @@ class DistMagics(Magics):
         _parse(self.dist_regroup, line)
         pool = self._pool()
         with _usage_errors():
-            pool.regroup()
-        print(f"every rank has a fresh default process group ({pool.world_size} ranks); rebuild objects that held the old one (e.g. DDP).")
+            print(pool.regroup().text())
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to interrupt: 0,2 · 1-3 · all (default: every busy one).")

@@ -23,6 +23,7 @@ from distnb.results import CellResult
 from distnb.services.debugger import Ask, Debugger
 from distnb.services.diagnostics import PATHS_HINT
 from distnb.services.fail_fast import FailFast
+from distnb.status import Regrouped
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CellError
@@ -111,7 +112,7 @@ def interrupt_words(cell: int, ranks: list[int], tracker: Tracker | None) -> str
             f"process group is then rebuilt). A second interrupt stops waiting and leaves {'it' if one else 'them'} running.")
 
 
-def rebuild_after_unblock(result: CellResult, tracker: Tracker, regroup: Callable[[], None],
+def rebuild_after_unblock(result: CellResult, tracker: Tracker, regroup: Callable[[], Regrouped],
                           say: Callable[[str], None] | None = None) -> None:
     """After a cell ended on every rank: if a rank's control thread unblocked it (its interrupt
     could not land in a collective), the process group is unusable — give every rank a fresh one
@@ -131,13 +132,12 @@ def rebuild_after_unblock(result: CellResult, tracker: Tracker, regroup: Callabl
     told = f"The interrupt could not land on {format_ranks(done)}, blocked in {what}, so distnb {how}"
     (say or _stderr)(f"[distnb] {told}: rebuilding the process group on every rank (namespaces stay) …")
     try:
-        regroup()
+        regrouped = regroup()
     except DistnbError as exc:
         result.notes.append(f"{told}; the process group is now unusable, and rebuilding it failed ({exc}). Run %dist_regroup once "
                             "every rank is idle, or %dist_restart.")
         return
-    result.notes.append(f"{told}. Every rank now has a fresh default process group and keeps its namespace; groups made with "
-                        "new_group or a DeviceMesh, and objects holding a group (DDP, FSDP), must be made again.")
+    result.notes.append(f"{told}. {regrouped.text()[0].upper()}{regrouped.text()[1:]}")
     # What the old group's counts foretold (a rank a call ahead: "the next synchronisation will
     # hang") no longer holds: the new group starts every rank at #1.
     result.desync, result.desync_note = [], ""

@@ -101,7 +101,7 @@ class CellError(TypedDict, total=False):
     evalue: str
     traceback: str
     line: int | None  # the cell line it was raised at
-    group_failure: bool  # a rank's process group failed under it (not the cell's own error)
+    stale: dict[str, str]  # names still bound to an object holding a group a regroup closed: name → kind
 
 
 class _CellOutcomeCore(TypedDict):

@@ -22,7 +22,7 @@ def test_a_raise_while_the_others_wait_ends_the_cell_and_keeps_the_namespaces(po
     assert "[distnb] rank 2 raised ValueError and left cell" in text and "ranks 0,1,3 in all_reduce" in text, text
     assert "ending the cell now instead of at its timeout" in text, text
     # The rebuild started every rank's group over: no warning of a hang the old counts foretold.
-    assert "will hang" not in text and "Every rank now has a fresh default process group" in text, text
+    assert "will hang" not in text and "Every rank has a fresh default process group" in text, text
     # The root cause is the rank that raised, not the ranks distnb interrupted.
     assert res.verdict is not None and res.verdict.culprits == [2], text
     # The group was rebuilt and every rank kept its namespace: the next collective works.
@@ -35,3 +35,17 @@ def test_a_rank_that_raised_after_the_others_finished_ends_nothing_early(pool4: 
     pool = usable(pool4)
     res = pool.run("dist.all_reduce(torch.ones(1))\nif rank == 1:\n    raise KeyError('late')\n'done'", timeout=LONG)
     assert res.failed == [1] and "ending the cell now" not in res.text(), res.text()
+
+
+def test_a_ddp_model_used_after_the_rebuild_is_named_with_what_to_do(pool4: distnb.Pool) -> None:
+    pool = usable(pool4)
+    assert pool.run("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                    "ff_model = DDP(torch.nn.Linear(4, 4))\nff_model(torch.ones(2, 4)).sum().backward()", timeout=LONG).ok
+    res = pool.run("if rank == 0:\n    raise RuntimeError('bad step')\nff_model(torch.ones(2, 4)).sum().backward()", timeout=LONG)
+    # At the end of the cell that closed the group: the objects that hold it, and how to remake them.
+    assert "`ff_model` (DistributedDataParallel: make it again, DDP(model.module, ...))" in res.text(), res.text()
+    used = pool.run("ff_model(torch.ones(2, 4)).sum().backward()", timeout=LONG)
+    text = used.text()
+    assert used.failed, text
+    assert "[distnb] likely why ranks 0-3 failed on a closed group" in text and "`ff_model` (DistributedDataParallel" in text, text
+    assert pool.run("ff_model = DDP(ff_model.module)\nff_model(torch.ones(2, 4)).sum().backward()", timeout=LONG).ok

@@ -8,7 +8,7 @@ import re
 
 from distnb.wire.records import CellError
 
-__all__ = ["cut_message", "differing_messages", "fold_crash_dump", "is_timeout", "salient_lines"]
+__all__ = ["cut_message", "differing_messages", "fold_crash_dump", "holders_words", "is_timeout", "salient_lines"]
 
 #: Error texts that mean a collective timed out (gloo's and NCCL's words).
 _TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
@@ -59,6 +59,21 @@ def fold_crash_dump(stderr: str, rank: int) -> str:
         end += 1
     folded = f"{lines[start]} (Python's crash dump: rank {rank}'s death report below)"
     return "\n".join(lines[:start] + [folded] + lines[end:])
+
+
+#: How to make again each kind of object that holds a process group.
+_REMAKE = {
+    "DistributedDataParallel": "DDP(model.module, ...)",
+    "FullyShardedDataParallel": "FSDP(module, ...)",
+    "FSDPModule": "fully_shard(...) on a new mesh",
+    "DeviceMesh": "init_device_mesh(...)",
+    "ProcessGroup": "dist.new_group(...)",
+}
+
+
+def holders_words(held: dict[str, str]) -> str:
+    """```model` (DistributedDataParallel: make it again, DDP(model.module, ...)); `mesh` (DeviceMesh …)``."""
+    return "; ".join(f"`{name}` ({kind}: make it again, {_REMAKE.get(kind, 'as it was made')})" for name, kind in sorted(held.items()))
 
 
 def differing_messages(ename: str, messages: list[tuple[int, str]]) -> str:

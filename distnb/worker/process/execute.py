@@ -7,6 +7,7 @@ import cmd
 import linecache
 import os
 import pdb
+import re
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ from distnb.worker.recorders.paths import PathRecorder
 from distnb.worker.torch_hooks.call_log import CallLog
 from distnb.worker.torch_hooks.compile_record import CompileRecorder
 from distnb.worker.torch_hooks.flight_recorder import CellClock
+from distnb.worker.torch_hooks.group_holders import StaleHolders
 from distnb.worker.torch_hooks.group_state import group_errors, live_groups, sync_state
 
 __all__ = ["Executor", "mimebundle"]
@@ -82,6 +84,7 @@ class Executor:
         self.calls = CallLog(CELL_PREFIX)
         self.paths = PathRecorder(CELL_PREFIX)
         self.compiles = CompileRecorder()
+        self.stale = StaleHolders()  # what held the groups the last regroup closed
         self._send_display = send_display
         self.cell: int | None = None
         self.started = 0.0
@@ -161,7 +164,10 @@ class Executor:
                 self.last_traceback = None if "OutOfMemoryError" in type(evalue).__name__ else _from_cell(tb) or tb
                 if post_mortem and self.debug is not None:
                     self._post_mortem(tb)
-            reply["error"] = self._error_info(etype, evalue, tb, filename)
+            error = reply["error"] = self._error_info(etype, evalue, tb, filename)
+            stale = self.stale.still_held(self.ns) if _CLOSED_GROUP.search(str(evalue)) else {}
+            if stale:
+                error["stale"] = stale
         finally:
             self.cell = None  # first: from here on a late SIGINT is ignored
             self.panel.after_cell()  # an interrupt can end a cell debugpy held: it holds nothing now
@@ -238,6 +244,11 @@ def _from_cell(tb: TracebackType | None) -> TracebackType | None:
     while first is not None and not first.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
         first = first.tb_next
     return first
+
+
+#: A collective on a group that was closed under it (gloo's and NCCL's words).
+_CLOSED_GROUP = re.compile(r"Connection (closed|reset) by peer|Broken pipe|communicator was aborted|process group .*(destroyed|abort)|"
+                           r"ProcessGroup.*(shut ?down|abort)", re.IGNORECASE)
 
 
 def _group_failure(failed: dict[str, str]) -> CellError:

@@ -320,7 +320,9 @@ class Rank:
         self.send({**fields, "t": Msg.REPLY, "id": request.get("id"), "rank": self.rank})
 
     def regroup(self, generation: int) -> dict[str, Any]:
-        return regroup(self.rank, self.world_size, self.pg_timeout, self.ns.get("device"), self.executor.calls, generation)
+        held = self.executor.stale.remember(self.ns)  # before the groups they hold are closed
+        reply = regroup(self.rank, self.world_size, self.pg_timeout, self.ns.get("device"), self.executor.calls, generation)
+        return {**reply, "holders": held} if held else reply
 
     def check(self, names: list[str]) -> dict[str, Any]:
         missing = [n for n in names if n not in self.ns]
