@@ -56,6 +56,11 @@ class _HangWatch:
         self._shown = ""
         self._watch = pool.watch(result, hang_after)
 
+    @property
+    def said(self) -> bool:
+        """Whether a diagnosis was shown while the cell ran."""
+        return bool(self._shown)
+
     def tick(self, result: CellResult) -> None:
         view = self._view
         if isinstance(view, CellDisplay):
@@ -368,7 +373,8 @@ class DistMagics(Magics):
             return
         watch = _HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, view)
         pool.wait(result, timeout=args.timeout, on_tick=watch.tick, fail_fast=not args.no_fail_fast)
-        pool.explain_timeout(result)
+        if not watch.said:  # the live watch said why already, else the report does
+            pool.explain_timeout(result)
         if isinstance(view, CellDisplay):
             view.finish(result)
         else:

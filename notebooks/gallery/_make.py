@@ -113,7 +113,7 @@ GALLERY: list[Notebook] = [
         "02_uneven_batches",
         "Uneven batches per rank: the hang at the last step",
         "001 D9, D22",
-        "\"uneven collective counts: rank 0 made 3 all_reduce calls, ranks 1,2 stopped after 2\"; `%dist_collectives`; "
+        "\"uneven loop: rank 0 ran 3 steps of (all_reduce [4] f32) … ranks 1,2 ran 2\"; `%dist_collectives`; "
         "fixed with `DistributedSampler` padding and with `Join`",
         [
             Md("**Symptom.** Training runs most of an epoch, then freezes on the final batch (001 D9); or it hangs "
@@ -131,8 +131,8 @@ GALLERY: list[Notebook] = [
                  "    grad = sample * torch.ones(4)           # stand-in for loss.backward()\n"
                  "    dist.all_reduce(grad)                   # DDP does this every step",
                  ["[rank 0] 3 batches", "[ranks 1,2] 2 batches",
-                  "uneven collective counts: rank 0 made 3 all_reduce calls on group 0, ranks 1,2 stopped after 2",
-                  "is inside `for sample in shard:`", "likely a loop of another length per rank",
+                  "uneven loop: rank 0 ran 3 steps of (all_reduce [4] f32) at cell line 6 on group 0, ranks 1,2 ran 2",
+                  "is inside `for sample in shard:`", "a loop of another length per rank", "Root cause: rank 0.",
                   "rank 0: waiting in all_reduce #3 on group 0"], raises=True),
             Md("## How distnb reveals it\n\nThe live diagnosis counts each rank's collectives. `%dist_collectives` "
                "shows the sequences side by side (read from PyTorch's Flight Recorder) with the first divergence "
@@ -198,8 +198,8 @@ GALLERY: list[Notebook] = [
             Code(f"{HANG}\nx = torch.ones(3 if rank == 0 else 4)          # BUG: 3 elements on rank 0, 4 on rank 1\n"
                  "dist.all_reduce(x)\nx",
                  ["shape mismatch at all_reduce #1 on group 0",
-                  "rank 0 all_reduce [3] f32", "rank 1 all_reduce [4] f32",
-                  "rank 0 completed it anyway; the others wait",
+                  "rank 0 all_reduce #1 [3] f32 at cell line 2; rank 1 all_reduce #1 [4] f32",
+                  "No majority to tell which side went wrong: rank 0 against rank 1", "rank 0: finished the cell",
                   "Out[rank 0]: tensor([2., 2., 2.])"], raises=True),
             Md("Rank 0 got a plausible-looking `tensor([2., 2., 2.])` and carried on; only rank 1 hangs. From the "
                "logs alone you'd look at rank 1. distnb compares both ranks' collective logs and names the "
@@ -225,9 +225,9 @@ GALLERY: list[Notebook] = [
     ),
     Notebook(
         "04_rank_raises",
-        "One rank raises, the others wait forever",
+        "One rank raises, the others wait — until distnb ends the cell",
         "001 D20",
-        "\"rank 1 raised KeyError … Root cause: the error on rank 1\" while ranks 0,2 wait; `%dist_status`",
+        "\"rank 1 raised KeyError and left cell 1; the others wait … ending the cell now instead of at its timeout\"; `%dist_status`",
         [
             Md("**Symptom.** Training ran for a while, then froze. One rank's log shows an exception (a bad "
                "sample, a NaN check, an OOM); the others sit in all_reduce until the collective timeout — 30 "
@@ -239,14 +239,16 @@ GALLERY: list[Notebook] = [
             Code(f"{HANG}\nbatch = [{{'label': 3}}, {{}}, {{'label': 1}}][rank]   # BUG: rank 1's sample has no label\n"
                  "loss = torch.tensor(float(batch['label']))\n"
                  "dist.all_reduce(loss)                            # ranks 0,2 wait here for rank 1",
-                 ["rank 1 raised KeyError: 'label' and left the cell; ranks 0,2 wait in all_reduce for it. "
-                  "Root cause: the error on rank 1.",
-                  "ranks 0,2: waiting in all_reduce #1 on group 0",
-                  "rank 1: raised KeyError: 'label' at cell line 2",
-                  "KeyError on rank 1 at cell line 2"], raises=True),
-            Md("## How distnb reveals it\n\nThe diagnosis puts the error first: the root cause is on rank 1, and "
-               "ranks 0 and 2 are only its victims. `%dist_status` shows them still running the cell:"),
-            Code("%dist_status", ["running cell 1", "idle"]),
+                 ["[distnb] rank 1 raised KeyError and left cell 1; the others wait (ranks 0,2 in all_reduce",
+                  "ending the cell now instead of at its timeout",
+                  "KeyError on rank 1 at cell line 2",
+                  "KeyboardInterrupt on ranks 0,2 at cell line 3, a consequence"], ["timed out"], raises=True),
+            Md("## How distnb reveals it\n\nThe report puts the error first: the root cause is on rank 1, and "
+               "ranks 0 and 2 were only its victims. Their all_reduce could never complete without rank 1, and the "
+               "log proved it, so distnb ended the cell within seconds — not at the collective timeout, 30 minutes "
+               "later — interrupting them, rebuilding the group and keeping every namespace. `%dist_status` shows "
+               "every rank idle again:"),
+            Code("%dist_status", ["idle"], ["running cell"]),
             Md("## The fix\n\nFix the failing rank, not the hang (001 D20). When a rank must skip a step, every "
                "rank has to agree — one all_reduce of a flag — so that no rank is left waiting."),
             Code("%dist_restart", ["pool ready: 3 ranks"]),

@@ -109,8 +109,8 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                 Code(f"{hang}\ntorch.manual_seed(0)\nmodel = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))\n"
                      "second = ColwiseParallel() if rank == 3 else RowwiseParallel()   # BUG: a per-rank plan\n"
                      "parallelize_module(model, mesh['tp'], {'0': ColwiseParallel(), '2': second})",
-                     ["ranks are in different collectives: rank 2 in broadcast #4", "rank 3 in scatter #4",
-                      "The odd one out: rank 3 — ranks 0,1 made the same call as rank 2 at that position on the other groups of this role"],
+                     ["op mismatch at scatter #4 on tp (ranks 2,3): rank 3 scatter #4 group_src=0 at cell line 4; "
+                      "rank 2 broadcast #4 [8] f32 group_src=0", "Root cause: rank 3."],
                      ["No majority"], raises=True),
                 Md("## How distnb reveals it\n\nInside tp (ranks 2,3) it is one rank against one; the mesh's other tp group "
                    "made the usual call at the same position, so distnb names rank 3:"),

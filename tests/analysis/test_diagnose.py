@@ -13,7 +13,7 @@ from distnb.analysis.verdicts.verdict import Certainty, Kind
 
 def test_diagnose_rank_conditional() -> None:
     d = diagnose([Position(0, "collective", op="barrier", line=3, since=5.0), Position(1, "finished")], 3.0, 5.0)
-    assert d.state == "hang" and "rank-conditional" in d.summary and d.culprits == [1]
+    assert d.state == "hang" and "a collective only some ranks reached" in d.summary and d.culprits == [1]
     assert "barrier at cell line 3" in d.summary
 
 
@@ -174,7 +174,7 @@ def test_ranks_outside_the_cell_are_not_blamed_as_finished() -> None:
     assert "rank 1, which is not part of this cell" in d.summary
     assert "rank 1: idle: not part of this cell" in d.text()
     d = diagnose([Position(0, "collective", op="barrier", since=5.0), Position(1, "finished"), Position(2, "idle")], 3.0, 5.0)
-    assert "rank-conditional" in d.summary and d.culprits == [1] and "rank 1 finished the cell" in d.summary
+    assert "a collective only some ranks reached" in d.summary and d.culprits == [1] and "rank 1 finished the cell" in d.summary
 
 
 def test_headline_is_the_same_a_second_later() -> None:

@@ -17,8 +17,9 @@ def test_rank_conditional_async_collective_from_issue_to_timeout_and_regroup(fre
     issued = pool.run("t = torch.ones(4)\nif rank == 0:\n    w = dist.all_reduce(t, async_op=True)\n")
     assert issued.ok and issued.desync, issued.text()
     text = issued.text()
-    assert (f"rank 0 issued 1 collective on group 0 (all_reduce [4] f32 #1 (cell {issued.cell} line 3), not completed) "
-            "that rank 1 did not: the next synchronisation on group 0 will hang") in text, text
+    assert ("rank-conditional collective: rank 0 entered all_reduce #1 [4] f32 at cell line 3, but rank 1 finished the cell without "
+            "entering it; it was issued with async_op=True and its work is still pending (never waited on)") in text, text
+    assert "the next synchronisation on group 0 will hang" in text, text
     later = pool.run("x = 1")
     assert f"rank 0 is still 1 collective ahead of rank 1 on group 0 (since cell {issued.cell}" in later.text(), later.text()
     res = pool.submit("import time\ntime.sleep(0.05)\nif rank == 0:\n    w.wait()\n")

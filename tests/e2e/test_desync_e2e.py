@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -44,8 +45,9 @@ def hang(pool: distnb.Pool, code: str, within: float = 20.0) -> distnb.CellResul
 def test_broadcast_with_another_src_names_the_odd_rank(pool4: distnb.Pool) -> None:
     pool = clean(pool4)
     _, diag = hang(pool, "bx = torch.ones(2)\ndist.broadcast(bx, 1 if rank == 2 else 0)")
-    assert diag.summary.startswith("argument mismatch (src) at broadcast #"), diag.summary
-    assert "rank 2 broadcast [2] f32 src=1" in diag.summary and "The odd one out: rank 2" in diag.summary
+    assert re.match(r"src mismatch at broadcast #\d+ on group 0: rank 2 broadcast #\d+ \[2\] f32 src=1 at cell line 2; "
+                    r"ranks 0,1,3 broadcast #\d+ \[2\] f32 src=0", diag.summary), diag.summary
+    assert diag.summary.endswith("Root cause: rank 2."), diag.summary
     assert diag.culprits == [2]
     divs = [d for d in pool.collectives().divergences() if d.group == "0"]
     assert [(d.kind, d.odd()) for d in divs] == [("args", [2])], pool.collectives().text()
@@ -87,7 +89,8 @@ def test_an_abort_in_a_dtype_mismatch_blames_the_odd_rank_not_the_victim(pool4: 
     assert time.monotonic() - t0 < 15 and not res.running, res.text()
     dead = [r for r in res.ranks if res[r].status == "dead"]
     assert dead and 2 not in dead, res.text()  # gloo aborts a neighbour that received f64
-    assert "Root cause: rank 2, the odd one out" in res.root_cause and "is a victim" in res.root_cause, res.text()
+    assert "Root cause: rank 2." in res.root_cause and "died in it (gloo aborts a rank that receives data its own tensor can't hold)" \
+        in res.root_cause, res.text()
     assert res.text().index("Root cause: rank 2") < res.text().index("what became of the others")
 
 
@@ -123,8 +126,9 @@ def test_an_fsdp_like_loop_one_step_short_is_an_uneven_loop(pool4: distnb.Pool) 
     pool.run("def shard_step(p):\n    full = torch.zeros(8)\n    dist.all_gather_into_tensor(full, p)\n"
              "    dist.reduce_scatter_tensor(p, full)\n")
     _, diag = hang(pool, "fp = torch.ones(2)\nfor _ in range(4 if rank == 0 else 5):\n    shard_step(fp)\n")
-    assert diag.summary.startswith("uneven collective counts: ranks 1-3 ran 5 steps of ("), diag.summary
-    assert "rank 0 stopped after 4" in diag.summary and diag.culprits == [0]
+    # The call is in a function of an earlier cell, the loop in this one: who is certain, why only likely.
+    assert "ranks 1-3 entered all_gather" in diag.summary and "in shard_step()" in diag.summary, diag.summary
+    assert "but rank 0 finished the cell without entering it" in diag.summary and diag.culprits == [0], diag.summary
 
 
 def test_a_slow_rank_is_a_straggler_never_a_hang(pool4: distnb.Pool) -> None:

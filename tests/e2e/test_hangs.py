@@ -54,7 +54,7 @@ def test_stacks_while_blocked_in_all_reduce_and_shutdown_of_the_hung_pool(pool3:
     assert "distnb/worker" not in text
     diag = wait_for_hang(pool, res)
     assert diag.culprits == [2] and "rank-conditional" in diag.summary
-    assert "all_reduce #1 at cell line 3" in diag.summary
+    assert "all_reduce #1 [1] f32 at cell line 3" in diag.summary and "is under `if rank != 2:`" in diag.summary, diag.summary
     # Two ranks stay blocked in gloo: shutdown still ends every process, and the pool starts again.
     pids = pool.pids()
     pool.shutdown()
@@ -307,9 +307,10 @@ def test_barrier_against_all_reduce_names_both_ranks(pool2: distnb.Pool) -> None
     res = pool.submit("x = torch.ones(1)\nif rank == 0:\n    dist.barrier()\nelse:\n    dist.all_reduce(x)")
     diag = wait_for_hang(pool, res)
     # One rank each: nothing says which side is wrong, so neither is picked.
-    assert diag.culprits == [0, 1] and "different collectives" in diag.summary, diag.summary
-    assert "rank 0 in barrier #" in diag.summary and "rank 1 in all_reduce #" in diag.summary
-    assert "check rank 0 and rank 1" in diag.summary
+    assert diag.culprits == [0, 1] and diag.summary.startswith("op mismatch at barrier #1 on group 0: rank 0 barrier #1 at cell line 3; "
+                                                               "rank 1 all_reduce #1 [1] f32"), diag.summary
+    assert "the ranks took different branches" in diag.summary, diag.summary
+    assert "No majority to tell which side went wrong: rank 0 against rank 1" in diag.summary
 
 
 def test_gloo_shape_mismatch_without_detail_aborts_and_is_explained(pool2: distnb.Pool) -> None:
@@ -350,10 +351,11 @@ def test_uneven_loop_lengths_and_collective_log(pool3: distnb.Pool) -> None:
     pool.run("x = torch.ones(2)\nfor i in range(3):\n    dist.all_reduce(x)\n", timeout=30)
     res = pool.submit("x = torch.ones(2)\nfor i in range(5 if rank == 0 else 4):\n    dist.all_reduce(x)\n")
     diag = wait_for_hang(pool, res)
-    assert diag.summary.startswith("uneven collective counts: rank 0 made 5 all_reduce calls on group 0, ranks 1,2 stopped after 4"), diag.summary
-    # The cause is offered with its evidence, and as a guess: distnb counted calls, not iterations.
-    assert f"the call at cell {res.cell} line 3 is inside `for i in range(5 if rank == 0 else 4):` (cell {res.cell} line 2): likely" in diag.summary
-    assert diag.culprits == [1, 2]
+    assert diag.summary.startswith("uneven loop: rank 0 ran 5 steps of (all_reduce [2] f32) at cell line 3 on group 0, ranks 1,2 ran 4"), \
+        diag.summary
+    # The cause is offered with its evidence: the loop, read from the cell; rank 0 is the odd one by majority.
+    assert f"the call is inside `for i in range(5 if rank == 0 else 4):` (cell {res.cell} line 2)" in diag.summary, diag.summary
+    assert diag.culprits == [0]
     report = pool.collectives(last=3)
     [div] = report.divergences()
     last = report.log.last_seq(1, "0")
@@ -369,8 +371,10 @@ def test_subgroup_missing_member(pool3: distnb.Pool) -> None:
     pool = usable(pool3)
     res = pool.submit("g = dist.new_group([0, 1])\nx = torch.ones(2)\nif rank == 0:\n    dist.all_reduce(x, group=g)\n")
     diag = wait_for_hang(pool, res)
-    assert diag.summary.startswith("sub-group collective missing a member: rank 0 waits in all_reduce #1"), diag.summary
-    assert diag.culprits == [1]
+    # The call under `if rank == 0:` on a group of ranks 0 and 1: only rank 0 reaches it.
+    assert diag.summary.startswith("rank-conditional collective: rank 0 entered all_reduce #1 [2] f32 at cell line 4, but rank 1 "
+                                   "finished the cell without entering it"), diag.summary
+    assert diag.culprits == [0]
 
 
 def test_ddp_internal_collectives_are_logged(pool3: distnb.Pool) -> None:
@@ -397,7 +401,7 @@ def test_shape_mismatch_is_named_from_the_collective_log(pool3: distnb.Pool) -> 
     res = pool.submit("x = torch.ones(3 if rank == 0 else 4)\ndist.all_reduce(x)")
     diag = wait_for_hang(pool, res)
     assert re.match(r"shape mismatch at all_reduce #\d+ on group 0: ", diag.summary), diag.summary
-    assert "rank 0 all_reduce [3] f32" in diag.summary and "ranks 1,2 all_reduce [4] f32" in diag.summary
+    assert re.search(r"rank 0 all_reduce #\d+ \[3\] f32 at cell line 2; ranks 1,2 all_reduce #\d+ \[4\] f32", diag.summary), diag.summary
     assert diag.culprits == [0]
     [div] = pool.collectives().divergences()
     assert div.kind == "shape" and f"#{div.seq} on group 0" in diag.summary

@@ -21,8 +21,8 @@ def test_hundreds_of_cells_leave_no_widget_and_little_else(leak_check, tmp_path:
     kernel = kernels.Kernel(tmp_path, MARK)
     try:
         kernel.run("%load_ext distnb\n%dist_launch -n 2 --backend gloo")
-        for _ in range(120):  # past the session log's 100 full results: older cells shrink to records
-            kernel.run("%%on_ranks\nx = 1")
+        for i in range(120):  # past the session log's 100 full results: older cells shrink to records
+            kernel.run(f"%%on_ranks\nx = {i}")  # distinct cells: the compiled-cell cache (32) is full before, as after
         before = json.loads(kernel.run(PROBE))
         # A slow cell goes live (widgets), a failing one and one with output stay static.
         kernel.run("%%on_ranks\nimport time\ntime.sleep(1.0)\nprint('slow', rank)")

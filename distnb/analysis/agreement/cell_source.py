@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-__all__ = ["Around", "around", "because", "condition_ranks", "loop_span"]
+__all__ = ["Around", "around", "because", "condition_ranks", "loop_span", "other_branches"]
 
 _RANK_NAMES = {"rank", "local_rank", "get_rank", "group_rank", "get_local_rank", "get_coordinate", "global_rank"}
 
@@ -74,6 +74,26 @@ def around(code: str, line: int) -> Around | None:
 
     walk(tree.body)
     return Around(chain)
+
+
+def other_branches(code: str | None, a: int, b: int) -> bool:
+    """Lines ``a`` and ``b`` of ``code`` lie in the two branches of one ``if`` (one in its body, the
+    other in its ``else``/``elif``): a rank reaches one or the other, never both."""
+    if not code:
+        return False
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+
+    def inside(body: list[ast.stmt], line: int) -> bool:
+        return any(n.lineno <= line <= (getattr(n, "end_lineno", n.lineno) or n.lineno) for n in body)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and node.orelse:
+            if inside(node.body, a) and inside(node.orelse, b) or inside(node.body, b) and inside(node.orelse, a):
+                return True
+    return False
 
 
 def loop_span(code: str | None, line: int) -> tuple[int, int] | None:

@@ -85,6 +85,8 @@ def _fields(a: Call, b: Call) -> tuple[str, ...]:
 
 #: (cell, line) → the first and last line of the loop around it in that cell (None: in no loop).
 LoopOf = Callable[[int, int], "tuple[int, int] | None"]
+#: (cell, line, line) → the two lines are the two branches of one ``if``.
+Apart = Callable[[int, int, int], bool]
 
 
 def _same_site(a: Call, b: Call) -> bool:
@@ -96,13 +98,14 @@ def _same_site(a: Call, b: Call) -> bool:
 
 
 def compare_programs(odd: list[Call], majority: list[Call], odd_left: bool, majority_left: bool = True,
-                     loop_of: LoopOf | None = None) -> Difference | None:
+                     loop_of: LoopOf | None = None, apart: Apart | None = None) -> Difference | None:
     """The first difference between the odd rank's program and a majority rank's; None when they
     agree call for call (roles included). ``odd_left``: the odd rank has left the cell (its
     program is complete), so calls the majority made after its last are missing, not yet to come;
     ``majority_left``: so is the majority rank's (else its last loop iteration may be partial).
     ``loop_of`` reads the cells' loops, to tell a rank that went round a loop again from one that
-    skipped a call, when the two calls are at different sites."""
+    skipped a call, when the two calls are at different sites; ``apart`` reads whether two lines
+    are the two branches of one ``if`` (then the calls are alternatives: one differs from the other)."""
     a = [program_key(c) for c in odd]
     b = [program_key(c) for c in majority]
     ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
@@ -131,6 +134,9 @@ def compare_programs(odd: list[Call], majority: list[Call], odd_left: bool, majo
             return _extra(a, b, odd, majority, i1, i1 + a[i1 + 1 :].index(b[j1]) + 1, j1)
         # Two lines of one cell: the code says which way the odd rank went; calls from C++ have no
         # line, and only their repetition says whether one side went round a loop again.
+        if x.line is not None and y.line is not None and x.cell == y.cell and x.cell is not None and apart is not None \
+                and apart(x.cell, x.line, y.line):
+            return Difference(Change.DIFFERENT, [x], [y], j1, fields=_fields(x, y) or ("call site",))
         found = _code_order(odd, majority, i1, j1, loop_of) or _repeats(a, b, odd, majority, i1, i2, j1, j2)
         if found is not None:
             return found

@@ -17,11 +17,11 @@ from dataclasses import replace
 from typing import Any
 
 from distnb.analysis.agreement.calls import Call, cell_calls, death_call
-from distnb.analysis.agreement.cell_source import around, condition_ranks, loop_span
+from distnb.analysis.agreement.cell_source import around, condition_ranks, loop_span, other_branches
 from distnb.analysis.agreement.compare import Disagreement, Presence, disagreements
 from distnb.analysis.agreement.programs import Change, Difference, compare_programs
 from distnb.analysis.verdicts.records import Records
-from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict
+from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
 from distnb.ranks import format_ranks
 from distnb.wire.records import UNRECORDED
@@ -54,12 +54,15 @@ def agreement(rec: Records) -> Verdict | None:
     def loop_of(c: int, line: int) -> tuple[int, int] | None:
         return loop_span(rec.sources.get(c), line)
 
+    def apart(c: int, a: int, b: int) -> bool:
+        return other_branches(rec.sources.get(c), a, b)
+
     dead = {p.rank for p in rec.dead}
 
     def compare(a: int, b: int) -> Difference | None:
         # A dead rank's program ends where it died, not where it left the cell: shorter is not "missing".
         return compare_programs(program(a), program(b), where.get(a) == Presence.GONE and a not in dead,
-                                where.get(b) == Presence.GONE and b not in dead, loop_of)
+                                where.get(b) == Presence.GONE and b not in dead, loop_of, apart)
 
     odd, tie, how = _blame(d, where, compare, rec)
     if not odd:
@@ -185,7 +188,7 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
     waiting = [p.rank for p in rec.waiting if p.rank not in odd]
     dead = [p.rank for p in rec.dead if p.rank not in odd]
     sites = _sites(rec, d, odd, diff, ref)
-    cause = _cause(rec, sites)
+    cause = _cause(rec, sites, kind)
     summary, kind = _words(rec, d, kind, diff, first, second)
     tail = []
     if diff is not None and diff.odd_calls and _pending_async(rec, diff.odd_calls[0]):
@@ -199,6 +202,10 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
     gone = [p.rank for p in rec.dead if p.rank in odd]
     if gone:
         tail.append(f"{format_ranks(gone)} then died ({rec.by_rank[gone[0]].detail})")
+    if rec.state() == VerdictState.DESYNC and kind in (Kind.CALL_EXTRA, Kind.CALL_MISSING, Kind.LOOP_COUNT):
+        # Over on every rank, one side a call ahead: what that means for the cells to come.
+        on = group_words(rec.log, d.group) if rec.log is not None else f"group {d.group}"
+        tail.append(f"the next synchronisation on {on} will hang, or pair the wrong collectives")
     if undecided:
         blame = f" No majority to tell which side went wrong: {format_ranks(first)} against {format_ranks(second)}."
     else:
@@ -258,7 +265,9 @@ def _words(rec: Records, d: Disagreement, kind: Kind, diff: Difference | None, o
                 f"where {them} used {second.role}"), kind
     mine = diff.odd_calls[0] if diff is not None and diff.odd_calls else next((c for r in odd if (c := d.by_rank.get(r))), None)
     theirs = diff.majority_calls[0] if diff is not None and diff.majority_calls else at
-    fields = (diff.fields if diff is not None and diff.fields else d.fields) or ("call",)
+    fields = tuple(dict.fromkeys((diff.fields if diff is not None and diff.fields else d.fields) or ("call",)))
+    if "op" in fields:
+        fields = ("op",)  # another collective: its shapes and dtypes differ as a matter of course
     sides = "; ".join(part for part in (f"{who} {call_words(mine)}{site_of_call(mine, rec)}" if mine else "",
                                          f"{them} {call_words(theirs)}" if theirs and others else "") if part)
     shown = mine or theirs
@@ -352,7 +361,7 @@ def _pending_async(rec: Records, call: Call) -> bool:
     return not call.done and "async_op=True" in _code(rec, call.cell, call.line).replace(" ", "")
 
 
-def _cause(rec: Records, sites: list[Site]) -> str:
+def _cause(rec: Records, sites: list[Site], kind: Kind | None = None) -> str:
     """What the cell's code says around the site: a rank condition, a loop."""
     if not sites or sites[0].line is None:
         return ""
@@ -361,6 +370,8 @@ def _cause(rec: Records, sites: list[Site]) -> str:
     if found is None:
         return ""
     cond = found.rank_condition()
+    if cond is not None and kind == Kind.MISMATCH:
+        return f"the call at cell {s.cell} line {s.line} is under `{cond[1]}` (line {cond[0]}): the ranks took different branches"
     if cond is not None:
         return f"the call at cell {s.cell} line {s.line} is under `{cond[1]}` (line {cond[0]}): a collective only some ranks reach"
     loop = found.loop()

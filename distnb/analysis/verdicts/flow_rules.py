@@ -147,9 +147,13 @@ def finished_early(rec: Records) -> Verdict | None:
     culprits = [p.rank for p in finished] if waiting_more or len(rec.waiting) == len(finished) else [p.rank for p in rec.waiting]
     kind = Kind.CALL_MISSING if culprits == [p.rank for p in finished] else Kind.CALL_EXTRA
     sites = [Site(cell, head.line, head.func, head.code, "the call")] if head.line else []
+    # Named for its cause only when the code shows it: a condition on the rank, or a loop.
+    head_words = "rank-conditional collective" if "under `" in why else "uneven loop" if "inside `" in why else \
+        "a collective only some ranks reached"
     return _v(rec, VerdictState.HANG, kind,
-              f"rank-conditional collective: {w} entered {head.collective()}, but {format_ranks([p.rank for p in finished])} finished "
-              "the cell without entering it" + (f"; {why}." if why else " (a collective inside `if rank == …`, or one rank ran fewer loop iterations)."),
+              f"{head_words}: {w} entered {head.collective()}, but {format_ranks([p.rank for p in finished])} finished "
+              "the cell without entering it" + (f"; {why}." if why else " (likely a condition on the rank around it, or a loop that ran "
+                                                "fewer times on one side)."),
               culprits, "finished_early", reason="from where the ranks are (the collective log said no more)", sites=sites)
 
 

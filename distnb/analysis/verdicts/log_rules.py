@@ -3,7 +3,7 @@ that paired calls of different cells, and point-to-point calls left without a pa
 
 from __future__ import annotations
 
-from distnb.analysis.agreement.evidence import same_op
+from distnb.analysis.agreement.evidence import peer_of, same_op
 from distnb.analysis.agreement.group_creation import creation_mismatch
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.analysis.verdicts.p2p import match_p2p
@@ -11,7 +11,7 @@ from distnb.analysis.verdicts.p2p_roots import p2p_roots, site_departure
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.ranks import format_ranks
-from distnb.wire.records import CollectiveEntry
+from distnb.wire.records import P2P_OPS, CollectiveEntry
 
 __all__ = ["creation_out_of_step", "p2p_departure", "p2p_unmatched", "paired_across_cells", "wrong_group"]
 
@@ -105,6 +105,8 @@ def p2p_departure(rec: Records) -> Verdict | None:
         site_departure(rec.log.log, cell, ranks, capable=False, only=("presence",))
     if found is None or found.what == "presence" and not all(_past(rec, r, found.site) for r in ranks if r not in found.odd):
         return None  # the others may not have got there yet: a call they skipped only once they are past it
+    if found.what == "presence" and _met(rec, found.odd):
+        return None  # a call only it makes (``if rank == 0: send(…, 1)``) that its peer waits to match: who is wrong is in the pairing
     who = format_ranks(found.odd)
     line = found.site[1]
     verb = "sends" if found.kind == "send" else "receives"
@@ -119,6 +121,18 @@ def p2p_departure(rec: Records) -> Verdict | None:
                                           for (rel, shape), n in c.items()) or "none" for r, c in found.by_rank.items()}),
                    Certainty.LIKELY, "by majority over the ranks that make such calls at that line", positions=rec.positions,
                    rule="p2p_departure")
+
+
+def _met(rec: Records, odd: list[int]) -> bool:
+    """An odd rank's open send (receive) names a peer that waits in a receive (send) itself."""
+    for r in odd:
+        p = rec.by_rank.get(r)
+        for call in p.peers if p is not None else []:
+            peer = peer_of(call)
+            q = rec.by_rank.get(peer) if peer is not None else None
+            if q is not None and any(P2P_OPS[c["op"]] != P2P_OPS[call["op"]] for c in q.peers):
+                return True
+    return False
 
 
 def _past(rec: Records, rank: int, site: tuple[int, int]) -> bool:
