@@ -180,7 +180,7 @@ class Diagnostics:
             # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
             return self.straggler(result, straggler_window(len(result.ranks)), positions) or diag
         if diag.state in (VerdictState.HANG, VerdictState.SLOW, VerdictState.FAILED):
-            why = self.why(result, culprits=diag.culprits)
+            why = self.why(result, hint=not diag.explained, culprits=diag.culprits)
             if why:
                 diag.details.append(f"  why: {why}")
             compiled = self.compiles(cells=[result.cell], live=True, results=[result])
@@ -316,7 +316,8 @@ class Diagnostics:
             result.compile_note = compiled.summary() if compiled.differences() else ""
         if result.failed or result.desync:
             # Every rank failing alike needs no "why ranks differ"; some failing, or counts apart, does.
-            why = self.why(result, hint=bool(result.desync) or len(result.failed) < len(result.ranks),
+            explained = result.verdict is not None and result.verdict.explained
+            why = self.why(result, hint=not explained and (bool(result.desync) or len(result.failed) < len(result.ranks)),
                            culprits=result.verdict.culprits if result.verdict is not None else None)
             result.path_note = f"why: {why}" if why else ""
         else:

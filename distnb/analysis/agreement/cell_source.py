@@ -48,6 +48,12 @@ def around(code: str, line: int) -> Around | None:
 
     def header(node: ast.stmt) -> str:
         text = lines[node.lineno - 1].strip() if node.lineno <= len(lines) else ""
+        if isinstance(node, ast.If) and text.startswith(("if ", "elif ")):
+            text = f"{text.split(' ', 1)[0]} {ast.unparse(node.test)}:"  # the condition without the line's comment
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            text = f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}:"
+        elif isinstance(node, ast.While):
+            text = f"while {ast.unparse(node.test)}:"
         return text if len(text) <= 80 else text[:77] + "…"
 
     def walk(body: list[ast.stmt]) -> None:

@@ -217,7 +217,7 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
         evidence=Evidence("the n-th call on a group is made, and the same, by every member", _records(d), d.group, d.seq,
                           diff.fields if diff is not None and diff.fields else d.fields),
         certainty=certain, reason="" if certain == Certainty.CERTAIN else f"the odd {'ones' if len(odd) > 1 else 'one'} found {how}",
-        positions=rec.positions, rule="agreement",
+        positions=rec.positions, rule="agreement", explained=bool(cause),
     )
 
 

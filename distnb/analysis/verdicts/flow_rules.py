@@ -150,11 +150,13 @@ def finished_early(rec: Records) -> Verdict | None:
     # Named for its cause only when the code shows it: a condition on the rank, or a loop.
     head_words = "rank-conditional collective" if "under `" in why else "uneven loop" if "inside `" in why else \
         "a collective only some ranks reached"
-    return _v(rec, VerdictState.HANG, kind,
-              f"{head_words}: {w} entered {head.collective()}, but {format_ranks([p.rank for p in finished])} finished "
-              "the cell without entering it" + (f"; {why}." if why else " (likely a condition on the rank around it, or a loop that ran "
-                                                "fewer times on one side)."),
-              culprits, "finished_early", reason="from where the ranks are (the collective log said no more)", sites=sites)
+    found = _v(rec, VerdictState.HANG, kind,
+               f"{head_words}: {w} entered {head.collective()}, but {format_ranks([p.rank for p in finished])} finished "
+               "the cell without entering it" + (f"; {why}." if why else " (likely a condition on the rank around it, or a loop that ran "
+                                                 "fewer times on one side)."),
+               culprits, "finished_early", reason="from where the ranks are (the collective log said no more)", sites=sites)
+    found.explained = bool(why)
+    return found
 
 
 def disagree(rec: Records) -> Verdict | None:

@@ -112,6 +112,7 @@ class Verdict:
     positions: list[Any] = field(default_factory=list)  # analysis.position.Position, per rank
     details: list[str] = field(default_factory=list)  # more lines under the per-rank ones
     rule: str = ""  # the rule that found it (for tests and the corpus' confusion table)
+    explained: bool = False  # the cell's code shows why (a condition on the rank, a loop): no need to record paths
 
     @property
     def is_problem(self) -> bool:
