@@ -45,6 +45,10 @@ def _print_note(text: str) -> None:
     print(f"[distnb] {text}", flush=True)
 
 
+#: Seconds after which a cell that runs with nothing wrong says what its ranks are doing.
+LONG_CELL = 5.0
+
+
 class _HangWatch:
     """While a cell runs: flush live output, and once ranks disagree for a while, say why."""
 
@@ -55,6 +59,8 @@ class _HangWatch:
         self._next = time.monotonic() + min(hang_after, 1.0)
         self._shown = ""
         self._watch = pool.watch(result, hang_after)
+        self._doing: tuple[object, ...] = ()  # what a long cell's ranks were said to be doing
+        self._started = time.monotonic()
 
     @property
     def said(self) -> bool:
@@ -81,7 +87,8 @@ class _HangWatch:
             diag_text, kind = f"[distnb] {headline}", "error"
         else:
             if diag is None:
-                return  # the ranks' logs show progress: nothing to say
+                self._say_activity(result, view)
+                return  # the ranks' logs show progress: nothing else to say
             headline, diag_text, kind = diag.summary, diag.text(), str(diag.state)
             if kind == "paused" and (verdict := self._pool.panel.verdict()):
                 headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
@@ -93,6 +100,23 @@ class _HangWatch:
                 view.set_diagnosis(diag_text)
             else:
                 print(diag_text, file=sys.stderr)
+
+
+    def _say_activity(self, result: CellResult, view: CellDisplay | LivePrinter) -> None:
+        """A cell running past LONG_CELL with nothing wrong: what each group of ranks does now
+        (importing, compiling, building an extension, at which line), said again when it changes."""
+        doing = self._watch.activity
+        if doing is None or time.monotonic() - self._started < LONG_CELL:
+            return
+        key = tuple((p.rank, p.state, p.detail, p.line, p.func) for p in doing.positions)
+        if key == self._doing:
+            return
+        self._doing = key
+        text = doing.text()
+        if isinstance(view, CellDisplay):
+            view.set_diagnosis(text)
+        else:
+            print(text, file=sys.stderr)
 
 
 def _follow(pool: Pool, result: CellResult, view: CellDisplay) -> None:

@@ -48,6 +48,9 @@ class CellWatch:
         self.full_looks = 0  # how many looks needed the full diagnosis (for tests and benchmarks)
         # Once a hang, a failure or a desync has been said, a straggler never takes its place.
         self._alarmed = False
+        #: What the ranks were doing at the last look that found nothing wrong (a long import, a
+        #: compile, a set-up that builds an extension): the live view says it on a long cell.
+        self.activity: Verdict | None = None
 
     def look(self) -> Verdict | None:
         """The diagnosis to show now, or None when the log shows the ranks making progress."""
@@ -70,6 +73,7 @@ class CellWatch:
             if not calm:
                 self._alarmed = self._alarmed or diag.kind != Kind.STRAGGLER
                 return diag
+            self.activity = diag if diag.positions else None
         if self._alarmed or any(res.status != "running" and res.status != "ok" for res in result.results.values()):
             return None
         if now >= self._next_straggler and log.changes != self._straggler_changes:

@@ -335,3 +335,10 @@ def test_timeline_and_profile_magics(sh, tmp_path, monkeypatch) -> None:
     assert "profile of cell" in out and "compute (ms)" in out, out + err
     traces = list((tmp_path / "distnb-traces").glob("cell-*.json"))
     assert len(traces) == 1 and str(traces[0].name) in out
+
+
+def test_a_long_cell_says_what_its_ranks_are_doing(sh: Shell) -> None:
+    # Nothing wrong, just long: past LONG_CELL the live view says where each rank is, once per change.
+    out, err = sh.cell("--hang-after 1", "import time\ntime.sleep(8 if rank == 0 else 7.5)")
+    assert "still running Python code" in err and "at cell line 2 (time.sleep(8 if rank == 0 else 7.5))" in err, err
+    assert err.count("still running Python code") == 1, err
