@@ -16,17 +16,6 @@ import time
 from typing import Any, Callable, Iterable
 
 from distnb import pools
-from distnb.analysis.agreement.collectives import CollectiveReport
-from distnb.analysis.reports.check_within import WithinReport
-from distnb.analysis.reports.checks import CheckReport
-from distnb.analysis.reports.compiles import CompileReport
-from distnb.analysis.reports.env import EnvReport
-from distnb.analysis.reports.memory import MemoryReport
-from distnb.analysis.reports.meshes import MeshReport, mesh_dims
-from distnb.analysis.reports.profile import ProfileReport
-from distnb.analysis.verdicts.stacks import StackReport
-from distnb.analysis.verdicts.stragglers import StragglerReport
-from distnb.analysis.verdicts.verdict import Verdict
 from distnb.config import LaunchConfig
 from distnb.controller.channel import Channel
 from distnb.controller.collective_log import CollectiveLog
@@ -35,20 +24,20 @@ from distnb.controller.tracker import Tracker
 from distnb.errors import LaunchError, RemoteError, ShutdownError
 from distnb.launching.remote_nodes import Nodes
 from distnb.launching.torchrun import Launcher
+from distnb.pool_views import PoolViews
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankResult
 from distnb.services.debugger import Ask, Debugger, read_line
-from distnb.services.diagnostics import STACKS_TIMEOUT, Diagnostics
+from distnb.services.diagnostics import Diagnostics
 from distnb.services.export import Export, export_session
 from distnb.services.fail_fast import FailFast
-from distnb.services.meshes import mesh_report
+from distnb.services.minimize import Minimized, Runs, minimize, write_case
 from distnb.services.multinode import MultiNode
 from distnb.services.rank_debug import RankDebug
 from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
 from distnb.services.verify import VERIFY_SECONDS
-from distnb.services.waiting import rebuild_after_unblock, wait_for_cell, why_still_running
-from distnb.services.watch import CellWatch
+from distnb.services.waiting import rebuild_after_unblock, wait_for_cell
 from distnb.states import PoolState
 from distnb.status import PoolStatus, Regrouped
 from distnb.wire.cell_code import CompiledCell, compile_source, exec_request
@@ -60,7 +49,7 @@ __all__ = ["Pool", "launch"]
 
 
 
-class Pool:
+class Pool(PoolViews):
     """A persistent pool of ranks under torchrun.
 
     Options are :class:`~distnb.config.LaunchConfig`'s, given either as a config or one by one
@@ -134,10 +123,6 @@ class Pool:
     @property
     def state(self) -> PoolState:
         return self._tracker.state
-
-    @property
-    def world_size(self) -> int:
-        return self._config.world_size
 
     @property
     def history(self) -> list[CellResult | CellRecord]:
@@ -360,23 +345,11 @@ class Pool:
             on_tick(result)
         return result
 
-    def explain_timeout(self, result: CellResult) -> None:
-        """After a wait that ended at its timeout: why the ranks still run, as ``result.verdict``
-        and a note in its text (``%%on_ranks --timeout`` calls it)."""
-        why_still_running(result, lambda res: self.diagnose(res, hang_after=0.0))
-
     def run(self, code: str, ranks: Ranks = None, timeout: float | None = None, events: CellEvents | None = None,
             profile: bool = False, pdb: bool = False, ask: Ask | None = read_line, fail_fast: bool = True) -> CellResult:
         """Run ``code`` on the ranks (all by default) and return per-rank output, value and error;
         ``breakpoint()`` and ``input()`` in it are answered by ``ask``; ``fail_fast``: see :meth:`wait`."""
         return self.wait(self.submit(code, ranks, events, profile, pdb), timeout, ask=ask, fail_fast=fail_fast)
-
-    def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
-        """Per rank, where a cell run with ``profile=True`` spent its time (compute, collectives,
-        waiting for peers), its top ops with the ranks that differ, and one merged Chrome trace
-        (a process row per rank, clocks aligned) written to ``trace_path`` (default:
-        ``distnb-traces/cell-N.json`` under the current folder)."""
-        return self._diagnostics.profile(result, trace_path)
 
     def interrupt(self, ranks: Iterable[int] | None = None) -> list[int]:
         """Send a KeyboardInterrupt to the cell running on the given (default: all busy) ranks."""
@@ -423,43 +396,31 @@ class Pool:
         """Every process of the pool known to be alive (agent, supervisors, ranks)."""
         return sorted(self._launcher.live_pids()) if self._launcher is not None else []
 
-    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False, timeout: float = STACKS_TIMEOUT) -> StackReport:
-        return self._diagnostics.stacks(ranks, all_threads, native, timeout)
+    def minimize(self, budget: float = 300.0, path: str = "minimal.py", on_progress: Callable[[str], None] | None = None,
+                 verify: float | None = VERIFY_SECONDS) -> Minimized:
+        """Cut the session's last failure down on this pool (services/minimize.py): the cells before
+        it, then each kept cell's statements, each try on fresh ranks, keeping the same failure;
+        within ``budget`` seconds (Ctrl-C stops it, keeping the smallest case found). Writes the case
+        as ``path`` (a torchrun script, run once to verify it) and a notebook beside it, then gives
+        the ranks back the session's state (a restart that replays it)."""
+        flags = {"profile": False, "pdb": False, "comms": False, "paths": False, "source": None}
 
-    def diagnose(self, result: CellResult | None = None, hang_after: float | None = None) -> Verdict:
-        return self._diagnostics.diagnose(result, hang_after)
+        def run(code: str, ranks: list[int], timeout: float) -> CellResult:  # not kept in the session's history
+            res = self.wait(self._start(code, ranks, None, flags, record=False, compiled=compile_source(code)), timeout, ask=None)
+            if res.user_interrupted:
+                raise KeyboardInterrupt  # one Ctrl-C stops the minimizing, keeping the smallest case found
+            return res
 
-    def watch(self, result: CellResult, hang_after: float | None = None) -> CellWatch:
-        """A running cell's live hang watch (``%%on_ranks`` calls ``.look()`` once a second)."""
-        return CellWatch(self._tracker, self._diagnostics, result, self._config.hang_after if hang_after is None else hang_after)
+        def stop(res: CellResult) -> None:
+            if res.running:
+                self.interrupt(res.running)
+                self.wait(res, timeout=15.0, ask=None)
 
-    def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
-        """Who arrives last at the recent collectives of ``group`` (from the Flight Recorder's
-        entries, clocks aligned): the straggler with figures, a text table and ``.plot()``."""
-        return self._diagnostics.stragglers(ranks, group, last)
-
-    def collectives(self, ranks: Ranks = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
-        return self._diagnostics.collectives(ranks, last, refresh)
-
-    def compiles(self, ranks: Ranks = None) -> CompileReport:
-        return self._diagnostics.compiles(ranks)
-
-    def memory(self, ranks: Ranks = None) -> MemoryReport:
-        return self._diagnostics.memory(ranks)
-
-    def env(self, ranks: Ranks = None) -> EnvReport:
-        return self._diagnostics.env(ranks)
-
-    def meshes(self, ranks: Ranks = None) -> MeshReport:
-        """The ranks' device meshes compared: shape, names, coordinates, groups, the odd ranks."""
-        self._diagnostics.require_pool()
-        return mesh_report(self._tracker.requests, self._tracker.collective_log, self._tracker.alive(parse_ranks(ranks, self.world_size)))
-
-    def check(self, names: str | Iterable[str], ranks: Ranks = None, within: str | None = None) -> list[CheckReport | WithinReport]:
-        """Compare names (tensors, modules, state dicts, optimizers) across ranks by fingerprint.
-        ``within``: a mesh dimension (``"tp"``) — compare inside each of its groups, where the
-        values must agree (tensor-parallel peers see one batch), not across the whole world."""
-        return self._diagnostics.check(names, ranks, lambda: mesh_dims(self.meshes(ranks)), within)
+        history = self._session.history[self._session.launch_index:]
+        found = minimize(Runs(self.restart, run, stop), history, budget, on_progress)
+        write_case(found, self._config, path, verify)
+        self.restart(replay=True)
+        return found
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
                by_label: bool = False, verify: float | None = VERIFY_SECONDS) -> Export:
@@ -471,10 +432,6 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"
-
-
-for _name in ("stacks", "diagnose", "collectives", "compiles", "memory", "env", "check"):
-    getattr(Pool, _name).__doc__ = getattr(Diagnostics, _name).__doc__
 
 
 def launch(config: LaunchConfig | None = None, on_progress: OnProgress | None = None, **options: Any) -> Pool:

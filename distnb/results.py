@@ -157,6 +157,7 @@ class CellResult:
     started: float = field(default_factory=time.time)
     elapsed: float = 0.0
     timed_out: bool = False
+    user_interrupted: bool = False  # Ctrl-C (or pool.interrupt from the waiting thread) while the notebook waited
     detached: bool = False  # the caller stopped waiting (second interrupt) with ranks busy
     notes: list[str] = field(default_factory=list)
     # Who caused a death when it was not the rank that died (a mismatch gloo aborted a neighbour

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"launching"},  # torchrun, addresses, node agents and how they start
     {"controller"},  # the controller's live state
     {"services"},  # built from the controller's parts, never from the Pool
-    {"pool", "pools"},  # the public face and the registry of live pools
+    {"pool", "pool_views", "pools"},  # the public face (its read-only views a base of its own) and the registry of live pools
     {"display"},
     {"magics", "__main__", "__init__", "node"},
 ]
@@ -32,7 +32,7 @@ WORKER_MAY_IMPORT = {"wire", "_text", "_processes"}
 #: The wire is the bottom of both sides: it may import only these.
 WIRE_MAY_IMPORT = {"_text"}
 #: The root keeps the public face and a few shared helpers, no more.
-ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "config", "errors", "node", "pool", "pools", "ranks", "results", "states",
+ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "config", "errors", "node", "pool", "pool_views", "pools", "ranks", "results", "states",
                 "status"}
 
 

@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.magics.support import parse, pool_or_usage_error, show_checks, show_figure, usage_errors
+from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, usage_errors
 
 __all__ = ["InspectMagics"]
 
@@ -88,6 +88,31 @@ class InspectMagics(Magics):
             except OSError as exc:  # e.g. a folder that does not exist
                 raise UsageError(f"can't write {args.path}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
         print(written.text())
+
+    @magic_arguments()
+    @argument("--budget", type=float, default=300.0, metavar="SECONDS", help="How long it may try (default 300).")
+    @argument("--out", default="minimal.py", metavar="PATH", help="Where to write the case (a script, and a notebook beside it).")
+    @argument("--no-verify", action="store_true", help="Don't run the written script to check it fails as the session did.")
+    @line_magic
+    def dist_minimize(self, line: str) -> None:
+        """Cut the session's last failure down to a minimal case, on this pool: the cells before it,
+        then each kept cell's statements, each try on fresh ranks, keeping the same failure (the
+        same ranks raising the same errors, or hanging). Shows its progress; one Ctrl-C stops it,
+        keeping the smallest case found. Writes the case as a script (run once under torchrun to
+        verify it) and a notebook, then gives the ranks back the session's state."""
+        args = parse(self.dist_minimize, line)
+        if args.budget <= 0:
+            raise UsageError("--budget takes a positive number of seconds, e.g. --budget 120.")
+        pool = pool_or_usage_error()
+        progress = Progress()
+        with usage_errors():
+            try:
+                found = pool.minimize(args.budget, args.out, progress.say, **({"verify": None} if args.no_verify else {}))
+            except OSError as exc:
+                raise UsageError(f"can't write {args.out}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
+        progress.done()
+        print(found.text())
+        print("the case:\n" + found.code())
 
     @magic_arguments()
     @argument("ranks", nargs="?", default=None, help="Ranks to show: 0,2 · 1-3 · all (default: all).")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Iterator
 
 from IPython.core.error import UsageError
@@ -20,12 +21,44 @@ from distnb.pools import current_pool
 if TYPE_CHECKING:
     from distnb.results import CellResult
 
-__all__ = ["KEEP_GOING_ENV", "keep_going", "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed", "usage_errors"]
+__all__ = ["KEEP_GOING_ENV", "Progress", "keep_going", "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed", "usage_errors"]
 
 #: The session's setting: set (``%env DISTNB_KEEP_GOING=1``), a failed cell does not raise, as if
 #: every cell had ``--keep-going``. Read at each failure, so setting it mid-session takes effect.
 KEEP_GOING_ENV = "DISTNB_KEEP_GOING"
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+class Progress:
+    """A long magic's progress line: updated in place in a notebook (one display, rewritten), a
+    line each time its text before the first " · " changes (or every 10th update) in a terminal."""
+
+    def __init__(self) -> None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        self._handle: Any = None
+        self._live = shell is not None and getattr(shell, "kernel", None) is not None
+        self._said, self._n = "", 0
+
+    def say(self, text: str) -> None:
+        self._n += 1
+        if self._live:
+            from IPython.display import display
+
+            if self._handle is None:
+                self._handle = display({"text/plain": text}, raw=True, display_id=True)
+            else:
+                self._handle.update({"text/plain": text}, raw=True)
+            return
+        head = text.split(" · ", 1)[0]
+        if head != self._said or self._n % 10 == 0:
+            self._said = head
+            print(text, file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self._handle is not None:
+            self._handle.update({"text/plain": ""}, raw=True)
 
 
 @contextlib.contextmanager

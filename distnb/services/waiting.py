@@ -79,7 +79,7 @@ def wait_for_cell(
                     "%dist_interrupt, or %dist_restart."
                 )
                 return
-            interrupted = True
+            interrupted = result.user_interrupted = True
             running = list(result.running)
             interrupt(running)
             say(interrupt_words(result.cell, running, tracker))

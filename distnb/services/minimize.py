@@ -1,0 +1,207 @@
+"""Cut a session's failure down on the live pool: delta debugging (Zeller's ddmin) over the cells,
+then over each kept cell's top-level statements, keeping the same failure signature.
+
+Each try starts fresh rank processes (``Pool.restart``: the spares make it about a second), runs
+the candidate cells in order, and compares the last cell's failure with the session's
+(analysis/verdicts/reproduction.py): the same ranks raising the same errors, or the same ranks
+hung at the try's bound. A try whose earlier cells fail, or whose last cell fails otherwise, does
+not reproduce. Bounded by a time budget; one Ctrl-C stops it, keeping the smallest case found.
+"""
+
+from __future__ import annotations
+
+import ast
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
+from distnb.config import LaunchConfig
+from distnb.ranks import format_ranks
+from distnb.results import CellRecord, CellResult
+from distnb.services.export import export_notebook, export_script
+from distnb.services.verify import Reproduction, session_signature, verify_script
+
+__all__ = ["Candidate", "Minimized", "Runs", "minimize", "statements", "write_case"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A cell of the case: its code and the ranks it runs on."""
+
+    code: str
+    ranks: tuple[int, ...]
+
+
+@dataclass
+class Minimized:
+    """The smallest case found: its cells, what was removed, and what it took."""
+
+    cells: list[Candidate]
+    signature: FailureSignature
+    started_with: tuple[int, int]  # (cells, statements) of the session's case
+    tries: int = 0
+    seconds: float = 0.0
+    stopped: str = ""  # why it stopped before the end: "interrupted", "budget"
+    steps: list[str] = field(default_factory=list)  # the account of what was removed
+    script: str = ""  # where the case was written (write_case), and what running the script showed
+    notebook: str = ""
+    verified: Reproduction | None = None
+
+    def size(self) -> tuple[int, int]:
+        return len(self.cells), sum(len(statements(c.code)) for c in self.cells)
+
+    def text(self) -> str:
+        cells, stmts = self.size()
+        head = (f"minimized: {self.started_with[0]} cells, {self.started_with[1]} statements → {cells} "
+                f"cell{'s' * (cells != 1)}, {stmts} statement{'s' * (stmts != 1)}; it still fails as the session did "
+                f"({self.signature.text()}); {self.tries} tries in {self.seconds:.0f} s")
+        if self.stopped:
+            head += f" (stopped early: {self.stopped}; the smallest case found so far)"
+        lines = [head, *(f"  {s}" for s in self.steps)]
+        if self.script:
+            lines.append(f"wrote {self.script} and {self.notebook}")
+        if self.verified is not None:
+            lines.append(self.verified.text())
+        return "\n".join(lines)
+
+    def code(self) -> str:
+        """The case as cells, ``# ---- cell N`` between them."""
+        return "\n\n".join(f"# ---- cell {i + 1} (ranks {format_ranks(list(c.ranks))})\n{c.code}" for i, c in enumerate(self.cells))
+
+
+@dataclass(frozen=True)
+class Runs:
+    """What a try needs of the pool: fresh ranks, a cell run on them (not kept in the session's
+    history), and a cell left running stopped."""
+
+    restart: Callable[[], object]
+    run: Callable[[str, list[int], float], CellResult]
+    stop: Callable[[CellResult], object]
+
+
+def write_case(found: Minimized, config: LaunchConfig, path: str | Path, verify: float | None) -> None:
+    """The case as a script for torchrun (``path``.py, run once to verify it) and a notebook beside it."""
+    base = Path(path).with_suffix("")
+    steps = [CellRecord(i + 1, c.code, c.ranks, i < len(found.cells) - 1) for i, c in enumerate(found.cells)]
+    found.script = str(export_script(steps, config, base.with_suffix(".py")))
+    found.notebook = str(export_notebook(steps, config, base.with_suffix(".ipynb")))
+    if verify is not None:
+        found.verified = verify_script(found.script, config, found.signature, verify)
+
+
+def statements(code: str) -> list[str]:
+    """A cell's top-level statements as source (comments between them dropped); the whole cell as
+    one when it does not parse."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return [code]
+    out = []
+    for node in tree.body:
+        text = ast.get_source_segment(code, node, padded=True)
+        out.append(text if text is not None else ast.unparse(node))
+    return out
+
+
+def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: float,
+             on_progress: Callable[[str], None] | None = None, bound: float | None = None) -> Minimized:
+    """The session's last failed cell and the cells before it, cut down while the failure stays."""
+    last = next((i for i in range(len(history) - 1, -1, -1) if not history[i].ok), None)
+    if last is None:
+        raise ValueError("no cell of this session has failed: there is nothing to minimize. Run the failing cell first.")
+    failing = history[last]
+    target = session_signature(failing)
+    if target is None:
+        raise ValueError("the failing cell's errors are no longer kept (only the newest cells' are): run it again, then minimize.")
+    if not target.failed:
+        raise ValueError("the failing cell ended without an error of its own (interrupted, or only a peer's failure): minimize needs "
+                         "a failure it can recognise — run the cell again with --timeout, so a hang ends as one.")
+    cells = [Candidate(c.code, tuple(c.ranks)) for c in history[: last + 1] if c.ok or c is failing]
+    limit = bound if bound is not None else max(5.0, 3 * (failing.elapsed if isinstance(failing, CellResult) else 5.0))
+    state = Minimized(cells, target, (len(cells), sum(len(statements(c.code)) for c in cells)))
+    t0 = time.monotonic()
+    say = on_progress or (lambda _text: None)
+
+    def fails(candidate: list[Candidate]) -> bool:
+        if time.monotonic() - t0 > budget:
+            raise _Budget
+        state.tries += 1
+        ok = _reproduces(pool, candidate, target, limit)
+        n, s = len(candidate), sum(len(statements(c.code)) for c in candidate)
+        cur = state.size()
+        say(f"minimizing: {cur[0]} cells, {cur[1]} statements · try {state.tries} ({n} cells, {s} statements): "
+            f"{'still fails' if ok else 'passes or fails otherwise'} · {time.monotonic() - t0:.0f} s of {budget:.0f}")
+        return ok
+
+    try:
+        # Cells: the failing one stays; the ones before it are cut.
+        kept = _ddmin(state.cells[:-1], lambda sub: fails([*sub, state.cells[-1]]))
+        if len(kept) < len(state.cells) - 1:
+            state.steps.append(f"removed {len(state.cells) - 1 - len(kept)} of the {len(state.cells) - 1} cells before the failing one")
+        state.cells = [*kept, state.cells[-1]]
+        # Statements: the failing cell's first, then each other cell's.
+        for i in [len(state.cells) - 1, *range(len(state.cells) - 1)]:
+            cell = state.cells[i]
+            parts = statements(cell.code)
+            if len(parts) < 2:
+                continue
+
+            def with_cell(sub: list[str], i: int = i, cell: Candidate = cell) -> list[Candidate]:
+                return [*state.cells[:i], Candidate("\n".join(sub), cell.ranks), *state.cells[i + 1:]]
+
+            keep = _ddmin(parts, lambda sub: bool(sub) and fails(with_cell(sub)))
+            if len(keep) < len(parts):
+                which = "the failing cell" if i == len(state.cells) - 1 else f"cell {i + 1} of the case"
+                state.steps.append(f"removed {len(parts) - len(keep)} of the {len(parts)} statements of {which}")
+                state.cells = with_cell(keep)
+    except _Budget:
+        state.stopped = "the time budget ran out"
+    except KeyboardInterrupt:
+        state.stopped = "interrupted"
+    state.seconds = time.monotonic() - t0
+    return state
+
+
+class _Budget(Exception):
+    pass
+
+
+def _reproduces(pool: Runs, cells: list[Candidate], target: FailureSignature, limit: float) -> bool:
+    """One try on fresh ranks: the cells before the last must succeed, the last fail as ``target``."""
+    pool.restart()
+    for cell in cells[:-1]:
+        res = pool.run(cell.code, list(cell.ranks), limit)
+        if not res.ok:
+            pool.stop(res)
+            return False
+    res = pool.run(cells[-1].code, list(cells[-1].ranks), limit)
+    got = session_signature(res)
+    pool.stop(res)  # a hang reproduced leaves ranks running: the next try restarts them anyway
+    return got is not None and not compare_failures(target, got)
+
+
+def _ddmin(items: list[Candidate] | list[str], fails: Callable[[list], bool]) -> list:  # type: ignore[type-arg]
+    """The smallest sublist (1-minimal, in Zeller's sense) for which ``fails`` still holds, found by
+    removing complements of ever finer chunks; ``fails(items)`` is assumed."""
+    current = list(items)
+    n = 2
+    while current and len(current) >= 1:
+        if len(current) == 1:
+            if fails([]):
+                return []
+            return current
+        chunk = max(1, len(current) // n)
+        parts = [current[i:i + chunk] for i in range(0, len(current), chunk)]
+        reduced = False
+        for j in range(len(parts)):
+            complement = [x for k, p in enumerate(parts) if k != j for x in p]
+            if fails(complement):
+                current, n, reduced = complement, max(n - 1, 2), True
+                break
+        if not reduced:
+            if n >= len(current):
+                return current
+            n = min(n * 2, len(current))
+    return current

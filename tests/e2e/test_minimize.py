@@ -1,0 +1,30 @@
+"""%dist_minimize's engine on a real pool: a session's failure cut down to the cells and statements
+it needs, verified under torchrun, and the session's state given back (issue 37, item 3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CELLS = ["a = torch.ones(2)", "b = a * 2\nc = 3", "d = {'k': 1}"]
+FAILING = "x = 1\ny = b.sum()\nif rank == 1:\n    raise ValueError(f'bad batch {int(y)}')\nz = 2"
+
+
+def test_a_failure_is_cut_down_to_what_it_needs_and_verified(fresh_pool, tmp_path: Path) -> None:
+    pool = fresh_pool(2)
+    for code in CELLS:
+        assert pool.run(code, timeout=60).ok
+    res = pool.run(FAILING, timeout=60)
+    assert res[1].status == "error", res.text()
+    seen: list[str] = []
+    found = pool.minimize(budget=400, path=str(tmp_path / "case.py"), on_progress=seen.append)
+    text = found.text()
+    assert not found.stopped, text
+    # The cells it needs (a, then b — not c, not d), and of the failing cell the two statements.
+    assert [c.code for c in found.cells] == ["a = torch.ones(2)", "b = a * 2", "y = b.sum()\nif rank == 1:\n    raise ValueError(f'bad batch {int(y)}')"], text
+    assert "minimized: 4 cells, 8 statements → 3 cells, 4 statements" in text, text
+    assert "rank 1 raised ValueError: bad batch 4" in text, text
+    assert found.verified is not None and found.verified.reproduced, text
+    assert (tmp_path / "case.py").exists() and (tmp_path / "case.ipynb").exists()
+    assert seen and seen[-1].startswith("minimizing: "), seen[-3:]
+    # The session is as it was: its namespaces back, its history without the tries.
+    assert pool.run("(float(b.sum()), c, d['k'])", timeout=60).values == {0: "(4.0, 3, 1)", 1: "(4.0, 3, 1)"}
