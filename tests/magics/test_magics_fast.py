@@ -165,6 +165,7 @@ def test_cell_flags_reach_the_pool(shell: InteractiveShell, fake: FakePool) -> N
         ("dist_timeline", "--last 0", "--last takes a positive count"),
         ("dist_push", "not_defined_here", "'not_defined_here' is not defined in the notebook"),
         ("dist_export", "/no/such/folder/repro.py", "can't write /no/such/folder/repro.py"),
+        ("dist_minimize", "--budget 0", "--budget takes a positive number of seconds"),
         ("dist_regroup", "", "rank 1 is still running cell 3. Wait for it, see where it is with %dist_stacks, interrupt it with %dist_interrupt"),
         ("dist_stacks", "--bogus", "Run %dist_stacks? for its flags"),
     ],
