@@ -52,8 +52,8 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
             "11_fsdp2_param_shape",
             "FSDP2: a parameter of another shape on one rank aborts a neighbour",
             "001 D19, D12",
-            "\"Root cause: rank 2, the odd one out; rank 0 is a victim\" — the shape compared by majority across the mesh's dp "
-            "groups; `%dist_collectives` marks the odd entry",
+            "\"shape mismatch at all_gather #1 on dp (ranks 0,2) … rank 0 died in it … Root cause: rank 2 (by majority over 4 ranks …)\" "
+            "— the shape compared by majority across the mesh's dp groups; `%dist_collectives` marks the odd entry",
             [
                 Md("**Symptom.** An FSDP2 job dies at its first forward: one rank is killed by SIGABRT inside an all_gather "
                    "with gloo's `Received data size doesn't match expected size`; another raises `Connection reset by peer`. "
@@ -70,8 +70,10 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                      "width = 12 if rank == 2 else 8          # BUG: a config value read per rank\n"
                      "model = nn.Linear(width, 8)\nfully_shard(model, mesh=mesh['dp'])\n"
                      "model(torch.randn(2, width)).sum().backward()",
-                     ["Root cause: rank 2, the odd one out; rank 0 is a victim", "ranks 1,3 had all_gather",
-                      "at #1 on the other groups of this role"], raises=True),
+                     ["shape mismatch at all_gather #1 on dp (ranks 0,2): rank 2 all_gather #1 [52] f32 at cell line 6; "
+                      "rank 0 all_gather #1 [36] f32", "rank 0 died in it (gloo aborts a rank that receives data its own tensor can't hold)",
+                      "Root cause: rank 2 (by majority over 4 ranks (the group's members and the ranks in step on the other groups of "
+                      "its role))"], raises=True),
                 Md("The root cause comes first, above the aborted rank's own post-mortem. `%dist_collectives` marks the odd "
                    "entry and says which ranks witnessed the usual size:"),
                 # Whether rank 0's entry reached distnb before gloo aborted it is a race: the verdict is the same.
@@ -110,7 +112,7 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                      "second = ColwiseParallel() if rank == 3 else RowwiseParallel()   # BUG: a per-rank plan\n"
                      "parallelize_module(model, mesh['tp'], {'0': ColwiseParallel(), '2': second})",
                      ["op mismatch at scatter #4 on tp (ranks 2,3): rank 3 scatter #4 group_src=0 at cell line 4; "
-                      "rank 2 broadcast #4 [8] f32 group_src=0", "Root cause: rank 3."],
+                      "rank 2 broadcast #4 [8] f32 group_src=0", "Root cause: rank 3 (by majority over 4 ranks"],
                      ["No majority"], raises=True),
                 Md("## How distnb reveals it\n\nInside tp (ranks 2,3) it is one rank against one; the mesh's other tp group "
                    "made the usual call at the same position, so distnb names rank 3:"),

@@ -209,7 +209,9 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
     if undecided:
         blame = f" No majority to tell which side went wrong: {format_ranks(first)} against {format_ranks(second)}."
     else:
-        blame = f" Root cause: {format_ranks(odd)}" + ("." if not tie else f" ({how}).")
+        # Named with how when the group alone could not tell (a tie-break, or witnesses from the
+        # other groups of its role outvoting a group of two).
+        blame = f" Root cause: {format_ranks(odd)}" + (f" ({how})." if tie or d.witnesses and how.startswith("by majority") else ".")
     certain = _certain(rec, kind, tie, d, diff, odd, sites, how)
     return Verdict(
         rec.state(), kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
