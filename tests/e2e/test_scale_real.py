@@ -57,6 +57,22 @@ def mem_available_mib() -> float:
     return float("inf")
 
 
+def needed_mib() -> float:
+    """NEED_MIB, or more where this torch's import is heavier (a CUDA build, ~450 MiB on a CPU-only
+    machine against ~200 for the CPU build): measured in a Python of its own."""
+    import subprocess
+    import sys
+
+    probe = ("import torch, torch.distributed\n"
+             "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS:')) / 1024)")
+    try:
+        rss = float(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout.strip())
+    except (ValueError, subprocess.SubprocessError):
+        return NEED_MIB
+    per_torch = max(TORCH_PROCESS_MIB, rss)  # the bare import: what NEED_MIB was measured against (~220 MiB)
+    return (WORLD + NNODES) * per_torch + (WORLD + NNODES - 1) * SMALL_PROCESS_MIB
+
+
 def kind_of(pid: int) -> str:
     cmd = cmdline(pid)
     # torchrun's command line names the supervisor it runs: it is looked for first.
@@ -80,9 +96,9 @@ def timed_run(pool: distnb.Pool, code: str, ranks=None) -> tuple[distnb.CellResu
 @pytest.fixture(scope="module")
 def big_pool(leak_check, request: pytest.FixtureRequest):
     """64 ranks on 8 local nodes, with the processes the launch added (for the shutdown check)."""
-    available = mem_available_mib()
-    if available < NEED_MIB:
-        pytest.skip(f"{WORLD} ranks on {NNODES} local nodes need ~{NEED_MIB / 1024:.1f} GiB of memory; "
+    available, need = mem_available_mib(), needed_mib()
+    if available < need:
+        pytest.skip(f"{WORLD} ranks on {NNODES} local nodes need ~{need / 1024:.1f} GiB of memory with this torch; "
                     f"{available / 1024:.1f} GiB is available")
     before = set(run_processes())
     pool = track(distnb.Pool(nproc=NPROC, nnodes=NNODES, local_nodes=True, backend="gloo", spares=False,
