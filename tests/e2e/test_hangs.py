@@ -135,7 +135,8 @@ def test_stack_of_rank_in_a_busy_python_loop(pool3: distnb.Pool) -> None:
     text = pool.stacks([1]).text()
     assert time.monotonic() - t0 < 1.0
     assert "rank 1: running cell" in text and "faulthandler" not in text, text
-    assert "while time.time() < end:" in text and "<cell-" in text, text
+    # The loop's frame: its test or its body, by where the interpreter stood (3.12 reports `pass` often).
+    assert ("while time.time() < end:" in text or "line 4 in <module>: pass" in text) and "<cell-" in text, text
     pool.wait(res, timeout=30)
     assert res.ok, res.text()
 
