@@ -63,7 +63,7 @@ def main() -> None:
             finally:
                 k.close()
     result: dict[str, object] = {"ranks": args.ranks, "cells": args.cells, "python": platform.python_version(),
-                                 "before": str(args.before), "when": time.strftime("%Y-%m-%d %H:%M")}
+                                 "before_tree": str(args.before), "when": time.strftime("%Y-%m-%d %H:%M")}
     for v, by_kind in times.items():
         med = {name: statistics.median(t) * 1e3 for name, t in by_kind.items()}
         result[v] = {"on_ranks_median_ms": med["on_ranks"], "on_ranks_p99_ms": pct(by_kind["on_ranks"], 0.99) * 1e3,
