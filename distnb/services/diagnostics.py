@@ -58,6 +58,9 @@ _SAID_BY_THE_REPORT = {"died", "raised", "quiet", "none"}
 STACKS_TIMEOUT = 0.25
 #: faulthandler's dump: how long the supervisor collects it, and how long we wait for the answer.
 FAULT_WAIT = 0.15
+#: Seconds a diagnosis read mid-move waits before it reads the records again (a rank pushes the
+#: collective it enters within ~50 ms).
+SETTLE = 0.3
 FAULT_TIMEOUT = 3.0
 
 
@@ -165,20 +168,16 @@ class Diagnostics:
             if not isinstance(last, CellResult):
                 raise NoCellError("no cell has run on this pool yet; run one with %%on_ranks (pool.run) first.")
             result = last
-        tracker = self._tracker
-        elapsed = time.monotonic() - self._tracker.run_of(result).started
-        busy = [r for r in result.ranks if result.results[r].status == "running"]
-        alive = tracker.alive(list(range(self._world)))
-        # One round trip: stacks of every live rank (idle ones answer at once) with their collective
-        # logs, so a rank holding the GIL costs one timeout per diagnosis.
-        stacks = self.stacks(alive, paths=True) if busy else None
-        log = self.collectives(refresh=not busy)
-        positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
         threshold = self._config.hang_after if hang_after is None else hang_after
-        diag = diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes(), result.cell)
+        diag, busy = self._judge(result, threshold)
+        if diag.is_problem and _unsettled(diag.positions):
+            # Read while a rank was on its way into a call (its stack there, its entry not yet
+            # pushed): what the next round sees, once the records caught up, is the verdict.
+            time.sleep(SETTLE)
+            diag, busy = self._judge(result, threshold)
         if diag.state == VerdictState.OK and busy:
             # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
-            return self.straggler(result, straggler_window(len(result.ranks)), positions) or diag
+            return self.straggler(result, straggler_window(len(result.ranks)), diag.positions) or diag
         if diag.state in (VerdictState.HANG, VerdictState.SLOW, VerdictState.FAILED):
             why = self.why(result, hint=not diag.explained, culprits=diag.culprits)
             if why:
@@ -187,6 +186,19 @@ class Diagnostics:
             if compiled.differences():
                 diag.details.append(f"  {compiled.summary()}")
         return diag
+
+    def _judge(self, result: CellResult, threshold: float) -> tuple[Verdict, list[int]]:
+        """One reading of the cell's records, judged; and the ranks still running it."""
+        tracker = self._tracker
+        elapsed = time.monotonic() - tracker.run_of(result).started
+        busy = [r for r in result.ranks if result.results[r].status == "running"]
+        alive = tracker.alive(list(range(self._world)))
+        # One round trip: stacks of every live rank (idle ones answer at once) with their collective
+        # logs, so a rank holding the GIL costs one timeout per diagnosis.
+        stacks = self.stacks(alive, paths=True) if busy else None
+        log = self.collectives(refresh=not busy)
+        positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
+        return diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes(), result.cell), busy
 
     def compiles(self, ranks: Ranks = None, cells: list[int] | None = None, live: bool = False,
                  results: list[CellResult] | None = None) -> CompileReport:
@@ -494,3 +506,11 @@ class Diagnostics:
         if errors:
             raise RemoteError(f"check failed on {format_ranks(errors)}: {next(iter(errors.values()))}", errors=errors)
         return {n: {r: replies[r]["checks"][n] for r in targets} for n in names}
+
+
+def _unsettled(positions: list[Position]) -> bool:
+    """Whether a rank was read between two places: running code of the cell, or in a collective by
+    its stack that the log holds no entry for yet (point-to-point calls and group creation have no
+    entry to wait for)."""
+    return any(p.state == "computing" and p.running is not None or
+               p.state == "collective" and p.seq is None and p.op not in P2P_OPS and p.op != "new_group" for p in positions)

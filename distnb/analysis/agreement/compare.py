@@ -105,14 +105,15 @@ def _sites(calls: list[Call], cell: int) -> tuple[str, ...]:
     return ("call site",) if len(lines) > 1 or (lines and unknown and any(c.sizes is None for c in calls)) else ()
 
 
-def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence], waiting_in: dict[int, str] | None = None,
+def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence], waiting_in: dict[int, str | None] | None = None,
                   ) -> list[Disagreement]:
     """The first disagreement of each group the cell issued collectives on, earliest first.
 
     ``where`` says, for each rank of the cell, whether it left it, waits elsewhere or still runs
     code (ranks missing from it are not part of the cell and are left out of every comparison);
     ``waiting_in``, the group a waiting rank's collective is on, when known (a call the recorder
-    has no entry for yet is in that group, not absent from it)."""
+    has no entry for yet is in that group, not absent from it), None when only its stack shows the
+    call (it may be this group's)."""
     out = []
     groups = sorted({str(e["group"]) for r in where for e in log.entries.get(r, {}).values()
                      if not e.get("p2p") and e.get("call_cell", e.get("cell")) == cell})
@@ -126,7 +127,7 @@ def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence]
 
 
 def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where: dict[int, Presence],
-           waiting_in: dict[int, str]) -> Disagreement | None:
+           waiting_in: dict[int, str | None]) -> Disagreement | None:
     seqs = {r: log.seqs(r, g) for r in members}
     in_cell = [s for m in seqs.values() for s, e in m.items() if e.get("call_cell", e.get("cell")) == cell]
     if len(members) < 2 or not in_cell:
@@ -158,8 +159,8 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
                 continue
             if where.get(r, Presence.MOVING) == Presence.MOVING and last < k:
                 continue  # still running code: it may yet make this call
-            if waiting_in.get(r) == g:
-                continue  # in a call on this group that the recorder has not shown yet
+            if r in waiting_in and waiting_in[r] in (g, None) and last < k:
+                continue  # in a call (on this group, or on one not known yet) that the recorder has not shown yet
             if where.get(r) == Presence.ELSEWHERE and last < k - 1:
                 continue  # waits in an earlier call elsewhere: behind, not absent
             at[r] = None

@@ -121,6 +121,8 @@ def compare_programs(odd: list[Call], majority: list[Call], odd_left: bool, majo
                 return None  # the odd rank has not got there yet
             return _missing(a, b, odd, majority, i1, j1, j2, majority_left)
         if tag == "delete":
+            if i2 == len(a) and j1 == len(b) and not majority_left:
+                return None  # the majority rank has not got there yet (its next call may not be recorded)
             return _extra(a, b, odd, majority, i1, i2, j1)
         # replace
         x, y = odd[i1], majority[j1]

@@ -67,6 +67,8 @@ def agreement(rec: Records) -> Verdict | None:
     odd, tie, how = _blame(d, where, compare, rec)
     if not odd:
         return None
+    if tie and how == "no majority" and _undecided_members(rec, d, where):
+        return None  # members whose call there is not known yet may break the tie: judge when they are
     if tie and how == "no majority":
         # No side to call odd: compare the two sides' programs, the ranks in the call against the others.
         inside = [r for r in odd if d.by_rank.get(r) is not None] or odd[:1]
@@ -148,6 +150,13 @@ def _blame(d: Disagreement, where: dict[int, Presence], compare: Any, rec: Recor
     return sorted(d.odd), True, "no majority"
 
 
+def _undecided_members(rec: Records, d: Disagreement, where: dict[int, Presence]) -> list[int]:
+    """Members of the group in the cell whose call at the disagreement is not known either way
+    (still running code, or in a call the log has not shown yet)."""
+    members = rec.log.log.groups.get(d.group, []) if rec.log is not None else []
+    return [r for r in members if r in where and r not in d.by_rank]
+
+
 def _by_majority(d: Disagreement) -> str:
     return f"by majority over {len(d.voters())} ranks" + (" (the group's members and the ranks in step on the other groups of its role)"
                                                           if d.witnesses else "")
@@ -170,7 +179,11 @@ def _left_first(rec: Records, d: Disagreement, odd: list[int]) -> bool:
         return False
     # Ranks stranded by a death, or failed only because a peer's connection closed, left with it.
     left = events | {p.rank for p in rec.of("stranded", "failed")}
-    return all(r in left for r in absent) and (all(d.by_rank.get(r) is None for r in odd) or not set(odd) - left - set(absent))
+    if not all(r in left for r in absent):
+        return False
+    # The ranks in the call agree with each other: only the absent ones differ, and they left.
+    present = {c.signature() for c in d.by_rank.values() if c is not None}
+    return len(present) == 1 or all(d.by_rank.get(r) is None for r in odd) or not set(odd) - left - set(absent)
 
 
 def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str, kind: Kind, diff: Difference | None,

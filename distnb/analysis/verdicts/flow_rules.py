@@ -181,9 +181,16 @@ def disagree(rec: Records) -> Verdict | None:
 
     kind = "different collectives" if "op" in diffs else f"the same op ({known[0].op}) with a different {' and '.join(diffs) or 'call'}"
     detail = "; ".join(where(rs) for rs, _ in places)
-    sizes = sorted((len(rs) for rs, _ in places), reverse=True)
+    # A rank left out above still votes for the side whose op its stack shows, when only one side has it.
+    votes = {i: len(rs) for i, (rs, _) in enumerate(places)}
+    for p in waiting:
+        if p not in known:
+            sides = [i for i, (rs, _) in enumerate(places) if by_rank[rs[0]].op == p.op]
+            if len(sides) == 1:
+                votes[sides[0]] += 1
+    sizes = sorted(votes.values(), reverse=True)
     if sizes[0] > sizes[1]:
-        majority = next(rs for rs, _ in places if len(rs) == sizes[0])
+        majority = next(rs for i, (rs, _) in enumerate(places) if votes[i] == sizes[0])
         odd = sorted(r for r in by_rank if r not in majority)
         blame = f"The odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)}."
     else:

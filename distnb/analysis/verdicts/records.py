@@ -12,6 +12,7 @@ from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.compare import Presence
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.verdict import VerdictState
+from distnb.wire.records import P2P_OPS
 
 __all__ = ["Records", "is_consequence"]
 
@@ -93,8 +94,11 @@ class Records:
                 out[p.rank] = Presence.MOVING
         return out
 
-    def waiting_in(self) -> dict[int, str]:
-        return {p.rank: p.group for p in self.waiting if p.group is not None}
+    def waiting_in(self) -> dict[int, str | None]:
+        """The group each waiting rank's collective is on; None for a collective its stack shows
+        and the log does not hold yet (any group's: the rank is not known to be absent from one).
+        A rank in a send or recv is elsewhere: point-to-point calls take no collective's place."""
+        return {p.rank: p.group for p in self.waiting if p.group is not None or p.op not in P2P_OPS}
 
     def state(self) -> VerdictState:
         """What a cause found now means: ranks still waiting, a hang; over with a failure, failed;
