@@ -496,9 +496,13 @@ GALLERY: list[Notebook] = [
                  "    for step in range(steps):\n"
                  "        x = torch.randn(16, 4) * (rank + 1)    # each rank's shard has its own scale\n"
                  "        model(x).sum().backward()\n\n"
-                 "x_eval = torch.ones(2, 4)", ["cell 1 on ranks 0,1: ok"]),
+                 "x_eval = torch.ones(2, 4)\n"
+                 "# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers: buffers not synced, either way\n"
+                 "import inspect\n"
+                 "NO_BUFFER_SYNC = ({'forward_sync_buffers': False} if 'forward_sync_buffers' in inspect.signature(DDP).parameters\n"
+                 "                  else {'broadcast_buffers': False})", ["cell 1 on ranks 0,1: ok"]),
             Md("## The failing cell"),
-            Code(f"{DDP_OK}\nmodel = DDP(make_net(), forward_sync_buffers=False)   # BUG: buffers stay rank-local\n"
+            Code(f"{DDP_OK}\nmodel = DDP(make_net(), **NO_BUFFER_SYNC)   # BUG: buffers stay rank-local\n"
                  "train(model)\nmodel.eval()\nround(model(x_eval).sum().item(), 4)   # the same input, evaluated per rank",
                  ["Out[rank 0]:", "Out[rank 1]:"], ["Out[ranks 0,1]"]),
             Md("## How distnb reveals it\n\nThe same input gives a different output per rank. `%dist_check` "
@@ -523,7 +527,7 @@ GALLERY: list[Notebook] = [
                "## Fix on CPU (2): statistics from every rank's data\n\nTo use all ranks' data — what "
                "SyncBatchNorm does for each batch — average the buffers, e.g. before evaluating or saving a "
                "checkpoint. This also works where nothing syncs buffers (FSDP, a hand-rolled all_reduce):"),
-            Code(f"{DDP_OK} --check model\nmodel = DDP(make_net(), forward_sync_buffers=False)   # rank-local buffers again\n"
+            Code(f"{DDP_OK} --check model\nmodel = DDP(make_net(), **NO_BUFFER_SYNC)   # rank-local buffers again\n"
                  "train(model)\n"
                  "with torch.no_grad():\n"
                  "    for buf in model.module.buffers():\n"

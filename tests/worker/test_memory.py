@@ -15,7 +15,7 @@ import types
 import pytest
 
 import distnb
-from distnb.analysis.reports.memory import MemoryReport, imbalance, memory_line
+from distnb.analysis.reports.memory import MemoryReport, imbalance, imbalances, memory_line
 from distnb.worker.recorders import memory_sampler
 from distnb.worker.recorders.memory_sampler import MemorySampler
 
@@ -175,6 +175,20 @@ def test_imbalance_needs_ratio_and_absolute_gap() -> None:
     assert imbalance(base) == ["rank 3 peaks at 1.9× the median RSS peak of the others (390 MiB vs 200 MiB)"]
     small = {0: {"rss_peak": 1 * MB}, 1: {"rss_peak": 10 * MB}}
     assert imbalance(small) == []  # 10× but only 9 MB apart: noise
+
+
+def test_rss_peaks_are_compared_above_what_every_rank_starts_with() -> None:
+    # A CUDA build of torch holds ~490 MiB in every process before any user code: 200 MiB more on
+    # one rank is 1.4x in all, and all of what the cell added.
+    samples = {0: {"rss_start": 487 * MB, "rss_peak": 488 * MB}, 1: {"rss_start": 487 * MB, "rss_peak": 688 * MB}}
+    assert imbalance(samples) == ["rank 1 peaks at 688 MiB, 200 MiB above the median RSS peak of the others (488 MiB)"]
+    # Alike above the floor: nothing, however large the floor.
+    alike = {r: {"rss_start": 2000 * MB, "rss_peak": (2100 + 10 * r) * MB} for r in range(4)}
+    assert imbalance(alike) == []
+    # A rank that started the cell higher (it kept 1 GiB from an earlier cell) still stands out.
+    kept = {r: {"rss_start": 500 * MB, "rss_peak": 520 * MB} for r in range(3)}
+    kept[2] = {"rss_start": 1500 * MB, "rss_peak": 1520 * MB}
+    assert [f.rank for f in imbalances(kept)] == [2]
 
 
 def test_cuda_peaks_are_compared_when_present() -> None:

@@ -53,31 +53,45 @@ class Imbalance:
     what: str  # "RSS peak" or "CUDA peak"
     peak: float  # bytes
     median: float  # bytes, of the other ranks
+    # What every rank holds before its code does anything (an RSS floor: the interpreter, torch,
+    # its CUDA libraries — ~0.5 GiB for a CUDA build): the ratio is of what lies above it.
+    floor: float = 0.0
 
     @property
     def ratio(self) -> float:
-        return self.peak / self.median
+        base = self.median - self.floor
+        return (self.peak - self.floor) / base if base > 0 else float("inf")
 
     def text(self) -> str:
+        if self.floor:
+            return (f"rank {self.rank} peaks at {size(self.peak)}, {size(self.peak - self.median)} above the median {self.what} "
+                    f"of the others ({size(self.median)})")
         return (f"rank {self.rank} peaks at {self.ratio:.1f}× the median {self.what} of the others "
                 f"({size(self.peak)} vs {size(self.median)})")
 
 
 def imbalances(samples: dict[int, dict[str, Any]]) -> list[Imbalance]:
     """Ranks whose peak stands out. Each rank is compared with the median of the *other* ranks,
-    so one outlier among two ranks is still seen."""
+    so one outlier among two ranks is still seen. RSS peaks are compared above the lowest RSS a
+    rank of the cell started it with: the part every process holds alike is no evidence, and
+    would hide a rank that allocates 200 MiB more on a CUDA build of torch."""
     key = _peak_key(samples)
     peaks: dict[int, float] = {r: s[key] for r, s in samples.items() if s.get(key) is not None}
     if len(peaks) < 2 or max(peaks.values()) - min(peaks.values()) < IMBALANCE_MIN_BYTES:
         return []  # no rank can be that far above a median of the others (every cell asks this)
     what = "CUDA peak" if key == "cuda_peak" else "RSS peak"
+    starts = [s["rss_start"] for r, s in samples.items() if r in peaks and s.get("rss_start") is not None]
+    floor = float(min(starts)) if key == "rss_peak" and len(starts) == len(peaks) else 0.0
     ordered = sorted(peaks.values())
     index = {v: i for i, v in enumerate(ordered)}  # a value's last place: which one is left out doesn't matter
     out = []
     for r, p in sorted(peaks.items()):
         med = _median_without(ordered, index[p])
-        if med > 0 and p >= IMBALANCE_RATIO * med and p - med >= IMBALANCE_MIN_BYTES:
-            out.append(Imbalance(r, what, p, med))
+        if p - med < IMBALANCE_MIN_BYTES:
+            continue
+        flag = Imbalance(r, what, p, med, floor)
+        if flag.ratio >= IMBALANCE_RATIO:
+            out.append(flag)
     return out
 
 

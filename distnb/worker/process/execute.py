@@ -143,6 +143,10 @@ class Executor:
                         self.paths.start([c for c in cell if c is not None])
                     value = self._exec(cell)
             finally:
+                # First: an interrupt can end a cell debugpy held, and debugpy would hold the
+                # thread again at the first event of distnb's own code below (3.12's
+                # sys.monitoring reports the recorders' returns).
+                self.panel.after_cell()
                 if self.paths.on:
                     reply["paths"] = self.paths.stop()
                 if self.compiles.on:
@@ -170,7 +174,7 @@ class Executor:
                 error["stale"] = stale
         finally:
             self.cell = None  # first: from here on a late SIGINT is ignored
-            self.panel.after_cell()  # an interrupt can end a cell debugpy held: it holds nothing now
+            self.panel.after_cell()  # again, for an interrupt that landed before the cell's code ran
             reply["duration"] = time.monotonic() - self.started
             reply["memory"] = self.memory.stop()
             self.clock.end(time.time())

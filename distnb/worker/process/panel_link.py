@@ -56,6 +56,7 @@ class PanelLink:
         self._buf = b""
         self.error = ""
         self.stopped: dict[int, float] = {}  # debugpy's ids of the threads it stopped → since (monotonic)
+        self._main = threading.main_thread()  # kept: let_go may call no Python function to find it
         # The panel's file → (cell file, its first line there, lines): kept before debugpy starts too,
         # so a function defined in a cell run before the panel was turned on takes its breakpoints.
         self._maps: dict[str, tuple[str, int, int]] = {}
@@ -141,7 +142,7 @@ class PanelLink:
             import pydevd_tracing
 
             py_db = pydevd.get_global_debugger()
-            if getattr(pydevd_tracing, "PYDEVD_USE_SYS_MONITORING", False):
+            if _monitoring():
                 py_db.enable_tracing(apply_to_all_threads=True)  # 3.12+: sys.monitoring reaches every thread
             else:
                 pydevd_tracing.set_trace_to_threads(py_db.trace_dispatch, thread_idents=[main], create_dummy_thread=False)
@@ -238,9 +239,26 @@ class PanelLink:
         py_db = pydevd.get_global_debugger()
         if armed:
             py_db.enable_tracing()
-        else:
+        elif not _monitoring():
             py_db.disable_tracing()
+        # With sys.monitoring (3.12+) an unarmed panel costs nothing: pydevd asks for no events
+        # while it has no breakpoint. Its disable_tracing would mark this thread untraced, and no
+        # call from another thread can mark it traced again: a breakpoint set mid-cell would
+        # never stop it.
         self._tracing = armed
+
+    def let_go(self) -> None:
+        """From the SIGINT handler, on the main thread, before the interrupt is raised through
+        debugpy's wait: mark the thread running. Raised while debugpy holds it suspended, the
+        interrupt would leave it so, and with sys.monitoring (3.12+) debugpy holds the thread
+        again at the next function return — in distnb's own code, never ending the cell. Only
+        attribute reads and writes here: a Python call's return would be that event."""
+        if not self.stopped:
+            return
+        info = getattr(self._main, "additional_info", None)
+        if info is not None and getattr(info, "pydev_state", None) == _STATE_SUSPEND:
+            info.pydev_step_cmd = -1
+            info.pydev_state = _STATE_RUN
 
     def after_cell(self) -> None:
         """From the main thread, as a cell ends. An interrupt raised through debugpy's wait leaves
@@ -275,6 +293,17 @@ class PanelLink:
 
         entry = PyDevdAPI.SourceMappingEntry(first, first + lines - 1, 1, filename)
         PyDevdAPI().set_source_mapping(pydevd.get_global_debugger(), path, [entry])
+
+
+#: pydevd's thread states (``_pydevd_bundle.pydevd_constants``): not imported, as let_go may
+#: call nothing.
+_STATE_RUN, _STATE_SUSPEND = 1, 2
+
+
+def _monitoring() -> bool:
+    """Whether pydevd traces with sys.monitoring (Python 3.12+) rather than sys.settrace."""
+    tracing = sys.modules.get("pydevd_tracing")
+    return bool(getattr(tracing, "PYDEVD_USE_SYS_MONITORING", False))
 
 
 def _stop_listening(mine: socket.socket) -> None:

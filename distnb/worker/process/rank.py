@@ -185,6 +185,7 @@ class Rank:
     def _on_sigint(self, signum: int, frame: Any) -> None:
         if self.executor.cell is not None:
             self.executor.sigints += 1
+            self.executor.panel.let_go()
             raise KeyboardInterrupt
 
     def init_distributed(self) -> dict[str, Any]:

@@ -84,23 +84,46 @@ def _is_gloo(backend: Any) -> bool:
     return str(backend).lower() == "gloo"
 
 
+#: Threads gloo started while creating a group, when its loop thread has no name of its own
+#: (torch before 2.12): the destroy's prompt ticks reach them by these ids.
+_started: set[str] = set()
+
+
 def gloo_creation(backend: Any) -> contextlib.AbstractContextManager[None]:
     """Wrap the creation of a process group: a gloo group's threads get the idle slack.
 
     NCCL's are left alone: its proxy and watchdog threads are not known to wait only on events."""
-    return _thread_slack(slack_ns()) if _is_gloo(backend) else contextlib.nullcontext()
+    return _gloo_creation() if _is_gloo(backend) else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _gloo_creation() -> Iterator[None]:
+    before = _tasks()
+    with _thread_slack(slack_ns()):
+        yield
+    _started.update(_tasks() - before)
+
+
+def _tasks() -> set[str]:
+    try:
+        return set(os.listdir("/proc/self/task"))
+    except OSError:
+        return set()
 
 
 def _loop_threads() -> list[str]:
-    out = []
-    for tid in os.listdir("/proc/self/task"):
+    """gloo's loop threads by their name; where torch's gloo leaves them unnamed, the threads
+    gloo group creations started that still run."""
+    out, alive = [], _tasks()
+    for tid in alive:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().strip() == _LOOP_THREAD:
                     out.append(tid)
         except OSError:
             continue  # the thread ended meanwhile
-    return out
+    _started.intersection_update(alive)
+    return out or sorted(_started)
 
 
 def _set_loops(ns: int) -> None:
