@@ -23,7 +23,7 @@ from distnb.results import CellRecord, CellResult
 from distnb.services.export import export_notebook, export_script
 from distnb.services.verify import Reproduction, session_signature, verify_script
 
-__all__ = ["Candidate", "Minimized", "Runs", "minimize", "statements", "write_case"]
+__all__ = ["Candidate", "Minimized", "Runs", "function_bodies", "minimize", "replace_body", "statements", "write_case"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,33 @@ def statements(code: str) -> list[str]:
     return out
 
 
+def _functions(code: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    # A function written on one line (``def f(): return 1``) has no body to cut apart.
+    return [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.body[0].lineno > n.lineno]
+
+
+def function_bodies(code: str) -> list[tuple[str, list[str]]]:
+    """Each top-level function the cell defines: its name and its body's statements as source
+    (indented as written)."""
+    lines = code.splitlines()
+    return [(fn.name, ["\n".join(lines[node.lineno - 1 : node.end_lineno or node.lineno]) for node in fn.body]) for fn in _functions(code)]
+
+
+def replace_body(code: str, k: int, body: list[str]) -> str:
+    """The cell with the body of its ``k``-th top-level function made of ``body`` (``pass`` when
+    empty: the function stays callable)."""
+    fn = _functions(code)[k]
+    lines = code.splitlines()
+    head = lines[: fn.body[0].lineno - 1]
+    tail = lines[(fn.end_lineno or fn.lineno):]
+    indent = " " * fn.body[0].col_offset
+    return "\n".join([*head, *(body or [indent + "pass"]), *tail])
+
+
 def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: float,
              on_progress: Callable[[str], None] | None = None, bound: float | None = None) -> Minimized:
     """The session's last failed cell and the cells before it, cut down while the failure stays."""
@@ -156,6 +183,21 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
                 which = "the failing cell" if i == len(state.cells) - 1 else f"cell {i + 1} of the case"
                 state.steps.append(f"removed {len(parts) - len(keep)} of the {len(parts)} statements of {which}")
                 state.cells = with_cell(keep)
+        # Statements inside the functions the kept cells define (a step function, a model's forward).
+        for i in range(len(state.cells)):
+            for k in range(len(function_bodies(state.cells[i].code))):
+                cell = state.cells[i]
+                name, body = function_bodies(cell.code)[k]
+                if len(body) < 2:
+                    continue
+
+                def with_body(sub: list[str], i: int = i, k: int = k, cell: Candidate = cell) -> list[Candidate]:
+                    return [*state.cells[:i], Candidate(replace_body(cell.code, k, sub), cell.ranks), *state.cells[i + 1:]]
+
+                keep = _ddmin(body, lambda sub: fails(with_body(sub)))
+                if len(keep) < len(body):
+                    state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}()")
+                    state.cells = with_body(keep)
     except _Budget:
         state.stopped = "the time budget ran out"
     except KeyboardInterrupt:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from distnb.services.minimize import _ddmin, statements
+from distnb.results import CellResult, RankResult
+from distnb.services.minimize import Runs, _ddmin, function_bodies, minimize, replace_body, statements
 
 
 def test_ddmin_finds_the_one_minimal_subset_and_asks_few_questions() -> None:
@@ -22,3 +23,50 @@ def test_statements_are_the_cells_top_level_statements_as_written() -> None:
     code = "x = 1  # keep\nfor i in range(3):\n    y = i\n\nif rank == 1:\n    raise ValueError('bad')\n"
     assert statements(code) == ["x = 1", "for i in range(3):\n    y = i", "if rank == 1:\n    raise ValueError('bad')"]
     assert statements("def (") == ["def ("]  # a cell that does not parse stays whole
+
+
+class _Ranks:
+    """The minimizer's seam (minimize.Runs) over two in-process "ranks": each cell is exec'd in the
+    rank's own namespace, and its error is the rank's outcome."""
+
+    def __init__(self) -> None:
+        self.ns: dict[int, dict] = {}
+        self.cell = 0
+
+    def restart(self) -> None:
+        self.ns = {r: {"rank": r} for r in (0, 1)}
+
+    def run(self, code: str, ranks: list[int], limit: float) -> CellResult:
+        self.cell += 1
+        res = CellResult(cell=self.cell, code=code, ranks=ranks, results={r: RankResult(r) for r in ranks})
+        for r in ranks:
+            try:
+                exec(code, self.ns[r])
+                res.results[r].status = "ok"
+            except Exception as exc:
+                res.results[r].status = "error"
+                res.results[r].error = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": "", "line": None}
+        return res
+
+    def stop(self, res: CellResult) -> None:
+        pass
+
+
+def test_the_statements_inside_a_function_the_failing_cell_calls_are_cut_too() -> None:
+    ranks = _Ranks()
+    ranks.restart()
+    history = [ranks.run(code, [0, 1], 5.0) for code in (
+        "scale = 3\nunused = [1, 2]",
+        "def step(x):\n    # the training step\n    y = x * scale\n    log = []\n    log.append(y)\n"
+        "    if rank == 1:\n        raise ValueError(f'bad batch {y}')\n    return y",
+        "a = 1\nz = step(2)\nb = 2",
+    )]
+    assert history[-1].failed == [1]
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
+    assert [c.code for c in found.cells] == [
+        "scale = 3",
+        "def step(x):\n    # the training step\n    y = x * scale\n    if rank == 1:\n        raise ValueError(f'bad batch {y}')",
+        "z = step(2)",
+    ], found.code()
+    assert "removed 3 of the 5 statements of step()" in found.text(), found.text()
+    assert function_bodies("def f(): return 1") == []  # a one-line function has no body to cut apart
