@@ -397,12 +397,13 @@ class Pool(PoolViews):
         return sorted(self._launcher.live_pids()) if self._launcher is not None else []
 
     def minimize(self, budget: float = 300.0, path: str = "minimal.py", on_progress: Callable[[str], None] | None = None,
-                 verify: float | None = VERIFY_SECONDS) -> Minimized:
+                 verify: float | None = VERIFY_SECONDS, bound: float | None = None) -> Minimized:
         """Cut the session's last failure down on this pool (services/minimize.py): the cells before
         it, then each kept cell's statements, each try on fresh ranks, keeping the same failure;
         within ``budget`` seconds (Ctrl-C stops it, keeping the smallest case found). Writes the case
         as ``path`` (a torchrun script, run once to verify it) and a notebook beside it, then gives
-        the ranks back the session's state (a restart that replays it)."""
+        the ranks back the session's state (a restart that replays it). ``bound``: seconds one try
+        may run a cell (default: services.minimize.try_bound)."""
         flags = {"profile": False, "pdb": False, "comms": False, "paths": False, "source": None}
 
         def run(code: str, ranks: list[int], timeout: float) -> CellResult:  # not kept in the session's history
@@ -417,7 +418,7 @@ class Pool(PoolViews):
                 self.wait(res, timeout=15.0, ask=None)
 
         history = self._session.history[self._session.launch_index:]
-        found = minimize(Runs(self.restart, run, stop), history, budget, on_progress)
+        found = minimize(Runs(self.restart, run, stop), history, budget, on_progress, bound)
         write_case(found, self._config, path, verify)
         self.restart(replay=True)
         return found

@@ -93,6 +93,8 @@ class InspectMagics(Magics):
     @argument("--budget", type=float, default=300.0, metavar="SECONDS", help="How long it may try (default 300).")
     @argument("--out", default="minimal.py", metavar="PATH", help="Where to write the case (a script, and a notebook beside it).")
     @argument("--no-verify", action="store_true", help="Don't run the written script to check it fails as the session did.")
+    @argument("--try-timeout", type=float, default=None, metavar="SECONDS",
+              help="How long one try may run a cell (default: a hang's cell timeout and 2 s; 3x an error's cell time).")
     @line_magic
     def dist_minimize(self, line: str) -> None:
         """Cut the session's last failure down to a minimal case, on this pool: the cells before it,
@@ -103,11 +105,14 @@ class InspectMagics(Magics):
         args = parse(self.dist_minimize, line)
         if args.budget <= 0:
             raise UsageError("--budget takes a positive number of seconds, e.g. --budget 120.")
+        if args.try_timeout is not None and args.try_timeout <= 0:
+            raise UsageError("--try-timeout takes a positive number of seconds, e.g. --try-timeout 10.")
         pool = pool_or_usage_error()
         progress = Progress()
         with usage_errors():
             try:
-                found = pool.minimize(args.budget, args.out, progress.say, **({"verify": None} if args.no_verify else {}))
+                found = pool.minimize(args.budget, args.out, progress.say, **({"verify": None} if args.no_verify else {}),
+                                      bound=args.try_timeout)
             except OSError as exc:
                 raise UsageError(f"can't write {args.out}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
         progress.done()

@@ -23,7 +23,7 @@ from distnb.results import CellRecord, CellResult
 from distnb.services.export import export_notebook, export_script
 from distnb.services.verify import Reproduction, session_signature, verify_script
 
-__all__ = ["Candidate", "Minimized", "Runs", "function_bodies", "minimize", "replace_body", "statements", "write_case"]
+__all__ = ["Candidate", "Minimized", "Runs", "function_bodies", "minimize", "replace_body", "statements", "try_bound", "write_case"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,14 @@ def replace_body(code: str, k: int, body: list[str]) -> str:
     return "\n".join([*head, *(body or [indent + "pass"]), *tail])
 
 
+def try_bound(failing: CellResult | CellRecord) -> float:
+    """How long one try may run a cell: a hang is what the session saw at its cell's timeout, so
+    the same time (and a little) shows it again; an error may take longer on a busier machine."""
+    if not isinstance(failing, CellResult):
+        return 15.0
+    return max(5.0, failing.elapsed + 2.0) if failing.timed_out else max(5.0, 3 * failing.elapsed)
+
+
 def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: float,
              on_progress: Callable[[str], None] | None = None, bound: float | None = None) -> Minimized:
     """The session's last failed cell and the cells before it, cut down while the failure stays."""
@@ -146,7 +154,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
         raise ValueError("the failing cell ended without an error of its own (interrupted, or only a peer's failure): minimize needs "
                          "a failure it can recognise — run the cell again with --timeout, so a hang ends as one.")
     cells = [Candidate(c.code, tuple(c.ranks)) for c in history[: last + 1] if c.ok or c is failing]
-    limit = bound if bound is not None else max(5.0, 3 * (failing.elapsed if isinstance(failing, CellResult) else 5.0))
+    limit = bound if bound is not None else try_bound(failing)
     state = Minimized(cells, target, (len(cells), sum(len(statements(c.code)) for c in cells)))
     t0 = time.monotonic()
     say = on_progress or (lambda _text: None)
@@ -163,41 +171,15 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
         return ok
 
     try:
-        # Cells: the failing one stays; the ones before it are cut.
-        kept = _ddmin(state.cells[:-1], lambda sub: fails([*sub, state.cells[-1]]))
-        if len(kept) < len(state.cells) - 1:
-            state.steps.append(f"removed {len(state.cells) - 1 - len(kept)} of the {len(state.cells) - 1} cells before the failing one")
-        state.cells = [*kept, state.cells[-1]]
-        # Statements: the failing cell's first, then each other cell's.
-        for i in [len(state.cells) - 1, *range(len(state.cells) - 1)]:
-            cell = state.cells[i]
-            parts = statements(cell.code)
-            if len(parts) < 2:
-                continue
-
-            def with_cell(sub: list[str], i: int = i, cell: Candidate = cell) -> list[Candidate]:
-                return [*state.cells[:i], Candidate("\n".join(sub), cell.ranks), *state.cells[i + 1:]]
-
-            keep = _ddmin(parts, lambda sub: bool(sub) and fails(with_cell(sub)))
-            if len(keep) < len(parts):
-                which = "the failing cell" if i == len(state.cells) - 1 else f"cell {i + 1} of the case"
-                state.steps.append(f"removed {len(parts) - len(keep)} of the {len(parts)} statements of {which}")
-                state.cells = with_cell(keep)
-        # Statements inside the functions the kept cells define (a step function, a model's forward).
-        for i in range(len(state.cells)):
-            for k in range(len(function_bodies(state.cells[i].code))):
-                cell = state.cells[i]
-                name, body = function_bodies(cell.code)[k]
-                if len(body) < 2:
-                    continue
-
-                def with_body(sub: list[str], i: int = i, k: int = k, cell: Candidate = cell) -> list[Candidate]:
-                    return [*state.cells[:i], Candidate(replace_body(cell.code, k, sub), cell.ranks), *state.cells[i + 1:]]
-
-                keep = _ddmin(body, lambda sub: fails(with_body(sub)))
-                if len(keep) < len(body):
-                    state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}()")
-                    state.cells = with_body(keep)
+        # Passes over cells, statements and function bodies, again while one shrinks the case: a
+        # cell becomes unneeded once the statements that used it are gone.
+        while True:
+            before = _weight(state.cells)
+            _cut_cells(state, fails)
+            _cut_statements(state, fails)
+            _cut_bodies(state, fails)
+            if _weight(state.cells) >= before:
+                break
     except _Budget:
         state.stopped = "the time budget ran out"
     except KeyboardInterrupt:
@@ -208,6 +190,57 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
 
 class _Budget(Exception):
     pass
+
+
+Fails = Callable[[list[Candidate]], bool]
+
+
+def _weight(cells: list[Candidate]) -> int:
+    return sum(len(c.code) for c in cells)
+
+
+def _cut_cells(state: Minimized, fails: Fails) -> None:
+    """The cells before the failing one (which stays)."""
+    kept = _ddmin(state.cells[:-1], lambda sub: fails([*sub, state.cells[-1]]))
+    if len(kept) < len(state.cells) - 1:
+        state.steps.append(f"removed {len(state.cells) - 1 - len(kept)} of the {len(state.cells) - 1} cells before the failing one")
+    state.cells = [*kept, state.cells[-1]]
+
+
+def _cut_statements(state: Minimized, fails: Fails) -> None:
+    """Each cell's top-level statements: the failing cell's first."""
+    for i in [len(state.cells) - 1, *range(len(state.cells) - 1)]:
+        cell = state.cells[i]
+        parts = statements(cell.code)
+        if len(parts) < 2:
+            continue
+
+        def with_cell(sub: list[str], i: int = i, cell: Candidate = cell) -> list[Candidate]:
+            return [*state.cells[:i], Candidate("\n".join(sub), cell.ranks), *state.cells[i + 1:]]
+
+        keep = _ddmin(parts, lambda sub: bool(sub) and fails(with_cell(sub)))
+        if len(keep) < len(parts):
+            which = "the failing cell" if i == len(state.cells) - 1 else f"cell {i + 1} of the case"
+            state.steps.append(f"removed {len(parts) - len(keep)} of the {len(parts)} statements of {which}")
+            state.cells = with_cell(keep)
+
+
+def _cut_bodies(state: Minimized, fails: Fails) -> None:
+    """The statements inside the functions the cells define (a step function, a forward)."""
+    for i in range(len(state.cells)):
+        for k in range(len(function_bodies(state.cells[i].code))):
+            cell = state.cells[i]
+            name, body = function_bodies(cell.code)[k]
+            if len(body) < 2:
+                continue
+
+            def with_body(sub: list[str], i: int = i, k: int = k, cell: Candidate = cell) -> list[Candidate]:
+                return [*state.cells[:i], Candidate(replace_body(cell.code, k, sub), cell.ranks), *state.cells[i + 1:]]
+
+            keep = _ddmin(body, lambda sub: fails(with_body(sub)))
+            if len(keep) < len(body):
+                state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}()")
+                state.cells = with_body(keep)
 
 
 def _reproduces(pool: Runs, cells: list[Candidate], target: FailureSignature, limit: float) -> bool:

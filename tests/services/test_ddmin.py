@@ -70,3 +70,10 @@ def test_the_statements_inside_a_function_the_failing_cell_calls_are_cut_too() -
     ], found.code()
     assert "removed 3 of the 5 statements of step()" in found.text(), found.text()
     assert function_bodies("def f(): return 1") == []  # a one-line function has no body to cut apart
+
+
+def test_a_function_body_is_replaced_in_place_keeping_its_decorators_and_what_follows() -> None:
+    code = "@torch.no_grad()\ndef evaluate(m):\n    a = 1\n    if a:\n        b = 2\n    return a\nafter = 1"
+    assert function_bodies(code) == [("evaluate", ["    a = 1", "    if a:\n        b = 2", "    return a"])]
+    assert replace_body(code, 0, ["    return a"]) == "@torch.no_grad()\ndef evaluate(m):\n    return a\nafter = 1"
+    assert replace_body(code, 0, []) == "@torch.no_grad()\ndef evaluate(m):\n    pass\nafter = 1"
