@@ -14,7 +14,7 @@ import ast
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
@@ -22,6 +22,8 @@ from distnb.ranks import format_ranks
 from distnb.results import CellRecord, CellResult
 from distnb.services.export import export_notebook, export_script
 from distnb.services.verify import Reproduction, session_signature, verify_script
+
+T = TypeVar("T")
 
 __all__ = ["Candidate", "Minimized", "Runs", "function_bodies", "minimize", "replace_body", "statements", "try_bound", "write_case"]
 
@@ -257,26 +259,18 @@ def _reproduces(pool: Runs, cells: list[Candidate], target: FailureSignature, li
     return got is not None and not compare_failures(target, got)
 
 
-def _ddmin(items: list[Candidate] | list[str], fails: Callable[[list], bool]) -> list:  # type: ignore[type-arg]
+def _ddmin(items: Sequence[T], fails: Callable[[list[T]], bool]) -> list[T]:
     """The smallest sublist (1-minimal, in Zeller's sense) for which ``fails`` still holds, found by
     removing complements of ever finer chunks; ``fails(items)`` is assumed."""
-    current = list(items)
-    n = 2
-    while current and len(current) >= 1:
-        if len(current) == 1:
-            if fails([]):
-                return []
-            return current
+    current, n = list(items), 2
+    while len(current) > 1:
         chunk = max(1, len(current) // n)
         parts = [current[i:i + chunk] for i in range(0, len(current), chunk)]
-        reduced = False
-        for j in range(len(parts)):
-            complement = [x for k, p in enumerate(parts) if k != j for x in p]
-            if fails(complement):
-                current, n, reduced = complement, max(n - 1, 2), True
-                break
-        if not reduced:
-            if n >= len(current):
-                return current
+        complement = next((c for j in range(len(parts)) if fails(c := [x for k, p in enumerate(parts) if k != j for x in p])), None)
+        if complement is not None:
+            current, n = complement, max(n - 1, 2)
+        elif n >= len(current):
+            return current
+        else:
             n = min(n * 2, len(current))
-    return current
+    return [] if current and fails([]) else current
