@@ -26,9 +26,9 @@ from distnb.analysis.reports.nccl_dumps import dump_marks, read_dumps, seq_blame
 from distnb.analysis.reports.profile import ProfileReport, RankTime, merge_traces
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
-from distnb.analysis.verdicts.failures import cut_message, is_timeout
+from distnb.analysis.verdicts.failures import is_timeout
 from distnb.analysis.verdicts.paths import first_difference
-from distnb.analysis.verdicts.position import Position, position_from_stack, position_paused
+from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, straggler_window
 from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
@@ -39,10 +39,11 @@ from distnb.errors import NoCellError, NoPoolError, RemoteError
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult
 from distnb.services.native_stacks import py_spy_dumps
+from distnb.services.positions import position_of, unsettled
 from distnb.states import PoolState, RankState
 from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
 from distnb.wire.protocol import Msg
-from distnb.wire.records import P2P_OPS, CollectivesRead
+from distnb.wire.records import CollectivesRead
 
 __all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "PATHS_HINT", "STACKS_TIMEOUT"]
 
@@ -60,7 +61,7 @@ STACKS_TIMEOUT = 0.25
 FAULT_WAIT = 0.15
 #: Seconds a diagnosis read mid-move waits before it reads the records again (a rank pushes the
 #: collective it enters within ~50 ms).
-SETTLE = 0.3
+REREAD_AFTER = 0.3
 FAULT_TIMEOUT = 3.0
 
 
@@ -170,10 +171,10 @@ class Diagnostics:
             result = last
         threshold = self._config.hang_after if hang_after is None else hang_after
         diag, busy = self._judge(result, threshold)
-        if diag.is_problem and _unsettled(diag.positions):
+        if diag.is_problem and unsettled(diag.positions):
             # Read while a rank was on its way into a call (its stack there, its entry not yet
             # pushed): what the next round sees, once the records caught up, is the verdict.
-            time.sleep(SETTLE)
+            time.sleep(REREAD_AFTER)
             diag, busy = self._judge(result, threshold)
         if diag.state == VerdictState.OK and busy:
             # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
@@ -197,7 +198,7 @@ class Diagnostics:
         # logs, so a rank holding the GIL costs one timeout per diagnosis.
         stacks = self.stacks(alive, paths=True) if busy else None
         log = self.collectives(refresh=not busy)
-        positions = [self._position(r, result, stacks, elapsed) for r in range(self._world)]
+        positions = [position_of(r, result, stacks, elapsed, tracker.collective_log, self.why_silent) for r in range(self._world)]
         return diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes(), result.cell), busy
 
     def compiles(self, ranks: Ranks = None, cells: list[int] | None = None, live: bool = False,
@@ -371,63 +372,6 @@ class Diagnostics:
         codes = self._session.codes()
         return " ".join(mismatch_text(m, report.log, codes) for m in result.desync)
 
-    def _position(self, r: int, result: CellResult, stacks: StackReport | None, elapsed: float) -> Position:
-        res = result.results.get(r)
-        if res is None:
-            return Position(r, "idle")
-        if res.status == "ok":
-            return Position(r, "finished")
-        if res.status in ("error", "interrupted") and res.error:
-            lines = result.code.splitlines()
-            line = res.error.get("line")
-            return Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
-                            detail=f"{res.error['ename']}: {cut_message(res.error['evalue'], 200)}")
-        if res.status == "dead":
-            return Position(r, "dead", detail=_processes.signal_meaning(res.returncode))
-        if res.status != "running" or stacks is None:
-            # Over without an error of its own: stranded by a death, or interrupted.
-            return Position(r, "stranded" if res.status == "stranded" else "finished", detail=res.collective or "")
-        if not stacks[r].threads:
-            return Position(r, "unresponsive", since=elapsed, detail=self.why_silent(r))
-        if (paused := stacks[r].paused) is not None:
-            return position_paused(r, paused, result.cell)
-        pos = position_from_stack(stacks[r], result.cell)
-        # The rank tells which cell an entry belongs to by its own clock: no cross-machine clock comparison.
-        log = self._tracker.collective_log
-        pending = log.pending(r, result.cell)
-        stuck = log.stuck(r) if pos.state == "computing" else None
-        if stuck is not None:
-            # Not in torch.distributed by its stack, with a collective still open: NCCL (or an
-            # async_op work) returned to the host at enqueue, and the host now waits at a sync.
-            pos.state, pos.op, pos.seq, pos.group = "collective", stuck["op"], stuck["seq"], stuck["group"]
-            pos.shapes, pos.sizes, pos.dtypes, pos.args = describe(stuck, with_op=False), stuck.get("sizes"), stuck.get("dtypes"), stuck.get("args")
-            pos.issued = issued_words(stuck)
-            pos.since = log.age(r, stuck)
-        elif pending is not None:
-            pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
-            pos.shapes = describe(pending, with_op=False)
-            pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
-            pos.since = log.age(r, pending)
-        elif pos.state == "collective":
-            # In a collective by its stack, with no open entry: one torch does not record (new_group),
-            # or the stack was taken as the rank went from one collective to the next. Its wait is
-            # the call's (when watched), or just began — never the whole cell's.
-            call = next((c for c in reversed(log.open_calls(r)) if c["op"] == pos.op), None)
-            if call is not None:
-                pos.since = log.age(r, {"t": call["t"] / 1e9})
-                pos.group = call["group"] if call.get("group") not in (None, "?") else pos.group
-            elif log.entries.get(r):
-                pos.since = 0.0
-        # Point-to-point calls have no recorder entry on gloo: the rank's own record of the call.
-        peers = [c for c in log.open_calls(r) if c["op"] in P2P_OPS]
-        if peers and (pos.op in P2P_OPS or pos.state == "computing" and ".wait(" in pos.code):
-            pos.state, pos.op, pos.peers = "collective", peers[-1]["op"], peers
-            pos.since = log.age(r, {"t": peers[0]["t"] / 1e9})
-        pos.since = pos.since if pos.since is not None else elapsed
-        if pos.group is not None:
-            pos.label = log.group(pos.group).label()
-        return pos
-
     # -- collective log -------------------------------------------------------------------------
     def collectives(self, ranks: Ranks = None, last: int | None = None, refresh: bool = True) -> CollectiveReport:
         """Every rank's collective sequence (from the Flight Recorder), side by side, with the
@@ -507,10 +451,3 @@ class Diagnostics:
             raise RemoteError(f"check failed on {format_ranks(errors)}: {next(iter(errors.values()))}", errors=errors)
         return {n: {r: replies[r]["checks"][n] for r in targets} for n in names}
 
-
-def _unsettled(positions: list[Position]) -> bool:
-    """Whether a rank was read between two places: running code of the cell, or in a collective by
-    its stack that the log holds no entry for yet (point-to-point calls and group creation have no
-    entry to wait for)."""
-    return any(p.state == "computing" and p.running is not None or
-               p.state == "collective" and p.seq is None and p.op not in P2P_OPS and p.op != "new_group" for p in positions)

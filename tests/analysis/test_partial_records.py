@@ -37,6 +37,7 @@ class Case:
     entries: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     positions: dict[int, Position] = field(default_factory=dict)
     first_death: int | None = None
+    died: dict[int, tuple[str, int]] = field(default_factory=dict)  # a dead rank's call and line from its stack at death
 
     def wait(self, r: int, entries: list[dict[str, Any]]) -> None:
         """Rank ``r`` made ``entries`` and waits in the last."""
@@ -65,6 +66,8 @@ class Case:
         log = CollectiveLog()
         for r, es in entries.items():
             log.merge(r, {"entries": es, "groups": {"0": list(range(self.world))}, "descs": {}, "calls": [], "now": 0.0})
+        for r, (op, line) in self.died.items():
+            log.died_in[r], log.died_at[r] = op, (CELL, line)
         return diagnose(positions, 3.0, 5.0, log.report(list(range(self.world))), self.first_death, {CELL: self.source}, CELL)
 
 
@@ -75,7 +78,7 @@ def _entry(i: int, seq: int, line: int, size: int, done: bool, op: str = "all_re
 
 #: The faults: the faulty rank raises, dies, skips the last call, makes one more, passes another
 #: shape, calls another collective in the other branch of an ``if``, or runs a loop once less.
-FAULTS = ["raised", "died", "skip_last", "extra", "shape", "other_op", "loop"]
+FAULTS = ["raised", "died", "skip_last", "extra", "shape", "other_op", "loop", "abort"]
 
 
 def _generate(rng: random.Random) -> Case:
@@ -83,6 +86,8 @@ def _generate(rng: random.Random) -> Case:
     f = rng.randrange(world)
     if fault == "loop":
         return _loop(world, calls, f)
+    if fault == "abort":
+        return _abort(rng, world, calls, f)
     k = rng.randrange(calls) if fault not in ("skip_last", "extra") else calls - 1
     lines = ["x = torch.ones(8)"]
     site: list[int] = []  # the line of each call (the majority's)
@@ -129,6 +134,36 @@ def _generate(rng: random.Random) -> Case:
     return case
 
 
+def _abort(rng: random.Random, world: int, calls: int, f: int) -> Case:
+    """Rank f's tensor at call k is larger than the others': gloo aborts a rank that receives more
+    than its own holds (SIGABRT, within milliseconds: its entry may never have been pushed, its
+    stack at death says where). The others then fail on the closed connection or stay blocked."""
+    k = rng.randrange(calls)
+    lines = ["x = torch.ones(8)"] + ["dist.all_reduce(x)"] * k + [f"dist.all_reduce(x if rank != {f} else torch.ones(16))"] + \
+        ["dist.all_reduce(x)"] * (calls - k - 1)
+    case = Case(f"abort world={world} calls={calls} rank={f} at={k}", "\n".join(lines), world, f)
+    done = [_entry(j, j + 1, j + 2, 8, True) for j in range(k)]
+    victim = rng.choice([r for r in range(world) if r != f])
+    log_died: dict[int, tuple[str, int]] = {}
+    for r in range(world):
+        mine = _entry(k, k + 1, k + 2, 16 if r == f else 8, False)
+        if r == victim:
+            pushed = rng.random() < 0.5
+            case.entries[r] = done + ([mine] if pushed else [])
+            case.positions[r] = Position(r, "dead", detail="aborted (SIGABRT: a C++ assertion or abort(), e.g. gloo on mismatched tensors)")
+            case.first_death = r
+            if not pushed:
+                log_died[r] = ("all_reduce", k + 2)
+        elif rng.random() < 0.5:
+            case.wait(r, done + [mine])
+        else:
+            case.entries[r] = done + [mine]
+            case.positions[r] = Position(r, "failed", line=k + 2, code=lines[k + 1],
+                                         detail="RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:6314")
+    case.died = log_died
+    return case
+
+
 def _loop(world: int, calls: int, f: int) -> Case:
     """``for step in range(n if rank != f else n - 1): all_reduce`` then a barrier: rank f reaches
     the barrier while the others make their last all_reduce."""
@@ -141,7 +176,7 @@ def _loop(world: int, calls: int, f: int) -> Case:
     return case
 
 
-CASES = [_generate(random.Random(seed)) for seed in range(200)]
+CASES = [_generate(random.Random(seed)) for seed in range(240)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -64,7 +64,14 @@ def agreement(rec: Records) -> Verdict | None:
         return compare_programs(program(a), program(b), where.get(a) == Presence.GONE and a not in dead,
                                 where.get(b) == Presence.GONE and b not in dead, loop_of, apart)
 
-    odd, tie, how = _blame(d, where, compare, rec)
+    def vote(a: int, b: int) -> Difference | None:
+        # A dead rank's last call read off its stack at death has no shapes: no evidence either way.
+        def known(r: int) -> list[Call]:
+            return [c for c in program(r) if not (c.entry.get("id") == UNRECORDED and c.sizes is None)]
+        return compare_programs(known(a), known(b), where.get(a) == Presence.GONE and a not in dead,
+                                where.get(b) == Presence.GONE and b not in dead, loop_of, apart)
+
+    odd, tie, how = _blame(d, where, vote, rec)
     if not odd:
         return None
     if tie and how == "no majority" and _undecided_members(rec, d, where):

@@ -8,7 +8,9 @@ timeout, not an interrupt) is the cause of the waits it leaves behind.
 
 from __future__ import annotations
 
+import math
 import re
+from typing import Any
 
 from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.entry_words import describe
@@ -45,6 +47,17 @@ def died(rec: Records) -> Verdict | None:
     # A death by the rank's own hand (an exit, a kill) is certain; an abort or a crash inside a
     # collective may be the consequence of a mismatch the records did not catch.
     inside = rec.log is not None and d.rank in rec.log.log.died_in
+    unread = [p.rank for p in rec.positions if p.state == "computing" or p.state == "collective" and p.seq is None]
+    if "SIGABRT" in d.detail and unread:
+        # gloo aborts the rank that receives more than its tensor holds, whoever sent it: with ranks
+        # whose call is not recorded yet, the rank whose tensor differs may be any of them.
+        return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, Kind.MISMATCH,
+                       f"rank {d.rank} aborted{then} (gloo's abort when a peer sends more than the rank's own tensor holds: the ranks' "
+                       f"tensors in that collective likely differ); the calls of {format_ranks(unread)} there are not recorded yet, so "
+                       "which rank's tensor differs is not known (%dist_collectives once they are).",
+                       [], [p.rank for p in waiting] + later, sites,
+                       Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
+                       "an abort, not its cause: the other ranks' calls are not all recorded", positions=rec.positions, rule="died")
     certain = not inside and "SIGABRT" not in d.detail
     if inside and "SIGABRT" in d.detail:
         # gloo aborts a rank when a peer sends more than its own tensor holds: a mismatch in that
@@ -92,6 +105,11 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
         if div.kind == "missing" or entry is None:
             continue
         odd = div.odd()
+        how = "the odd one"
+        if div.kind == "shape" and "SIGABRT" in dead.detail and len(odd) > 1 and set(odd) >= {r for r, e in div.by_rank.items() if e}:
+            # No majority: gloo aborts the rank that receives more than its own tensor holds, so the
+            # dead rank sided with the smaller tensors and the larger ones are the odd out.
+            odd, how = _larger(div), "the larger tensor that the rank could not receive"
         if not odd or dead.rank in odd or len(odd) == len(div.by_rank):
             continue
         what = {"op": "different ops", "shape": "shape mismatch", "dtype": "dtype mismatch", "args": "argument mismatch"}[div.kind]
@@ -100,11 +118,22 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
             detail += f" (where {div.witnesses()})"
         return (
             f"rank {dead.rank} died ({dead.detail}) inside {entry['op']} #{div.seq} on {div.label or f'group {div.group}'}, a {what}: {detail}. "
-            f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out; rank {dead.rank} is a victim "
-            "(gloo aborts a rank that receives data its own tensor can't hold).",
+            + (f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out" if how == "the odd one" else
+             f"Root cause: likely {format_ranks(odd)}, with {how} (no majority among the calls recorded)") +
+            f"; rank {dead.rank} is a victim (gloo aborts a rank that receives data its own tensor can't hold).",
             odd,
         )
     return None
+
+
+def _larger(div: Any) -> list[int]:
+    """The ranks whose tensors at a shape divergence hold the most elements; none when they tie."""
+    def numel(e: Any) -> int:
+        return sum(math.prod(s) for s in e.get("sizes") or [])
+    sizes = {r: numel(e) for r, e in div.by_rank.items() if e}
+    top = max(sizes.values(), default=0)
+    big = sorted(r for r, n in sizes.items() if n == top)
+    return big if len(big) < len(sizes) else []
 
 
 def raised(rec: Records) -> Verdict | None:

@@ -1,0 +1,88 @@
+"""Where each rank of a running cell is, as the verdict rules read it: from its result when it
+left the cell (finished, raised, died, stranded), else from its last stack and its collective log
+(the call it waits in, an async work it syncs on, its open send/recv) — and whether a reading caught
+a rank between two places."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from distnb import _processes
+from distnb.analysis.agreement.collectives import issued_words
+from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.verdicts.failures import cut_message
+from distnb.analysis.verdicts.position import Position, position_from_stack, position_paused
+from distnb.analysis.verdicts.stacks import StackReport
+from distnb.controller.collective_log import CollectiveLog
+from distnb.results import CellResult
+from distnb.wire.records import P2P_OPS
+
+__all__ = ["position_of", "unsettled"]
+
+
+def position_of(r: int, result: CellResult, stacks: StackReport | None, elapsed: float, log: CollectiveLog,
+                why_silent: Callable[[int], str]) -> Position:
+    """Where rank ``r`` is in ``result``'s cell: from its result when it left the cell, else from its
+    stack (``stacks``: the last round) and its collective log."""
+    res = result.results.get(r)
+    if res is None:
+        return Position(r, "idle")
+    if res.status == "ok":
+        return Position(r, "finished")
+    if res.status in ("error", "interrupted") and res.error:
+        lines = result.code.splitlines()
+        line = res.error.get("line")
+        return Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
+                        detail=f"{res.error['ename']}: {cut_message(res.error['evalue'], 200)}")
+    if res.status == "dead":
+        return Position(r, "dead", detail=_processes.signal_meaning(res.returncode))
+    if res.status != "running" or stacks is None:
+        # Over without an error of its own: stranded by a death, or interrupted.
+        return Position(r, "stranded" if res.status == "stranded" else "finished", detail=res.collective or "")
+    if not stacks[r].threads:
+        return Position(r, "unresponsive", since=elapsed, detail=why_silent(r))
+    if (paused := stacks[r].paused) is not None:
+        return position_paused(r, paused, result.cell)
+    pos = position_from_stack(stacks[r], result.cell)
+    # The rank tells which cell an entry belongs to by its own clock: no cross-machine clock comparison.
+    pending = log.pending(r, result.cell)
+    stuck = log.stuck(r) if pos.state == "computing" else None
+    if stuck is not None:
+        # Not in torch.distributed by its stack, with a collective still open: NCCL (or an
+        # async_op work) returned to the host at enqueue, and the host now waits at a sync.
+        pos.state, pos.op, pos.seq, pos.group = "collective", stuck["op"], stuck["seq"], stuck["group"]
+        pos.shapes, pos.sizes, pos.dtypes, pos.args = describe(stuck, with_op=False), stuck.get("sizes"), stuck.get("dtypes"), stuck.get("args")
+        pos.issued = issued_words(stuck)
+        pos.since = log.age(r, stuck)
+    elif pending is not None:
+        pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
+        pos.shapes = describe(pending, with_op=False)
+        pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
+        pos.since = log.age(r, pending)
+    elif pos.state == "collective":
+        # In a collective by its stack, with no open entry: one torch does not record (new_group),
+        # or the stack was taken as the rank went from one collective to the next. Its wait is
+        # the call's (when watched), or just began — never the whole cell's.
+        call = next((c for c in reversed(log.open_calls(r)) if c["op"] == pos.op), None)
+        if call is not None:
+            pos.since = log.age(r, {"t": call["t"] / 1e9})
+            pos.group = call["group"] if call.get("group") not in (None, "?") else pos.group
+        elif log.entries.get(r):
+            pos.since = 0.0
+    # Point-to-point calls have no recorder entry on gloo: the rank's own record of the call.
+    peers = [c for c in log.open_calls(r) if c["op"] in P2P_OPS]
+    if peers and (pos.op in P2P_OPS or pos.state == "computing" and ".wait(" in pos.code):
+        pos.state, pos.op, pos.peers = "collective", peers[-1]["op"], peers
+        pos.since = log.age(r, {"t": peers[0]["t"] / 1e9})
+    pos.since = pos.since if pos.since is not None else elapsed
+    if pos.group is not None:
+        pos.label = log.group(pos.group).label()
+    return pos
+
+
+def unsettled(positions: list[Position]) -> bool:
+    """Whether a rank was read between two places: running code of the cell, or in a collective by
+    its stack that the log holds no entry for yet (point-to-point calls and group creation have no
+    entry to wait for)."""
+    return any(p.state == "computing" and p.running is not None or
+               p.state == "collective" and p.seq is None and p.op not in P2P_OPS and p.op != "new_group" for p in positions)
