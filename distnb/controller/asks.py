@@ -41,8 +41,14 @@ class Asks:
         polled = running if self._ticks % POLL_RUNNING_EVERY == 0 else set()
         targets = sorted((self._dirty | polled) - dead)
         self._dirty = set()
+        generation = self._log.generation
+
+        def merge(r: int, reply: dict[str, Any]) -> None:
+            if self._log.generation == generation:  # else it answers for processes a restart replaced
+                self._log.merge(r, cast(CollectivesRead, reply))
+
         for r in targets:
-            req_id = self._requests.expect(lambda r, reply: self._log.merge(r, cast(CollectivesRead, reply)), ttl=10.0)
+            req_id = self._requests.expect(merge, ttl=10.0)
             transport.send(control_identity(r), {"t": Msg.COLLECTIVES, "id": req_id, "since": self._log.cursor(r),
                                                  "calls_since": self._log.last_call(r), "groups": self._log.wants_groups([r])})
 

@@ -66,6 +66,9 @@ class CollectiveLog:
     _newest: dict[int, int] = field(default_factory=dict, repr=False)
     #: Bumped whenever an entry arrives or changes: a watcher sees at a glance whether anything moved.
     changes: int = 0
+    # Bumped when the log forgets (new processes, a new default group): a reply asked for before
+    # is about records the log no longer holds.
+    generation: int = 0
     # Per rank, the key of the group table whose members it sent (a rank sends them only when its
     # table changes), and the key its latest reply carried: when they differ, a reply with the
     # members was missed, and the next request asks for them (``wants_groups``).
@@ -151,6 +154,7 @@ class CollectiveLog:
 
     def clear(self) -> None:
         """Forget everything (a fresh launch: new processes, record ids from 0 again)."""
+        self.generation += 1
         self.entries.clear()
         self._seqs.clear()
         self._open.clear()
@@ -172,6 +176,7 @@ class CollectiveLog:
         """The ranks replaced their process groups (regroup): forget the old groups' entries and
         ignore records up to ``floors[rank]`` should a rank send them again (an old collective
         that never completed stays in its recorder)."""
+        self.generation += 1
         self.entries.clear()
         self._seqs.clear()
         self._open.clear()

@@ -238,6 +238,7 @@ class CollectivesPush(CollectivesRead, total=False):
 
     t: Literal["collectives_push"]
     rank: int
+    pid: int  # the rank's process: a push from the process a restart replaced is not this rank's
 
 
 class Exec(TypedDict, total=False):

@@ -156,6 +156,19 @@ def test_pushed_collective_entries_reach_the_log_without_a_request() -> None:
     assert tracker.collective_log.last_id(1) == 0 and tracker.collective_log.pending(1, 1)["op"] == "all_reduce"
 
 
+def test_a_push_from_the_process_a_restart_replaced_is_not_merged() -> None:
+    tracker, _ = ready(2)
+    pid = tracker.ranks[1].pid
+    assert pid is not None
+    entry = {"id": 0, "op": "all_reduce", "group": "0", "seq": 1, "done": False, "cell": 1, "sizes": [[2]],
+             "dtypes": ["Float"], "t": 1.0}
+    # Queued by the old process before it was killed, read after the new one said hello.
+    feed(tracker, "c", 1, {"t": Msg.COLLECTIVES_PUSH, "rank": 1, "pid": pid + 1, "entries": [entry], "now": 2.0, "groups": {"0": [0, 1]}})
+    assert tracker.collective_log.pending(1, 1) is None
+    feed(tracker, "c", 1, {"t": Msg.COLLECTIVES_PUSH, "rank": 1, "pid": pid, "entries": [entry], "now": 2.0, "groups": {"0": [0, 1]}})
+    assert tracker.collective_log.pending(1, 1) is not None
+
+
 def test_the_tick_polls_ranks_that_ran_a_cell_and_merges_their_answers() -> None:
     tracker, transport = ready(2)
     cell(tracker, ranks=[1])

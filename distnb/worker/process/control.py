@@ -214,7 +214,7 @@ class ControlThread(threading.Thread):
             self._pushed_seqs, self._pushed_id, self._open_ids = seqs, max(self._pushed_id, newest), open_ids
             self._pushed_call = max(self._pushed_call, newest_call)
             if (entries or calls) and not unchanged:
-                push: CollectivesPush = {**reply, "t": Msg.COLLECTIVES_PUSH, "rank": self.rank}
+                push: CollectivesPush = {**reply, "t": Msg.COLLECTIVES_PUSH, "rank": self.rank, "pid": os.getpid()}
                 send_frames(self.sock, self.codec.encode(push))
         except zmq.ContextTerminated:
             raise
