@@ -351,9 +351,7 @@ class Tracker:
                 if msg["t"] == Msg.REPLY:  # its fields depend on the request: read as a plain dict, not copied
                     self.requests.deliver(info.rank, cast(dict[str, Any], msg))
                 elif msg["t"] == Msg.COLLECTIVES_PUSH:
-                    # A push queued by the process a restart replaced would bring the old cells'
-                    # calls into the new log (and pair them with the new ranks' calls).
-                    if "pid" not in msg or msg["pid"] == info.pid:
+                    if "pid" not in msg or msg["pid"] == info.pid:  # not one the replaced process queued
                         self.collective_log.merge(info.rank, msg)
                 elif msg["t"] == Msg.DAP_PUSH and self.dap_handler is not None:
                     self.dap_handler(info.rank, msg["msgs"])
