@@ -3,8 +3,8 @@
 Every change of :class:`PoolState` and :class:`RankState` happens here, in :meth:`Tracker._move`
 and :meth:`Tracker._set_rank`, under the tracker's one lock. The I/O thread feeds it messages
 (:meth:`Tracker.on_message`) and ticks (:meth:`Tracker.on_tick`); the pool asks it to start,
-stop and begin cells. It sends through a :class:`~distnb.controller.requests.Transport`, so a test can feed
-it messages and read what it sent without a process or a socket.
+stop and begin cells. It sends through a :class:`~distnb.controller.requests.Transport`: a test
+feeds it messages and reads what it sent, with no process or socket.
 
 Pool::
 
@@ -110,8 +110,7 @@ class Tracker:
         if state == info.state:
             return
         if state not in RANK_MOVES[info.state]:
-            # Late or reordered messages (a READY after a death) must not revive a rank.
-            return
+            return  # late or reordered messages (a READY after a death) must not revive a rank
         info.state = state
         if state == RankState.DEAD and self._state == PoolState.READY:
             self._move(PoolState.BROKEN)
