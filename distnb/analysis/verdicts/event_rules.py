@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 
-from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.analysis.agreement.collectives import CollectiveReport, Divergence
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
@@ -105,11 +104,11 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
         if div.kind == "missing" or entry is None:
             continue
         odd = div.odd()
-        how = "the odd one"
-        if div.kind == "shape" and "SIGABRT" in dead.detail and len(odd) > 1 and set(odd) >= {r for r, e in div.by_rank.items() if e}:
+        by_size = div.kind == "shape" and "SIGABRT" in dead.detail and len(odd) > 1 and set(odd) >= {r for r, e in div.by_rank.items() if e}
+        if by_size:
             # No majority: gloo aborts the rank that receives more than its own tensor holds, so the
             # dead rank sided with the smaller tensors and the larger ones are the odd out.
-            odd, how = _larger(div), "the larger tensor that the rank could not receive"
+            odd = _larger(div)
         if not odd or dead.rank in odd or len(odd) == len(div.by_rank):
             continue
         what = {"op": "different ops", "shape": "shape mismatch", "dtype": "dtype mismatch", "args": "argument mismatch"}[div.kind]
@@ -118,19 +117,17 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
             detail += f" (where {div.witnesses()})"
         return (
             f"rank {dead.rank} died ({dead.detail}) inside {entry['op']} #{div.seq} on {div.label or f'group {div.group}'}, a {what}: {detail}. "
-            + (f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out" if how == "the odd one" else
-             f"Root cause: likely {format_ranks(odd)}, with {how} (no majority among the calls recorded)") +
+            + (f"Root cause: likely {format_ranks(odd)}, with the larger tensor that the rank could not receive (no majority among "
+               "the calls recorded)" if by_size else f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out") +
             f"; rank {dead.rank} is a victim (gloo aborts a rank that receives data its own tensor can't hold).",
             odd,
         )
     return None
 
 
-def _larger(div: Any) -> list[int]:
+def _larger(div: Divergence) -> list[int]:
     """The ranks whose tensors at a shape divergence hold the most elements; none when they tie."""
-    def numel(e: Any) -> int:
-        return sum(math.prod(s) for s in e.get("sizes") or [])
-    sizes = {r: numel(e) for r, e in div.by_rank.items() if e}
+    sizes = {r: sum(math.prod(s) for s in e.get("sizes") or []) for r, e in div.by_rank.items() if e}
     top = max(sizes.values(), default=0)
     big = sorted(r for r, n in sizes.items() if n == top)
     return big if len(big) < len(sizes) else []
