@@ -70,7 +70,7 @@ class Minimized:
 
     def code(self) -> str:
         """The case as cells, ``# ---- cell N`` between them."""
-        return "\n\n".join(f"# ---- cell {i + 1} (ranks {format_ranks(list(c.ranks))})\n{c.code}" for i, c in enumerate(self.cells))
+        return "\n\n".join(f"# ---- cell {i + 1} ({format_ranks(list(c.ranks))})\n{c.code}" for i, c in enumerate(self.cells))
 
 
 @dataclass(frozen=True)
