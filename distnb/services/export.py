@@ -51,9 +51,6 @@ else:
     device = torch.device("cpu")
 # device_id: NCCL creates its communicator now (eagerly) on this rank's own GPU.
 dist.init_process_group(backend, timeout=timedelta(seconds={pg_timeout!r}), device_id=device if backend == "nccl" else None)
-if os.environ.get("DISTNB_VERIFY_DIR"):  # distnb's own run of this script: which ranks reached the end
-    import atexit
-    atexit.register(lambda: open(os.path.join(os.environ["DISTNB_VERIFY_DIR"], f"rank{{rank}}.done"), "w").close())
 
 
 def display(*objs):
@@ -89,6 +86,14 @@ dist.destroy_process_group = _c10d.destroy_process_group = _kept_destroy
 '''
 
 _EPILOGUE = '''
+if os.environ.get("DISTNB_VERIFY_DIR"):  # distnb's own run of this script: which ranks reached the end
+    # As in the session, a rank that finished stays while another still runs: leaving would end
+    # the others' waits with a closed connection, where in the session they hung.
+    import time
+    _marks = [os.path.join(os.environ["DISTNB_VERIFY_DIR"], f"rank{{r}}.done") for r in range(int(os.environ["WORLD_SIZE"]))]
+    open(_marks[int(os.environ["RANK"])], "w").close()
+    while not all(os.path.exists(m) for m in _marks):
+        time.sleep(0.1)
 {destroy}()
 '''
 
