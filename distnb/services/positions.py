@@ -81,8 +81,5 @@ def position_of(r: int, result: CellResult, stacks: StackReport | None, elapsed:
 
 
 def unsettled(positions: list[Position]) -> bool:
-    """Whether a rank was read between two places: running code of the cell, or in a collective by
-    its stack that the log holds no entry for yet (point-to-point calls and group creation have no
-    entry to wait for)."""
-    return any(p.state == "computing" and p.running is not None or
-               p.state == "collective" and p.seq is None and p.op not in P2P_OPS and p.op != "new_group" for p in positions)
+    """Whether a reading caught a rank between two places (:meth:`Position.between`)."""
+    return any(p.between() for p in positions)

@@ -59,19 +59,16 @@ def agreement(rec: Records) -> Verdict | None:
 
     dead = {p.rank for p in rec.dead}
 
-    def compare(a: int, b: int) -> Difference | None:
-        # A dead rank's program ends where it died, not where it left the cell: shorter is not "missing".
-        return compare_programs(program(a), program(b), where.get(a) == Presence.GONE and a not in dead,
+    def compare(a: int, b: int, votes: bool = False) -> Difference | None:
+        # A dead rank's program ends where it died, not where it left the cell: shorter is not
+        # "missing". For a vote, its last call read off its stack at death (no shapes) is no
+        # evidence either way.
+        def calls(r: int) -> list[Call]:
+            return [c for c in program(r) if not (c.entry.get("id") == UNRECORDED and c.sizes is None)] if votes else program(r)
+        return compare_programs(calls(a), calls(b), where.get(a) == Presence.GONE and a not in dead,
                                 where.get(b) == Presence.GONE and b not in dead, loop_of, apart)
 
-    def vote(a: int, b: int) -> Difference | None:
-        # A dead rank's last call read off its stack at death has no shapes: no evidence either way.
-        def known(r: int) -> list[Call]:
-            return [c for c in program(r) if not (c.entry.get("id") == UNRECORDED and c.sizes is None)]
-        return compare_programs(known(a), known(b), where.get(a) == Presence.GONE and a not in dead,
-                                where.get(b) == Presence.GONE and b not in dead, loop_of, apart)
-
-    odd, tie, how = _blame(d, where, vote, rec)
+    odd, tie, how = _blame(d, where, lambda a, b: compare(a, b, votes=True), rec)
     if not odd:
         return None
     if tie and how == "no majority" and _undecided_members(rec, d, where):

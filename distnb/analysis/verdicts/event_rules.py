@@ -46,6 +46,8 @@ def died(rec: Records) -> Verdict | None:
     # A death by the rank's own hand (an exit, a kill) is certain; an abort or a crash inside a
     # collective may be the consequence of a mismatch the records did not catch.
     inside = rec.log is not None and d.rank in rec.log.log.died_in
+    # Wider than Position.between: a rank in a send/recv or in new_group counts too (its part in
+    # the aborted collective is not recorded either).
     unread = [p.rank for p in rec.positions if p.state == "computing" or p.state == "collective" and p.seq is None]
     if "SIGABRT" in d.detail and unread:
         # gloo aborts the rank that receives more than its tensor holds, whoever sent it: with ranks

@@ -56,6 +56,13 @@ class Position:
     issued: str = ""
     label: str = ""  # the group as the user built it (``dp (ranks 1,3)``); empty: ``group <name>``
 
+    def between(self) -> bool:
+        """Read between two places: running the cell's code, or in a collective by its stack that
+        the log holds no entry for yet (point-to-point calls and group creation have none to wait
+        for). Where it will be next is not known yet."""
+        return (self.state == "computing" and self.running is not None or
+                self.state == "collective" and self.seq is None and self.op not in P2P_OPS and self.op != "new_group")
+
     def on(self) -> str:
         """`` on dp (ranks 1,3)``, `` on group 0``; empty when the group is unknown."""
         return f" on {self.label or f'group {self.group}'}" if self.group else ""
