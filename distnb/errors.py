@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 
 if TYPE_CHECKING:  # the result types sit above this module (results.py names the analyses)
@@ -71,8 +72,8 @@ class PoolBusyError(DistnbError):
     @classmethod
     def of(cls, busy: Mapping[int, int]) -> PoolBusyError:
         """The error for ``busy`` (rank → its cell), saying what to do."""
-        cells = ", ".join(map(str, sorted(set(busy.values()))))
-        return cls(f"{format_ranks(busy)} {'is' if len(busy) == 1 else 'are'} still running cell {cells}. Wait for it, see "
+        cells = ", ".join(map(cell_name, sorted(set(busy.values()))))
+        return cls(f"{format_ranks(busy)} {'is' if len(busy) == 1 else 'are'} still running {cells}. Wait for it, see "
                    "where it is with %dist_stacks, interrupt it with %dist_interrupt, or %dist_restart.", busy=busy)
 
 
@@ -147,7 +148,7 @@ def _summary(result: CellResult) -> str:
     ranks = [result.results[r] for r in sorted(result.results)]
     dead = [r for r in ranks if r.status == "dead"]
     raised = sorted((r for r in ranks if r.status == "error" and r.error), key=lambda r: (r.finished_at or float("inf"), r.rank))
-    cell = f"cell {result.cell}"
+    cell = cell_name(result.cell)
     if dead:  # a death explains the errors of the ranks that waited for it: it leads
         first = next((r for r in dead if r.first_death), dead[0])
         order = f", rank {first.rank} first" if len(dead) > 1 else ""

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from distnb import pools
+from distnb.cell_names import name_cell
 from distnb.config import LaunchConfig
 from distnb.controller.channel import Channel
 from distnb.controller.collective_log import CollectiveLog
@@ -303,6 +304,7 @@ class Pool(PoolViews):
         with self._tracker.lock:
             self._tracker.ensure_idle(targets)
             cell = self._session.next_cell()
+            name_cell(cell, label)
             result = CellResult(cell=cell, code=code, ranks=targets, results={r: RankResult(r) for r in targets}, label=label)
             run = self._tracker.begin_cell(result, events or CellEvents())
             if record:

@@ -16,6 +16,7 @@ from distnb.analysis.reports.nccl_dumps import watchdog_cause
 from distnb.analysis.verdicts.failures import cut_message, differing_messages, fold_crash_dump, holders_words, is_timeout, salient_lines
 from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.verdict import Verdict
+from distnb.cell_names import cell_name, name_cells_in
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.wire.records import CellError, SyncState
 
@@ -216,7 +217,7 @@ class CellResult:
 
     def header(self) -> str:
         done = sum(1 for r in self.results.values() if r.status != "running")
-        return f"cell {self.cell} on {ranks_label(self.ranks)}: {self.state}, {done}/{len(self.ranks)} done, {self.elapsed:.2f} s"
+        return f"{cell_name(self.cell)} on {ranks_label(self.ranks)}: {self.state}, {done}/{len(self.ranks)} done, {self.elapsed:.2f} s"
 
     def output_rows(self) -> list[tuple[str, Rows]]:
         """Each stream's output as rows of ``(ranks, line)``, each line once for the ranks that
@@ -292,7 +293,7 @@ class CellResult:
             why = "timed out" if self.timed_out else "been running"
             parts.append(
                 f"{format_ranks(self.running)} {'has' if len(self.running) == 1 else 'have'} {why} "
-                f"after {self.elapsed:.1f} s (cell {self.cell}); see where with %dist_stacks, "
+                f"after {self.elapsed:.1f} s ({cell_name(self.cell)}); see where with %dist_stacks, "
                 "interrupt with %dist_interrupt, or restart with %dist_restart."
             )
         parts.extend(self.notes)
@@ -304,7 +305,7 @@ class CellResult:
         from distnb.analysis.reports.comms import CommsReport
 
         if not any(r.comms for r in self.results.values()):
-            raise ValueError(f"cell {self.cell} was not run with comms=True (%%on_ranks --comms), or no rank finished it.")
+            raise ValueError(f"{cell_name(self.cell)} was not run with comms=True (%%on_ranks --comms), or no rank finished it.")
         return CommsReport.of(self.cell, {r: res.comms for r, res in sorted(self.results.items())})
 
     def memory_text(self) -> str:
@@ -379,7 +380,7 @@ class CellResult:
                 message = (errors[0].get("evalue") or "").split("\n", 1)[0][:200]
                 out.append(f"── {ename} on {format_ranks(ranks)}{where}: {message} (its traceback: _dist[{ranks[0]}].error['traceback'])")
                 continue
-            text = f"── {ename} on {format_ranks(ranks)}{where} ──\n{errors[0]['traceback'].rstrip()}"
+            text = f"── {ename} on {format_ranks(ranks)}{where} ──\n{name_cells_in(errors[0]['traceback'].rstrip())}"
             messages = [(r, e.get("evalue", "")) for r, e in zip(ranks, errors)]
             text += _merged_messages(ename, messages) if len(ranks) > SUMMARY_ABOVE else differing_messages(ename, messages)
             out.append(text)

@@ -9,6 +9,7 @@ from typing import Any
 
 from distnb._processes import signal_meaning
 from distnb.analysis.verdicts.failures import holders_words
+from distnb.cell_names import cell_name
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.states import RankState
 
@@ -56,7 +57,7 @@ class RankStatus:
             why += [self.cause] if self.cause else []
             return f"dead: {'; '.join(why)}" if why else "dead"
         if self.state == RankState.RUNNING and self.cell is not None:
-            return f"running cell {self.cell}" + (f" for {self.elapsed or 0.0:.1f} s" if with_elapsed else "")
+            return f"running {cell_name(self.cell)}" + (f" for {self.elapsed or 0.0:.1f} s" if with_elapsed else "")
         return self.state.value
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb.cell_names import cell_name
 from distnb.wire.protocol import StdinRequest
 
 __all__ = ["Prompt"]
@@ -41,8 +42,8 @@ class Prompt:
         if w.get("cell") is None:
             return f"{w['file']}:{w['line']} in {w['func']}(){code}"
         if w.get("func") not in (None, "<module>"):
-            return f"{w['func']}() (cell {w['cell']} line {w['line']}){code}"
-        return f"cell {w['cell']} line {w['line']}{code}"
+            return f"{w['func']}() ({cell_name(w['cell'])} line {w['line']}){code}"
+        return f"{cell_name(w['cell'])} line {w['line']}{code}"
 
     @property
     def before(self) -> dict[str, Any] | None:

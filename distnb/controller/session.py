@@ -10,11 +10,11 @@ it). Pickled pushes beyond :data:`KEEP_PUSH_BYTES` in all are let go oldest firs
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
+from distnb.cell_names import cell_name, next_cell_number
 from distnb.errors import RemoteError
 from distnb.results import CellRecord, CellResult, PushRecord, Step
 
@@ -34,7 +34,6 @@ class SessionLog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cells = itertools.count(1)
         self._history: list[CellResult | CellRecord] = []
         self._pushes: list[PushRecord] = []
         self._launch_index = 0
@@ -71,7 +70,7 @@ class SessionLog:
         self._launch_index = len(self._history) if at is None else at
 
     def next_cell(self) -> int:
-        return next(self._cells)
+        return next_cell_number()  # unique in the process: cell_name() looks the In[n] up by it
 
     def add_cell(self, result: CellResult) -> None:
         with self._lock:
@@ -150,7 +149,7 @@ class SessionLog:
             if isinstance(old, PushRecord):
                 if old.blob is None:
                     raise RemoteError(
-                        f"replay stopped: the values pushed before cell {self.cell_at(old.position)} "
+                        f"replay stopped: the values pushed before {self.cell_at(old.position)} "
                         f"({', '.join(old.names)}) were too large to keep; push them again and re-run from there."
                     )
                 push(old.blob, list(old.ranks), old.names)
@@ -163,8 +162,8 @@ class SessionLog:
                     break
 
     def cell_at(self, position: int) -> str:
-        """The cell number at a history position, in words (``"the next cell"`` past the end)."""
-        return str(self._history[position].cell) if position < len(self._history) else "the next cell"
+        """The cell at a history position, named as everywhere (``"the next cell"`` past the end)."""
+        return cell_name(self._history[position].cell) if position < len(self._history) else "the next cell"
 
     def recent_sources(self, n: int = 200) -> dict[str, str]:
         """``{"<cell-N>": code}`` of the last ``n`` cells: stack frames in cells show their lines."""

@@ -17,6 +17,7 @@ from distnb.analysis.reports.comms import CommsReport
 from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.reports.memory import MemoryReport
 from distnb.analysis.verdicts.stacks import StackReport
+from distnb.cell_names import cell_name
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
 from distnb.states import RankState
 from distnb.status import PoolStatus
@@ -145,7 +146,7 @@ def comms_html(report: CommsReport) -> str:
         rows.append(([_esc(row.module), row.phase, _esc(row.op), _esc(row.over), str(calls), _esc(f"{nbytes:,} B"), _esc(row.who)],
                      BAD if row.who != "all" else ""))
     body = table(["module", "pass", "collective", "over", "calls", "bytes", "ranks"], rows,
-                 f"communication of cell {report.cell} on {format_ranks(sorted(report.per_rank))}")
+                 f"communication of {cell_name(report.cell)} on {format_ranks(sorted(report.per_rank))}")
     return body + "<pre style='font-size:12px'>" + _esc("\n".join(report.notes())) + "</pre>"
 
 

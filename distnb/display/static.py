@@ -23,6 +23,7 @@ import re
 from typing import Any, Callable
 
 from distnb._text import Rows
+from distnb.cell_names import cell_name
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.results import CellResult, ranks_label
 
@@ -188,7 +189,7 @@ def standouts(result: CellResult, odd: list[int], limit: int = MAX_RANK_SECTIONS
 def header_html(cell: int, ranks: list[int], state: str, elapsed: float, done: int) -> str:
     """The cell's header line, the same live (widgets.py) and finished."""
     colour = STATE_COLOURS.get(state, "#57606a")
-    return (f"<b>cell {cell}</b> on {html.escape(ranks_label(ranks))} · "
+    return (f"<b>{cell_name(cell)}</b> on {html.escape(ranks_label(ranks))} · "
             f"<span style='color:{colour}'><b>{html.escape(state)}</b></span> · {elapsed:.2f} s · {done}/{len(ranks)} ranks done")
 
 

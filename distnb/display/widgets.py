@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from distnb._text import prefix_lines
+from distnb.cell_names import cell_name
 from distnb.display.static import diagnosis_html, header_html, spread_lines, standouts
 from distnb.display.text import LivePrinter, kept_per_stream
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
@@ -473,7 +474,7 @@ class CellView:
         else:
             with self._lock:
                 done = len(self._done)
-            parts.append(f"cell {self.cell} on {ranks_label(self.ranks)}: running, {done}/{len(self.ranks)} done, "
+            parts.append(f"{cell_name(self.cell)} on {ranks_label(self.ranks)}: running, {done}/{len(self.ranks)} done, "
                          f"{time.monotonic() - self._start:.2f} s")
         note = self._grouped_note()
         if result is not None and not note:

@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.display.cell_display import CellDisplay
 from distnb.display.text import LivePrinter, StartProgress
@@ -248,7 +249,7 @@ class DistMagics(Magics):
         def replayed(result: CellResult) -> None:
             first = result.code.strip().splitlines()[0] if result.code.strip() else ""
             status = "ok" if result.ok else "FAILED — replay stopped here"
-            print(f"replayed cell {result.cell} on {format_ranks(result.ranks)}: {status}  | {first[:60]}")
+            print(f"replayed {cell_name(result.cell)} on {format_ranks(result.ranks)}: {status}  | {first[:60]}")
             if not result.ok:
                 failed.append(result)
                 print(result.outcome_text(), file=sys.stderr)
@@ -389,7 +390,7 @@ class DistMagics(Magics):
         if isinstance(view, CellDisplay):
             view.cell = result.cell
         if args.bg:
-            print(f"cell {result.cell} is running in the background on {format_ranks(result.ranks)}; "
+            print(f"{cell_name(result.cell)} is running in the background on {format_ranks(result.ranks)}; "
                   "_dist holds its live result; %dist_stacks shows where it is, %dist_wait shows its output.")
             if isinstance(view, CellDisplay):
                 view.go_live()

@@ -21,6 +21,7 @@ from typing import Any
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.analysis.verdicts.next_calls import NextCall, NextReport, compare_next
 from distnb.analysis.verdicts.position import Position
+from distnb.cell_names import cell_name
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.prompts import Prompt
 from distnb.controller.tracker import Tracker
@@ -98,7 +99,7 @@ class CollectiveStops:
 
     def _inside_call(self, pos: Position, cell: int) -> NextCall:
         info = self._info(str(pos.group), None, None)
-        place = f"cell {pos.line_cell if pos.line_cell is not None else cell} line {pos.line}" + (f" ({pos.code.strip()})" if pos.code.strip() else "")
+        place = f"{cell_name(pos.line_cell if pos.line_cell is not None else cell)} line {pos.line}" + (f" ({pos.code.strip()})" if pos.code.strip() else "")
         return NextCall(pos.rank, str(pos.op), info.name, pos.label or info.label(), info.role(), info.ranks,
                         None if pos.args is None else tuple(sorted(pos.args.items())),
                         tuple(tuple(s) for s in pos.sizes or []), tuple(pos.dtypes or []), place if pos.line else "", inside=True)

@@ -32,6 +32,7 @@ from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, straggler_window
 from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
+from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog
 from distnb.controller.tracker import Tracker
@@ -269,7 +270,7 @@ class Diagnostics:
                   if res.profile and "error" in res.profile}
         profiles = {r: res.profile for r, res in result.results.items() if res.profile and "error" not in res.profile}
         if not profiles:
-            raise ValueError(f"cell {result.cell} has no profile ({next(iter({**missing, **errors}.values()), 'no ranks')}); "
+            raise ValueError(f"{cell_name(result.cell)} has no profile ({next(iter({**missing, **errors}.values()), 'no ranks')}); "
                              "run it with %%on_ranks --profile (pool.run(code, profile=True)).")
         ranks = sorted(profiles)
         log = self.collectives(ranks).log

@@ -18,6 +18,7 @@ from typing import Callable
 
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import peer_of
+from distnb.cell_names import cell_name
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.tracker import Tracker
 from distnb.ranks import format_ranks, group_by
@@ -43,7 +44,7 @@ class Doomed:
         gone = "; ".join(f"{format_ranks(rs)} {what}" for rs, what in group_by(sorted(self.left.items())))
         waits = "; ".join(f"{format_ranks(rs)} in {what}" for rs, what in group_by(sorted(self.waiting.items())))
         them = "it" if len(self.waiting) == 1 else "them"
-        return (f"[distnb] {gone} and left cell {self.cell}; the others wait ({waits}) for a call that needs "
+        return (f"[distnb] {gone} and left {cell_name(self.cell)}; the others wait ({waits}) for a call that needs "
                 f"{'it' if len(self.left) == 1 else 'them'}, which can no longer complete: ending the cell now instead of "
                 f"at its timeout (interrupting {them}; a group that must be unblocked is rebuilt, namespaces kept). "
                 "%%on_ranks --no-fail-fast (pool.wait(fail_fast=False)) waits instead.")

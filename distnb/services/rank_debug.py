@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.analysis.verdicts.next_calls import NextCall, compare_next
+from distnb.cell_names import cell_name
 from distnb.controller.requests import Requests
 from distnb.ranks import format_ranks
 from distnb.states import RankState
@@ -447,7 +448,7 @@ class RankDebug:
 def _next_call(rank: int, before: dict[str, Any]) -> NextCall:
     """What a rank stopped before (the wrapper's account of it, carried with the stop)."""
     group = GroupInfo(str(before.get("group", "?")), before.get("desc"), tuple(before["members"]) if before.get("members") else None)
-    return NextCall.stopped_before(rank, before, group, f"cell {before.get('cell')} line {before.get('line')}")
+    return NextCall.stopped_before(rank, before, group, f"{cell_name(before.get('cell'))} line {before.get('line')}")
 
 
 def _request(seq: int, command: str, arguments: dict[str, Any]) -> dict[str, Any]:

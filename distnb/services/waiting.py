@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from distnb.analysis.verdicts.verdict import Verdict
+from distnb.cell_names import cell_name
 from distnb.controller.cell_run import CellRun
 from distnb.controller.tracker import Tracker
 from distnb.errors import DistnbError
@@ -89,7 +90,8 @@ def interrupt_words(cell: int, ranks: list[int], tracker: Tracker | None) -> str
     """What the first interrupt does, said at once: the ranks, and those known to wait in a
     collective (from the log the ranks push), which are unblocked after ESCALATE_AFTER."""
     one = len(ranks) == 1
-    head = f"[distnb] interrupting cell {cell} on {format_ranks(ranks)}: {'it stops' if one else 'they stop'} at {'its' if one else 'their'} next Python line"
+    head = (f"[distnb] interrupting {cell_name(cell)} on {format_ranks(ranks)}: {'it stops' if one else 'they stop'} "
+            f"at {'its' if one else 'their'} next Python line")
     blocked: dict[int, tuple[str, str]] = {}
     if tracker is not None:
         nccl_pool = "nccl" in str(tracker.backend())

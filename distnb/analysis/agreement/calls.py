@@ -20,6 +20,7 @@ from typing import Any
 
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, op_stem, same_op, unrecorded_calls
+from distnb.cell_names import cell_name
 from distnb.wire.records import UNRECORDED, CollectiveEntry
 
 __all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "program_key"]
@@ -66,7 +67,7 @@ class Call:
         if self.line is None:
             return ""
         func = f" in {self.func}()" if self.func not in ("", "<module>") else ""
-        return f" (cell {self.cell} line {self.line}{func})"
+        return f" ({cell_name(self.cell)} line {self.line}{func})"
 
 
 def call_of(log: CollectiveEvidence, rank: int, e: CollectiveEntry) -> Call:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from distnb.cell_names import cell_name
+
 __all__ = ["Around", "around", "because", "condition_ranks", "loop_span", "other_branches"]
 
 _RANK_NAMES = {"rank", "local_rank", "get_rank", "group_rank", "get_local_rank", "get_coordinate", "global_rank"}
@@ -171,7 +173,7 @@ def because(code: str | None, line: int | None, cell: int | None = None) -> str:
     found = around(code, line)
     if found is None:
         return ""
-    where = f"cell {cell} " if cell is not None else ""
+    where = f"{cell_name(cell)} " if cell is not None else ""
     cond = found.rank_condition()
     if cond is not None:
         return f"the call at {where}line {line} is under `{cond[1]}` ({where}line {cond[0]}): a collective only some ranks reach"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distnb.analysis.agreement.entry_words import describe, state_mark
+from distnb.cell_names import cell_tag
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.wire.records import CollectiveEntry
 
@@ -27,11 +28,11 @@ MAX_MINORITIES = 4
 
 
 def cell_text(e: CollectiveEntry | None, odd: bool = False) -> str:
-    """``all_reduce [2] f32 ⏳ c3``: one rank's entry at one position, as the tables show it."""
+    """``all_reduce [2] f32 ⏳ In[3]``: one rank's entry at one position, as the tables show it."""
     if e is None:
         return "—"
     text = ("✗ " if odd else "") + describe(e) + state_mark(e)
-    return text + (f" c{e['cell']}" if e.get("cell") is not None else "")
+    return text + (f" {cell_tag(e['cell'])}" if e.get("cell") is not None else "")
 
 
 def _key(e: CollectiveEntry | None) -> Any:

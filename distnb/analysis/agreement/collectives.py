@@ -12,6 +12,7 @@ from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, odd_ones, peer_words, same_op
 from distnb.analysis.agreement.groups import short_name
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
+from distnb.cell_names import cell_name, cell_tag
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import P2P_OPS, CollectiveEntry
 
@@ -27,7 +28,7 @@ def issued_words(entry: CollectiveEntry) -> str:
     cell = entry.get("call_cell", entry.get("cell"))
     if cell is None:
         return "issued outside distnb's cells"
-    return f"issued in cell {cell}" + (f", line {entry['line']}" if entry.get("line") and entry.get("call_cell") is not None else "")
+    return f"issued in {cell_name(cell)}" + (f", line {entry['line']}" if entry.get("line") and entry.get("call_cell") is not None else "")
 
 
 #: Ops whose input exists on the root alone: the recorder shows the scattered tensor on the source
@@ -288,7 +289,7 @@ class CollectiveReport:
             if calls:
                 rows.append(f"  rank {r}: " + ", ".join(
                     f"{c['op']} {'→' if P2P_OPS[c['op']] == 'send' else '←'} "
-                    f"{peer_words(c)}{' ⏳' if c['end'] is None else ''}" + (f" c{c['cell']}" if c.get("cell") is not None else "")
+                    f"{peer_words(c)}{' ⏳' if c['end'] is None else ''}" + (f" {cell_tag(c['cell'])}" if c.get("cell") is not None else "")
                     for c in calls))
         return ["── point-to-point (last calls per rank)", *rows] if rows else []
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from distnb.analysis.agreement.cell_source import because
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import CollectiveEvidence
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import CollectiveEntry, SyncState
 
@@ -101,8 +102,8 @@ def _entries(log: CollectiveEvidence, m: CountMismatch) -> list[str]:
     """The extra collectives of the rank(s) ahead, in words, as far as the log holds them."""
     out = []
     for e in _extra(log, m)[:3]:
-        where = f"cell {e['call_cell']} line {e['line']}" if e.get("line") and e.get("call_cell") is not None else \
-            f"cell {e['cell']}" if e.get("cell") is not None else ""
+        where = f"{cell_name(e['call_cell'])} line {e['line']}" if e.get("line") and e.get("call_cell") is not None else \
+            cell_name(e['cell']) if e.get("cell") is not None else ""
         out.append(f"{describe(e)} #{e['seq']}" + (f" ({where})" if where else "") + ("" if e["done"] else ", not completed"))
     return out
 
@@ -120,7 +121,8 @@ def mismatch_text(m: CountMismatch, log: CollectiveEvidence | None = None, sourc
     if m.repeated:
         unit = ("collective" if m.group is not None else "process group created") + ("s" if m.extra > 1 else "")
         on = f" on {name}" if m.group is not None else ""
-        return f"{ahead} {'is' if len(m.ahead) == 1 else 'are'} still {m.extra} {unit} ahead of {behind}{on} (since cell {m.since}; see %dist_collectives)."
+        return (f"{ahead} {'is' if len(m.ahead) == 1 else 'are'} still {m.extra} {unit} ahead of {behind}{on} "
+                f"(since {cell_name(m.since)}; see %dist_collectives).")
     if m.group is None:
         return (f"{ahead} {verb} created {m.extra} process group{'s' if m.extra > 1 else ''} more than {behind}: every rank must "
                 "call new_group the same times in the same order (even ranks outside the group), or the next new_group hangs "

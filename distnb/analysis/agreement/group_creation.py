@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import CallRecord
 
@@ -25,7 +26,7 @@ def _where(call: CallRecord) -> str:
     if call.get("line") is None:
         return ""
     func = f" in {call['func']}()" if call.get("func") not in (None, "", "<module>") else ""
-    return f" (cell {call['cell']} line {call['line']}{func})"
+    return f" ({cell_name(call['cell'])} line {call['line']}{func})"
 
 
 @dataclass

@@ -18,6 +18,7 @@ import functools
 import re
 from dataclasses import dataclass
 
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 from distnb.wire.records import CallRecord
 
@@ -74,7 +75,7 @@ class GroupInfo:
             return f"{self.dim}{members}"
         if self.described:
             return f"{self.desc}{members}"
-        site = f", from new_group at cell {self.site[0]} line {self.site[1]}" if self.site else ""
+        site = f", from new_group at {cell_name(self.site[0])} line {self.site[1]}" if self.site else ""
         return f"group {short_name(self.name)}{members}{site}"
 
     def role(self) -> str:
@@ -91,7 +92,7 @@ class GroupInfo:
         if self.ranks:
             return f"the groups of {len(self.ranks)} ranks made by new_group"
         if self.site:
-            return f"the groups of new_group at cell {self.site[0]} line {self.site[1]}"
+            return f"the groups of new_group at {cell_name(self.site[0])} line {self.site[1]}"
         return f"group {short_name(self.name)}"
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, unrecorded_calls
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import CollectiveEntry
 
@@ -35,7 +36,7 @@ def _cell(e: CollectiveEntry) -> int | None:
 
 def _site(e: CollectiveEntry) -> str:
     line = f", line {e['line']}" if e.get("line") and e.get("call_cell") is not None else ""
-    return f"cell {_cell(e)}{line}" if _cell(e) is not None else "outside distnb's cells"
+    return f"{cell_name(_cell(e))}{line}" if _cell(e) is not None else "outside distnb's cells"
 
 
 @dataclass
@@ -54,7 +55,7 @@ class CrossGroup:
         sides = group_by((r, (self.roles[r], self.by_rank[r]["op"])) for r in sorted(self.by_rank))
         majority = [rs for rs, _ in sides if not set(rs) & set(self.odd)]
         sample = next(iter(self.by_rank.values()))
-        where = f"the {_ordinal(self.index)} collective of cell {self.cell}" + (f" (line {sample['line']})" if sample.get("line") else "")
+        where = f"the {_ordinal(self.index)} collective of {cell_name(self.cell)}" + (f" (line {sample['line']})" if sample.get("line") else "")
         odd_words = "; ".join(f"{format_ranks(rs)} called {self.by_rank[rs[0]]['op']} over {self.labels[rs[0]]}"
                               for rs, _ in sides if set(rs) <= set(self.odd))
         if majority and len(self.odd) < len(self.by_rank):

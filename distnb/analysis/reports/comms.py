@@ -12,6 +12,7 @@ from typing import Any
 from distnb._text import mib
 from distnb.analysis.agreement.evidence import odd_ones
 from distnb.analysis.agreement.groups import GroupInfo
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["CommsReport", "CommRow"]
@@ -117,7 +118,7 @@ class CommsReport:
 
     def text(self) -> str:
         ranks = sorted(self.per_rank)
-        lines = [f"communication of cell {self.cell} on {format_ranks(ranks)} (PyTorch's CommDebugMode; bytes: what a rank sends in)"]
+        lines = [f"communication of {cell_name(self.cell)} on {format_ranks(ranks)} (PyTorch's CommDebugMode; bytes: what a rank sends in)"]
         if not self.rows and not self.redistributes:
             lines.append("  no collective ran under the accounting.")
         if self.rows:
@@ -179,5 +180,5 @@ class CommsReport:
         ax.invert_yaxis()
         ax.set_xlabel("KiB sent per rank (majority)")
         ax.legend(title="over", fontsize=8)
-        ax.set_title(f"communication per module, cell {self.cell}", fontsize=9)
+        ax.set_title(f"communication per module, {cell_name(self.cell)}", fontsize=9)
         return fig

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb.cell_names import cell_name
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 
 __all__ = ["CompileReport"]
@@ -64,7 +65,7 @@ class CompileReport:
     def _name(self, key: tuple[str, str, int]) -> str:
         name, file, line = key
         m = re.fullmatch(r"<cell-(\d+)>", file)
-        where = f"cell {m.group(1)} line {line}" if m else f"{file.rsplit('/', 1)[-1]}:{line}"
+        where = f"{cell_name(m.group(1))} line {line}" if m else f"{file.rsplit('/', 1)[-1]}:{line}"
         return f"`{name}` ({where})"
 
     def differences(self) -> list[str]:

@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 
 __all__ = ["ProfileReport", "RankTime", "merge_traces", "OP_SPREAD"]
@@ -58,7 +59,7 @@ class ProfileReport:
         return out
 
     def text(self) -> str:
-        lines = [f"profile of cell {self.cell} on {format_ranks([t.rank for t in self.times])}"]
+        lines = [f"profile of {cell_name(self.cell)} on {format_ranks([t.rank for t in self.times])}"]
         lines.append("  rank   wall (ms)  compute (ms)  collectives (ms)  of which waiting for peers (ms)")
         for t in self.times:
             lines.append(f"  {t.rank:>4}  {t.wall * 1000:>10.1f}  {t.compute * 1000:>12.1f}  {t.collectives * 1000:>16.1f}  "
@@ -110,7 +111,7 @@ class ProfileReport:
         ax.set_yticks(ys, [f"rank {t.rank}" for t in self.times])
         ax.invert_yaxis()
         ax.set_xlabel("ms")
-        ax.set_title(f"time per rank, cell {self.cell}")
+        ax.set_title(f"time per rank, {cell_name(self.cell)}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
         fig.tight_layout()
         return fig

@@ -23,6 +23,7 @@ from distnb.analysis.agreement.programs import Change, Difference, compare_progr
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 from distnb.wire.records import UNRECORDED
 
@@ -390,10 +391,10 @@ def _cause(rec: Records, sites: list[Site], kind: Kind | None = None) -> str:
         return ""
     cond = found.rank_condition()
     if cond is not None and kind == Kind.MISMATCH:
-        return f"the call at cell {s.cell} line {s.line} is under `{cond[1]}` (line {cond[0]}): the ranks took different branches"
+        return f"the call at {cell_name(s.cell)} line {s.line} is under `{cond[1]}` (line {cond[0]}): the ranks took different branches"
     if cond is not None:
-        return f"the call at cell {s.cell} line {s.line} is under `{cond[1]}` (line {cond[0]}): a collective only some ranks reach"
+        return f"the call at {cell_name(s.cell)} line {s.line} is under `{cond[1]}` (line {cond[0]}): a collective only some ranks reach"
     loop = found.loop()
     if loop is not None:
-        return f"the call is inside `{loop[1]}` (cell {s.cell} line {loop[0]})"
+        return f"the call is inside `{loop[1]}` ({cell_name(s.cell)} line {loop[0]})"
     return ""

@@ -10,6 +10,7 @@ from distnb.analysis.verdicts.p2p import match_p2p
 from distnb.analysis.verdicts.p2p_roots import p2p_roots, site_departure
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 from distnb.wire.records import P2P_OPS, CollectiveEntry
 
@@ -54,7 +55,7 @@ def paired_across_cells(rec: Records) -> Verdict | None:
         return None
     odd = found.odd
     return Verdict(VerdictState.HANG, Kind.CROSS_CELL, found.text(), odd, [r for r in found.by_rank if r not in odd], [],
-                   Evidence("a collective pairs the same call on every member", {r: f"cell {e.get('call_cell', e.get('cell'))}"
+                   Evidence("a collective pairs the same call on every member", {r: cell_name(e.get('call_cell', e.get('cell')))
                                                                                   for r, e in found.by_rank.items()}, found.group, found.seq),
                    Certainty.LIKELY, "by majority over the cells that issued the paired calls", positions=rec.positions, rule="cross_cell")
 
@@ -110,9 +111,9 @@ def p2p_departure(rec: Records) -> Verdict | None:
     who = format_ranks(found.odd)
     line = found.site[1]
     verb = "sends" if found.kind == "send" else "receives"
-    said = {"shape": f"{who}'s {verb} at cell {found.site[0]} line {line} carry another tensor than the other ranks' there",
-            "peer": f"{who}'s {verb} at cell {found.site[0]} line {line} go to another peer (relative to the rank) than the other ranks' there",
-            "presence": f"{who} {verb} at cell {found.site[0]} line {line}, where no other rank does"}[found.what]
+    said = {"shape": f"{who}'s {verb} at {cell_name(found.site[0])} line {line} carry another tensor than the other ranks' there",
+            "peer": f"{who}'s {verb} at {cell_name(found.site[0])} line {line} go to another peer (relative to the rank) than the other ranks' there",
+            "presence": f"{who} {verb} at {cell_name(found.site[0])} line {line}, where no other rank does"}[found.what]
     kind = Kind.MISMATCH if found.what == "shape" else Kind.P2P_UNMATCHED
     return Verdict(rec.state(), kind, f"point-to-point: {said}. Root cause: {who}.", found.odd,
                    [p.rank for p in rec.waiting if p.rank not in found.odd], [Site(found.site[0], line, "", "", "the call")],

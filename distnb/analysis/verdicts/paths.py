@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 from distnb.worker.recorders.paths import LEFT  # the "line" a frame goes to when it returns
 
@@ -103,7 +104,7 @@ class PathDifference:
 
     def where(self) -> str:
         cell = self.cell
-        return f"cell {cell} line {self.decided}" if cell is not None else f"line {self.decided}"
+        return f"{cell_name(cell)} line {self.decided}" if cell is not None else f"line {self.decided}"
 
     def text(self) -> str:
         """``rank 2 took line 6 (`break`, under `if not torch.isfinite(loss):`) at iteration 7 of

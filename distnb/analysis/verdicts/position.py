@@ -8,6 +8,7 @@ from typing import Any
 
 from distnb.analysis.agreement.evidence import peer_words
 from distnb.analysis.verdicts.stacks import RankStack, parse_faulthandler, short_path
+from distnb.cell_names import cell_name
 from distnb.wire.records import P2P_OPS, CallRecord
 
 __all__ = ["Position", "position_from_stack", "collective_at_death", "position_at_death", "COLLECTIVE_FUNCS"]
@@ -73,9 +74,9 @@ class Position:
             return ""
         other = self.line_cell is not None and self.running is not None and self.line_cell != self.running
         if self.func and self.func != "<module>":
-            cell = f"cell {self.line_cell} " if self.line_cell is not None else "cell "
+            cell = f"{cell_name(self.line_cell)} " if self.line_cell is not None else "cell "
             return f" in {self.func}() ({cell}line {self.line})"
-        return f" at cell {self.line_cell} line {self.line}" if other else f" at cell line {self.line}"
+        return f" at {cell_name(self.line_cell)} line {self.line}" if other else f" at cell line {self.line}"
 
     def death_words(self) -> str:
         """``all_reduce at cell line 2 (from the stack it printed as it died)``: a position read

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 
 __all__ = ["Frame", "ThreadStack", "RankStack", "StackReport", "parse_faulthandler", "short_path"]
@@ -41,7 +42,7 @@ class Frame:
         return self.filename.startswith(_DISTNB_DIR) or "/distnb/worker/" in self.filename or self.filename.endswith(_BOOTSTRAP)
 
     def text(self) -> str:
-        where = f"{self.filename} line {self.lineno}" if self.is_cell else f"{short_path(self.filename)}:{self.lineno}"
+        where = f"{cell_name(self.cell)} line {self.lineno}" if self.is_cell else f"{short_path(self.filename)}:{self.lineno}"
         return f"{where} in {self.name}" + (f": {self.line.strip()}" if self.line.strip() else "")
 
 

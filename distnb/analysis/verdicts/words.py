@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Sized
 
 from distnb.analysis.agreement.calls import Call
 from distnb.analysis.agreement.collectives import CollectiveReport
+from distnb.cell_names import cell_name
 
 if TYPE_CHECKING:
     from distnb.analysis.verdicts.records import Records
@@ -31,9 +32,9 @@ def site_of_call(call: Call | None, rec: Records) -> str:
     if call.line is None:
         return " (issued inside torch, e.g. by DDP or FSDP)"
     if call.func not in ("", "<module>"):
-        return f" in {call.func}() (cell {call.cell} line {call.line})"
+        return f" in {call.func}() ({cell_name(call.cell)} line {call.line})"
     # The judged cell's own lines read as the stack's do ("at cell line 4"); an earlier cell's name it.
-    return f" at cell line {call.line}" if call.cell == rec.judged_cell else f" at cell {call.cell} line {call.line}"
+    return f" at cell line {call.line}" if call.cell == rec.judged_cell else f" at {cell_name(call.cell)} line {call.line}"
 
 
 def group_words(log: CollectiveReport, group: str) -> str:
