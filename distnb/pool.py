@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Iterator
 
 from distnb import pools
 from distnb.cell_names import name_cell
@@ -406,6 +408,14 @@ class Pool(PoolViews):
         as ``path`` (a torchrun script, run once to verify it) and a notebook beside it, then gives
         the ranks back the session's state (a restart that replays it). ``bound``: seconds one try
         may run a cell (default: services.minimize.try_bound)."""
+        history = self._session.history[self._session.launch_index:]
+        found = minimize(self._tries(), history, budget, on_progress, bound)
+        write_case(found, self._config, path, verify)
+        self.restart(replay=True)
+        return found
+
+    def _tries(self) -> Runs:
+        """This pool as minimize's tries use it; a single-machine pool can start smaller ones."""
         flags = {"profile": False, "pdb": False, "comms": False, "paths": False, "source": None}
 
         def run(code: str, ranks: list[int], timeout: float) -> CellResult:  # not kept in the session's history
@@ -419,11 +429,19 @@ class Pool(PoolViews):
                 self.interrupt(res.running)
                 self.wait(res, timeout=15.0, ask=None)
 
-        history = self._session.history[self._session.launch_index:]
-        found = minimize(Runs(self.restart, run, stop), history, budget, on_progress, bound)
-        write_case(found, self._config, path, verify)
-        self.restart(replay=True)
-        return found
+        return Runs(self.restart, run, stop, self.world_size, self._smaller if self._config.nnodes == 1 else None)
+
+    @contextmanager
+    def _smaller(self, nproc: int) -> Iterator[Runs]:
+        """A pool like this one with ``nproc`` ranks, for a try of a smaller world; this pool stays
+        the notebook's current one, and the smaller one is shut down on leaving."""
+        pool = Pool(replace(self._config, nproc=nproc))
+        try:
+            pool.start()
+            yield pool._tries()
+        finally:
+            pool.shutdown()
+            pools.set_current(self)
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
                by_label: bool = False, verify: float | None = VERIFY_SECONDS) -> Export:

@@ -39,8 +39,11 @@ class Shell:
 
     def cell(self, args: str, code: str) -> tuple[str, str]:
         out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            self.ip.run_cell_magic("on_ranks", args, code)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                self.ip.run_cell_magic("on_ranks", args, code)
+        finally:
+            self.ip.execution_count += 1  # as a kernel's next cell is the next In[n]
         return out.getvalue(), err.getvalue()
 
     def failing(self, name: str, args: str = "", code: str | None = None) -> tuple[str, str, distnb.CellFailed]:
@@ -48,8 +51,11 @@ class Shell:
         prints its report, then raises CellFailed. Returns what it printed and the error."""
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(distnb.CellFailed) as failed:
-            if code is None:
-                self.ip.run_line_magic(name, args)
-            else:
-                self.ip.run_cell_magic(name, args, code)
+            try:
+                if code is None:
+                    self.ip.run_line_magic(name, args)
+                else:
+                    self.ip.run_cell_magic(name, args, code)
+            finally:
+                self.ip.execution_count += 1
         return out.getvalue(), err.getvalue(), failed.value

@@ -14,7 +14,7 @@ PACKAGE = Path(distnb.__file__).parent
 #: helpers sit at the bottom, its public types above the analyses they name, the Pool above the
 #: services it composes). A module may import its own room (without a cycle) and rooms below it.
 LAYERS: list[set[str]] = [
-    {"_text", "_processes", "ranks", "errors", "config", "states"},  # shared helpers and settings
+    {"_text", "_processes", "ranks", "cell_names", "errors", "config", "states"},  # shared helpers and settings
     {"wire"},  # what both sides speak
     {"worker"},  # the rank side: supervisors and rank processes
     {"analysis"},  # pure: data in, findings out
@@ -32,7 +32,8 @@ WORKER_MAY_IMPORT = {"wire", "_text", "_processes"}
 #: The wire is the bottom of both sides: it may import only these.
 WIRE_MAY_IMPORT = {"_text"}
 #: The root keeps the public face and a few shared helpers, no more.
-ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "config", "errors", "node", "pool", "pool_views", "pools", "ranks", "results", "states",
+ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "cell_names",
+                "config", "errors", "node", "pool", "pool_views", "pools", "ranks", "results", "states",
                 "status"}
 
 

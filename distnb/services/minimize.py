@@ -1,20 +1,27 @@
 """Cut a session's failure down on the live pool: delta debugging (Zeller's ddmin) over the cells,
-then over each kept cell's top-level statements, keeping the same failure signature.
+then over each kept cell's top-level statements and its functions' bodies, then over the world
+size, keeping the same failure signature.
 
 Each try starts fresh rank processes (``Pool.restart``: the spares make it about a second), runs
 the candidate cells in order, and compares the last cell's failure with the session's
 (analysis/verdicts/reproduction.py): the same ranks raising the same errors, or the same ranks
 hung at the try's bound. A try whose earlier cells fail, or whose last cell fails otherwise, does
 not reproduce. Bounded by a time budget; one Ctrl-C stops it, keeping the smallest case found.
+
+A smaller world is tried on a pool of its own (the session's pool keeps its ranks): the case
+reproduces there when the ranks it keeps fail as they did in the session (``FailureSignature.within``)
+— a raise on rank 1 of 4 needs 2 ranks, a rank 3 that skipped a barrier needs all 4. Two ranks is
+the floor: one rank turns every collective into a copy, which is no longer the failure.
 """
 
 from __future__ import annotations
 
 import ast
 import time
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
@@ -25,7 +32,7 @@ from distnb.services.verify import Reproduction, session_signature, verify_scrip
 
 T = TypeVar("T")
 
-__all__ = ["Candidate", "Minimized", "Runs", "function_bodies", "minimize", "replace_body", "statements", "try_bound", "write_case"]
+__all__ = ["Candidate", "Minimized", "Runs", "function_bodies", "minimize", "replace_body", "statements", "try_bound", "world_sizes", "write_case"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ class Minimized:
     signature: FailureSignature
     started_with: tuple[int, int]  # (cells, statements) of the session's case
     tries: int = 0
+    world_size: int = 0  # the ranks the case needs (the session's world size where none could go)
+    started_world: int = 0
     seconds: float = 0.0
     stopped: str = ""  # why it stopped before the end: "interrupted", "budget"
     steps: list[str] = field(default_factory=list)  # the account of what was removed
@@ -56,8 +65,9 @@ class Minimized:
 
     def text(self) -> str:
         cells, stmts = self.size()
+        ranks = f" on {self.world_size} ranks (the session had {self.started_world})" if self.world_size < self.started_world else ""
         head = (f"minimized: {self.started_with[0]} cells, {self.started_with[1]} statements → {cells} "
-                f"cell{'s' * (cells != 1)}, {stmts} statement{'s' * (stmts != 1)}; it still fails as the session did "
+                f"cell{'s' * (cells != 1)}, {stmts} statement{'s' * (stmts != 1)}{ranks}; it still fails as the session did "
                 f"({self.signature.text()}); {self.tries} tries in {self.seconds:.0f} s")
         if self.stopped:
             head += f" (stopped early: {self.stopped}; the smallest case found so far)"
@@ -75,16 +85,22 @@ class Minimized:
 
 @dataclass(frozen=True)
 class Runs:
-    """What a try needs of the pool: fresh ranks, a cell run on them (not kept in the session's
-    history), and a cell left running stopped."""
+    """What a try needs of a pool: fresh ranks, a cell run on them (not kept in the session's
+    history), and a cell left running stopped; ``smaller`` starts a pool of fewer ranks for the
+    world-size pass (None: it can't, e.g. a pool spanning machines)."""
 
     restart: Callable[[], object]
     run: Callable[[str, list[int], float], CellResult]
     stop: Callable[[CellResult], object]
+    world_size: int = 0
+    smaller: Callable[[int], AbstractContextManager[Runs]] | None = None
 
 
 def write_case(found: Minimized, config: LaunchConfig, path: str | Path, verify: float | None) -> None:
-    """The case as a script for torchrun (``path``.py, run once to verify it) and a notebook beside it."""
+    """The case as a script for torchrun (``path``.py, run once to verify it) and a notebook beside
+    it, for the world size the case needs."""
+    if found.world_size and found.world_size != config.world_size and config.nnodes == 1:
+        config = replace(config, nproc=found.world_size)
     base = Path(path).with_suffix("")
     steps = [CellRecord(i + 1, c.code, c.ranks, i < len(found.cells) - 1) for i, c in enumerate(found.cells)]
     found.script = str(export_script(steps, config, base.with_suffix(".py")))
@@ -157,35 +173,33 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
                          "a failure it can recognise — run the cell again with --timeout, so a hang ends as one.")
     cells = [Candidate(c.code, tuple(c.ranks)) for c in history[: last + 1] if c.ok or c is failing]
     limit = bound if bound is not None else try_bound(failing)
-    state = Minimized(cells, target, (len(cells), sum(len(statements(c.code)) for c in cells)))
+    world = pool.world_size or 1 + max(r for c in cells for r in c.ranks)
+    state = Minimized(cells, target, (len(cells), sum(len(statements(c.code)) for c in cells)), world_size=world, started_world=world)
     t0 = time.monotonic()
     say = on_progress or (lambda _text: None)
+    on = [pool]  # the pool the tries run on: the session's, or a smaller one the world-size pass kept
 
-    def fails(candidate: list[Candidate]) -> bool:
+    def fails(candidate: list[Candidate], runs: Runs | None = None, signature: FailureSignature | None = None) -> bool:
         if time.monotonic() - t0 > budget:
             raise _Budget
         state.tries += 1
-        ok = _reproduces(pool, candidate, target, limit)
+        ok = _reproduces(runs or on[0], candidate, signature or state.signature, limit)
         n, s = len(candidate), sum(len(statements(c.code)) for c in candidate)
         cur = state.size()
         say(f"minimizing: {cur[0]} cells, {cur[1]} statements · try {state.tries} ({n} cells, {s} statements): "
             f"{'still fails' if ok else 'passes or fails otherwise'} · {time.monotonic() - t0:.0f} s of {budget:.0f}")
         return ok
 
-    try:
-        # Passes over cells, statements and function bodies, again while one shrinks the case: a
-        # cell becomes unneeded once the statements that used it are gone.
-        while True:
-            before = _weight(state.cells)
-            _cut_cells(state, fails)
-            _cut_statements(state, fails)
-            _cut_bodies(state, fails)
-            if _weight(state.cells) >= before:
-                break
-    except _Budget:
-        state.stopped = "the time budget ran out"
-    except KeyboardInterrupt:
-        state.stopped = "interrupted"
+    with ExitStack() as pools:
+        try:
+            _shrink(state, fails)
+            if pool.smaller is not None and (smaller := _cut_world(state, pool, pools, fails, say)) is not None:
+                on[0] = smaller
+                _shrink(state, fails)  # each try is cheaper on fewer ranks, and a rank's own code may go now
+        except _Budget:
+            state.stopped = "the time budget ran out"
+        except KeyboardInterrupt:
+            state.stopped = "interrupted"
     state.seconds = time.monotonic() - t0
     return state
 
@@ -194,11 +208,61 @@ class _Budget(Exception):
     pass
 
 
-Fails = Callable[[list[Candidate]], bool]
+class Fails(Protocol):
+    def __call__(self, candidate: list[Candidate], runs: Runs | None = None, signature: FailureSignature | None = None) -> bool: ...
 
 
 def _weight(cells: list[Candidate]) -> int:
     return sum(len(c.code) for c in cells)
+
+
+def _shrink(state: Minimized, fails: Fails) -> None:
+    """Passes over cells, statements and function bodies, again while one shrinks the case: a
+    cell becomes unneeded once the statements that used it are gone."""
+    while True:
+        before = _weight(state.cells)
+        _cut_cells(state, fails)
+        _cut_statements(state, fails)
+        _cut_bodies(state, fails)
+        if _weight(state.cells) >= before:
+            return
+
+
+def world_sizes(world_size: int) -> list[int]:
+    """The smaller worlds worth a try, smallest first: each size up to 8, then halvings."""
+    if world_size <= 8:
+        return list(range(2, world_size))
+    sizes, n = [], world_size // 2
+    while n >= 2:
+        sizes.append(n)
+        n //= 2
+    return sorted(sizes)
+
+
+def _within(cells: list[Candidate], world_size: int) -> list[Candidate] | None:
+    """The case's cells on the first ``world_size`` ranks; None when a cell keeps no rank."""
+    out = [Candidate(c.code, tuple(r for r in c.ranks if r < world_size)) for c in cells]
+    return out if all(c.ranks for c in out) else None
+
+
+def _cut_world(state: Minimized, pool: Runs, pools: ExitStack, fails: Fails, say: Callable[[str], None]) -> Runs | None:
+    """The smallest world in which the ranks that remain fail as they did: its pool is kept
+    (closed with ``pools``) for the passes after, and the case and its signature are restricted to it."""
+    assert pool.smaller is not None
+    for n in world_sizes(state.world_size):
+        target, cells = state.signature.within(n), _within(state.cells, n)
+        if not target.failed or cells is None:
+            continue  # the failure is on ranks this world lacks
+        say(f"minimizing: trying {n} ranks (of {state.world_size})")
+        with ExitStack() as trial:
+            runs = trial.enter_context(pool.smaller(n))
+            if fails(cells, runs, target):
+                pools.enter_context(trial.pop_all())
+                state.steps.append(f"removed {state.world_size - n} of the {state.world_size} ranks: "
+                                   f"{format_ranks(range(n))} fail as they did ({target.text()})")
+                state.cells, state.signature, state.world_size = cells, target, n
+                return runs
+    return None
 
 
 def _cut_cells(state: Minimized, fails: Fails) -> None:

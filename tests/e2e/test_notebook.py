@@ -80,10 +80,15 @@ def test_quickstart_executes(tmp_path: Path) -> None:
     # The two cells that fail on purpose raised (tagged raises-exception, so the tour ran on), each
     # as one line under its report; no other cell raised.
     raised = {c.source: [(o.ename, o.evalue, o.traceback) for o in c.outputs if o.output_type == "error"] for c in code}
-    line = "cell 3 failed on rank 1: ValueError: rank 1 got a bad batch"
-    assert raised.pop(next(s for s in raised if s.startswith("%%on_ranks\nif rank == 1"))) == [("CellFailed", line, [f"CellFailed: {line}"])]
-    [(ename, evalue, tb)] = raised.pop(next(s for s in raised if s.startswith("%%on_ranks --timeout")))
-    assert ename == "CellFailed" and re.fullmatch(r"cell 4 timed out: rank 0 still running after 4\.\d s", evalue) and tb == [f"CellFailed: {evalue}"]
+    # A cell is named by its In[n], as the notebook shows it (distnb's own cell count is another number).
+    numbers = {c.source: c.execution_count for c in code}
+    bad = next(s for s in raised if s.startswith("%%on_ranks\nif rank == 1"))
+    line = f"In[{numbers[bad]}] failed on rank 1: ValueError: rank 1 got a bad batch"
+    assert raised.pop(bad) == [("CellFailed", line, [f"CellFailed: {line}"])]
+    hung = next(s for s in raised if s.startswith("%%on_ranks --timeout"))
+    [(ename, evalue, tb)] = raised.pop(hung)
+    assert ename == "CellFailed" and tb == [f"CellFailed: {evalue}"]
+    assert re.fullmatch(rf"In\[{numbers[hung]}\] timed out: rank 0 still running after 4\.\d s", evalue), evalue
     assert not any(raised.values()), raised
     assert "in all_reduce" in text("%dist_stacks")  # %dist_stacks annotates the waiting rank
     assert "first divergence" in text("%dist_collectives")
@@ -148,9 +153,9 @@ def test_a_failed_cell_stops_run_all_unless_tagged(tmp_path: Path) -> None:
     # The report first, then one line: the kernel's error output, whose traceback is that line alone.
     assert "ValueError on rank 1 at cell line 2" in outputs_text(failed) and failed.outputs[-1].output_type == "error"
     assert [(e.ename, e.evalue, e.traceback) for e in errors] == [
-        ("CellFailed", "cell 1 failed on rank 1: ValueError: stop here", ["CellFailed: cell 1 failed on rank 1: ValueError: stop here"])]
+        ("CellFailed", "In[2] failed on rank 1: ValueError: stop here", ["CellFailed: In[2] failed on rank 1: ValueError: stop here"])]
     # nbclient stopped there, as CI does, and says why in one line; the cells after it never ran.
-    assert stopped is not None and "CellFailed: cell 1 failed on rank 1: ValueError: stop here" in str(stopped)
+    assert stopped is not None and "CellFailed: In[2] failed on rank 1: ValueError: stop here" in str(stopped)
     assert all(not c.outputs and c.execution_count is None for c in nb.cells[2:])
 
     # Tagged raises-exception: the same error, and the notebook runs through to its shutdown.

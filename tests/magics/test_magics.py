@@ -138,7 +138,9 @@ def test_errors_grouped_with_cell_line(sh: Shell) -> None:
     assert "raise KeyError('missing shard')" in err and "distnb/" not in err
     # The report first, then one error that stops Run All: the result it carries is _dist.
     res = sh.ip.user_ns["_dist"]
-    assert failed.result is res and str(failed) == f"cell {res.cell} failed on rank 1: KeyError: 'missing shard'"
+    # Named by the notebook's In[n], in the one line and in the traceback's frame, never distnb's own count.
+    assert res.label is not None and f'File "In[{res.label}]", line 2' in err and "<cell-" not in err, err
+    assert failed.result is res and str(failed) == f"In[{res.label}] failed on rank 1: KeyError: 'missing shard'"
     assert failed._render_traceback_() == [f"CellFailed: {failed}"]
 
 

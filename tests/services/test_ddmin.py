@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from distnb.results import CellResult, RankResult
-from distnb.services.minimize import Runs, _ddmin, function_bodies, minimize, replace_body, statements
+from distnb.services.minimize import Runs, _ddmin, function_bodies, minimize, replace_body, statements, world_sizes
 
 
 def test_ddmin_finds_the_one_minimal_subset_and_asks_few_questions() -> None:
@@ -29,12 +32,22 @@ class _Ranks:
     """The minimizer's seam (minimize.Runs) over two in-process "ranks": each cell is exec'd in the
     rank's own namespace, and its error is the rank's outcome."""
 
-    def __init__(self) -> None:
+    def __init__(self, world: int = 2) -> None:
         self.ns: dict[int, dict] = {}
         self.cell = 0
+        self.world = world
+        self.started: list[int] = []  # the smaller worlds started, in order
 
     def restart(self) -> None:
-        self.ns = {r: {"rank": r} for r in (0, 1)}
+        self.ns = {r: {"rank": r, "world_size": self.world} for r in range(self.world)}
+
+    def runs(self) -> Runs:
+        return Runs(self.restart, self.run, self.stop, self.world, self.smaller)
+
+    @contextmanager
+    def smaller(self, n: int) -> Iterator[Runs]:
+        self.started.append(n)
+        yield _Ranks(n).runs()
 
     def run(self, code: str, ranks: list[int], limit: float) -> CellResult:
         self.cell += 1
@@ -77,3 +90,32 @@ def test_a_function_body_is_replaced_in_place_keeping_its_decorators_and_what_fo
     assert function_bodies(code) == [("evaluate", ["    a = 1", "    if a:\n        b = 2", "    return a"])]
     assert replace_body(code, 0, ["    return a"]) == "@torch.no_grad()\ndef evaluate(m):\n    return a\nafter = 1"
     assert replace_body(code, 0, []) == "@torch.no_grad()\ndef evaluate(m):\n    pass\nafter = 1"
+
+
+def test_a_failure_on_a_low_rank_is_cut_to_the_smallest_world_that_still_shows_it() -> None:
+    ranks = _Ranks(world=4)
+    ranks.restart()
+    history = [ranks.run(code, [0, 1, 2, 3], 5.0) for code in (
+        "x = rank * 2",
+        "if rank == 1:\n    raise ValueError(f'bad batch {x}')",
+    )]
+    found = minimize(ranks.runs(), history, budget=60)
+    assert (found.world_size, found.started_world, ranks.started) == (2, 4, [2]), found.text()
+    assert found.signature.errors == {1: "ValueError: bad batch 2"} and found.cells[-1].ranks == (0, 1)
+    assert "removed 2 of the 4 ranks: ranks 0,1 fail as they did" in found.text() and "on 2 ranks (the session had 4)" in found.text()
+
+
+def test_a_failure_that_needs_the_last_rank_or_the_world_size_keeps_every_rank() -> None:
+    for failing in ("if rank == 3:\n    raise ValueError('last rank')",  # no smaller world has rank 3: none is started
+                    "if rank == 1:\n    raise ValueError(f'world {world_size}')"):  # rank 1 fails otherwise on fewer ranks
+        ranks = _Ranks(world=4)
+        ranks.restart()
+        history = [ranks.run(failing, [0, 1, 2, 3], 5.0)]
+        found = minimize(ranks.runs(), history, budget=60)
+        assert found.world_size == 4 and found.cells[-1].ranks == (0, 1, 2, 3), found.text()
+        assert ranks.started == ([] if "rank == 3" in failing else [2, 3]), ranks.started
+        assert "ranks (the session had" not in found.text()
+
+
+def test_the_worlds_tried_are_every_size_up_to_eight_then_halvings() -> None:
+    assert world_sizes(4) == [2, 3] and world_sizes(2) == [] and world_sizes(64) == [2, 4, 8, 16, 32]

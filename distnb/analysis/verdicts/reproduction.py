@@ -36,6 +36,11 @@ class FailureSignature:
     def failed(self) -> bool:
         return bool(self.errors or self.hung)
 
+    def within(self, world_size: int) -> FailureSignature:
+        """The failure as a pool of ``world_size`` ranks shows it, where it needs no other rank: the
+        errors and hangs of ranks below ``world_size`` (a smaller world's try must match them)."""
+        return FailureSignature({r: e for r, e in self.errors.items() if r < world_size}, tuple(r for r in self.hung if r < world_size))
+
     def text(self) -> str:
         parts = [f"{format_ranks(rs)} raised {what}" for rs, what in group_by(sorted(self.errors.items()))]
         if self.hung:
