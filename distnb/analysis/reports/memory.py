@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from distnb._text import MiB, size
+from distnb.cell_names import cell_tag
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
 
 __all__ = ["Imbalance", "MemoryReport", "figure_png", "imbalance", "imbalances", "memory_line"]
@@ -362,6 +363,8 @@ class MemoryReport:
             if pts:
                 ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=f"rank {r}")
         ax.set_xlabel("cell")
+        if 0 < len(self.timeline) <= 16:  # named as the notebook names them; more would not fit
+            ax.set_xticks([c for c, _ in self.timeline], [cell_tag(c) for c, _ in self.timeline], fontsize=7)
         ax.set_ylabel("peak MiB (CUDA)" if key == "cuda_peak" else "peak MiB (RSS)")
         ax.set_title("peak memory per cell")
         if ranks:
