@@ -152,6 +152,6 @@ def test_breakpoint_and_input_in_the_ipython_terminal(leak_check, tmp_path: Path
     assert "[rank 1] (Pdb) [rank 1] 41" in out and "[rank 1] 42" in out, out
     assert "[rank 0] name 0? [rank 1] name 1? " in out and "{0: 'alice', 1: 'bob'}" in out, out
     # A failed cell: its report (the rank's own traceback), then one line, no traceback of distnb's.
-    assert re.search(r"^(In \[\d+\]: )?CellFailed: cell \d+ failed on rank 1: ValueError: term$", out, re.M), out
+    assert re.search(r"^(In \[\d+\]: )?CellFailed: In\[\d+\] failed on rank 1: ValueError: term$", out, re.M), out
     assert out.count("CellFailed") == 1 and out.count("Traceback") == 1 and "ValueError on rank 1 at cell line 2" in out, out
     assert "no process left" in out and all("ValueError" in line for line in out.splitlines() if "Error" in line), out

@@ -172,7 +172,7 @@ def test_timeout_names_running_ranks_then_pool_recovers(sh: Shell) -> None:
     res = sh.ip.user_ns["_dist"]
     try:
         # The elapsed time is measured, not the timeout repeated: a loaded machine may say 1.1 s.
-        assert re.search(r"rank 1 has timed out after 1\.\d s \(cell \d+\)", err), err
+        assert re.search(r"rank 1 has timed out after 1\.\d s \(In\[\d+\]\)", err), err
         # It ended before the live watch spoke (--hang-after 30): the report still says why it runs.
         assert "[distnb] why rank 1 still runs: " in err and "time.sleep" in err and res.verdict is not None, err
         # The cell did not finish: Run All must not go on as if it had.
@@ -260,6 +260,7 @@ def test_restart_replay_magic_restores_state(sh: Shell) -> None:
     # that only this test's cells below are replayed.
     sh.line("dist_shutdown")
     sh.line("dist_launch", "-n 2 --backend gloo")
+    first = sh.ip.execution_count  # the In[n] rp_a's cell runs as
     sh.cell("", "rp_a = 5")
     sh.ip.user_ns["rp_b"] = 7
     sh.line("dist_push", "rp_b")
@@ -268,8 +269,8 @@ def test_restart_replay_magic_restores_state(sh: Shell) -> None:
     old = rank_pids()
     _, out, err = sh.line("dist_restart", "--replay")
     assert set(old).isdisjoint(rank_pids())
-    assert re.search(r"replayed cell \d+ on ranks 0,1: ok  \| rp_a = 5", out), out
-    assert re.search(r"replayed cell \d+ on rank 1: ok  \| rp_c = rp_a \* 10", out), out
+    assert f"replayed In[{first}] on ranks 0,1: ok  | rp_a = 5" in out, out  # a replay keeps the cell's In[n]
+    assert re.search(r"replayed In\[\d+\] on rank 1: ok  \| rp_c = rp_a \* 10", out), out
     assert "not replayed" not in out + err
     assert distnb.current_pool().pull("rp_b") == {0: 7, 1: 7}
     assert distnb.current_pool().pull("rp_c", ranks="1") == {1: 50}
@@ -334,7 +335,7 @@ def test_timeline_and_profile_magics(sh, tmp_path, monkeypatch) -> None:
     with pytest.raises(UsageError, match="no collective recorded on group 'zz'"):
         sh.line("dist_timeline", "--group zz")
     out, err = sh.cell("--profile", "pr_y = torch.ones(8) @ torch.ones(8)\ndist.all_reduce(torch.ones(2))")
-    assert "profile of cell" in out and "compute (ms)" in out, out + err
+    assert re.search(r"profile of In\[\d+\] on ranks 0,1", out) and "compute (ms)" in out, out + err
     traces = list((tmp_path / "distnb-traces").glob("cell-*.json"))
     assert len(traces) == 1 and str(traces[0].name) in out
 

@@ -155,7 +155,8 @@ def p2p_unmatched(rec: Records) -> Verdict | None:
         culprits = root.culprits if root is not None else found.culprits
         sites = [Site(root.site[0], root.site[1], "", "", "the call")] if root is not None and root.site else _p2p_sites(rec, culprits)
         blame = f" Root cause: {format_ranks(culprits)} ({root.how})." if root is not None else ""
-        return Verdict(VerdictState.HANG, Kind.P2P_UNMATCHED, "point-to-point calls without a partner: " + "; ".join(found.sentences) + "." + blame,
+        kind = Kind.LOOP_COUNT if root is not None and root.loop else Kind.P2P_UNMATCHED
+        return Verdict(VerdictState.HANG, kind, "point-to-point calls without a partner: " + "; ".join(found.sentences) + "." + blame,
                        culprits, [p.rank for p in rec.waiting if p.rank not in culprits], sites,
                        Evidence("a send is matched by a receive on its peer, with the same tag"), Certainty.LIKELY,
                        "which side of an unmatched pair is wrong is inferred from the other calls", positions=rec.positions, rule="p2p")

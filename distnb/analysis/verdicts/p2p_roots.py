@@ -8,6 +8,14 @@ died, or computes). When the waits close into a cycle (every rank waits), the ca
 that names the wrong peer or tag, else the rank whose point-to-point calls in the cell depart
 from the other ranks' at the same call site: another count, or another peer relative to itself
 (``dst = rank + 1`` on every rank but one).
+
+Before the end of the chain is trusted, the channels are counted (:func:`channel_counts`): every
+pair of ranks that talk has a sender's end and a receiver's end, and in an SPMD program of
+ring or pipeline shape each end makes as many calls in a cell as every other end. Where one
+rank's ends alone stand apart from a clear majority of ends, that rank made the calls nobody
+matched (an extra send, a skipped receive, one more step), even when the chain of waits ends
+elsewhere: a rank that finished the cell because its partner asked for less is where the waits
+end, not why.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, pee
 from distnb.analysis.verdicts.position import Position
 from distnb.wire.records import P2P_OPS, CallRecord
 
-__all__ = ["P2PRoot", "SiteDeparture", "p2p_roots", "site_departure"]
+__all__ = ["P2PRoot", "SiteDeparture", "channel_counts", "p2p_roots", "site_departure"]
 
 
 @dataclass
@@ -28,6 +36,11 @@ class P2PRoot:
     culprits: list[int]
     how: str  # how they were found, in words
     site: tuple[int, int] | None  # (cell, line) of the call the culprits made or did not make
+    loop: bool = False  # the culprit repeated every one of its calls another number of times
+
+
+#: A channel's end: (rank, its peer, "send" or "recv").
+End = tuple[int, int, str]
 
 
 def _waits(positions: list[Position]) -> dict[int, set[int]]:
@@ -60,6 +73,8 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
             return P2PRoot(found.odd, "its point-to-point calls depart from the other ranks' at the same call site", found.site)
     if explicit:
         return P2PRoot(_relative_odd(positions, explicit), "a call that names the wrong peer or tag", None)
+    if log is not None and cell is not None and (counted := _count_root(log, cell, ranks)) is not None:
+        return counted
     waited = {q for targets in waits.values() for q in targets}
     sinks = sorted(q for q in waited if q not in waits and (p := by_rank.get(q)) is not None and p.state != "collective")
     if sinks:
@@ -74,6 +89,60 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
     if odd:
         return P2PRoot(odd, "its point-to-point calls depart from the other ranks' at the same call site", site)
     return None
+
+
+def channel_counts(log: CollectiveEvidence, cell: int, ranks: list[int]) -> dict[End, int] | None:
+    """Calls each channel end made in the cell, open ones included; an end whose partner made
+    none counts 0. None when counting can't be trusted: a receive from any rank (its channel is
+    not known), or a rank whose held calls may not reach back to the cell's start (the log keeps
+    a window of each rank's calls)."""
+    ends: Counter[End] = Counter()
+    for r in ranks:
+        held = log.calls_of(r)
+        if held and held[0].get("cell") == cell and held[0]["n"] > 1:
+            return None  # the window starts inside this cell: its first calls are gone
+        for c in held:
+            if c.get("cell") != cell or c["op"] not in P2P_OPS:
+                continue
+            peer = peer_of(c)
+            if peer is None:
+                return None
+            ends[(r, peer, P2P_OPS[c["op"]])] += 1
+    out = dict(ends)
+    for r, peer, kind in ends:
+        if peer in ranks:
+            out.setdefault((peer, r, "recv" if kind == "send" else "send"), 0)
+    return out
+
+
+def _count_root(log: CollectiveEvidence, cell: int, ranks: list[int]) -> P2PRoot | None:
+    """The one rank whose channel ends alone depart from the count a clear majority of ends share."""
+    ends = channel_counts(log, cell, ranks)
+    if not ends or len(ends) < 4:
+        return None  # two ranks, one channel: two ends apart say nothing of which is wrong
+    usual, n = Counter(ends.values()).most_common(1)[0]
+    if usual == 0 or n * 2 <= len(ends):
+        return None
+    odd = {e: v for e, v in ends.items() if v != usual}
+    owners = {r for r, _, _ in odd}
+    if len(owners) != 1:
+        return None  # ranks blocked one by another stand apart too: the chain of waits tells those apart
+    rank = owners.pop()
+    mine = {e: v for e, v in ends.items() if e[0] == rank}
+    shifts = {v - usual for v in mine.values()}
+    loop = len(shifts) == 1 and 0 not in shifts and _same_lines(log, cell, rank)
+    said = ", ".join(f"{v} {kind}{'s' if v != 1 else ''} {'to' if kind == 'send' else 'from'} rank {peer}"
+                     for (_, peer, kind), v in sorted(odd.items()))
+    how = (f"it made {said}, where every other channel end made {usual} in the cell"
+           + (": the same calls another number of times, likely a loop of another length on it" if loop else ""))
+    return P2PRoot([rank], how, None, loop)
+
+
+def _same_lines(log: CollectiveEvidence, cell: int, rank: int) -> bool:
+    """Every line the rank's point-to-point calls came from made the same number of them (one
+    more turn of a loop), rather than one line more than the others (an extra call)."""
+    per_line = Counter(c.get("line") for c in log.calls_of(rank) if c.get("cell") == cell and c["op"] in P2P_OPS)
+    return len(set(per_line.values())) == 1
 
 
 def _relative_odd(positions: list[Position], explicit: list[int]) -> list[int]:
