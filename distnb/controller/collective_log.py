@@ -45,6 +45,9 @@ class CollectiveLog:
     died_in: dict[int, str] = field(default_factory=dict)
     # And where in the notebook (cell, line) its stack at death put that call.
     died_at: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
+    # Every rank that died, and the cell it died in: the entries it had not pushed yet are lost
+    # with it, so its absence from that cell's later collectives is not known, not "never entered".
+    died_during: dict[int, int] = field(default_factory=dict)
     # Per rank, the record id below which entries belong to process groups that no longer exist
     # (a regroup names its new default group "0" again and restarts its sequence at 1).
     floors: dict[int, int] = field(default_factory=dict)
@@ -167,6 +170,7 @@ class CollectiveLog:
         self._sites = None
         self.died_in.clear()
         self.died_at.clear()
+        self.died_during.clear()
         self.floors.clear()
         self._skew.clear()
         self.unavailable = None

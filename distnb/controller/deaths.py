@@ -63,6 +63,7 @@ class Deaths:
             self._first_result = res
         res.cause = info.cause
         res.finished_at = time.monotonic()
+        self._log.died_during[info.rank] = cell
         # As the rank last pushed it (within ~50 ms of entering) or the pool last polled it; the
         # rank itself tells which cell an entry belongs to (no cross-machine clocks).
         pending = self._log.pending(info.rank, cell)

@@ -68,6 +68,9 @@ class Case:
             log.merge(r, {"entries": es, "groups": {"0": list(range(self.world))}, "descs": {}, "calls": [], "now": 0.0})
         for r, (op, line) in self.died.items():
             log.died_in[r], log.died_at[r] = op, (CELL, line)
+        for p in positions:
+            if p.state == "dead":  # as the pool's Deaths records every death, with its cell
+                log.died_during[p.rank] = CELL
         return diagnose(positions, 3.0, 5.0, log.report(list(range(self.world))), self.first_death, {CELL: self.source}, CELL)
 
 

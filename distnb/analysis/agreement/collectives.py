@@ -158,7 +158,11 @@ class CollectiveReport:
                 # A rank that died inside this op before its entry reached distnb did enter it.
                 inside = {r for r, e in at.items() if e is None and any(same_op(self.log.died_in.get(r), x["op"]) for x in present)
                           and (not seqs[r] or max(seqs[r]) < seq)}
-                if any(e is None and r not in inside for r, e in at.items()):
+                # A rank that died in this cell with its later entries unpushed: whether it got
+                # here is not known (its last entry may be long past), so it is no vote either way.
+                lost = {r for r, e in at.items() if e is None and r not in inside and (not seqs[r] or max(seqs[r]) < seq)
+                        and (cell := self.log.died_during.get(r)) is not None and any(x.get("cell") == cell for x in present)}
+                if any(e is None and r not in inside and r not in lost for r, e in at.items()):
                     # A rank whose log starts later (ring buffer) is not "missing" it.
                     if all(e is not None or r in inside or (seqs[r] and min(seqs[r]) > seq) for r, e in at.items()):
                         continue

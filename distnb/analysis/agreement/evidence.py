@@ -23,6 +23,7 @@ class CollectiveEvidence(Protocol):
     missing: dict[str, str]  # recorders some rank could not read, and why
     died_in: dict[int, str]  # ranks that died inside a collective before its entry came: op
     died_at: dict[int, tuple[int | None, int | None]]  # … and its (cell, line), from the stack at death
+    died_during: dict[int, int]  # every rank that died: the cell it died in
 
     def sequence(self, rank: int, group: str) -> list[CollectiveEntry]: ...
 

@@ -102,10 +102,16 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
         if cell is not None and not any(e is not None and e.get("call_cell", e.get("cell")) == cell for e in div.by_rank.values()):
             continue
         present = [e for e in div.by_rank.values() if e is not None]
-        entry = div.by_rank.get(dead.rank) or (present[0] if log.log.died_in.get(dead.rank) and dead.rank in div.by_rank else None)
+        # An abort with its own call there unrecorded (it died before pushing it): the calls that
+        # were recorded must say who is odd by a clear majority, without it.
+        unseen = (dead.rank in div.by_rank and div.by_rank[dead.rank] is None and "SIGABRT" in dead.detail
+                  and log.log.died_during.get(dead.rank) is not None)
+        entry = div.by_rank.get(dead.rank) or (present[0] if (log.log.died_in.get(dead.rank) or unseen) and dead.rank in div.by_rank else None)
         if div.kind == "missing" or entry is None:
             continue
         odd = div.odd()
+        if unseen and not log.log.died_in.get(dead.rank) and (len(odd) != 1 or len(present) - len(odd) < 2):
+            continue
         by_size = div.kind == "shape" and "SIGABRT" in dead.detail and len(odd) > 1 and set(odd) >= {r for r, e in div.by_rank.items() if e}
         if by_size:
             # No majority: gloo aborts the rank that receives more than its own tensor holds, so the
@@ -117,10 +123,16 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
         detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by((r, describe(e)) for r, e in sorted(div.by_rank.items()) if e))
         if div.peers:
             detail += f" (where {div.witnesses()})"
+        blind = unseen and not log.log.died_in.get(dead.rank)
+        where = f"{entry['op']} #{div.seq} on {div.label or f'group {div.group}'}"
         return (
-            f"rank {dead.rank} died ({dead.detail}) inside {entry['op']} #{div.seq} on {div.label or f'group {div.group}'}, a {what}: {detail}. "
+            (f"rank {dead.rank} died ({dead.detail}) while the calls recorded at {where} disagree, a {what}: {detail}. " if blind else
+             f"rank {dead.rank} died ({dead.detail}) inside {where}, a {what}: {detail}. ")
             + (f"Root cause: likely {format_ranks(odd)}, with the larger tensor that the rank could not receive (no majority among "
-               "the calls recorded)" if by_size else f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out") +
+               "the calls recorded)" if by_size else
+               f"Root cause: likely {format_ranks(odd)}, the odd one out of the calls recorded (rank {dead.rank}'s own is not: it "
+               "aborted before it was pushed)" if blind else
+               f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out") +
             f"; rank {dead.rank} is a victim (gloo aborts a rank that receives data its own tensor can't hold).",
             odd,
         )

@@ -39,6 +39,11 @@ class P2PRoot:
     loop: bool = False  # the culprit repeated every one of its calls another number of times
 
 
+#: Held calls of a rank from which its window may have dropped the oldest: each rank keeps its
+#: last 4,000 (worker/torch_hooks/call_log.py) and the controller 5,000; a regroup clears both,
+#: so a call's number says nothing of what came before it.
+WINDOW_NEAR = 3500
+
 #: A channel's end: (rank, its peer, "send" or "recv").
 End = tuple[int, int, str]
 
@@ -99,8 +104,8 @@ def channel_counts(log: CollectiveEvidence, cell: int, ranks: list[int]) -> dict
     ends: Counter[End] = Counter()
     for r in ranks:
         held = log.calls_of(r)
-        if held and held[0].get("cell") == cell and held[0]["n"] > 1:
-            return None  # the window starts inside this cell: its first calls are gone
+        if len(held) >= WINDOW_NEAR and held[0].get("cell") == cell:
+            return None  # the window starts inside this cell: its first calls may be gone
         for c in held:
             if c.get("cell") != cell or c["op"] not in P2P_OPS:
                 continue
@@ -124,6 +129,15 @@ def _count_root(log: CollectiveEvidence, cell: int, ranks: list[int]) -> P2PRoot
     if usual == 0 or n * 2 <= len(ends):
         return None
     odd = {e: v for e, v in ends.items() if v != usual}
+    world = max(ranks) + 1
+    for (r, peer, kind), v in list(odd.items()):
+        # An end that made no call, on a channel only its partner uses: if no other rank talks to
+        # that relative peer that way, the channel is the partner's invention (a send backwards
+        # down a pipeline), not this rank's omission.
+        partner = (peer, r, "send" if kind == "recv" else "recv")
+        shared = any(e != partner and e[2] == partner[2] and (e[1] - e[0]) % world == (r - peer) % world and n > 0 for e, n in ends.items())
+        if v == 0 and not shared:
+            del odd[(r, peer, kind)]
     owners = {r for r, _, _ in odd}
     if len(owners) != 1:
         return None  # ranks blocked one by another stand apart too: the chain of waits tells those apart
@@ -233,7 +247,9 @@ def site_departure(log: CollectiveEvidence, cell: int, ranks: list[int], capable
 
 
 def _site_majority(log: CollectiveEvidence, cell: int, ranks: list[int], capable: bool) -> tuple[list[int], tuple[int, int] | None]:
-    found = site_departure(log, cell, ranks, capable)
+    # A call at a line where no other rank calls, or to another peer, before any count apart:
+    # counts part wherever ranks blocked one another, whatever line comes first.
+    found = site_departure(log, cell, ranks, capable, only=("shape", "peer", "presence")) or site_departure(log, cell, ranks, capable)
     return (found.odd, found.site) if found is not None else ([], None)
 
 

@@ -1,0 +1,60 @@
+"""A rank that aborted takes its unpushed records with it: its absence from the rest of the cell
+is not known, never "it skipped the call", and the calls that were recorded judge the others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distnb.analysis.verdicts.diagnose import diagnose
+from distnb.analysis.verdicts.position import Position
+from distnb.controller.collective_log import CollectiveLog
+
+CELL = 5
+SOURCE = "for step in range(3):\n    loss = model(x)\n    dist.all_reduce(loss)\n"
+
+
+def _entry(seq: int, size: int, done: bool = True, cell: int = CELL) -> dict[str, Any]:
+    return {"id": seq, "group": "0", "desc": "default_pg", "seq": seq, "p2p": False, "op": "all_reduce", "sizes": [[size]],
+            "dtypes": ["Float"], "t": float(seq), "done": done, "cell": cell, "line": 3, "call_cell": cell, "func": "<module>"}
+
+
+def _judge(sizes: dict[int, list[int]], dead_last: int, dead_cell: int = CELL):
+    """Ranks 0-2 alive with calls of ``sizes``; rank 3 aborted with its records up to ``dead_last``
+    (the last one open), in cell ``dead_cell``."""
+    log = CollectiveLog()
+    for r, row in sizes.items():
+        es = [_entry(i + 1, s, done=i + 1 < len(row)) for i, s in enumerate(row)]
+        log.merge(r, {"entries": es, "groups": {"0": [0, 1, 2, 3]}, "descs": {}, "calls": [], "now": 0.0})
+    dead = [_entry(i + 1, sizes[1][i], done=i + 1 < dead_last) for i in range(dead_last)]
+    log.merge(3, {"entries": dead, "groups": {"0": [0, 1, 2, 3]}, "descs": {}, "calls": [], "now": 0.0})
+    log.died_during[3] = dead_cell
+    positions = [Position(r, "collective", op="all_reduce", seq=len(sizes[r]), group="0", since=4.0, running=CELL, line=3, line_cell=CELL)
+                 for r in (0, 1, 2)]
+    positions.append(Position(3, "dead", detail="aborted (SIGABRT: a C++ assertion or abort(), e.g. gloo on mismatched tensors)"))
+    return diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: SOURCE}, CELL), log.report([0, 1, 2, 3])
+
+
+def test_the_recorded_calls_name_the_odd_rank_and_the_aborted_one_is_its_victim() -> None:
+    verdict, report = _judge({0: [8, 8, 8, 8, 16], 1: [8, 8, 8, 8, 1], 2: [8, 8, 8, 8, 1]}, dead_last=3)
+    [div] = report.divergences()
+    assert (div.seq, div.kind) == (5, "shape"), report.text()  # not "rank 3 never entered #4"
+    assert verdict.culprits == [0] and verdict.rule == "victim", verdict.summary
+    assert "Root cause: likely rank 0, the odd one out of the calls recorded" in verdict.summary, verdict.summary
+    assert "rank 3 is a victim" in verdict.summary and "while the calls recorded at all_reduce #5" in verdict.summary
+
+
+def test_when_the_recorded_calls_agree_the_aborted_rank_stays_the_likely_cause() -> None:
+    verdict, report = _judge({0: [8, 8, 8, 8], 1: [8, 8, 8, 8], 2: [8, 8, 8, 8]}, dead_last=2)
+    assert report.divergences() == [], report.text()
+    assert verdict.culprits == [3], verdict.summary
+
+
+def test_a_call_skipped_in_an_earlier_cell_is_still_missing() -> None:
+    # The entries of cell 4 ended with the cell on every rank: rank 3's absence there is a fact.
+    log = CollectiveLog()
+    for r in range(4):
+        es = [_entry(1, 8, cell=4)] + ([_entry(2, 8, cell=4)] if r != 3 else [])
+        log.merge(r, {"entries": es, "groups": {"0": [0, 1, 2, 3]}, "descs": {}, "calls": [], "now": 0.0})
+    log.died_during[3] = CELL
+    [div] = log.report([0, 1, 2, 3]).divergences()
+    assert (div.seq, div.kind, div.odd()) == (2, "missing", [3])
