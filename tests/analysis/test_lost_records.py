@@ -7,6 +7,7 @@ from typing import Any
 
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.verdict import Kind
 from distnb.controller.collective_log import CollectiveLog
 
 CELL = 5
@@ -58,3 +59,17 @@ def test_a_call_skipped_in_an_earlier_cell_is_still_missing() -> None:
     log.died_during[3] = CELL
     [div] = log.report([0, 1, 2, 3]).divergences()
     assert (div.seq, div.kind, div.odd()) == (2, "missing", [3])
+
+
+def test_an_abort_after_a_cell_that_left_the_rank_a_call_short_is_that_missing_call() -> None:
+    log = CollectiveLog()
+    for r in range(4):
+        es = [_entry(1, 8, cell=4)] + ([_entry(2, 8, cell=4)] if r != 3 else [])
+        log.merge(r, {"entries": es, "groups": {"0": [0, 1, 2, 3]}, "descs": {}, "calls": [], "now": 0.0})
+    log.died_during[3] = CELL
+    positions = [Position(r, "failed", detail="RuntimeError: Connection closed by peer", line=3, running=CELL, line_cell=CELL)
+                 for r in (0, 1, 2)]
+    positions.append(Position(3, "dead", detail="aborted (SIGABRT: a C++ assertion or abort(), e.g. gloo on mismatched tensors)"))
+    verdict = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: SOURCE}, CELL)
+    assert (verdict.kind, verdict.culprits) == (Kind.CALL_MISSING, [3]), verdict.summary
+    assert "it did not make all_reduce [8] f32 #2 on group 0 (issued in cell 4, line 3), which ranks 0-2 made" in verdict.summary, verdict.summary

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from distnb.analysis.agreement.collectives import CollectiveReport, Divergence
+from distnb.analysis.agreement.collectives import CollectiveReport, Divergence, issued_words
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
@@ -60,6 +60,15 @@ def died(rec: Records) -> Verdict | None:
                        Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
                        "an abort, not its cause: the other ranks' calls are not all recorded", positions=rec.positions, rule="died")
     certain = not inside and "SIGABRT" not in d.detail
+    if "SIGABRT" in d.detail and (earlier := _out_of_step_before(rec, d.rank)) is not None:
+        kind, words = earlier
+        return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, kind,
+                       f"rank {d.rank} aborted{then}; {words}: from there its calls pair with other calls of the others, and gloo "
+                       f"aborts a rank that receives more than its tensor holds. Root cause: rank {d.rank}.",
+                       [d.rank], [p.rank for p in waiting] + later, sites,
+                       Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
+                       "an earlier cell that ended on every rank left its calls out of step with the others'", positions=rec.positions,
+                       rule="died")
     if inside and "SIGABRT" in d.detail:
         # gloo aborts a rank when a peer sends more than its own tensor holds: a mismatch in that
         # collective, and with no record of the others' to say who differs, likely its own.
@@ -75,6 +84,25 @@ def died(rec: Records) -> Verdict | None:
                    Evidence("every rank of the cell stays alive", {d.rank: d.detail}), Certainty.CERTAIN if certain else Certainty.LIKELY,
                    "" if certain else "it died inside a collective: a mismatch there may have caused it", positions=rec.positions,
                    rule="died")
+
+
+def _out_of_step_before(rec: Records, rank: int) -> tuple[Kind, str] | None:
+    """The dead rank alone made fewer (or more) collectives than the others in a cell before the
+    one judged, which ended on every rank: its records of that cell are whole, so the count apart
+    is a fact, and every later collective of it pairs with another call."""
+    if rec.log is None or rec.judged_cell is None:
+        return None
+    for div in rec.log.divergences():
+        cells = {e.get("call_cell", e.get("cell")) for e in div.by_rank.values() if e is not None}
+        if div.kind != "missing" or not cells or any(c is None or c >= rec.judged_cell for c in cells) or div.odd() != [rank]:
+            continue
+        present = sorted(r for r, e in div.by_rank.items() if e is not None)
+        entry = next(e for e in div.by_rank.values() if e is not None)
+        where = f"{describe(entry)} #{div.seq} on {div.label or f'group {div.group}'} ({issued_words(entry)})"
+        if div.by_rank.get(rank) is None:
+            return Kind.CALL_MISSING, f"it did not make {where}, which {format_ranks(present)} made"
+        return Kind.CALL_EXTRA, f"it made {where}, which {format_ranks([r for r in div.by_rank if r != rank])} did not"
+    return None
 
 
 def victim_of_mismatch(rec: Records) -> Verdict | None:
