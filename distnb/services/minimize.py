@@ -255,7 +255,12 @@ def _cut_world(state: Minimized, pool: Runs, pools: ExitStack, fails: Fails, say
             continue  # the failure is on ranks this world lacks
         say(f"minimizing: trying {n} ranks (of {state.world_size})")
         with ExitStack() as trial:
-            runs = trial.enter_context(pool.smaller(n))
+            try:
+                runs = trial.enter_context(pool.smaller(n))
+            except Exception as exc:  # the case found so far stands; only the smaller worlds are not tried
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                state.steps.append(f"kept {state.world_size} ranks: a pool of {n} did not start ({why})")
+                return None
             if fails(cells, runs, target):
                 pools.enter_context(trial.pop_all())
                 state.steps.append(f"removed {state.world_size - n} of the {state.world_size} ranks: "

@@ -119,3 +119,18 @@ def test_a_failure_that_needs_the_last_rank_or_the_world_size_keeps_every_rank()
 
 def test_the_worlds_tried_are_every_size_up_to_eight_then_halvings() -> None:
     assert world_sizes(4) == [2, 3] and world_sizes(2) == [] and world_sizes(64) == [2, 4, 8, 16, 32]
+
+
+def test_a_smaller_pool_that_does_not_start_keeps_the_case_found_so_far() -> None:
+    ranks = _Ranks(world=3)
+    ranks.restart()
+    history = [ranks.run("if rank == 1:\n    raise ValueError('bad')", [0, 1, 2], 5.0)]
+
+    @contextmanager
+    def refuse(n: int) -> Iterator[Runs]:
+        raise RuntimeError("torchrun exited with code 1\nmore")
+        yield  # pragma: no cover
+
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop, 3, refuse), history, budget=60)
+    assert found.world_size == 3 and not found.stopped, found.text()
+    assert "kept 3 ranks: a pool of 2 did not start (torchrun exited with code 1)" in found.text(), found.text()
