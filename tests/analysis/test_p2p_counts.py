@@ -3,8 +3,8 @@ is named, whoever the chain of waits ends at.
 
 Each case runs a small SPMD program of sends and receives on a model of rendezvous transfers (a
 call completes once its partner's matching call is issued: the k-th send on a channel pairs with
-the k-th receive there), with one rank's program changed: an extra send, a skipped call, one more
-turn of the loop. The ranks' call logs and positions where the model stops are judged as the pool
+the k-th receive there), with one rank's program changed: an extra send, a call made twice, a
+skipped call, one more turn of the loop. The ranks' call logs and positions where the model stops are judged as the pool
 judges them. The verdict names the changed rank or no rank, never another; the channel counts
 name it whenever the other ends agree."""
 
@@ -56,6 +56,9 @@ def _mutate(shape: str, fault: str, world: int, hops: int, f: int, at: int) -> C
     if fault == "extra":  # one more send, at a line of its own
         peer = next((p for kind, p, _ in mine[at] if kind == "send"), (f + 1) % world if f < world - 1 or shape == "ring" else f - 1)
         mine[at] = [*mine[at], ("send", peer, 8)]
+    elif fault == "again":  # one call made twice, the second at a line of its own (an extra recv or send)
+        kind, peer, _ = mine[at][0]
+        mine[at] = [*mine[at], (kind, peer, 8)]
     elif fault == "skip":  # one call left out, once
         mine[at] = mine[at][1:]
     else:  # one more turn of the loop
@@ -122,7 +125,7 @@ def _run(case: Case) -> tuple[list[Position], CollectiveLog] | None:
 def _cases() -> list[Case]:
     rng = random.Random(39)
     out = []
-    for shape, fault in itertools.product(("ring", "pipeline"), ("extra", "skip", "loop")):
+    for shape, fault in itertools.product(("ring", "pipeline"), ("extra", "again", "skip", "loop")):
         for _ in range(12):
             world, hops = rng.randint(3, 6), rng.randint(2, 4)
             out.append(_mutate(shape, fault, world, hops, rng.randrange(world), rng.randrange(2 * hops)))

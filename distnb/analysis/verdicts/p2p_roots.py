@@ -78,7 +78,7 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
             return P2PRoot(found.odd, "its point-to-point calls depart from the other ranks' at the same call site", found.site)
     if explicit:
         return P2PRoot(_relative_odd(positions, explicit), "a call that names the wrong peer or tag", None)
-    if log is not None and cell is not None and (counted := _count_root(log, cell, ranks)) is not None:
+    if log is not None and cell is not None and (counted := _count_root(log, cell, ranks, {p.rank for p in positions if p.state == "finished"})) is not None:
         return counted
     waited = {q for targets in waits.values() for q in targets}
     sinks = sorted(q for q in waited if q not in waits and (p := by_rank.get(q)) is not None and p.state != "collective")
@@ -120,11 +120,33 @@ def channel_counts(log: CollectiveEvidence, cell: int, ranks: list[int]) -> dict
     return out
 
 
-def _count_root(log: CollectiveEvidence, cell: int, ranks: list[int]) -> P2PRoot | None:
-    """The one rank whose channel ends alone depart from the count a clear majority of ends share."""
+def _count_root(log: CollectiveEvidence, cell: int, ranks: list[int], finished: set[int]) -> P2PRoot | None:
+    """The one rank whose channel ends alone depart from the count a clear majority of ends
+    share; else the one rank that made more calls on an end than any end of the ranks that
+    finished (blocking only ever leaves a rank short, never over)."""
     ends = channel_counts(log, cell, ranks)
     if not ends or len(ends) < 4:
         return None  # two ranks, one channel: two ends apart say nothing of which is wrong
+    return _by_majority(log, cell, ranks, ends) or _by_surplus(ends, finished)
+
+
+def _said(odd: dict[End, int]) -> str:
+    return ", ".join(f"{v} {kind}{'s' if v != 1 else ''} {'to' if kind == 'send' else 'from'} rank {peer}"
+                     for (_, peer, kind), v in sorted(odd.items()))
+
+
+def _by_surplus(ends: dict[End, int], finished: set[int]) -> P2PRoot | None:
+    done = {v for e, v in ends.items() if e[0] in finished}
+    if len(done) != 1 or (count := done.pop()) == 0:
+        return None  # no finished rank, or finished ranks that made different counts: no measure
+    over = {e: v for e, v in ends.items() if v > count}
+    if len({r for r, _, _ in over}) != 1:
+        return None
+    rank = next(iter(over))[0]
+    return P2PRoot([rank], f"it made {_said(over)}, more than the {count} calls each channel end of the ranks that finished made", None)
+
+
+def _by_majority(log: CollectiveEvidence, cell: int, ranks: list[int], ends: dict[End, int]) -> P2PRoot | None:
     usual, n = Counter(ends.values()).most_common(1)[0]
     if usual == 0 or n * 2 <= len(ends):
         return None
@@ -135,7 +157,8 @@ def _count_root(log: CollectiveEvidence, cell: int, ranks: list[int]) -> P2PRoot
         # that relative peer that way, the channel is the partner's invention (a send backwards
         # down a pipeline), not this rank's omission.
         partner = (peer, r, "send" if kind == "recv" else "recv")
-        shared = any(e != partner and e[2] == partner[2] and (e[1] - e[0]) % world == (r - peer) % world and n > 0 for e, n in ends.items())
+        shared = any(e != partner and e[2] == partner[2] and (e[1] - e[0]) % world == (r - peer) % world and calls > 0
+                     for e, calls in ends.items())
         if v == 0 and not shared:
             del odd[(r, peer, kind)]
     owners = {r for r, _, _ in odd}
@@ -145,9 +168,7 @@ def _count_root(log: CollectiveEvidence, cell: int, ranks: list[int]) -> P2PRoot
     mine = {e: v for e, v in ends.items() if e[0] == rank}
     shifts = {v - usual for v in mine.values()}
     loop = len(shifts) == 1 and 0 not in shifts and _same_lines(log, cell, rank)
-    said = ", ".join(f"{v} {kind}{'s' if v != 1 else ''} {'to' if kind == 'send' else 'from'} rank {peer}"
-                     for (_, peer, kind), v in sorted(odd.items()))
-    how = (f"it made {said}, where every other channel end made {usual} in the cell"
+    how = (f"it made {_said(odd)}, where every other channel end made {usual} in the cell"
            + (": the same calls another number of times, likely a loop of another length on it" if loop else ""))
     return P2PRoot([rank], how, None, loop)
 
