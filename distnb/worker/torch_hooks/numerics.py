@@ -1,0 +1,336 @@
+"""``%%on_ranks --numerics``: every op the cell runs on a rank, with a fingerprint of what it made.
+
+A ``TorchDispatchMode`` (torch/utils/_python_dispatch.py) sees each op below autograd — forward,
+backward (the engine runs CPU work on the calling thread, and carries the mode to its own threads),
+the optimizer's step, and the collectives torch.distributed, DDP, FSDP2 and DTensor issue, which
+go through the dispatcher as ``c10d``/``_c10d_functional`` ops. A DTensor op is seen once, at the
+DTensor level (its local ops run with the mode popped); its outputs are fingerprinted by their
+local piece. PyTorch's ``DebugMode`` (torch/utils/_debug_mode) logs the same ops with
+``torch.hash_tensor``, as a string per call for one process; this mode keeps, per op, only what the
+notebook compares across ranks: op, module path, pass, cell line, each output's shape, dtype and
+fingerprint (``torch.hash_tensor`` and a float64 sum, computed on the tensor's device and fetched
+in batches: one host sync per ``_FETCH`` ops), the tensor inputs' fingerprints, and which ranks must
+hold the same output (numerics_context.py), propagated op by op: an output made only from tensors
+that must agree must agree too.
+
+A collective's output is not ready when its op returns (the Work is waited later): it is
+fingerprinted when an op first reads it, or at the cell's end. At most ``LIMIT`` ops are kept
+(``DISTNB_NUMERICS_OPS``): the record stays bounded on a long cell, and says how many ran.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import weakref
+import zlib
+from typing import Any, Callable
+
+from distnb.wire.records import CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
+from distnb.worker.torch_hooks.comms import OUTPUT_FIRST, process_group_of
+from distnb.worker.torch_hooks.numerics_context import Context, Ranks, group_ranks, replicas
+
+__all__ = ["LIMIT", "run_with_numerics"]
+
+LIMIT = int(os.environ.get("DISTNB_NUMERICS_OPS") or 20000)
+_TENSORS = 8  # tensors fingerprinted per op, in and out
+_FETCH = 256  # ops between two fetches of the fingerprints from their devices
+_PENDING = 256  # collective outputs kept for a later read; past it the oldest go unread
+#: Collectives after which every member of the group holds the same result.
+_AGREEING = {"allreduce_", "broadcast_", "allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allreduce_coalesced_",
+             "all_reduce", "all_reduce_", "all_gather_into_tensor", "all_gather_into_tensor_out", "all_reduce_coalesced",
+             "all_reduce_coalesced_", "all_gather_into_tensor_coalesced", "broadcast", "broadcast_"}
+_COLLECTIVE_NS = {"c10d", "_c10d_functional", "c10d_functional"}
+#: Ops whose output is their input's value (read as a view is: no fingerprint of their own).
+_SAME_VALUE = {"detach", "lift_fresh", "wait_tensor", "_wrap_tensor_autograd", "alias", "clone"}
+_SCALARS = (int, float, bool, str, complex, type(None))
+
+VIEW, SKIP, COLL, OP = 0, 1, 2, 3
+
+
+class _Kind:
+    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "random", "agreeing")
+
+    def __init__(self, func: Any) -> None:
+        import torch
+
+        schema = func._schema
+        packet = func._overloadpacket.__name__
+        self.name = f"{func.namespace}.{func.__name__}"
+        self.out_kw = {a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
+        self.written = [i for i, a in enumerate(schema.arguments)
+                        if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        returns = any("Tensor" in str(r.type) for r in schema.returns)
+        collective = func.namespace in _COLLECTIVE_NS
+        self.agreeing = collective and packet in _AGREEING
+        self.skip_first = packet == "copy_" or (collective and packet.rstrip("_") in OUTPUT_FIRST)
+        if func.namespace == "profiler":
+            self.kind = SKIP
+        elif func.is_view or packet in _SAME_VALUE:
+            self.kind = VIEW
+        elif collective and packet != "wait_tensor":
+            self.kind = COLL
+        elif returns or self.written or self.out_kw:
+            self.kind = OP
+        else:
+            self.kind = SKIP  # .item(), equal(): nothing made
+
+
+class _Info:
+    """What the record knows of one live tensor."""
+
+    __slots__ = ("ref", "version", "agree", "why", "label", "producer", "fp", "pending")
+
+    def __init__(self, t: Any) -> None:
+        self.ref = weakref.ref(t)
+        self.version = -1
+        self.agree: Ranks | None = None
+        self.why = ""
+        self.label: str | None = None
+        self.producer = -1
+        self.fp: list[Any] | None = None  # [hash, sum]: device tensors until fetched, then numbers
+        self.pending = -1  # the collective whose unread output this is
+
+
+def _intersect(agrees: list[Ranks | None]) -> Ranks | None:
+    if not agrees or any(a is None for a in agrees):
+        return None
+    common = set(agrees[0] or ())
+    for a in agrees[1:]:
+        common &= set(a or ())
+    return tuple(sorted(common)) if len(common) > 1 else None
+
+
+def _mode_class() -> Any:
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    Tensor = torch.Tensor
+    current_node = torch._C._current_autograd_node
+
+    class Record(TorchDispatchMode):
+        """Fingerprints every op (``collectives``: only the collectives) while it is entered."""
+
+        def __init__(self, namespace: dict[str, Any], collectives: bool, limit: int) -> None:
+            super().__init__()
+            self.collectives, self.limit = collectives, limit
+            self.ctx = Context(namespace, self._mark, self._agree_of)
+            self.kinds: dict[Any, _Kind] = {}
+            self.tensors: dict[int, _Info] = {}
+            self.prune_at = 4096
+            self.raw: list[list[Any]] = []
+            self.total = 0
+            self.unfetched: list[list[Any]] = []
+            self.pending: dict[int, list[Any]] = {}
+
+        # -- what is known of a tensor ----------------------------------------------------------
+        def _entry(self, t: Any) -> _Info | None:
+            e = self.tensors.get(id(t))
+            return e if e is not None and e.ref() is t else None
+
+        def _new(self, t: Any) -> _Info:
+            if len(self.tensors) > self.prune_at:
+                self.tensors = {k: v for k, v in self.tensors.items() if v.ref() is not None}
+                self.prune_at = 2 * len(self.tensors) + 4096
+            e = self.tensors[id(t)] = _Info(t)
+            if isinstance(t, DTensor):
+                e.agree, e.why = replicas(t), "Replicate"
+            return e
+
+        def _mark(self, t: Any, ranks: Ranks, why: str, label: str) -> None:
+            e = self._entry(t) or self._new(t)
+            if e.agree is None:
+                e.agree, e.why = ranks, why
+            if e.label is None:
+                e.label = label
+
+        def _agree_of(self, t: Any) -> Ranks | None:
+            e = self._entry(t)
+            return e.agree if e is not None else (replicas(t) if isinstance(t, DTensor) else None)
+
+        def _fp(self, t: Any) -> list[Any] | None:
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            try:
+                if local.device.type == "meta" or type(local).__name__ == "FakeTensor":
+                    return None
+                if local.numel() == 0:
+                    return [0, 0.0]
+                if local.is_complex():
+                    local = torch.view_as_real(local)
+                fp = [torch.hash_tensor(local).view(torch.int64), local.sum(dtype=torch.float64)]
+            except Exception:
+                return None
+            self.unfetched.append(fp)
+            return fp
+
+        def _fetch(self) -> None:
+            """Every fingerprint still on its device to numbers: one copy per device."""
+            todo, self.unfetched = self.unfetched, []
+            by_device: dict[Any, list[list[Any]]] = {}
+            for fp in todo:
+                by_device.setdefault(fp[0].device, []).append(fp)
+            for fps in by_device.values():
+                try:
+                    hashes = torch.stack([f[0] for f in fps]).tolist()
+                    sums = torch.stack([f[1] for f in fps]).tolist()
+                except Exception:
+                    hashes = sums = [None] * len(fps)
+                for f, h, s in zip(fps, hashes, sums):
+                    f[0], f[1] = h, s
+
+        def _settle(self, seq: int) -> None:
+            """A collective's outputs, read now that an op reads one of them (or the cell ended)."""
+            outs = self.pending.pop(seq, None)
+            if outs is None:
+                return
+            rec = self.raw[seq]
+            rec[8] = []
+            for t in outs:
+                e = self._entry(t)
+                fp = self._fp(t)
+                if e is not None and e.pending == seq:
+                    e.pending, e.fp, e.version = -1, fp, t._version
+                rec[8].append([tuple(t.shape), str(t.dtype).replace("torch.", ""), fp])
+
+        # -- the op ------------------------------------------------------------------------------
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            kind = self.kinds.get(func)
+            if kind is None:
+                kind = self.kinds[func] = _Kind(func)
+            if kind.kind == SKIP or (self.collectives and kind.kind != COLL):
+                return func(*args, **kwargs)
+            if len(self.raw) >= self.limit:
+                self.total += kind.kind != VIEW
+                return func(*args, **kwargs)
+            if kind.kind == VIEW:
+                out = func(*args, **kwargs)
+                self._inherit(args, out)
+                return out
+            self.total += 1
+            seq = len(self.raw)
+            read = args[1:] if kind.skip_first else args
+            flat_in = tree_flatten((read, {k: v for k, v in kwargs.items() if k not in kind.out_kw}))[0]
+            tensors_in = [t for t in flat_in if isinstance(t, Tensor)]
+            reads: list[list[Any]] = []
+            for k, t in enumerate(tensors_in[:_TENSORS]):
+                e = self._entry(t)
+                if e is not None and e.pending >= 0:
+                    self._settle(e.pending)
+                if e is None:
+                    e = self._new(t)
+                if e.fp is None or e.version != t._version:
+                    if e.version != -1 and e.version != t._version:
+                        e.producer = -1  # written since by an op not recorded
+                    e.fp, e.version = self._fp(t), t._version
+                reads.append([k, e.fp, e.agree, e.label, e.producer])
+            digest = zlib.crc32(repr([a if isinstance(a, _SCALARS) else str(a) for a in flat_in
+                                      if isinstance(a, _SCALARS) or isinstance(a, (torch.dtype, torch.device))]).encode())
+            module, phase, cell, line = self._where()
+            out = func(*args, **kwargs)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+            for i in kind.written:
+                if i < len(args):
+                    outs.extend(t for t in tree_flatten(args[i])[0] if isinstance(t, Tensor) and all(t is not o for o in outs))
+            for name in kind.out_kw:
+                outs.extend(t for t in tree_flatten(kwargs.get(name))[0] if isinstance(t, Tensor) and all(t is not o for o in outs))
+            if kind.kind == COLL:
+                agree = group_ranks(process_group_of(args)) if kind.agreeing else None
+                why = func._overloadpacket.__name__.rstrip("_") if agree else ""
+            elif outs and isinstance(outs[0], DTensor):
+                agree, why = replicas(outs[0]), "Replicate"
+            else:
+                agree, why = _intersect([r[2] for r in reads]), "inputs"
+            specs: list[list[Any]] | None = None
+            if kind.kind == COLL:
+                self._hold(seq, outs, agree, why)
+            else:
+                specs = []
+                for t in outs[:_TENSORS]:
+                    e = self._entry(t)
+                    label = e.label if e is not None else None
+                    e = self._new(t)
+                    e.agree, e.why, e.label, e.producer, e.version = agree, why or e.why, label, seq, t._version
+                    e.fp = self._fp(t)
+                    specs.append([tuple(t.shape), str(t.dtype).replace("torch.", ""), e.fp])
+            self.raw.append([seq, kind.name, module, phase, cell, line, agree, why if agree else "", specs, reads, f"{digest:08x}",
+                             kind.random, kind.kind == COLL])
+            if len(self.unfetched) >= 2 * _FETCH:
+                self._fetch()
+            return out
+
+        def _hold(self, seq: int, outs: list[Any], agree: Ranks | None, why: str) -> None:
+            if len(self.pending) >= _PENDING:
+                self.pending.pop(next(iter(self.pending)))  # its output goes unread: never compared
+            self.pending[seq] = outs
+            for t in outs:
+                e = self._new(t)
+                e.agree, e.why, e.producer, e.pending, e.version = agree, why, seq, seq, t._version
+
+        def _inherit(self, args: Any, out: Any) -> None:
+            base = args[0] if args and isinstance(args[0], Tensor) else next(
+                (t for t in tree_flatten(args)[0] if isinstance(t, Tensor)), None)
+            e = self._entry(base) if base is not None else None
+            if e is None:
+                return
+            for t in (out,) if isinstance(out, Tensor) else tree_flatten(out)[0]:
+                if isinstance(t, Tensor) and t is not base:
+                    v = self._new(t)
+                    if not isinstance(t, DTensor) or v.agree is None:
+                        v.agree, v.why = e.agree, e.why
+                    v.label, v.producer, v.pending = e.label, e.producer, e.pending
+
+        def _where(self) -> tuple[str, str, int, int]:
+            node = current_node()
+            if node is not None:
+                try:
+                    module = str(node.metadata.get("distnb", ""))
+                except Exception:
+                    module = ""
+                cell, line = self.ctx.line(sys._getframe(2))
+                return module, "bwd", cell, line
+            module, phase = self.ctx.module()
+            cell, line = self.ctx.line(sys._getframe(2))
+            return module, phase, cell, line
+
+        # -- the record ----------------------------------------------------------------------------
+        def finish(self) -> NumericsRecord:
+            for seq in list(self.pending):
+                self._settle(seq)
+            self._fetch()
+            ops = []
+            for seq, name, module, phase, cell, line, agree, why, specs, reads, digest, random, coll in self.raw:
+                outputs = [OutputStats(shape, dtype, int(fp[0]), float(fp[1])) for shape, dtype, fp in specs or []
+                           if fp is not None and fp[0] is not None]
+                inputs = [InputRead(k, int(fp[0]), math.isfinite(fp[1]), agree_in, label, producer)
+                          for k, fp, agree_in, label, producer in reads if fp is not None and fp[0] is not None]
+                ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll))
+            self.tensors.clear()
+            return {"mode": "collectives" if self.collectives else "ops", "ops": ops, "total": self.total, "limit": self.limit}
+
+    return Record
+
+
+def run_with_numerics(run: Callable[[], CellOutcome], mode: str, namespace: dict[str, Any]) -> CellOutcome:
+    """``run()`` (the cell) under the record; its reply gains ``numerics``."""
+    try:
+        record = _mode_class()(namespace, mode == "collectives", LIMIT)
+    except Exception as exc:  # a torch without what the record reads: the cell still runs
+        reply = run()
+        reply["numerics"] = {"error": f"the numerics record needs torch.hash_tensor and DTensor ({type(exc).__name__}: {exc})"}
+        return reply
+    record.ctx.install()
+    try:
+        with record:
+            reply = run()
+    finally:
+        record.ctx.remove()
+    try:
+        reply["numerics"] = record.finish()
+    except Exception as exc:
+        reply["numerics"] = {"error": f"the numerics record failed: {type(exc).__name__}: {exc}"}
+    return reply
