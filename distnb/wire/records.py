@@ -139,7 +139,7 @@ class OutputStats(NamedTuple):
 class InputRead(NamedTuple):
     """A tensor argument as the op read it."""
 
-    index: int  # which tensor argument (flattened order)
+    arg: int  # which tensor argument (flattened order)
     hash: int
     finite: bool
     agree: tuple[int, ...] | None  # the ranks that must hold the same value (None: none known)

@@ -45,8 +45,8 @@ from distnb.worker.recorders.profiling import run_profiled
 from distnb.worker.torch_hooks import gloo_idle, pasted
 from distnb.worker.torch_hooks.call_log import install
 from distnb.worker.torch_hooks.comms import run_with_comms
-from distnb.worker.torch_hooks.numerics import run_with_numerics
 from distnb.worker.torch_hooks.flight_recorder import open_nccl
+from distnb.worker.torch_hooks.numerics import run_with_numerics
 from distnb.worker.torch_hooks.regroup import regroup
 
 _libc = ctypes.CDLL(None)

@@ -40,7 +40,7 @@ _PENDING = 256  # collective outputs kept for a later read; past it the oldest g
 #: Collectives after which every member of the group holds the same result.
 _AGREEING = {"allreduce_", "broadcast_", "allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allreduce_coalesced_",
              "all_reduce", "all_reduce_", "all_gather_into_tensor", "all_gather_into_tensor_out", "all_reduce_coalesced",
-             "all_reduce_coalesced_", "all_gather_into_tensor_coalesced", "broadcast", "broadcast_"}
+             "all_reduce_coalesced_", "all_gather_into_tensor_coalesced", "broadcast"}
 _COLLECTIVE_NS = {"c10d", "_c10d_functional", "c10d_functional"}
 #: Ops whose output is their input's value (read as a view is: no fingerprint of their own).
 _SAME_VALUE = {"detach", "lift_fresh", "wait_tensor", "_wrap_tensor_autograd", "alias", "clone"}
@@ -288,7 +288,7 @@ def _mode_class() -> Any:
             node = current_node()
             if node is not None:
                 try:
-                    module = str(node.metadata.get("distnb", ""))
+                    module = str(node.metadata.get("distnb", ""))  # type: ignore[attr-defined]  # a dict on a Node
                 except Exception:
                     module = ""
                 cell, line = self.ctx.line(sys._getframe(2))
