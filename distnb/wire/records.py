@@ -127,8 +127,9 @@ class CellOutcome(_CellOutcomeCore, total=False):
 # -- the per-op numerics record (%%on_ranks --numerics) ------------------------------------------
 class OutputStats(NamedTuple):
     """One output tensor of an op, fingerprinted where it lives: ``hash`` is torch.hash_tensor (the
-    xor of the elements' 64-bit bit patterns: one element changed always changes it), ``total``
-    the float64 sum (NaN or ±inf exactly when an element is); a DTensor's local piece."""
+    xor of the elements' 64-bit bit patterns: one element changed always changes it; equal elements
+    cancel in pairs, which the sum catches), ``total`` the float64 sum (NaN or ±inf exactly when an
+    element is); a DTensor's local piece. The fingerprint is the pair."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -141,10 +142,15 @@ class InputRead(NamedTuple):
 
     arg: int  # which tensor argument (flattened order)
     hash: int
-    finite: bool
+    total: float  # as OutputStats: the fingerprint is (hash, total)
     agree: tuple[int, ...] | None  # the ranks that must hold the same value (None: none known)
+    why: str  # how that is known (as OpRecord.why)
     label: str | None  # a name for a tensor from before the cell (``model.0.weight``, optimizer state)
     producer: int  # the op (``seq``) whose output it is; -1: not an output of a recorded op
+
+    @property
+    def finite(self) -> bool:
+        return self.total - self.total == 0  # False for NaN and ±inf
 
 
 class OpRecord(NamedTuple):

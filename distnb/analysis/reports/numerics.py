@@ -15,6 +15,7 @@ it to other ranks. Data here; the words are numerics_text.py's.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any, Iterable
@@ -166,6 +167,17 @@ def _align(records: dict[int, list[OpRecord]]) -> tuple[int, list[dict[int, int]
     return ref, aligned, sorted(splits, key=lambda s: (s.position, s.rank))
 
 
+def _bits(x: float) -> int:
+    """A float's bits: equal fingerprints compare equal, NaN included."""
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def _key(h: int, total: float) -> tuple[int, int] | None:
+    """A fingerprint to compare: non-finite values (their NaN payloads vary with the order of a
+    reduction) compare as one — where they were born is the non-finite analysis's answer."""
+    return (h, _bits(total)) if total - total == 0 else None
+
+
 def _close(a: float, b: float, rtol: float, atol: float) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
@@ -199,7 +211,7 @@ def _claims(ops: dict[int, OpRecord], named: list[list[int]], inputs: bool, k: i
     for op in ops.values():
         if inputs:
             read = next((i for i in op.inputs if i.arg == k), None)
-            agree, why = (read.agree, "") if read is not None else (None, "")
+            agree, why = (read.agree, read.why) if read is not None else (None, "")
         else:
             agree, why = op.agree, op.why
         if agree:
@@ -225,22 +237,22 @@ def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why:
             if read is None:
                 continue
             label = label or read.label
-            values[r] = ((), (read.hash,), ())
+            values[r] = ((), (_key(read.hash, read.total),), (read.total,))
             if read.producer >= 0:
                 writers[r] = read.producer
         else:
             if not op.outputs:
                 continue  # a collective whose output was never read
-            values[r] = (tuple((o.shape, o.dtype) for o in op.outputs), tuple(o.hash for o in op.outputs),
+            values[r] = (tuple((o.shape, o.dtype) for o in op.outputs), tuple(_key(o.hash, o.total) for o in op.outputs),
                          tuple(o.total for o in op.outputs))
     split = _split(values, exact or what == "input", rtol, atol)
     if split is None:
         return None
     ref = ops[split[0][0]]
     totals = {r: (next((o.total for o in ops[r].outputs), math.nan) if what == "output" else math.nan) for r in values}
-    sides = [Side(g, values[g[0]][1][0] if values[g[0]][1] else 0, totals[g[0]]) for g in split]
+    sides = [Side(g, (values[g[0]][1][0] or (0, 0))[0] if values[g[0]][1] else 0, totals[g[0]]) for g in split]
     odd = odd_ones({r: split_index for split_index, g in enumerate(split) for r in g})
-    ins = {r: tuple(sorted((i.arg, i.hash) for i in ops[r].inputs)) for r in values}
+    ins = {r: tuple(sorted((i.arg, _key(i.hash, i.total) or (0, 0)) for i in ops[r].inputs)) for r in values}
     return Divergence(pos, {r: ops[r].seq for r in group}, ref.op, ref.module, ref.phase, ref.cell, ref.line, list(group),
                       why if what == "output" else (why or "inputs"), what, label, sides, odd,
                       (len(set(ins.values())) == 1) if any(ins.values()) else None,

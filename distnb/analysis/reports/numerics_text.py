@@ -69,10 +69,12 @@ def divergence_text(d: Divergence) -> str:
         rel = diff / max(abs(d.sides[0].total), 1e-30)
         text += f" (sum {_num(d.sides[1].total)} against {_num(d.sides[0].total)}: difference {diff:.3g}, {rel:.2g} relative)"
     text += "." if d.exact else " (sums beyond the tolerance; elements were not compared)."
-    if d.inputs_agreed and d.args_agreed:
-        text += " Its inputs agreed (by fingerprint),"
-        text += (" and it draws random numbers: the ranks' random generator states likely differ (seeded per rank?)."
-                 if d.random else " so the op itself computed differently there (likely a non-deterministic kernel, or other code or hardware).")
+    if d.random and d.inputs_agreed is not False and d.args_agreed:
+        text += (" It draws random numbers" + (", and its inputs agreed (by fingerprint)" if d.inputs_agreed else "")
+                 + ": the ranks' random generator states likely differ (seeded per rank?).")
+    elif d.inputs_agreed and d.args_agreed:
+        text += (" Its inputs agreed (by fingerprint), so the op itself computed differently there (likely a non-deterministic "
+                 "kernel, or other code or hardware).")
     elif d.inputs_agreed and not d.args_agreed:
         text += " Its tensor inputs agreed; its other arguments (scalars, sizes) differed between the ranks."
     elif d.inputs_agreed is False:

@@ -20,7 +20,6 @@ fingerprinted when an op first reads it, or at the cell's end. At most ``LIMIT``
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import weakref
@@ -45,8 +44,10 @@ _COLLECTIVE_NS = {"c10d", "_c10d_functional", "c10d_functional"}
 #: Ops whose output is their input's value (read as a view is: no fingerprint of their own).
 _SAME_VALUE = {"detach", "lift_fresh", "wait_tensor", "_wrap_tensor_autograd", "alias", "clone"}
 _SCALARS = (int, float, bool, str, complex, type(None))
+#: Ops that allocate without writing: their bytes are whatever the memory held (not a value to compare).
+_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 
-VIEW, SKIP, COLL, OP = 0, 1, 2, 3
+VIEW, SKIP, COLL, OP, EMPTY = 0, 1, 2, 3, 4
 
 
 class _Kind:
@@ -68,6 +69,8 @@ class _Kind:
         self.skip_first = packet == "copy_" or (collective and packet.rstrip("_") in OUTPUT_FIRST)
         if func.namespace == "profiler":
             self.kind = SKIP
+        elif packet in _UNINITIALISED:
+            self.kind = EMPTY
         elif func.is_view or packet in _SAME_VALUE:
             self.kind = VIEW
         elif collective and packet != "wait_tensor":
@@ -81,7 +84,7 @@ class _Kind:
 class _Info:
     """What the record knows of one live tensor."""
 
-    __slots__ = ("ref", "version", "agree", "why", "label", "producer", "fp", "pending")
+    __slots__ = ("ref", "version", "agree", "why", "label", "producer", "fp", "pending", "uninit")
 
     def __init__(self, t: Any) -> None:
         self.ref = weakref.ref(t)
@@ -92,6 +95,7 @@ class _Info:
         self.producer = -1
         self.fp: list[Any] | None = None  # [hash, sum]: device tensors until fetched, then numbers
         self.pending = -1  # the collective whose unread output this is
+        self.uninit = -1  # allocated uninitialised (empty_like): the version it had then
 
 
 def _intersect(agrees: list[Ranks | None]) -> Ranks | None:
@@ -125,12 +129,16 @@ def _mode_class() -> Any:
             self.raw: list[list[Any]] = []
             self.total = 0
             self.unfetched: list[list[Any]] = []
-            self.pending: dict[int, list[Any]] = {}
+            self.pending: dict[int, tuple[list[Any], bool]] = {}
 
         # -- what is known of a tensor ----------------------------------------------------------
         def _entry(self, t: Any) -> _Info | None:
             e = self.tensors.get(id(t))
-            return e if e is not None and e.ref() is t else None
+            if e is not None and e.ref() is t:
+                return e
+            inner = getattr(t, "elem", None)  # funcol's AsyncCollectiveTensor, made in Python around an op's output
+            e = self.tensors.get(id(inner)) if isinstance(inner, Tensor) else None
+            return e if e is not None and e.ref() is inner else None
 
         def _new(self, t: Any) -> _Info:
             if len(self.tensors) > self.prune_at:
@@ -139,6 +147,7 @@ def _mode_class() -> Any:
             e = self.tensors[id(t)] = _Info(t)
             if isinstance(t, DTensor):
                 e.agree, e.why = replicas(t), "Replicate"
+            e.label = self.ctx.param_names.get(id(t))
             return e
 
         def _mark(self, t: Any, ranks: Ranks, why: str, label: str) -> None:
@@ -184,12 +193,15 @@ def _mode_class() -> Any:
 
         def _settle(self, seq: int) -> None:
             """A collective's outputs, read now that an op reads one of them (or the cell ended)."""
-            outs = self.pending.pop(seq, None)
-            if outs is None:
+            held = self.pending.pop(seq, None)
+            if held is None:
                 return
+            outs, functional = held
             rec = self.raw[seq]
             rec[8] = []
             for t in outs:
+                if functional:  # a functional collective's output is ready once waited (what reading it does)
+                    torch.ops._c10d_functional.wait_tensor(t)
                 e = self._entry(t)
                 fp = self._fp(t)
                 if e is not None and e.pending == seq:
@@ -207,9 +219,9 @@ def _mode_class() -> Any:
             if len(self.raw) >= self.limit:
                 self.total += kind.kind != VIEW
                 return func(*args, **kwargs)
-            if kind.kind == VIEW:
+            if kind.kind in (VIEW, EMPTY):
                 out = func(*args, **kwargs)
-                self._inherit(args, out)
+                self._inherit(args, out, kind.kind == EMPTY)
                 return out
             self.total += 1
             seq = len(self.raw)
@@ -217,17 +229,21 @@ def _mode_class() -> Any:
             flat_in = tree_flatten((read, {k: v for k, v in kwargs.items() if k not in kind.out_kw}))[0]
             tensors_in = [t for t in flat_in if isinstance(t, Tensor)]
             reads: list[list[Any]] = []
+            agrees: list[Ranks | None] = []
             for k, t in enumerate(tensors_in[:_TENSORS]):
                 e = self._entry(t)
                 if e is not None and e.pending >= 0:
                     self._settle(e.pending)
                 if e is None:
                     e = self._new(t)
+                agrees.append(e.agree)
+                if e.uninit == t._version:
+                    continue  # allocated and not written yet (a random op's buffer): its shape is all it gives
                 if e.fp is None or e.version != t._version:
                     if e.version != -1 and e.version != t._version:
                         e.producer = -1  # written since by an op not recorded
                     e.fp, e.version = self._fp(t), t._version
-                reads.append([k, e.fp, e.agree, e.label, e.producer])
+                reads.append([k, e.fp, e.agree, e.why, e.label, e.producer])
             digest = zlib.crc32(repr([a if isinstance(a, _SCALARS) else str(a) for a in flat_in
                                       if isinstance(a, _SCALARS) or isinstance(a, (torch.dtype, torch.device))]).encode())
             module, phase, cell, line = self._where()
@@ -244,10 +260,10 @@ def _mode_class() -> Any:
             elif outs and isinstance(outs[0], DTensor):
                 agree, why = replicas(outs[0]), "Replicate"
             else:
-                agree, why = _intersect([r[2] for r in reads]), "inputs"
+                agree, why = _intersect(agrees), "inputs"
             specs: list[list[Any]] | None = None
             if kind.kind == COLL:
-                self._hold(seq, outs, agree, why)
+                self._hold(seq, outs, agree, why, func.namespace != "c10d")
             else:
                 specs = []
                 for t in outs[:_TENSORS]:
@@ -263,26 +279,33 @@ def _mode_class() -> Any:
                 self._fetch()
             return out
 
-        def _hold(self, seq: int, outs: list[Any], agree: Ranks | None, why: str) -> None:
+        def _hold(self, seq: int, outs: list[Any], agree: Ranks | None, why: str, functional: bool) -> None:
             if len(self.pending) >= _PENDING:
                 self.pending.pop(next(iter(self.pending)))  # its output goes unread: never compared
-            self.pending[seq] = outs
+            self.pending[seq] = (outs, functional)
             for t in outs:
                 e = self._new(t)
                 e.agree, e.why, e.producer, e.pending, e.version = agree, why, seq, seq, t._version
 
-        def _inherit(self, args: Any, out: Any) -> None:
+        def _inherit(self, args: Any, out: Any, empty: bool = False) -> None:
+            """A view (or an op that returns its input's value) carries what is known of its input;
+            an uninitialised allocation like a tensor (``empty``) carries only which ranks it must agree with."""
             base = args[0] if args and isinstance(args[0], Tensor) else next(
                 (t for t in tree_flatten(args)[0] if isinstance(t, Tensor)), None)
             e = self._entry(base) if base is not None else None
-            if e is None:
+            if e is None and base is not None and not empty:
+                e = self._new(base)  # a parameter first seen through a view: its name and replicas travel on
+            if e is None and not empty:
                 return
             for t in (out,) if isinstance(out, Tensor) else tree_flatten(out)[0]:
                 if isinstance(t, Tensor) and t is not base:
                     v = self._new(t)
-                    if not isinstance(t, DTensor) or v.agree is None:
+                    if e is not None and (not isinstance(t, DTensor) or v.agree is None):
                         v.agree, v.why = e.agree, e.why
-                    v.label, v.producer, v.pending = e.label, e.producer, e.pending
+                    if empty:
+                        v.uninit = t._version
+                    elif e is not None:
+                        v.label, v.producer, v.pending = e.label, e.producer, e.pending
 
         def _where(self) -> tuple[str, str, int, int]:
             node = current_node()
@@ -306,8 +329,8 @@ def _mode_class() -> Any:
             for seq, name, module, phase, cell, line, agree, why, specs, reads, digest, random, coll in self.raw:
                 outputs = [OutputStats(shape, dtype, int(fp[0]), float(fp[1])) for shape, dtype, fp in specs or []
                            if fp is not None and fp[0] is not None]
-                inputs = [InputRead(k, int(fp[0]), math.isfinite(fp[1]), agree_in, label, producer)
-                          for k, fp, agree_in, label, producer in reads if fp is not None and fp[0] is not None]
+                inputs = [InputRead(k, int(fp[0]), float(fp[1]), agree_in, why_in if agree_in else "", label, producer)
+                          for k, fp, agree_in, why_in, label, producer in reads if fp is not None and fp[0] is not None]
                 ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll))
             self.tensors.clear()
             return {"mode": "collectives" if self.collectives else "ops", "ops": ops, "total": self.total, "limit": self.limit}

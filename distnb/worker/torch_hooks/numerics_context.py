@@ -178,8 +178,10 @@ class Context:
         return (self.stack[-1], "fwd") if self.stack else ("", "")
 
     def line(self, frame: Any) -> tuple[int, int]:
-        """(cell, line) of the innermost notebook frame at or above ``frame``; (0, 0) when none."""
+        """(cell, line) of the outermost notebook frame above ``frame`` — the cell's own line, even
+        inside a function an earlier cell defined; (0, 0) when none."""
         codes = self.codes
+        found = (0, 0)
         while frame is not None:
             code = frame.f_code
             cell = codes.get(code)
@@ -188,6 +190,6 @@ class Context:
                 cell = codes[code] = int(name[len(CELL_PREFIX):-1]) if name.startswith(CELL_PREFIX) and name[-1] == ">" and \
                     name[len(CELL_PREFIX):-1].isdigit() else 0
             if cell:
-                return cell, frame.f_lineno
+                found = (cell, frame.f_lineno)
             frame = frame.f_back
-        return 0, 0
+        return found
