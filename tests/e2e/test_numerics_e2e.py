@@ -185,6 +185,6 @@ def test_two_runs_of_a_cell_compared_op_by_op(pool: distnb.Pool) -> None:
     assert diff_runs(one.cell, rec, same.cell, {r: x.numerics for r, x in same.results.items()}).identical
     diff = diff_runs(one.cell, rec, other.cell, {r: x.numerics for r, x in other.results.items()})
     assert not diff.identical
-    for r, d in diff.per_rank.items():
+    for _r, d in diff.per_rank.items():
         assert d is not None and d.how == "value" and "bernoulli" in d.a.op and d.a.line == 3, diff.text()
     assert "first difference at op #" in diff.text()

@@ -24,7 +24,7 @@ from distnb.analysis.agreement.evidence import odd_ones
 from distnb.ranks import group_by
 from distnb.wire.records import NumericsRecord, OpRecord
 
-__all__ = ["Divergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "compare_numerics", "nonfinite", "rank_groups"]
+__all__ = ["NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "compare_numerics", "nonfinite", "rank_groups"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Side:
 
 
 @dataclass
-class Divergence:
+class NumericDivergence:
     """The first op at which ranks that must agree hold different values."""
 
     position: int  # in the reference rank's op order
@@ -106,8 +106,8 @@ class NumericsReport:
     cell: int
     ranks: list[int]
     mode: str
-    first: Divergence | None
-    divergences: list[Divergence]  # the first per group of ranks, in order
+    first: NumericDivergence | None
+    divergences: list[NumericDivergence]  # the first per group of ranks, in order
     programs: list[ProgramSplit]
     nonfinite: list[NonFinite]
     spreads: list[Spread]
@@ -226,7 +226,7 @@ def _claims(ops: dict[int, OpRecord], named: list[list[int]], inputs: bool, k: i
 
 
 def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why: str, what: str, k: int, exact: bool,
-                rtol: float, atol: float) -> Divergence | None:
+                rtol: float, atol: float) -> NumericDivergence | None:
     values: dict[int, tuple[Any, ...]] = {}
     label = None
     writers: dict[int, int] = {}
@@ -253,7 +253,7 @@ def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why:
     sides = [Side(g, (values[g[0]][1][0] or (0, 0))[0] if values[g[0]][1] else 0, totals[g[0]]) for g in split]
     odd = odd_ones({r: split_index for split_index, g in enumerate(split) for r in g})
     ins = {r: tuple(sorted((i.arg, _key(i.hash, i.total) or (0, 0)) for i in ops[r].inputs)) for r in values}
-    return Divergence(pos, {r: ops[r].seq for r in group}, ref.op, ref.module, ref.phase, ref.cell, ref.line, list(group),
+    return NumericDivergence(pos, {r: ops[r].seq for r in group}, ref.op, ref.module, ref.phase, ref.cell, ref.line, list(group),
                       why if what == "output" else (why or "inputs"), what, label, sides, odd,
                       (len(set(ins.values())) == 1) if any(ins.values()) else None,
                       len({ops[r].args for r in values}) == 1, ref.random, exact or what == "input", writers)
@@ -275,7 +275,7 @@ def compare_numerics(cell: int, per_rank: dict[int, NumericsRecord | None], agre
     if not records:
         return NumericsReport(cell, sorted(per_rank), mode, None, [], [], [], [], {}, [], -1, (rtol, atol), named, notes)
     ref, aligned, programs = _align(records)
-    found: dict[tuple[int, ...], Divergence] = {}
+    found: dict[tuple[int, ...], NumericDivergence] = {}
     for pos, where in enumerate(aligned):
         ops = {r: records[r][i] for r, i in where.items()}
         exchange = any(op.collective for op in ops.values())  # what ranks send a collective differs by design

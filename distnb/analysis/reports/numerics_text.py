@@ -10,7 +10,7 @@ from distnb.ranks import format_ranks
 from distnb.wire.records import OpRecord
 
 if TYPE_CHECKING:
-    from distnb.analysis.reports.numerics import Divergence, NumericsReport
+    from distnb.analysis.reports.numerics import NumericDivergence, NumericsReport
 
 __all__ = ["divergence_text", "nonfinite_text", "op_words", "plot", "report_text", "table_rows"]
 
@@ -42,7 +42,7 @@ def _basis(why: str) -> str:
             "inputs": "made only from tensors that must agree", "named": "ranks you named"}.get(why, why or "made from tensors that must agree")
 
 
-def divergence_text(d: Divergence) -> str:
+def divergence_text(d: NumericDivergence) -> str:
     """One finding: who, where, by how much, and what the records say of its cause."""
     majority = d.sides[0].ranks
     odd = d.odd

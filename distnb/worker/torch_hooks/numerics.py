@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from distnb.wire.records import CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
 from distnb.worker.torch_hooks.comms import OUTPUT_FIRST, process_group_of
-from distnb.worker.torch_hooks.numerics_context import Context, Ranks, group_ranks, replicas
+from distnb.worker.torch_hooks.numerics_context import Agree, Context, group_ranks, replicas
 
 __all__ = ["LIMIT", "run_with_numerics"]
 
@@ -89,7 +89,7 @@ class _Info:
     def __init__(self, t: Any) -> None:
         self.ref = weakref.ref(t)
         self.version = -1
-        self.agree: Ranks | None = None
+        self.agree: Agree | None = None
         self.why = ""
         self.label: str | None = None
         self.producer = -1
@@ -98,7 +98,7 @@ class _Info:
         self.uninit = -1  # allocated uninitialised (empty_like): the version it had then
 
 
-def _intersect(agrees: list[Ranks | None]) -> Ranks | None:
+def _intersect(agrees: list[Agree | None]) -> Agree | None:
     if not agrees or any(a is None for a in agrees):
         return None
     common = set(agrees[0] or ())
@@ -150,14 +150,14 @@ def _mode_class() -> Any:
             e.label = self.ctx.param_names.get(id(t))
             return e
 
-        def _mark(self, t: Any, ranks: Ranks, why: str, label: str) -> None:
+        def _mark(self, t: Any, ranks: Agree, why: str, label: str) -> None:
             e = self._entry(t) or self._new(t)
             if e.agree is None:
                 e.agree, e.why = ranks, why
             if e.label is None:
                 e.label = label
 
-        def _agree_of(self, t: Any) -> Ranks | None:
+        def _agree_of(self, t: Any) -> Agree | None:
             e = self._entry(t)
             return e.agree if e is not None else (replicas(t) if isinstance(t, DTensor) else None)
 
@@ -229,7 +229,7 @@ def _mode_class() -> Any:
             flat_in = tree_flatten((read, {k: v for k, v in kwargs.items() if k not in kind.out_kw}))[0]
             tensors_in = [t for t in flat_in if isinstance(t, Tensor)]
             reads: list[list[Any]] = []
-            agrees: list[Ranks | None] = []
+            agrees: list[Agree | None] = []
             for k, t in enumerate(tensors_in[:_TENSORS]):
                 e = self._entry(t)
                 if e is not None and e.pending >= 0:
@@ -279,7 +279,7 @@ def _mode_class() -> Any:
                 self._fetch()
             return out
 
-        def _hold(self, seq: int, outs: list[Any], agree: Ranks | None, why: str, functional: bool) -> None:
+        def _hold(self, seq: int, outs: list[Any], agree: Agree | None, why: str, functional: bool) -> None:
             if len(self.pending) >= _PENDING:
                 self.pending.pop(next(iter(self.pending)))  # its output goes unread: never compared
             self.pending[seq] = (outs, functional)

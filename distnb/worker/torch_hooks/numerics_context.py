@@ -22,10 +22,10 @@ from distnb.wire.cell_code import CELL_PREFIX
 
 __all__ = ["Context", "group_ranks", "replicas"]
 
-Ranks = tuple[int, ...]
+Agree = tuple[int, ...]
 
 
-def group_ranks(pg: Any) -> Ranks | None:
+def group_ranks(pg: Any) -> Agree | None:
     """The global ranks of a process group (None for a group of one, or unknown)."""
     import torch.distributed as dist
 
@@ -36,10 +36,10 @@ def group_ranks(pg: Any) -> Ranks | None:
     return ranks if len(ranks) > 1 else None
 
 
-_replica_cache: dict[tuple[int, str], Ranks | None] = {}
+_replica_cache: dict[tuple[int, str], Agree | None] = {}
 
 
-def replicas(dt: Any) -> Ranks | None:
+def replicas(dt: Any) -> Agree | None:
     """The ranks holding the same local tensor as this rank for a DTensor: those whose mesh
     coordinates equal this rank's on every dimension the tensor is not ``Replicate()`` on."""
     spec = getattr(dt, "_spec", None)
@@ -49,7 +49,7 @@ def replicas(dt: Any) -> Ranks | None:
     key = (id(mesh), repr(placements))
     if key in _replica_cache:
         return _replica_cache[key]
-    found: Ranks | None = None
+    found: Agree | None = None
     try:
         coord = mesh.get_coordinate()
         if coord is not None and any(p.is_replicate() for p in placements):
@@ -87,8 +87,8 @@ def _tag_nodes(value: Any, name: str, walk: bool) -> None:
 class Context:
     """The module stack, the optimizer's step and the marks, for one cell under the record."""
 
-    def __init__(self, namespace: dict[str, Any], mark: Callable[[Any, Ranks, str, str], None],
-                 agree_of: Callable[[Any], Ranks | None]) -> None:
+    def __init__(self, namespace: dict[str, Any], mark: Callable[[Any, Agree, str, str], None],
+                 agree_of: Callable[[Any], Agree | None]) -> None:
         self.ns = namespace
         self.mark = mark  # (tensor, ranks, why, label)
         self.agree_of = agree_of  # what the record knows of a tensor's ranks
