@@ -46,12 +46,15 @@ _SAME_VALUE = {"detach", "lift_fresh", "wait_tensor", "_wrap_tensor_autograd", "
 _SCALARS = (int, float, bool, str, complex, type(None))
 #: Ops that allocate without writing: their bytes are whatever the memory held (not a value to compare).
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+#: Ops whose later outputs are allocated, not written (FSDP2's copy-in returns the all-gather's
+#: input and its uninitialised output buffer): how many outputs hold values.
+_WRITTEN_OUTPUTS = {"all_gather_copy_in": 1}
 
 VIEW, SKIP, COLL, OP, EMPTY = 0, 1, 2, 3, 4
 
 
 class _Kind:
-    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "random", "agreeing")
+    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "random", "agreeing", "valued")
 
     def __init__(self, func: Any) -> None:
         import torch
@@ -63,6 +66,7 @@ class _Kind:
         self.written = [i for i, a in enumerate(schema.arguments)
                         if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
         self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.valued = _WRITTEN_OUTPUTS.get(packet, _TENSORS)
         returns = any("Tensor" in str(r.type) for r in schema.returns)
         collective = func.namespace in _COLLECTIVE_NS
         self.agreeing = collective and packet in _AGREEING
@@ -266,11 +270,14 @@ def _mode_class() -> Any:
                 self._hold(seq, outs, agree, why, func.namespace != "c10d")
             else:
                 specs = []
-                for t in outs[:_TENSORS]:
+                for n, t in enumerate(outs[:_TENSORS]):
                     e = self._entry(t)
                     label = e.label if e is not None else None
                     e = self._new(t)
                     e.agree, e.why, e.label, e.producer, e.version = agree, why or e.why, label, seq, t._version
+                    if n >= kind.valued:
+                        e.uninit = t._version
+                        continue
                     e.fp = self._fp(t)
                     specs.append([tuple(t.shape), str(t.dtype).replace("torch.", ""), e.fp])
             self.raw.append([seq, kind.name, module, phase, cell, line, agree, why if agree else "", specs, reads, f"{digest:08x}",
