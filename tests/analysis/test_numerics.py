@@ -155,3 +155,15 @@ def test_two_runs_differ_where_one_ranks_values_do() -> None:
     assert all(diff.per_rank[r] is None for r in (0, 2, 3)) and "ranks 0,2,3: the same on every op recorded" in diff.text()
     assert diff_runs(1, a, 2, _records(program, random.Random(1))).identical
     del rng
+
+
+def test_the_html_table_highlights_the_odd_rank_and_the_plot_draws() -> None:
+    from distnb.display.html import numerics_html
+
+    program = [("aten.mm.default", "world")] * 6
+    report = compare_numerics(4, _records(program, random.Random(2), inject=(3, 1, "output")))
+    page = numerics_html(report)
+    assert "first divergence among ranks 0-3" in page and "background:#ffebe9" in page and "rank 3" in page
+    rows = report.table(around=1)
+    assert [r["position"] for r in rows] == [2, 3, 4] and rows[1]["odd"] == [1] and rows[1]["divergence"]
+    assert report.plot() is not None
