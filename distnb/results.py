@@ -311,13 +311,12 @@ class CellResult:
     def numerics(self, agree: Any = (), rtol: float = 0.0, atol: float = 0.0) -> Any:
         """With ``numerics=True``: the first op where ranks that must agree part, where NaN/Inf was
         born (a :class:`~distnb.analysis.reports.numerics.NumericsReport`); ``agree``: groups of ranks
-        that ran the same data ("0-3" or [[0, 1], [2, 3]]); ``rtol``/``atol``: sums within them agree."""
-        from distnb.analysis.reports.numerics import compare_numerics, rank_groups
+        that ran the same data ("0-3", [[0, 1], [2, 3]], a mesh dimension "tp"); ``rtol``/``atol``: sums within them agree."""
+        from distnb.analysis.reports.numerics import compare_numerics
 
         if not any(r.numerics for r in self.results.values()):
             raise ValueError(f"cell {self.cell} was not run with numerics=True (%%on_ranks --numerics), or no rank finished it.")
-        return compare_numerics(self.cell, {r: res.numerics for r, res in sorted(self.results.items())},
-                                rank_groups(agree, max(self.results) + 1), rtol, atol)
+        return compare_numerics(self.cell, {r: res.numerics for r, res in sorted(self.results.items())}, agree, rtol, atol)
 
     def memory_text(self) -> str:
         """The compact memory line: peak range across ranks and any imbalance."""

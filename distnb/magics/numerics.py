@@ -51,7 +51,7 @@ class NumericsMagics(Magics):
     @magic_arguments()
     @argument("words", nargs="*", help="[CELL] — a result variable or In[n] (default _dist) — or: diff A B.")
     @argument("--agree", default=None, metavar="RANKS",
-              help="Ranks that ran the same data and must agree at every op: 0-3, or groups 0,1;2,3.")
+              help="Ranks that ran the same data and must agree at every op: 0-3, groups 0,1;2,3, or a mesh dimension (tp).")
     @argument("--rtol", type=float, default=0.0, help="Relative tolerance on sums (default 0: bit for bit).")
     @argument("--atol", type=float, default=0.0, help="Absolute tolerance on sums (default 0: bit for bit).")
     @argument("--no-plot", action="store_true", help="Text only.")

@@ -178,4 +178,5 @@ class NumericsRecord(TypedDict, total=False):
     ops: list[OpRecord]
     total: int  # ops the rank ran under the record (``len(ops)`` unless past the limit)
     limit: int
+    mesh_groups: dict[str, list[int]]  # per mesh dimension name of the meshes the cells hold: this rank's group
     error: str  # the record could not be made (a torch without what it reads): the cell still ran

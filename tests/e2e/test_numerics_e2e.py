@@ -152,7 +152,9 @@ def test_a_healthy_fsdp2_with_tensor_parallel_step_reports_no_divergence(pool: d
 
 
 def test_a_perturbation_injected_at_a_random_layer_and_rank_is_found_there(pool: distnb.Pool) -> None:
-    _run(pool, "import torch.nn as nn\ntorch.manual_seed(0)\nri_layers = [nn.Linear(8, 8) for _ in range(6)]\n")
+    _run(pool, "import torch.nn as nn\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+               "ri_mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('ri_a', 'ri_b'))\n"
+               "torch.manual_seed(0)\nri_layers = [nn.Linear(8, 8) for _ in range(6)]\n")
     rng = random.Random(39)
     for _ in range(3):
         layer, culprit = rng.randrange(6), rng.randrange(4)
@@ -170,6 +172,11 @@ def test_a_perturbation_injected_at_a_random_layer_and_rank_is_found_there(pool:
         adds = [op for op in report.records[culprit] if op.op == "aten.add.Tensor" and op.line == 6]
         assert d.seq[culprit] == adds[layer].seq, "not the injected layer's add"
         assert not report.programs
+        # Named by a mesh dimension: each of its groups compared on its own (a pair: no majority).
+        pair = [0, 1] if culprit < 2 else [2, 3]
+        by_dim = _run(pool, code, numerics=True).numerics(agree="ri_b")
+        assert by_dim.first is not None and by_dim.first.group == pair and by_dim.first.odd == pair, by_dim.text()
+        assert by_dim.first.seq[culprit] == d.seq[culprit] and "no majority" in by_dim.text()
         # Without the named ranks only the all_reduce's output must agree: what follows from the
         # layers' weights (not known to agree) is not claimed.
         assert report.records and _run(pool, code, numerics=True).numerics().first is None

@@ -18,7 +18,7 @@ import math
 import struct
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
-from typing import Any, Iterable
+from typing import Any
 
 from distnb.analysis.agreement.evidence import odd_ones
 from distnb.ranks import group_by
@@ -259,10 +259,11 @@ def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why:
                       len({ops[r].args for r in values}) == 1, ref.random, exact or what == "input", writers)
 
 
-def compare_numerics(cell: int, per_rank: dict[int, NumericsRecord | None], agree: Iterable[Iterable[int]] = (),
+def compare_numerics(cell: int, per_rank: dict[int, NumericsRecord | None], agree: Any = (),
                      rtol: float = 0.0, atol: float = 0.0) -> NumericsReport:
     """The ranks' records compared: ``agree`` names groups of ranks that must agree at every op
-    (they ran the same data); ``rtol``/``atol`` let sums within them agree (else bit for bit)."""
+    (they ran the same data: see :func:`rank_groups`, a mesh dimension's name included);
+    ``rtol``/``atol`` let sums within them agree (else bit for bit)."""
     records = {r: list(rec.get("ops") or []) for r, rec in sorted(per_rank.items()) if rec and "ops" in rec}
     notes = [f"rank {r}: {rec['error']}" for r, rec in sorted(per_rank.items()) if rec and rec.get("error")]
     for r, rec in sorted(per_rank.items()):
@@ -270,7 +271,12 @@ def compare_numerics(cell: int, per_rank: dict[int, NumericsRecord | None], agre
             notes.append(f"rank {r} ran {rec.get('total')} ops; the first {len(rec.get('ops') or [])} were recorded "
                          "(DISTNB_NUMERICS_OPS): nothing after them was compared")
     mode = next((str(rec.get("mode")) for rec in per_rank.values() if rec and rec.get("mode")), "ops")
-    named = [sorted(set(g)) for g in agree]
+    dims: dict[str, list[list[int]]] = {}
+    for rec in per_rank.values():
+        for name, members in ((rec or {}).get("mesh_groups") or {}).items():
+            if sorted(members) not in dims.setdefault(name, []):
+                dims[name].append(sorted(members))
+    named = [sorted(set(g)) for g in rank_groups(agree, max(per_rank, default=0) + 1, dims)]
     exact = rtol == 0 and atol == 0
     if not records:
         return NumericsReport(cell, sorted(per_rank), mode, None, [], [], [], [], {}, [], -1, (rtol, atol), named, notes)
@@ -320,12 +326,15 @@ def nonfinite(records: dict[int, list[OpRecord]], aligned: list[dict[int, int]],
     return origins, spreads
 
 
-def rank_groups(agree: Any, world_size: int) -> list[list[int]]:
-    """Groups of ranks from ``"0-3"``, ``"0,1;2,3"``, ``[0, 1]`` or ``[[0, 1], [2, 3]]``."""
+def rank_groups(agree: Any, world_size: int, mesh_groups: dict[str, list[list[int]]] | None = None) -> list[list[int]]:
+    """Groups of ranks from ``"0-3"``, ``"0,1;2,3"``, ``[0, 1]``, ``[[0, 1], [2, 3]]``, or a mesh
+    dimension's name (``"tp"``: each of its groups, from ``mesh_groups``)."""
     from distnb.ranks import parse_ranks
 
     if agree is None or agree == () or agree == "":
         return []
+    if isinstance(agree, str) and mesh_groups and agree.strip() in mesh_groups:
+        return mesh_groups[agree.strip()]
     if isinstance(agree, str):
         return [parse_ranks(part, world_size) for part in agree.split(";") if part.strip()]
     items = list(agree)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from distnb.wire.records import CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
 from distnb.worker.torch_hooks.comms import OUTPUT_FIRST, process_group_of
+from distnb.worker.torch_hooks.meshes import describe_meshes
 from distnb.worker.torch_hooks.numerics_context import Agree, Context, group_ranks, replicas
 
 __all__ = ["LIMIT", "run_with_numerics"]
@@ -366,7 +367,21 @@ def _mode_class() -> Any:
                           for k, fp, agree_in, why_in, label, producer in reads if fp is not None and fp[0] is not None]
                 ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll))
             self.tensors.clear()
-            return {"mode": "collectives" if self.collectives else "ops", "ops": ops, "total": self.total, "limit": self.limit}
+            return {"mode": "collectives" if self.collectives else "ops", "ops": ops, "total": self.total, "limit": self.limit,
+                    "mesh_groups": self._mesh_groups()}
+
+        def _mesh_groups(self) -> dict[str, list[int]]:
+            """This rank's group along each named dimension of the meshes the cells hold (for
+            ``agree="tp"``): read only where a mesh was made."""
+            if "torch.distributed.device_mesh" not in sys.modules:
+                return {}
+            meshes = describe_meshes(self.ctx.ns)
+            groups: dict[str, list[int]] = {}
+            for mesh in meshes if isinstance(meshes, list) else []:
+                for name, group in mesh["groups"].items():
+                    if mesh.get("named") and "ranks" in group:
+                        groups.setdefault(name, list(group["ranks"]))
+            return groups
 
     return Record
 
