@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Final, NamedTuple, TypedDict
 
 __all__ = ["P2P_OPS", "UNRECORDED", "CallRecord", "CellError", "CellOutcome", "CollectiveEntry", "CollectivesRead", "InputRead", "NumericsRecord",
-           "OpRecord", "OutputStats", "SyncState"]
+           "OpRecord", "OutputStats", "SyncState", "TENSORS_READ"]
 
 #: The id of an entry made from a watched call the recorder has no entry for yet (NCCL connecting
 #: a communicator): above every real id, so it sorts after the rank's recorded calls.
@@ -125,6 +125,10 @@ class CellOutcome(_CellOutcomeCore, total=False):
 
 
 # -- the per-op numerics record (%%on_ranks --numerics) ------------------------------------------
+#: Tensors fingerprinted per op, in and out; an op with more reads only its first ones.
+TENSORS_READ: Final = 8
+
+
 class OutputStats(NamedTuple):
     """One output tensor of an op, fingerprinted where it lives: ``hash`` is torch.hash_tensor (the
     xor of the elements' 64-bit bit patterns: one element changed always changes it; equal elements

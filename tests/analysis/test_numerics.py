@@ -167,3 +167,10 @@ def test_the_html_table_highlights_the_odd_rank_and_the_plot_draws() -> None:
     rows = report.table(around=1)
     assert [r["position"] for r in rows] == [2, 3, 4] and rows[1]["odd"] == [1] and rows[1]["divergence"]
     assert report.plot() is not None
+
+
+def test_a_nan_from_an_op_with_more_inputs_than_are_read_is_only_likely_born_there() -> None:
+    reads = [InputRead(k, 1, 1.0, None, "", None, -1) for k in range(8)]
+    op = OpRecord(0, "aten._foreach_add.List", "", "step", 5, 3, None, "", [OutputStats((2,), "float32", 1, math.nan)], reads, "0", False, False)
+    report = compare_numerics(5, {0: {"mode": "ops", "ops": [op], "total": 1, "limit": 20000}})
+    assert [nf.certain for nf in report.nonfinite] == [False] and "NaN likely born on rank 0" in report.text()

@@ -22,7 +22,7 @@ from typing import Any
 
 from distnb.analysis.agreement.evidence import odd_ones
 from distnb.ranks import group_by
-from distnb.wire.records import NumericsRecord, OpRecord
+from distnb.wire.records import TENSORS_READ, NumericsRecord, OpRecord
 
 __all__ = ["NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "compare_numerics", "nonfinite", "rank_groups"]
 
@@ -99,6 +99,11 @@ class NonFinite:
     # "sent" (only collectives recorded: the rank's input to one held them)
     op: OpRecord
     label: str | None = None  # the input that held them ("before")
+
+    @property
+    def certain(self) -> bool:
+        """"born" is certain only where every tensor input was read (an op reads its first TENSORS_READ)."""
+        return self.how != "born" or len(self.op.inputs) < TENSORS_READ
 
 
 @dataclass

@@ -89,7 +89,9 @@ def nonfinite_text(report: NumericsReport) -> list[str]:
         kind = "NaN" if any(math.isnan(o.total) for o in op.outputs) else "Inf" if op.outputs else "NaN/Inf"
         where = op_words(op.op, op.module, op.cell, op.line, op.phase)
         if nf.how == "born":
-            lines.append(f"{kind} born on rank {nf.rank} in {where}: every input it read was finite.")
+            lines.append(f"{kind} born on rank {nf.rank} in {where}: every input it read was finite." if nf.certain else
+                         f"{kind} likely born on rank {nf.rank} in {where}: its first {len(op.inputs)} tensor inputs were finite "
+                         "(an op's further inputs are not read).")
         elif nf.how == "before":
             lines.append(f"non-finite values on rank {nf.rank} came from before the cell: {nf.label or 'a tensor'} read by {where}.")
         elif nf.how == "sent":

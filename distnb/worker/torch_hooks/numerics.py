@@ -26,7 +26,7 @@ import weakref
 import zlib
 from typing import Any, Callable
 
-from distnb.wire.records import CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
+from distnb.wire.records import TENSORS_READ, CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
 from distnb.worker.torch_hooks.comms import OUTPUT_FIRST, process_group_of
 from distnb.worker.torch_hooks.meshes import describe_meshes
 from distnb.worker.torch_hooks.numerics_context import Agree, Context, group_ranks, replicas
@@ -34,7 +34,7 @@ from distnb.worker.torch_hooks.numerics_context import Agree, Context, group_ran
 __all__ = ["LIMIT", "run_with_numerics"]
 
 LIMIT = int(os.environ.get("DISTNB_NUMERICS_OPS") or 20000)
-_TENSORS = 8  # tensors fingerprinted per op, in and out
+_TENSORS = TENSORS_READ
 _FETCH = 256  # ops between two fetches of the fingerprints from their devices
 _PENDING = 256  # collective outputs kept for a later read; past it the oldest go unread
 #: Collectives after which every member of the group holds the same result.
