@@ -289,16 +289,18 @@ class Pool(PoolViews):
     # -- cells ----------------------------------------------------------------------------------
     def submit(self, code: str, ranks: Ranks = None, events: CellEvents | None = None, profile: bool = False,
                pdb: bool = False, label: int | None = None, comms: bool = False, paths: bool = False,
-               source: dict[str, Any] | None = None) -> CellResult:
+               source: dict[str, Any] | None = None, numerics: bool | str = False) -> CellResult:
         """Start a cell on the ranks and return its live :class:`CellResult` at once. ``profile``
         runs it under ``torch.profiler`` on every rank (read it with :meth:`profile`); with ``pdb``
         a rank that raises stops in the debugger at the error (:meth:`wait` answers it). ``label``
         is the notebook's In[n] for it (the magic passes it; export speaks in it). ``comms`` runs it
-        under CommDebugMode (``result.comms()``). ``paths`` records which notebook lines each rank ran
+        under CommDebugMode (``result.comms()``); ``numerics`` records every op's fingerprint (``"collectives"``:
+        the collectives only) for ``result.numerics()``. ``paths`` records which notebook lines each rank ran
         (default on 3.12+ ranks, or DISTNB_PATHS=1): failures name the first decision that differed.
         ``source`` is the notebook cell the code is ({"path", "line"}), for the debugger panel."""
         compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
-        flags = {"profile": profile, "pdb": pdb, "comms": comms, "paths": paths, "source": source}
+        flags = {"profile": profile, "pdb": pdb, "comms": comms, "paths": paths, "source": source,
+                 "numerics": ("ops" if numerics is True else numerics) or ""}
         return self._start(code, parse_ranks(ranks, self.world_size), events, flags, compiled=compiled, label=label)
 
     def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, Any], record: bool = True,
@@ -350,10 +352,12 @@ class Pool(PoolViews):
         return result
 
     def run(self, code: str, ranks: Ranks = None, timeout: float | None = None, events: CellEvents | None = None,
-            profile: bool = False, pdb: bool = False, ask: Ask | None = read_line, fail_fast: bool = True) -> CellResult:
+            profile: bool = False, pdb: bool = False, ask: Ask | None = read_line, fail_fast: bool = True,
+            numerics: bool | str = False) -> CellResult:
         """Run ``code`` on the ranks (all by default) and return per-rank output, value and error;
-        ``breakpoint()`` and ``input()`` in it are answered by ``ask``; ``fail_fast``: see :meth:`wait`."""
-        return self.wait(self.submit(code, ranks, events, profile, pdb), timeout, ask=ask, fail_fast=fail_fast)
+        ``breakpoint()`` and ``input()`` in it are answered by ``ask``; ``fail_fast``: see :meth:`wait`;
+        ``numerics``: see :meth:`submit`."""
+        return self.wait(self.submit(code, ranks, events, profile, pdb, numerics=numerics), timeout, ask=ask, fail_fast=fail_fast)
 
     def interrupt(self, ranks: Iterable[int] | None = None) -> list[int]:
         """Send a KeyboardInterrupt to the cell running on the given (default: all busy) ranks."""

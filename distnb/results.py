@@ -18,7 +18,7 @@ from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.cell_names import cell_name, name_cells_in
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
-from distnb.wire.records import CellError, SyncState
+from distnb.wire.records import CellError, NumericsRecord, SyncState
 
 __all__ = [
     "CellEvents",
@@ -115,6 +115,7 @@ class RankResult:
     direct: bool = False  # its CELL_DONE came straight from the rank (a silent cell), not via its supervisor
     profile: dict[str, Any] | None = None  # with --profile: what worker/recorders/profiling.py measured
     comms: dict[str, Any] | None = None  # with --comms: what worker/torch_hooks/comms.py accounted
+    numerics: NumericsRecord | None = None  # with --numerics: the rank's ops (worker/torch_hooks/numerics.py)
     sync: SyncState | None = None  # collectives issued per group at the cell's end (worker/torch_hooks/group_state.py)
     paths: dict[str, Any] | None = None  # which notebook lines ran, as transitions (worker/recorders/paths.py)
     compiles: dict[str, Any] | None = None  # torch.compile's frames compiled, recompiles, graph breaks (worker/torch_hooks/compile_record.py)
@@ -307,6 +308,16 @@ class CellResult:
         if not any(r.comms for r in self.results.values()):
             raise ValueError(f"{cell_name(self.cell)} was not run with comms=True (%%on_ranks --comms), or no rank finished it.")
         return CommsReport.of(self.cell, {r: res.comms for r, res in sorted(self.results.items())})
+
+    def numerics(self, agree: Any = (), rtol: float = 0.0, atol: float = 0.0) -> Any:
+        """With ``numerics=True``: the first op where ranks that must agree part, where NaN/Inf was
+        born (a :class:`~distnb.analysis.reports.numerics.NumericsReport`); ``agree``: groups of ranks
+        that ran the same data ("0-3", [[0, 1], [2, 3]], a mesh dimension "tp"); ``rtol``/``atol``: sums within them agree."""
+        from distnb.analysis.reports.numerics import compare_numerics
+
+        if not any(r.numerics for r in self.results.values()):
+            raise ValueError(f"cell {self.cell} was not run with numerics=True (%%on_ranks --numerics), or no rank finished it.")
+        return compare_numerics(self.cell, {r: res.numerics for r, res in sorted(self.results.items())}, agree, rtol, atol)
 
     def memory_text(self) -> str:
         """The compact memory line: peak range across ranks and any imbalance."""

@@ -16,13 +16,15 @@ from distnb.analysis.reports.checks import CheckReport
 from distnb.analysis.reports.comms import CommsReport
 from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.reports.memory import MemoryReport
+from distnb.analysis.reports.numerics import NumericsReport
 from distnb.analysis.verdicts.stacks import StackReport
 from distnb.cell_names import cell_name
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
 from distnb.states import RankState
 from distnb.status import PoolStatus
 
-__all__ = ["register", "status_html", "stacks_html", "collectives_html", "check_html", "comms_html", "env_html", "memory_html"]
+__all__ = ["register", "status_html", "stacks_html", "collectives_html", "check_html", "comms_html", "env_html", "memory_html",
+           "numerics_html"]
 
 BAD = "background:#ffebe9"
 WARN = "background:#fff8c5"
@@ -150,8 +152,29 @@ def comms_html(report: CommsReport) -> str:
     return body + "<pre style='font-size:12px'>" + _esc("\n".join(report.notes())) + "</pre>"
 
 
+def numerics_html(report: NumericsReport) -> str:
+    """``--numerics``: the text's findings, then the ops around the first divergence, a column per rank
+    (up to 16) with each rank's output sum; the ranks apart from their group highlighted."""
+    rows = report.table()
+    ranks = sorted(report.records)[:SUMMARY_ABOVE]
+    body = []
+    for row in rows:
+        cells = [str(row["position"]), _esc(row["op"]), _esc(row["module"]), _esc(f"{row['cell']}:{row['line']}" if row["cell"] else ""),
+                 _esc(row["phase"]), _esc(row["must_agree"])]
+        for r in ranks:
+            s = row["sums"].get(r)
+            text = "" if s is None else f"{s:.6g}"
+            cells.append(f"<span style='{BAD};font-weight:bold'>{_esc(text)}</span>" if r in row["odd"] else _esc(text))
+        body.append((cells, WARN if row["divergence"] else ""))
+    lines = report.text().splitlines()
+    head = "".join(f"<div>{_esc(line)}</div>" for line in lines)
+    return head + table(["#", "op", "module", "cell:line", "pass", "must agree"] + [f"rank {r}" for r in ranks], body,
+                        "ops around the first divergence (output sums)" if report.first else "the first ops (output sums)")
+
+
 def register(ipython: Any) -> None:
     formatter = ipython.display_formatter.formatters["text/html"]
     for cls, fn in ((PoolStatus, status_html), (StackReport, stacks_html), (CollectiveReport, collectives_html),
-                    (CheckReport, check_html), (EnvReport, env_html), (MemoryReport, memory_html), (CommsReport, comms_html)):
+                    (CheckReport, check_html), (EnvReport, env_html), (MemoryReport, memory_html), (CommsReport, comms_html),
+                    (NumericsReport, numerics_html)):
         formatter.for_type(cls, fn)

@@ -10,10 +10,12 @@ __all__ = ["load", "unload"]
 def load(ipython: Any) -> None:
     from distnb.display.html import register
     from distnb.magics.inspecting import InspectMagics
+    from distnb.magics.numerics import NumericsMagics
     from distnb.magics.running import DistMagics
 
     ipython.register_magics(DistMagics)
     ipython.register_magics(InspectMagics)
+    ipython.register_magics(NumericsMagics)
     register(ipython)
     from distnb.magics.panel import install
 

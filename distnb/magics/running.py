@@ -339,6 +339,9 @@ class DistMagics(Magics):
     @argument("--comms", action="store_true",
               help="Run under PyTorch's CommDebugMode on every rank: collectives per module and mesh dimension (calls, bytes), "
                    "redistributes with their placements, ranks that differ flagged.")
+    @argument("--numerics", nargs="?", const="ops", choices=("ops", "collectives"), default=None,
+              help="Fingerprint every op on every rank (or only the collectives: a cheap NaN/Inf check); after the cell, the "
+                   "first op where ranks that must agree part, and where a NaN/Inf was born (%%dist_numerics for more).")
     @argument("--paths", action="store_true",
               help="Record which of the notebook's lines each rank runs (on by default on Python 3.12+; DISTNB_PATHS=1 everywhere): "
                    "a hang, failure or desync names the first decision ranks took differently.")
@@ -376,7 +379,8 @@ class DistMagics(Magics):
             with _usage_errors():
                 result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
                                      profile=args.profile, pdb=args.pdb, label=getattr(self.shell, "execution_count", None),
-                                     comms=args.comms, paths=args.paths, source=cell_source(self.shell, pool))
+                                     comms=args.comms, paths=args.paths, source=cell_source(self.shell, pool),
+                                     numerics=args.numerics or False)
         except SyntaxError as exc:  # pool.submit compiles the cell before sending anything
             import traceback
 
@@ -424,6 +428,10 @@ class DistMagics(Magics):
             display(comms)
             if comms.rows:
                 show_figure(comms.plot())
+        if args.numerics and not result.running:
+            from distnb.magics.numerics import show_numerics
+
+            show_numerics(result)
         stop_if_failed(result, args.keep_going)  # last: the report, checks and profile are shown first
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:

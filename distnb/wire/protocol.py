@@ -248,6 +248,7 @@ class Exec(TypedDict, total=False):
     compiled: bytes  # the code objects, compiled by the notebook (distnb.wire.cell_code.pack); the rank compiles code itself without them
     profile: bool  # run under torch.profiler (%%on_ranks --profile)
     comms: bool  # run under PyTorch's CommDebugMode (%%on_ranks --comms)
+    numerics: str  # record every op ("ops") or the collectives ("collectives") with fingerprints (%%on_ranks --numerics)
     pdb: bool  # an exception opens the debugger at its frame (%%on_ranks --pdb)
     paths: bool  # record which of the notebook's lines ran (%%on_ranks --paths; absent: the rank's default)
     debug_last: bool  # instead of code: the debugger at the last error's frame (%dist_debug)

@@ -10,9 +10,10 @@ They stay TypedDicts, not dataclasses, because they cross processes as plain msg
 
 from __future__ import annotations
 
-from typing import Any, Final, TypedDict
+from typing import Any, Final, NamedTuple, TypedDict
 
-__all__ = ["P2P_OPS", "UNRECORDED", "CallRecord", "CellError", "CellOutcome", "CollectiveEntry", "CollectivesRead", "SyncState"]
+__all__ = ["P2P_OPS", "UNRECORDED", "CallRecord", "CellError", "CellOutcome", "CollectiveEntry", "CollectivesRead", "InputRead", "NumericsRecord",
+           "OpRecord", "OutputStats", "SyncState", "TENSORS_READ"]
 
 #: The id of an entry made from a watched call the recorder has no entry for yet (NCCL connecting
 #: a communicator): above every real id, so it sorts after the rank's recorded calls.
@@ -117,6 +118,69 @@ class CellOutcome(_CellOutcomeCore, total=False):
     memory: dict[str, Any] | None
     profile: dict[str, Any]  # with EXEC's ``profile``: collective time, top ops, the zlib'd Chrome trace
     comms: dict[str, Any]  # with EXEC's ``comms``: collectives per module with group and bytes, redistributes
+    numerics: NumericsRecord  # with EXEC's ``numerics``: the per-op record (worker/torch_hooks/numerics.py)
     sync: SyncState | None
     paths: dict[str, Any] | None  # the notebook lines' transitions the cell made (worker/paths.py)
     compiles: dict[str, Any] | None  # what torch.compile did during the cell (worker/compile_record.py)
+
+
+# -- the per-op numerics record (%%on_ranks --numerics) ------------------------------------------
+#: Tensors fingerprinted per op, in and out; an op with more reads only its first ones.
+TENSORS_READ: Final = 8
+
+
+class OutputStats(NamedTuple):
+    """One output tensor of an op, fingerprinted where it lives: ``hash`` is torch.hash_tensor (the
+    xor of the elements' 64-bit bit patterns: one element changed always changes it; equal elements
+    cancel in pairs, which the sum catches), ``total`` the float64 sum (NaN or ±inf exactly when an
+    element is); a DTensor's local piece. The fingerprint is the pair."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    hash: int
+    total: float
+
+
+class InputRead(NamedTuple):
+    """A tensor argument as the op read it."""
+
+    arg: int  # which tensor argument (flattened order)
+    hash: int
+    total: float  # as OutputStats: the fingerprint is (hash, total)
+    agree: tuple[int, ...] | None  # the ranks that must hold the same value (None: none known)
+    why: str  # how that is known (as OpRecord.why)
+    label: str | None  # a name for a tensor from before the cell (``model.0.weight``, optimizer state)
+    producer: int  # the op (``seq``) whose output it is; -1: not an output of a recorded op
+
+    @property
+    def finite(self) -> bool:
+        return self.total - self.total == 0  # False for NaN and ±inf
+
+
+class OpRecord(NamedTuple):
+    """One op the dispatcher ran on a rank, in execution order."""
+
+    seq: int
+    op: str  # ``aten.addmm.default``, ``c10d.allreduce_.default``
+    module: str  # the module path running it (the forward's, for a backward op); ``optimizer step (Adam)``; "" none
+    phase: str  # fwd · bwd · step · "" (outside any module)
+    cell: int  # the notebook cell (its number) and line the op came from; 0 unknown
+    line: int
+    agree: tuple[int, ...] | None  # the ranks whose outputs must equal this one's; None: none known
+    why: str  # how ``agree`` is known: "all_reduce", "Replicate", "inputs", "DDP" …
+    outputs: list[OutputStats]  # empty for a collective whose output was never read
+    inputs: list[InputRead]
+    args: str  # a digest of the non-tensor arguments (a scalar, a dim, a group)
+    random: bool  # the op draws from the RNG (torch's ``nondeterministic_seeded`` tag)
+    collective: bool
+
+
+class NumericsRecord(TypedDict, total=False):
+    """What ``--numerics`` brings back from one rank: its ops in order, at most ``limit`` of them."""
+
+    mode: str  # "ops" (every op) or "collectives" (collectives only: a cheap check for NaN/Inf)
+    ops: list[OpRecord]
+    total: int  # ops the rank ran under the record (``len(ops)`` unless past the limit)
+    limit: int
+    mesh_groups: dict[str, list[int]]  # per mesh dimension name of the meshes the cells hold: this rank's group
+    error: str  # the record could not be made (a torch without what it reads): the cell still ran

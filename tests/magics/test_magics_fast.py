@@ -39,7 +39,8 @@ class FakePool:
         self.script: dict[int, tuple[str, dict[str, Any] | None]] = {}
 
     def submit(self, code: str, ranks: Any = None, events: CellEvents | None = None, profile: bool = False, pdb: bool = False,
-               label: int | None = None, comms: bool = False, paths: bool = False, source: dict[str, Any] | None = None) -> CellResult:
+               label: int | None = None, comms: bool = False, paths: bool = False, source: dict[str, Any] | None = None,
+               numerics: bool | str = False) -> CellResult:
         compile(code, "<cell>", "exec")  # the real pool raises a SyntaxError before sending
         targets = parse_ranks(ranks, self.world_size)
         result = CellResult(cell=len(self.history) + 1, code=code, ranks=targets, results={r: RankResult(r) for r in targets}, label=label)

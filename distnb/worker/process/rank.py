@@ -46,6 +46,7 @@ from distnb.worker.torch_hooks import gloo_idle, pasted
 from distnb.worker.torch_hooks.call_log import install
 from distnb.worker.torch_hooks.comms import run_with_comms
 from distnb.worker.torch_hooks.flight_recorder import open_nccl
+from distnb.worker.torch_hooks.numerics import run_with_numerics
 from distnb.worker.torch_hooks.regroup import regroup
 
 _libc = ctypes.CDLL(None)
@@ -265,6 +266,8 @@ class Rank:
                                   paths=record_paths(msg.get("paths")), source=msg.get("source"))
                     if msg.get("comms"):
                         run = partial(run_with_comms, run)
+                    if msg.get("numerics"):
+                        run = partial(run_with_numerics, run, str(msg.get("numerics")), self.ns)
                     reply = run_profiled(run) if msg.get("profile") else run()
             except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,

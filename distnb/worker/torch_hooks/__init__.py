@@ -31,5 +31,9 @@ compile_record      ``torch._dynamo.utils.counters``,                      %%on_
                     ``_compilation_metrics``
 comms               ``torch.distributed.tensor.debug.CommDebugMode``,      --comms: "this torch has no CommDebugMode"
                     DTensor's ``_redistribute``, ``ProcessGroup.unbox``
+numerics            ``torch._C._current_autograd_node``, a DTensor's       --numerics: "the numerics record needs …"
+numerics_context    ``_spec``/``_local_tensor``, ``Tensor._version``,      (no module names in the backward when the
+                    funcol's ``AsyncCollectiveTensor.elem``, autograd      metadata is missing: "")
+                    ``Node.metadata``
 ==================  =====================================================  =============================================
 """

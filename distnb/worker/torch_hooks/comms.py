@@ -18,15 +18,15 @@ from typing import Any, Callable
 
 from distnb.wire.records import CellOutcome
 
-__all__ = ["run_with_comms"]
+__all__ = ["OUTPUT_FIRST", "process_group_of", "run_with_comms"]
 
 #: Modules that import ``redistribute_local_tensor`` by name (each must be wrapped).
 _REDISTRIBUTE_USERS = ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._dispatch", "torch.distributed.tensor._api")
 _KEEP = 20000  # records per cell: a long training loop under --comms is summarised, not stored whole
 
 
-def _group_of(args: Any) -> tuple[str | None, str | None]:
-    """(group name, torch's description) of the process group among a collective op's arguments."""
+def process_group_of(args: Any) -> Any:
+    """The process group among a collective op's arguments (None when none is found)."""
     import torch
     from torch.distributed import distributed_c10d as c10d
     from torch.utils._pytree import tree_flatten
@@ -49,15 +49,23 @@ def _group_of(args: Any) -> tuple[str | None, str | None]:
         elif hasattr(a, "group_name") and not hasattr(a, "shape"):
             pg = a
         if pg is not None:
-            try:
-                return str(pg.group_name), str(getattr(pg, "group_desc", "") or "")
-            except Exception:
-                return None, None
-    return None, None
+            return pg
+    return None
+
+
+def _group_of(args: Any) -> tuple[str | None, str | None]:
+    """(group name, torch's description) of the process group among a collective op's arguments."""
+    pg = process_group_of(args)
+    if pg is None:
+        return None, None
+    try:
+        return str(pg.group_name), str(getattr(pg, "group_desc", "") or "")
+    except Exception:
+        return None, None
 
 
 #: c10d ops whose first argument is the output: the input (what the rank sends) comes second.
-_OUTPUT_FIRST = {"_allgather_base", "_reduce_scatter_base", "allgather", "reduce_scatter", "allgather_into_tensor_coalesced",
+OUTPUT_FIRST = {"_allgather_base", "_reduce_scatter_base", "allgather", "reduce_scatter", "allgather_into_tensor_coalesced",
                  "reduce_scatter_tensor_coalesced", "alltoall_base", "alltoall", "gather"}
 
 
@@ -80,7 +88,7 @@ def _nbytes(op: str, args: Any) -> int:
     """Bytes of the input tensor (or list of tensors): what the rank sends in."""
     import torch
 
-    first = (args[1] if len(args) > 1 else None) if op in _OUTPUT_FIRST else (args[0] if args else None)
+    first = (args[1] if len(args) > 1 else None) if op in OUTPUT_FIRST else (args[0] if args else None)
     tensors = first if isinstance(first, (list, tuple)) else [first]
     return sum(int(t.numel() * t.element_size()) for t in tensors if isinstance(t, torch.Tensor))
 

@@ -1,0 +1,192 @@
+"""The words, table and plot of a numerics report (analysis/reports/numerics.py): text first, each
+claim no stronger than the records make it."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from distnb.cell_names import cell_name
+from distnb.ranks import format_ranks
+from distnb.wire.records import OpRecord
+
+if TYPE_CHECKING:
+    from distnb.analysis.reports.numerics import NumericDivergence, NumericsReport
+
+__all__ = ["divergence_text", "nonfinite_text", "op_words", "plot", "report_text", "table_rows"]
+
+_PHASES = {"fwd": "forward", "bwd": "backward", "step": "optimizer step"}
+_MAX_SPLITS = 4
+
+
+def _where(cell: int, line: int, phase: str) -> str:
+    at = f"{cell_name(cell)} line {line}" if cell else "outside the notebook's code"
+    return f"{at}, {_PHASES[phase]}" if phase in _PHASES else at
+
+
+def op_words(op: str, module: str, cell: int, line: int, phase: str) -> str:
+    """``aten.mul.Tensor in model.layers.3 (cell 5 line 12, forward)``."""
+    return f"{op}{' in ' + module if module and not module.startswith('optimizer') else ''} ({_where(cell, line, phase)})"
+
+
+def _num(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.6g}"
+
+
+def _basis(why: str) -> str:
+    """Why the ranks must agree, in words."""
+    return {"allreduce": "all_reduce output", "all_reduce": "all_reduce output", "broadcast": "broadcast output",
+            "allgather": "all_gather output", "_allgather_base": "all_gather output", "all_gather_into_tensor": "all_gather output",
+            "Replicate": "DTensor Replicate()", "DDP": "DDP replicas", "gradient": "DDP replicas' gradients",
+            "optimizer state": "optimizer state of DDP replicas", "DDP buffer": "DDP replicas' buffers",
+            "DDP buffer, not broadcast": "DDP replicas' buffers (should agree; DDP does not broadcast them here)",
+            "inputs": "made only from tensors that must agree", "named": "ranks you named"}.get(why, why or "made from tensors that must agree")
+
+
+def divergence_text(d: NumericDivergence) -> str:
+    """One finding: who, where, by how much, and what the records say of its cause."""
+    majority = d.sides[0].ranks
+    odd = d.odd
+    tie = sorted(odd) == sorted(d.group)
+    where = op_words(d.op, d.module, d.cell, d.line, d.phase)
+    head = f"first divergence among {format_ranks(d.group)} (must agree: {_basis(d.why)}): "
+    if tie:
+        apart = "; ".join(f"{format_ranks(s.ranks)}" + (f" sum {_num(s.total)}" if d.what == "output" else "") for s in d.sides)
+        who = f"no majority — {len(d.sides)} different values ({apart})"
+    else:
+        who = f"{format_ranks(odd)} against {format_ranks(majority).replace('ranks ', '').replace('rank ', '')}"
+    if d.what == "input":
+        name = d.label or "a tensor it read"
+        text = head + f"{name} already differed when {where} read it: {who}."
+        wrote = {r: s for r, s in d.writers.items()}
+        if wrote:
+            text += " " + "; ".join(f"rank {r} wrote it at op #{s} of the cell" for r, s in sorted(wrote.items())) + "."
+        else:
+            text += " No recorded op of this cell wrote it: it differed before the cell (or was written outside the record)."
+        return text
+    text = head + (f"{where} gives {who}" if tie else f"{format_ranks(odd)}'s {where} differs from {who.split(' against ')[1]}")
+    if not tie:
+        diff = d.diff
+        rel = diff / max(abs(d.sides[0].total), 1e-30)
+        text += f" (sum {_num(d.sides[1].total)} against {_num(d.sides[0].total)}: difference {diff:.3g}, {rel:.2g} relative)"
+    text += "." if d.exact else " (sums beyond the tolerance; elements were not compared)."
+    if d.random and d.inputs_agreed is not False and d.args_agreed:
+        text += (" It draws random numbers" + (", and its inputs agreed (by fingerprint)" if d.inputs_agreed else "")
+                 + ": the ranks' random generator states likely differ (seeded per rank?).")
+    elif d.inputs_agreed and d.args_agreed:
+        text += (" Its inputs agreed (by fingerprint), so the op itself computed differently there (likely a non-deterministic "
+                 "kernel, or other code or hardware).")
+    elif d.inputs_agreed and not d.args_agreed:
+        text += " Its tensor inputs agreed; its other arguments (scalars, sizes) differed between the ranks."
+    elif d.inputs_agreed is False:
+        text += " Its inputs already differed (not all of them were compared: tensors from before the cell that need not agree)."
+    return text
+
+
+def nonfinite_text(report: NumericsReport) -> list[str]:
+    lines = []
+    for nf in report.nonfinite:
+        op = nf.op
+        kind = "NaN" if any(math.isnan(o.total) for o in op.outputs) else "Inf" if op.outputs else "NaN/Inf"
+        where = op_words(op.op, op.module, op.cell, op.line, op.phase)
+        if nf.how == "born":
+            lines.append(f"{kind} born on rank {nf.rank} in {where}: every input it read was finite." if nf.certain else
+                         f"{kind} likely born on rank {nf.rank} in {where}: its first {len(op.inputs)} tensor inputs were finite "
+                         "(an op's further inputs are not read).")
+        elif nf.how == "before":
+            lines.append(f"non-finite values on rank {nf.rank} came from before the cell: {nf.label or 'a tensor'} read by {where}.")
+        elif nf.how == "sent":
+            lines.append(f"rank {nf.rank} sent non-finite values into {where}.")
+    for s in report.spreads:
+        lines.append(f"the {s.op.split('.')[1].rstrip('_')} at {_where(s.cell, s.line, '')} spread non-finite values from "
+                     f"{format_ranks(s.sources)} to {format_ranks(s.reached)}.")
+    return lines
+
+
+def _split_text(report: NumericsReport) -> list[str]:
+    out = []
+    for s in report.programs[:_MAX_SPLITS]:
+        def w(op: OpRecord | None) -> str:
+            return op_words(op.op, op.module, op.cell, op.line, op.phase) if op is not None else "nothing (its ops ended)"
+        if s.how == "extra":
+            out.append(f"rank {s.rank} ran ops rank {s.reference} did not, first {w(s.theirs)}; ops are compared where they match.")
+        elif s.how == "missing":
+            out.append(f"rank {s.rank} did not run {w(s.ours)}, which rank {s.reference} ran; ops are compared where they match.")
+        else:
+            out.append(f"rank {s.rank} ran {w(s.theirs)} where rank {s.reference} ran {w(s.ours)}.")
+    if len(report.programs) > _MAX_SPLITS:
+        out.append(f"(and {len(report.programs) - _MAX_SPLITS} more ranks whose ops depart)")
+    return out
+
+
+def report_text(report: NumericsReport) -> str:
+    n = max((len(ops) for ops in report.records.values()), default=0)
+    what = "collectives" if report.mode == "collectives" else "ops"
+    lines = [f"numerics of {cell_name(report.cell)}: {n} {what} recorded per rank on {format_ranks(sorted(report.records))}"
+             + ("" if report.tolerance == (0.0, 0.0) else f", sums compared within rtol={report.tolerance[0]:g}, atol={report.tolerance[1]:g}")]
+    if report.first is None:
+        if report.mode == "collectives":
+            lines.append("collectives only: their inputs and outputs were checked for NaN/Inf, not compared op by op.")
+        else:
+            lines.append("no divergence: wherever the records say ranks must agree, they did"
+                         + (" (bit for bit, by fingerprint)." if report.tolerance == (0.0, 0.0) else " (within the tolerance)."))
+    else:
+        lines.append(divergence_text(report.first))
+        for d in report.divergences[1:4]:
+            lines.append("  also " + divergence_text(d))
+        if len(report.divergences) > 4:
+            lines.append(f"  (and {len(report.divergences) - 4} more groups of ranks)")
+    lines += nonfinite_text(report)
+    lines += _split_text(report)
+    lines += report.notes
+    return "\n".join(lines)
+
+
+def table_rows(report: NumericsReport, around: int = 4) -> list[dict[str, Any]]:
+    """The ops around the first divergence (or the first ops), one row each: op, module, line and
+    each rank's sum of its first output; ``odd`` names the ranks apart from their group there."""
+    centre = report.first.position if report.first else 0
+    rows = []
+    for pos in range(max(0, centre - around), min(len(report.aligned), centre + around + 1)):
+        where = report.aligned[pos]
+        ops = {r: report.records[r][i] for r, i in where.items()}
+        ref = ops.get(report.reference) or next(iter(ops.values()))
+        sums = {r: (op.outputs[0].total if op.outputs else None) for r, op in sorted(ops.items())}
+        odd: list[int] = []
+        for d in report.divergences:
+            if d.position == pos:
+                odd += d.odd
+        rows.append({"position": pos, "op": ref.op, "module": ref.module, "cell": ref.cell, "line": ref.line, "phase": ref.phase,
+                     "must_agree": format_ranks(ref.agree) if ref.agree else "", "sums": sums, "odd": sorted(set(odd)),
+                     "divergence": report.first is not None and pos == centre})
+    return rows
+
+
+def plot(report: NumericsReport) -> Any:
+    """Per rank, how far each op's output sum is from its group's majority, along the cell's ops."""
+    from matplotlib.figure import Figure
+
+    series: dict[int, tuple[list[int], list[float]]] = {r: ([], []) for r in report.records}
+    for pos, where in enumerate(report.aligned):
+        ops = {r: report.records[r][i] for r, i in where.items()}
+        for r, op in ops.items():
+            if not op.agree or not op.outputs:
+                continue
+            peers = sorted(op2.outputs[0].total for q, op2 in ops.items() if q in op.agree and op2.outputs)
+            ref = peers[len(peers) // 2]
+            diff = abs(op.outputs[0].total - ref)
+            series[r][0].append(pos)
+            series[r][1].append(diff if math.isfinite(diff) else float("nan"))
+    fig = Figure(figsize=(7, 3), layout="constrained")
+    ax = fig.add_subplot()
+    for r, (xs, ys) in sorted(series.items()):
+        if xs:
+            ax.plot(xs, [max(y, 1e-300) for y in ys], ".", markersize=3, label=f"rank {r}")
+    ax.set_yscale("log")
+    if report.first is not None:
+        ax.axvline(report.first.position, color="red", linewidth=0.8)
+    ax.set_xlabel("op (execution order)")
+    ax.set_ylabel("|sum − group median|")
+    ax.set_title(f"difference from the ranks that must agree, {cell_name(report.cell)}", fontsize=9)
+    ax.legend(fontsize=7)
+    return fig

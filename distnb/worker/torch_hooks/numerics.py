@@ -1,0 +1,407 @@
+"""``%%on_ranks --numerics``: every op the cell runs on a rank, with a fingerprint of what it made.
+
+A ``TorchDispatchMode`` (torch/utils/_python_dispatch.py) sees each op below autograd — forward,
+backward (the engine runs CPU work on the calling thread, and carries the mode to its own threads),
+the optimizer's step, and the collectives torch.distributed, DDP, FSDP2 and DTensor issue, which
+go through the dispatcher as ``c10d``/``_c10d_functional`` ops. A DTensor op is seen once, at the
+DTensor level (its local ops run with the mode popped); its outputs are fingerprinted by their
+local piece. PyTorch's ``DebugMode`` (torch/utils/_debug_mode) logs the same ops with
+``torch.hash_tensor``, as a string per call for one process; this mode keeps, per op, only what the
+notebook compares across ranks: op, module path, pass, cell line, each output's shape, dtype and
+fingerprint (``torch.hash_tensor`` and a float64 sum, computed on the tensor's device and fetched
+in batches: one host sync per ``_FETCH`` ops), the tensor inputs' fingerprints, and which ranks must
+hold the same output (numerics_context.py), propagated op by op: an output made only from tensors
+that must agree must agree too.
+
+A collective's output is not ready when its op returns (the Work is waited later): it is
+fingerprinted when an op first reads it, or at the cell's end. At most ``LIMIT`` ops are kept
+(``DISTNB_NUMERICS_OPS``): the record stays bounded on a long cell, and says how many ran.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+import zlib
+from typing import Any, Callable
+
+from distnb.wire.records import TENSORS_READ, CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
+from distnb.worker.torch_hooks.comms import OUTPUT_FIRST, process_group_of
+from distnb.worker.torch_hooks.meshes import describe_meshes
+from distnb.worker.torch_hooks.numerics_context import Agree, Context, group_ranks, replicas
+
+__all__ = ["LIMIT", "run_with_numerics"]
+
+LIMIT = int(os.environ.get("DISTNB_NUMERICS_OPS") or 20000)
+_TENSORS = TENSORS_READ
+_FETCH = 256  # ops between two fetches of the fingerprints from their devices
+_PENDING = 256  # collective outputs kept for a later read; past it the oldest go unread
+#: Collectives after which every member of the group holds the same result.
+_AGREEING = {"allreduce_", "broadcast_", "allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allreduce_coalesced_",
+             "all_reduce", "all_reduce_", "all_gather_into_tensor", "all_gather_into_tensor_out", "all_reduce_coalesced",
+             "all_reduce_coalesced_", "all_gather_into_tensor_coalesced", "broadcast"}
+_COLLECTIVE_NS = {"c10d", "_c10d_functional", "c10d_functional"}
+#: Ops whose output is their input's value (read as a view is: no fingerprint of their own).
+_SAME_VALUE = {"detach", "lift_fresh", "wait_tensor", "_wrap_tensor_autograd", "alias", "clone"}
+_SCALARS = (int, float, bool, str, complex, type(None))
+#: Ops that allocate without writing: their bytes are whatever the memory held (not a value to compare).
+_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+#: Ops whose later outputs are allocated, not written (FSDP2's copy-in returns the all-gather's
+#: input and its uninitialised output buffer): how many outputs hold values.
+_WRITTEN_OUTPUTS = {"all_gather_copy_in": 1}
+
+VIEW, SKIP, COLL, OP, EMPTY = 0, 1, 2, 3, 4
+
+
+class _Kind:
+    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "random", "agreeing", "valued")
+
+    def __init__(self, func: Any) -> None:
+        import torch
+
+        schema = func._schema
+        packet = func._overloadpacket.__name__
+        self.name = f"{func.namespace}.{func.__name__}"
+        self.out_kw = {a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
+        self.written = [i for i, a in enumerate(schema.arguments)
+                        if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.valued = _WRITTEN_OUTPUTS.get(packet, _TENSORS)
+        returns = any("Tensor" in str(r.type) for r in schema.returns)
+        collective = func.namespace in _COLLECTIVE_NS
+        self.agreeing = collective and packet in _AGREEING
+        self.skip_first = packet == "copy_" or (collective and packet.rstrip("_") in OUTPUT_FIRST)
+        if func.namespace == "profiler":
+            self.kind = SKIP
+        elif packet in _UNINITIALISED:
+            self.kind = EMPTY
+        elif func.is_view or packet in _SAME_VALUE:
+            self.kind = VIEW
+        elif collective and packet != "wait_tensor":
+            self.kind = COLL
+        elif returns or self.written or self.out_kw:
+            self.kind = OP
+        else:
+            self.kind = SKIP  # .item(), equal(): nothing made
+
+
+class _Info:
+    """What the record knows of one live tensor."""
+
+    __slots__ = ("ref", "version", "agree", "why", "label", "producer", "fp", "pending", "uninit")
+
+    def __init__(self, t: Any) -> None:
+        self.ref = weakref.ref(t)
+        self.version = -1
+        self.agree: Agree | None = None
+        self.why = ""
+        self.label: str | None = None
+        self.producer = -1
+        self.fp: list[Any] | None = None  # [hash, sum]: device tensors until fetched, then numbers
+        self.pending = -1  # the collective whose unread output this is
+        self.uninit = -1  # allocated uninitialised (empty_like): the version it had then
+
+
+def _leaves(x: Any) -> list[Any]:
+    """An op's arguments flattened: what torch's pytree does for them (tuples, lists, dicts of
+    leaves), at a fraction of its cost per op."""
+    out: list[Any] = []
+    todo = [x]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, (tuple, list)):
+            todo.extend(reversed(v))
+        elif isinstance(v, dict):
+            todo.extend(reversed(list(v.values())))
+        else:
+            out.append(v)
+    return out
+
+
+def _dense(t: Any) -> bool:
+    """Its elements fill its memory once: contiguous, or a 2-D transpose of a contiguous tensor."""
+    return bool(t.is_contiguous() or (t.dim() == 2 and t.stride() == (1, t.shape[0])))
+
+
+def _intersect(agrees: list[Agree | None]) -> Agree | None:
+    if not agrees or any(a is None for a in agrees):
+        return None
+    common = set(agrees[0] or ())
+    for a in agrees[1:]:
+        common &= set(a or ())
+    return tuple(sorted(common)) if len(common) > 1 else None
+
+
+def _mode_class() -> Any:
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    Tensor = torch.Tensor
+    current_node = torch._C._current_autograd_node
+
+    class Record(TorchDispatchMode):
+        """Fingerprints every op (``collectives``: only the collectives) while it is entered."""
+
+        def __init__(self, namespace: dict[str, Any], collectives: bool, limit: int) -> None:
+            super().__init__()
+            self.collectives, self.limit = collectives, limit
+            self.ctx = Context(namespace, self._mark, self._agree_of)
+            self.kinds: dict[Any, _Kind] = {}
+            self.tensors: dict[int, _Info] = {}
+            self.prune_at = 4096
+            self.raw: list[list[Any]] = []
+            self.total = 0
+            self.unfetched: list[list[Any]] = []
+            self.pending: dict[int, tuple[list[Any], bool]] = {}
+
+        # -- what is known of a tensor ----------------------------------------------------------
+        def _entry(self, t: Any) -> _Info | None:
+            e = self.tensors.get(id(t))
+            if e is not None and e.ref() is t:
+                return e
+            inner = getattr(t, "elem", None)  # funcol's AsyncCollectiveTensor, made in Python around an op's output
+            e = self.tensors.get(id(inner)) if isinstance(inner, Tensor) else None
+            return e if e is not None and e.ref() is inner else None
+
+        def _new(self, t: Any) -> _Info:
+            if len(self.tensors) > self.prune_at:
+                self.tensors = {k: v for k, v in self.tensors.items() if v.ref() is not None}
+                self.prune_at = 2 * len(self.tensors) + 4096
+            e = self.tensors[id(t)] = _Info(t)
+            if isinstance(t, DTensor):
+                e.agree, e.why = replicas(t), "Replicate"
+            e.label = self.ctx.param_names.get(id(t))
+            return e
+
+        def _mark(self, t: Any, ranks: Agree, why: str, label: str) -> None:
+            e = self._entry(t) or self._new(t)
+            if e.agree is None:
+                e.agree, e.why = ranks, why
+            if e.label is None:
+                e.label = label
+
+        def _agree_of(self, t: Any) -> Agree | None:
+            e = self._entry(t)
+            return e.agree if e is not None else (replicas(t) if isinstance(t, DTensor) else None)
+
+        def _fp(self, t: Any) -> list[Any] | None:
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            try:
+                if local.device.type == "meta" or type(local).__name__ == "FakeTensor":
+                    return None
+                if local.numel() == 0:
+                    return [0, 0.0]
+                if local.is_complex():
+                    local = torch.view_as_real(local)
+                fp = [torch.hash_tensor(local).view(torch.int64), local.sum(dtype=torch.float64)]
+            except Exception:
+                return None
+            self.unfetched.append(fp)
+            return fp
+
+        def _fetch(self) -> None:
+            """Every fingerprint still on its device to numbers: one copy per device."""
+            todo, self.unfetched = self.unfetched, []
+            by_device: dict[Any, list[list[Any]]] = {}
+            for fp in todo:
+                by_device.setdefault(fp[0].device, []).append(fp)
+            for fps in by_device.values():
+                try:
+                    hashes = torch.stack([f[0] for f in fps]).tolist()
+                    sums = torch.stack([f[1] for f in fps]).tolist()
+                except Exception:
+                    hashes = sums = [None] * len(fps)
+                for f, h, s in zip(fps, hashes, sums):
+                    f[0], f[1] = h, s
+
+        def _settle(self, seq: int) -> None:
+            """A collective's outputs, read now that an op reads one of them (or the cell ended)."""
+            held = self.pending.pop(seq, None)
+            if held is None:
+                return
+            outs, functional = held
+            rec = self.raw[seq]
+            rec[8] = []
+            for t in outs:
+                if functional:  # a functional collective's output is ready once waited (what reading it does)
+                    torch.ops._c10d_functional.wait_tensor(t)
+                e = self._entry(t)
+                fp = self._fp(t)
+                if e is not None and e.pending == seq:
+                    e.pending, e.fp, e.version = -1, fp, t._version
+                rec[8].append([tuple(t.shape), str(t.dtype).replace("torch.", ""), fp])
+
+        # -- the op ------------------------------------------------------------------------------
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            kind = self.kinds.get(func)
+            if kind is None:
+                kind = self.kinds[func] = _Kind(func)
+            if kind.kind == SKIP or (self.collectives and kind.kind != COLL):
+                return func(*args, **kwargs)
+            if len(self.raw) >= self.limit:
+                self.total += kind.kind != VIEW
+                return func(*args, **kwargs)
+            if kind.kind in (VIEW, EMPTY):
+                out = func(*args, **kwargs)
+                self._inherit(args, out, kind.kind == EMPTY)
+                return out
+            self.total += 1
+            seq = len(self.raw)
+            read = args[1:] if kind.skip_first else args
+            flat_in = _leaves((read, {k: v for k, v in kwargs.items() if k not in kind.out_kw}))
+            tensors_in = [t for t in flat_in if isinstance(t, Tensor)]
+            reads: list[list[Any]] = []
+            agrees: list[Agree | None] = []
+            for k, t in enumerate(tensors_in[:_TENSORS]):
+                e = self._entry(t)
+                if e is not None and e.pending >= 0:
+                    self._settle(e.pending)
+                if e is None:
+                    e = self._new(t)
+                agrees.append(e.agree)
+                if e.uninit == t._version:
+                    continue  # allocated and not written yet (a random op's buffer): its shape is all it gives
+                if e.fp is None or e.version != t._version:
+                    if e.version != -1 and e.version != t._version:
+                        e.producer = -1  # written since by an op not recorded
+                    e.fp, e.version = self._fp(t), t._version
+                reads.append([k, e.fp, e.agree, e.why, e.label, e.producer])
+            digest = zlib.crc32(repr([a if isinstance(a, _SCALARS) else str(a) for a in flat_in
+                                      if isinstance(a, _SCALARS) or isinstance(a, (torch.dtype, torch.device))]).encode())
+            module, phase, cell, line = self._where()
+            out = func(*args, **kwargs)
+            outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
+            for i in kind.written:
+                if i < len(args):
+                    outs.extend(t for t in _leaves(args[i]) if isinstance(t, Tensor) and all(t is not o for o in outs))
+            for name in kind.out_kw:
+                outs.extend(t for t in _leaves(kwargs.get(name)) if isinstance(t, Tensor) and all(t is not o for o in outs))
+            if kind.kind == COLL:
+                agree = group_ranks(process_group_of(args)) if kind.agreeing else None
+                why = func._overloadpacket.__name__.rstrip("_") if agree else ""
+            elif outs and isinstance(outs[0], DTensor):
+                agree, why = replicas(outs[0]), "Replicate"
+            else:
+                agree, why = _intersect(agrees), "inputs"
+            specs: list[list[Any]] | None = None
+            if kind.kind == COLL:
+                self._hold(seq, outs, agree, why, func.namespace != "c10d")
+            else:
+                specs = []
+                for n, t in enumerate(outs[:_TENSORS]):
+                    e = self._entry(t)
+                    label = e.label if e is not None else None
+                    e = self._new(t)
+                    e.agree, e.why, e.label, e.producer, e.version = agree, why or e.why, label, seq, t._version
+                    if n >= kind.valued:
+                        e.uninit = t._version
+                        continue
+                    e.fp = self._fp(t)
+                    specs.append([tuple(t.shape), str(t.dtype).replace("torch.", ""), e.fp])
+            self.raw.append([seq, kind.name, module, phase, cell, line, agree, why if agree else "", specs, reads, f"{digest:08x}",
+                             kind.random, kind.kind == COLL])
+            if len(self.unfetched) >= 2 * _FETCH:
+                self._fetch()
+            return out
+
+        def _hold(self, seq: int, outs: list[Any], agree: Agree | None, why: str, functional: bool) -> None:
+            if len(self.pending) >= _PENDING:
+                self.pending.pop(next(iter(self.pending)))  # its output goes unread: never compared
+            self.pending[seq] = (outs, functional)
+            for t in outs:
+                e = self._new(t)
+                e.agree, e.why, e.producer, e.pending, e.version = agree, why, seq, seq, t._version
+
+        def _inherit(self, args: Any, out: Any, empty: bool = False) -> None:
+            """A view (or an op that returns its input's value) carries what is known of its input;
+            an uninitialised allocation like a tensor (``empty``) carries only which ranks it must agree with."""
+            base = args[0] if args and isinstance(args[0], Tensor) else next(
+                (t for t in _leaves(args) if isinstance(t, Tensor)), None)
+            e = self._entry(base) if base is not None else None
+            if e is None and base is not None and not empty:
+                e = self._new(base)  # a parameter first seen through a view: its name and replicas travel on
+            if e is None and not empty:
+                return
+            for t in (out,) if isinstance(out, Tensor) else _leaves(out):
+                if isinstance(t, Tensor) and t is not base:
+                    v = self._new(t)
+                    if e is not None and (not isinstance(t, DTensor) or v.agree is None):
+                        v.agree, v.why = e.agree, e.why
+                    if empty:
+                        v.uninit = t._version
+                    elif e is not None:
+                        v.label, v.producer, v.pending = e.label, e.producer, e.pending
+                        if base is not None and e.fp is not None and e.version == base._version and t.numel() == base.numel() \
+                                and t.storage_offset() == base.storage_offset() and _dense(t) and _dense(base) \
+                                and not isinstance(t, DTensor):
+                            # the same memory, read in another order or shape (t(), view, detach): the
+                            # fingerprint (an xor and a sum) is the base's, not computed again
+                            v.fp, v.version = e.fp, t._version
+
+        def _where(self) -> tuple[str, str, int, int]:
+            node = current_node()
+            if node is not None:
+                try:
+                    module = str(node.metadata.get("distnb", ""))  # type: ignore[attr-defined]  # a dict on a Node
+                except Exception:
+                    module = ""
+                cell, line = self.ctx.line(sys._getframe(2))
+                return module, "bwd", cell, line
+            module, phase = self.ctx.module()
+            cell, line = self.ctx.line(sys._getframe(2))
+            return module, phase, cell, line
+
+        # -- the record ----------------------------------------------------------------------------
+        def finish(self) -> NumericsRecord:
+            for seq in list(self.pending):
+                self._settle(seq)
+            self._fetch()
+            ops = []
+            for seq, name, module, phase, cell, line, agree, why, specs, reads, digest, random, coll in self.raw:
+                outputs = [OutputStats(shape, dtype, int(fp[0]), float(fp[1])) for shape, dtype, fp in specs or []
+                           if fp is not None and fp[0] is not None]
+                inputs = [InputRead(k, int(fp[0]), float(fp[1]), agree_in, why_in if agree_in else "", label, producer)
+                          for k, fp, agree_in, why_in, label, producer in reads if fp is not None and fp[0] is not None]
+                ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll))
+            self.tensors.clear()
+            return {"mode": "collectives" if self.collectives else "ops", "ops": ops, "total": self.total, "limit": self.limit,
+                    "mesh_groups": self._mesh_groups()}
+
+        def _mesh_groups(self) -> dict[str, list[int]]:
+            """This rank's group along each named dimension of the meshes the cells hold (for
+            ``agree="tp"``): read only where a mesh was made."""
+            if "torch.distributed.device_mesh" not in sys.modules:
+                return {}
+            meshes = describe_meshes(self.ctx.ns)
+            groups: dict[str, list[int]] = {}
+            for mesh in meshes if isinstance(meshes, list) else []:
+                for name, group in mesh["groups"].items():
+                    if mesh.get("named") and "ranks" in group:
+                        groups.setdefault(name, list(group["ranks"]))
+            return groups
+
+    return Record
+
+
+def run_with_numerics(run: Callable[[], CellOutcome], mode: str, namespace: dict[str, Any]) -> CellOutcome:
+    """``run()`` (the cell) under the record; its reply gains ``numerics``."""
+    try:
+        record = _mode_class()(namespace, mode == "collectives", LIMIT)
+    except Exception as exc:  # a torch without what the record reads: the cell still runs
+        reply = run()
+        reply["numerics"] = {"error": f"the numerics record needs torch.hash_tensor and DTensor ({type(exc).__name__}: {exc})"}
+        return reply
+    record.ctx.install()
+    try:
+        with record:
+            reply = run()
+    finally:
+        record.ctx.remove()
+    try:
+        reply["numerics"] = record.finish()
+    except Exception as exc:
+        reply["numerics"] = {"error": f"the numerics record failed: {type(exc).__name__}: {exc}"}
+    return reply

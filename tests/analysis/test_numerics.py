@@ -1,0 +1,176 @@
+"""The numerics comparison on generated records: programs of random ops over 4 ranks (data-parallel
+ops that may differ, ops after an all_reduce that must agree, tensor-parallel pairs), healthy ones
+never claimed divergent, and a divergence or NaN injected at a random op and rank found exactly
+there — variety no one picked by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from distnb.analysis.reports.numerics import compare_numerics, rank_groups
+from distnb.analysis.reports.numerics_diff import diff_runs
+from distnb.wire.records import InputRead, NumericsRecord, OpRecord, OutputStats
+
+RANKS = [0, 1, 2, 3]
+GROUPS = {"world": (0, 1, 2, 3), "tp": None}  # tp: the rank's pair
+
+
+def _pair(r: int) -> tuple[int, ...]:
+    return (0, 1) if r < 2 else (2, 3)
+
+
+def _program(rng: random.Random, n: int) -> list[tuple[str, str | None]]:
+    """(op name, agreement: None, "world" or "tp") per op."""
+    ops = []
+    for i in range(n):
+        agree = rng.choice([None, None, "world", "tp"]) if i else None
+        ops.append((rng.choice(["aten.mm.default", "aten.add.Tensor", "aten.relu.default", "aten.mul.Tensor"]), agree))
+    return ops
+
+
+def _records(program: list[tuple[str, str | None]], rng: random.Random, inject: tuple[int, int, str] | None = None,
+             nan: tuple[int, int] | None = None) -> dict[int, NumericsRecord]:
+    """Each rank's ops: agreeing ops hold the value of their group, others the rank's own; an
+    ``inject`` (position, rank, "output"|"input") makes that rank differ from there on."""
+    values = [rng.random() for _ in program]
+    per_rank: dict[int, NumericsRecord] = {}
+    for r in RANKS:
+        ops = []
+        off = 0.0
+        nonfinite = False
+        for i, (name, kind) in enumerate(program):
+            agree = None if kind is None else (GROUPS["world"] if kind == "world" else _pair(r))
+            if inject and inject[1] == r and i == inject[0]:
+                off = 1e-3
+            if nan and nan[1] == r and i == nan[0]:
+                nonfinite = True
+            key = values[i] if agree else values[i] + r
+            total = math.nan if nonfinite else key + (off if agree else 0.0)
+            read_total = math.nan if nonfinite and not (nan and i == nan[0]) else key
+            input_off = off if inject and inject[2] == "input" and inject[1] == r and i >= inject[0] else 0.0
+            inputs = [InputRead(0, hash(("in", read_total + input_off if agree else read_total)) & 0xFFFF, read_total + input_off,
+                                agree, "x" if agree else "", "weight" if agree else None, -1)]
+            out_total = total + (input_off if agree else 0.0)
+            ops.append(OpRecord(i, name, "model", "fwd", 5, 10 + i, agree, "inputs" if agree else "", [
+                OutputStats((4,), "float32", hash(("out", out_total)) & 0xFFFF, out_total)], inputs, "0", False, False))
+        per_rank[r] = {"mode": "ops", "ops": ops, "total": len(ops), "limit": 20000}
+    return per_rank
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_healthy_generated_programs_are_never_claimed_divergent(seed: int) -> None:
+    rng = random.Random(seed)
+    program = _program(rng, rng.randrange(5, 60))
+    report = compare_numerics(1, _records(program, rng))
+    assert report.first is None and not report.nonfinite and not report.programs, report.text()
+    assert "no divergence" in report.text()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_divergence_injected_at_a_random_op_and_rank_is_named_there(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    program = _program(rng, rng.randrange(5, 60))
+    agreeing = [i for i, (_, kind) in enumerate(program) if kind]
+    if not agreeing:
+        agreeing = [1]
+        program[1] = (program[1][0], "world")
+    pos, culprit, what = rng.choice(agreeing), rng.choice(RANKS), rng.choice(["output", "input"])
+    report = compare_numerics(1, _records(program, rng, inject=(pos, culprit, what)))
+    d = report.first
+    assert d is not None, report.text()
+    assert (d.position, d.what) == (pos, what) and culprit in d.odd and d.line == 10 + pos, (pos, culprit, what, report.text())
+    group = list(GROUPS["world"]) if program[pos][1] == "world" else list(_pair(culprit))
+    assert d.group == group
+    if len(group) > 2:
+        assert d.odd == [culprit] and f"rank {culprit}" in report.text()
+    else:  # one against one: nothing says which side is wrong, and the words say so
+        assert d.odd == group and "no majority" in report.text()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_nan_injected_at_a_random_op_is_born_there_and_a_collective_spreads_it(seed: int) -> None:
+    rng = random.Random(5000 + seed)
+    program = _program(rng, rng.randrange(6, 40))
+    pos, culprit = rng.randrange(len(program) - 1), rng.choice(RANKS)
+    per_rank = _records(program, rng, nan=(pos, culprit))
+    # an all_reduce after it: the culprit sends NaN, every rank receives it
+    coll = len(program)
+    for r, rec in per_rank.items():
+        bad = r == culprit
+        rec["ops"].append(OpRecord(coll, "c10d.allreduce_.default", "", "bwd", 5, 99, (0, 1, 2, 3), "allreduce",
+                                   [OutputStats((4,), "float32", 7, math.nan)],
+                                   [InputRead(0, 3, math.nan if bad else 1.0, None, "", None, coll - 1 if bad else -1)], "0", False, True))
+    report = compare_numerics(1, per_rank)
+    born = [nf for nf in report.nonfinite if nf.how == "born"]
+    assert [(nf.rank, nf.op.seq) for nf in born] == [(culprit, pos)], report.text()
+    assert {nf.rank for nf in report.nonfinite if nf.how == "received"} == set(RANKS) - {culprit}
+    assert [(s.sources, s.reached) for s in report.spreads] == [([culprit], sorted(set(RANKS) - {culprit}))]
+    # NaN on one rank where ranks must agree is also where they part: never before it, always the culprit.
+    d = report.first
+    assert d is None or (d.position >= pos and culprit in d.odd), report.text()
+
+
+def test_a_tolerance_lets_small_differences_agree_and_says_it_compared_sums() -> None:
+    rng = random.Random(7)
+    program = [("aten.mm.default", "world")] * 4
+    per_rank = _records(program, rng, inject=(2, 3, "output"))
+    assert compare_numerics(1, per_rank).first is not None
+    assert compare_numerics(1, per_rank, rtol=0.0, atol=1e-2).first is None
+    loose = compare_numerics(1, per_rank, atol=1e-6)
+    assert loose.first is not None and loose.first.odd == [3] and "elements were not compared" in loose.text()
+
+
+def test_named_ranks_make_every_op_compared_and_rank_groups_parse() -> None:
+    rng = random.Random(3)
+    program = [("aten.mm.default", None)] * 3
+    per_rank = _records(program, rng)
+    assert compare_numerics(1, per_rank).first is None  # each rank's own data: nothing must agree
+    d = compare_numerics(1, per_rank, agree=[[0, 1, 2, 3]]).first
+    assert d is not None and d.position == 0 and d.why == "named"
+    assert rank_groups("0,1;2,3", 4) == [[0, 1], [2, 3]] and rank_groups([0, 2], 4) == [[0, 2]] and rank_groups((), 4) == []
+
+
+def test_an_extra_op_on_one_rank_is_a_program_split_and_the_rest_still_aligns() -> None:
+    rng = random.Random(11)
+    program = [("aten.mm.default", "world"), ("aten.add.Tensor", "world"), ("aten.relu.default", "world")]
+    per_rank = _records(program, rng)
+    ops = per_rank[2]["ops"]
+    extra = ops[0]._replace(op="aten.mul_.Tensor", agree=None)
+    per_rank[2]["ops"] = [ops[0], extra] + ops[1:]
+    report = compare_numerics(1, per_rank)
+    assert [(s.rank, s.how, s.position) for s in report.programs] == [(2, "extra", 1)]
+    assert report.first is None and "rank 2 ran ops rank 0 did not, first aten.mul_.Tensor" in report.text()
+
+
+def test_two_runs_differ_where_one_ranks_values_do() -> None:
+    rng = random.Random(5)
+    program = [("aten.mm.default", "world")] * 5
+    a = _records(program, random.Random(1))
+    b = _records(program, random.Random(1), inject=(3, 1, "output"))
+    diff = diff_runs(1, a, 2, b)
+    assert diff.per_rank[1] is not None and diff.per_rank[1].position == 3 and diff.per_rank[1].how == "value"
+    assert all(diff.per_rank[r] is None for r in (0, 2, 3)) and "ranks 0,2,3: the same on every op recorded" in diff.text()
+    assert diff_runs(1, a, 2, _records(program, random.Random(1))).identical
+    del rng
+
+
+def test_the_html_table_highlights_the_odd_rank_and_the_plot_draws() -> None:
+    from distnb.display.html import numerics_html
+
+    program = [("aten.mm.default", "world")] * 6
+    report = compare_numerics(4, _records(program, random.Random(2), inject=(3, 1, "output")))
+    page = numerics_html(report)
+    assert "first divergence among ranks 0-3" in page and "background:#ffebe9" in page and "rank 3" in page
+    rows = report.table(around=1)
+    assert [r["position"] for r in rows] == [2, 3, 4] and rows[1]["odd"] == [1] and rows[1]["divergence"]
+    assert report.plot() is not None
+
+
+def test_a_nan_from_an_op_with_more_inputs_than_are_read_is_only_likely_born_there() -> None:
+    reads = [InputRead(k, 1, 1.0, None, "", None, -1) for k in range(8)]
+    op = OpRecord(0, "aten._foreach_add.List", "", "step", 5, 3, None, "", [OutputStats((2,), "float32", 1, math.nan)], reads, "0", False, False)
+    report = compare_numerics(5, {0: {"mode": "ops", "ops": [op], "total": 1, "limit": 20000}})
+    assert [nf.certain for nf in report.nonfinite] == [False] and "NaN likely born on rank 0" in report.text()
