@@ -176,9 +176,14 @@ def _reference(d: Disagreement, odd: list[int], program: Any) -> int | None:
 def _left_first(rec: Records, d: Disagreement, odd: list[int]) -> bool:
     """The disagreement is only that ranks made no call because they raised an error of their
     own, died, or were stranded by a death before it: the event is the cause."""
-    if d.inside or not any(c is None for c in d.by_rank.values()):
+    if not any(c is None for c in d.by_rank.values()):
         return False
     absent = [r for r, c in d.by_rank.items() if c is None]
+    if d.inside and not (rec.dead and all((p := rec.by_rank.get(r)) is not None and p.state in ("failed", "stranded")
+                                          and p not in rec.raised for r in absent)):
+        # A rank died inside the call: the call may be the mismatch that killed it, unless every
+        # rank without it left on a peer's closed connection (a death elsewhere took them out).
+        return False
     events = {p.rank for p in rec.raised} | {p.rank for p in rec.dead}
     if not events:
         return False
