@@ -285,6 +285,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(autouse=True)
+def _own_cell_names(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit test that makes up a result for "cell 7" names it so, whatever In[n] a real pool's
+    cell 7 had earlier in this process (cell names live in one process-wide table): tests that
+    start no pool see a table of their own."""
+    if not _POOL_FIXTURES & set(request.fixturenames):
+        from distnb import cell_names
+
+        monkeypatch.setattr(cell_names, "_labels", {})
+
+
 class FakeTransport:
     """The controller's :class:`~distnb.controller.requests.Transport` without a socket: records
     what the tracker (or a service) sends; a test answers as a rank would, with :func:`feed`."""

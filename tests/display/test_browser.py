@@ -9,6 +9,7 @@ changes the checkout.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def test_a_debugger_command_typed_into_jupyterlabs_input_box(lab: str, shots: Pa
             box.wait_for(timeout=120_000)
             assert "[rank 1] (Pdb)" in page.locator(".jp-Stdin-prompt").inner_text()
             notebook = page.locator(".jp-Notebook")
-            assert "rank 1 is paused in the debugger at cell 1 line 4 (dbg_y = dbg_x + 1)" in notebook.inner_text()
+            assert re.search(r"rank 1 is paused in the debugger at In\[\d+\] line 4 \(dbg_y = dbg_x \+ 1\)", notebook.inner_text())
             box.fill("p dbg_x * 2")
             box.press("Enter")
             page.wait_for_function("() => document.querySelector('.jp-Notebook').innerText.includes('[rank 1] 82')", timeout=30_000)

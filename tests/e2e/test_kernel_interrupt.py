@@ -105,7 +105,7 @@ def test_one_jupyter_interrupt_unblocks_ranks_stuck_in_a_gloo_collective(leak_ch
         # Bounded by the product's own delay (plus the rebuild and messages), not by --pg-timeout (30 min).
         assert took < interrupt_after + ESCALATE_AFTER + 15, f"the interrupted cell took {took:.1f} s:\n{out}"
         assert "entering" in out and "never got here" not in out, out
-        assert "interrupting cell" in out and "Rank 0 is blocked in all_reduce" in out, out
+        assert "interrupting In[" in out and "Rank 0 is blocked in all_reduce" in out, out
         assert "shutting down its 1 gloo connection so the cell can stop" in out, out
         assert "Every rank has a fresh default process group" in out, out
         assert "pool." not in out.replace("pool.submit", ""), out  # hints name magics, not methods
