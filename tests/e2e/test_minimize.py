@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import distnb
 
 CELLS = ["a = torch.ones(2)", "b = a * 2\nc = 3", "d = {'k': 1}"]
 FAILING = "x = 1\ny = b.sum()\nif rank == 1:\n    raise ValueError(f'bad batch {int(y)}')\nz = 2"
 
 
+@pytest.mark.timeout(600)  # the minimize budget (400 s) with its verification and the replay after it
 def test_a_failure_is_cut_down_to_what_it_needs_and_verified(fresh_pool, tmp_path: Path) -> None:
     pool = fresh_pool(3)
     for code in CELLS:

@@ -176,7 +176,7 @@ def test_timeout_names_running_ranks_then_pool_recovers(sh: Shell) -> None:
         # It ended before the live watch spoke (--hang-after 30): the report still says why it runs.
         assert "[distnb] why rank 1 still runs: " in err and "time.sleep" in err and res.verdict is not None, err
         # The cell did not finish: Run All must not go on as if it had.
-        assert re.fullmatch(rf"cell {res.cell} timed out: rank 1 still running after 1\.\d s", str(failed)), failed
+        assert re.fullmatch(rf"In\[{res.label}\] timed out: rank 1 still running after 1\.\d s", str(failed)), failed
     finally:  # rank 1 must not stay asleep: the tests after this one share the pool
         pool.interrupt([1])
         pool.wait(res, timeout=15)

@@ -54,8 +54,10 @@ def test_export_script_matches_notebook_output(tmp_path: Path) -> None:
         # --ok: the cells that succeeded, a script that runs through (the default ends at the failure).
         script = Path(pool.export(str(tmp_path / "repro.py"), only_ok=True))
         nb_path = Path(pool.export(str(tmp_path / "repro.ipynb"), only_ok=True))
-        with pytest.raises(ValueError, match="are not among this session's cell numbers; those run: 1-5"):
-            pool.export(str(tmp_path / "x.py"), cells="1-40")
+        # Cell numbers are unique in the process (every pool draws from one count): this pool's run from its first.
+        first, last = pool.history[0].cell, pool.history[-1].cell
+        with pytest.raises(ValueError, match=f"{last + 1} is not among this session's cell numbers; those run: {first}-{last}"):
+            pool.export(str(tmp_path / "x.py"), cells=f"{first}-{last + 1}")
         expected = {}
         for r in range(3):
             lines = []
@@ -128,9 +130,10 @@ def test_an_export_fails_the_way_the_session_did(tmp_path: Path) -> None:
         bad = pool.run("if rank == 1:\n    raise ValueError(f'bad batch on rank {rank}')\n'fine'")
         assert bad.failed == [1]
         written = pool.export(str(tmp_path / "repro.py"))
-    assert written.cells == ("cell 2", "cell 3") and written.failing == "cell 3"
+    ok = bad.cell - 1  # run from Python: named by distnb's own numbers (no In[n])
+    assert written.cells == (f"cell {ok}", f"cell {bad.cell}") and written.failing == f"cell {bad.cell}"
     # Said "reproduced" only once it was run: rank 1 raised the same error under torchrun.
-    assert "it ends with cell 3, which failed in the session" in written.text()
+    assert f"it ends with cell {bad.cell}, which failed in the session" in written.text()
     assert written.verified is not None and written.verified.reproduced, written.text()
     assert "verified: running it under torchrun reproduced the failure (rank 1 raised ValueError: bad batch on rank 1)" in written.text()
     assert "torchrun --nproc-per-node 2" in written.text()
