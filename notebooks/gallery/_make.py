@@ -94,8 +94,8 @@ GALLERY: list[Notebook] = [
             Md("## How distnb reveals it\n\nThe diagnosis above appeared while the cell was running: the rank that "
                "waits, the collective and its cell line, and the ranks that never came. `%dist_status` and "
                "`%dist_stacks` confirm it: rank 0 is still inside the barrier, ranks 1 and 2 are idle."),
-            Code("%dist_status", ["running cell 1", "idle"]),
-            Code("%dist_stacks", ["rank 0: running cell 1", "in barrier", "dist.barrier()", "ranks 1,2: idle"]),
+            Code("%dist_status", ["running In[3]", "idle"]),
+            Code("%dist_stacks", ["rank 0: running In[3]", "in barrier", "dist.barrier()", "ranks 1,2: idle"]),
             Md("## The fix\n\nGate only the side effect, never the collective: every rank reaches the barrier. "
                "It now also does something useful — after it the file is complete, so every rank may read it "
                "(001 D23). A hung rank can't be recovered in place: `%dist_restart` gives fresh ranks."),
@@ -105,7 +105,7 @@ GALLERY: list[Notebook] = [
                  "    torch.save(state, ckpt_path)   # only the side effect is rank-conditional\n"
                  "dist.barrier()                     # every rank: the file is complete after this\n"
                  "torch.load(ckpt_path)['step']      # so every rank can read it",
-                 ["cell 2 on ranks 0-2: ok", "Out[ranks 0-2]: 100"], ["timed out", "rank-conditional"]),
+                 ["In[7] on ranks 0-2: ok", "Out[ranks 0-2]: 100"], ["timed out", "rank-conditional"]),
             SHUTDOWN,
         ],
     ),
@@ -227,7 +227,7 @@ GALLERY: list[Notebook] = [
         "04_rank_raises",
         "One rank raises, the others wait — until distnb ends the cell",
         "001 D20",
-        "\"rank 1 raised KeyError and left cell 1; the others wait … ending the cell now instead of at its timeout\"; `%dist_status`",
+        "\"rank 1 raised KeyError and left In[2]; the others wait … ending the cell now instead of at its timeout\"; `%dist_status`",
         [
             Md("**Symptom.** Training ran for a while, then froze. One rank's log shows an exception (a bad "
                "sample, a NaN check, an OOM); the others sit in all_reduce until the collective timeout — 30 "
@@ -239,7 +239,7 @@ GALLERY: list[Notebook] = [
             Code(f"{HANG}\nbatch = [{{'label': 3}}, {{}}, {{'label': 1}}][rank]   # BUG: rank 1's sample has no label\n"
                  "loss = torch.tensor(float(batch['label']))\n"
                  "dist.all_reduce(loss)                            # ranks 0,2 wait here for rank 1",
-                 ["[distnb] rank 1 raised KeyError and left cell 1; the others wait (ranks 0,2 in all_reduce",
+                 ["[distnb] rank 1 raised KeyError and left In[2]; the others wait (ranks 0,2 in all_reduce",
                   "ending the cell now instead of at its timeout",
                   "KeyError on rank 1 at cell line 2",
                   "KeyboardInterrupt on ranks 0,2 at cell line 3, a consequence"], ["timed out"], raises=True),
@@ -289,7 +289,7 @@ GALLERY: list[Notebook] = [
                  "    def forward(self, x, aux=False):\n"
                  "        h = self.body(x)\n"
                  "        return self.head(h) + (self.aux_head(h) if aux else 0)",
-                 ["cell 1 on ranks 0,1: ok"]),
+                 ["In[2] on ranks 0,1: ok"]),
             Md("## The failing cell"),
             Code(f"{DDP_OK}\nmodel = DDP(Net())\n"
                  "for step in range(2):\n"
@@ -392,7 +392,7 @@ GALLERY: list[Notebook] = [
                  "    loss = (w * x).sum()                      # autograd keeps x for the backward pass\n"
                  "    if rank == 1:                             # the rank that logs ...\n"
                  "        losses.append(loss)                   # BUG: ... keeps every step's graph, and x with it",
-                 ["cell 1 on ranks 0,1: ok", "⚠ rank 1 peaks at"]),
+                 ["In[2] on ranks 0,1: ok", "⚠ rank 1 peaks at"]),
             Md("## How distnb reveals it\n\nThe memory line under the cell already flags rank 1. `%dist_memory` "
                "gives the per-rank table and `--plot` a bar chart:"),
             Code("%dist_memory --plot", ["memory of ranks 0,1", "⚠ rank 1 peaks at", "the median RSS peak of the others"],
@@ -500,7 +500,7 @@ GALLERY: list[Notebook] = [
                  "# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers: buffers not synced, either way\n"
                  "import inspect\n"
                  "NO_BUFFER_SYNC = ({'forward_sync_buffers': False} if 'forward_sync_buffers' in inspect.signature(DDP).parameters\n"
-                 "                  else {'broadcast_buffers': False})", ["cell 1 on ranks 0,1: ok"]),
+                 "                  else {'broadcast_buffers': False})", ["In[2] on ranks 0,1: ok"]),
             Md("## The failing cell"),
             Code(f"{DDP_OK}\nmodel = DDP(make_net(), **NO_BUFFER_SYNC)   # BUG: buffers stay rank-local\n"
                  "train(model)\nmodel.eval()\nround(model(x_eval).sum().item(), 4)   # the same input, evaluated per rank",

@@ -129,7 +129,7 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                      ["on ranks 0-3: ok"], ["timed out"]),
                 Code("%dist_check model", ["check model: identical on ranks 0-3", "sharded"]),
                 Code("%%on_ranks --comms\nmodel(torch.randn(4, 8)).sum().item()",
-                     ["communication of cell", "all_reduce", "tp", "redistributes (DTensor)", "all"], ["✗"]),
+                     ["communication of In[8]", "all_reduce", "tp", "redistributes (DTensor)", "all"], ["✗"]),
                 shutdown,
             ],
         ),

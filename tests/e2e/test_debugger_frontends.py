@@ -112,7 +112,7 @@ def test_breakpoint_input_and_post_mortem_in_a_real_kernel(leak_check, tmp_path:
         assert fe.prompts == ["[rank 3] (Pdb) "] * 2 and "rank 3 is in post-mortem at dbg_f() (In[" in out and "[rank 3] 10" in out, out
         fe.prompts.clear()
         content, out = fe.run("%%on_ranks --pdb 0,1\nraise RuntimeError(f'boom {rank}')", "ranks 0,1: p rank * 7", "ranks 0,1: c")
-        assert "[rank 0] 0" in out and "[rank 1] 7" in out and "ranks 0,1 are in post-mortem at cell" in out, out
+        assert "[rank 0] 0" in out and "[rank 1] 7" in out and "ranks 0,1 are in post-mortem at In[" in out, out
         assert content["ename"] == "CellFailed" and "failed on ranks 0,1: RuntimeError: boom" in content["evalue"], content
         assert "rank 1: boom 1" in fe.run("print(_dist.text())")[1]
 

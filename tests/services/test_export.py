@@ -138,7 +138,7 @@ def test_an_export_fails_the_way_the_session_did(tmp_path: Path) -> None:
     assert "verified: running it under torchrun reproduced the failure (rank 1 raised ValueError: bad batch on rank 1)" in written.text()
     assert "torchrun --nproc-per-node 2" in written.text()
     text = Path(written).read_text()
-    assert "1/0" not in text and "# ---- cell 3 (all ranks): it failed in the session ----" in text
+    assert "1/0" not in text and f"# ---- cell {bad.cell} (all ranks): it failed in the session ----" in text
     logs = tmp_path / "logs"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
