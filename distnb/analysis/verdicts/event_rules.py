@@ -49,38 +49,39 @@ def died(rec: Records) -> Verdict | None:
     # Wider than Position.between: a rank in a send/recv or in new_group counts too (its part in
     # the aborted collective is not recorded either).
     unread = [p.rank for p in rec.positions if p.state == "computing" or p.state == "collective" and p.seq is None]
+    state = VerdictState.HANG if waiting else VerdictState.FAILED
+    victims = [p.rank for p in waiting] + later
+
+    def abort(kind: Kind, words: str, culprits: list[int], reason: str) -> Verdict:
+        """An abort's verdict: likely, judged by whether the ranks' n-th calls agree."""
+        return Verdict(state, kind, words, culprits, victims, sites,
+                       Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
+                       reason, positions=rec.positions, rule="died")
+
     if "SIGABRT" in d.detail and unread:
         # gloo aborts the rank that receives more than its tensor holds, whoever sent it: with ranks
         # whose call is not recorded yet, the rank whose tensor differs may be any of them.
-        return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, Kind.MISMATCH,
-                       f"rank {d.rank} aborted{then} (gloo's abort when a peer sends more than the rank's own tensor holds: the ranks' "
-                       f"tensors in that collective likely differ); the calls of {format_ranks(unread)} there are not recorded yet, so "
-                       "which rank's tensor differs is not known (%dist_collectives once they are).",
-                       [], [p.rank for p in waiting] + later, sites,
-                       Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
-                       "an abort, not its cause: the other ranks' calls are not all recorded", positions=rec.positions, rule="died")
+        return abort(Kind.MISMATCH,
+                     f"rank {d.rank} aborted{then} (gloo's abort when a peer sends more than the rank's own tensor holds: the ranks' "
+                     f"tensors in that collective likely differ); the calls of {format_ranks(unread)} there are not recorded yet, so "
+                     "which rank's tensor differs is not known (%dist_collectives once they are).",
+                     [], "an abort, not its cause: the other ranks' calls are not all recorded")
     certain = not inside and "SIGABRT" not in d.detail
     if "SIGABRT" in d.detail and (earlier := _out_of_step_before(rec, d.rank)) is not None:
         kind, words = earlier
-        return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, kind,
-                       f"rank {d.rank} aborted{then}; {words}: from there its calls pair with other calls of the others, and gloo "
-                       f"aborts a rank that receives more than its tensor holds. Root cause: rank {d.rank}.",
-                       [d.rank], [p.rank for p in waiting] + later, sites,
-                       Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
-                       "an earlier cell that ended on every rank left its calls out of step with the others'", positions=rec.positions,
-                       rule="died")
+        return abort(kind,
+                     f"rank {d.rank} aborted{then}; {words}: from there its calls pair with other calls of the others, and gloo "
+                     f"aborts a rank that receives more than its tensor holds. Root cause: rank {d.rank}.",
+                     [d.rank], "an earlier cell that ended on every rank left its calls out of step with the others'")
     if inside and "SIGABRT" in d.detail:
         # gloo aborts a rank when a peer sends more than its own tensor holds: a mismatch in that
         # collective, and with no record of the others' to say who differs, likely its own.
         op = rec.log.log.died_in[d.rank] if rec.log is not None else "a collective"
-        return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, Kind.MISMATCH,
-                       f"rank {d.rank} aborted inside {op}{then} (gloo's abort when a peer sends more than the rank's own tensor holds: "
-                       f"the ranks' tensors there differ). Root cause: likely rank {d.rank}'s call (%dist_collectives shows the others').",
-                       [d.rank], [p.rank for p in waiting] + later, sites,
-                       Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
-                       "the others' calls there are not recorded: the rank that aborted is the likelier odd one", positions=rec.positions,
-                       rule="died")
-    return Verdict(VerdictState.HANG if waiting else VerdictState.FAILED, Kind.DIED, summary, [d.rank], [p.rank for p in waiting] + later, sites,
+        return abort(Kind.MISMATCH,
+                     f"rank {d.rank} aborted inside {op}{then} (gloo's abort when a peer sends more than the rank's own tensor holds: "
+                     f"the ranks' tensors there differ). Root cause: likely rank {d.rank}'s call (%dist_collectives shows the others').",
+                     [d.rank], "the others' calls there are not recorded: the rank that aborted is the likelier odd one")
+    return Verdict(state, Kind.DIED, summary, [d.rank], victims, sites,
                    Evidence("every rank of the cell stays alive", {d.rank: d.detail}), Certainty.CERTAIN if certain else Certainty.LIKELY,
                    "" if certain else "it died inside a collective: a mismatch there may have caused it", positions=rec.positions,
                    rule="died")
