@@ -50,23 +50,25 @@ def test_when_the_recorded_calls_agree_the_aborted_rank_stays_the_likely_cause()
     assert verdict.culprits == [3], verdict.summary
 
 
-def test_a_call_skipped_in_an_earlier_cell_is_still_missing() -> None:
-    # The entries of cell 4 ended with the cell on every rank: rank 3's absence there is a fact.
+def _short_in_cell_4() -> CollectiveLog:
+    """Cell 4 ended on every rank with rank 3 a collective short; rank 3 then died in this cell."""
     log = CollectiveLog()
     for r in range(4):
         es = [_entry(1, 8, cell=4)] + ([_entry(2, 8, cell=4)] if r != 3 else [])
         log.merge(r, {"entries": es, "groups": {"0": [0, 1, 2, 3]}, "descs": {}, "calls": [], "now": 0.0})
     log.died_during[3] = CELL
+    return log
+
+
+def test_a_call_skipped_in_an_earlier_cell_is_still_missing() -> None:
+    # The entries of cell 4 ended with the cell on every rank: rank 3's absence there is a fact.
+    log = _short_in_cell_4()
     [div] = log.report([0, 1, 2, 3]).divergences()
     assert (div.seq, div.kind, div.odd()) == (2, "missing", [3])
 
 
 def test_an_abort_after_a_cell_that_left_the_rank_a_call_short_is_that_missing_call() -> None:
-    log = CollectiveLog()
-    for r in range(4):
-        es = [_entry(1, 8, cell=4)] + ([_entry(2, 8, cell=4)] if r != 3 else [])
-        log.merge(r, {"entries": es, "groups": {"0": [0, 1, 2, 3]}, "descs": {}, "calls": [], "now": 0.0})
-    log.died_during[3] = CELL
+    log = _short_in_cell_4()
     positions = [Position(r, "failed", detail="RuntimeError: Connection closed by peer", line=3, running=CELL, line_cell=CELL)
                  for r in (0, 1, 2)]
     positions.append(Position(3, "dead", detail="aborted (SIGABRT: a C++ assertion or abort(), e.g. gloo on mismatched tensors)"))
