@@ -135,11 +135,12 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
         # were recorded must say who is odd by a clear majority, without it.
         unseen = (dead.rank in div.by_rank and div.by_rank[dead.rank] is None and "SIGABRT" in dead.detail
                   and log.log.died_during.get(dead.rank) is not None)
+        blind = unseen and not log.log.died_in.get(dead.rank)  # not even its stack at death says where it was
         entry = div.by_rank.get(dead.rank) or (present[0] if (log.log.died_in.get(dead.rank) or unseen) and dead.rank in div.by_rank else None)
         if div.kind == "missing" or entry is None:
             continue
         odd = div.odd()
-        if unseen and not log.log.died_in.get(dead.rank) and (len(odd) != 1 or len(present) - len(odd) < 2):
+        if blind and (len(odd) != 1 or len(present) - len(odd) < 2):
             continue
         by_size = div.kind == "shape" and "SIGABRT" in dead.detail and len(odd) > 1 and set(odd) >= {r for r, e in div.by_rank.items() if e}
         if by_size:
@@ -152,7 +153,6 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
         detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by((r, describe(e)) for r, e in sorted(div.by_rank.items()) if e))
         if div.peers:
             detail += f" (where {div.witnesses()})"
-        blind = unseen and not log.log.died_in.get(dead.rank)
         where = f"{entry['op']} #{div.seq} on {div.label or f'group {div.group}'}"
         return (
             (f"rank {dead.rank} died ({dead.detail}) while the calls recorded at {where} disagree, a {what}: {detail}. " if blind else
