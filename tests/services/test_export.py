@@ -70,7 +70,9 @@ def test_export_script_matches_notebook_output(tmp_path: Path) -> None:
     text = script.read_text()
     assert "if rank in {0, 2}:" in text and "1/0" not in text
     assert "scale = 3" in text and "pickle.loads(base64.b64decode(" in text
-    assert text.index("scale = 3") < text.index("# ---- cell 3") and text.index("# ---- %dist_push z (ranks 1,2)") < text.index("# ---- cell 4")
+    # Python-run cells are named by their process-wide number (other tests' pools drew numbers before this one).
+    third, fourth = f"# ---- cell {first + 2} ", f"# ---- cell {first + 3} "
+    assert text.index("scale = 3") < text.index(third) and text.index("# ---- %dist_push z (ranks 1,2)") < text.index(fourth)
     assert "os.environ.setdefault('DISTNB_EXPORT_MARK', 'kept')" in text
     assert "env kept 2.0" in "\n".join(expected[1])
     logs = tmp_path / "logs"
