@@ -77,8 +77,12 @@ class ControlThread(threading.Thread):
     #: (STACKS) once the cell has ended, and rebuilds the process group.
     unblocked: dict[str, Any] | None = None
 
-    def __init__(self, ctx: zmq.Context[Any], addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0) -> None:
-        """``generation``: the rank's respawn generation, in its connection's name (peers.in_generation)."""
+    def __init__(self, ctx: zmq.Context[Any], addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0,
+                 bind: bool = False) -> None:
+        """``generation``: the rank's respawn generation, in its connection's name (peers.in_generation).
+        ``bind``: listen on ``addr`` (``tcp://127.0.0.1:*``) for a notebook that attaches to a job
+        distnb did not launch (``worker/process/attachable.py``), instead of connecting to a pool's
+        controller; ``addr`` then becomes the address bound."""
         super().__init__(name="distnb-control", daemon=True)
         self.rank = rank
         self.executor = executor
@@ -87,7 +91,11 @@ class ControlThread(threading.Thread):
         self.sock.setsockopt(zmq.IDENTITY, name)
         self.sock.setsockopt(zmq.LINGER, 0)
         creds.secure_client(self.sock)
-        self.sock.connect(addr)
+        if bind:
+            self.sock.bind(addr)
+            addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.sock.connect(addr)
         self.addr = addr
         self.codec = Codec(creds.key, name.decode())
         self.guard = ReplayGuard()
