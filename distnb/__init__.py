@@ -38,9 +38,9 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
+    from distnb.attached import AttachedJob, attach, detach
     from distnb.config import LaunchConfig
     from distnb.controller.prompts import Prompt
-    from distnb.attached import AttachedJob, attach, detach
     from distnb.errors import (
         AttachError,
         CellFailed,

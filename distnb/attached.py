@@ -27,6 +27,7 @@ from distnb.controller.collective_log import CollectiveLog
 from distnb.errors import AttachError
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
+from distnb.services.native_stacks import py_spy_dumps
 from distnb.services.positions import position_of
 from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
 from distnb.wire.protocol import Msg
@@ -35,7 +36,7 @@ from distnb.wire.records import CollectivesRead
 __all__ = ["AttachStatus", "AttachedJob", "attach", "current_attached", "detach"]
 
 #: How long each rank has to answer the first request of an attach, and every later one.
-ANSWER_TIMEOUT = 2.0
+JOB_ANSWER_TIMEOUT = 2.0
 
 _current: list[AttachedJob] = []
 
@@ -68,7 +69,7 @@ class AttachStatus:
 class AttachedJob:
     """A job attached read-only; build one with :func:`attach`."""
 
-    def __init__(self, files: JobFiles, timeout: float = ANSWER_TIMEOUT) -> None:
+    def __init__(self, files: JobFiles, timeout: float = JOB_ANSWER_TIMEOUT) -> None:
         self.job = files.job
         self.files = files
         self.world_size = files.world_size
@@ -105,8 +106,9 @@ class AttachedJob:
                 "a C loop holding the GIL, or a machine this busy: ask again, or py-spy dump --pid " + str(e.pid))
 
     # -- views ----------------------------------------------------------------------------------
-    def stacks(self, ranks: Ranks = None, all_threads: bool = False) -> StackReport:
-        """Where every (or each given) rank of the job is now, with the collective it waits in."""
+    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False) -> StackReport:
+        """Where every (or each given) rank of the job is now, with the collective it waits in;
+        ``native`` adds py-spy's native frames (the ranks run on this machine)."""
         targets = parse_ranks(ranks, self.world_size)
         since = {r: self._log.cursor(r) for r in targets}
         msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1),
@@ -130,6 +132,10 @@ class AttachedJob:
                 rs.annotation = f"{describe(stuck)} {self._log.at(stuck)} not completed ({issued_words(stuck)})"
                 rs.annotation_since = self._log.age(r, stuck)
             out.append(rs)
+        if native:
+            by_rank = {rs.rank: rs for rs in out}
+            for r, text in py_spy_dumps({r: self.files.ranks[r].pid for r in by_rank if r in self.files.ranks}).items():
+                by_rank[r].native = text
         return StackReport(out)
 
     def collectives(self, ranks: Ranks = None, last: int | None = None) -> CollectiveReport:
@@ -201,7 +207,7 @@ class AttachedJob:
         return f"<AttachedJob {self.job}: {self.world_size} ranks, {'attached' if self.attached else 'detached'}>"
 
 
-def attach(job: str | None = None, timeout: float = ANSWER_TIMEOUT) -> AttachedJob:
+def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT) -> AttachedJob:
     """Attach to an attachable job on this machine: ``job`` names it (as ``python -m distnb run``
     printed it); without it, the one job there is. Raises :class:`~distnb.errors.AttachError`
     with what to do when there is none, several, or its ranks are gone or silent."""

@@ -19,7 +19,7 @@ import zmq
 
 from distnb.wire.codec import BadFrame, Codec, ReplayGuard, socket_max_msgsize
 from distnb.wire.discovery import RankEndpoint
-from distnb.wire.zmq_io import drain, recv_frames, send_frames
+from distnb.wire.zmq_io import drain, send_frames
 
 __all__ = ["AttachLink"]
 

@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, usage_errors
+from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, usage_errors, views_or_usage_error
 
 __all__ = ["InspectMagics"]
 
@@ -38,7 +38,7 @@ class InspectMagics(Magics):
     def dist_stacks(self, line: str) -> Any:
         """Where is every rank right now? Works while a cell runs or hangs; identical stacks are grouped."""
         args = parse(self.dist_stacks, line)
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             return pool.stacks(args.ranks, all_threads=args.all_threads, native=args.native)
 
@@ -151,7 +151,7 @@ class InspectMagics(Magics):
         args = parse(self.dist_collectives, line)
         if args.last is not None and args.last < 1:
             raise UsageError("--last takes a positive count, e.g. --last 10.")
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             report = pool.collectives(args.ranks, last=args.last)
             return report.paged(args.page or 1) if args.per_rank or args.page is not None else report

@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from distnb.attached import AttachedJob
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.display.cell_display import CellDisplay
@@ -19,7 +20,7 @@ from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import widgets_available
 from distnb.errors import CellFailed, NoPoolError
 from distnb.magics.panel import cell_source
-from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed
+from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed, views_or_usage_error
 from distnb.magics.support import parse as _parse
 from distnb.magics.support import usage_errors as _usage_errors
 from distnb.pool import Pool
@@ -315,7 +316,11 @@ class DistMagics(Magics):
         args = _parse(self.dist_status, line)
         from IPython.display import display
 
-        status = self._pool().status()
+        target = views_or_usage_error()
+        if isinstance(target, AttachedJob):
+            display(target.status())
+            return
+        status = target.status()
         status.every_rank = args.all
         display(status)
 
