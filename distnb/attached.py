@@ -102,7 +102,7 @@ class AttachedJob:
         if not e.alive():
             return f"its process (pid {e.pid}) is gone"
         state = _processes.process_state(e.pid)
-        return (f"its control thread did not answer within {self.timeout:.0f} s (pid {e.pid}{' is ' + state if state else ' runs'}); "
+        return (f"its control thread did not answer within {self.timeout:g} s (pid {e.pid}{' is ' + state if state else ' runs'}); "
                 "a C loop holding the GIL, or a machine this busy: ask again, or py-spy dump --pid " + str(e.pid))
 
     # -- views ----------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT) -> Attac
     answered = attached._ask(sorted(files.ranks), {"t": Msg.STACKS, "all_threads": False}, timeout)
     if not answered:
         attached.detach()
-        raise AttachError(f"no rank of job {files.job} answered within {timeout:.0f} s (pids "
+        raise AttachError(f"no rank of job {files.job} answered within {timeout:g} s (pids "
                           f"{', '.join(str(e.pid) for e in files.ranks.values())}): their control threads are not serving; "
                           "was the job started with python -m distnb run (or DISTNB_ATTACH=1)?")
     for old in list(_current):

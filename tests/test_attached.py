@@ -1,0 +1,101 @@
+"""Attaching to a job distnb did not launch (issue 40): the errors a bad input gets, each one line
+saying what to do, and the wrapper's pieces — without starting a job (tests/e2e/test_attach_e2e.py
+starts one)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+import distnb
+from distnb.attached import current_attached
+from distnb.launching.attach_run import SITECUSTOMIZE, attach_env, run, write_site
+from distnb.wire.discovery import RankEndpoint, write_endpoint
+from distnb.worker.process import attachable
+
+GONE_PID = 2**30
+
+
+@pytest.fixture
+def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("DISTNB_JOBS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def publish(root: Path, job: str, rank: int = 0, pid: int | None = None, port: int | None = None) -> None:
+    if port is None:
+        with socket.socket() as s:  # a port nobody listens on once closed
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    write_endpoint(RankEndpoint(job, rank, 1, os.getpid() if pid is None else pid, "127.0.0.1", port, os.urandom(32), time.time()), root)
+
+
+def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
+    text = str(exc.value)
+    assert "\n" not in text
+    return text
+
+
+def test_no_job_says_how_to_start_one(jobs: Path) -> None:
+    with pytest.raises(distnb.AttachError) as exc:
+        distnb.attach()
+    assert "no attachable job on this machine: start one with python -m distnb run -- torchrun" in one_line(exc)
+
+
+def test_a_job_whose_processes_are_gone_is_not_offered(jobs: Path) -> None:
+    publish(jobs, "old", pid=GONE_PID)
+    with pytest.raises(distnb.AttachError) as exc:
+        distnb.attach()
+    assert "(1 with stale files only: old, their processes gone)" in one_line(exc)
+    with pytest.raises(distnb.AttachError) as exc:
+        distnb.attach("old")
+    assert f"job old has ended: the processes of its discovery files are gone (rank 0 pid {GONE_PID}); remove " in one_line(exc)
+
+
+def test_several_jobs_are_listed_and_a_wrong_name_lists_the_known(jobs: Path) -> None:
+    publish(jobs, "a")
+    publish(jobs, "b")
+    with pytest.raises(distnb.AttachError) as exc:
+        distnb.attach()
+    text = one_line(exc)
+    assert text.startswith("several attachable jobs on this machine; name one, e.g. %dist_attach ") and "a: 1/1 ranks alive" in text
+    with pytest.raises(distnb.AttachError) as exc:
+        distnb.attach("c")
+    assert "no attachable job 'c'" in one_line(exc) and "(jobs there: " in one_line(exc)
+
+
+def test_ranks_that_do_not_answer(jobs: Path) -> None:
+    publish(jobs, "mute")
+    t0 = time.monotonic()
+    with pytest.raises(distnb.AttachError) as exc:
+        distnb.attach(timeout=0.3)
+    assert time.monotonic() - t0 < 5
+    assert f"no rank of job mute answered within 0.3 s (pids {os.getpid()}): their control threads are not serving" in one_line(exc)
+    assert current_attached() is None
+
+
+def test_the_wrapper_makes_the_environment_attachable(tmp_path: Path) -> None:
+    site = write_site(tmp_path / "site")
+    compile(SITECUSTOMIZE, "sitecustomize.py", "exec")
+    assert (Path(site) / "sitecustomize.py").read_text() == SITECUSTOMIZE
+    env = attach_env(site, {"PYTHONPATH": "/x"}, job_id="j")
+    assert env["DISTNB_ATTACH"] == "1" and env["DISTNB_JOB_ID"] == "j"
+    parts = env["PYTHONPATH"].split(os.pathsep)
+    assert parts[0] == site and parts[-1] == "/x"
+    assert run([]) == 2  # no command: says what to give
+
+
+def test_the_hook_does_nothing_outside_an_attachable_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DISTNB_ATTACH", raising=False)
+    assert not attachable.maybe_start()
+    monkeypatch.setenv("DISTNB_ATTACH", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    assert not attachable.maybe_start()  # torchrun's agent itself: not a rank
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("DISTNB_ADDR", "tcp://127.0.0.1:1")
+    assert not attachable.maybe_start()  # a rank of distnb's own pool has its control thread
