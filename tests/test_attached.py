@@ -97,5 +97,8 @@ def test_the_hook_does_nothing_outside_an_attachable_rank(monkeypatch: pytest.Mo
     assert not attachable.maybe_start()  # torchrun's agent itself: not a rank
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("DISTNB_ATTACH_STARTED", str(os.getppid()))
+    assert not attachable.maybe_start()  # a process an attachable rank started (a DataLoader worker)
+    monkeypatch.delenv("DISTNB_ATTACH_STARTED")
     monkeypatch.setenv("DISTNB_ADDR", "tcp://127.0.0.1:1")
     assert not attachable.maybe_start()  # a rank of distnb's own pool has its control thread

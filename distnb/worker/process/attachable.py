@@ -21,10 +21,13 @@ import sys
 import threading
 from typing import Any, Mapping
 
-__all__ = ["ATTACH_ENV", "maybe_start", "serve"]
+__all__ = ["ATTACH_ENV", "STARTED_ENV", "maybe_start", "serve"]
 
 #: The switch: set to 1 in a job's environment, its ranks become attachable.
 ATTACH_ENV = "DISTNB_ATTACH"
+#: Set by an attachable rank to its pid: the processes it starts (spawned DataLoader workers, its
+#: own subprocesses) inherit it along with RANK and must not publish themselves as that rank.
+STARTED_ENV = "DISTNB_ATTACH_STARTED"
 #: The Flight Recorder's size when the job sets none (the pool's default).
 FR_ENTRIES = "500"
 
@@ -39,10 +42,13 @@ def maybe_start() -> bool:
     env = os.environ
     if _started or env.get(ATTACH_ENV) != "1" or "RANK" not in env or "WORLD_SIZE" not in env or "DISTNB_ADDR" in env:
         return False
+    if env.get(STARTED_ENV, str(os.getpid())) != str(os.getpid()):
+        return False  # a child of an attachable rank, not the rank
     try:
         if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
             env.setdefault("TORCH_FR_BUFFER_SIZE", FR_ENTRIES)
         threading.Thread(target=serve, name="distnb-attach", daemon=True).start()
+        env[STARTED_ENV] = str(os.getpid())
         _started = True
     except Exception as exc:  # the job comes first
         print(f"distnb: this rank is not attachable: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
