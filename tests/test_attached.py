@@ -102,3 +102,19 @@ def test_the_hook_does_nothing_outside_an_attachable_rank(monkeypatch: pytest.Mo
     monkeypatch.delenv("DISTNB_ATTACH_STARTED")
     monkeypatch.setenv("DISTNB_ADDR", "tcp://127.0.0.1:1")
     assert not attachable.maybe_start()  # a rank of distnb's own pool has its control thread
+
+
+def test_a_programs_stack_gives_its_script_line() -> None:
+    from distnb.analysis.verdicts.position import position_from_stack
+    from distnb.analysis.verdicts.stacks import Frame, RankStack, ThreadStack
+
+    frames = [Frame("/home/u/train.py", 40, "<module>", "main()"), Frame("/home/u/train.py", 12, "main", "dist.all_reduce(t)"),
+              Frame("/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 3252, "all_reduce", "work.wait()")]
+    program = RankStack(0, "in the job", "control thread", [ThreadStack("MainThread", True, frames, program=True)])
+    pos = position_from_stack(program)
+    assert pos.state == "collective" and pos.op == "all_reduce"
+    assert pos.where().endswith("in main() (train.py:12) (dist.all_reduce(t))"), pos.where()
+    assert program.body()[0] == "    /home/u/train.py:40 in <module>: main()"
+    # The same frames on a pool rank's main thread are distnb's serve loop, outside any cell.
+    pool_rank = RankStack(0, "idle", "control thread", [ThreadStack("MainThread", True, frames)])
+    assert position_from_stack(pool_rank).line is None and pool_rank.body() == ["    (idle: waiting for a cell)"]
