@@ -2,7 +2,7 @@
 run -- torchrun … train.py``), seen from the notebook — read-only.
 
 :class:`AttachedJob` offers the read-only subset of the Pool's views: ``status``, ``stacks``,
-``collectives`` and ``diagnose``, asked of each rank's control thread (``worker/process/attachable.py``)
+``collectives``, ``memory``, ``env``, ``stragglers`` and ``diagnose``, asked of each rank's control thread (``worker/process/attachable.py``)
 through :class:`~distnb.controller.attach_link.AttachLink` and judged by the same parts a pool
 uses (the ``CollectiveLog``, ``services.positions``, ``analysis.verdicts``). Nothing it does
 changes the job: no cell, interrupt, push or debugger; ``detach()`` closes the notebook's sockets
@@ -11,6 +11,7 @@ and leaves the ranks serving as before.
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -18,8 +19,11 @@ from typing import Any, cast
 from distnb import _processes
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.reports.env import EnvReport
+from distnb.analysis.reports.memory import MemoryReport
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire
+from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.config import LaunchConfig
 from distnb.controller.attach_link import AttachLink
@@ -155,6 +159,28 @@ class AttachedJob:
                 continue
             reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since.get(r, -1) or not e["done"]]
             self._log.merge(r, reply)
+
+    def memory(self, ranks: Ranks = None) -> MemoryReport:
+        """Each rank's memory now (RSS; CUDA's allocator and the device where the job uses one)."""
+        replies = self._ask(parse_ranks(ranks, self.world_size), {"t": Msg.MEMORY})
+        return MemoryReport({r: m["memory"] for r, m in sorted(replies.items()) if "memory" in m})
+
+    def env(self, ranks: Ranks = None) -> EnvReport:
+        """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""
+        replies = self._ask(parse_ranks(ranks, self.world_size), {"t": Msg.ENV})
+        return EnvReport({r: m["env"] for r, m in sorted(replies.items()) if "env" in m},
+                         {r: socket.gethostname() for r in replies})  # the job's ranks run on this machine
+
+    def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
+        """Who arrives last at the recent collectives of ``group`` (``%dist_timeline``)."""
+        if last < 1:
+            raise ValueError(f"last must be a positive count of collectives, not {last}; e.g. last=200.")
+        report = self.collectives(ranks)
+        if group not in report.group_names():
+            known = ", ".join(report.group_names()) or "none yet"
+            raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); pick one of those.")
+        members = report.members(group) if group in report.log.groups else report.ranks
+        return StragglerReport(group, members, arrivals(report.log, group, members, last), report.label(group))
 
     def diagnose(self, hang_after: float | None = None) -> Verdict:
         """Is the job hung, and why? The pool's rules over the job's stacks and collective logs;

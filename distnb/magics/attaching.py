@@ -24,8 +24,8 @@ class AttachMagics(Magics):
     @argument("--timeout", type=float, default=JOB_ANSWER_TIMEOUT, metavar="SECONDS", help="How long each rank has to answer (default 2).")
     @line_magic
     def dist_attach(self, line: str) -> Any:
-        """Attach to an attachable torchrun job on this machine, read-only: %dist_status, %dist_stacks and
-        %dist_collectives then show its ranks, with the hang diagnosis; %dist_detach leaves it as it was."""
+        """Attach to an attachable torchrun job on this machine, read-only: %dist_status, %dist_stacks,
+        %dist_collectives, %dist_timeline, %dist_memory and %dist_env then show its ranks, with the hang diagnosis; %dist_detach leaves it as it was."""
         args = parse(self.dist_attach, line)
         with usage_errors():
             job = attach(args.job, timeout=args.timeout)

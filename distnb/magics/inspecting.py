@@ -127,7 +127,7 @@ class InspectMagics(Magics):
     def dist_memory(self, line: str) -> Any:
         """Per-rank memory: RSS (and CUDA allocated/reserved/peak, NVML device use on GPUs); flags imbalance."""
         args = parse(self.dist_memory, line)
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             report = pool.memory(args.ranks)
         from IPython.display import display
@@ -167,7 +167,7 @@ class InspectMagics(Magics):
         args = parse(self.dist_timeline, line)
         if args.last < 1:
             raise UsageError("--last takes a positive count, e.g. --last 200.")
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             report = pool.stragglers(args.ranks, group=args.group, last=args.last)
         from IPython.display import display
@@ -200,7 +200,7 @@ class InspectMagics(Magics):
     def dist_env(self, line: str) -> Any:
         """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* per rank; flags differences."""
         args = parse(self.dist_env, line)
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             return pool.env(args.ranks)
 

@@ -113,7 +113,8 @@ def pool_or_usage_error() -> Pool:
     job = current_attached()
     if job is not None:
         raise UsageError(f"this notebook is attached to job {job.job}, read-only: it runs no cells and is not changed from "
-                         "here (%dist_status, %dist_stacks and %dist_collectives look into it); %dist_detach first to use a pool.")
+                         "here (%dist_status, %dist_stacks, %dist_collectives, %dist_timeline, %dist_memory and %dist_env look into it); "
+                         "%dist_detach first to use a pool.")
     with usage_errors():
         return current_pool()
 

@@ -75,9 +75,10 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         started_pids.update(j.processes())
 
         def hung() -> bool:
-            # The pool's threshold: ranks in different collectives for 3 s (LaunchConfig.hang_after).
+            # Every rank in its 4th collective, for the pool's threshold (LaunchConfig.hang_after, 3 s).
             with distnb.attach(job_id) as attached:
-                return attached.diagnose().is_problem
+                log = attached.collectives().log
+                return all(len(log.entries.get(r, {})) >= 4 for r in range(4)) and attached.diagnose().is_problem
 
         wait_until(hung, 60, "the job's hang, diagnosed", poll=0.5)
         yield j
@@ -114,6 +115,12 @@ def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Job) 
         verdict = attached.diagnose()
         assert verdict.culprits == [0] and verdict.rule == "disagree", verdict.text()
         assert "rank 0 in all_reduce #4" in verdict.text() and "ranks 1-3 in barrier #4" in verdict.text(), verdict.text()
+        memory = attached.memory()
+        assert sorted(memory.current) == [0, 1, 2, 3] and all(m["rss"] > 0 for m in memory.current.values())
+        env = attached.env()
+        assert {e["RANK"] for e in env.env.values()} == {"0", "1", "2", "3"}
+        timeline = attached.stragglers()
+        assert timeline.ranks == [0, 1, 2, 3] and len(timeline.collectives) >= 3, timeline.text()  # the 3 every rank made
         status = attached.status().text()
         assert f"attached to job {job.job_id} (read-only): 4 ranks" in status, status
         assert "rank 0: pid" in status and "in all_reduce" in status and "The odd one out: rank 0." in status, status
@@ -136,12 +143,16 @@ def test_attach_from_magics_and_read_only(job: Job) -> None:
     shell = Shell()
     pids = job.processes()
     value, _, _ = shell.line("dist_attach")
-    assert f"attached to job {job.job_id}" in repr(value) and "The odd one out: rank 0." in repr(value), repr(value)
     try:
+        assert f"attached to job {job.job_id}" in repr(value) and "The odd one out: rank 0." in repr(value), repr(value)
         value, _, _ = shell.line("dist_stacks")
         assert "dist.all_reduce(t)" in repr(value), repr(value)
         value, _, _ = shell.line("dist_collectives", "--last 2")
         assert "first divergence" in repr(value), repr(value)
+        value, _, _ = shell.line("dist_env")
+        assert "LOCAL_RANK" in repr(value), repr(value)
+        _, out, _ = shell.line("dist_memory")
+        assert "rank" in out, out
         _, out, _ = shell.line("dist_status")
         assert "ranks 1-3 in barrier #4" in out, out
         with pytest.raises(UsageError, match=f"attached to job {job.job_id}, read-only"):
