@@ -118,3 +118,47 @@ def test_a_programs_stack_gives_its_script_line() -> None:
     # The same frames on a pool rank's main thread are distnb's serve loop, outside any cell.
     pool_rank = RankStack(0, "idle", "control thread", [ThreadStack("MainThread", True, frames)])
     assert position_from_stack(pool_rank).line is None and pool_rank.body() == ["    (idle: waiting for a cell)"]
+
+
+def test_a_rank_that_does_not_answer_is_named_and_the_rank_refuses_to_be_changed(jobs: Path) -> None:
+    """An attachable control thread served from this process (rank 0) beside a rank whose port
+    nobody listens on (rank 1): the attach goes on with the one that answers, and says why the
+    other gave nothing; the rank refuses an interrupt (read-only)."""
+    import threading
+
+    import torch.distributed  # noqa: F401  (the control thread reads the recorders: not its first import of torch)
+    import zmq
+
+    from distnb.controller.attach_link import AttachLink
+    from distnb.wire.protocol import Msg
+    from distnb.wire.security import Credentials
+    from distnb.worker.process.execute import Executor
+
+    ctx: zmq.Context = zmq.Context(1)
+    creds = Credentials.new()
+    control = attachable._attachable_control(ctx, "tcp://127.0.0.1:*", creds, 0, Executor({}, lambda cell, bundle: None))
+    thread = threading.Thread(target=control.run, daemon=True)
+    thread.start()
+    try:
+        port = int(control.addr.rsplit(":", 1)[1])
+        write_endpoint(RankEndpoint("half", 0, 2, os.getpid(), "127.0.0.1", port, creds.key, time.time()), jobs)
+        publish(jobs, "half", rank=1)
+        with distnb.attach(timeout=1.0) as job:
+            status = job.status(with_diagnosis=False).text()
+            assert "rank 0: pid" in status and "computing" in status, status
+            assert "rank 1: pid" in status and "no answer: its control thread did not answer within 1 s" in status, status
+            # A second notebook attached at the same time gets its own replies.
+            link = AttachLink({0: job.files.ranks[0]})
+            try:
+                reply = link.ask([0], {"t": Msg.INTERRUPT, "cell": None}, 2.0)
+            finally:
+                link.close()
+            assert reply[0]["error"] == "this job is attached read-only: distnb does not interrupt or pause it"
+            assert "stacks" in job.stacks([0]).ranks[0].source or job.stacks([0]).ranks[0].threads
+    finally:
+        closing = threading.Thread(target=ctx.term, daemon=True)  # wakes the control thread with ContextTerminated
+        closing.start()
+        thread.join(5)
+        control.sock.close(linger=0)  # then the context can end
+        closing.join(5)
+    assert not thread.is_alive() and not closing.is_alive()

@@ -86,7 +86,9 @@ class ControlThread(threading.Thread):
         super().__init__(name="distnb-control", daemon=True)
         self.rank = rank
         self.executor = executor
-        self.sock = ctx.socket(zmq.DEALER)
+        # Bound, it is a ROUTER: each notebook attached gets its own replies (a DEALER would deal them round).
+        self.routed = bind
+        self.sock = ctx.socket(zmq.ROUTER if bind else zmq.DEALER)
         name = control_identity(rank, generation)
         self.sock.setsockopt(zmq.IDENTITY, name)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -139,6 +141,9 @@ class ControlThread(threading.Thread):
                 return
 
     def _serve_one(self, frames: list[bytes]) -> None:
+        route: list[bytes] = []
+        if self.routed:  # the asking notebook's identity first: the reply goes back to it
+            route, frames = frames[:1], frames[1:]
         try:
             msg = accept_request(PeerKind.CONTROL, self.codec.decode(frames, self.guard))
         except BadFrame:
@@ -154,7 +159,7 @@ class ControlThread(threading.Thread):
             except Exception as exc:  # e.g. FrameTooLarge: answer with the reason, keep serving
                 frames = self.codec.encode({"t": Msg.REPLY, "id": msg.get("id"), "rank": self.rank,
                                             "error": f"the reply could not be sent: {type(exc).__name__}: {exc}"})
-            send_frames(self.sock, frames)
+            send_frames(self.sock, route + frames)
 
     def _watch(self) -> None:
         """Push new Flight Recorder entries when a group's sequence number moved, and the end of
