@@ -88,11 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--write-site", metavar="DIR", default=None,
                    help="only write the start-up hook into DIR, for launchers that cannot be wrapped: put DIR first on the "
                    "ranks' PYTHONPATH and set DISTNB_ATTACH=1")
+    r.add_argument("--install-hook", nargs="?", const="", default=None, metavar="DIR",
+                   help="only install distnb-attach.pth into site-packages (or DIR): every Python of that environment then starts "
+                   "attachable when DISTNB_ATTACH=1 (and a rank: RANK and WORLD_SIZE set), and is untouched without it")
+    r.add_argument("--uninstall-hook", nargs="?", const="", default=None, metavar="DIR", help="remove what --install-hook wrote")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command", help="-- then the command, e.g. -- torchrun --nproc-per-node 4 train.py")
     args = parser.parse_args(argv)
     if args.command == "run":
-        from distnb.launching.attach_run import run, write_site
+        from distnb.launching.attach_run import install_hook, run, write_site
 
+        if args.install_hook is not None or args.uninstall_hook is not None:
+            remove = args.uninstall_hook is not None
+            try:
+                path = install_hook(args.uninstall_hook if remove else args.install_hook, remove=remove)
+            except OSError as exc:
+                print(f"distnb run: cannot {'remove' if remove else 'write'} the hook in {exc.filename}'s folder: {exc.strerror}; "
+                      "name a folder that exists and that you may write (the job's Python's site-packages).", file=sys.stderr)
+                return 1
+            print(f"removed {path}" if remove else f"wrote {path}: set DISTNB_ATTACH=1 in a job's environment to make its ranks attachable")
+            return 0
         if args.write_site:
             print(write_site(args.write_site))
             return 0

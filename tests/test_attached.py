@@ -162,3 +162,31 @@ def test_a_rank_that_does_not_answer_is_named_and_the_rank_refuses_to_be_changed
         control.sock.close(linger=0)  # then the context can end
         closing.join(5)
     assert not thread.is_alive() and not closing.is_alive()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_pth_hook_makes_a_rank_attachable_only_when_asked(tmp_path: Path) -> None:
+    """``python -m distnb run --install-hook DIR`` for launchers that cannot be wrapped: an
+    interpreter reading DIR's .pth with DISTNB_ATTACH=1 and a rank's variables publishes itself
+    (and removes its file at exit); without the variable it does nothing."""
+    import subprocess
+    import sys
+
+    site_dir, jobs_dir = tmp_path / "site", tmp_path / "jobs"
+    site_dir.mkdir()
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": repo, "DISTNB_JOBS_DIR": str(jobs_dir), "RANK": "0", "WORLD_SIZE": "1", "DISTNB_JOB_ID": "pth"}
+    subprocess.run([sys.executable, "-m", "distnb", "run", "--install-hook", str(site_dir)], env=env, check=True, capture_output=True)
+    probe = ("import os, site, sys, time; site.addsitedir(sys.argv[1]); path = os.path.join(sys.argv[2], 'pth', 'rank0.json')\n"
+             "deadline = time.monotonic() + 20\n"
+             "while not os.path.exists(path) and time.monotonic() < deadline and os.environ.get('DISTNB_ATTACH') == '1': time.sleep(0.02)\n"
+             "print(os.path.exists(path), 'DISTNB_ATTACH_STARTED' in os.environ)")
+    asked = subprocess.run([sys.executable, "-c", probe, str(site_dir), str(jobs_dir)], env={**env, "DISTNB_ATTACH": "1"},
+                           capture_output=True, text=True, timeout=40)
+    assert asked.stdout.strip() == "True True", asked.stderr
+    assert not (jobs_dir / "pth" / "rank0.json").exists()  # removed at exit
+    plain = subprocess.run([sys.executable, "-c", probe, str(site_dir), str(jobs_dir)], env=env, capture_output=True, text=True, timeout=40)
+    assert plain.stdout.strip() == "False False", plain.stderr  # no thread started
+    subprocess.run([sys.executable, "-m", "distnb", "run", "--uninstall-hook", str(site_dir)], env=env, check=True, capture_output=True)
+    assert not list(site_dir.iterdir())

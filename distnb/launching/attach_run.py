@@ -4,8 +4,10 @@ The command runs with ``DISTNB_ATTACH=1``, a ``DISTNB_JOB_ID`` of its own and, f
 ``PYTHONPATH``, a folder holding a ``sitecustomize.py`` that starts each rank's attachable control
 thread (``worker/process/attachable.py``) and then loads the user's own ``sitecustomize``, if any.
 The wrapper forwards SIGINT/SIGTERM to the command, exits with its exit status and removes the
-folder. Launchers that cannot be wrapped (Slurm scripts, Kubernetes) set ``DISTNB_ATTACH=1`` and
-put the folder ``python -m distnb run --print-site`` prints on ``PYTHONPATH``.
+folder. Launchers that cannot be wrapped (Slurm scripts, Kubernetes) set ``DISTNB_ATTACH=1`` in an
+environment where ``python -m distnb run --install-hook`` put ``distnb-attach.pth`` into
+site-packages (inert without the variable), or put the folder ``--write-site DIR`` fills first on
+``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import uuid
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["SITECUSTOMIZE", "attach_env", "run", "write_site"]
+__all__ = ["PTH_LINE", "SITECUSTOMIZE", "attach_env", "install_hook", "run", "write_site"]
 
 #: The start-up hook: start the control thread, then hand over to the next sitecustomize on the path.
 SITECUSTOMIZE = '''"""distnb's start-up hook for attachable jobs (python -m distnb run)."""
@@ -43,6 +45,27 @@ except ImportError:
 if _me is not None:  # the import machinery looks this module up once it has run
     _sys.modules.setdefault("sitecustomize", _me)
 '''
+
+
+#: The same hook as one line of a ``.pth`` file in site-packages (``python -m distnb run
+#: --install-hook``): every interpreter of that environment reads it at start-up, and it does
+#: nothing unless ``DISTNB_ATTACH=1`` — for launchers that cannot be wrapped (Slurm, Kubernetes).
+PTH_LINE = ('import os; os.environ.get("DISTNB_ATTACH") == "1" and '
+            '__import__("distnb.worker.process.attachable", fromlist=["maybe_start"]).maybe_start()\n')
+PTH_NAME = "distnb-attach.pth"
+
+
+def install_hook(folder: str | Path | None = None, remove: bool = False) -> str:
+    """Write (or with ``remove``, delete) ``distnb-attach.pth`` in ``folder`` (default: this
+    interpreter's site-packages); returns its path."""
+    import sysconfig
+
+    path = Path(folder or sysconfig.get_paths()["purelib"]) / PTH_NAME
+    if remove:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_text(PTH_LINE)
+    return str(path)
 
 
 def write_site(folder: str | Path) -> str:
