@@ -190,3 +190,26 @@ def test_the_pth_hook_makes_a_rank_attachable_only_when_asked(tmp_path: Path) ->
     assert plain.stdout.strip() == "False False", plain.stderr  # no thread started
     subprocess.run([sys.executable, "-m", "distnb", "run", "--uninstall-hook", str(site_dir)], env=env, check=True, capture_output=True)
     assert not list(site_dir.iterdir())
+
+
+def test_the_wrapper_forgets_what_its_ranks_left(jobs: Path) -> None:
+    from distnb.launching.attach_run import _forget_job
+
+    publish(jobs, "done", pid=GONE_PID)
+    publish(jobs, "done", rank=1, pid=GONE_PID)
+    _forget_job("done")
+    assert not (jobs / "done").exists()
+    publish(jobs, "running")  # this process: alive
+    _forget_job("running")
+    assert (jobs / "running" / "rank0.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_wrapper_returns_the_commands_status(jobs: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    assert run([sys.executable, "-c", "import os, sys; sys.exit(3 if os.environ['DISTNB_ATTACH'] == '1' else 1)"], job_id="rc") == 3
+    assert "distnb: job rc is attachable" in capfd.readouterr().err
+    assert run(["/nonexistent/torchrun"]) == 127
+    assert "cannot start '/nonexistent/torchrun'" in capfd.readouterr().err

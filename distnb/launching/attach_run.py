@@ -117,3 +117,19 @@ def run(command: list[str], job_id: str | None = None) -> int:
         return 128 - rc if rc < 0 else rc
     finally:
         shutil.rmtree(site, ignore_errors=True)
+        _forget_job(env["DISTNB_JOB_ID"])
+
+
+def _forget_job(job_id: str) -> None:
+    """Once the command ended: its ranks' discovery files whose processes are gone (a rank killed
+    never removed its own), and the job's folder when nothing is left in it."""
+    from distnb.wire.discovery import jobs_root, list_jobs
+
+    for files in list_jobs():
+        if files.job == job_id:
+            for e in files.stale.values():
+                Path(e.path).unlink(missing_ok=True)
+    try:
+        (jobs_root() / job_id).rmdir()
+    except OSError:
+        pass  # a rank still runs (or never published): its file stays

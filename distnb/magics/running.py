@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.attached import AttachedJob
+from distnb.attached import AttachedJob, current_attached
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.display.cell_display import CellDisplay
@@ -191,6 +191,9 @@ class DistMagics(Magics):
                 f"a pool of {pool.world_size} ranks is already {pool.state.value}; "
                 "use %dist_restart for fresh ranks or %dist_shutdown before launching another."
             )
+        attached = current_attached()
+        if attached is not None:
+            raise UsageError(f"this notebook is attached to job {attached.job} (read-only); %dist_detach first, then launch a pool.")
         options: dict[str, Any] = {"nproc": args.nproc, "backend": args.backend, "env": _env_pairs(args.env), "debug": tuple(args.debug or ())}
         for name in ("pg_timeout", "start_timeout", "hang_after", "nnodes", "rdzv_endpoint", "bind", "key_file", "node_python"):
             if getattr(args, name) is not None:

@@ -159,6 +159,8 @@ def test_attach_from_magics_and_read_only(job: Job) -> None:
             shell.ip.run_cell_magic("on_ranks", "", "x = 1")
         with pytest.raises(UsageError, match="read-only"):
             shell.ip.run_line_magic("dist_shutdown", "")
+        with pytest.raises(UsageError, match="%dist_detach first, then launch a pool"):
+            shell.ip.run_line_magic("dist_launch", "-n 2")
     finally:
         _, out, _ = shell.line("dist_detach")
     assert f"detached from job {job.job_id}" in out
