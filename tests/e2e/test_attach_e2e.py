@@ -114,7 +114,11 @@ def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Job) 
         stacks = attached.stacks().text()
         assert "hang.py:12 in <module>: dist.all_reduce(t)" in stacks, stacks
         assert "hang.py:13 in <module>: dist.barrier()" in stacks, stacks
-        report = attached.collectives().text()
+        collectives = attached.collectives()
+        # The call log was wrapped on as the job imported torch.distributed: the calls before the attach are there.
+        assert [c["op"] for c in sorted(collectives.log.calls[0].values(), key=lambda c: c["n"])] == ["all_reduce"] * 4
+        assert [c["op"] for c in collectives.log.calls[1].values()][-1] == "barrier"
+        report = collectives.text()
         assert "first divergence: collective #4 on group 0" in report and "(the odd one out: rank 0)" in report, report
         verdict = attached.diagnose()
         assert verdict.culprits == [0] and verdict.rule == "disagree", verdict.text()

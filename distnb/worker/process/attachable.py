@@ -10,8 +10,11 @@ starts one daemon thread; that thread imports what it needs, binds ``tcp://127.0
 ``DISTNB_ATTACH_HOST``), writes the rank's discovery file (``wire/discovery.py``) and serves
 requests as a pool rank's control thread does. It never issues a collective, never signals the
 main thread (interrupts are refused: an attached job is read-only), and any failure of its own is
-one line on stderr, the job going on. The call log is wrapped onto ``torch.distributed`` at the
-first request after the job made its process group, so a job nobody attaches to runs unwrapped.
+one line on stderr, the job going on. The call log (``worker/torch_hooks/call_log.py``: the
+arguments the Flight Recorder does not keep, gloo's point-to-point calls) is wrapped onto
+``torch.distributed`` as soon as the job imports it, by a ``sys.meta_path`` finder that answers
+for that one module (``DISTNB_CALL_LOG=0`` leaves it out): an attach then finds the calls made
+before it, and changes nothing in the job.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def maybe_start() -> bool:
     try:
         if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
             env.setdefault("TORCH_FR_BUFFER_SIZE", FR_ENTRIES)
+        if env.get("DISTNB_CALL_LOG", "1") != "0" and "torch.distributed" not in sys.modules:
+            sys.meta_path.insert(0, _WrapAfterImport())
         threading.Thread(target=serve, name="distnb-attach", daemon=True).start()
         env[STARTED_ENV] = str(os.getpid())
         _started = True
@@ -54,6 +59,57 @@ def maybe_start() -> bool:
         print(f"distnb: this rank is not attachable: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return False
     return True
+
+
+_calls: Any = None
+_calls_lock = threading.Lock()
+
+
+def _call_log() -> Any:
+    """The rank's call log (``worker/torch_hooks/call_log.py``), one per process: made by whichever
+    comes first, the import hook on the main thread or the control thread."""
+    global _calls
+    with _calls_lock:
+        if _calls is None:
+            from distnb.wire.cell_code import CELL_PREFIX
+            from distnb.worker.torch_hooks.call_log import CallLog
+
+            _calls = CallLog(CELL_PREFIX)
+        return _calls
+
+
+class _WrapAfterImport:
+    """A ``sys.meta_path`` finder that answers for ``torch.distributed`` alone, once: it finds the
+    module with the other finders and, once the module has run, wraps the call log onto it — before
+    the job's first collective, as a pool rank does after ``init_process_group``. Every other
+    import passes by after one string comparison."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch.distributed":
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            try:
+                from distnb.worker.torch_hooks.call_log import install
+
+                install(_call_log())
+            except Exception as exc:  # the job comes first
+                print(f"distnb: rank {os.environ.get('RANK')}: no call log ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+
+        loader.exec_module = exec_module  # type: ignore[union-attr]
+        return spec
 
 
 def serve() -> None:
@@ -95,6 +151,7 @@ def _listen() -> tuple[Any, str]:
     ctx: zmq.Context[Any] = zmq.Context(1)
     ctx.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
     executor = Executor({}, lambda cell, bundle: None, MemorySampler(int(env.get("LOCAL_RANK", "0"))))
+    executor.calls = _call_log()  # the one the import hook wraps onto torch.distributed
     control = _attachable_control(ctx, f"tcp://{host}:*", creds, rank, executor)
     port = int(control.addr.rsplit(":", 1)[1])
     endpoint = RankEndpoint(job_id_from_env(), rank, world, os.getpid(), host if host != "0.0.0.0" else socket.gethostname(),
@@ -105,7 +162,6 @@ def _listen() -> tuple[Any, str]:
 def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: Any) -> Any:
     from distnb.wire.protocol import Msg, ToControl
     from distnb.worker.process.control import ControlThread
-    from distnb.worker.torch_hooks.call_log import install
 
     class AttachableControl(ControlThread):
         """A pool rank's control thread, read-only: no interrupts, no debugger, the call log
@@ -114,10 +170,6 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
         def handle(self, msg: ToControl) -> Mapping[str, Any] | None:
             if msg["t"] in (Msg.INTERRUPT, Msg.HOLD, Msg.DAP):
                 return {"error": "this job is attached read-only: distnb does not interrupt or pause it"}
-            if not self.executor.calls.installed:
-                dist = sys.modules.get("torch.distributed")
-                if dist is not None and dist.is_available() and dist.is_initialized():
-                    install(self.executor.calls)
             return super().handle(msg)
 
     control = AttachableControl(ctx, addr, creds, rank, executor, bind=True)
