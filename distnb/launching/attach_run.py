@@ -29,11 +29,12 @@ SITECUSTOMIZE = '''"""distnb's start-up hook for attachable jobs (python -m dist
 import os as _os
 import sys as _sys
 
-try:
-    from distnb.worker.process.attachable import maybe_start as _start
-    _start()
-except Exception as _exc:  # the job comes first
-    print(f"distnb: this rank is not attachable: {type(_exc).__name__}: {_exc}", file=_sys.stderr, flush=True)
+if _os.environ.get("DISTNB_ATTACH") == "1" and "RANK" in _os.environ:  # a rank (torchrun's agent has no RANK)
+    try:
+        from distnb.worker.process.attachable import maybe_start as _start
+        _start()
+    except Exception as _exc:  # the job comes first
+        print(f"distnb: this rank is not attachable: {type(_exc).__name__}: {_exc}", file=_sys.stderr, flush=True)
 
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
