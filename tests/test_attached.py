@@ -213,3 +213,16 @@ def test_the_wrapper_returns_the_commands_status(jobs: Path, capfd: pytest.Captu
     assert "distnb: job rc is attachable" in capfd.readouterr().err
     assert run(["/nonexistent/torchrun"]) == 127
     assert "cannot start '/nonexistent/torchrun'" in capfd.readouterr().err
+
+
+def test_the_magics_say_it_in_one_line(jobs: Path) -> None:
+    from IPython.core.error import UsageError
+    from magic_shell import Shell
+
+    shell = Shell()
+    with pytest.raises(UsageError, match="no attachable job on this machine: start one with python -m distnb run"):
+        shell.ip.run_line_magic("dist_attach", "")
+    with pytest.raises(UsageError, match="no attachable job 'nope'"):
+        shell.ip.run_line_magic("dist_attach", "nope")
+    _, out, _ = shell.line("dist_detach")
+    assert out == "not attached to any job (%dist_attach attaches to one).\n"
