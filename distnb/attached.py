@@ -31,8 +31,9 @@ from distnb.controller.collective_log import CollectiveLog
 from distnb.errors import AttachError
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
+from distnb.services.diagnostics import REREAD_AFTER
 from distnb.services.native_stacks import py_spy_dumps
-from distnb.services.positions import position_of
+from distnb.services.positions import position_of, unsettled
 from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CollectivesRead
@@ -184,10 +185,20 @@ class AttachedJob:
 
     def diagnose(self, hang_after: float | None = None) -> Verdict:
         """Is the job hung, and why? The pool's rules over the job's stacks and collective logs;
-        the job's whole run stands for the cell."""
-        threshold = self.hang_after if hang_after is None else hang_after
+        the job's whole run stands for the cell. A reading that caught a rank between two places
+        is read again, as the pool does."""
+        return self._diagnose(self.hang_after if hang_after is None else hang_after)
+
+    def _diagnose(self, threshold: float, stacks: StackReport | None = None) -> Verdict:
+        verdict = self._judge(threshold, stacks)
+        if verdict.is_problem and unsettled(verdict.positions):
+            time.sleep(REREAD_AFTER)
+            verdict = self._judge(threshold)
+        return verdict
+
+    def _judge(self, threshold: float, stacks: StackReport | None = None) -> Verdict:
         ranks = list(range(self.world_size))
-        stacks = self.stacks(ranks)
+        stacks = stacks if stacks is not None else self.stacks(ranks)
         report = self.collectives(ranks)
         # A stand-in for the cell a pool would judge: every rank still "running" the job. Its
         # cell is None, so positions read every open entry whatever cell (none) it came from.
@@ -211,7 +222,7 @@ class AttachedJob:
         missing = [r for r in range(self.world_size) if r not in self.files.ranks and r not in self.files.stale]
         if missing:
             notes.append(f"{format_ranks(missing)}: no discovery file")
-        verdict = self.diagnose().text() if with_diagnosis else ""
+        verdict = self._diagnose(self.hang_after, stacks).text() if with_diagnosis else ""
         return AttachStatus(self.job, self.world_size, rows, verdict, notes)
 
     # -- the end --------------------------------------------------------------------------------
