@@ -84,6 +84,7 @@ def test_the_wrapper_makes_the_environment_attachable(tmp_path: Path) -> None:
     assert (Path(site) / "sitecustomize.py").read_text() == SITECUSTOMIZE
     env = attach_env(site, {"PYTHONPATH": "/x"}, job_id="j")
     assert env["DISTNB_ATTACH"] == "1" and env["DISTNB_JOB_ID"] == "j"
+    assert attach_env(site, {}, job_id="exp/1")["DISTNB_JOB_ID"] == "exp_1"  # as the ranks name their folder
     parts = env["PYTHONPATH"].split(os.pathsep)
     assert parts[0] == site and parts[-1] == "/x"
     assert run([]) == 2  # no command: says what to give

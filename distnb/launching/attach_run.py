@@ -82,7 +82,10 @@ def attach_env(site: str, env: dict[str, str] | None = None, job_id: str | None 
     distnb first on ``PYTHONPATH``."""
     out = dict(os.environ if env is None else env)
     out["DISTNB_ATTACH"] = "1"
-    out.setdefault("DISTNB_JOB_ID", job_id or f"run-{uuid.uuid4().hex[:8]}")
+    from distnb.wire.discovery import job_id_from_env
+
+    # As the ranks will name their folder (a path-safe name), so the id printed is the one to attach to.
+    out["DISTNB_JOB_ID"] = job_id_from_env({"DISTNB_JOB_ID": job_id or out.get("DISTNB_JOB_ID") or f"run-{uuid.uuid4().hex[:8]}"})
     package_parent = str(Path(__file__).resolve().parents[2])
     paths = [site, package_parent, *[p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]]
     out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
