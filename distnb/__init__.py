@@ -27,6 +27,7 @@ _PUBLIC = {
     "LaunchConfig": "distnb.config",
     "CellEvents": "distnb.results", "Pool": "distnb.pool", "PoolState": "distnb.states", "current_pool": "distnb.pools", "live_pools": "distnb.pools",
     "launch": "distnb.pool",
+    "attach": "distnb.attached", "detach": "distnb.attached", "AttachedJob": "distnb.attached", "AttachError": "distnb.errors",
     "CellResult": "distnb.results", "PoolStatus": "distnb.status", "RankResult": "distnb.results",
     "RankState": "distnb.states", "RankStatus": "distnb.status",
     "checksum": "distnb.worker.recorders.checksum",
@@ -37,9 +38,11 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
+    from distnb.attached import AttachedJob, attach, detach
     from distnb.config import LaunchConfig
     from distnb.controller.prompts import Prompt
     from distnb.errors import (
+        AttachError,
         CellFailed,
         DistnbError,
         LaunchError,
@@ -73,6 +76,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
 __all__ = [
+    "AttachError",
+    "AttachedJob",
     "CellEvents",
     "CellFailed",
     "CellResult",
@@ -100,8 +105,10 @@ __all__ = [
     "Site",
     "Verdict",
     "VerdictState",
+    "attach",
     "checksum",
     "current_pool",
+    "detach",
     "launch",
     "live_pools",
     "load_ipython_extension",

@@ -1,4 +1,4 @@
-"""``python -m distnb demo | doctor``."""
+"""``python -m distnb demo | doctor | run -- COMMAND``."""
 
 from __future__ import annotations
 
@@ -83,7 +83,34 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="launch a CPU pool, run a short tour, print the results, shut down")
     d.add_argument("-n", "--nproc", type=int, default=4, help="ranks (default 4)")
     sub.add_parser("doctor", help="show the versions and devices distnb sees")
+    r = sub.add_parser("run", help="run a job (e.g. torchrun … train.py) with ranks a notebook can %%dist_attach to")
+    r.add_argument("--job-id", default=None, help="the job's name in %%dist_attach (default: run-<random>)")
+    r.add_argument("--write-site", metavar="DIR", default=None,
+                   help="only write the start-up hook into DIR, for launchers that cannot be wrapped: put DIR first on the "
+                   "ranks' PYTHONPATH and set DISTNB_ATTACH=1")
+    r.add_argument("--install-hook", nargs="?", const="", default=None, metavar="DIR",
+                   help="only install distnb-attach.pth into site-packages (or DIR): every Python of that environment then starts "
+                   "attachable when DISTNB_ATTACH=1 (and a rank: RANK and WORLD_SIZE set), and is untouched without it")
+    r.add_argument("--uninstall-hook", nargs="?", const="", default=None, metavar="DIR", help="remove what --install-hook wrote")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command", help="-- then the command, e.g. -- torchrun --nproc-per-node 4 train.py")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        from distnb.launching.attach_run import install_hook, run, write_site
+
+        if args.install_hook is not None or args.uninstall_hook is not None:
+            remove = args.uninstall_hook is not None
+            try:
+                path = install_hook(args.uninstall_hook if remove else args.install_hook, remove=remove)
+            except OSError as exc:
+                print(f"distnb run: cannot {'remove' if remove else 'write'} the hook in {exc.filename}'s folder: {exc.strerror}; "
+                      "name a folder that exists and that you may write (the job's Python's site-packages).", file=sys.stderr)
+                return 1
+            print(f"removed {path}" if remove else f"wrote {path}: set DISTNB_ATTACH=1 in a job's environment to make its ranks attachable")
+            return 0
+        if args.write_site:
+            print(write_site(args.write_site))
+            return 0
+        return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd, args.job_id)
     if args.command == "demo":
         if not 1 <= args.nproc <= 64:
             parser.error(f"-n takes 1 to 64 ranks for the demo, not {args.nproc}.")

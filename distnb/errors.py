@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the result types sit above this module (results.py names th
     from distnb.results import CellResult, RankResult
 
 __all__ = [
+    "AttachError",
     "CellFailed",
     "DistnbError",
     "LaunchError",
@@ -33,6 +34,11 @@ class DistnbError(RuntimeError):
 
 class NoPoolError(DistnbError):
     """There is no running pool."""
+
+
+class AttachError(DistnbError):
+    """An attach (``%dist_attach``, ``distnb.attach``) failed or an attached job was asked what it
+    can't do; the message says what to do. Nothing in the job was changed."""
 
 
 class NoCellError(DistnbError):

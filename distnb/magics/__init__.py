@@ -9,6 +9,7 @@ __all__ = ["load", "unload"]
 
 def load(ipython: Any) -> None:
     from distnb.display.html import register
+    from distnb.magics.attaching import AttachMagics
     from distnb.magics.inspecting import InspectMagics
     from distnb.magics.numerics import NumericsMagics
     from distnb.magics.running import DistMagics
@@ -16,6 +17,7 @@ def load(ipython: Any) -> None:
     ipython.register_magics(DistMagics)
     ipython.register_magics(InspectMagics)
     ipython.register_magics(NumericsMagics)
+    ipython.register_magics(AttachMagics)
     register(ipython)
     from distnb.magics.panel import install
 

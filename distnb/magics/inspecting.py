@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, usage_errors
+from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, usage_errors, views_or_usage_error
 
 __all__ = ["InspectMagics"]
 
@@ -38,7 +38,7 @@ class InspectMagics(Magics):
     def dist_stacks(self, line: str) -> Any:
         """Where is every rank right now? Works while a cell runs or hangs; identical stacks are grouped."""
         args = parse(self.dist_stacks, line)
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             return pool.stacks(args.ranks, all_threads=args.all_threads, native=args.native)
 
@@ -127,7 +127,7 @@ class InspectMagics(Magics):
     def dist_memory(self, line: str) -> Any:
         """Per-rank memory: RSS (and CUDA allocated/reserved/peak, NVML device use on GPUs); flags imbalance."""
         args = parse(self.dist_memory, line)
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             report = pool.memory(args.ranks)
         from IPython.display import display
@@ -151,7 +151,7 @@ class InspectMagics(Magics):
         args = parse(self.dist_collectives, line)
         if args.last is not None and args.last < 1:
             raise UsageError("--last takes a positive count, e.g. --last 10.")
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             report = pool.collectives(args.ranks, last=args.last)
             return report.paged(args.page or 1) if args.per_rank or args.page is not None else report
@@ -167,7 +167,7 @@ class InspectMagics(Magics):
         args = parse(self.dist_timeline, line)
         if args.last < 1:
             raise UsageError("--last takes a positive count, e.g. --last 200.")
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             report = pool.stragglers(args.ranks, group=args.group, last=args.last)
         from IPython.display import display
@@ -200,7 +200,7 @@ class InspectMagics(Magics):
     def dist_env(self, line: str) -> Any:
         """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* per rank; flags differences."""
         args = parse(self.dist_env, line)
-        pool = pool_or_usage_error()
+        pool = views_or_usage_error()
         with usage_errors():
             return pool.env(args.ranks)
 

@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from distnb.attached import AttachedJob, current_attached
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.display.cell_display import CellDisplay
@@ -19,7 +20,7 @@ from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import widgets_available
 from distnb.errors import CellFailed, NoPoolError
 from distnb.magics.panel import cell_source
-from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed
+from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed, views_or_usage_error
 from distnb.magics.support import parse as _parse
 from distnb.magics.support import usage_errors as _usage_errors
 from distnb.pool import Pool
@@ -190,6 +191,9 @@ class DistMagics(Magics):
                 f"a pool of {pool.world_size} ranks is already {pool.state.value}; "
                 "use %dist_restart for fresh ranks or %dist_shutdown before launching another."
             )
+        attached = current_attached()
+        if attached is not None:
+            raise UsageError(f"this notebook is attached to job {attached.job} (read-only); %dist_detach first, then launch a pool.")
         options: dict[str, Any] = {"nproc": args.nproc, "backend": args.backend, "env": _env_pairs(args.env), "debug": tuple(args.debug or ())}
         for name in ("pg_timeout", "start_timeout", "hang_after", "nnodes", "rdzv_endpoint", "bind", "key_file", "node_python"):
             if getattr(args, name) is not None:
@@ -315,7 +319,11 @@ class DistMagics(Magics):
         args = _parse(self.dist_status, line)
         from IPython.display import display
 
-        status = self._pool().status()
+        target = views_or_usage_error()
+        if isinstance(target, AttachedJob):
+            display(target.status())
+            return
+        status = target.status()
         status.every_rank = args.all
         display(status)
 

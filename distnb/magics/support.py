@@ -14,6 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
 from distnb.analysis.reports.memory import figure_png
+from distnb.attached import AttachedJob, current_attached
 from distnb.errors import CellFailed, DistnbError
 from distnb.pool import Pool
 from distnb.pools import current_pool
@@ -21,7 +22,8 @@ from distnb.pools import current_pool
 if TYPE_CHECKING:
     from distnb.results import CellResult
 
-__all__ = ["KEEP_GOING_ENV", "Progress", "keep_going", "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed", "usage_errors"]
+__all__ = ["KEEP_GOING_ENV", "Progress", "keep_going", "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed",
+           "usage_errors", "views_or_usage_error"]
 
 #: The session's setting: set (``%env DISTNB_KEEP_GOING=1``), a failed cell does not raise, as if
 #: every cell had ``--keep-going``. Read at each failure, so setting it mid-session takes effect.
@@ -106,9 +108,21 @@ def show_checks(reports: list[Any]) -> None:
 
 
 def pool_or_usage_error() -> Pool:
-    """The pool the magics act on, or a UsageError saying how to start one."""
+    """The pool the magics act on, or a UsageError saying how to start one (or, attached to a job,
+    that it is read-only)."""
+    job = current_attached()
+    if job is not None:
+        raise UsageError(f"this notebook is attached to job {job.job}, read-only: it runs no cells and is not changed from "
+                         "here (%dist_status, %dist_stacks, %dist_collectives, %dist_timeline, %dist_memory and %dist_env look into it); "
+                         "%dist_detach first to use a pool.")
     with usage_errors():
         return current_pool()
+
+
+def views_or_usage_error() -> Pool | AttachedJob:
+    """What the read-only views look into: the attached job when there is one, else the pool."""
+    job = current_attached()
+    return job if job is not None else pool_or_usage_error()
 
 
 def keep_going(flag: bool) -> bool:

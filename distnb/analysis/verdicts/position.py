@@ -3,6 +3,7 @@ for it; the verdict rules (:mod:`distnb.analysis.verdicts`) judge every rank's p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ class Position:
     # earlier, waited on now): ``where`` then says both.
     issued: str = ""
     label: str = ""  # the group as the user built it (``dp (ranks 1,3)``); empty: ``group <name>``
+    file: str = ""  # the script ``line`` is in, for a rank running a program rather than cells (an attached job)
 
     def between(self) -> bool:
         """Read between two places: running the cell's code, or in a collective by its stack that
@@ -72,6 +74,9 @@ class Position:
         """`` at cell line 3``, `` in step() (cell 2 line 11)``, `` at cell 2 line 4``."""
         if not self.line:
             return ""
+        if self.file:
+            spot = f"{os.path.basename(self.file)}:{self.line}"
+            return f" in {self.func}() ({spot})" if self.func and self.func != "<module>" else f" at {spot}"
         other = self.line_cell is not None and self.running is not None and self.line_cell != self.running
         if self.func and self.func != "<module>":
             cell = f"{cell_name(self.line_cell)} " if self.line_cell is not None else "cell "
@@ -135,6 +140,11 @@ def position_from_stack(stack: RankStack, cell: int | None = None) -> Position:
     where: dict[str, Any] = {}
     if inner is not None:
         where = {"line": inner.lineno, "code": inner.line, "func": inner.name, "line_cell": inner.cell, "running": cell}
+    elif main is not None and main.program:
+        # A program's own frames are those outside the libraries (site-packages, the stdlib).
+        own = [f for f in frames if short_path(f.filename) == f.filename]
+        if own:
+            where = {"line": own[-1].lineno, "code": own[-1].line, "func": own[-1].name, "file": own[-1].filename}
     op = next(
         (f.name for f in frames if f.filename.endswith("distributed_c10d.py") and f.name in COLLECTIVE_FUNCS),
         None,

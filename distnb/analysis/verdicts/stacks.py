@@ -61,9 +61,11 @@ class ThreadStack:
     name: str
     main: bool
     frames: list[Frame]  # outermost first
+    # The main thread runs the user's own program (an attached job), not distnb's serve loop.
+    program: bool = False
 
     def user_frames(self) -> list[Frame]:
-        if self.main:
+        if self.main and not self.program:
             # On the main thread everything outside a cell is distnb's serve loop.
             first = next((i for i, f in enumerate(self.frames) if f.is_cell), None)
             return [] if first is None else [f for f in self.frames[first:] if not f.is_internal]
@@ -105,7 +107,7 @@ class RankStack:
             if len(self.threads) > 1 or not t.main:
                 lines.append(f"  thread {t.name}{' (main)' if t.main else ''}:")
             if not frames:
-                lines.append("    (idle: waiting for a cell)" if t.main else "    (no Python frames outside distnb)")
+                lines.append("    (idle: waiting for a cell)" if t.main and not t.program else "    (no Python frames outside distnb)")
             lines.extend(f"    {f.text()}" for f in frames)
         if self.native:
             lines.append("  native (py-spy):")

@@ -77,17 +77,27 @@ class ControlThread(threading.Thread):
     #: (STACKS) once the cell has ended, and rebuilds the process group.
     unblocked: dict[str, Any] | None = None
 
-    def __init__(self, ctx: zmq.Context[Any], addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0) -> None:
-        """``generation``: the rank's respawn generation, in its connection's name (peers.in_generation)."""
+    def __init__(self, ctx: zmq.Context[Any], addr: str, creds: Credentials, rank: int, executor: Executor, generation: int = 0,
+                 bind: bool = False) -> None:
+        """``generation``: the rank's respawn generation, in its connection's name (peers.in_generation).
+        ``bind``: listen on ``addr`` (``tcp://127.0.0.1:*``) for a notebook that attaches to a job
+        distnb did not launch (``worker/process/attachable.py``), instead of connecting to a pool's
+        controller; ``addr`` then becomes the address bound."""
         super().__init__(name="distnb-control", daemon=True)
         self.rank = rank
         self.executor = executor
-        self.sock = ctx.socket(zmq.DEALER)
+        # Bound, it is a ROUTER: each notebook attached gets its own replies (a DEALER would deal them round).
+        self.routed = bind
+        self.sock = ctx.socket(zmq.ROUTER if bind else zmq.DEALER)
         name = control_identity(rank, generation)
         self.sock.setsockopt(zmq.IDENTITY, name)
         self.sock.setsockopt(zmq.LINGER, 0)
         creds.secure_client(self.sock)
-        self.sock.connect(addr)
+        if bind:
+            self.sock.bind(addr)
+            addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.sock.connect(addr)
         self.addr = addr
         self.codec = Codec(creds.key, name.decode())
         self.guard = ReplayGuard()
@@ -131,6 +141,9 @@ class ControlThread(threading.Thread):
                 return
 
     def _serve_one(self, frames: list[bytes]) -> None:
+        route: list[bytes] = []
+        if self.routed:  # the asking notebook's identity first: the reply goes back to it
+            route, frames = frames[:1], frames[1:]
         try:
             msg = accept_request(PeerKind.CONTROL, self.codec.decode(frames, self.guard))
         except BadFrame:
@@ -146,7 +159,7 @@ class ControlThread(threading.Thread):
             except Exception as exc:  # e.g. FrameTooLarge: answer with the reason, keep serving
                 frames = self.codec.encode({"t": Msg.REPLY, "id": msg.get("id"), "rank": self.rank,
                                             "error": f"the reply could not be sent: {type(exc).__name__}: {exc}"})
-            send_frames(self.sock, frames)
+            send_frames(self.sock, route + frames)
 
     def _watch(self) -> None:
         """Push new Flight Recorder entries when a group's sequence number moved, and the end of

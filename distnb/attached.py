@@ -1,0 +1,297 @@
+"""``distnb.attach()``: a torchrun job distnb did not launch, made attachable (``python -m distnb
+run -- torchrun … train.py``), seen from the notebook — read-only.
+
+:class:`AttachedJob` offers the read-only subset of the Pool's views: ``status``, ``stacks``,
+``collectives``, ``memory``, ``env``, ``stragglers`` and ``diagnose``, asked of each rank's control thread (``worker/process/attachable.py``)
+through :class:`~distnb.controller.attach_link.AttachLink` and judged by the same parts a pool
+uses (the ``CollectiveLog``, ``services.positions``, ``analysis.verdicts``). Nothing it does
+changes the job: no cell, interrupt, push or debugger; ``detach()`` closes the notebook's sockets
+and leaves the ranks serving as before.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from distnb import _processes
+from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
+from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.reports.env import EnvReport
+from distnb.analysis.reports.memory import MemoryReport
+from distnb.analysis.verdicts.diagnose import diagnose
+from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire
+from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
+from distnb.analysis.verdicts.verdict import Verdict
+from distnb.config import LaunchConfig
+from distnb.controller.attach_link import AttachLink
+from distnb.controller.collective_log import CollectiveLog
+from distnb.errors import AttachError
+from distnb.ranks import Ranks, format_ranks, parse_ranks
+from distnb.results import CellResult, RankResult
+from distnb.services.diagnostics import REREAD_AFTER
+from distnb.services.native_stacks import py_spy_dumps
+from distnb.services.positions import position_of, unsettled
+from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
+from distnb.wire.protocol import Msg
+from distnb.wire.records import CollectivesRead
+
+__all__ = ["AttachStatus", "AttachedJob", "attach", "current_attached", "detach"]
+
+#: How long each rank has to answer the first request of an attach, and every later one.
+JOB_ANSWER_TIMEOUT = 2.0
+
+_current: list[AttachedJob] = []
+
+
+@dataclass
+class AttachStatus:
+    """What ``%dist_status`` shows for an attached job: a line per rank and the diagnosis."""
+
+    job: str
+    world_size: int
+    rows: list[tuple[int, int | None, str]]  # rank, pid, state in words
+    verdict: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        lines = [f"attached to job {self.job} (read-only): {self.world_size} ranks"]
+        lines += [f"  rank {r}: pid {pid if pid is not None else '?'}, {state}" for r, pid, state in self.rows]
+        lines += [f"  {n}" for n in self.notes]
+        if self.verdict:
+            lines.append(self.verdict)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text())
+
+
+class AttachedJob:
+    """A job attached read-only; build one with :func:`attach`."""
+
+    def __init__(self, files: JobFiles, timeout: float = JOB_ANSWER_TIMEOUT) -> None:
+        self.job = files.job
+        self.files = files
+        self.world_size = files.world_size
+        self.timeout = timeout
+        self.hang_after = LaunchConfig.hang_after
+        self._link: AttachLink | None = AttachLink(files.ranks)
+        self._log = CollectiveLog()
+        self._attached_at = time.monotonic()
+
+    # -- the job's ranks ------------------------------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        return self._link is not None
+
+    def pids(self) -> dict[int, int]:
+        return {r: e.pid for r, e in sorted(self.files.ranks.items())}
+
+    def _require(self) -> AttachLink:
+        if self._link is None:
+            raise AttachError(f"job {self.job} is detached; attach again with %dist_attach {self.job} (distnb.attach({self.job!r})).")
+        return self._link
+
+    def _ask(self, ranks: list[int], msg: dict[str, Any], timeout: float | None = None) -> dict[int, dict[str, Any]]:
+        return self._require().ask([r for r in ranks if r in self.files.ranks], msg, self.timeout if timeout is None else timeout)
+
+    def why_silent(self, rank: int) -> str:
+        e = self.files.ranks.get(rank) or self.files.stale.get(rank)
+        if e is None:
+            return "it published no discovery file (not started, or not made attachable)"
+        if not e.alive():
+            return f"its process (pid {e.pid}) is gone"
+        state = _processes.process_state(e.pid)
+        return (f"its control thread did not answer within {self.timeout:g} s (pid {e.pid}{' is ' + state if state else ' runs'}); "
+                "a C loop holding the GIL, or a machine this busy: ask again, or py-spy dump --pid " + str(e.pid))
+
+    # -- views ----------------------------------------------------------------------------------
+    def stacks(self, ranks: Ranks = None, all_threads: bool = False, native: bool = False) -> StackReport:
+        """Where every (or each given) rank of the job is now, with the collective it waits in;
+        ``native`` adds py-spy's native frames (the ranks run on this machine)."""
+        targets = parse_ranks(ranks, self.world_size)
+        since = {r: self._log.cursor(r) for r in targets}
+        msg = {"t": Msg.STACKS, "all_threads": all_threads, "collectives_since": min(since.values(), default=-1),
+               "calls_since": min((self._log.last_call(r) for r in targets), default=-1), "groups": self._log.wants_groups(targets)}
+        replies = self._ask(targets, msg)
+        self._merge({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
+        out = []
+        for r in targets:
+            reply = replies.get(r, {})
+            if "stacks" in reply:
+                threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"]), program=True) for t in reply["stacks"]]
+                rs = RankStack(r, "in the job", "control thread", threads)
+            else:
+                rs = RankStack(r, "no answer", f"no answer: {reply.get('error') or self.why_silent(r)}")
+            pending = self._log.pending(r)
+            stuck = self._log.stuck(r)
+            if pending is not None:
+                rs.annotation = f"in {describe(pending)} ({self._log.at(pending)})"
+                rs.annotation_since = self._log.age(r, pending)
+            elif stuck is not None:
+                rs.annotation = f"{describe(stuck)} {self._log.at(stuck)} not completed ({issued_words(stuck)})"
+                rs.annotation_since = self._log.age(r, stuck)
+            out.append(rs)
+        if native:
+            by_rank = {rs.rank: rs for rs in out}
+            for r, text in py_spy_dumps({r: self.files.ranks[r].pid for r in by_rank if r in self.files.ranks}).items():
+                by_rank[r].native = text
+        return StackReport(out)
+
+    def collectives(self, ranks: Ranks = None, last: int | None = None) -> CollectiveReport:
+        """Every rank's collective sequence (from its Flight Recorder), side by side, the first
+        divergence marked."""
+        targets = parse_ranks(ranks, self.world_size)
+        since = {r: self._log.cursor(r) for r in targets}
+        msg = {"t": Msg.COLLECTIVES, "since": min(since.values(), default=-1),
+               "calls_since": min((self._log.last_call(r) for r in targets), default=-1), "groups": self._log.wants_groups(targets)}
+        self._merge(self._ask(targets, msg), since)
+        return self._log.report(targets, last)
+
+    def _merge(self, replies: dict[int, dict[str, Any]], since: dict[int, int]) -> None:
+        for r, answer in replies.items():
+            reply = cast(CollectivesRead, answer)
+            if "error" in answer:
+                continue
+            reply["entries"] = [e for e in reply.get("entries", []) if e["id"] > since.get(r, -1) or not e["done"]]
+            self._log.merge(r, reply)
+
+    def memory(self, ranks: Ranks = None) -> MemoryReport:
+        """Each rank's memory now (RSS; CUDA's allocator and the device where the job uses one)."""
+        replies = self._ask(parse_ranks(ranks, self.world_size), {"t": Msg.MEMORY})
+        return MemoryReport({r: m["memory"] for r, m in sorted(replies.items()) if "memory" in m})
+
+    def env(self, ranks: Ranks = None) -> EnvReport:
+        """RANK, LOCAL_RANK, MASTER_*, CUDA_VISIBLE_DEVICES, NCCL_*/TORCH_* … per rank."""
+        replies = self._ask(parse_ranks(ranks, self.world_size), {"t": Msg.ENV})
+        return EnvReport({r: m["env"] for r, m in sorted(replies.items()) if "env" in m},
+                         {r: socket.gethostname() for r in replies})  # the job's ranks run on this machine
+
+    def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
+        """Who arrives last at the recent collectives of ``group`` (``%dist_timeline``)."""
+        if last < 1:
+            raise ValueError(f"last must be a positive count of collectives, not {last}; e.g. last=200.")
+        report = self.collectives(ranks)
+        if group not in report.group_names():
+            known = ", ".join(report.group_names()) or "none yet"
+            raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); pick one of those.")
+        members = report.members(group) if group in report.log.groups else report.ranks
+        return StragglerReport(group, members, arrivals(report.log, group, members, last), report.label(group))
+
+    def diagnose(self, hang_after: float | None = None) -> Verdict:
+        """Is the job hung, and why? The pool's rules over the job's stacks and collective logs;
+        the job's whole run stands for the cell. A reading that caught a rank between two places
+        is read again, as the pool does."""
+        return self._diagnose(self.hang_after if hang_after is None else hang_after)
+
+    def _diagnose(self, threshold: float, stacks: StackReport | None = None) -> Verdict:
+        verdict = self._judge(threshold, stacks)
+        if verdict.is_problem and unsettled(verdict.positions):
+            time.sleep(REREAD_AFTER)
+            verdict = self._judge(threshold)
+        return verdict
+
+    def _judge(self, threshold: float, stacks: StackReport | None = None) -> Verdict:
+        ranks = list(range(self.world_size))
+        stacks = stacks if stacks is not None else self.stacks(ranks)
+        report = self.collectives(ranks)
+        # A stand-in for the cell a pool would judge: every rank still "running" the job. Its
+        # cell is None, so positions read every open entry whatever cell (none) it came from.
+        whole = CellResult(cast(int, None), "", ranks, {r: RankResult(r) for r in ranks})
+        started = min((e.started for e in self.files.ranks.values()), default=time.time())
+        elapsed = max(0.0, time.time() - started)
+        positions = [position_of(r, whole, stacks, elapsed, self._log, self.why_silent) for r in ranks]
+        return diagnose(positions, threshold, elapsed, report, None, {}, None)
+
+    def status(self, with_diagnosis: bool = True) -> AttachStatus:
+        """A line per rank (pid, where it is) and, by default, the diagnosis."""
+        stacks = self.stacks()
+        rows = []
+        for rs in stacks.ranks:
+            e = self.files.ranks.get(rs.rank) or self.files.stale.get(rs.rank)
+            where = rs.annotation_text or (rs.state if not rs.threads else "computing")
+            rows.append((rs.rank, e.pid if e else None, where if rs.threads else rs.source))
+        notes = []
+        if self.files.stale:
+            notes.append(f"{format_ranks(sorted(self.files.stale))}: the process that wrote the discovery file is gone")
+        missing = [r for r in range(self.world_size) if r not in self.files.ranks and r not in self.files.stale]
+        if missing:
+            notes.append(f"{format_ranks(missing)}: no discovery file")
+        verdict = self._diagnose(self.hang_after, stacks).text() if with_diagnosis else ""
+        return AttachStatus(self.job, self.world_size, rows, verdict, notes)
+
+    # -- the end --------------------------------------------------------------------------------
+    def detach(self) -> None:
+        """Close the notebook's connections; the job runs on as it was."""
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        if self in _current:
+            _current.remove(self)
+
+    def __enter__(self) -> AttachedJob:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return f"<AttachedJob {self.job}: {self.world_size} ranks, {'attached' if self.attached else 'detached'}>"
+
+
+def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT) -> AttachedJob:
+    """Attach to an attachable job on this machine: ``job`` names it (as ``python -m distnb run``
+    printed it); without it, the one job there is. Raises :class:`~distnb.errors.AttachError`
+    with what to do when there is none, several, or its ranks are gone or silent."""
+    jobs = list_jobs()
+    if job is not None:
+        named = [j for j in jobs if j.job == job]
+        if not named:
+            known = ", ".join(j.job for j in jobs) or "none"
+            raise AttachError(f"no attachable job {job!r} under {jobs_root()} (jobs there: {known}); start it with "
+                              "python -m distnb run -- torchrun …, or name one of those.")
+        files = named[0]
+    else:
+        live = [j for j in jobs if j.ranks]
+        if not live:
+            stale = f" ({len(jobs)} with stale files only: {', '.join(j.job for j in jobs)}, their processes gone)" if jobs else ""
+            raise AttachError(f"no attachable job on this machine{stale}: start one with python -m distnb run -- torchrun "
+                              "--nproc-per-node N train.py (or set DISTNB_ATTACH=1 with the hook on the ranks' PYTHONPATH).")
+        if len(live) > 1:
+            raise AttachError("several attachable jobs on this machine; name one, e.g. %dist_attach "
+                              f"{live[0].job}: " + "; ".join(j.line() for j in live))
+        files = live[0]
+    if not files.ranks:
+        gone = ", ".join(f"rank {r} pid {e.pid}" for r, e in sorted(files.stale.items()))
+        raise AttachError(f"job {files.job} has ended: the processes of its discovery files are gone ({gone}); "
+                          f"remove {files.folder} and start the job again.")
+    attached = AttachedJob(files, timeout)
+    answered = attached._ask(sorted(files.ranks), {"t": Msg.STACKS, "all_threads": False}, timeout)
+    if not answered:
+        attached.detach()
+        raise AttachError(f"no rank of job {files.job} answered within {timeout:g} s (pids "
+                          f"{', '.join(str(e.pid) for e in files.ranks.values())}): their control threads are not serving; "
+                          "was the job started with python -m distnb run (or DISTNB_ATTACH=1)?")
+    for old in list(_current):
+        old.detach()
+    _current.append(attached)
+    return attached
+
+
+def current_attached() -> AttachedJob | None:
+    """The job the notebook is attached to, if any."""
+    return _current[-1] if _current else None
+
+
+def detach() -> bool:
+    """Detach from the current job; False when none was attached."""
+    job = current_attached()
+    if job is None:
+        return False
+    job.detach()
+    return True

@@ -1,0 +1,178 @@
+"""An attachable rank of a job distnb did not launch (issue 40): the pool ranks' control thread,
+listening instead of connecting, so ``%dist_attach`` can read the rank's stacks, collective log
+and memory while the job runs or hangs.
+
+``maybe_start()`` runs at interpreter start-up (``python -m distnb run`` puts a ``sitecustomize``
+calling it on the ranks' path; ``distnb/_attach_site.py`` holds that file) when
+``DISTNB_ATTACH=1`` and torchrun's ``RANK``/``WORLD_SIZE`` are set. On the main thread it only
+sets the Flight Recorder's buffer size (torch reads it when the job makes its process group) and
+starts one daemon thread; that thread imports what it needs, binds ``tcp://127.0.0.1:*`` (or
+``DISTNB_ATTACH_HOST``), writes the rank's discovery file (``wire/discovery.py``) and serves
+requests as a pool rank's control thread does. It never issues a collective, never signals the
+main thread (interrupts are refused: an attached job is read-only), and any failure of its own is
+one line on stderr, the job going on. The call log (``worker/torch_hooks/call_log.py``: the
+arguments the Flight Recorder does not keep, gloo's point-to-point calls) is wrapped onto
+``torch.distributed`` as soon as the job imports it, by a ``sys.meta_path`` finder that answers
+for that one module (``DISTNB_CALL_LOG=0`` leaves it out): an attach then finds the calls made
+before it, and changes nothing in the job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, Mapping
+
+__all__ = ["ATTACH_ENV", "STARTED_ENV", "maybe_start", "serve"]
+
+#: The switch: set to 1 in a job's environment, its ranks become attachable.
+ATTACH_ENV = "DISTNB_ATTACH"
+#: Set by an attachable rank to its pid: the processes it starts (spawned DataLoader workers, its
+#: own subprocesses) inherit it along with RANK and must not publish themselves as that rank.
+STARTED_ENV = "DISTNB_ATTACH_STARTED"
+#: The Flight Recorder's size when the job sets none (the pool's default).
+FR_ENTRIES = "500"
+
+_started = False
+
+
+def maybe_start() -> bool:
+    """Start the attachable control thread in this process when it is a torchrun rank of a job
+    that asked for it (and not a rank of distnb's own pool, which has its control thread).
+    Returns whether it started. Never raises."""
+    global _started
+    env = os.environ
+    if _started or env.get(ATTACH_ENV) != "1" or "RANK" not in env or "WORLD_SIZE" not in env or "DISTNB_ADDR" in env:
+        return False
+    if env.get(STARTED_ENV, str(os.getpid())) != str(os.getpid()):
+        return False  # a child of an attachable rank, not the rank
+    try:
+        if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+            env.setdefault("TORCH_FR_BUFFER_SIZE", FR_ENTRIES)
+        if env.get("DISTNB_CALL_LOG", "1") != "0" and "torch.distributed" not in sys.modules:
+            sys.meta_path.insert(0, _WrapAfterImport())
+        threading.Thread(target=serve, name="distnb-attach", daemon=True).start()
+        env[STARTED_ENV] = str(os.getpid())
+        _started = True
+    except Exception as exc:  # the job comes first
+        print(f"distnb: this rank is not attachable: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+_calls: Any = None
+_calls_lock = threading.Lock()
+
+
+def _call_log() -> Any:
+    """The rank's call log (``worker/torch_hooks/call_log.py``), one per process: made by whichever
+    comes first, the import hook on the main thread or the control thread."""
+    global _calls
+    with _calls_lock:
+        if _calls is None:
+            from distnb.wire.cell_code import CELL_PREFIX
+            from distnb.worker.torch_hooks.call_log import CallLog
+
+            _calls = CallLog(CELL_PREFIX)
+        return _calls
+
+
+class _WrapAfterImport:
+    """A ``sys.meta_path`` finder that answers for ``torch.distributed`` alone, once: it finds the
+    module with the other finders and, once the module has run, wraps the call log onto it — before
+    the job's first collective, as a pool rank does after ``init_process_group``. Every other
+    import passes by after one string comparison."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch.distributed":
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            try:
+                from distnb.worker.torch_hooks.call_log import install
+
+                install(_call_log())
+            except Exception as exc:  # the job comes first
+                print(f"distnb: rank {os.environ.get('RANK')}: no call log ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+
+        loader.exec_module = exec_module  # type: ignore[union-attr]
+        return spec
+
+
+def serve() -> None:
+    """The daemon thread's body: bind, publish, serve until the process ends."""
+    try:
+        control, path = _listen()
+    except Exception as exc:
+        print(f"distnb: rank {os.environ.get('RANK')} is not attachable: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return
+    import atexit
+
+    atexit.register(_remove, path)
+    control.run()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _listen() -> tuple[Any, str]:
+    import socket
+    import time
+
+    import zmq
+
+    from distnb.wire.codec import socket_max_msgsize
+    from distnb.wire.discovery import RankEndpoint, job_id_from_env, write_endpoint
+    from distnb.wire.security import Credentials
+    from distnb.worker.process.execute import Executor
+    from distnb.worker.recorders.memory_sampler import MemorySampler
+
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    host = env.get("DISTNB_ATTACH_HOST", "127.0.0.1")
+    creds = Credentials.new()
+    ctx: zmq.Context[Any] = zmq.Context(1)
+    ctx.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
+    executor = Executor({}, lambda cell, bundle: None, MemorySampler(int(env.get("LOCAL_RANK", "0"))))
+    executor.calls = _call_log()  # the one the import hook wraps onto torch.distributed
+    control = _attachable_control(ctx, f"tcp://{host}:*", creds, rank, executor)
+    port = int(control.addr.rsplit(":", 1)[1])
+    endpoint = RankEndpoint(job_id_from_env(), rank, world, os.getpid(), host if host != "0.0.0.0" else socket.gethostname(),
+                            port, creds.key, time.time())
+    return control, write_endpoint(endpoint)
+
+
+def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: Any) -> Any:
+    from distnb.wire.protocol import Msg, ToControl
+    from distnb.worker.process.control import ControlThread
+
+    class AttachableControl(ControlThread):
+        """A pool rank's control thread, read-only: no interrupts, no debugger, the call log
+        wrapped on first use."""
+
+        def handle(self, msg: ToControl) -> Mapping[str, Any] | None:
+            if msg["t"] in (Msg.INTERRUPT, Msg.HOLD, Msg.DAP):
+                return {"error": "this job is attached read-only: distnb does not interrupt or pause it"}
+            return super().handle(msg)
+
+    control = AttachableControl(ctx, addr, creds, rank, executor, bind=True)
+    control.state = "in the job"
+    control.seqs = None  # nothing to push to: the notebook asks
+    return control

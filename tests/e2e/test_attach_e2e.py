@@ -1,0 +1,177 @@
+"""Attach to a torchrun job distnb did not launch (issue 40): the test starts a real 4-rank job
+through ``python -m distnb run -- python -m torch.distributed.run …``, hung by a rank-conditional
+collective, attaches from Python and from a real IPython shell, reads its status, stacks,
+collectives and the diagnosis, detaches, checks the job ran on untouched, and kills it by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import distnb
+from distnb.wire.discovery import list_jobs
+
+from conftest import marked_processes, started_pids, wait_gone, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # 4 ranks importing torch on 2 busy cores: a minute or more
+
+SCRIPT = """
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+rank = dist.get_rank()
+t = torch.ones(4)
+for _ in range(3):
+    dist.all_reduce(t)
+if rank == 0:
+    dist.all_reduce(t)  # only rank 0: the others go on to the barrier
+dist.barrier()
+"""
+
+
+#: Set to a fresh token in the job's environment: every process of the job inherits it (torchrun
+#: starts each rank in a session of its own, so the wrapper's session does not hold them).
+MARK = "DISTNB_ATTACH_TEST"
+
+
+class Job:
+    def __init__(self, proc: subprocess.Popen[bytes], job_id: str, token: str) -> None:
+        self.proc = proc
+        self.job_id = job_id
+        self.token = token
+
+    def processes(self) -> set[int]:
+        """The wrapper, torchrun and the ranks: every live process carrying the job's token."""
+        return marked_processes(MARK, self.token)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+    folder = tmp_path_factory.mktemp("attach")
+    (folder / "hang.py").write_text(SCRIPT)
+    jobs_dir = folder / "jobs"
+    before = os.environ.get("DISTNB_JOBS_DIR")
+    os.environ["DISTNB_JOBS_DIR"] = str(jobs_dir)
+    job_id = f"test-{uuid.uuid4().hex[:6]}"
+    repo = str(Path(__file__).resolve().parents[2])
+    token = uuid.uuid4().hex
+    env = {**os.environ, MARK: token, "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-m", "distnb", "run", "--job-id", job_id, "--", sys.executable, "-m",
+                             "torch.distributed.run", "--nproc-per-node", "4", "--monitor-interval", "1", "hang.py"],
+                            cwd=folder, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    j = Job(proc, job_id, token)
+    try:
+        wait_until(lambda: any(len(f.ranks) == 4 for f in list_jobs()), 120, "the job's 4 discovery files")
+        started_pids.update(j.processes())
+
+        def hung() -> bool:
+            # Every rank in its 4th collective, for the pool's threshold (LaunchConfig.hang_after, 3 s).
+            try:
+                attached = distnb.attach(job_id)
+            except distnb.AttachError:
+                return False  # ranks still starting (importing torch) may not answer within the attach's bound
+            with attached:
+                log = attached.collectives().log
+                return all(len(log.entries.get(r, {})) >= 4 for r in range(4)) and attached.diagnose().is_problem
+
+        wait_until(hung, 60, "the job's hang, diagnosed", poll=0.5)
+        yield j
+    finally:
+        pids = j.processes()
+        started_pids.update(pids)
+        for pid in sorted(pids, key=lambda p: p != proc.pid):  # ours, by PID: the wrapper first, torchrun, the ranks
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(10)
+        assert proc.stderr is not None
+        proc.stderr.close()
+        left = wait_gone(pids, 10)
+        if before is None:
+            os.environ.pop("DISTNB_JOBS_DIR", None)
+        else:
+            os.environ["DISTNB_JOBS_DIR"] = before
+        assert not left, f"the job's processes outlived the test: {left}"
+
+
+def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Job) -> None:
+    pids = job.processes()
+    assert len(pids) >= 6  # the wrapper, torchrun and 4 ranks
+    attached = distnb.attach()  # the one job in this folder
+    try:
+        assert attached.job == job.job_id and attached.world_size == 4
+        stacks = attached.stacks().text()
+        assert "hang.py:12 in <module>: dist.all_reduce(t)" in stacks, stacks
+        assert "hang.py:13 in <module>: dist.barrier()" in stacks, stacks
+        collectives = attached.collectives()
+        # The call log was wrapped on as the job imported torch.distributed: the calls before the attach are there.
+        assert [c["op"] for c in sorted(collectives.log.calls[0].values(), key=lambda c: c["n"])] == ["all_reduce"] * 4
+        assert [c["op"] for c in collectives.log.calls[1].values()][-1] == "barrier"
+        report = collectives.text()
+        assert "first divergence: collective #4 on group 0" in report and "(the odd one out: rank 0)" in report, report
+        verdict = attached.diagnose()
+        assert verdict.culprits == [0] and verdict.rule == "disagree", verdict.text()
+        assert "rank 0 in all_reduce #4" in verdict.text() and "ranks 1-3 in barrier #4" in verdict.text(), verdict.text()
+        memory = attached.memory()
+        assert sorted(memory.current) == [0, 1, 2, 3] and all(m["rss"] > 0 for m in memory.current.values())
+        env = attached.env()
+        assert {e["RANK"] for e in env.env.values()} == {"0", "1", "2", "3"}
+        timeline = attached.stragglers()
+        assert timeline.ranks == [0, 1, 2, 3] and len(timeline.collectives) >= 3, timeline.text()  # the 3 every rank made
+        status = attached.status().text()
+        assert f"attached to job {job.job_id} (read-only): 4 ranks" in status, status
+        assert "rank 0: pid" in status and "in all_reduce" in status and "The odd one out: rank 0." in status, status
+    finally:
+        attached.detach()
+    assert not attached.attached and distnb.attached.current_attached() is None
+    with pytest.raises(distnb.AttachError, match="is detached; attach again"):
+        attached.stacks()
+    # Detached: the job runs on as it was, every process the same, still hung where it was.
+    time.sleep(0.5)
+    assert job.processes() == pids and job.proc.poll() is None
+    with distnb.attach(job.job_id) as again:
+        assert again.diagnose().culprits == [0]
+
+
+def test_attach_from_magics_and_read_only(job: Job) -> None:
+    from IPython.core.error import UsageError
+    from magic_shell import Shell
+
+    shell = Shell()
+    pids = job.processes()
+    value, _, _ = shell.line("dist_attach")
+    try:
+        assert f"attached to job {job.job_id}" in repr(value) and "The odd one out: rank 0." in repr(value), repr(value)
+        value, _, _ = shell.line("dist_stacks")
+        assert "dist.all_reduce(t)" in repr(value), repr(value)
+        value, _, _ = shell.line("dist_collectives", "--last 2")
+        assert "first divergence" in repr(value), repr(value)
+        value, _, _ = shell.line("dist_env")
+        assert "LOCAL_RANK" in repr(value), repr(value)
+        _, out, _ = shell.line("dist_memory")
+        assert "rank" in out, out
+        _, out, _ = shell.line("dist_status")
+        assert "ranks 1-3 in barrier #4" in out, out
+        with pytest.raises(UsageError, match=f"attached to job {job.job_id}, read-only"):
+            shell.ip.run_cell_magic("on_ranks", "", "x = 1")
+        with pytest.raises(UsageError, match="read-only"):
+            shell.ip.run_line_magic("dist_shutdown", "")
+        with pytest.raises(UsageError, match="%dist_detach first, then launch a pool"):
+            shell.ip.run_line_magic("dist_launch", "-n 2")
+    finally:
+        _, out, _ = shell.line("dist_detach")
+    assert f"detached from job {job.job_id}" in out
+    _, out, _ = shell.line("dist_detach")
+    assert "not attached" in out
+    assert job.processes() == pids and job.proc.poll() is None

@@ -1,0 +1,53 @@
+"""The discovery files of attachable jobs (issue 40): where a rank listens, its key, stale files."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from distnb.wire.discovery import RankEndpoint, job_id_from_env, list_jobs, read_endpoint, write_endpoint
+
+GONE_PID = 2**30  # above any pid_max: no such process
+
+
+def endpoint(job: str = "j1", rank: int = 0, pid: int | None = None, world: int = 2) -> RankEndpoint:
+    return RankEndpoint(job, rank, world, os.getpid() if pid is None else pid, "127.0.0.1", 40000 + rank, bytes(range(32)), time.time())
+
+
+def test_job_id_prefers_distnb_then_slurm_then_torchrun_then_the_port() -> None:
+    assert job_id_from_env({"DISTNB_JOB_ID": "run-ab12", "SLURM_JOB_ID": "7"}) == "run-ab12"
+    assert job_id_from_env({"SLURM_JOB_ID": "7", "TORCHELASTIC_RUN_ID": "x"}) == "slurm-7"
+    assert job_id_from_env({"TORCHELASTIC_RUN_ID": "exp/1"}) == "torchrun-exp_1"  # never a path
+    assert job_id_from_env({"TORCHELASTIC_RUN_ID": "none", "MASTER_PORT": "29500"}) == "port-29500"
+
+
+def test_a_file_round_trips_private(tmp_path: Path) -> None:
+    path = write_endpoint(endpoint(), tmp_path)
+    assert path == str(tmp_path / "j1" / "rank0.json")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(tmp_path / "j1").st_mode) == 0o700
+    back = read_endpoint(path)
+    assert back.key == bytes(range(32)) and back.address == "tcp://127.0.0.1:40000" and back.path == path
+    assert back.alive()
+
+
+def test_a_file_that_is_not_one_says_so(tmp_path: Path) -> None:
+    bad = tmp_path / "rank0.json"
+    bad.write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="is not a distnb discovery file"):
+        read_endpoint(bad)
+
+
+def test_listing_tells_live_ranks_from_stale_ones(tmp_path: Path) -> None:
+    write_endpoint(endpoint("live", 0), tmp_path)
+    write_endpoint(endpoint("live", 1, pid=GONE_PID), tmp_path)
+    write_endpoint(endpoint("dead", 0, pid=GONE_PID), tmp_path)
+    (tmp_path / "dead" / "rank1.json").write_text("garbage")  # skipped, not fatal
+    jobs = {j.job: j for j in list_jobs(tmp_path)}
+    assert set(jobs["live"].ranks) == {0} and set(jobs["live"].stale) == {1}
+    assert not jobs["dead"].ranks and set(jobs["dead"].stale) == {0}
+    assert jobs["live"].line() == f"live: 1/2 ranks alive, 1 stale (pids {os.getpid()})"
+    assert list_jobs(tmp_path / "nowhere") == []
