@@ -32,6 +32,10 @@ class RankEndpoint:
     key: bytes
     started: float  # the rank's wall clock when it wrote the file
     path: str = ""
+    #: The rank's own command line (``sys.argv``: the script and its arguments) and working
+    #: folder: what ``%dist_reproduce`` needs to turn the job into a notebook.
+    argv: tuple[str, ...] = ()
+    cwd: str = ""
 
     @property
     def address(self) -> str:
@@ -100,7 +104,8 @@ def write_endpoint(endpoint: RankEndpoint, root: Path | None = None) -> str:
     path = folder / f"rank{endpoint.rank}.json"
     tmp = folder / f".rank{endpoint.rank}.{os.getpid()}.tmp"
     data = {"format": FORMAT, "job": endpoint.job, "rank": endpoint.rank, "world_size": endpoint.world_size, "pid": endpoint.pid,
-            "host": endpoint.host, "port": endpoint.port, "key": endpoint.key.hex(), "started": endpoint.started}
+            "host": endpoint.host, "port": endpoint.port, "key": endpoint.key.hex(), "started": endpoint.started,
+            "argv": list(endpoint.argv), "cwd": endpoint.cwd}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
@@ -115,7 +120,8 @@ def read_endpoint(path: str | Path) -> RankEndpoint:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, not {FORMAT!r}")
         return RankEndpoint(str(data["job"]), int(data["rank"]), int(data["world_size"]), int(data["pid"]), str(data["host"]),
-                            int(data["port"]), bytes.fromhex(data["key"]), float(data["started"]), str(path))
+                            int(data["port"]), bytes.fromhex(data["key"]), float(data["started"]), str(path),
+                            tuple(str(a) for a in data.get("argv", [])), str(data.get("cwd", "")))
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path} is not a distnb discovery file ({type(exc).__name__}: {exc})") from None
 

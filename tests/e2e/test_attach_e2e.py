@@ -111,6 +111,9 @@ def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Job) 
     attached = distnb.attach()  # the one job in this folder
     try:
         assert attached.job == job.job_id and attached.world_size == 4
+        # What %dist_reproduce needs: each rank's own command line and folder.
+        assert {e.argv for e in attached.files.ranks.values()} == {("hang.py",)}, attached.files.ranks
+        assert len({e.cwd for e in attached.files.ranks.values()}) == 1 and Path(attached.files.ranks[0].cwd, "hang.py").exists()
         stacks = attached.stacks().text()
         assert "hang.py:12 in <module>: dist.all_reduce(t)" in stacks, stacks
         assert "hang.py:13 in <module>: dist.barrier()" in stacks, stacks

@@ -15,7 +15,8 @@ GONE_PID = 2**30  # above any pid_max: no such process
 
 
 def endpoint(job: str = "j1", rank: int = 0, pid: int | None = None, world: int = 2) -> RankEndpoint:
-    return RankEndpoint(job, rank, world, os.getpid() if pid is None else pid, "127.0.0.1", 40000 + rank, bytes(range(32)), time.time())
+    return RankEndpoint(job, rank, world, os.getpid() if pid is None else pid, "127.0.0.1", 40000 + rank, bytes(range(32)), time.time(),
+                        argv=("train.py", "--lr", "0.1"), cwd="/work/exp")
 
 
 def test_job_id_prefers_distnb_then_slurm_then_torchrun_then_the_port() -> None:
@@ -31,6 +32,7 @@ def test_a_file_round_trips_private(tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(tmp_path / "j1").st_mode) == 0o700
     back = read_endpoint(path)
     assert back.key == bytes(range(32)) and back.address == "tcp://127.0.0.1:40000" and back.path == path
+    assert back.argv == ("train.py", "--lr", "0.1") and back.cwd == "/work/exp"
     assert back.alive()
 
 

@@ -155,7 +155,7 @@ def _listen() -> tuple[Any, str]:
     control = _attachable_control(ctx, f"tcp://{host}:*", creds, rank, executor)
     port = int(control.addr.rsplit(":", 1)[1])
     endpoint = RankEndpoint(job_id_from_env(), rank, world, os.getpid(), host if host != "0.0.0.0" else socket.gethostname(),
-                            port, creds.key, time.time())
+                            port, creds.key, time.time(), argv=tuple(sys.argv), cwd=os.getcwd())
     return control, write_endpoint(endpoint)
 
 
