@@ -34,6 +34,7 @@ from distnb.results import CellResult, RankResult
 from distnb.services.diagnostics import REREAD_AFTER
 from distnb.services.native_stacks import py_spy_dumps
 from distnb.services.positions import position_of, unsettled
+from distnb.services.reproduce import JobFacts, Reproduced, script_path, script_site, write_reproduction
 from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CollectivesRead
@@ -224,6 +225,36 @@ class AttachedJob:
             notes.append(f"{format_ranks(missing)}: no discovery file")
         verdict = self._diagnose(self.hang_after, stacks).text() if with_diagnosis else ""
         return AttachStatus(self.job, self.world_size, rows, verdict, notes)
+
+    # -- to a notebook --------------------------------------------------------------------------
+    def facts(self) -> JobFacts:
+        """What a notebook needs to stand in for the job (``reproduce``): its command line and folder
+        (from the discovery files), its settings (rank 0's NCCL/torch variables), and where the
+        diagnosis puts the failure: the culprit's line in the script, else any rank's."""
+        first = self.files.ranks[min(self.files.ranks)] if self.files.ranks else None
+        if first is None or not first.argv:
+            raise AttachError(f"job {self.job}'s discovery files carry no command line (written by an older distnb); "
+                              "start the job again with this distnb's python -m distnb run.")
+        try:
+            script = script_path(first.argv, first.cwd)
+        except ValueError as exc:
+            raise AttachError(str(exc)) from None
+        stacks = self.stacks()
+        verdict = self._diagnose(self.hang_after, stacks)
+        order = [*verdict.culprits, *(r for r in sorted(self.files.ranks) if r not in verdict.culprits)]
+        env = self.env().env
+        # A live job that fails by raising ends; one that is still here and judged a problem hangs.
+        return JobFacts(self.world_size, first.argv, first.cwd, "auto", env.get(min(env), {}) if env else {},
+                        script_site(stacks, order, script), verdict.summary if verdict.is_problem else "",
+                        verdict.is_problem, self.job)
+
+    def reproduce(self, path: str | None = None) -> Reproduced:
+        """Write a notebook that stands in for the job: a pool of its world size running its script
+        cut into cells, the call where it hangs alone in the last one (services/reproduce.py)."""
+        try:
+            return write_reproduction(self.facts(), path or f"{self.job}-repro.ipynb")
+        except ValueError as exc:
+            raise AttachError(str(exc)) from None
 
     # -- the end --------------------------------------------------------------------------------
     def detach(self) -> None:

@@ -227,3 +227,5 @@ def test_the_magics_say_it_in_one_line(jobs: Path) -> None:
         shell.ip.run_line_magic("dist_attach", "nope")
     _, out, _ = shell.line("dist_detach")
     assert out == "not attached to any job (%dist_attach attaches to one).\n"
+    with pytest.raises(UsageError, match=r"not attached to any job: %dist_attach to a job first"):
+        shell.ip.run_line_magic("dist_reproduce", "")

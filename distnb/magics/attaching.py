@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
@@ -17,7 +18,7 @@ __all__ = ["AttachMagics"]
 
 @magics_class
 class AttachMagics(Magics):
-    """``%dist_attach`` and ``%dist_detach``."""
+    """``%dist_attach``, ``%dist_reproduce`` and ``%dist_detach``."""
 
     @magic_arguments()
     @argument("job", nargs="?", default=None, help="The job's id, as python -m distnb run printed it (default: the one job on this machine).")
@@ -30,6 +31,19 @@ class AttachMagics(Magics):
         with usage_errors():
             job = attach(args.job, timeout=args.timeout)
             return job.status()
+
+    @magic_arguments()
+    @argument("path", nargs="?", default=None, help="The notebook to write (default: <job>-repro.ipynb here).")
+    @line_magic
+    def dist_reproduce(self, line: str) -> Any:
+        """Write a notebook that stands in for the attached job: a pool of its world size with its settings,
+        its script cut into cells, the call where it fails alone in the last one; then cut it down with %dist_minimize."""
+        args = parse(self.dist_reproduce, line)
+        job = current_attached()
+        if job is None:
+            raise UsageError("not attached to any job: %dist_attach to a job first (python -m distnb run -- torchrun … starts one attachable).")
+        with usage_errors():
+            return job.reproduce(args.path)
 
     @line_magic
     def dist_detach(self, line: str) -> None:

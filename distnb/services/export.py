@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import base64
 import pickle
+import shlex
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from distnb.services.verify import Reproduction, session_signature, verify_scrip
 if TYPE_CHECKING:
     from distnb.controller.session import SessionLog
 
-__all__ = ["Export", "export_notebook", "export_script", "export_session", "run_command", "select_cells", "with_pushes"]
+__all__ = ["Export", "export_notebook", "export_script", "export_session", "launch_line", "run_command", "select_cells", "with_pushes"]
 
 #: Pushed values larger than this go to a file beside the export instead of inline base64.
 INLINE_PUSH_BYTES = 64 * 1024
@@ -281,7 +282,8 @@ def run_command(config: LaunchConfig, name: str) -> str:
     return multi + ")"
 
 
-def _launch_line(config: LaunchConfig) -> str:
+def launch_line(config: LaunchConfig) -> str:
+    """The ``%dist_launch`` line that starts a pool as ``config`` says."""
     line = f"%dist_launch -n {config.nproc} --backend {config.backend}"
     if config.nnodes > 1:
         line += f" --nnodes {config.nnodes}"
@@ -300,7 +302,7 @@ def _launch_line(config: LaunchConfig) -> str:
     if config.pg_timeout != LaunchConfig.pg_timeout:
         line += f" --pg-timeout {config.pg_timeout:g}"
     line += "".join(f" --debug {d}" for d in config.debug)
-    line += "".join(f" --env {k}={v}" for k, v in config.env.items())
+    line += "".join(f" --env {shlex.quote(f'{k}={v}')}" for k, v in config.env.items())
     return line
 
 
@@ -314,7 +316,7 @@ def export_notebook(steps: Iterable[Step], config: LaunchConfig, path: str | Pat
     nb = new_notebook(
         cells=[
             new_markdown_cell(f"Exported by distnb: {len(cells)} cells, {config.world_size} ranks."),
-            new_code_cell(f"%load_ext distnb\n{_launch_line(config)}"),
+            new_code_cell(f"%load_ext distnb\n{launch_line(config)}"),
         ]
     )
     all_ranks = list(range(int(config.nproc or 0) * config.nnodes))

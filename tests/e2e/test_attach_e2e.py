@@ -17,25 +17,32 @@ from typing import Iterator
 import pytest
 
 import distnb
+from distnb.config import LaunchConfig
+from distnb.services.reproduce import HUNG_CELL_TIMEOUT
 from distnb.wire.discovery import list_jobs
 
 from conftest import marked_processes, started_pids, wait_gone, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # 4 ranks importing torch on 2 busy cores: a minute or more
 
-SCRIPT = """
-from datetime import timedelta
+SCRIPT = """from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-rank = dist.get_rank()
-t = torch.ones(4)
-for _ in range(3):
-    dist.all_reduce(t)
-if rank == 0:
-    dist.all_reduce(t)  # only rank 0: the others go on to the barrier
-dist.barrier()
+
+def main(steps):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    for _ in range(steps):
+        dist.all_reduce(t)
+    if rank == 0:
+        dist.all_reduce(t)  # only rank 0: the others go on to the barrier
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(3)
 """
 
 
@@ -115,8 +122,8 @@ def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Job) 
         assert {e.argv for e in attached.files.ranks.values()} == {("hang.py",)}, attached.files.ranks
         assert len({e.cwd for e in attached.files.ranks.values()}) == 1 and Path(attached.files.ranks[0].cwd, "hang.py").exists()
         stacks = attached.stacks().text()
-        assert "hang.py:12 in <module>: dist.all_reduce(t)" in stacks, stacks
-        assert "hang.py:13 in <module>: dist.barrier()" in stacks, stacks
+        assert "hang.py:13 in main: dist.all_reduce(t)" in stacks, stacks
+        assert "hang.py:14 in main: dist.barrier()" in stacks, stacks
         collectives = attached.collectives()
         # The call log was wrapped on as the job imported torch.distributed: the calls before the attach are there.
         assert [c["op"] for c in sorted(collectives.log.calls[0].values(), key=lambda c: c["n"])] == ["all_reduce"] * 4
@@ -178,3 +185,31 @@ def test_attach_from_magics_and_read_only(job: Job) -> None:
     _, out, _ = shell.line("dist_detach")
     assert "not attached" in out
     assert job.processes() == pids and job.proc.poll() is None
+
+
+@pytest.mark.timeout(LaunchConfig.start_timeout + HUNG_CELL_TIMEOUT + 180)  # the pool's start, the hung cell, the kernel's own start and end
+def test_reproduce_writes_a_notebook_that_hangs_the_same_way(job: Job, tmp_path: Path) -> None:
+    """%dist_reproduce from the attached job: the script cut into cells (main() inlined, the
+    rank-conditional call alone in the last cell), run by a real kernel on a pool of 4 ranks,
+    where distnb's diagnosis names the same rank and call as in the job."""
+    import nbformat
+    from nbtext import outputs_text
+
+    from conftest import run_notebook
+
+    with distnb.attach(job.job_id) as attached:
+        made = attached.reproduce(str(tmp_path / "repro.ipynb"))
+    assert made.world_size == 4 and made.failing == "dist.all_reduce(t)  # only rank 0: the others go on to the barrier", made.text()
+    assert any("main()'s body is inlined" in n for n in made.notes), made.notes
+    nb = nbformat.read(made.path, as_version=4)
+    sources = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert sources[0].startswith("%load_ext distnb\n%dist_launch -n 4 --backend auto"), sources[0]
+    assert "sys.argv = [" in sources[1] and "hang.py" in sources[1]
+    assert sources[-2].startswith("%%on_ranks --timeout 30\nif rank == 0:\n    dist.all_reduce(t)"), sources[-2]
+    assert sources[-3].startswith("%%on_ranks\nsteps = 3\n"), sources[-3]  # main(3)'s parameter, bound
+    assert "dist.barrier()" in nb.cells[-1].source and nb.cells[-1].cell_type == "markdown"  # the rest, as text
+    ran = run_notebook(nb, str(tmp_path), "DISTNB_REPRO_TEST", timeout=LaunchConfig.start_timeout + HUNG_CELL_TIMEOUT + 60)
+    failing = [c for c in ran.cells if c.cell_type == "code"][-2]
+    shown = outputs_text(failing)
+    # The pool's diagnosis, where the job had "rank 0 in all_reduce #4, ranks 1-3 in barrier #4".
+    assert "rank 0 entered all_reduce #4" in shown and "Root cause: rank 0." in shown and "timed out" in shown, shown
