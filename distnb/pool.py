@@ -266,12 +266,13 @@ class Pool(PoolViews):
         targets = list(range(self.world_size))
         self._tracker.ensure_idle(targets)
         self._regroups += 1
-        # The new default group is named "0" again and counts from #1 while the ranks' recorders keep
-        # the old one's entries: a new generation of the log ignores every record made so far (idle ranks).
-        self.collectives(refresh=True)
-        self._tracker.new_generation(targets)
         replies = self._tracker.requests.ask(exec_identity, targets, {"t": Msg.REGROUP, "generation": self._regroups},
                                              self._config.pg_timeout + 30)
+        # The new default group is named "0" again and counts from #1 while the ranks' recorders keep
+        # the old one's entries: a new generation of the log ignores every record made before it —
+        # up to each rank's own newest id (its reply), not only what the log had read: an old entry
+        # it never read (still open in the recorder) would otherwise pass for one of the new group's.
+        self._tracker.new_generation(targets, {r: int(reply.get("last_id", -1)) for r, reply in replies.items()})
         errors = errors_of(replies)
         if errors:
             raise RemoteError(f"regroup failed on {format_ranks(errors)}: {next(iter(errors.values()))} "

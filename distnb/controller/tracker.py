@@ -131,12 +131,13 @@ class Tracker:
         with self.lock:
             self.liveness = liveness
 
-    def new_generation(self, ranks: list[int]) -> None:
+    def new_generation(self, ranks: list[int], newest: dict[int, int]) -> None:
         """A regroup made a new default group, named "0" again and counting from #1: the log ignores
-        every record the ranks made so far, and no end-of-cell mismatch carries over."""
+        every record the ranks made so far (``newest``: each rank's own newest id, which the log may
+        not have read), and no end-of-cell mismatch carries over."""
         with self.lock:
             log = self.collective_log
-            log.new_generation({r: log.last_id(r) for r in ranks})
+            log.new_generation({r: max(log.last_id(r), newest.get(r, -1)) for r in ranks})
             self.desync = []
 
     # -- lifecycle (called by the pool) ---------------------------------------------------------

@@ -38,6 +38,7 @@ def regroup(rank: int, world_size: int, pg_timeout: float, device: Any, calls: C
     except Exception as exc:
         return {"status": "error", "error": f"rank {rank} has no default process group to replace: {exc}"}
     calls.reset()  # group names and counts start over with the new group
+    last_id = _newest_record_id()
     nccl = "nccl" in str(backend)
     # A regroup that hangs (a communicator that won't abort, a peer that never joins) says where.
     faulthandler.dump_traceback_later(REGROUP_STACKS_AFTER, file=sys.stderr)
@@ -69,4 +70,17 @@ def regroup(rank: int, world_size: int, pg_timeout: float, device: Any, calls: C
         return {"status": "error", "error": f"rank {rank} could not build a new process group: {type(exc).__name__}: {exc}"}
     finally:
         faulthandler.cancel_dump_traceback_later()
-    return {"status": "ok", "backend": backend}
+    return {"status": "ok", "backend": backend, "last_id": last_id}
+
+
+def _newest_record_id() -> int:
+    """distnb's id for the newest entry of this rank's recorders, read while the old groups still
+    exist (after, the recorders of groups gone are not asked): the controller ignores every entry
+    up to it once the new group is made (-1: none, or no recorder could be read)."""
+    from distnb.worker.torch_hooks.flight_recorder import IDS, dump_recorders
+
+    try:
+        assigned = IDS.assign(dump_recorders()[0])
+    except Exception:
+        return -1
+    return assigned[-1][0] if assigned else -1
