@@ -5,6 +5,7 @@ there — variety no one picked by hand."""
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 
@@ -155,6 +156,50 @@ def test_two_runs_differ_where_one_ranks_values_do() -> None:
     assert all(diff.per_rank[r] is None for r in (0, 2, 3)) and "ranks 0,2,3: the same on every op recorded" in diff.text()
     assert diff_runs(1, a, 2, _records(program, random.Random(1))).identical
     del rng
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_run_whose_ops_are_fused_is_compared_on_the_ops_both_made(seed: int) -> None:
+    """Eager against compiled: run B made a random subset of run A's ops (the rest fused), calling
+    some by another overload (``addmm.out`` for ``addmm.default``); from a random op on, one rank's
+    values differ. The diff names that op (numbered in both runs) on that rank, or, when the op
+    changed was one B fused away, the next op both made."""
+    rng = random.Random(seed)
+    names = [rng.choice(["aten.mm.default", "aten.gelu.default", "aten.add.Tensor", "aten.addmm.default"]) for _ in range(12)]
+    program = [(n, "world") for n in names]
+    changed, rank = rng.randrange(12), rng.randrange(4)
+    a = _records(program, random.Random(seed))
+    b = _records(program, random.Random(seed), inject=(changed, rank, "output"))
+    kept = sorted(rng.sample(range(12), rng.randrange(4, 11)))
+
+    def as_in_a_model(ops: list[OpRecord]) -> list[OpRecord]:
+        # A matmul reads its layer's weight; an activation reads no named tensor; shapes as layers have them.
+        return [o._replace(outputs=[o.outputs[0]._replace(shape=(4, 8 * (1 + i % 3)))],
+                           inputs=[o.inputs[0]._replace(label=f"layers.{i}.weight" if "mm" in o.op else None)]) for i, o in enumerate(ops)]
+    for recs in (a, b):
+        for r in recs:
+            recs[r]["ops"] = as_in_a_model(recs[r]["ops"])
+    for r in b:
+        b[r]["ops"] = [b[r]["ops"][i]._replace(op=b[r]["ops"][i].op.replace(".default", ".out")) for i in kept]
+    diff = diff_runs(1, a, 2, b)
+    prefix = kept == list(range(len(kept)))  # B made A's first ops, in order: compared one to one
+    # Otherwise compared: the ops whose (op, shape, weight read) is unique in each run.
+    key = {i: (names[i].split(".")[1], i % 3, i if "mm" in names[i] else None) for i in range(12)}
+    in_a, in_b = collections.Counter(key.values()), collections.Counter(key[i] for i in kept)
+    compared = [i for i in kept if prefix or (in_a[key[i]] == 1 and in_b[key[i]] == 1)]
+    first = next((i for i in compared if i >= changed), None)
+    for r in range(4):
+        d = diff.per_rank[r]
+        if r != rank or first is None:
+            assert d is None or d.how in ("op", "ended"), (r, d)  # nothing differs among the ops compared: no claim
+            continue
+        assert d is not None and d.how == "value" and d.position == first, (kept, changed, d)
+        if prefix:
+            assert d.position_b is None and "Likely" not in diff.text()
+        else:
+            assert d.position_b == kept.index(first), (kept, changed, d)
+            assert f"first difference at op #{first} of cell 1 (#{kept.index(first)} of cell 2)" in diff.text()
+            assert "Likely, not certain: the two runs' ops had parted before it" in diff.text()
 
 
 def test_the_html_table_highlights_the_odd_rank_and_the_plot_draws() -> None:

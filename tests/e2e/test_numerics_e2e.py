@@ -195,3 +195,27 @@ def test_two_runs_of_a_cell_compared_op_by_op(pool: distnb.Pool) -> None:
     for _r, d in diff.per_rank.items():
         assert d is not None and d.how == "value" and "bernoulli" in d.a.op and d.a.line == 3, diff.text()
     assert "first difference at op #" in diff.text()
+
+
+@pytest.mark.timeout(480)  # torch.compile's first compilation, on every rank of a busy machine
+def test_eager_against_compiled(pool: distnb.Pool) -> None:
+    """torch.compile runs compiled under the record (not eager, as it would under a plain dispatch
+    mode), and the diff pairs the ops both runs made: the first one that differs is a real op of
+    both, named as likely."""
+    _run(pool, "import torch._dynamo\ntorch.manual_seed(0)\n"
+               "ec_m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))\n"
+               "ec_x = torch.randn(5, 8)\nec_c = torch.compile(ec_m)\n")
+    eager = _run(pool, "ec_y = ec_m(ec_x)\ndist.all_reduce(ec_y)\n", numerics=True)
+    compiled = _run(pool, "torch._dynamo.utils.counters.clear()\nec_y = ec_c(ec_x)\ndist.all_reduce(ec_y)\n"
+                          "ec_graphs = torch._dynamo.utils.counters['stats']['unique_graphs']\n", numerics=True)
+    assert all(v == 1 for v in pool.pull("ec_graphs").values())  # it compiled, under --numerics
+    ops = [o.op for o in compiled.results[0].numerics["ops"]]  # type: ignore[index]
+    assert "aten.gelu.default" not in ops and "c10d.allreduce_.default" in ops, ops  # the GELU fused away
+    diff = diff_runs(eager.cell, {r: x.numerics for r, x in eager.results.items()},
+                     compiled.cell, {r: x.numerics for r, x in compiled.results.items()})
+    text = diff.text()
+    for d in diff.per_rank.values():
+        # Either every pair agrees bit for bit, or the first that does not is an op both made.
+        assert d is None or d.how == "op" or (d.how == "value" and d.b is not None and d.a.op.rsplit(".", 1)[0] == d.b.op.rsplit(".", 1)[0]), text
+        if d is not None and d.how == "value":
+            assert "Likely, not certain: the two runs' ops had parted before it" in text

@@ -5,6 +5,8 @@ whose outputs differ (bit for bit, or sums beyond a tolerance), is that rank's a
 
 from __future__ import annotations
 
+import bisect
+import collections
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +24,15 @@ class RankDiff:
     """Where one rank's two runs first differ."""
 
     rank: int
-    position: int  # the op's number in both runs' order
+    position: int  # the op's number in both runs' order (in run A's, once the runs' ops parted)
     how: str  # "value" (same op, other outputs), "op" (another op), "ended" (one run has no more ops)
     a: OpRecord | None
     b: OpRecord | None
+    # When the runs' ops part (a compiled run fuses ops; changed code takes another path), the ops
+    # both made are paired (:func:`_anchors`) and compared: ``position_b`` is the op's number in
+    # run B, ``compared`` how many pairs were (all of them agreeing, for how="op").
+    position_b: int | None = None
+    compared: int = 0
 
     @property
     def diff(self) -> float:
@@ -57,18 +64,29 @@ class RunsDiff:
             if d is None:
                 lines.append(f"  {who}: the same on every op recorded.")
             elif d.how == "value" and d.a is not None and d.b is not None:
-                sums = ", ".join(f"rank {r}: {self.per_rank[r].a.outputs[0].total:.6g} against {self.per_rank[r].b.outputs[0].total:.6g}"  # type: ignore[union-attr]
+                sums = ", ".join(f"rank {r}: {self.per_rank[r].a.outputs[0].total:.9g} against {self.per_rank[r].b.outputs[0].total:.9g}"  # type: ignore[union-attr]
                                  for r in ranks[:4] if self.per_rank[r] and self.per_rank[r].a.outputs and self.per_rank[r].b.outputs)  # type: ignore[union-attr]
-                lines.append(f"  {who}: first difference at op #{d.position}, {op_words(d.a.op, d.a.module, d.a.cell, d.a.line, d.a.phase)}"
-                             + (f" (sum {sums})" if sums else "") + ".")
+                at = f"op #{d.position}" if d.position_b is None else f"op #{d.position} of {cell_name(self.a)} (#{d.position_b} of {cell_name(self.b)})"
+                lines.append(f"  {who}: first difference at {at}, {op_words(d.a.op, d.a.module, d.a.cell, d.a.line, d.a.phase)}"
+                             + (f" (sum {sums})" if sums else "") + "." + self._parted(d))
             elif d.how == "op":
-                lines.append(f"  {who}: the ops part at #{d.position}: {_words(d.a)} in {cell_name(self.a)}, {_words(d.b)} in {cell_name(self.b)}.")
+                after = (f"the {d.compared} ops both made (paired by op, output shapes and named tensors read, look-alikes left out) agree"
+                         if d.compared else "no op of one run has a counterpart alike in op, output shapes and named tensors read in the other")
+                lines.append(f"  {who}: the ops part at #{d.position}: {_words(d.a)} in {cell_name(self.a)}, {_words(d.b)} in {cell_name(self.b)}; "
+                             f"{after}.")
             else:
                 lines.append(f"  {who}: the same for {d.position} ops, then only {cell_name(self.a if d.a else self.b)} ran more "
                              f"(first {_words(d.a or d.b)}).")
         if self.missing:
             lines.append(f"  {format_ranks(self.missing)}: no record in one of the runs (not run with --numerics, or no result).")
         return "\n".join(lines)
+
+    def _parted(self, d: RankDiff) -> str:
+        if d.position_b is None:
+            return ""
+        return (f" Likely, not certain: the two runs' ops had parted before it (a compiled run fuses ops, changed code takes another "
+                f"path); the ops were paired in order by op, output shapes and the named tensors they read, look-alikes left out, and "
+                f"the {d.compared} pair{'s' if d.compared != 1 else ''} before it agreed.")
 
     def __repr__(self) -> str:
         return self.text()
@@ -92,13 +110,64 @@ def _same(x: OpRecord, y: OpRecord, rtol: float, atol: float) -> bool:
     return True
 
 
+def _key(op: OpRecord) -> tuple[str, tuple[tuple[int, ...], ...], str]:
+    """An op as both runs would name it: without its overload (a compiled run calls ``addmm.out``
+    where eager called ``addmm.default``), with its outputs' shapes and the first named tensor it
+    read, without the model's own name (``model.0.bias`` and a compiled ``cmodel._orig_mod.0.bias``
+    are both ``0.bias``): two ops alike in all three can still be paired wrongly."""
+    label = next((i.label for i in op.inputs if i.label), "")
+    return (op.op.rsplit(".", 1)[0] if op.op.count(".") >= 2 else op.op, tuple(o.shape for o in op.outputs),
+            label.replace("._orig_mod.", ".").partition(".")[2])
+
+
+def _anchors(keys_a: list[Any], keys_b: list[Any]) -> list[tuple[int, int]]:
+    """The ops both runs made, paired as patience diff pairs lines: only keys that occur once in
+    each run (two look-alikes, the same activation at one shape in two layers, may be paired
+    wrongly, and a difference claimed from a wrong pair would be false), and of those the longest
+    run of pairs in the same order in both."""
+    count_a, count_b = collections.Counter(keys_a), collections.Counter(keys_b)
+    where_b = {k: j for j, k in enumerate(keys_b) if count_b[k] == 1}
+    pairs = [(i, where_b[k]) for i, k in enumerate(keys_a) if count_a[k] == 1 and k in where_b]
+    # The longest increasing subsequence of the B positions (patience sorting, O(n log n)).
+    tails: list[int] = []
+    tail_at: list[int] = []
+    before = [-1] * len(pairs)
+    for n, (_, j) in enumerate(pairs):
+        k = bisect.bisect_left(tails, j)
+        if k == len(tails):
+            tails.append(j)
+            tail_at.append(n)
+        else:
+            tails[k], tail_at[k] = j, n
+        before[n] = tail_at[k - 1] if k else -1
+    chain, n = [], tail_at[-1] if tail_at else -1
+    while n >= 0:
+        chain.append(pairs[n])
+        n = before[n]
+    return chain[::-1]
+
+
+def _matched(ops_a: list[OpRecord], ops_b: list[OpRecord], rank: int, rtol: float, atol: float) -> RankDiff:
+    """Runs whose ops part: the first pair of ops both made (:func:`_anchors`) whose outputs
+    differ; else where they parted, with how many pairs agreed."""
+    keys_a, keys_b = [_key(o) for o in ops_a], [_key(o) for o in ops_b]
+    pairs = _anchors(keys_a, keys_b)
+    for n, (i, j) in enumerate(pairs):
+        if not _same(ops_a[i], ops_b[j], rtol, atol):
+            return RankDiff(rank, i, "value", ops_a[i], ops_b[j], j, n)
+    parted = next((i for i, (x, y) in enumerate(zip(keys_a, keys_b)) if x != y), min(len(ops_a), len(ops_b)))
+    return RankDiff(rank, parted, "op", ops_a[parted] if parted < len(ops_a) else None, ops_b[parted] if parted < len(ops_b) else None,
+                    compared=len(pairs))
+
+
 def _first(ops_a: list[OpRecord], ops_b: list[OpRecord], rank: int, rtol: float, atol: float) -> RankDiff | None:
+    n = min(len(ops_a), len(ops_b))
+    if [_key(o) for o in ops_a[:n]] != [_key(o) for o in ops_b[:n]]:
+        return _matched(ops_a, ops_b, rank, rtol, atol)
+    # The same ops in the same order (one run may have gone on): compared one to one, certain.
     for i, (x, y) in enumerate(zip(ops_a, ops_b)):
-        if x.op != y.op:
-            return RankDiff(rank, i, "op", x, y)
         if not _same(x, y, rtol, atol):
             return RankDiff(rank, i, "value", x, y)
-    n = min(len(ops_a), len(ops_b))
     if len(ops_a) != len(ops_b):
         return RankDiff(rank, n, "ended", ops_a[n] if n < len(ops_a) else None, ops_b[n] if n < len(ops_b) else None)
     return None

@@ -156,6 +156,14 @@ def _mode_class() -> Any:
             self.unfetched: list[list[Any]] = []
             self.pending: dict[int, tuple[list[Any], bool]] = {}
 
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            # As torch's DebugMode: without it, torch.compile falls back to eager under this mode
+            # (convert_frame's "non-infra torch dispatch mode present"), and a run recorded as
+            # "compiled" would be eager. With it, the compiled code runs, and the record holds the
+            # ops it still dispatches (extern kernels, collectives) and the ops around it.
+            return True
+
         # -- what is known of a tensor ----------------------------------------------------------
         def _entry(self, t: Any) -> _Info | None:
             e = self.tensors.get(id(t))

@@ -121,6 +121,8 @@ class Context:
         return type(module).__name__
 
     def _enter(self, module: Any, args: Any) -> None:
+        if _compiling():
+            return  # traced by torch.compile: its graph has no place for the bookkeeping below (see _compiling)
         name = self.names.get(module)
         if name is None:
             name = self._root_name(module) if not self.stack else f"{self.stack[-1]}.{type(module).__name__}"
@@ -136,7 +138,7 @@ class Context:
         self._mark_ddp(module, name)
 
     def _leave(self, module: Any, args: Any, output: Any) -> None:
-        if self.stack:
+        if self.stack and not _compiling():
             _tag_nodes(output, self.stack.pop(), walk=True)
 
     def _mark_ddp(self, module: Any, name: str) -> None:
@@ -193,3 +195,13 @@ class Context:
                 found = (cell, frame.f_lineno)
             frame = frame.f_back
         return found
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing the caller. Global module hooks are inlined into a compiled
+    module's graph; the module names, weak references and autograd nodes they keep cannot be
+    (dynamo fails, "already tracked for mutation"). Under compilation they do nothing: the ops of
+    a compiled region are not seen one by one anyway (numerics.py: ignore_compile_internals)."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())
