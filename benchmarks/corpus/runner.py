@@ -117,6 +117,11 @@ class Runner:
             pool.wait(res, timeout=15.0, ask=None)
         if res.running or pool.state != distnb.PoolState.READY:
             pool.restart()
+        elif res.desync_note:
+            # The cell ended with the ranks' calls out of step (an async op one rank issued and
+            # nobody waited for): the next mutant would pair its calls with that one — a true
+            # verdict about the pool, not about the mutant. A user reads the note and regroups.
+            pool.regroup()
 
     # -- programs and mutants -----------------------------------------------------------------
     def healthy(self, program: Program) -> Outcome:

@@ -133,8 +133,7 @@ class Tracker:
 
     def new_generation(self, ranks: list[int], newest: dict[int, int]) -> None:
         """A regroup made a new default group, named "0" again and counting from #1: the log ignores
-        every record the ranks made so far (``newest``: each rank's own newest id, which the log may
-        not have read), and no end-of-cell mismatch carries over."""
+        every record the ranks made so far (up to ``newest``, each rank's own), and no mismatch carries over."""
         with self.lock:
             log = self.collective_log
             log.new_generation({r: max(log.last_id(r), newest.get(r, -1)) for r in ranks})
