@@ -75,3 +75,36 @@ def test_an_abort_after_a_cell_that_left_the_rank_a_call_short_is_that_missing_c
     verdict = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: SOURCE}, CELL)
     assert (verdict.kind, verdict.culprits) == (Kind.CALL_MISSING, [3]), verdict.summary
     assert "it did not make all_reduce [8] f32 #2 on group 0 (issued in cell 4, line 3), which ranks 0-2 made" in verdict.summary, verdict.summary
+
+
+MESH_SOURCE = ("grad = torch.full((6,), float(rank))\nshard = torch.ones(3) * rank\nfor step in range(2):\n"
+               "    dist.all_reduce(grad, group=dp)\n    full = torch.empty(6)\n    dist.all_gather_into_tensor(full, shard, group=tp)\n")
+
+
+def test_a_rank_that_died_in_a_call_of_one_mesh_dimension_is_not_placed_in_the_other() -> None:
+    """A (dp, tp) mesh: rank 3 aborted in its dp all_reduce (line 4) before any record of it came;
+    its tp peer waits at line 6. Its death is not a call "on tp" at another line (which made rank 1,
+    tp-less of that group, the one that "did not make" the all_gather): it died before that call."""
+    log = CollectiveLog()
+    groups = {"1": [0, 2], "2": [1, 3], "3": [0, 1], "4": [2, 3]}
+    descs = {"1": "mesh_dp", "2": "mesh_dp", "3": "mesh_tp", "4": "mesh_tp"}
+
+    def e(i: int, g: str, op: str, line: int, size: int, done: bool, t: float) -> dict[str, Any]:
+        return {**_entry(i, size, done), "group": g, "seq": 1, "op": op, "line": line, "desc": descs[g], "t": t}
+    # Rank 2 reached its all_gather first: the disagreement on its tp group (with rank 3) is the earliest.
+    rows = {0: [e(1, "1", "all_reduce", 4, 6, True, 1.0), e(2, "3", "all_gather", 6, 3, False, 2.0)],
+            1: [e(1, "2", "all_reduce", 4, 6, False, 1.0)],
+            2: [e(1, "1", "all_reduce", 4, 6, True, 1.0), e(2, "4", "all_gather", 6, 3, False, 1.5)]}
+    for r, es in rows.items():
+        log.merge(r, {"entries": es, "groups": groups, "descs": descs, "calls": [], "now": 0.0})
+    log.merge(3, {"entries": [], "groups": groups, "descs": descs, "calls": [], "now": 0.0})
+    log.died_during[3] = CELL
+    log.died_in[3], log.died_at[3] = "all_reduce", (CELL, 4)
+    reset = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    positions = [Position(0, "collective", op="all_gather", seq=1, group="3", since=4.0, running=CELL, line=6, line_cell=CELL),
+                 Position(1, "failed", detail=reset, line=4, running=CELL, line_cell=CELL),
+                 Position(2, "failed", detail=reset, line=6, running=CELL, line_cell=CELL),
+                 Position(3, "dead", detail="aborted (SIGABRT: a C++ assertion or abort(), e.g. gloo on mismatched tensors)")]
+    verdict = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: MESH_SOURCE}, CELL)
+    assert verdict.culprits == [3] and "all_reduce" in verdict.summary, verdict.summary
+    assert "did not make" not in verdict.summary, verdict.summary

@@ -152,7 +152,9 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
                 if last == k - 1:
                     mine = death_call(log, r, g, k)
                     lines = {e.get("line") for m in seqs.values() if (e := m.get(k)) and e.get("call_cell") is not None}
-                    if mine is not None and mine.line is not None and lines and mine.line not in lines:
+                    if mine is not None and mine.line is not None and _site_of_another_role(log, g, mine.cell, mine.line):
+                        at[r] = None  # it died in a call the others made on a group of another role: before this one
+                    elif mine is not None and mine.line is not None and lines and mine.line not in lines:
                         at[r] = mine
                     else:
                         inside.append(r)
@@ -183,6 +185,14 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
         odd, tie = _odd(at, witnesses)
         return Disagreement(g, k, at, witnesses, odd, tie, fields, inside)
     return None
+
+
+def _site_of_another_role(log: CollectiveEvidence, g: str, cell: int | None, line: int) -> bool:
+    """Whether some rank's recorded call at (cell, line) went to a group of another role than
+    ``g``'s (a dead rank's stack at that line then put it in that call, not in one on ``g``)."""
+    role = log.group(g).role()
+    return any(e.get("call_cell") == cell and e.get("line") == line and log.group(str(e["group"])).role() != role
+               for by_rank in log.entries.values() for e in by_rank.values() if not e.get("p2p"))
 
 
 def _witnesses(log: CollectiveEvidence, g: str, k: int, members: set[int], where: dict[int, Presence]) -> dict[int, Call | None]:
