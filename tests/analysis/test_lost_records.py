@@ -108,3 +108,29 @@ def test_a_rank_that_died_in_a_call_of_one_mesh_dimension_is_not_placed_in_the_o
     verdict = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: MESH_SOURCE}, CELL)
     assert verdict.culprits == [3] and "all_reduce" in verdict.summary, verdict.summary
     assert "did not make" not in verdict.summary, verdict.summary
+
+
+SUBGROUP_SOURCE = ("lo = dist.new_group([0, 1])\nhi = dist.new_group([2, 3])\nmine = lo if rank < 2 else hi\nv = torch.ones(3) * rank\n"
+                   "for it in range(2):\n    dist.all_reduce(v, group=mine)\ndist.barrier()\n")
+
+
+def test_the_disagreement_first_in_the_program_leads_not_the_one_entered_first() -> None:
+    """Rank 2 skipped its subgroup's all_reduces (line 6) and entered the barrier (line 7) before
+    anyone; its peer rank 3 waits in the all_reduce, so is absent from the barrier. Each
+    disagreement holds the other's absent rank; the all_reduce comes first in the cell."""
+    log = CollectiveLog()
+    groups = {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3]}
+
+    def e(i: int, g: str, seq: int, op: str, line: int, done: bool, t: float) -> dict[str, Any]:
+        return {**_entry(i, 3, done), "group": g, "seq": seq, "op": op, "line": line, "desc": "undefined", "t": t}
+    rows = {r: [e(1, "1", 1, "all_reduce", 6, True, 1.1), e(2, "1", 2, "all_reduce", 6, True, 1.3), e(3, "0", 1, "barrier", 7, False, 2.0)]
+            for r in (0, 1)}
+    rows[2] = [e(1, "0", 1, "barrier", 7, False, 1.0)]
+    rows[3] = [e(1, "2", 1, "all_reduce", 6, False, 1.2)]
+    for r, es in rows.items():
+        log.merge(r, {"entries": es, "groups": groups, "descs": {}, "calls": [], "now": 0.0})
+    positions = [Position(r, "collective", op="barrier", seq=1, group="0", since=4.0, running=CELL, line=7, line_cell=CELL) for r in (0, 1, 2)]
+    positions.append(Position(3, "collective", op="all_reduce", seq=1, group="2", since=4.0, running=CELL, line=6, line_cell=CELL))
+    verdict = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: SUBGROUP_SOURCE}, CELL)
+    assert (verdict.kind, verdict.culprits) == (Kind.CALL_MISSING, [2]), verdict.summary
+    assert "rank 2 did not make all_reduce #1" in verdict.summary, verdict.summary

@@ -44,7 +44,7 @@ def agreement(rec: Records) -> Verdict | None:
     found = disagreements(log.log, cell, where, rec.waiting_in())
     if not found:
         return None
-    d = found[0]
+    d = _upstream(found, rec)
     programs: dict[int, list[Call]] = {}
 
     def program(r: int) -> list[Call]:
@@ -91,6 +91,34 @@ def agreement(rec: Records) -> Verdict | None:
         Kind.CALL_MISSING if d.presence and all(d.by_rank.get(r) is None for r in odd) else
         Kind.CALL_EXTRA if d.presence else Kind.MISMATCH)
     return _verdict(rec, d, odd, tie, how, kind, diff, ref)
+
+
+def _upstream(found: list[Disagreement], rec: Records) -> Disagreement:
+    """The disagreement that comes first in the program, not in time. Two can hold each other's
+    absent ranks: rank 2 skipped its subgroup's all_reduce (line 9) and waits in the barrier (line
+    12), its subgroup peer waits in that all_reduce and so is absent from the barrier. The barrier
+    may have been entered first; the all_reduce, earlier in the cell and outside any loop around
+    the barrier, is where the ranks parted."""
+    first = found[0]
+    for other in found[1:]:
+        if _holds_absent(other, first) and _holds_absent(first, other) and _earlier(rec, other, first):
+            return other
+    return first
+
+
+def _holds_absent(a: Disagreement, b: Disagreement) -> bool:
+    """Whether ranks absent from ``b`` made their call in ``a``."""
+    return any(c is None and a.by_rank.get(r) is not None for r, c in b.by_rank.items())
+
+
+def _earlier(rec: Records, a: Disagreement, b: Disagreement) -> bool:
+    """Whether ``a``'s call site comes before ``b``'s in one cell, neither inside a loop around the other."""
+    ca = next((c for c in a.by_rank.values() if c is not None and c.line is not None), None)
+    cb = next((c for c in b.by_rank.values() if c is not None and c.line is not None), None)
+    if ca is None or cb is None or ca.cell != cb.cell or ca.cell is None or ca.line is None or cb.line is None or ca.line >= cb.line:
+        return False
+    loop = loop_span(rec.sources.get(ca.cell), cb.line)
+    return loop is None or not loop[0] <= ca.line <= loop[1]
 
 
 def _program(rec: Records, r: int, cell: int) -> list[Call]:
