@@ -1,4 +1,4 @@
-"""``python -m distnb demo | doctor | run -- COMMAND``."""
+"""``python -m distnb demo | doctor | run -- COMMAND | jobs``."""
 
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="launch a CPU pool, run a short tour, print the results, shut down")
     d.add_argument("-n", "--nproc", type=int, default=4, help="ranks (default 4)")
     sub.add_parser("doctor", help="show the versions and devices distnb sees")
+    j = sub.add_parser("jobs", help="list the attachable jobs on this machine (what %%dist_attach --hosts reads over ssh)")
+    j.add_argument("--json", action="store_true", help="as JSON, with each rank's keys (for a notebook on another machine)")
     r = sub.add_parser("run", help="run a job (e.g. torchrun … train.py) with ranks a notebook can %%dist_attach to")
     r.add_argument("--job-id", default=None, help="the job's name in %%dist_attach (default: run-<random>)")
     r.add_argument("--write-site", metavar="DIR", default=None,
@@ -94,6 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--uninstall-hook", nargs="?", const="", default=None, metavar="DIR", help="remove what --install-hook wrote")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command", help="-- then the command, e.g. -- torchrun --nproc-per-node 4 train.py")
     args = parser.parse_args(argv)
+    if args.command == "jobs":
+        from distnb.wire.discovery import jobs_json, jobs_root, list_jobs
+
+        jobs = list_jobs()
+        if args.json:
+            print(jobs_json(jobs))
+        else:
+            print("\n".join(j.line() for j in jobs) or f"no attachable job under {jobs_root()} (python -m distnb run -- torchrun … starts one)")
+        return 0
     if args.command == "run":
         from distnb.launching.attach_run import install_hook, run, write_site
 

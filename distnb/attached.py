@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 from distnb import _processes
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
@@ -105,6 +105,9 @@ class AttachedJob:
         e = self.files.ranks.get(rank) or self.files.stale.get(rank)
         if e is None:
             return "it published no discovery file (not started, or not made attachable)"
+        if e.machine:
+            return (f"its control thread on {e.machine} (pid {e.pid}, {e.address}) did not answer within {self.timeout:g} s: a firewall "
+                    "between the machines, an address this one can't reach (DISTNB_ATTACH_HOST), or a busy rank; ask again")
         if not e.alive():
             return f"its process (pid {e.pid}) is gone"
         state = _processes.process_state(e.pid)
@@ -140,8 +143,11 @@ class AttachedJob:
             out.append(rs)
         if native:
             by_rank = {rs.rank: rs for rs in out}
-            for r, text in py_spy_dumps({r: self.files.ranks[r].pid for r in by_rank if r in self.files.ranks}).items():
+            here = {r: e.pid for r, e in self.files.ranks.items() if r in by_rank and not e.machine}
+            for r, text in py_spy_dumps(here).items():
                 by_rank[r].native = text
+            for r in sorted(set(by_rank) - set(here)):
+                by_rank[r].native = f"(rank {r} runs on {self.files.ranks[r].machine}: py-spy dump --native --pid {self.files.ranks[r].pid} there)"
         return StackReport(out)
 
     def collectives(self, ranks: Ranks = None, last: int | None = None) -> CollectiveReport:
@@ -275,24 +281,31 @@ class AttachedJob:
         return f"<AttachedJob {self.job}: {self.world_size} ranks, {'attached' if self.attached else 'detached'}>"
 
 
-def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT) -> AttachedJob:
-    """Attach to an attachable job on this machine: ``job`` names it (as ``python -m distnb run``
-    printed it); without it, the one job there is. Raises :class:`~distnb.errors.AttachError`
-    with what to do when there is none, several, or its ranks are gone or silent."""
-    jobs = list_jobs()
+def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT, hosts: Sequence[str] | str | None = None,
+           slurm: bool = False) -> AttachedJob:
+    """Attach to an attachable job: ``job`` names it (as ``python -m distnb run`` printed it);
+    without it, the one job there is. Its ranks on this machine, and on ``hosts`` (read over ssh)
+    or every node of the current Slurm allocation (``slurm``), which need the job started with
+    ``DISTNB_ATTACH_HOST`` set to an address this machine reaches. Raises
+    :class:`~distnb.errors.AttachError` with what to do when there is none, several, or its ranks
+    are gone or silent."""
+    jobs, unread = _listings(hosts, slurm)
     if job is not None:
         named = [j for j in jobs if j.job == job]
         if not named:
             known = ", ".join(j.job for j in jobs) or "none"
-            raise AttachError(f"no attachable job {job!r} under {jobs_root()} (jobs there: {known}); start it with "
-                              "python -m distnb run -- torchrun …, or name one of those.")
+            raise AttachError(f"no attachable job {job!r} under {jobs_root()}{' or on the machines asked' if hosts or slurm else ''} "
+                              f"(jobs there: {known}); start it with python -m distnb run -- torchrun …, or name one of those"
+                              + "".join(f"; {m}: {why}" for m, why in unread.items()) + ".")
         files = named[0]
     else:
         live = [j for j in jobs if j.ranks]
         if not live:
             stale = f" ({len(jobs)} with stale files only: {', '.join(j.job for j in jobs)}, their processes gone)" if jobs else ""
-            raise AttachError(f"no attachable job on this machine{stale}: start one with python -m distnb run -- torchrun "
-                              "--nproc-per-node N train.py (or set DISTNB_ATTACH=1 with the hook on the ranks' PYTHONPATH).")
+            where = "on this machine" + (" or the machines asked" if hosts or slurm else "")
+            raise AttachError(f"no attachable job {where}{stale}: start one with python -m distnb run -- torchrun "
+                              "--nproc-per-node N train.py (or set DISTNB_ATTACH=1 with the hook on the ranks' PYTHONPATH)"
+                              + "".join(f"; {m}: {why}" for m, why in unread.items()) + ".")
         if len(live) > 1:
             raise AttachError("several attachable jobs on this machine; name one, e.g. %dist_attach "
                               f"{live[0].job}: " + "; ".join(j.line() for j in live))
@@ -312,6 +325,18 @@ def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT) -> Attac
         old.detach()
     _current.append(attached)
     return attached
+
+
+def _listings(hosts: Sequence[str] | str | None, slurm: bool) -> tuple[list[JobFiles], dict[str, str]]:
+    """This machine's jobs and the other machines', one per id; and why a machine gave none."""
+    from distnb.launching.remote_jobs import jobs_in_allocation, jobs_on, merge_jobs
+
+    names = [h for h in (hosts.split(",") if isinstance(hosts, str) else hosts or []) if h]
+    found, unread = jobs_on(names) if names else ([], {})
+    if slurm:
+        more, why = jobs_in_allocation()
+        found, unread = found + more, {**unread, **why}
+    return merge_jobs(list_jobs() + found), unread
 
 
 def current_attached() -> AttachedJob | None:

@@ -23,6 +23,9 @@ from distnb.wire.protocol import accept
 
 # Every process a pool starts inherits this variable, so the leak check can tell this test run's
 # processes from anyone else's (another test run, a notebook) on the same machine.
+#: Fixtures shared by test modules: the two network-namespace hosts (``net``).
+pytest_plugins = ["netns_hosts"]
+
 RUN_MARK = "DISTNB_TEST_RUN"
 os.environ[RUN_MARK] = uuid.uuid4().hex
 _PATTERNS = (b"distnb.worker", b"distnb.node", b"torch.distributed.run")

@@ -229,3 +229,12 @@ def test_the_magics_say_it_in_one_line(jobs: Path) -> None:
     assert out == "not attached to any job (%dist_attach attaches to one).\n"
     with pytest.raises(UsageError, match=r"not attached to any job: %dist_attach to a job first"):
         shell.ip.run_line_magic("dist_reproduce", "")
+
+
+def test_a_machine_that_cannot_be_read_is_named_with_why(jobs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTNB_SSH", "false")  # an ssh that always fails, as an unreachable host does
+    with pytest.raises(distnb.AttachError, match=r"no attachable job on this machine or the machines asked.*; node7: ssh node7 failed: exit status 1"):
+        distnb.attach(hosts="node7")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(distnb.AttachError, match="slurm: not inside a Slurm allocation"):
+        distnb.attach(slurm=True)

@@ -19,6 +19,7 @@ import zmq
 
 from distnb.wire.codec import BadFrame, Codec, ReplayGuard, socket_max_msgsize
 from distnb.wire.discovery import RankEndpoint
+from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import drain, send_frames
 
 __all__ = ["AttachLink"]
@@ -40,6 +41,8 @@ class AttachLink:
         for r, e in self.endpoints.items():
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if e.creds:  # a rank other machines reach serves CURVE, with the keys its file gave
+                Credentials.loads(e.creds, f"rank {r}'s discovery file").secure_client(sock)
             sock.connect(e.address)
             self._socks[r] = sock
             self._codecs[r] = Codec(e.key, name)

@@ -23,13 +23,16 @@ class AttachMagics(Magics):
     @magic_arguments()
     @argument("job", nargs="?", default=None, help="The job's id, as python -m distnb run printed it (default: the one job on this machine).")
     @argument("--timeout", type=float, default=JOB_ANSWER_TIMEOUT, metavar="SECONDS", help="How long each rank has to answer (default 2).")
+    @argument("--hosts", default=None, metavar="H1,H2",
+              help="Other machines of the job, read over ssh (DISTNB_SSH replaces the client); the job's ranks need DISTNB_ATTACH_HOST set.")
+    @argument("--slurm", action="store_true", help="Every node of the current Slurm allocation (one srun step).")
     @line_magic
     def dist_attach(self, line: str) -> Any:
         """Attach to an attachable torchrun job on this machine, read-only: %dist_status, %dist_stacks,
         %dist_collectives, %dist_timeline, %dist_memory and %dist_env then show its ranks, with the hang diagnosis; %dist_detach leaves it as it was."""
         args = parse(self.dist_attach, line)
         with usage_errors():
-            job = attach(args.job, timeout=args.timeout)
+            job = attach(args.job, timeout=args.timeout, hosts=args.hosts, slurm=args.slurm)
             return job.status()
 
     @magic_arguments()

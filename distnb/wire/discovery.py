@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-__all__ = ["FORMAT", "JobFiles", "RankEndpoint", "job_id_from_env", "jobs_root", "list_jobs", "read_endpoint", "write_endpoint"]
+__all__ = ["FORMAT", "JobFiles", "RankEndpoint", "job_id_from_env", "jobs_from_json", "jobs_json", "jobs_root", "list_jobs", "read_endpoint",
+           "write_endpoint"]
 
 FORMAT = "distnb-attach-1"
 
@@ -36,13 +38,21 @@ class RankEndpoint:
     #: folder: what ``%dist_reproduce`` needs to turn the job into a notebook.
     argv: tuple[str, ...] = ()
     cwd: str = ""
+    #: A rank listening on an address other machines reach also serves CURVE: what a notebook
+    #: needs to connect (``Credentials.dumps``: the key, the server's public key, a client pair).
+    creds: str = ""
+    #: The machine the file was read on, over ssh ("" this one): its process can't be asked here.
+    machine: str = ""
 
     @property
     def address(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
     def alive(self) -> bool:
-        """Whether the process that wrote the file still runs (signal 0; EPERM means it does)."""
+        """Whether the process that wrote the file still runs (signal 0; EPERM means it does); a
+        file read on another machine was judged there."""
+        if self.machine:
+            return True
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -97,18 +107,30 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:100] or "job"
 
 
+def _data(endpoint: RankEndpoint) -> dict[str, object]:
+    return {"format": FORMAT, "job": endpoint.job, "rank": endpoint.rank, "world_size": endpoint.world_size, "pid": endpoint.pid,
+            "host": endpoint.host, "port": endpoint.port, "key": endpoint.key.hex(), "started": endpoint.started,
+            "argv": list(endpoint.argv), "cwd": endpoint.cwd, "creds": endpoint.creds}
+
+
+def _endpoint(data: dict[str, object], path: str, machine: str = "") -> RankEndpoint:
+    if data.get("format") != FORMAT:
+        raise ValueError(f"format {data.get('format')!r}, not {FORMAT!r}")
+    d: dict[str, Any] = dict(data)
+    return RankEndpoint(str(d["job"]), int(d["rank"]), int(d["world_size"]), int(d["pid"]), str(d["host"]), int(d["port"]),
+                        bytes.fromhex(d["key"]), float(d["started"]), path, tuple(str(a) for a in d.get("argv", [])),
+                        str(d.get("cwd", "")), str(d.get("creds", "")), machine)
+
+
 def write_endpoint(endpoint: RankEndpoint, root: Path | None = None) -> str:
     """Write the rank's file atomically (0600 in a 0700 folder); returns its path."""
     folder = (root or jobs_root()) / endpoint.job
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = folder / f"rank{endpoint.rank}.json"
     tmp = folder / f".rank{endpoint.rank}.{os.getpid()}.tmp"
-    data = {"format": FORMAT, "job": endpoint.job, "rank": endpoint.rank, "world_size": endpoint.world_size, "pid": endpoint.pid,
-            "host": endpoint.host, "port": endpoint.port, "key": endpoint.key.hex(), "started": endpoint.started,
-            "argv": list(endpoint.argv), "cwd": endpoint.cwd}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
+        json.dump(_data(endpoint), f)
     os.replace(tmp, path)
     return str(path)
 
@@ -116,14 +138,37 @@ def write_endpoint(endpoint: RankEndpoint, root: Path | None = None) -> str:
 def read_endpoint(path: str | Path) -> RankEndpoint:
     """One discovery file; ValueError (in words) when it is not one."""
     try:
-        data = json.loads(Path(path).read_text())
-        if data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, not {FORMAT!r}")
-        return RankEndpoint(str(data["job"]), int(data["rank"]), int(data["world_size"]), int(data["pid"]), str(data["host"]),
-                            int(data["port"]), bytes.fromhex(data["key"]), float(data["started"]), str(path),
-                            tuple(str(a) for a in data.get("argv", [])), str(data.get("cwd", "")))
-    except (OSError, KeyError, TypeError, ValueError) as exc:
+        return _endpoint(json.loads(Path(path).read_text()), str(path))
+    except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"{path} is not a distnb discovery file ({type(exc).__name__}: {exc})") from None
+
+
+def jobs_json(jobs: list[JobFiles]) -> str:
+    """The listing as ``python -m distnb jobs --json`` prints it, for a notebook on another machine
+    (read over ssh, by the user who may read the files: the keys travel with it)."""
+    import socket
+
+    return json.dumps({"machine": socket.gethostname(), "jobs": [
+        {"job": j.job, "folder": j.folder, "ranks": [_data(e) for e in j.ranks.values()], "stale": [_data(e) for e in j.stale.values()]}
+        for j in jobs]})
+
+
+def jobs_from_json(text: str, machine: str | None = None) -> list[JobFiles]:
+    """``jobs_json``'s listing, read from ``machine`` (default: the name the listing gives): each
+    rank's address is the one it bound, or the machine's where it bound every interface. ValueError
+    (in words) when it is not one."""
+    try:
+        listing = json.loads(text)
+        machine = machine or str(listing["machine"])
+        out = []
+        for j in listing["jobs"]:
+            ranks, stale = ([_endpoint(d, f"{machine}:{j['folder']}", machine) for d in j[k]] for k in ("ranks", "stale"))
+            fix = [e if e.host not in ("0.0.0.0", "*", "") else replace(e, host=machine) for e in ranks]
+            out.append(JobFiles(str(j["job"]), f"{machine}:{j['folder']}", {e.rank: e for e in fix}, {e.rank: e for e in stale}))
+        return out
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"the listing from {machine or 'a node'} is not distnb's ({type(exc).__name__}: {exc}); is distnb there the same "
+                         "version?") from None
 
 
 def list_jobs(root: Path | None = None) -> list[JobFiles]:

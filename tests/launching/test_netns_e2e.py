@@ -12,7 +12,6 @@ import json
 import os
 import queue
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -29,19 +28,12 @@ from distnb.controller.tracker import STRAND_AFTER
 from distnb.launching.remote_nodes import LOST_AFTER
 from distnb.ranks import parse_ranks
 
-from conftest import RUN_MARK, cmdline, started_pids
-from netns import Cluster, netns_unavailable
+from conftest import cmdline, started_pids
+from netns import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 HERE = Path(__file__).resolve().parents[1]  # the helpers beside conftest.py
-
-
-def _unavailable() -> str | None:
-    why = netns_unavailable()
-    if why is None and shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists():
-        why = "no sshd (Debian: apt-get install openssh-server)"
-    return why
 
 
 class Notebook:
@@ -97,27 +89,6 @@ class Notebook:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-
-
-@pytest.fixture(scope="module")
-def net(leak_check, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    why = _unavailable()
-    if why:
-        if os.environ.get("DISTNB_REQUIRE_NETNS") == "1":
-            pytest.fail(f"DISTNB_REQUIRE_NETNS=1 but {why}")
-        pytest.skip(why)
-    tmp = tmp_path_factory.mktemp("netns")
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "id")], check=True, timeout=20)
-    cluster = Cluster(["hosta", "hostb"], tmp)
-    try:
-        # Sessions are marked like every process of this test run, so the leak check sees them too.
-        cluster.start_sshd("hostb", (tmp / "id.pub").read_text(), {RUN_MARK: os.environ[RUN_MARK]})
-        cluster.ssh = (f"ssh -i {tmp / 'id'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "  # type: ignore[attr-defined]
-                       "-o LogLevel=ERROR -o ConnectTimeout=5")
-        yield cluster
-    finally:
-        cluster.close()
-    assert not cluster.leftovers(), f"the test network outlived its teardown: {cluster.leftovers()}"
 
 
 @pytest.fixture(scope="module")

@@ -53,3 +53,18 @@ def test_listing_tells_live_ranks_from_stale_ones(tmp_path: Path) -> None:
     assert not jobs["dead"].ranks and set(jobs["dead"].stale) == {0}
     assert jobs["live"].line() == f"live: 1/2 ranks alive, 1 stale (pids {os.getpid()})"
     assert list_jobs(tmp_path / "nowhere") == []
+
+
+def test_the_listing_for_another_machine_round_trips_and_names_where_it_came_from(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from distnb.wire.discovery import jobs_from_json, jobs_json
+
+    write_endpoint(replace(endpoint(rank=0), host="*", creds='{"key": "00"}'), tmp_path)
+    write_endpoint(endpoint(rank=1), tmp_path)
+    [back] = jobs_from_json(jobs_json(list_jobs(tmp_path)), "10.1.2.3")
+    assert sorted(back.ranks) == [0, 1] and back.folder.startswith("10.1.2.3:")
+    assert back.ranks[0].host == "10.1.2.3" and back.ranks[1].host == "127.0.0.1"  # bound everywhere: the machine's address
+    assert back.ranks[0].machine == "10.1.2.3" and back.ranks[0].creds == '{"key": "00"}' and back.ranks[0].alive()
+    with pytest.raises(ValueError, match="the listing from 10.1.2.3 is not distnb's"):
+        jobs_from_json('{"jobs": [{"job": 1}]}', "10.1.2.3")

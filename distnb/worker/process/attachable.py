@@ -33,6 +33,8 @@ ATTACH_ENV = "DISTNB_ATTACH"
 STARTED_ENV = "DISTNB_ATTACH_STARTED"
 #: The Flight Recorder's size when the job sets none (the pool's default).
 FR_ENTRIES = "500"
+#: Bind addresses only this machine reaches: no CURVE needed (the discovery file is private).
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 _started = False
 
@@ -133,7 +135,6 @@ def _remove(path: str) -> None:
 
 
 def _listen() -> tuple[Any, str]:
-    import socket
     import time
 
     import zmq
@@ -147,15 +148,18 @@ def _listen() -> tuple[Any, str]:
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     host = env.get("DISTNB_ATTACH_HOST", "127.0.0.1")
-    creds = Credentials.new()
+    # Reachable from other machines, the rank also encrypts and admits only the notebook's key
+    # (CURVE, as a multi-machine pool); the keys go into the private discovery file, read over ssh.
+    remote = host not in LOOPBACK
+    creds = Credentials.new(curve=remote)
     ctx: zmq.Context[Any] = zmq.Context(1)
     ctx.setsockopt(zmq.MAXMSGSIZE, socket_max_msgsize())
     executor = Executor({}, lambda cell, bundle: None, MemorySampler(int(env.get("LOCAL_RANK", "0"))))
     executor.calls = _call_log()  # the one the import hook wraps onto torch.distributed
     control = _attachable_control(ctx, f"tcp://{host}:*", creds, rank, executor)
     port = int(control.addr.rsplit(":", 1)[1])
-    endpoint = RankEndpoint(job_id_from_env(), rank, world, os.getpid(), host if host != "0.0.0.0" else socket.gethostname(),
-                            port, creds.key, time.time(), argv=tuple(sys.argv), cwd=os.getcwd())
+    endpoint = RankEndpoint(job_id_from_env(), rank, world, os.getpid(), host, port, creds.key, time.time(), argv=tuple(sys.argv),
+                            cwd=os.getcwd(), creds=creds.for_nodes().dumps() if remote else "")
     return control, write_endpoint(endpoint)
 
 

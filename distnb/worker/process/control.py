@@ -92,7 +92,11 @@ class ControlThread(threading.Thread):
         name = control_identity(rank, generation)
         self.sock.setsockopt(zmq.IDENTITY, name)
         self.sock.setsockopt(zmq.LINGER, 0)
-        creds.secure_client(self.sock)
+        # Bound on an address other machines reach, it is the CURVE server (an attachable rank's
+        # credentials hold the server's secret); kept, so the gate admitting the notebook's key lives.
+        self.gate = creds.secure_server(ctx, self.sock) if bind else None
+        if not bind:
+            creds.secure_client(self.sock)
         if bind:
             self.sock.bind(addr)
             addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)

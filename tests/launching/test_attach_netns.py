@@ -1,0 +1,116 @@
+"""Attach to a job across two machines (issue 40): a 4-rank torchrun job on two hosts made of
+network namespaces (tests/netns.py), started by the test under ``python -m distnb run`` on each
+host with ``DISTNB_ATTACH_HOST`` at that host's address, hung by a rank-conditional collective.
+The notebook on hosta reads hostb's discovery files over real ssh (``--hosts``), reaches hostb's
+ranks over the bridge with CURVE, and diagnoses the hang as on one machine; a client without
+the keys gets no answer.
+
+Needs root, iproute2 and sshd (skipped otherwise, unless DISTNB_REQUIRE_NETNS=1, as in CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import marked_processes, started_pids, wait_gone
+from netns import Cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPO = str(Path(__file__).resolve().parents[2])
+MARK = "DISTNB_ATTACH_NETNS_TEST"
+
+SCRIPT = """from datetime import timedelta
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+rank = dist.get_rank()
+t = torch.ones(4)
+for _ in range(3):
+    dist.all_reduce(t)
+if rank == 0:
+    dist.all_reduce(t)  # only rank 0: the others go on to the barrier
+dist.barrier()
+"""
+
+#: Run on hosta, as the notebook would: attach (hostb over ssh) until the hang is diagnosed, then
+#: print what it saw as JSON; also ask one of hostb's ranks without its CURVE keys.
+NOTEBOOK = """
+import dataclasses, json, sys, time
+import distnb
+from distnb.controller.attach_link import AttachLink
+from distnb.wire.protocol import Msg
+
+job, hostb = sys.argv[1], sys.argv[2]
+deadline = time.monotonic() + 150
+while True:
+    try:
+        with distnb.attach(job, hosts=[hostb]) as a:
+            verdict = a.diagnose()
+            if len(a.files.ranks) == 4 and verdict.is_problem or time.monotonic() > deadline:
+                bare = dataclasses.replace(a.files.ranks[2], creds="")
+                link = AttachLink({2: bare})
+                unkeyed = link.ask([2], {"t": Msg.STACKS, "all_threads": False}, 3.0)
+                link.close()
+                print(json.dumps({"culprits": verdict.culprits, "rule": verdict.rule, "text": verdict.text(),
+                                  "machines": {r: e.machine for r, e in a.files.ranks.items()},
+                                  "curve": {r: bool(e.creds) for r, e in a.files.ranks.items()},
+                                  "stacks": a.stacks().text(), "unkeyed": sorted(unkeyed)}))
+                break
+    except distnb.AttachError as exc:
+        if time.monotonic() > deadline:
+            print(json.dumps({"error": str(exc)}))
+            break
+    time.sleep(1)
+"""
+
+
+def _job(net: Cluster, host: str, node_rank: int, jobs: Path, folder: Path, env: dict[str, str], job: str) -> subprocess.Popen[bytes]:
+    h, a = net.hosts[host], net.hosts["hosta"]
+    env = {**env, "DISTNB_JOBS_DIR": str(jobs), "DISTNB_ATTACH_HOST": h.addr, "GLOO_SOCKET_IFNAME": h.iface}
+    return net.popen(host, [sys.executable, "-m", "distnb", "run", "--job-id", job, "--", sys.executable, "-m", "torch.distributed.run",
+                            "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "2", "--master-addr", a.addr,
+                            "--master-port", "29461", str(folder / "hang.py")],
+                     cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def test_attach_reads_the_other_machine_over_ssh_and_its_ranks_over_curve(net: Cluster, tmp_path: Path) -> None:
+    a, b = net.hosts["hosta"], net.hosts["hostb"]
+    (tmp_path / "hang.py").write_text(SCRIPT)
+    (tmp_path / "notebook.py").write_text(NOTEBOOK)
+    token, job = uuid.uuid4().hex, f"two-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, MARK: token, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    # One filesystem: each host's files in a folder of its own, as on two machines (hostb's ssh sessions list its own).
+    jobs_a, jobs_b = tmp_path / "jobs-a", net.jobs_b  # type: ignore[attr-defined]
+    procs = [_job(net, "hosta", 0, jobs_a, tmp_path, env, job), _job(net, "hostb", 1, jobs_b, tmp_path, env, job)]
+    try:
+        out = subprocess.run(net.command("hosta", [sys.executable, str(tmp_path / "notebook.py"), job, b.addr]), capture_output=True,
+                             text=True, timeout=240, env={**env, "DISTNB_JOBS_DIR": str(jobs_a), "DISTNB_SSH": net.ssh})  # type: ignore[attr-defined]
+        seen = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr[-3000:]}
+    finally:
+        pids = marked_processes(MARK, token)
+        started_pids.update(pids)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait(20)
+        assert not wait_gone(pids, 10)
+    assert "error" not in seen, seen
+    assert seen["machines"] == {"0": "", "1": "", "2": b.addr, "3": b.addr}, seen["machines"]
+    assert seen["curve"] == {"0": True, "1": True, "2": True, "3": True}, seen  # bound beyond loopback: CURVE on every rank
+    assert seen["culprits"] == [0] and seen["rule"] == "disagree", seen["text"]
+    assert "rank 0 in all_reduce #4" in seen["text"] and "ranks 1-3 in barrier #4" in seen["text"], seen["text"]
+    assert "hang.py:12 in <module>: dist.barrier()" in seen["stacks"], seen["stacks"]
+    assert seen["unkeyed"] == [], "a client without the rank's CURVE keys got an answer"
+    del a
