@@ -213,3 +213,24 @@ def test_reproduce_writes_a_notebook_that_hangs_the_same_way(job: Job, tmp_path:
     shown = outputs_text(failing)
     # The pool's diagnosis, where the job had "rank 0 in all_reduce #4, ranks 1-3 in barrier #4".
     assert "rank 0 entered all_reduce #4" in shown and "Root cause: rank 0." in shown and "timed out" in shown, shown
+
+
+def test_attach_from_a_real_kernel(job: Job, tmp_path: Path) -> None:
+    """The magics in a Jupyter kernel (nbclient), as a user runs them: attach, look, reproduce, detach."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from conftest import run_notebook
+    from nbtext import outputs_text
+
+    nb = new_notebook(cells=[new_code_cell(c) for c in (
+        f"import os\nos.environ['DISTNB_JOBS_DIR'] = {os.environ['DISTNB_JOBS_DIR']!r}\n%load_ext distnb",
+        f"%dist_attach {job.job_id}", "%dist_stacks", "%dist_collectives --last 2", "%dist_reproduce from_kernel.ipynb", "%dist_detach")])
+    pids = job.processes()
+    ran = run_notebook(nb, str(tmp_path), "DISTNB_ATTACH_KERNEL_TEST", timeout=120)
+    shown = [outputs_text(c) for c in ran.cells]
+    assert f"attached to job {job.job_id} (read-only): 4 ranks" in shown[1] and "The odd one out: rank 0." in shown[1], shown[1]
+    assert "dist.all_reduce(t)  # only rank 0" in shown[2] and "first divergence" in shown[3], shown[2:4]
+    assert "wrote from_kernel.ipynb: hang.py in" in shown[4] and nbformat.read(str(tmp_path / "from_kernel.ipynb"), as_version=4).cells
+    assert f"detached from job {job.job_id}; it runs on as it was." in shown[5], shown[5]
+    assert job.processes() == pids and job.proc.poll() is None  # the kernel came and went; the job is as it was
