@@ -219,9 +219,9 @@ def test_attach_from_a_real_kernel(job: Job, tmp_path: Path) -> None:
     """The magics in a Jupyter kernel (nbclient), as a user runs them: attach, look, reproduce, detach."""
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
+    from nbtext import outputs_text
 
     from conftest import run_notebook
-    from nbtext import outputs_text
 
     nb = new_notebook(cells=[new_code_cell(c) for c in (
         f"import os\nos.environ['DISTNB_JOBS_DIR'] = {os.environ['DISTNB_JOBS_DIR']!r}\n%load_ext distnb",
