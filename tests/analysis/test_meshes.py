@@ -11,7 +11,7 @@ from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
 from distnb.analysis.verdicts.position import Position
-from distnb.analysis.verdicts.stragglers import Arrival, StragglerReport
+from distnb.analysis.verdicts.stragglers import Arrival, StragglerReport, arrivals
 from distnb.controller.collective_log import CollectiveLog
 
 # A (dp=2, tp=2) mesh as torch 2.13 builds it on gloo: dp groups "1" (0,2) and "2" (1,3), tp groups
@@ -254,3 +254,14 @@ def test_comms_report_merges_ranks_per_module_and_dimension() -> None:
     assert "model.2 fwd: P(sum) → R of [4, 8] over (tp) ×1" in text
     assert "rank 3: no accounting came back" in text
     assert CommsReport.of(1, {0: {"error": "this torch has no CommDebugMode"}}).text().endswith("rank 0: this torch has no CommDebugMode")
+
+
+def test_a_number_the_ranks_reached_in_different_calls_is_not_an_arrival() -> None:
+    """#2 is an all_reduce on rank 0 and a barrier on rank 1 (a mismatch): not one collective whose
+    arrivals say who is slow."""
+    log = CollectiveLog()
+    for r, ops in ((0, ["all_reduce", "all_reduce", "all_reduce"]), (1, ["all_reduce", "barrier", "all_reduce"])):
+        es = [{"id": i, "group": "0", "seq": i + 1, "p2p": False, "op": op, "t": float(i) + 0.1 * r, "done": True, "cell": 3}
+              for i, op in enumerate(ops)]
+        log.merge(r, {"entries": es, "groups": {"0": [0, 1]}, "descs": {}, "calls": [], "now": 0.0})
+    assert [a.seq for a in arrivals(log, "0", [0, 1])] == [1, 3]

@@ -99,6 +99,8 @@ def arrivals(log: CollectiveEvidence, group: str, ranks: list[int], last: int | 
             continue  # a rank has not reached it (or its log let it go)
         if cell is not None and any(held[seq].get("cell") != cell for _, held, _ in rows):
             continue
+        if len({held[seq]["op"] for _, held, _ in rows}) > 1:
+            continue  # ranks in different calls at one number: a mismatch, not one collective to arrive at
         out.append(Arrival(group, seq, fewest[seq]["op"], times))
         if last is not None and len(out) >= last:
             break
