@@ -134,3 +134,25 @@ def test_the_disagreement_first_in_the_program_leads_not_the_one_entered_first()
     verdict = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: SUBGROUP_SOURCE}, CELL)
     assert (verdict.kind, verdict.culprits) == (Kind.CALL_MISSING, [2]), verdict.summary
     assert "rank 2 did not make all_reduce #1" in verdict.summary, verdict.summary
+
+
+def test_a_rank_that_raised_before_its_subgroup_call_is_the_cause_not_a_barrier_it_never_reached() -> None:
+    """Rank 1 raised before its subgroup's all_reduce (line 6): rank 0 waits there, ranks 2,3 went
+    on to the barrier (line 7), entered before anything else. The barrier's absent ranks wait in, or
+    left before, the earlier call: the error is the cause."""
+    log = CollectiveLog()
+    groups = {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3]}
+
+    def e(i: int, g: str, seq: int, op: str, line: int, done: bool, t: float) -> dict[str, Any]:
+        return {**_entry(i, 3, done), "group": g, "seq": seq, "op": op, "line": line, "desc": "undefined", "t": t}
+    rows = {r: [e(1, "2", 1, "all_reduce", 6, True, 0.5), e(2, "2", 2, "all_reduce", 6, True, 0.6), e(3, "0", 1, "barrier", 7, False, 0.7)]
+            for r in (2, 3)}
+    rows[0] = [e(1, "1", 1, "all_reduce", 6, False, 1.0)]
+    rows[1] = []
+    for r, es in rows.items():
+        log.merge(r, {"entries": es, "groups": groups, "descs": {}, "calls": [], "now": 0.0})
+    positions = [Position(0, "collective", op="all_reduce", seq=1, group="1", since=4.0, running=CELL, line=6, line_cell=CELL),
+                 Position(1, "failed", detail="AssertionError: an invariant broken on rank 1", line=4, running=CELL, line_cell=CELL)]
+    positions += [Position(r, "collective", op="barrier", seq=1, group="0", since=4.0, running=CELL, line=7, line_cell=CELL) for r in (2, 3)]
+    verdict = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: SUBGROUP_SOURCE}, CELL)
+    assert (verdict.kind, verdict.culprits) == (Kind.RAISED, [1]), verdict.summary

@@ -94,14 +94,14 @@ def agreement(rec: Records) -> Verdict | None:
 
 
 def _upstream(found: list[Disagreement], rec: Records) -> Disagreement:
-    """The disagreement that comes first in the program, not in time. Two can hold each other's
-    absent ranks: rank 2 skipped its subgroup's all_reduce (line 9) and waits in the barrier (line
-    12), its subgroup peer waits in that all_reduce and so is absent from the barrier. The barrier
-    may have been entered first; the all_reduce, earlier in the cell and outside any loop around
-    the barrier, is where the ranks parted."""
+    """The disagreement that comes first in the program, not in time: one whose absent ranks wait
+    in another's call, earlier in the cell (and outside any loop around it), follows from that one.
+    Rank 2 skipped its subgroup's all_reduce (line 9) and waits in the barrier (line 12); its
+    subgroup peer waits in that all_reduce and so is absent from the barrier. The barrier may have
+    been entered first; the all_reduce is where the ranks parted."""
     first = found[0]
     for other in found[1:]:
-        if _holds_absent(other, first) and _holds_absent(first, other) and _earlier(rec, other, first):
+        if _holds_absent(other, first) and _earlier(rec, other, first):
             return other
     return first
 
