@@ -250,9 +250,10 @@ class AttachedJob:
         order = [*verdict.culprits, *(r for r in sorted(self.files.ranks) if r not in verdict.culprits)]
         env = self.env().env
         # A live job that fails by raising ends; one that is still here and judged a problem hangs.
+        # No problem found: no line is "the failing one" (the notebook keeps every cell, untagged).
+        site = script_site(stacks, order, script) if verdict.is_problem else None
         return JobFacts(self.world_size, first.argv, first.cwd, "auto", env.get(min(env), {}) if env else {},
-                        script_site(stacks, order, script), verdict.summary if verdict.is_problem else "",
-                        verdict.is_problem, self.job)
+                        site, verdict.summary if verdict.is_problem else "", verdict.is_problem, self.job)
 
     def reproduce(self, path: str | None = None) -> Reproduced:
         """Write a notebook that stands in for the job: a pool of its world size running its script
