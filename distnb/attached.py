@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from distnb import _processes
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
@@ -38,12 +38,29 @@ from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CollectivesRead
 
-__all__ = ["AttachStatus", "AttachedJob", "attach", "current_attached", "detach"]
+__all__ = ["AttachStatus", "AttachedJob", "JobView", "attach", "current_attached", "current_job", "detach", "look_into", "stop_looking"]
 
 #: How long each rank has to answer the first request of an attach, and every later one.
 JOB_ANSWER_TIMEOUT = 2.0
 
-_current: list[AttachedJob] = []
+
+class JobView(Protocol):
+    """A job the read-only views look into instead of a pool: one attached (:class:`AttachedJob`)
+    or one loaded from the records it left (:class:`distnb.loaded.LoadedJob`)."""
+
+    job: str
+
+    def describe(self) -> str:
+        """``attached to job X`` · ``looking into the records of job X``: for the magics' words."""
+        ...
+
+    def detach(self) -> None:
+        """Leave the job (the job itself is not changed)."""
+        ...
+
+
+#: The job the notebook looks into, if any (one at a time: attaching or loading leaves the last).
+_current: list[JobView] = []
 
 
 @dataclass
@@ -231,8 +248,7 @@ class AttachedJob:
         if self._link is not None:
             self._link.close()
             self._link = None
-        if self in _current:
-            _current.remove(self)
+        stop_looking(self)
 
     def __enter__(self) -> AttachedJob:
         return self
@@ -242,6 +258,9 @@ class AttachedJob:
 
     def __repr__(self) -> str:
         return f"<AttachedJob {self.job}: {self.world_size} ranks, {'attached' if self.attached else 'detached'}>"
+
+    def describe(self) -> str:
+        return f"attached to job {self.job}"
 
 
 def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT) -> AttachedJob:
@@ -277,20 +296,37 @@ def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT) -> Attac
         raise AttachError(f"no rank of job {files.job} answered within {timeout:g} s (pids "
                           f"{', '.join(str(e.pid) for e in files.ranks.values())}): their control threads are not serving; "
                           "was the job started with python -m distnb run (or DISTNB_ATTACH=1)?")
+    look_into(attached)
+    return attached
+
+
+def look_into(job: JobView) -> None:
+    """From now, the read-only views look into ``job``; the job looked into before is left."""
     for old in list(_current):
         old.detach()
-    _current.append(attached)
-    return attached
+    _current.append(job)
+
+
+def stop_looking(job: JobView) -> None:
+    """``job`` is no longer the one the views look into (its ``detach`` calls this)."""
+    if job in _current:
+        _current.remove(job)
+
+
+def current_job() -> JobView | None:
+    """The job the read-only views look into (attached or loaded), if any."""
+    return _current[-1] if _current else None
 
 
 def current_attached() -> AttachedJob | None:
     """The job the notebook is attached to, if any."""
-    return _current[-1] if _current else None
+    job = current_job()
+    return job if isinstance(job, AttachedJob) else None
 
 
 def detach() -> bool:
-    """Detach from the current job; False when none was attached."""
-    job = current_attached()
+    """Detach from (or leave) the current job; False when there was none."""
+    job = current_job()
     if job is None:
         return False
     job.detach()

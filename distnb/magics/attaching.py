@@ -9,7 +9,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.attached import JOB_ANSWER_TIMEOUT, attach, current_attached
+from distnb.attached import JOB_ANSWER_TIMEOUT, AttachedJob, attach, current_job
 from distnb.magics.support import parse, usage_errors
 
 __all__ = ["AttachMagics"]
@@ -33,10 +33,13 @@ class AttachMagics(Magics):
 
     @line_magic
     def dist_detach(self, line: str) -> None:
-        """Detach from the attached job; the job runs on, unchanged."""
-        job = current_attached()
+        """Detach from the attached job (it runs on, unchanged), or leave the job %dist_load loaded."""
+        job = current_job()
         if job is None:
-            print("not attached to any job (%dist_attach attaches to one).")
+            print("not attached to any job (%dist_attach attaches to one; %dist_load reads the records of one that ended).")
             return
         job.detach()
-        print(f"detached from job {job.job}; it runs on as it was.")
+        if isinstance(job, AttachedJob):
+            print(f"detached from job {job.job}; it runs on as it was.")
+        else:
+            print(f"left the loaded job {job.job}; its files stay as they were.")

@@ -234,8 +234,8 @@ class JobRecorder:
     def _write_locked(self, reason: str, exception: dict[str, Any] | None, stacks: list[Any] | None, since: float | None, what: str) -> None:
         import socket
 
-        from distnb.wire.job_dumps import FR_PREFIX, RECORD_FORMAT, write_json_atomic
         from distnb.wire.discovery import job_id_from_env
+        from distnb.wire.job_dumps import FR_PREFIX, RECORD_FORMAT, write_json_atomic
         from distnb.worker.process.control import ENV_NAMES, ENV_PREFIXES, thread_stacks
         from distnb.worker.recorders.memory_sampler import MemorySampler
         from distnb.worker.torch_hooks.flight_recorder import backends_in_use
