@@ -14,6 +14,7 @@ backend, environment and the failing call site.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -43,6 +44,9 @@ __all__ = ["LOOKED_FOR", "JobLaunch", "LoadStatus", "LoadedJob", "load"]
 
 LOOKED_FOR = ("distnb's records (rank<N>.json, from python -m distnb run), Flight Recorder dumps (<prefix><rank>, pickle or JSON, "
               "as NCCL's watchdog or torch's _dump_fr_trace write them) and torchrun's error files (<attempt>/<local rank>/error.json)")
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,8 @@ def _seen(rd: RankDump) -> _Seen:
         exc, wait = rec.get("exception"), rec.get("waiting")
         written = float(rec["written"])
         if exc is not None:
-            detail = f"{exc['type']}: {cut_message(exc['message'], 200)}"
+            # gloo's messages start with the C++ source they come from: not the user's business.
+            detail = f"{exc['type']}: {cut_message(_SOURCE_PREFIX.sub('', exc['message']), 200)}"
             raw = exc.get("site")
             site = (str(raw[0]), int(raw[1]), str(raw[2]), str(raw[3])) if raw else None
             if wait is not None and is_consequence(detail):

@@ -285,11 +285,30 @@ class JobRecorder:
         dumper = getattr(c, "_dump_nccl_trace" if "nccl" in backends_in_use() else "_dump_fr_trace", None)
         if dumper is None:
             return ""
-        data = dumper(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+        data = _named_default_group(dumper(includeCollectives=True, includeStackTraces=True, onlyActive=False))
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
         return path.name
+
+
+def _named_default_group(data: bytes) -> bytes:
+    """torch's bytes, unless (torch 2.13, gloo) the default group sits in ``pg_config`` under the
+    empty name it had before it was named "0": ``fr_trace`` then fails (KeyError ('0', rank)), so
+    the dump is pickled again with that group under the name its entries use. The dump comes from
+    this process: unpickling it is safe."""
+    import pickle
+
+    dump = pickle.loads(data)
+    config = dump.get("pg_config") or {}
+    used = {str(e["process_group"][0]): str(e["process_group"][1]) for e in dump.get("entries") or [] if e.get("process_group")}
+    unnamed = [name for name in used if name not in config]
+    if "" not in config or "" in used or len(unnamed) != 1:
+        return data
+    info = dict(config.pop(""))
+    info.update(name=unnamed[0], desc=info.get("desc") or used[unnamed[0]])
+    config[unnamed[0]] = info
+    return pickle.dumps(dump, protocol=2)
 
 
 def _c10d_frame() -> tuple[Any, str]:
