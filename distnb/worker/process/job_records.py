@@ -241,7 +241,10 @@ class JobRecorder:
         from distnb.worker.torch_hooks.flight_recorder import backends_in_use
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        collectives = self._read()
+        # A job that never imported torch (it failed before) has nothing to read: importing
+        # torch now, at its end, would only make it slower to go.
+        torch_up = "torch" in sys.modules
+        collectives = self._read() if torch_up else {"unavailable": "the job had not imported torch"}
         if stacks is None:
             stacks = thread_stacks(False, {threading.get_ident()})
         now = time.time()
@@ -249,7 +252,7 @@ class JobRecorder:
             "format": RECORD_FORMAT, "job": job_id_from_env(), "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
             "host": socket.gethostname(), "written": now, "reason": reason, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
             "started": self.started, "argv": list(sys.argv), "cwd": os.getcwd(), "torch": _torch_version(),
-            "backends": sorted(backends_in_use()),
+            "backends": sorted(backends_in_use()) if torch_up else [],
             "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES},
             "stacks": stacks, "collectives": collectives,
         }
@@ -266,7 +269,7 @@ class JobRecorder:
             record["exception"] = exception
         if self._fault_file is not None:
             record["fault_file"] = os.path.basename(self._fault_file.name)
-        fr = self._write_fr(self.folder / f"{FR_PREFIX}{self.rank}")
+        fr = self._write_fr(self.folder / f"{FR_PREFIX}{self.rank}") if torch_up else ""
         if fr:
             record["fr_file"] = fr
         write_json_atomic(self.path, record)
