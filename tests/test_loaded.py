@@ -160,6 +160,7 @@ def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
 
 # -- the readers on real dumps ---------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["pickle", "json"])
+@pytest.mark.slow
 def test_real_flight_recorder_dumps_give_the_verdict(made: Path, kind: str) -> None:
     job = distnb.load(made / kind)
     assert current_job() is job and job.world_size == 2
@@ -175,6 +176,7 @@ def test_real_flight_recorder_dumps_give_the_verdict(made: Path, kind: str) -> N
         assert "dumps.py:17" in verdict.text() and "dumps.py:15" in verdict.text(), verdict.text()
 
 
+@pytest.mark.slow
 def test_a_real_torchrun_error_file(made: Path) -> None:
     job = distnb.load(made / "logs")
     verdict = job.diagnose()
@@ -187,6 +189,7 @@ def test_a_real_torchrun_error_file(made: Path) -> None:
     assert job.launch.site == (str(made / "err.py"), 6)
 
 
+@pytest.mark.slow
 def test_the_recorder_in_a_real_group(made: Path) -> None:
     runs = json.loads((made / "runs.json").read_text())
     (rc0, _, err0), (rc1, out1, err1) = runs[3], runs[4]
@@ -232,6 +235,7 @@ step()
 """
 
 
+@pytest.mark.slow
 def test_the_excepthook_chains_and_the_output_does_not_change(tmp_path: Path) -> None:
     (tmp_path / "hooked.py").write_text(HOOKED)
     plain, recorded, own = _run_all([([sys.executable, "hooked.py", str(tmp_path / m), m], _env()) for m in ("plain", "recorded", "own-hook")],
@@ -246,6 +250,7 @@ def test_the_excepthook_chains_and_the_output_does_not_change(tmp_path: Path) ->
     assert not (tmp_path / "recorded" / "faulthandler_rank0.txt").exists()  # no fatal signal: no file left
 
 
+@pytest.mark.slow
 def test_a_fatal_signal_goes_to_faulthandler_only_when_the_job_had_none(tmp_path: Path) -> None:
     code = ("import os, sys\nfrom pathlib import Path\nfrom distnb.worker.process.job_records import JobRecorder\n"
             "JobRecorder(0, 1, Path(sys.argv[1])).install()\n\ndef crash():\n    os.abort()\n\ncrash()\n")
@@ -278,6 +283,7 @@ def test_a_folder_with_nothing_readable_lists_what_was_looked_for(tmp_path: Path
     assert current_job() is None
 
 
+@pytest.mark.slow
 def test_files_that_are_not_dumps_are_skipped_and_named(made: Path, tmp_path: Path) -> None:
     shutil.copy(made / "pickle" / "nccl_trace_rank_0", tmp_path)
     (tmp_path / "nccl_trace_rank_1").write_bytes(os.urandom(64))
@@ -292,6 +298,7 @@ def test_files_that_are_not_dumps_are_skipped_and_named(made: Path, tmp_path: Pa
     assert "skipped" in job.status().text()
 
 
+@pytest.mark.slow
 def test_a_dump_from_another_torch_version_is_read_as_far_as_it_goes(made: Path, tmp_path: Path) -> None:
     dump = pickle.loads((made / "pickle" / "nccl_trace_rank_1").read_bytes())
     dump["version"] = "2.1"
@@ -304,6 +311,7 @@ def test_a_dump_from_another_torch_version_is_read_as_far_as_it_goes(made: Path,
     assert [e["op"] for e in job._log.sequence(1, "0")] == ["all_reduce"] * 3
 
 
+@pytest.mark.slow
 def test_a_partial_set_of_ranks_names_the_missing(made: Path, tmp_path: Path) -> None:
     shutil.copy(made / "pickle" / "nccl_trace_rank_1", tmp_path)
     job = distnb.load(tmp_path)
@@ -313,6 +321,7 @@ def test_a_partial_set_of_ranks_names_the_missing(made: Path, tmp_path: Path) ->
     assert "rank 0: pid ?, no record" in job.status().text()
 
 
+@pytest.mark.slow
 def test_two_dumps_for_one_rank_newest_wins(made: Path, tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -325,6 +334,7 @@ def test_two_dumps_for_one_rank_newest_wins(made: Path, tmp_path: Path) -> None:
                            f"{tmp_path / 'a' / 'nccl_trace_rank_0'} left out"]
 
 
+@pytest.mark.slow
 def test_several_folders_one_per_machine(made: Path) -> None:
     job = distnb.load([str(made / "pickle"), str(made / "logs")])
     assert sorted(job.dumps.ranks) == [0, 1] and job.dumps.ranks[1].error is not None and job.dumps.ranks[1].fr is not None
@@ -332,6 +342,7 @@ def test_several_folders_one_per_machine(made: Path) -> None:
 
 
 # -- %dist_load ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_dist_load_and_the_read_only_magics(made: Path) -> None:
     from IPython.core.error import UsageError
     from magic_shell import Shell
