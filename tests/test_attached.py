@@ -226,4 +226,4 @@ def test_the_magics_say_it_in_one_line(jobs: Path) -> None:
     with pytest.raises(UsageError, match="no attachable job 'nope'"):
         shell.ip.run_line_magic("dist_attach", "nope")
     _, out, _ = shell.line("dist_detach")
-    assert out == "not attached to any job (%dist_attach attaches to one).\n"
+    assert out == "not attached to any job (%dist_attach attaches to one; %dist_load reads the records of one that ended).\n"

@@ -170,6 +170,10 @@ def test_a_hang_ended_by_gloos_timeout(hung: tuple[int, str, Path]) -> None:
         assert job.launch.site is not None and job.launch.site[1] == 12
     finally:
         job.detach()
+    # The Flight Recorder's own pickles beside the records: torch's fr_trace reads the folder as it is.
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(records)], capture_output=True,
+                        text=True, timeout=START)
+    assert fr.returncode == 0 and "Culprit rank 0" in fr.stdout + fr.stderr, fr.stdout[-2000:] + fr.stderr[-2000:]
     from magic_shell import Shell
 
     shell = Shell()
