@@ -32,11 +32,11 @@ from typing import Any
 
 __all__ = ["POLL", "RECORD_AFTER", "RECORD_AFTER_ENV", "RECORDS_SWITCH", "REWRITE_EVERY", "JobRecorder", "user_site"]
 
-#: How long a rank sits in one collective before its record is written. Measured on the healthy
-#: DDP loop of benchmarks/bench_attach.py (2 busy cores): the longest single wait in a collective
-#: was well under 0.1 s, and the ranks' waits for one another in init_process_group up to ~1.5 s
-#: while 4 ranks import torch (such a record is removed once the rank moves on). 2 s sits above
-#: both and far below any collective timeout a job sets.
+#: How long a rank sits in one collective before its record is written. Measured
+#: (benchmarks/bench_record_after.py, results/record_after.json; 2 busy cores, gloo): a healthy
+#: DDP loop's ranks sit at most ~36 ms in one collective, and up to ~0.6 s in init_process_group
+#: waiting for the others (8 ranks). 2 s sits well above both and far below any collective
+#: timeout a job sets; a record written for a longer wait that then ends is removed.
 RECORD_AFTER = 2.0
 RECORD_AFTER_ENV = "DISTNB_RECORD_AFTER"
 #: While the wait goes on, the record is rewritten this often (its "since" stays; the stacks and
