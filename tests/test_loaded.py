@@ -90,8 +90,11 @@ t = torch.ones(4)
 if rank == 0:
     time.sleep(2.5)
 dist.all_reduce(t)
-time.sleep(2.0)
-print(f"writes={{rec.writes}} exists={{(out / 'records' / f'rank{{rank}}.json').exists()}}", flush=True)
+path = out / "records" / f"rank{{rank}}.json"
+deadline = time.monotonic() + 30  # written during the wait, removed 1 s after it ended (a write takes a while on a busy machine)
+while (path.exists() or rec.writes == 0) and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(f"writes={{rec.writes}} exists={{path.exists()}}", flush=True)
 
 
 def check(step):
@@ -202,10 +205,10 @@ def test_the_recorder_in_a_real_group(made: Path) -> None:
     job = distnb.load(made / "rec" / "records")
     rec = job.dumps.ranks[0].record
     assert rec is not None and rec["reason"] == "exception" and rec["argv"][0] == "recorded.py" and rec["backends"] == ["gloo"]
-    assert rec["exception"]["site"][:3] == [str(made / "recorded.py"), 24, "check"]
+    assert rec["exception"]["site"][:3] == [str(made / "recorded.py"), 27, "check"]
     verdict = job.diagnose()
     assert verdict.culprits == [0] and verdict.rule == "raised", verdict.text()
-    assert "rank 0 raised ValueError: bad batch at step 3" in verdict.text() and "recorded.py:24" in verdict.text()
+    assert "rank 0 raised ValueError: bad batch at step 3" in verdict.text() and "recorded.py:27" in verdict.text()
     # The Flight Recorder's own pickle beside each record, readable by torch's fr_trace's loader.
     from torch.distributed.flight_recorder.components.loader import read_dump
 
@@ -248,6 +251,18 @@ def test_the_excepthook_chains_and_the_output_does_not_change(tmp_path: Path) ->
         assert rec["exception"]["type"] == "KeyError" and rec["exception"]["site"][1:3] == [15, "step"]
         assert rec["collectives"] == {"unavailable": "the job had not imported torch"}
     assert not (tmp_path / "recorded" / "faulthandler_rank0.txt").exists()  # no fatal signal: no file left
+
+
+@pytest.mark.slow
+def test_a_forked_child_leaves_the_ranks_record_alone(tmp_path: Path) -> None:
+    code = ("import os, sys\nfrom pathlib import Path\nfrom distnb.worker.process.job_records import JobRecorder\n"
+            "JobRecorder(0, 1, Path(sys.argv[1])).install()\npid = os.fork()\nif pid == 0:\n    raise ValueError('the child')\n"
+            "os.waitpid(pid, 0)\nraise KeyError('the rank')\n")
+    (tmp_path / "forks.py").write_text(code)
+    (run,) = _run_all([([sys.executable, "forks.py", str(tmp_path / "rec")], _env())], tmp_path, 60)
+    assert "ValueError: the child" in run.stderr and "KeyError: 'the rank'" in run.stderr  # both printed as Python prints them
+    rec = json.loads((tmp_path / "rec" / "rank0.json").read_text())
+    assert rec["exception"]["type"] == "KeyError" and rec["pid"] != 0
 
 
 @pytest.mark.slow
@@ -353,9 +368,11 @@ def test_dist_load_and_the_read_only_magics(made: Path) -> None:
     assert text.startswith(f"loaded job {made.name}") or "loaded job" in text, text
     assert "rank 0 raised ValueError: bad batch at step 3" in text, text
     value, _, _ = shell.line("dist_stacks")
-    assert "recorded.py:24 in check" in repr(value), repr(value)
+    assert "recorded.py:27 in check" in repr(value), repr(value)
     value, _, _ = shell.line("dist_collectives")
     assert "all_reduce" in repr(value)
+    _, out, _ = shell.line("dist_timeline", "--no-plot")
+    assert "group 0" in out or "rank" in out, out
     value, _, _ = shell.line("dist_env")
     assert "environment of ranks 0,1" in repr(value) and "OMP_NUM_THREADS      1" in repr(value), repr(value)
     _, out, _ = shell.line("dist_status")

@@ -74,6 +74,9 @@ class JobRecorder:
         self._calls = calls
         self.after = after
         self.started = time.time()
+        # A process the rank forks (a DataLoader worker) inherits the hooks, not the rank's role:
+        # it writes no record and leaves the rank's faulthandler file alone.
+        self.pid = os.getpid()
         self.path = folder / f"rank{rank}.json"
         self.wait: dict[str, Any] | None = None  # the WaitRecord last written, while the wait goes on
         self.ended = False  # an exception ended the main thread, and was recorded
@@ -104,7 +107,15 @@ class JobRecorder:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._fault_file = open(self.folder / f"faulthandler_rank{self.rank}.txt", "w")
             faulthandler.enable(file=self._fault_file, all_threads=True)
+        os.register_at_fork(after_in_child=self._forked)
         threading.Thread(target=self._watch, name="distnb-records", daemon=True).start()
+
+    def _forked(self) -> None:
+        if self._fault_file is not None:
+            import faulthandler
+
+            faulthandler.disable()  # the child's crash is not the rank's death
+            self._fault_file = None
 
     def _say(self, what: str, exc: BaseException) -> None:
         if not self._failed:  # one line, once: the job comes first
@@ -114,13 +125,16 @@ class JobRecorder:
     # -- an exception ends the main thread -------------------------------------------------------
     def _excepthook(self, etype: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         try:
-            self.record_exception(etype, value, tb)
+            if os.getpid() == self.pid:
+                self.record_exception(etype, value, tb)
         except Exception as exc:
             self._say("write its record of the error", exc)
         finally:
             (self._previous_hook or sys.__excepthook__)(etype, value, tb)
 
     def _at_exit(self) -> None:
+        if os.getpid() != self.pid:
+            return
         value = getattr(sys, "last_value", None)
         if value is not None and not self.ended:  # the job replaced sys.excepthook: Python kept the error
             try:
@@ -154,11 +168,17 @@ class JobRecorder:
         same_since = time.time()
         looked = False  # the recorder was read once in this quiet spell
         forget_at: float | None = None
+        warm = False
         while not self.ended:
             time.sleep(POLL)
             try:
-                if "torch.distributed.distributed_c10d" not in sys.modules:
-                    continue  # nothing distributed yet; never import torch from here
+                c10d = sys.modules.get("torch.distributed.distributed_c10d")
+                if c10d is None or not hasattr(c10d, "is_initialized"):
+                    continue  # nothing distributed yet (or still importing); never import torch from here
+                if not warm:
+                    # What a write needs, imported now, once (an attachable rank's control thread
+                    # has most of it already): the first write must not spend the wait importing.
+                    warm = _warm_up()
                 now = time.time()
                 outer, names = _c10d_frame()
                 new_key = (id(outer), names, self._seq_snapshot(), self.calls.newest() if self.calls is not None else 0)
@@ -269,16 +289,20 @@ class JobRecorder:
             record["exception"] = exception
         if self._fault_file is not None:
             record["fault_file"] = os.path.basename(self._fault_file.name)
-        fr = self._write_fr(self.folder / f"{FR_PREFIX}{self.rank}") if torch_up else ""
+        # With the calls' Python frames only once the main thread has left its collective: torch
+        # symbolises them under a lock that a collective in progress holds (measured: a dump
+        # with frames waits for the collective to end; one without returns at once).
+        fr = self._write_fr(self.folder / f"{FR_PREFIX}{self.rank}", frames=reason != "waiting") if torch_up else ""
         if fr:
             record["fr_file"] = fr
         write_json_atomic(self.path, record)
         self.writes += 1
 
     @staticmethod
-    def _write_fr(path: Path) -> str:
-        """The Flight Recorder's own pickle (with the Python frames of each call), in the format
-        ``fr_trace`` reads: NCCL's recorder when the rank uses NCCL, else the one gloo writes."""
+    def _write_fr(path: Path, frames: bool) -> str:
+        """The Flight Recorder's own pickle (with the Python frames of each call when ``frames``),
+        in the format ``fr_trace`` reads: NCCL's recorder when the rank uses NCCL, else the one
+        gloo writes."""
         try:
             from torch._C import _distributed_c10d as c
 
@@ -288,7 +312,7 @@ class JobRecorder:
         dumper = getattr(c, "_dump_nccl_trace" if "nccl" in backends_in_use() else "_dump_fr_trace", None)
         if dumper is None:
             return ""
-        data = _named_default_group(dumper(includeCollectives=True, includeStackTraces=True, onlyActive=False))
+        data = _named_default_group(dumper(includeCollectives=True, includeStackTraces=frames, onlyActive=False))
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
@@ -326,6 +350,15 @@ def _c10d_frame() -> tuple[Any, str]:
             outer, name = frame, frame.f_code.co_name
         frame = frame.f_back
     return outer, name
+
+
+def _warm_up() -> bool:
+    import distnb.wire.job_dumps  # noqa: F401
+    import distnb.worker.process.control  # noqa: F401
+    import distnb.worker.recorders.memory_sampler  # noqa: F401
+    import distnb.worker.torch_hooks.flight_recorder  # noqa: F401
+
+    return True
 
 
 def _torch_version() -> str:
