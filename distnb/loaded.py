@@ -29,7 +29,7 @@ from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, short_path
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
-from distnb.analysis.verdicts.verdict import Certainty, Kind, Verdict
+from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Verdict, VerdictState
 from distnb.attached import look_into, stop_looking
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.dump_reader import JobDumps, RankDump, callstack_frames, read_job_dumps
@@ -321,7 +321,17 @@ class LoadedJob:
         if dumps_only:
             why.append(f"{format_ranks(dumps_only)} known by Flight Recorder dumps alone (no stacks)")
             marks = {r: dump_marks(_raw_marks(self._log.entries.get(r, {}))) for r in dumps_only}
-            for blame in seq_blame(marks, self._log.groups or None):
+            blames = seq_blame(marks, self._log.groups or None)
+            settled = not any(not e["done"] for r in dumps_only for e in self._log.entries.get(r, {}).values())
+            if blames and settled and len(dumps_only) == len(positions) and verdict.rule in ("disagree", "same_collective", "none"):
+                # Dumps alone, every entry completed (NCCL's abort completes them all): where the
+                # ranks "are" says nothing; how far each got on a group does.
+                b = blames[0]
+                verdict = Verdict(VerdictState.HANG, Kind.CALL_MISSING, b.text(), sorted(b.never), b.ahead, [],
+                                  Evidence("every member of a group reaches its n-th collective",
+                                           {r: f"last #{seq}" if seq is not None else "none" for r, seq in b.never.items()}, b.group, b.seq),
+                                  Certainty.LIKELY, "", positions=positions, rule="seq_blame")
+            for blame in blames:
                 verdict.details.append(f"  by sequence numbers: {blame.text()}")
         sites = sorted({short_path(p.file) + f":{p.line}" for p in positions if p.rank in verdict.culprits and p.file and p.line})
         if sites:

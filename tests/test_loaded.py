@@ -180,6 +180,23 @@ def test_real_flight_recorder_dumps_give_the_verdict(made: Path, kind: str) -> N
 
 
 @pytest.mark.slow
+def test_dumps_alone_with_every_entry_completed_blame_by_sequence_numbers(made: Path, tmp_path: Path) -> None:
+    """As NCCL's watchdog leaves them after its abort: every entry "completed", one rank a
+    collective short (the real gloo dumps, made NCCL's)."""
+    for r in (0, 1):
+        dump = pickle.loads((made / "pickle" / f"nccl_trace_rank_{r}").read_bytes())
+        dump["entries"] = dump["entries"][:2] if r == 0 else dump["entries"]
+        for e in dump["entries"]:
+            e["profiling_name"] = "nccl:" + e["profiling_name"].split(":")[-1]
+            e["state"] = "completed"
+        (tmp_path / f"nccl_trace_rank_{r}").write_bytes(pickle.dumps(dump))
+    verdict = distnb.load(tmp_path).diagnose()
+    assert verdict.rule == "seq_blame" and verdict.culprits == [0] and verdict.victims == [1], verdict.text()
+    assert "rank 0 never arrived at all_reduce #3 on group 0, which rank 1 issued (rank 0 last #2)" in verdict.text(), verdict.text()
+    assert verdict.certainty == distnb.Certainty.LIKELY and "known by Flight Recorder dumps alone" in verdict.text()
+
+
+@pytest.mark.slow
 def test_a_real_torchrun_error_file(made: Path) -> None:
     job = distnb.load(made / "logs")
     verdict = job.diagnose()
