@@ -195,9 +195,13 @@ class JobRecorder:
                     continue
                 if names:
                     what = names
-                elif not looked:  # quiet: is a recorder entry open (NCCL returned at enqueue)?
+                elif not looked or (self.wait is not None and now - self.wait["written"] >= REWRITE_EVERY):
+                    # Quiet: is a recorder entry open (NCCL returned at enqueue)? Asked once per
+                    # quiet spell, and again before each rewrite: it may have completed since.
                     looked = True
                     what = self._open_entry(now)
+                    if not what and self.wait is not None and forget_at is None:
+                        forget_at = now
                 else:
                     what = self.wait["what"] if self.wait is not None else ""
                 if what and (self.wait is None or now - self.wait["written"] >= REWRITE_EVERY):
