@@ -405,3 +405,24 @@ def test_dist_load_and_the_read_only_magics(made: Path) -> None:
     with pytest.raises(UsageError) as exc:
         shell.ip.run_line_magic("dist_load", str(made / "missing"))
     assert "does not exist" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_wrapper_names_the_records_and_leaves_no_empty_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from distnb.launching.attach_run import _forget_job, _say_records
+
+    records = tmp_path / "jobs" / "j" / "records"
+    records.mkdir(parents=True)
+    (records / "faulthandler_rank0.txt").write_text("")  # a rank killed before its exit removed it
+    env = {"DISTNB_JOBS_DIR": str(tmp_path / "jobs"), "DISTNB_JOB_ID": "j"}
+    _say_records(env)
+    assert not records.exists() and capsys.readouterr().err == ""
+    records.mkdir()
+    (records / "rank2.json").write_text("{}")
+    (records / "rank0.json").write_text("{}")
+    _say_records(env)
+    err = capsys.readouterr().err
+    assert err == f"distnb: ranks 0,2 left records in {records}: %dist_load {records} in a notebook (distnb.load({str(records)!r})) explains how it ended.\n"
+    monkeypatch.setenv("DISTNB_JOBS_DIR", str(tmp_path / "jobs"))
+    _forget_job("j")  # the job's folder goes only when empty: its records stay
+    assert (records / "rank0.json").exists()

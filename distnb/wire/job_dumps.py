@@ -97,7 +97,8 @@ def records_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     if env.get(RECORDS_ENV):
         return Path(env[RECORDS_ENV])
-    return jobs_root() / job_id_from_env(dict(env)) / "records"
+    root = Path(env["DISTNB_JOBS_DIR"]) if env.get("DISTNB_JOBS_DIR") else jobs_root()  # the environment given, not only ours
+    return root / job_id_from_env(dict(env)) / "records"
 
 
 def record_name(rank: int) -> str:
