@@ -1,6 +1,7 @@
 """What an attachable job costs while healthy (issue 40): a small DDP loop's step time, run plain
-and made attachable (``python -m distnb run``), and attachable with a notebook attached and asking
-for stacks and collectives once a second — the three interleaved, so the machine's drift falls on
+and made attachable (``python -m distnb run``, with and without the records a dead or hung job
+leaves), and attachable with a notebook attached and asking for stacks and collectives once a
+second — the four interleaved, so the machine's drift falls on
 each alike. Reports medians; asserts nothing.
 
     python benchmarks/bench_attach.py [--nproc 2] [--steps 300] [--rounds 3] [--out FILE]
@@ -48,11 +49,13 @@ dist.destroy_process_group()
 
 
 def run_job(mode: str, nproc: int, steps: int, folder: Path) -> float:
-    """One job's median step time (s), rank 0's, in ``mode``: plain, attachable or attached."""
+    """One job's median step time (s), rank 0's, in ``mode``: plain, attachable (with the records a
+    dead or hung job leaves, ``worker/process/job_records.py``), attachable without those records
+    (``no_records``: what the recorder itself costs) or attached."""
     out = folder / f"{mode}-{uuid.uuid4().hex[:6]}.json"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(folder / "loop.py"), str(steps), str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-           "DISTNB_JOBS_DIR": str(folder / "jobs"), "OMP_NUM_THREADS": "1"}
+           "DISTNB_JOBS_DIR": str(folder / "jobs"), "OMP_NUM_THREADS": "1", "DISTNB_RECORDS": "0" if mode == "no_records" else "1"}
     job_id = f"bench-{uuid.uuid4().hex[:6]}"
     cmd = torchrun if mode == "plain" else [sys.executable, "-m", "distnb", "run", "--job-id", job_id, "--", *torchrun]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -90,13 +93,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
-    modes = ("plain", "attachable", "attached")
+    modes = ("plain", "attachable", "no_records", "attached")
     got: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "loop.py").write_text(LOOP)
         for i in range(args.rounds):
-            for mode in modes[i % 3:] + modes[: i % 3]:  # a different one first each round
+            for mode in modes[i % len(modes):] + modes[: i % len(modes)]:  # a different one first each round
                 got[mode].append(run_job(mode, args.nproc, args.steps, folder))
                 print(f"round {i + 1} {mode:<10} median step {got[mode][-1] * 1e3:.3f} ms", flush=True)
     base = statistics.median(got["plain"])

@@ -28,6 +28,7 @@ _PUBLIC = {
     "CellEvents": "distnb.results", "Pool": "distnb.pool", "PoolState": "distnb.states", "current_pool": "distnb.pools", "live_pools": "distnb.pools",
     "launch": "distnb.pool",
     "attach": "distnb.attached", "detach": "distnb.attached", "AttachedJob": "distnb.attached", "AttachError": "distnb.errors",
+    "load": "distnb.loaded", "LoadedJob": "distnb.loaded", "LoadError": "distnb.errors",
     "CellResult": "distnb.results", "PoolStatus": "distnb.status", "RankResult": "distnb.results",
     "RankState": "distnb.states", "RankStatus": "distnb.status",
     "checksum": "distnb.worker.recorders.checksum",
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
         CellFailed,
         DistnbError,
         LaunchError,
+        LoadError,
         NoAnswerError,
         NoCellError,
         NoPoolError,
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
         RemoteError,
         ShutdownError,
     )
+    from distnb.loaded import LoadedJob, load
     from distnb.pool import Pool, launch
     from distnb.pools import current_pool, live_pools
     from distnb.results import CellEvents, CellResult, RankResult
@@ -88,6 +91,8 @@ __all__ = [
     "Kind",
     "LaunchConfig",
     "LaunchError",
+    "LoadError",
+    "LoadedJob",
     "NoAnswerError",
     "NoCellError",
     "NoPoolError",
@@ -111,18 +116,19 @@ __all__ = [
     "detach",
     "launch",
     "live_pools",
+    "load",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
 
 
 def load_ipython_extension(ipython: object) -> None:
-    from distnb.magics import load
+    from distnb.magics import load_magics
 
-    load(ipython)
+    load_magics(ipython)
 
 
 def unload_ipython_extension(ipython: object) -> None:
-    from distnb.magics import unload
+    from distnb.magics import unload_magics
 
-    unload(ipython)
+    unload_magics(ipython)

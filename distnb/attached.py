@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence, cast
+from typing import Any, Protocol, Sequence, cast
 
 from distnb import _processes
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
@@ -34,17 +34,38 @@ from distnb.results import CellResult, RankResult
 from distnb.services.diagnostics import REREAD_AFTER
 from distnb.services.native_stacks import py_spy_dumps
 from distnb.services.positions import position_of, unsettled
-from distnb.services.reproduce import JobFacts, Reproduced, script_path, script_site, write_reproduction
+from distnb.services.reproduce import JobFacts, Reproduced, job_facts, write_reproduction
 from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CollectivesRead
 
-__all__ = ["AttachStatus", "AttachedJob", "attach", "current_attached", "detach"]
+__all__ = ["AttachStatus", "AttachedJob", "JobView", "attach", "current_attached", "current_job", "detach", "look_into", "stop_looking"]
 
 #: How long each rank has to answer the first request of an attach, and every later one.
 JOB_ANSWER_TIMEOUT = 2.0
 
-_current: list[AttachedJob] = []
+
+class JobView(Protocol):
+    """A job the read-only views look into instead of a pool: one attached (:class:`AttachedJob`)
+    or one loaded from the records it left (:class:`distnb.loaded.LoadedJob`)."""
+
+    job: str
+
+    def describe(self) -> str:
+        """``attached to job X`` · ``looking into the records of job X``: for the magics' words."""
+        ...
+
+    def detach(self) -> None:
+        """Leave the job (the job itself is not changed)."""
+        ...
+
+    def reproduce(self, path: str | None = None) -> Reproduced:
+        """Write the notebook that stands in for the job (``%dist_reproduce``)."""
+        ...
+
+
+#: The job the notebook looks into, if any (one at a time: attaching or loading leaves the last).
+_current: list[JobView] = []
 
 
 @dataclass
@@ -236,24 +257,18 @@ class AttachedJob:
     def facts(self) -> JobFacts:
         """What a notebook needs to stand in for the job (``reproduce``): its command line and folder
         (from the discovery files), its settings (rank 0's NCCL/torch variables), and where the
-        diagnosis puts the failure: the culprit's line in the script, else any rank's."""
+        diagnosis puts the failure (services/reproduce.py's ``job_facts``)."""
         first = self.files.ranks[min(self.files.ranks)] if self.files.ranks else None
         if first is None or not first.argv:
             raise AttachError(f"job {self.job}'s discovery files carry no command line (written by an older distnb); "
                               "start the job again with this distnb's python -m distnb run.")
+        stacks = self.stacks()
+        env = self.env().env
         try:
-            script = script_path(first.argv, first.cwd)
+            return job_facts(self.job, self.world_size, first.argv, first.cwd, "auto", env.get(min(env), {}) if env else {}, stacks,
+                             self._diagnose(self.hang_after, stacks))
         except ValueError as exc:
             raise AttachError(str(exc)) from None
-        stacks = self.stacks()
-        verdict = self._diagnose(self.hang_after, stacks)
-        order = [*verdict.culprits, *(r for r in sorted(self.files.ranks) if r not in verdict.culprits)]
-        env = self.env().env
-        # A live job that fails by raising ends; one that is still here and judged a problem hangs.
-        # No problem found: no line is "the failing one" (the notebook keeps every cell, untagged).
-        site = script_site(stacks, order, script) if verdict.is_problem else None
-        return JobFacts(self.world_size, first.argv, first.cwd, "auto", env.get(min(env), {}) if env else {},
-                        site, verdict.summary if verdict.is_problem else "", verdict.is_problem, self.job)
 
     def reproduce(self, path: str | None = None) -> Reproduced:
         """Write a notebook that stands in for the job: a pool of its world size running its script
@@ -269,8 +284,7 @@ class AttachedJob:
         if self._link is not None:
             self._link.close()
             self._link = None
-        if self in _current:
-            _current.remove(self)
+        stop_looking(self)
 
     def __enter__(self) -> AttachedJob:
         return self
@@ -280,6 +294,9 @@ class AttachedJob:
 
     def __repr__(self) -> str:
         return f"<AttachedJob {self.job}: {self.world_size} ranks, {'attached' if self.attached else 'detached'}>"
+
+    def describe(self) -> str:
+        return f"attached to job {self.job}"
 
 
 def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT, hosts: Sequence[str] | str | None = None,
@@ -322,10 +339,26 @@ def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT, hosts: S
         raise AttachError(f"no rank of job {files.job} answered within {timeout:g} s (pids "
                           f"{', '.join(str(e.pid) for e in files.ranks.values())}): their control threads are not serving; "
                           "was the job started with python -m distnb run (or DISTNB_ATTACH=1)?")
+    look_into(attached)
+    return attached
+
+
+def look_into(job: JobView) -> None:
+    """From now, the read-only views look into ``job``; the job looked into before is left."""
     for old in list(_current):
         old.detach()
-    _current.append(attached)
-    return attached
+    _current.append(job)
+
+
+def stop_looking(job: JobView) -> None:
+    """``job`` is no longer the one the views look into (its ``detach`` calls this)."""
+    if job in _current:
+        _current.remove(job)
+
+
+def current_job() -> JobView | None:
+    """The job the read-only views look into (attached or loaded), if any."""
+    return _current[-1] if _current else None
 
 
 def _listings(hosts: Sequence[str] | str | None, slurm: bool) -> tuple[list[JobFiles], dict[str, str]]:
@@ -342,12 +375,13 @@ def _listings(hosts: Sequence[str] | str | None, slurm: bool) -> tuple[list[JobF
 
 def current_attached() -> AttachedJob | None:
     """The job the notebook is attached to, if any."""
-    return _current[-1] if _current else None
+    job = current_job()
+    return job if isinstance(job, AttachedJob) else None
 
 
 def detach() -> bool:
-    """Detach from the current job; False when none was attached."""
-    job = current_attached()
+    """Detach from (or leave) the current job; False when there was none."""
+    job = current_job()
     if job is None:
         return False
     job.detach()

@@ -18,6 +18,7 @@ __all__ = [
     "CellFailed",
     "DistnbError",
     "LaunchError",
+    "LoadError",
     "NoAnswerError",
     "NoCellError",
     "NoPoolError",
@@ -39,6 +40,11 @@ class NoPoolError(DistnbError):
 class AttachError(DistnbError):
     """An attach (``%dist_attach``, ``distnb.attach``) failed or an attached job was asked what it
     can't do; the message says what to do. Nothing in the job was changed."""
+
+
+class LoadError(DistnbError):
+    """``%dist_load`` / ``distnb.load`` found nothing it could read; the message says what it
+    looked for and what to do."""
 
 
 class NoCellError(DistnbError):

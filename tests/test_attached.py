@@ -226,8 +226,8 @@ def test_the_magics_say_it_in_one_line(jobs: Path) -> None:
     with pytest.raises(UsageError, match="no attachable job 'nope'"):
         shell.ip.run_line_magic("dist_attach", "nope")
     _, out, _ = shell.line("dist_detach")
-    assert out == "not attached to any job (%dist_attach attaches to one).\n"
-    with pytest.raises(UsageError, match=r"not attached to any job: %dist_attach to a job first"):
+    assert out == "not attached to any job (%dist_attach attaches to one; %dist_load reads the records of one that ended).\n"
+    with pytest.raises(UsageError, match=r"no job to reproduce: %dist_attach to a running job, or %dist_load the records of one that ended"):
         shell.ip.run_line_magic("dist_reproduce", "")
 
 

@@ -22,7 +22,8 @@ LAYERS: list[set[str]] = [
     {"launching"},  # torchrun, addresses, node agents and how they start
     {"controller"},  # the controller's live state
     {"services"},  # built from the controller's parts, never from the Pool
-    {"pool", "pool_views", "pools", "attached"},  # the public face (its read-only views a base of its own), the registry of live pools, an attached job
+    # the public face (its read-only views a base of its own), the registry of live pools, an attached or loaded job
+    {"pool", "pool_views", "pools", "attached", "loaded"},
     {"display"},
     {"magics", "__main__", "__init__", "node"},
 ]
@@ -32,7 +33,7 @@ WORKER_MAY_IMPORT = {"wire", "_text", "_processes"}
 #: The wire is the bottom of both sides: it may import only these.
 WIRE_MAY_IMPORT = {"_text"}
 #: The root keeps the public face and a few shared helpers, no more.
-ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "attached", "cell_names",
+ROOT_MODULES = {"__init__", "__main__", "_processes", "_text", "attached", "cell_names", "loaded",
                 "config", "errors", "node", "pool", "pool_views", "pools", "ranks", "results", "states",
                 "status"}
 
@@ -200,9 +201,10 @@ def test_public_surface_is_pinned_and_loads() -> None:
     assert distnb.__all__ == [
         "AttachError", "AttachedJob",
         "CellEvents", "CellFailed", "CellResult", "Certainty", "Debugger", "DistnbError", "Evidence", "Kind", "LaunchConfig", "LaunchError",
+        "LoadError", "LoadedJob",
         "NoAnswerError", "NoCellError", "NoPoolError", "Pool", "PoolBrokenError", "PoolBusyError", "PoolState", "PoolStatus", "Prompt",
         "RankResult", "RankState", "RankStatus", "RemoteError", "ShutdownError", "Site", "Verdict", "VerdictState", "attach", "checksum",
-        "current_pool", "detach", "launch", "live_pools",
+        "current_pool", "detach", "launch", "live_pools", "load",
         "load_ipython_extension", "unload_ipython_extension",
     ]
     for name in distnb.__all__:

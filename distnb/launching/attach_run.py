@@ -121,12 +121,39 @@ def run(command: list[str], job_id: str | None = None) -> int:
         return 128 - rc if rc < 0 else rc
     finally:
         shutil.rmtree(site, ignore_errors=True)
+        _say_records(env)
         _forget_job(env["DISTNB_JOB_ID"])
+
+
+def _say_records(env: dict[str, str]) -> None:
+    """At the job's end: one line naming the records its ranks left (``%dist_load``), if any; an
+    empty records folder (faulthandler files of ranks that met no fatal signal) is removed."""
+    from distnb.wire.job_dumps import FAULT_PREFIX, records_dir
+
+    folder = records_dir(env)
+    try:
+        for f in folder.glob(f"{FAULT_PREFIX}*.txt"):
+            if f.stat().st_size == 0:  # a rank killed before its exit could remove it
+                f.unlink(missing_ok=True)
+        left = sorted(p.name for p in folder.iterdir())
+    except OSError:
+        return
+    if not left:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+        return
+    ranks = sorted({int(n[4:-5]) for n in left if n.startswith("rank") and n.endswith(".json") and n[4:-5].isdigit()})
+    who = f"ranks {','.join(map(str, ranks))} left records" if ranks else "the job left records"
+    print(f"distnb: {who} in {folder}: %dist_load {folder} in a notebook (distnb.load({str(folder)!r})) explains how it ended.",
+          file=sys.stderr, flush=True)
 
 
 def _forget_job(job_id: str) -> None:
     """Once the command ended: its ranks' discovery files whose processes are gone (a rank killed
-    never removed its own), and the job's folder when nothing is left in it."""
+    never removed its own), and the job's folder when nothing is left in it — never its records
+    folder (``%dist_load`` reads it; the folder then stays)."""
     from distnb.wire.discovery import jobs_root, list_jobs
 
     for files in list_jobs():

@@ -1,16 +1,17 @@
-"""IPython magics, thin over the public Python API: ``%load_ext distnb`` calls :func:`load`."""
+"""IPython magics, thin over the public Python API: ``%load_ext distnb`` calls :func:`load_magics`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["load", "unload"]
+__all__ = ["load_magics", "unload_magics"]
 
 
-def load(ipython: Any) -> None:
+def load_magics(ipython: Any) -> None:
     from distnb.display.html import register
     from distnb.magics.attaching import AttachMagics
     from distnb.magics.inspecting import InspectMagics
+    from distnb.magics.loading import LoadMagics
     from distnb.magics.numerics import NumericsMagics
     from distnb.magics.running import DistMagics
 
@@ -18,13 +19,14 @@ def load(ipython: Any) -> None:
     ipython.register_magics(InspectMagics)
     ipython.register_magics(NumericsMagics)
     ipython.register_magics(AttachMagics)
+    ipython.register_magics(LoadMagics)
     register(ipython)
     from distnb.magics.panel import install
 
     install(ipython)  # JupyterLab's debugger panel reaches the ranks (a no-op outside ipykernel)
 
 
-def unload(ipython: Any) -> None:
+def unload_magics(ipython: Any) -> None:
     """``%unload_ext distnb`` / ``%reload_ext distnb``: no pool of this kernel outlives the extension."""
     from distnb.pools import live_pools
     from distnb.states import PoolState

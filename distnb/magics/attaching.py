@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.attached import JOB_ANSWER_TIMEOUT, attach, current_attached
+from distnb.attached import JOB_ANSWER_TIMEOUT, AttachedJob, attach, current_job
 from distnb.magics.support import parse, usage_errors
 
 __all__ = ["AttachMagics"]
@@ -42,18 +42,22 @@ class AttachMagics(Magics):
         """Write a notebook that stands in for the attached job: a pool of its world size with its settings,
         its script cut into cells, the call where it fails alone in the last one; then cut it down with %dist_minimize."""
         args = parse(self.dist_reproduce, line)
-        job = current_attached()
+        job = current_job()
         if job is None:
-            raise UsageError("not attached to any job: %dist_attach to a job first (python -m distnb run -- torchrun … starts one attachable).")
+            raise UsageError("no job to reproduce: %dist_attach to a running job, or %dist_load the records of one that ended "
+                             "(python -m distnb run -- torchrun … starts one whose ranks can be attached and leave records).")
         with usage_errors():
             return job.reproduce(args.path)
 
     @line_magic
     def dist_detach(self, line: str) -> None:
-        """Detach from the attached job; the job runs on, unchanged."""
-        job = current_attached()
+        """Detach from the attached job (it runs on, unchanged), or leave the job %dist_load loaded."""
+        job = current_job()
         if job is None:
-            print("not attached to any job (%dist_attach attaches to one).")
+            print("not attached to any job (%dist_attach attaches to one; %dist_load reads the records of one that ended).")
             return
         job.detach()
-        print(f"detached from job {job.job}; it runs on as it was.")
+        if isinstance(job, AttachedJob):
+            print(f"detached from job {job.job}; it runs on as it was.")
+        else:
+            print(f"left the loaded job {job.job}; its files stay as they were.")

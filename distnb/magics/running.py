@@ -12,13 +12,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.attached import AttachedJob, current_attached
+from distnb.attached import AttachedJob, current_job
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.display.cell_display import CellDisplay
 from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import widgets_available
 from distnb.errors import CellFailed, NoPoolError
+from distnb.loaded import LoadedJob
 from distnb.magics.panel import cell_source
 from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed, views_or_usage_error
 from distnb.magics.support import parse as _parse
@@ -191,9 +192,9 @@ class DistMagics(Magics):
                 f"a pool of {pool.world_size} ranks is already {pool.state.value}; "
                 "use %dist_restart for fresh ranks or %dist_shutdown before launching another."
             )
-        attached = current_attached()
+        attached = current_job()
         if attached is not None:
-            raise UsageError(f"this notebook is attached to job {attached.job} (read-only); %dist_detach first, then launch a pool.")
+            raise UsageError(f"this notebook is {attached.describe()} (read-only); %dist_detach first, then launch a pool.")
         options: dict[str, Any] = {"nproc": args.nproc, "backend": args.backend, "env": _env_pairs(args.env), "debug": tuple(args.debug or ())}
         for name in ("pg_timeout", "start_timeout", "hang_after", "nnodes", "rdzv_endpoint", "bind", "key_file", "node_python"):
             if getattr(args, name) is not None:
@@ -320,7 +321,7 @@ class DistMagics(Magics):
         from IPython.display import display
 
         target = views_or_usage_error()
-        if isinstance(target, AttachedJob):
+        if isinstance(target, (AttachedJob, LoadedJob)):
             display(target.status())
             return
         status = target.status()

@@ -14,8 +14,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
 from distnb.analysis.reports.memory import figure_png
-from distnb.attached import AttachedJob, current_attached
+from distnb.attached import AttachedJob, current_job
 from distnb.errors import CellFailed, DistnbError
+from distnb.loaded import LoadedJob
 from distnb.pool import Pool
 from distnb.pools import current_pool
 
@@ -108,21 +109,23 @@ def show_checks(reports: list[Any]) -> None:
 
 
 def pool_or_usage_error() -> Pool:
-    """The pool the magics act on, or a UsageError saying how to start one (or, attached to a job,
-    that it is read-only)."""
-    job = current_attached()
+    """The pool the magics act on, or a UsageError saying how to start one (or, attached to a job
+    or looking into a loaded one, that it is read-only)."""
+    job = current_job()
     if job is not None:
-        raise UsageError(f"this notebook is attached to job {job.job}, read-only: it runs no cells and is not changed from "
+        raise UsageError(f"this notebook is {job.describe()}, read-only: it runs no cells and is not changed from "
                          "here (%dist_status, %dist_stacks, %dist_collectives, %dist_timeline, %dist_memory and %dist_env look into it); "
                          "%dist_detach first to use a pool.")
     with usage_errors():
         return current_pool()
 
 
-def views_or_usage_error() -> Pool | AttachedJob:
-    """What the read-only views look into: the attached job when there is one, else the pool."""
-    job = current_attached()
-    return job if job is not None else pool_or_usage_error()
+def views_or_usage_error() -> Pool | AttachedJob | LoadedJob:
+    """What the read-only views look into: the job attached or loaded when there is one, else the pool."""
+    job = current_job()
+    if isinstance(job, (AttachedJob, LoadedJob)):
+        return job
+    return pool_or_usage_error()
 
 
 def keep_going(flag: bool) -> bool:

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Mapping
 
 from distnb.analysis.verdicts.stacks import StackReport
+from distnb.analysis.verdicts.verdict import Kind, Verdict
 from distnb.config import LaunchConfig
 from distnb.services.export import launch_line
 from distnb.services.script_cells import ScriptCells, split_script
 
-__all__ = ["HUNG_CELL_TIMEOUT", "JobFacts", "Reproduced", "job_env", "script_path", "script_site", "write_reproduction"]
+__all__ = ["HUNG_CELL_TIMEOUT", "JobFacts", "Reproduced", "job_env", "job_facts", "script_path", "script_site", "write_reproduction"]
 
 #: How long the notebook's failing cell may run when the job hung there: long enough for the
 #: pool's hang diagnosis (3 s by default) to settle, short enough for Run All to end.
@@ -108,6 +109,20 @@ def script_site(stacks: StackReport, ranks: list[int], script: Path) -> int | No
             if _same_file(frame.filename, script):
                 return frame.lineno
     return None
+
+
+def job_facts(job: str, world_size: int, argv: tuple[str, ...], cwd: str, backend: str, env: Mapping[str, str], stacks: StackReport,
+              verdict: Verdict) -> JobFacts:
+    """An attached or loaded job's facts for :func:`write_reproduction`: the failing line is the
+    culprits' innermost frame in the script (else any rank's), and only when the diagnosis found a
+    problem (else every cell is kept, none tagged); a job that did not fail by an error or a death
+    hung there. ValueError (in words) when the job has no script file here."""
+    script = script_path(argv, cwd)
+    order = [*verdict.culprits, *(rs.rank for rs in stacks.ranks if rs.rank not in verdict.culprits)]
+    site = script_site(stacks, order, script) if verdict.is_problem else None
+    hung = verdict.is_problem and verdict.kind not in (Kind.RAISED, Kind.DIED)
+    return JobFacts(world_size, argv, cwd, backend if backend in ("gloo", "nccl") else "auto", env, site,
+                    verdict.summary if verdict.is_problem else "", hung, job)
 
 
 def _same_file(name: str, script: Path) -> bool:

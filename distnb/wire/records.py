@@ -69,6 +69,7 @@ class CollectiveEntry(TypedDict, total=False):
     call_cell: int | None  # the cell its Python call came from, with ``line`` and ``func``
     line: int | None
     func: str
+    file: str  # the script its call came from, for a job's own program (read from a Flight Recorder dump's frames)
     args: dict[str, Any]  # the arguments of the call that created it (``CallRecord.args``)
     peer: int  # point-to-point reconstructed from a call: the other rank
 

@@ -24,6 +24,8 @@ import sys
 import threading
 from typing import Any, Mapping
 
+from distnb.worker.process.job_records import RECORD_AFTER, RECORD_AFTER_ENV, RECORDS_SWITCH, JobRecorder
+
 __all__ = ["ATTACH_ENV", "STARTED_ENV", "maybe_start", "serve"]
 
 #: The switch: set to 1 in a job's environment, its ranks become attachable.
@@ -60,6 +62,15 @@ def maybe_start() -> bool:
     except Exception as exc:  # the job comes first
         print(f"distnb: this rank is not attachable: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return False
+    try:
+        if env.get(RECORDS_SWITCH, "1") != "0":
+            # What the rank leaves when it dies or hangs, for %dist_load (worker/process/job_records.py).
+            from distnb.wire.job_dumps import records_dir
+
+            JobRecorder(int(env["RANK"]), int(env["WORLD_SIZE"]), records_dir(env), _call_log,
+                        float(env.get(RECORD_AFTER_ENV) or RECORD_AFTER)).install()
+    except Exception as exc:  # the job comes first
+        print(f"distnb: this rank leaves no records: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     return True
 
 

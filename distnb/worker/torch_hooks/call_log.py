@@ -203,6 +203,15 @@ class CallLog:
         self._poll_works()
         return [r.copy() for r in list(self._records) if r["n"] > n or r["end"] is None]
 
+    def newest(self) -> int:
+        """The number of the newest call recorded (0: none): a cheap "did a call start?" for a
+        watcher on another thread (``worker/process/job_records.py``)."""
+        records = self._records
+        try:
+            return records[-1]["n"] if records else 0
+        except IndexError:  # emptied between the two reads (a reset)
+            return 0
+
     def open_p2p(self) -> list[CallRecord]:
         """The point-to-point calls not completed (a blocking send/recv in progress, an
         isend/irecv whose work has not completed): what a main thread stuck in ``work.wait()``
