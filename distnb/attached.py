@@ -70,7 +70,8 @@ _current: list[JobView] = []
 
 @dataclass
 class AttachStatus:
-    """What ``%dist_status`` shows for an attached job: a line per rank and the diagnosis."""
+    """What ``%dist_status`` shows for an attached job (and, with its own heading, a loaded one,
+    ``distnb.loaded.LoadStatus``): a line per rank, the notes and the diagnosis."""
 
     job: str
     world_size: int
@@ -78,8 +79,11 @@ class AttachStatus:
     verdict: str = ""
     notes: list[str] = field(default_factory=list)
 
+    def heading(self) -> str:
+        return f"attached to job {self.job} (read-only): {self.world_size} ranks"
+
     def text(self) -> str:
-        lines = [f"attached to job {self.job} (read-only): {self.world_size} ranks"]
+        lines = [self.heading()]
         lines += [f"  rank {r}: pid {pid if pid is not None else '?'}, {state}" for r, pid, state in self.rows]
         lines += [f"  {n}" for n in self.notes]
         if self.verdict:

@@ -30,7 +30,7 @@ from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, short_path
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Verdict, VerdictState
-from distnb.attached import look_into, stop_looking
+from distnb.attached import AttachStatus, look_into, stop_looking
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.dump_reader import JobDumps, RankDump, callstack_frames, read_job_dumps
 from distnb.errors import LoadError
@@ -62,30 +62,14 @@ class JobLaunch:
     site: tuple[str, int] | None  # (file, line) of the failing call in the user's script, when known
 
 
-@dataclass
-class LoadStatus:
-    """What ``%dist_status`` shows for a loaded job: a line per rank, the notes and the diagnosis."""
+@dataclass(repr=False)  # the text is its repr, as AttachStatus's
+class LoadStatus(AttachStatus):
+    """What ``%dist_status`` shows for a loaded job: a line per rank (how it ended), the notes and the diagnosis."""
 
-    job: str
-    folders: list[str]
-    world_size: int
-    rows: list[tuple[int, int | None, str]]  # rank, pid, how it ended in words
-    verdict: str = ""
-    notes: list[str] = field(default_factory=list)
+    folders: list[str] = field(default_factory=list)
 
-    def text(self) -> str:
-        lines = [f"loaded job {self.job} from {', '.join(self.folders)} (read-only): {self.world_size} ranks"]
-        lines += [f"  rank {r}: pid {pid if pid is not None else '?'}, {words}" for r, pid, words in self.rows]
-        lines += [f"  {n}" for n in self.notes]
-        if self.verdict:
-            lines.append(self.verdict)
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text())
+    def heading(self) -> str:
+        return f"loaded job {self.job} from {', '.join(self.folders)} (read-only): {self.world_size} ranks"
 
 
 class _FrozenLog(CollectiveLog):
@@ -366,7 +350,7 @@ class LoadedJob:
             pid = int(rd.record["pid"]) if rd is not None and rd.record is not None else None
             rows.append((rs.rank, pid, rs.state + (f" — {rs.annotation_text}" if rs.annotation else "")))
         verdict = self.diagnose().text() if with_diagnosis and any(s.state != "none" for s in self.seen.values()) else ""
-        return LoadStatus(self.job, self.folders, self.world_size, rows, verdict, list(self.dumps.notes))
+        return LoadStatus(self.job, self.world_size, rows, verdict, list(self.dumps.notes), folders=list(self.folders))
 
     # -- leaving ---------------------------------------------------------------------------------
     def describe(self) -> str:
