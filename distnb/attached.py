@@ -23,7 +23,7 @@ from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.reports.memory import MemoryReport
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire
-from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
+from distnb.analysis.verdicts.stragglers import StragglerReport, stragglers_of
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.config import LaunchConfig
 from distnb.controller.attach_link import AttachLink
@@ -206,14 +206,7 @@ class AttachedJob:
 
     def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
         """Who arrives last at the recent collectives of ``group`` (``%dist_timeline``)."""
-        if last < 1:
-            raise ValueError(f"last must be a positive count of collectives, not {last}; e.g. last=200.")
-        report = self.collectives(ranks)
-        if group not in report.group_names():
-            known = ", ".join(report.group_names()) or "none yet"
-            raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); pick one of those.")
-        members = report.members(group) if group in report.log.groups else report.ranks
-        return StragglerReport(group, members, arrivals(report.log, group, members, last), report.label(group))
+        return stragglers_of(self.collectives(ranks), group, last)
 
     def diagnose(self, hang_after: float | None = None) -> Verdict:
         """Is the job hung, and why? The pool's rules over the job's stacks and collective logs;

@@ -28,7 +28,7 @@ from distnb.analysis.verdicts.failures import cut_message
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, short_path
-from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals
+from distnb.analysis.verdicts.stragglers import StragglerReport, stragglers_of
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Verdict, VerdictState
 from distnb.attached import AttachStatus, look_into, stop_looking
 from distnb.controller.collective_log import CollectiveLog
@@ -249,14 +249,7 @@ class LoadedJob:
 
     def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
         """Who arrived last at the recorded collectives of ``group`` (``%dist_timeline``)."""
-        if last < 1:
-            raise ValueError(f"last must be a positive count of collectives, not {last}; e.g. last=200.")
-        report = self.collectives(ranks)
-        if group not in report.group_names():
-            known = ", ".join(report.group_names()) or "none recorded"
-            raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); pick one of those.")
-        members = report.members(group) if group in report.log.groups else report.ranks
-        return StragglerReport(group, members, arrivals(report.log, group, members, last), report.label(group))
+        return stragglers_of(self.collectives(ranks), group, last)
 
     # -- the diagnosis ---------------------------------------------------------------------------
     def positions(self) -> list[Position]:

@@ -30,7 +30,7 @@ from distnb.analysis.verdicts.failures import is_timeout
 from distnb.analysis.verdicts.paths import first_difference
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
-from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, straggler_window
+from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, straggler_window, stragglers_of
 from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
@@ -289,15 +289,7 @@ class Diagnostics:
     def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
         """Who arrives last at the recent collectives of ``group``: per rank, the share of
         collectives it was last at, how late, and the share of time the others waited."""
-        if last < 1:
-            raise ValueError(f"last must be a positive count of collectives, not {last}; e.g. last=200.")
-        report = self.collectives(ranks)
-        members = report.members(group) if group in report.log.groups else report.ranks
-        if group not in report.group_names():
-            known = ", ".join(report.group_names()) or "none yet"
-            raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); run some first, "
-                             "or pick one of those.")
-        return StragglerReport(group, members, arrivals(report.log, group, members, last), report.label(group))
+        return stragglers_of(self.collectives(ranks), group, last)
 
     def death_note(self, result: CellResult) -> str:
         """For a cell in which a rank died inside a collective whose ranks disagree: the odd rank

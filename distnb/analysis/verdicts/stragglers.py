@@ -16,10 +16,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.evidence import CollectiveEvidence
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
 
-__all__ = ["Arrival", "StragglerReport", "arrivals", "STRAGGLER_CHANCE", "STRAGGLER_MIN_COLLECTIVES", "STRAGGLER_MIN_LATE",
+__all__ = ["Arrival", "StragglerReport", "arrivals", "stragglers_of", "STRAGGLER_CHANCE", "STRAGGLER_MIN_COLLECTIVES", "STRAGGLER_MIN_LATE",
            "STRAGGLER_NOISE_FACTOR", "STRAGGLER_SHARE",
            "STRAGGLER_STEP_SHARE", "straggler_window"]
 
@@ -296,3 +297,17 @@ class StragglerReport:
             ax.legend(loc="best", fontsize="small", ncol=2)
         fig.tight_layout()
         return fig
+
+
+def stragglers_of(report: CollectiveReport, group: str, last: int) -> StragglerReport:
+    """``%dist_timeline`` over a pool's, an attached job's or a loaded job's collectives: who arrives
+    last at the recent ``last`` collectives of ``group``. ValueError (in words) for a bad count or a
+    group with no collective recorded."""
+    if last < 1:
+        raise ValueError(f"last must be a positive count of collectives, not {last}; e.g. last=200.")
+    if group not in report.group_names():
+        known = ", ".join(report.group_names()) or "none yet"
+        raise ValueError(f"no collective recorded on group {group!r} (groups with collectives: {known}); run some first, "
+                         "or pick one of those.")
+    members = report.members(group) if group in report.log.groups else report.ranks
+    return StragglerReport(group, members, arrivals(report.log, group, members, last), report.label(group))
