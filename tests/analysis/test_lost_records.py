@@ -114,21 +114,28 @@ SUBGROUP_SOURCE = ("lo = dist.new_group([0, 1])\nhi = dist.new_group([2, 3])\nmi
                    "for it in range(2):\n    dist.all_reduce(v, group=mine)\ndist.barrier()\n")
 
 
+def _subgroup_entry(i: int, g: str, seq: int, op: str, line: int, done: bool, t: float) -> dict[str, Any]:
+    return {**_entry(i, 3, done), "group": g, "seq": seq, "op": op, "line": line, "desc": "undefined", "t": t}
+
+
+def _subgroup_log(rows: dict[int, list[dict[str, Any]]]) -> CollectiveLog:
+    """SUBGROUP_SOURCE's groups (the world, ranks 0,1 and ranks 2,3), each rank's entries as given."""
+    log = CollectiveLog()
+    for r, es in rows.items():
+        log.merge(r, {"entries": es, "groups": {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3]}, "descs": {}, "calls": [], "now": 0.0})
+    return log
+
+
 def test_the_disagreement_first_in_the_program_leads_not_the_one_entered_first() -> None:
     """Rank 2 skipped its subgroup's all_reduces (line 6) and entered the barrier (line 7) before
     anyone; its peer rank 3 waits in the all_reduce, so is absent from the barrier. Each
     disagreement holds the other's absent rank; the all_reduce comes first in the cell."""
-    log = CollectiveLog()
-    groups = {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3]}
-
-    def e(i: int, g: str, seq: int, op: str, line: int, done: bool, t: float) -> dict[str, Any]:
-        return {**_entry(i, 3, done), "group": g, "seq": seq, "op": op, "line": line, "desc": "undefined", "t": t}
+    e = _subgroup_entry
     rows = {r: [e(1, "1", 1, "all_reduce", 6, True, 1.1), e(2, "1", 2, "all_reduce", 6, True, 1.3), e(3, "0", 1, "barrier", 7, False, 2.0)]
             for r in (0, 1)}
     rows[2] = [e(1, "0", 1, "barrier", 7, False, 1.0)]
     rows[3] = [e(1, "2", 1, "all_reduce", 6, False, 1.2)]
-    for r, es in rows.items():
-        log.merge(r, {"entries": es, "groups": groups, "descs": {}, "calls": [], "now": 0.0})
+    log = _subgroup_log(rows)
     positions = [Position(r, "collective", op="barrier", seq=1, group="0", since=4.0, running=CELL, line=7, line_cell=CELL) for r in (0, 1, 2)]
     positions.append(Position(3, "collective", op="all_reduce", seq=1, group="2", since=4.0, running=CELL, line=6, line_cell=CELL))
     verdict = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 3, {CELL: SUBGROUP_SOURCE}, CELL)
@@ -140,17 +147,12 @@ def test_a_rank_that_raised_before_its_subgroup_call_is_the_cause_not_a_barrier_
     """Rank 1 raised before its subgroup's all_reduce (line 6): rank 0 waits there, ranks 2,3 went
     on to the barrier (line 7), entered before anything else. The barrier's absent ranks wait in, or
     left before, the earlier call: the error is the cause."""
-    log = CollectiveLog()
-    groups = {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3]}
-
-    def e(i: int, g: str, seq: int, op: str, line: int, done: bool, t: float) -> dict[str, Any]:
-        return {**_entry(i, 3, done), "group": g, "seq": seq, "op": op, "line": line, "desc": "undefined", "t": t}
+    e = _subgroup_entry
     rows = {r: [e(1, "2", 1, "all_reduce", 6, True, 0.5), e(2, "2", 2, "all_reduce", 6, True, 0.6), e(3, "0", 1, "barrier", 7, False, 0.7)]
             for r in (2, 3)}
     rows[0] = [e(1, "1", 1, "all_reduce", 6, False, 1.0)]
     rows[1] = []
-    for r, es in rows.items():
-        log.merge(r, {"entries": es, "groups": groups, "descs": {}, "calls": [], "now": 0.0})
+    log = _subgroup_log(rows)
     positions = [Position(0, "collective", op="all_reduce", seq=1, group="1", since=4.0, running=CELL, line=6, line_cell=CELL),
                  Position(1, "failed", detail="AssertionError: an invariant broken on rank 1", line=4, running=CELL, line_cell=CELL)]
     positions += [Position(r, "collective", op="barrier", seq=1, group="0", since=4.0, running=CELL, line=7, line_cell=CELL) for r in (2, 3)]
