@@ -153,7 +153,8 @@ def write_reproduction(facts: JobFacts, path: str | Path, hung_timeout: float = 
         raise ValueError(f"the job's world size is {facts.world_size}: no rank published it; attach once its ranks run, or load its records.")
     script = script_path(facts.argv, facts.cwd)
     try:
-        split: ScriptCells = split_script(script.read_text(), facts.site, str(script))
+        source = script.read_text()
+        split: ScriptCells = split_script(source, facts.site, str(script))
     except SyntaxError as exc:
         raise ValueError(f"{script} does not parse here ({exc.msg}, line {exc.lineno}): this Python is not the job's, or the file "
                          "changed since the job started.") from None
@@ -184,6 +185,6 @@ def write_reproduction(facts: JobFacts, path: str | Path, hung_timeout: float = 
         nb.cells.append(new_markdown_cell(f"The rest of `{script.name}`, after the failing call (not run):\n\n```python\n{body}\n```"))
     out = Path(path)
     nbformat.write(nb, str(out))
-    lines = script.read_text().splitlines()
+    lines = source.splitlines()
     failing_line = lines[facts.site - 1].strip() if split.failing is not None and facts.site and facts.site <= len(lines) else None
     return Reproduced(str(out), str(script), facts.world_size, len(split.before()), failing_line, tuple(split.notes))
