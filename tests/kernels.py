@@ -47,7 +47,8 @@ class Kernel:
     def run_all(self, codes: list[str], timeout: float = 120) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Send every cell at once, each with ``stop_on_error``, as JupyterLab's Run All does (the
         kernel aborts the ones queued behind an error). Returns each cell's reply content and its
-        outputs (iopub ``stream``, ``display_data``, ``execute_result`` and ``error`` contents)."""
+        outputs (iopub ``stream``, ``display_data``, ``update_display_data`` — a live view's final
+        text —, ``execute_result`` and ``error`` contents)."""
         ids = [self.kc.execute(code, stop_on_error=True) for code in codes]
         replies: dict[str, dict[str, Any]] = {}
         outputs: dict[str, list[dict[str, Any]]] = {i: [] for i in ids}
@@ -63,6 +64,6 @@ class Kernel:
                 msg = self.kc.get_iopub_msg(timeout=1.0)
             except queue.Empty:
                 break
-            if msg["parent_header"].get("msg_id") in outputs and msg["msg_type"] in ("stream", "display_data", "execute_result", "error"):
+            if msg["parent_header"].get("msg_id") in outputs and msg["msg_type"] in ("stream", "display_data", "update_display_data", "execute_result", "error"):
                 outputs[msg["parent_header"]["msg_id"]].append({"output_type": msg["msg_type"], **msg["content"]})
         return [(replies[i], outputs[i]) for i in ids]
