@@ -64,6 +64,7 @@ class Kernel:
                 msg = self.kc.get_iopub_msg(timeout=1.0)
             except queue.Empty:
                 break
-            if msg["parent_header"].get("msg_id") in outputs and msg["msg_type"] in ("stream", "display_data", "update_display_data", "execute_result", "error"):
+            shown = ("stream", "display_data", "update_display_data", "execute_result", "error")
+            if msg["parent_header"].get("msg_id") in outputs and msg["msg_type"] in shown:
                 outputs[msg["parent_header"]["msg_id"]].append({"output_type": msg["msg_type"], **msg["content"]})
         return [(replies[i], outputs[i]) for i in ids]

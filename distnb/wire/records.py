@@ -10,10 +10,11 @@ They stay TypedDicts, not dataclasses, because they cross processes as plain msg
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final, NamedTuple, TypedDict
 
 __all__ = ["P2P_OPS", "UNRECORDED", "CallRecord", "CellError", "CellOutcome", "CollectiveEntry", "CollectivesRead", "InputRead", "NumericsRecord",
-           "OpRecord", "OutputStats", "SyncState", "TENSORS_READ"]
+           "OpRecord", "OutputStats", "SAMPLE", "SyncState", "TENSORS_READ"]
 
 #: The id of an entry made from a watched call the recorder has no entry for yet (NCCL connecting
 #: a communicator): above every real id, so it sorts after the rank's recorded calls.
@@ -128,6 +129,9 @@ class CellOutcome(_CellOutcomeCore, total=False):
 # -- the per-op numerics record (%%on_ranks --numerics) ------------------------------------------
 #: Tensors fingerprinted per op, in and out; an op with more reads only its first ones.
 TENSORS_READ: Final = 8
+#: Elements of each output and input kept as values (spread evenly; all of a smaller tensor), so
+#: that a divergence has a size: its largest difference, exact where every element was kept.
+SAMPLE: Final = 16
 
 
 class OutputStats(NamedTuple):
@@ -140,6 +144,11 @@ class OutputStats(NamedTuple):
     dtype: str
     hash: int
     total: float
+    sample: tuple[float, ...] = ()  # SAMPLE elements spread evenly in logical order (all of a smaller tensor), as float64
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 class InputRead(NamedTuple):
@@ -152,6 +161,8 @@ class InputRead(NamedTuple):
     why: str  # how that is known (as OpRecord.why)
     label: str | None  # a name for a tensor from before the cell (``model.0.weight``, optimizer state)
     producer: int  # the op (``seq``) whose output it is; -1: not an output of a recorded op
+    sample: tuple[float, ...] = ()  # as OutputStats.sample
+    numel: int = 0
 
     @property
     def finite(self) -> bool:

@@ -121,7 +121,54 @@ def test_a_tolerance_lets_small_differences_agree_and_says_it_compared_sums() ->
     assert compare_numerics(1, per_rank).first is not None
     assert compare_numerics(1, per_rank, rtol=0.0, atol=1e-2).first is None
     loose = compare_numerics(1, per_rank, atol=1e-6)
-    assert loose.first is not None and loose.first.odd == [3] and "elements were not compared" in loose.text()
+    assert loose.first is not None and loose.first.odd == [3] and "beyond the tolerance: sums and up to 16 elements compared" in loose.text()
+
+
+def _one_op(values: dict[int, list[float]], sampled: int | None = None) -> dict[int, NumericsRecord]:
+    """One op after an all_reduce on every rank, each rank's output holding ``values[rank]`` (the
+    record keeps ``sampled`` of them, spread as the worker spreads them; all by default)."""
+    per_rank: dict[int, NumericsRecord] = {}
+    for r, v in values.items():
+        n = len(v)
+        keep = v if sampled is None or n <= sampled else [v[round(i * (n - 1) / (sampled - 1))] for i in range(sampled)]
+        out = OutputStats((n,), "float64", hash(tuple(v)) & 0xFFFFFF, math.fsum(v), tuple(keep))
+        per_rank[r] = {"mode": "ops", "ops": [OpRecord(0, "aten.mul.Tensor", "model", "fwd", 5, 10, tuple(values), "all_reduce",
+                                                       [out], [], "0", False, False)], "total": 1, "limit": 20000}
+    return per_rank
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_size_of_a_divergence_is_exact_when_every_element_was_kept_and_never_overstated(seed: int) -> None:
+    """Generated outputs where one rank's differ at random elements by random amounts: the size
+    said is the true max abs diff when every element was kept, and never above it otherwise (a
+    lower bound: the sampled elements, or the sums' difference spread over the elements)."""
+    rng = random.Random(seed)
+    n = rng.choice([1, 3, 16, 17, 100, 4096])
+    base = [rng.uniform(-1, 1) for _ in range(n)]
+    odd = list(base)
+    for i in rng.sample(range(n), rng.randint(1, n)):
+        odd[i] += rng.choice([-1, 1]) * 10 ** rng.uniform(-6, 1)
+    truth = max(abs(a - b) for a, b in zip(base, odd))
+    values = {0: base, 1: base, 2: odd, 3: base}
+    sampled = None if n <= 16 else 16
+    d = compare_numerics(1, _one_op(values, sampled)).first
+    assert d is not None and d.odd == [2]
+    size = d.size
+    assert size.exact == (n <= 16) and size.numel == n
+    if size.exact:
+        assert size.value == truth
+        assert f"max abs diff {truth:.3g}" in compare_numerics(1, _one_op(values, sampled)).text()
+    else:
+        assert 0 < size.value <= truth * (1 + 1e-9), (size, truth)
+        assert f"max abs diff at least {size.value:.3g}" in compare_numerics(1, _one_op(values, sampled)).text()
+
+
+def test_the_size_of_a_divergence_with_nan_or_equal_infinities() -> None:
+    inf, nan = math.inf, math.nan
+    d = compare_numerics(1, _one_op({0: [1.0, inf], 1: [1.0, inf], 2: [1.5, inf]})).first
+    assert d is not None and d.size.value == 0.5 and d.size.exact  # equal infinities are no difference
+    d = compare_numerics(1, _one_op({0: [1.0, 2.0], 1: [1.0, 2.0], 2: [1.0, nan]})).first
+    assert d is not None and d.odd == [2] and d.size.value == inf
 
 
 def test_named_ranks_make_every_op_compared_and_rank_groups_parse() -> None:

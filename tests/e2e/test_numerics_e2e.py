@@ -169,6 +169,9 @@ def test_a_perturbation_injected_at_a_random_layer_and_rank_is_found_there(pool:
         d = report.first
         assert d is not None and d.what == "output" and d.odd == [culprit], (layer, culprit, report.text())
         assert d.op == "aten.add.Tensor" and d.line == 6 and d.inputs_agreed and not d.args_agreed, report.text()
+        # Its size: the 1e-6 added to each of the 16 elements (float32 rounding aside), all compared.
+        assert d.size.exact and d.size.numel == 16 and abs(d.size.value - 1e-6) < 2e-7, d.size
+        assert f"max abs diff {d.size.value:.3g}, all 16 elements compared" in report.text()
         adds = [op for op in report.records[culprit] if op.op == "aten.add.Tensor" and op.line == 6]
         assert d.seq[culprit] == adds[layer].seq, "not the injected layer's add"
         assert not report.programs

@@ -18,22 +18,66 @@ import math
 import struct
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
-from typing import Any
+from typing import Any, Protocol
 
 from distnb.analysis.agreement.evidence import odd_ones
 from distnb.ranks import group_by
 from distnb.wire.records import TENSORS_READ, NumericsRecord, OpRecord
 
-__all__ = ["NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "compare_numerics", "nonfinite", "rank_groups"]
+__all__ = ["Gap", "NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "Valued", "compare_numerics", "gap", "nonfinite",
+           "rank_groups"]
 
 
 @dataclass(frozen=True)
 class Side:
-    """Ranks holding one value: its fingerprint and float64 sum (of the first output, or the input)."""
+    """Ranks holding one value: its fingerprint, float64 sum and sampled elements (of the first
+    output, or the input), and its number of elements."""
 
     ranks: list[int]
     hash: int
     total: float
+    sample: tuple[float, ...] = ()
+    numel: int = 0
+
+
+@dataclass(frozen=True)
+class Gap:
+    """How far one value is from another: the largest difference of an element. ``exact`` when
+    every element was compared; else a lower bound — the largest among the sampled elements, or
+    the sums' difference spread evenly over the elements, whichever is larger."""
+
+    value: float
+    exact: bool
+    compared: int  # elements compared
+    numel: int
+
+
+def _element_gap(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b):
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    return 0.0 if a == b else abs(a - b)  # equal infinities are no gap (inf - inf is NaN)
+
+
+class Valued(Protocol):
+    """A value as the record keeps it (a :class:`Side`, an output's ``OutputStats``)."""
+
+    @property
+    def total(self) -> float: ...
+    @property
+    def sample(self) -> tuple[float, ...]: ...
+    @property
+    def numel(self) -> int: ...
+
+
+def gap(a: Valued, b: Valued) -> Gap:
+    """The largest element difference between two values, exact where every element was sampled."""
+    same = bool(a.sample) and len(a.sample) == len(b.sample) and a.numel == b.numel
+    found = max((_element_gap(x, y) for x, y in zip(a.sample, b.sample)), default=0.0) if same else 0.0
+    numel = max(a.numel, b.numel)
+    exact = same and len(a.sample) == a.numel
+    if not exact and numel and math.isfinite(a.total) and math.isfinite(b.total):
+        found = max(found, abs(a.total - b.total) / numel)  # |Σa − Σb| ≤ n·max|a−b|
+    return Gap(found, exact, len(a.sample) if same else 0, numel)
 
 
 @dataclass
@@ -64,6 +108,12 @@ class NumericDivergence:
         """The largest difference of an odd side's sum from the majority's."""
         ref = self.sides[0].total
         return max((abs(s.total - ref) for s in self.sides[1:]), default=0.0)
+
+    @property
+    def size(self) -> Gap:
+        """The largest element difference of an odd side from the majority (see :class:`Gap`)."""
+        gaps = [gap(self.sides[0], s) for s in self.sides[1:]]
+        return max(gaps, key=lambda g: g.value, default=Gap(0.0, True, 0, 0))
 
 
 @dataclass
@@ -191,7 +241,8 @@ def _close(a: float, b: float, rtol: float, atol: float) -> bool:
 
 def _split(values: dict[int, tuple[Any, ...]], exact: bool, rtol: float, atol: float) -> list[list[int]] | None:
     """The ranks grouped by value, majority first, or None when they all agree. A value is
-    (shape/dtype key, hashes, sums); without ``exact``, sums within the tolerance agree."""
+    (shape/dtype key, hashes, sums and sampled elements); without ``exact``, values whose sums and
+    sampled elements are within the tolerance agree."""
     if exact:
         groups = [rs for rs, _ in group_by(sorted(values.items()))]
     else:
@@ -233,6 +284,7 @@ def _claims(ops: dict[int, OpRecord], named: list[list[int]], inputs: bool, k: i
 def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why: str, what: str, k: int, exact: bool,
                 rtol: float, atol: float) -> NumericDivergence | None:
     values: dict[int, tuple[Any, ...]] = {}
+    firsts: dict[int, Side] = {}
     label = None
     writers: dict[int, int] = {}
     for r in group:
@@ -242,20 +294,22 @@ def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why:
             if read is None:
                 continue
             label = label or read.label
-            values[r] = ((), (_key(read.hash, read.total),), (read.total,))
+            values[r] = ((read.numel,), (_key(read.hash, read.total),), (read.total, *read.sample))
+            firsts[r] = Side([r], read.hash, read.total, read.sample, read.numel)
             if read.producer >= 0:
                 writers[r] = read.producer
         else:
             if not op.outputs:
                 continue  # a collective whose output was never read
             values[r] = (tuple((o.shape, o.dtype) for o in op.outputs), tuple(_key(o.hash, o.total) for o in op.outputs),
-                         tuple(o.total for o in op.outputs))
+                         tuple(x for o in op.outputs for x in (o.total, *o.sample)))
+            out = op.outputs[0]
+            firsts[r] = Side([r], out.hash, out.total, out.sample, out.numel)
     split = _split(values, exact or what == "input", rtol, atol)
     if split is None:
         return None
     ref = ops[split[0][0]]
-    totals = {r: (next((o.total for o in ops[r].outputs), math.nan) if what == "output" else math.nan) for r in values}
-    sides = [Side(g, (values[g[0]][1][0] or (0, 0))[0] if values[g[0]][1] else 0, totals[g[0]]) for g in split]
+    sides = [Side(g, firsts[g[0]].hash, firsts[g[0]].total, firsts[g[0]].sample, firsts[g[0]].numel) for g in split]
     odd = odd_ones({r: split_index for split_index, g in enumerate(split) for r in g})
     ins = {r: tuple(sorted((i.arg, _key(i.hash, i.total) or (0, 0)) for i in ops[r].inputs)) for r in values}
     return NumericDivergence(pos, {r: ops[r].seq for r in group}, ref.op, ref.module, ref.phase, ref.cell, ref.line, list(group),

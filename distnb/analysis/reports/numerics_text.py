@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
-from distnb.wire.records import OpRecord
+from distnb.wire.records import SAMPLE, OpRecord
 
 if TYPE_CHECKING:
     from distnb.analysis.reports.numerics import NumericDivergence, NumericsReport
@@ -66,10 +66,8 @@ def divergence_text(d: NumericDivergence) -> str:
         return text
     text = head + (f"{where} gives {who}" if tie else f"{format_ranks(odd)}'s {where} differs from {who.split(' against ')[1]}")
     if not tie:
-        diff = d.diff
-        rel = diff / max(abs(d.sides[0].total), 1e-30)
-        text += f" (sum {_num(d.sides[1].total)} against {_num(d.sides[0].total)}: difference {diff:.3g}, {rel:.2g} relative)"
-    text += "." if d.exact else " (sums beyond the tolerance; elements were not compared)."
+        text += f" ({_size(d)})"
+    text += "." if d.exact else f" (beyond the tolerance: sums and up to {SAMPLE} elements compared)."
     if d.random and d.inputs_agreed is not False and d.args_agreed:
         text += (" It draws random numbers" + (", and its inputs agreed (by fingerprint)" if d.inputs_agreed else "")
                  + ": the ranks' random generator states likely differ (seeded per rank?).")
@@ -81,6 +79,18 @@ def divergence_text(d: NumericDivergence) -> str:
     elif d.inputs_agreed is False:
         text += " Its inputs already differed (not all of them were compared: tensors from before the cell that need not agree)."
     return text
+
+
+def _size(d: NumericDivergence) -> str:
+    """The divergence's size: its largest element difference, said as a bound where only some
+    elements were compared."""
+    size = d.size
+    sums = f"sum {_num(d.sides[1].total)} against {_num(d.sides[0].total)}"
+    if size.exact:
+        every = "its only element" if size.numel == 1 else f"all {size.numel} elements compared"
+        return f"max abs diff {size.value:.3g}, {every}; {sums}"
+    how = f"from {size.compared} of {size.numel:,} elements and the sums" if size.compared else "from the sums"
+    return f"max abs diff at least {size.value:.3g}, {how}; {sums}"
 
 
 def nonfinite_text(report: NumericsReport) -> list[str]:
@@ -123,7 +133,8 @@ def report_text(report: NumericsReport) -> str:
     n = max((len(ops) for ops in report.records.values()), default=0)
     what = "collectives" if report.mode == "collectives" else "ops"
     lines = [f"numerics of {cell_name(report.cell)}: {n} {what} recorded per rank on {format_ranks(sorted(report.records))}"
-             + ("" if report.tolerance == (0.0, 0.0) else f", sums compared within rtol={report.tolerance[0]:g}, atol={report.tolerance[1]:g}")]
+             + ("" if report.tolerance == (0.0, 0.0) else
+                f", sums and sampled elements compared within rtol={report.tolerance[0]:g}, atol={report.tolerance[1]:g}")]
     if report.first is None:
         if report.mode == "collectives":
             lines.append("collectives only: their inputs and outputs were checked for NaN/Inf, not compared op by op.")
@@ -163,8 +174,12 @@ def table_rows(report: NumericsReport, around: int = 4) -> list[dict[str, Any]]:
 
 
 def plot(report: NumericsReport) -> Any:
-    """Per rank, how far each op's output sum is from its group's majority, along the cell's ops."""
+    """Per rank, how far each op's output is from its group's (the peer with the median sum): the
+    largest element difference known (exact for small outputs, else a lower bound), along the
+    cell's ops."""
     from matplotlib.figure import Figure
+
+    from distnb.analysis.reports.numerics import gap
 
     series: dict[int, tuple[list[int], list[float]]] = {r: ([], []) for r in report.records}
     for pos, where in enumerate(report.aligned):
@@ -172,9 +187,8 @@ def plot(report: NumericsReport) -> Any:
         for r, op in ops.items():
             if not op.agree or not op.outputs:
                 continue
-            peers = sorted(op2.outputs[0].total for q, op2 in ops.items() if q in op.agree and op2.outputs)
-            ref = peers[len(peers) // 2]
-            diff = abs(op.outputs[0].total - ref)
+            peers = sorted((op2.outputs[0] for q, op2 in ops.items() if q in op.agree and op2.outputs), key=lambda o: o.total)
+            diff = gap(op.outputs[0], peers[len(peers) // 2]).value
             series[r][0].append(pos)
             series[r][1].append(diff if math.isfinite(diff) else float("nan"))
     fig = Figure(figsize=(7, 3), layout="constrained")
@@ -186,7 +200,7 @@ def plot(report: NumericsReport) -> Any:
     if report.first is not None:
         ax.axvline(report.first.position, color="red", linewidth=0.8)
     ax.set_xlabel("op (execution order)")
-    ax.set_ylabel("|sum − group median|")
+    ax.set_ylabel("max |element − group's| (≥)")
     ax.set_title(f"difference from the ranks that must agree, {cell_name(report.cell)}", fontsize=9)
     ax.legend(fontsize=7)
     return fig

@@ -9,7 +9,7 @@ local piece. PyTorch's ``DebugMode`` (torch/utils/_debug_mode) logs the same ops
 ``torch.hash_tensor``, as a string per call for one process; this mode keeps, per op, only what the
 notebook compares across ranks: op, module path, pass, cell line, each output's shape, dtype and
 fingerprint (``torch.hash_tensor`` and a float64 sum, computed on the tensor's device and fetched
-in batches: one host sync per ``_FETCH`` ops), the tensor inputs' fingerprints, and which ranks must
+in batches: one host sync per ``_FETCH`` ops) and ``SAMPLE`` of its elements, the tensor inputs' fingerprints, and which ranks must
 hold the same output (numerics_context.py), propagated op by op: an output made only from tensors
 that must agree must agree too.
 
@@ -26,7 +26,7 @@ import weakref
 import zlib
 from typing import Any, Callable
 
-from distnb.wire.records import TENSORS_READ, CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
+from distnb.wire.records import SAMPLE, TENSORS_READ, CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
 from distnb.worker.torch_hooks.comms import OUTPUT_FIRST, process_group_of
 from distnb.worker.torch_hooks.meshes import describe_meshes
 from distnb.worker.torch_hooks.numerics_context import Agree, Context, group_ranks, replicas
@@ -155,6 +155,7 @@ def _mode_class() -> Any:
             self.total = 0
             self.unfetched: list[list[Any]] = []
             self.pending: dict[int, tuple[list[Any], bool]] = {}
+            self.samples: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (shape, device) → where _fp samples
 
         @classmethod
         def ignore_compile_internals(cls) -> bool:
@@ -200,14 +201,29 @@ def _mode_class() -> Any:
                 if local.device.type == "meta" or type(local).__name__ == "FakeTensor":
                     return None
                 if local.numel() == 0:
-                    return [0, 0.0]
+                    return [0, 0.0, (), 0]
                 if local.is_complex():
                     local = torch.view_as_real(local)
-                fp = [torch.hash_tensor(local).view(torch.int64), local.sum(dtype=torch.float64)]
+                fp = [torch.hash_tensor(local).view(torch.int64), local.sum(dtype=torch.float64),
+                      local[self._sample_at(local)].reshape(-1).to(torch.float64, copy=True), local.numel()]
             except Exception:
                 return None
             self.unfetched.append(fp)
             return fp
+
+        def _sample_at(self, t: Any) -> tuple[Any, ...]:
+            """Index tensors that pick ``SAMPLE`` elements spread evenly in ``t``'s logical order
+            (every element of a smaller tensor): the same elements on every rank, whatever the
+            layout; one gather, no copy of the tensor."""
+            key = (tuple(t.shape), t.device)
+            at = self.samples.get(key)
+            if at is None:
+                if len(self.samples) > 1024:
+                    self.samples.clear()
+                n = t.numel()
+                flat = torch.arange(n) if n <= SAMPLE else torch.linspace(0, n - 1, SAMPLE).round().long()
+                at = self.samples[key] = tuple(i.to(t.device) for i in torch.unravel_index(flat, t.shape))
+            return at
 
         def _fetch(self) -> None:
             """Every fingerprint still on its device to numbers: one copy per device."""
@@ -221,8 +237,15 @@ def _mode_class() -> Any:
                     sums = torch.stack([f[1] for f in fps]).tolist()
                 except Exception:
                     hashes = sums = [None] * len(fps)
+                try:
+                    flat = torch.cat([f[2] for f in fps]).tolist()
+                except Exception:  # the values are a size's detail: the fingerprints stand without them
+                    flat = []
+                at = 0
                 for f, h, s in zip(fps, hashes, sums):
-                    f[0], f[1] = h, s
+                    n = f[2].numel() if flat else 0
+                    f[0], f[1], f[2] = h, s, tuple(flat[at:at + n])
+                    at += n
 
         def _settle(self, seq: int) -> None:
             """A collective's outputs, read now that an op reads one of them (or the cell ended)."""
@@ -369,9 +392,9 @@ def _mode_class() -> Any:
             self._fetch()
             ops = []
             for seq, name, module, phase, cell, line, agree, why, specs, reads, digest, random, coll in self.raw:
-                outputs = [OutputStats(shape, dtype, int(fp[0]), float(fp[1])) for shape, dtype, fp in specs or []
+                outputs = [OutputStats(shape, dtype, int(fp[0]), float(fp[1]), fp[2]) for shape, dtype, fp in specs or []
                            if fp is not None and fp[0] is not None]
-                inputs = [InputRead(k, int(fp[0]), float(fp[1]), agree_in, why_in if agree_in else "", label, producer)
+                inputs = [InputRead(k, int(fp[0]), float(fp[1]), agree_in, why_in if agree_in else "", label, producer, fp[2], fp[3])
                           for k, fp, agree_in, why_in, label, producer in reads if fp is not None and fp[0] is not None]
                 ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll))
             self.tensors.clear()
