@@ -1,6 +1,7 @@
 """The multi-host tests' network as a fixture: two hosts made of network namespaces on a private
-bridge (tests/netns.py), Debian's sshd on ``hostb`` admitting a key made for the module. A test
-module imports ``net`` (and ``unavailable``) from here."""
+bridge (tests/netns.py), Debian's sshd on ``hostb`` admitting a key made for the module; and
+``slurm``, a Slurm cluster on those hosts (tests/slurm_cluster.py). Loaded by tests/conftest.py;
+each module that asks gets its own."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from slurm_cluster import Slurm, slurm_unavailable
 
 from conftest import RUN_MARK
 from netns import Cluster, netns_unavailable
 
-__all__ = ["net", "unavailable"]
+__all__ = ["net", "slurm", "unavailable"]
 
 
 def unavailable() -> str | None:
@@ -47,3 +49,15 @@ def net(leak_check, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluste
     finally:
         cluster.close()
     assert not cluster.leftovers(), f"the test network outlived its teardown: {cluster.leftovers()}"
+
+
+@pytest.fixture(scope="module")
+def slurm(net: Cluster) -> Slurm:
+    """A Slurm cluster on the module's hosts (started only for the tests that ask for it)."""
+    why = slurm_unavailable()
+    if why:
+        if os.environ.get("DISTNB_REQUIRE_NETNS") == "1":
+            pytest.fail(f"DISTNB_REQUIRE_NETNS=1 but {why}")
+        pytest.skip(why)
+    # Its daemons run in the hosts, so the cluster's teardown stops them with everything else.
+    return Slurm(net, net.workdir / "slurm")

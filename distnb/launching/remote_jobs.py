@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from distnb.wire.discovery import JobFiles, jobs_from_json
+from distnb.wire.discovery import JobFiles, jobs_from_json, listed_by
 
 __all__ = ["LIST_TIMEOUT", "jobs_in_allocation", "jobs_on", "list_command", "merge_jobs", "slurm_command"]
 
@@ -73,12 +74,16 @@ def jobs_in_allocation(python: str | None = None) -> tuple[list[JobFiles], dict[
     except OSError as exc:
         return [], {"slurm": f"cannot run srun: {exc.strerror or exc}"}
     jobs, why = [], {}
+    here = socket.gethostname()
     for line in done.stdout.splitlines():
         if line.startswith("{"):
             try:
-                jobs += jobs_from_json(line)
+                listed = jobs_from_json(line)
             except ValueError as exc:
                 why["slurm"] = str(exc)
+                continue
+            if listed_by(line) != here:  # this machine's own node: its files are read here, as this machine's
+                jobs += listed
     if done.returncode != 0 and not jobs:
         why["slurm"] = f"srun failed: {(done.stderr.strip().splitlines() or [f'exit status {done.returncode}'])[-1]}"
     return jobs, why

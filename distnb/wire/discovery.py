@@ -3,19 +3,21 @@
 
 ``$TMPDIR/distnb-jobs/<job id>/rank<N>.json`` (the folders 0700, the files 0600: each holds the
 key that signs the frames its rank accepts). A file whose process is gone is stale: listing the
-jobs says so rather than offering it.
+jobs says so rather than offering it. Each machine lists only the files it wrote, so a folder shared
+by several (``DISTNB_JOBS_DIR`` on a shared home) works as one per machine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMAT", "JobFiles", "RankEndpoint", "job_id_from_env", "jobs_from_json", "jobs_json", "jobs_root", "list_jobs", "read_endpoint",
+__all__ = ["FORMAT", "JobFiles", "RankEndpoint", "job_id_from_env", "jobs_from_json", "jobs_json", "jobs_root", "list_jobs", "listed_by", "read_endpoint",
            "write_endpoint"]
 
 FORMAT = "distnb-attach-1"
@@ -43,6 +45,10 @@ class RankEndpoint:
     creds: str = ""
     #: The machine the file was read on, over ssh ("" this one): its process can't be asked here.
     machine: str = ""
+    #: The name of the machine that wrote it (``socket.gethostname()``): in a folder several
+    #: machines share (a home on NFS), a file from another machine is listed there, not here —
+    #: its pid means nothing on this one. "" in files written before it was recorded.
+    node: str = ""
 
     @property
     def address(self) -> str:
@@ -110,7 +116,7 @@ def _safe(name: str) -> str:
 def _data(endpoint: RankEndpoint) -> dict[str, object]:
     return {"format": FORMAT, "job": endpoint.job, "rank": endpoint.rank, "world_size": endpoint.world_size, "pid": endpoint.pid,
             "host": endpoint.host, "port": endpoint.port, "key": endpoint.key.hex(), "started": endpoint.started,
-            "argv": list(endpoint.argv), "cwd": endpoint.cwd, "creds": endpoint.creds}
+            "argv": list(endpoint.argv), "cwd": endpoint.cwd, "creds": endpoint.creds, "node": endpoint.node}
 
 
 def _endpoint(data: dict[str, object], path: str, machine: str = "") -> RankEndpoint:
@@ -119,7 +125,7 @@ def _endpoint(data: dict[str, object], path: str, machine: str = "") -> RankEndp
     d: dict[str, Any] = dict(data)
     return RankEndpoint(str(d["job"]), int(d["rank"]), int(d["world_size"]), int(d["pid"]), str(d["host"]), int(d["port"]),
                         bytes.fromhex(d["key"]), float(d["started"]), path, tuple(str(a) for a in d.get("argv", [])),
-                        str(d.get("cwd", "")), str(d.get("creds", "")), machine)
+                        str(d.get("cwd", "")), str(d.get("creds", "")), machine, str(d.get("node", "")))
 
 
 def write_endpoint(endpoint: RankEndpoint, root: Path | None = None) -> str:
@@ -153,6 +159,15 @@ def jobs_json(jobs: list[JobFiles]) -> str:
         for j in jobs]})
 
 
+def listed_by(text: str) -> str:
+    """The name of the machine that printed ``jobs_json``'s listing ("" when it is not one)."""
+    try:
+        listing = json.loads(text)
+    except ValueError:
+        return ""
+    return str(listing.get("machine", "")) if isinstance(listing, dict) else ""
+
+
 def jobs_from_json(text: str, machine: str | None = None) -> list[JobFiles]:
     """``jobs_json``'s listing, read from ``machine`` (default: the name the listing gives): each
     rank's address is the one it bound, or the machine's where it bound every interface. ValueError
@@ -175,6 +190,7 @@ def list_jobs(root: Path | None = None) -> list[JobFiles]:
     """Every job with at least one discovery file under ``root``, newest first; unreadable files
     are skipped."""
     base = root or jobs_root()
+    here = socket.gethostname()
     jobs = []
     try:
         folders = [p for p in base.iterdir() if p.is_dir()]
@@ -188,6 +204,8 @@ def list_jobs(root: Path | None = None) -> list[JobFiles]:
                 e = read_endpoint(f)
             except ValueError:
                 continue
+            if e.node and e.node != here:
+                continue  # another machine's, in a shared folder: listed there
             (live if e.alive() else stale)[e.rank] = e
         if live or stale:
             jobs.append((max(e.started for e in (*live.values(), *stale.values())), JobFiles(folder.name, str(folder), live, stale)))

@@ -1,9 +1,10 @@
 """Attach to a job across two machines (issue 40): a 4-rank torchrun job on two hosts made of
 network namespaces (tests/netns.py), started by the test under ``python -m distnb run`` on each
 host with ``DISTNB_ATTACH_HOST`` at that host's address, hung by a rank-conditional collective.
-The notebook on hosta reads hostb's discovery files over real ssh (``--hosts``), reaches hostb's
-ranks over the bridge with CURVE, and diagnoses the hang as on one machine; a client without
-the keys gets no answer.
+The notebook on hosta reads hostb's discovery files over real ssh (``--hosts``) or, inside a
+Slurm allocation of both hosts, with one srun step (``--slurm``), reaches hostb's ranks over the
+bridge with CURVE, and diagnoses the hang as on one machine; a client without the keys gets no
+answer.
 
 Needs root, iproute2 and sshd (skipped otherwise, unless DISTNB_REQUIRE_NETNS=1, as in CI)."""
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,13 +51,14 @@ import distnb
 from distnb.controller.attach_link import AttachLink
 from distnb.wire.protocol import Msg
 
-job, hostb = sys.argv[1], sys.argv[2]
+job, where = sys.argv[1], sys.argv[2]
+how = {"slurm": True} if where == "--slurm" else {"hosts": [where]}
 deadline = time.monotonic() + 150
 while True:
     try:
         # A busy machine: the ranks get the product's own bound several times over, and the test
         # asks again until every rank has answered (a verdict of ranks not answering is not the hang).
-        with distnb.attach(job, hosts=[hostb], timeout=10.0) as a:
+        with distnb.attach(job, timeout=10.0, **how) as a:
             answered = len(a.files.ranks) == 4 and all(rs.threads for rs in a.stacks().ranks)
             verdict = a.diagnose() if answered else None
             if verdict is not None and verdict.rule == "disagree" or time.monotonic() > deadline:
@@ -86,19 +89,19 @@ def _job(net: Cluster, host: str, node_rank: int, jobs: Path, folder: Path, env:
                      cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def test_attach_reads_the_other_machine_over_ssh_and_its_ranks_over_curve(net: Cluster, tmp_path: Path) -> None:
-    a, b = net.hosts["hosta"], net.hosts["hostb"]
+def _attach_across(net: Cluster, tmp_path: Path, jobs_a: Path, jobs_b: Path, notebook: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """The hung job on both hosts (each host's ranks' files under its folder), the notebook run on
+    hosta (``notebook``: what runs it, then the job's id is added) with ``env``; what it saw."""
     (tmp_path / "hang.py").write_text(SCRIPT)
     (tmp_path / "notebook.py").write_text(NOTEBOOK)
     token, job = uuid.uuid4().hex, f"two-{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, MARK: token, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    # One filesystem: each host's files in a folder of its own, as on two machines (hostb's ssh sessions list its own).
-    jobs_a, jobs_b = tmp_path / "jobs-a", net.jobs_b  # type: ignore[attr-defined]
+    env = {**os.environ, **env, MARK: token, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     procs = [_job(net, "hosta", 0, jobs_a, tmp_path, env, job), _job(net, "hostb", 1, jobs_b, tmp_path, env, job)]
     try:
-        out = subprocess.run(net.command("hosta", [sys.executable, str(tmp_path / "notebook.py"), job, b.addr]), capture_output=True,
-                             text=True, timeout=240, env={**env, "DISTNB_JOBS_DIR": str(jobs_a), "DISTNB_SSH": net.ssh})  # type: ignore[attr-defined]
-        seen = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr[-3000:]}
+        out = subprocess.run(net.command("hosta", [*notebook[:-1], str(tmp_path / "notebook.py"), job, notebook[-1]]), capture_output=True,
+                             text=True, timeout=240, env={**env, "DISTNB_JOBS_DIR": str(jobs_a)})
+        return json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr[-3000:]}
     finally:
         pids = marked_processes(MARK, token)
         started_pids.update(pids)
@@ -110,6 +113,13 @@ def test_attach_reads_the_other_machine_over_ssh_and_its_ranks_over_curve(net: C
         for p in procs:
             p.wait(20)
         assert not wait_gone(pids, 10)
+
+
+def test_attach_reads_the_other_machine_over_ssh_and_its_ranks_over_curve(net: Cluster, tmp_path: Path) -> None:
+    b = net.hosts["hostb"]
+    # One filesystem: each host's files in a folder of its own, as on two machines (hostb's ssh sessions list its own).
+    seen = _attach_across(net, tmp_path, tmp_path / "jobs-a", net.jobs_b, [sys.executable, b.addr],  # type: ignore[attr-defined]
+                          {"DISTNB_SSH": net.ssh})  # type: ignore[attr-defined]
     assert "error" not in seen, seen
     assert seen["machines"] == {"0": "", "1": "", "2": b.addr, "3": b.addr}, seen["machines"]
     assert seen["curve"] == {"0": True, "1": True, "2": True, "3": True}, seen  # bound beyond loopback: CURVE on every rank
@@ -117,4 +127,17 @@ def test_attach_reads_the_other_machine_over_ssh_and_its_ranks_over_curve(net: C
     assert "rank 0 in all_reduce #4" in seen["text"] and "ranks 1-3 in barrier #4" in seen["text"], seen["text"]
     assert "hang.py:12 in <module>: dist.barrier()" in seen["stacks"], seen["stacks"]
     assert seen["unkeyed"] == [], "a client without the rank's CURVE keys got an answer"
-    del a
+
+
+def test_attach_in_a_slurm_allocation_lists_every_node_with_one_srun_step(net: Cluster, slurm: Any, tmp_path: Path) -> None:
+    """The notebook inside ``salloc -N 2`` on hosta: ``attach(slurm=True)`` lists each node's files
+    with one srun step. Both hosts' ranks write to one folder, as on a shared home: each node
+    lists only the files it wrote (hostb's pids mean nothing on hosta, and hosta's own listing is
+    not read twice)."""
+    shared = tmp_path / "jobs-shared"
+    seen = _attach_across(net, tmp_path, shared, shared, ["salloc", "-N", "2", "--quiet", sys.executable, "--slurm"], slurm.env)
+    assert "error" not in seen, seen
+    assert seen["machines"] == {"0": "", "1": "", "2": "hostb", "3": "hostb"}, seen["machines"]
+    assert seen["culprits"] == [0] and seen["rule"] == "disagree", seen["text"]
+    assert "rank 0 in all_reduce #4" in seen["text"] and "ranks 1-3 in barrier #4" in seen["text"], seen["text"]
+    assert seen["unkeyed"] == [], "a client without the rank's CURVE keys got an answer"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from slurm_cluster import Slurm, slurm_unavailable
+from slurm_cluster import Slurm
 
 from distnb import _processes
 from distnb.controller.channel import TICK
@@ -242,17 +242,6 @@ def test_a_link_down_mid_cell_is_a_lost_machine(net: Cluster, nb: Notebook) -> N
     while distnb_pids(net, "hostb") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not distnb_pids(net, "hostb"), "\n".join(distnb_pids(net, "hostb"))
-
-
-@pytest.fixture(scope="module")
-def slurm(net: Cluster) -> Slurm:
-    why = slurm_unavailable()
-    if why:
-        if os.environ.get("DISTNB_REQUIRE_NETNS") == "1":
-            pytest.fail(f"DISTNB_REQUIRE_NETNS=1 but {why}")
-        pytest.skip(why)
-    # Its daemons run in the hosts, so the cluster's teardown stops them with everything else.
-    return Slurm(net, net.workdir / "slurm")
 
 
 def test_slurm_allocation_runs_an_all_reduce(net: Cluster, slurm: Slurm) -> None:

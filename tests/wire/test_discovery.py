@@ -55,6 +55,23 @@ def test_listing_tells_live_ranks_from_stale_ones(tmp_path: Path) -> None:
     assert list_jobs(tmp_path / "nowhere") == []
 
 
+def test_a_folder_shared_by_machines_lists_only_this_machines_files(tmp_path: Path) -> None:
+    """DISTNB_JOBS_DIR on a shared home: each machine's ranks write there; a file another machine
+    wrote is listed on that machine (its pid means nothing here: alive or gone by chance)."""
+    import socket
+    from dataclasses import replace
+
+    here = socket.gethostname()
+    write_endpoint(replace(endpoint("shared", 0), node=here), tmp_path)
+    write_endpoint(replace(endpoint("shared", 1), node=f"{here}-other"), tmp_path)  # our pid, alive here: still not ours
+    write_endpoint(replace(endpoint("shared", 2, pid=GONE_PID), node=f"{here}-other"), tmp_path)  # not stale here either
+    write_endpoint(endpoint("older", 0), tmp_path)  # written before the node was recorded: this machine's
+    jobs = {j.job: j for j in list_jobs(tmp_path)}
+    assert set(jobs["shared"].ranks) == {0} and not jobs["shared"].stale
+    assert set(jobs["older"].ranks) == {0}
+    assert read_endpoint(tmp_path / "shared" / "rank1.json").node == f"{here}-other"
+
+
 def test_the_listing_for_another_machine_round_trips_and_names_where_it_came_from(tmp_path: Path) -> None:
     from dataclasses import replace
 

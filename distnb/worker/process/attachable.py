@@ -20,6 +20,7 @@ before it, and changes nothing in the job.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 from typing import Any, Mapping
@@ -170,7 +171,7 @@ def _listen() -> tuple[Any, str]:
     control = _attachable_control(ctx, f"tcp://{host}:*", creds, rank, executor)
     port = int(control.addr.rsplit(":", 1)[1])
     endpoint = RankEndpoint(job_id_from_env(), rank, world, os.getpid(), host, port, creds.key, time.time(), argv=tuple(sys.argv),
-                            cwd=os.getcwd(), creds=creds.for_nodes().dumps() if remote else "")
+                            cwd=os.getcwd(), creds=creds.for_nodes().dumps() if remote else "", node=socket.gethostname())
     return control, write_endpoint(endpoint)
 
 
