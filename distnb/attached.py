@@ -59,8 +59,9 @@ class JobView(Protocol):
         """Leave the job (the job itself is not changed)."""
         ...
 
-    def reproduce(self, path: str | None = None) -> Reproduced:
-        """Write the notebook that stands in for the job (``%dist_reproduce``)."""
+    def reproduce(self, path: str | None = None, ranks: int | None = None) -> Reproduced:
+        """Write the notebook that stands in for the job (``%dist_reproduce``), on a pool of the job's
+        world size or of ``ranks``."""
         ...
 
 
@@ -267,11 +268,12 @@ class AttachedJob:
         except ValueError as exc:
             raise AttachError(str(exc)) from None
 
-    def reproduce(self, path: str | None = None) -> Reproduced:
-        """Write a notebook that stands in for the job: a pool of its world size running its script
-        cut into cells, the call where it hangs alone in the last one (services/reproduce.py)."""
+    def reproduce(self, path: str | None = None, ranks: int | None = None) -> Reproduced:
+        """Write a notebook that stands in for the job: a pool of its world size (or ``ranks``, fewer)
+        running its script cut into cells, the call where it hangs alone in the last one
+        (services/reproduce.py)."""
         try:
-            return write_reproduction(self.facts(), path or f"{self.job}-repro.ipynb")
+            return write_reproduction(self.facts(), path or f"{self.job}-repro.ipynb", ranks=ranks)
         except ValueError as exc:
             raise AttachError(str(exc)) from None
 

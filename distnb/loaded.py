@@ -170,16 +170,17 @@ class LoadedJob:
         return JobLaunch(tuple(first.get("argv", [])) if first else (), str(first.get("cwd", "")) if first else "", self.world_size,
                          "+".join(backends), dict(first.get("env", {})) if first else {}, self._site())
 
-    def reproduce(self, path: str | None = None) -> Reproduced:
-        """Write a notebook that stands in for the job: a pool of its world size running its script
-        cut into cells, the call where it failed alone in the last one (services/reproduce.py)."""
+    def reproduce(self, path: str | None = None, ranks: int | None = None) -> Reproduced:
+        """Write a notebook that stands in for the job: a pool of its world size (or ``ranks``, fewer)
+        running its script cut into cells, the call where it failed alone in the last one
+        (services/reproduce.py)."""
         launch = self.launch
         if not launch.argv:
             raise LoadError(f"job {self.job} left no record with its command line (only dumps or error files): run it under "
                             "python -m distnb run to have its ranks write one, or write the notebook by hand.")
         try:
             facts = job_facts(self.job, self.world_size, launch.argv, launch.cwd, launch.backend, launch.env, self.stacks(), self.diagnose())
-            return write_reproduction(facts, path or f"{self.job}-repro.ipynb")
+            return write_reproduction(facts, path or f"{self.job}-repro.ipynb", ranks=ranks)
         except ValueError as exc:
             raise LoadError(str(exc)) from None
 

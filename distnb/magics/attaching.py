@@ -37,9 +37,11 @@ class AttachMagics(Magics):
 
     @magic_arguments()
     @argument("path", nargs="?", default=None, help="The notebook to write (default: <job>-repro.ipynb here).")
+    @argument("--ranks", type=int, default=None,
+              help="A pool of fewer ranks than the job's (it must hold every rank the diagnosis blamed; the answer suggests how few).")
     @line_magic
     def dist_reproduce(self, line: str) -> Any:
-        """Write a notebook that stands in for the attached job: a pool of its world size with its settings,
+        """Write a notebook that stands in for the attached job: a pool of its world size (or --ranks K) with its settings,
         its script cut into cells, the call where it fails alone in the last one; then cut it down with %dist_minimize."""
         args = parse(self.dist_reproduce, line)
         job = current_job()
@@ -47,7 +49,7 @@ class AttachMagics(Magics):
             raise UsageError("no job to reproduce: %dist_attach to a running job, or %dist_load the records of one that ended "
                              "(python -m distnb run -- torchrun … starts one whose ranks can be attached and leave records).")
         with usage_errors():
-            return job.reproduce(args.path)
+            return job.reproduce(args.path, ranks=args.ranks)
 
     @line_magic
     def dist_detach(self, line: str) -> None:

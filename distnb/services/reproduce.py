@@ -1,5 +1,6 @@
 """``%dist_reproduce``: from a job that failed (attached, or loaded from its records) to a notebook
-that stands in for it — a pool of the job's world size, with its settings, running the job's own
+that stands in for it — a pool of the job's world size (or fewer ranks, ``--ranks``, as long as
+it holds the ranks the diagnosis blamed), with its settings, running the job's own
 script cut into cells (services/script_cells.py), the call where it failed in a cell of its own,
 ready to be cut down further (``%dist_minimize``).
 
@@ -48,6 +49,7 @@ class JobFacts:
     failure: str = ""  # what the job did, in words (the verdict's headline)
     hung: bool = False  # it hung there (rather than raised or died)
     job: str = ""
+    culprits: tuple[int, ...] = ()  # the ranks the diagnosis blamed (a smaller pool must still hold them)
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,12 @@ class Reproduced:
 
     path: str
     script: str
-    world_size: int
+    world_size: int  # the notebook's pool
     cells: int  # the script's cells in the notebook (the setup and launch apart)
     failing: str | None  # the failing cell's first line, when a line of the script stood out
     notes: tuple[str, ...] = ()
+    job_size: int = 0  # the job's world size, where the notebook's pool is smaller
+    fewest: int = 0  # the smallest pool holding every rank the diagnosis blamed and a majority of others (0: none blamed)
 
     def __fspath__(self) -> str:
         return self.path
@@ -69,8 +73,14 @@ class Reproduced:
 
     def text(self) -> str:
         where = f"; the failing call is alone in its cell ({self.failing!r})" if self.failing else "; no line of it stood out as the failing one"
-        lines = [f"wrote {self.path}: {os.path.basename(self.script)} in {self.cells} cells on a pool of {self.world_size} ranks{where}.",
+        size = f"{self.world_size} ranks" + (f" (the job had {self.job_size}: check that it fails the same way)"
+                                              if self.job_size > self.world_size else "")
+        lines = [f"wrote {self.path}: {os.path.basename(self.script)} in {self.cells} cells on a pool of {size}{where}.",
                  "Open it and Run All; then cut it down with %dist_minimize."]
+        if self.fewest and self.fewest < self.world_size:
+            lines.append(f"  fewer ranks: a pool of {self.fewest} holds the ranks the diagnosis blamed and a majority apart from them, so "
+                         f"--ranks {self.fewest} may fail the same way (likely, not certain: the script may need its world size, e.g. "
+                         "for a mesh); %dist_minimize tries.")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -122,7 +132,7 @@ def job_facts(job: str, world_size: int, argv: tuple[str, ...], cwd: str, backen
     site = script_site(stacks, order, script) if verdict.is_problem else None
     hung = verdict.is_problem and verdict.kind not in (Kind.RAISED, Kind.DIED)
     return JobFacts(world_size, argv, cwd, backend if backend in ("gloo", "nccl") else "auto", env, site,
-                    verdict.summary if verdict.is_problem else "", hung, job)
+                    verdict.summary if verdict.is_problem else "", hung, job, tuple(verdict.culprits) if verdict.is_problem else ())
 
 
 def _same_file(name: str, script: Path) -> bool:
@@ -144,13 +154,22 @@ def _setup_cell(facts: JobFacts, script: Path) -> str:
     ])
 
 
-def write_reproduction(facts: JobFacts, path: str | Path, hung_timeout: float = HUNG_CELL_TIMEOUT) -> Reproduced:
-    """Write the notebook that stands in for the job (see the module's docstring)."""
+def write_reproduction(facts: JobFacts, path: str | Path, hung_timeout: float = HUNG_CELL_TIMEOUT, ranks: int | None = None) -> Reproduced:
+    """Write the notebook that stands in for the job (see the module's docstring), on a pool of the
+    job's world size or of ``ranks`` (fewer; it must hold every rank the diagnosis blamed)."""
     import nbformat
     from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
     if facts.world_size < 1:
         raise ValueError(f"the job's world size is {facts.world_size}: no rank published it; attach once its ranks run, or load its records.")
+    # The blamed ranks, and more ranks apart from them: a majority, so the pool can blame them again.
+    fewest = max(max(facts.culprits) + 1, 2 * len(facts.culprits) + 1) if facts.culprits else 0
+    size = facts.world_size if ranks is None else ranks
+    if not 1 <= size <= facts.world_size:
+        raise ValueError(f"--ranks {size}: give 1 to the job's world size, {facts.world_size} (a pool the size of the job is the default).")
+    if fewest and size < max(facts.culprits) + 1:
+        raise ValueError(f"--ranks {size}: the failure is rank {max(facts.culprits)}'s, which a pool of {size} ranks does not have; "
+                         f"give at least {max(facts.culprits) + 1}.")
     script = script_path(facts.argv, facts.cwd)
     try:
         source = script.read_text()
@@ -158,15 +177,17 @@ def write_reproduction(facts: JobFacts, path: str | Path, hung_timeout: float = 
     except SyntaxError as exc:
         raise ValueError(f"{script} does not parse here ({exc.msg}, line {exc.lineno}): this Python is not the job's, or the file "
                          "changed since the job started.") from None
-    config = LaunchConfig(nproc=facts.world_size, backend=facts.backend, env=job_env(facts.env))
+    config = LaunchConfig(nproc=size, backend=facts.backend, env=job_env(facts.env))
     title = f"job {facts.job}" if facts.job else "the job"
     failure = f"\n\nWhat it did: {facts.failure}" if facts.failure else ""
     where = (f"\n\nThe failing call, line {facts.site} of `{script.name}`, is alone in the last cell." if split.failing is not None
              else "\n\nNo line of the script stood out as the failing one: every cell of the script is here.")
     notes = "".join(f"\n- {n}" for n in split.notes)
+    smaller = (f"\n\nThis pool has {size} of the job's {facts.world_size} ranks: if the cells do not fail as the job did, the failure "
+               "needs more of them." if size < facts.world_size else "")
     nb = new_notebook(cells=[
         new_markdown_cell(f"Made by distnb's `%dist_reproduce` from {title}: `{' '.join(facts.argv)}` on {facts.world_size} ranks "
-                          f"(in `{facts.cwd}`).{failure}{where}{notes}"),
+                          f"(in `{facts.cwd}`).{failure}{where}{smaller}{notes}"),
         new_code_cell(f"%load_ext distnb\n{launch_line(config)}"),
         new_code_cell(_setup_cell(facts, script)),
     ])
@@ -187,4 +208,4 @@ def write_reproduction(facts: JobFacts, path: str | Path, hung_timeout: float = 
     nbformat.write(nb, str(out))
     lines = source.splitlines()
     failing_line = lines[facts.site - 1].strip() if split.failing is not None and facts.site and facts.site <= len(lines) else None
-    return Reproduced(str(out), str(script), facts.world_size, len(split.before()), failing_line, tuple(split.notes))
+    return Reproduced(str(out), str(script), size, len(split.before()), failing_line, tuple(split.notes), facts.world_size, fewest)

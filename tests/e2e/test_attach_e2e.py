@@ -188,10 +188,11 @@ def test_attach_from_magics_and_read_only(job: Job) -> None:
 
 
 @pytest.mark.timeout(LaunchConfig.start_timeout + HUNG_CELL_TIMEOUT + 180)  # the pool's start, the hung cell, the kernel's own start and end
-def test_reproduce_writes_a_notebook_that_hangs_the_same_way(job: Job, tmp_path: Path) -> None:
+def test_reproduce_writes_a_notebook_that_hangs_the_same_way_on_fewer_ranks(job: Job, tmp_path: Path) -> None:
     """%dist_reproduce from the attached job: the script cut into cells (main() inlined, the
-    rank-conditional call alone in the last cell), run by a real kernel on a pool of 4 ranks,
-    where distnb's diagnosis names the same rank and call as in the job."""
+    rank-conditional call alone in the last cell); written on 3 of the job's 4 ranks (rank 0 alone
+    is to blame: it and a majority apart) and run by a real kernel, where distnb's diagnosis names the same rank and call as
+    in the job."""
     import nbformat
     from nbtext import outputs_text
 
@@ -199,11 +200,16 @@ def test_reproduce_writes_a_notebook_that_hangs_the_same_way(job: Job, tmp_path:
 
     with distnb.attach(job.job_id) as attached:
         made = attached.reproduce(str(tmp_path / "repro.ipynb"))
+        # Rank 0 alone is to blame: three ranks (it and a majority apart) likely suffice; that smaller notebook is the one run.
+        small = attached.reproduce(str(tmp_path / "repro3.ipynb"), ranks=3)
     assert made.world_size == 4 and made.failing == "dist.all_reduce(t)  # only rank 0: the others go on to the barrier", made.text()
     assert any("main()'s body is inlined" in n for n in made.notes), made.notes
-    nb = nbformat.read(made.path, as_version=4)
+    assert made.fewest == 3 and "--ranks 3 may fail the same way" in made.text(), made.text()
+    assert nbformat.read(made.path, as_version=4).cells[1].source.startswith("%load_ext distnb\n%dist_launch -n 4 --backend auto")
+    assert small.world_size == 3 and small.job_size == 4 and small.failing == made.failing
+    nb = nbformat.read(small.path, as_version=4)
     sources = [c.source for c in nb.cells if c.cell_type == "code"]
-    assert sources[0].startswith("%load_ext distnb\n%dist_launch -n 4 --backend auto"), sources[0]
+    assert sources[0].startswith("%load_ext distnb\n%dist_launch -n 3 --backend auto"), sources[0]
     assert "sys.argv = [" in sources[1] and "hang.py" in sources[1]
     assert sources[-2].startswith("%%on_ranks --timeout 30\nif rank == 0:\n    dist.all_reduce(t)"), sources[-2]
     assert sources[-3].startswith("%%on_ranks\nsteps = 3\n"), sources[-3]  # main(3)'s parameter, bound
@@ -213,6 +219,7 @@ def test_reproduce_writes_a_notebook_that_hangs_the_same_way(job: Job, tmp_path:
     shown = outputs_text(failing)
     # The pool's diagnosis, where the job had "rank 0 in all_reduce #4, ranks 1-3 in barrier #4".
     assert "rank 0 entered all_reduce #4" in shown and "Root cause: rank 0." in shown and "timed out" in shown, shown
+    assert "ranks 1-3" not in shown, shown  # three ranks
 
 
 def test_attach_from_a_real_kernel(job: Job, tmp_path: Path) -> None:

@@ -60,6 +60,24 @@ def test_without_a_site_every_cell_is_there(tmp_path: Path) -> None:
     assert "No line of the script stood out" in nb.cells[0].source and "main()" in nb.cells[-2].source
 
 
+def test_fewer_ranks_hold_the_blamed_ones_and_say_the_job_had_more(tmp_path: Path) -> None:
+    made = write_reproduction(_facts(tmp_path, culprits=(3,)), tmp_path / "r.ipynb")
+    assert made.world_size == 8 and made.fewest == 4 and "--ranks 4 may fail the same way (likely, not certain" in made.text()
+    small = write_reproduction(_facts(tmp_path, culprits=(3,)), tmp_path / "s.ipynb", ranks=4)
+    nb = nbformat.read(small.path, as_version=4)
+    assert nb.cells[1].source.startswith("%load_ext distnb\n%dist_launch -n 4 --backend gloo")
+    assert "This pool has 4 of the job's 8 ranks" in nb.cells[0].source
+    assert "on a pool of 4 ranks (the job had 8: check that it fails the same way)" in small.text() and "fewer ranks:" not in small.text()
+    # Rank 0 alone blamed: three ranks, so that the others are a majority that can blame it again.
+    assert write_reproduction(_facts(tmp_path, culprits=(0,)), tmp_path / "t.ipynb").fewest == 3
+    assert write_reproduction(_facts(tmp_path, culprits=(0, 1)), tmp_path / "t.ipynb").fewest == 5
+    with pytest.raises(ValueError, match="the failure is rank 3's, which a pool of 3 ranks does not have; give at least 4"):
+        write_reproduction(_facts(tmp_path, culprits=(1, 3)), tmp_path / "u.ipynb", ranks=3)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=f"--ranks {bad}: give 1 to the job's world size, 8"):
+            write_reproduction(_facts(tmp_path), tmp_path / "v.ipynb", ranks=bad)
+
+
 def test_only_settings_survive_the_environment() -> None:
     assert job_env({"RANK": "1", "LOCAL_RANK": "1", "NCCL_IB_DISABLE": "1", "DISTNB_ATTACH": "1", "TORCHELASTIC_MAX_RESTARTS": "0",
                     "OMP_NUM_THREADS": "4", "TORCH_FR_BUFFER_SIZE": "500"}) == {"NCCL_IB_DISABLE": "1", "OMP_NUM_THREADS": "4"}
