@@ -205,6 +205,19 @@ def test_two_runs_differ_where_one_ranks_values_do() -> None:
     del rng
 
 
+def test_a_diff_of_two_runs_says_the_size_of_the_difference() -> None:
+    a = _one_op({0: [1.0, 2.0, 3.0], 1: [1.0, 2.0, 3.0]})
+    b = _one_op({0: [1.0, 2.0, 3.0], 1: [1.0, 2.25, 3.0]})
+    diff = diff_runs(1, a, 2, b)
+    d = diff.per_rank[1]
+    assert d is not None and d.size is not None and d.size.value == 0.25 and d.size.exact
+    assert "rank 1: max abs diff 0.25, all 3 elements compared; sum 6 against 6.25" in diff.text(), diff.text()
+    # Within a tolerance the sampled elements are compared too, not only the sums.
+    b_same_sum = _one_op({0: [1.0, 2.0, 3.0], 1: [1.5, 1.5, 3.0]})
+    assert diff_runs(1, a, 2, b_same_sum, atol=1e-3).per_rank[1] is not None
+    assert diff_runs(1, a, 2, b_same_sum, atol=1.0).per_rank[1] is None
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_a_run_whose_ops_are_fused_is_compared_on_the_ops_both_made(seed: int) -> None:
     """Eager against compiled: run B made a random subset of run A's ops (the rest fused), calling

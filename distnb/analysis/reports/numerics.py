@@ -25,7 +25,7 @@ from distnb.ranks import group_by
 from distnb.wire.records import TENSORS_READ, NumericsRecord, OpRecord
 
 __all__ = ["Gap", "NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "Valued", "compare_numerics", "gap", "nonfinite",
-           "rank_groups"]
+           "rank_groups", "within"]
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,8 @@ def _key(h: int, total: float) -> tuple[int, int] | None:
     return (h, _bits(total)) if total - total == 0 else None
 
 
-def _close(a: float, b: float, rtol: float, atol: float) -> bool:
+def within(a: float, b: float, rtol: float, atol: float) -> bool:
+    """Equal, or within the tolerance (NaN only with NaN)."""
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     return a == b or abs(a - b) <= atol + rtol * max(abs(a), abs(b))
@@ -250,7 +251,7 @@ def _split(values: dict[int, tuple[Any, ...]], exact: bool, rtol: float, atol: f
         reps: list[tuple[Any, ...]] = []
         for r, v in sorted(values.items()):
             for g, rep in zip(groups, reps):
-                if rep[0] == v[0] and (rep[1] == v[1] or all(_close(a, b, rtol, atol) for a, b in zip(rep[2], v[2]))):
+                if rep[0] == v[0] and (rep[1] == v[1] or all(within(a, b, rtol, atol) for a, b in zip(rep[2], v[2]))):
                     g.append(r)
                     break
             else:

@@ -1,7 +1,8 @@
 """Two runs of a cell compared op by op, rank by rank (``%dist_numerics diff A B``): the same cell
 before and after a change, eager against compiled, two seeds. Each rank's records of the two runs
 (worker/torch_hooks/numerics.py) are walked side by side; the first op that is another op, or
-whose outputs differ (bit for bit, or sums beyond a tolerance), is that rank's answer."""
+whose outputs differ (bit for bit, or sums and sampled elements beyond a tolerance), is that rank's
+answer, with the size of the difference."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.reports.numerics_text import op_words
+from distnb.analysis.reports.numerics import Gap, gap, within
+from distnb.analysis.reports.numerics_text import op_words, size_words
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import NumericsRecord, OpRecord
@@ -40,6 +42,13 @@ class RankDiff:
             return math.nan
         return abs(self.a.outputs[0].total - self.b.outputs[0].total)
 
+    @property
+    def size(self) -> Gap | None:
+        """The largest element difference of the first outputs (see numerics.py's ``Gap``)."""
+        if self.a is None or self.b is None or not self.a.outputs or not self.b.outputs:
+            return None
+        return gap(self.a.outputs[0], self.b.outputs[0])
+
 
 @dataclass
 class RunsDiff:
@@ -54,8 +63,9 @@ class RunsDiff:
         return all(d is None for d in self.per_rank.values()) and not self.missing
 
     def text(self) -> str:
+        within_tolerance = f" (sums and sampled elements within rtol={self.tolerance[0]:g}, atol={self.tolerance[1]:g})"
         lines = [f"{cell_name(self.a)} against {cell_name(self.b)}, op by op on each rank"
-                 + ("" if self.tolerance == (0.0, 0.0) else f" (sums within rtol={self.tolerance[0]:g}, atol={self.tolerance[1]:g})") + ":"]
+                 + ("" if self.tolerance == (0.0, 0.0) else within_tolerance) + ":"]
         keyed = [(r, (d.position, d.how, d.a.op if d.a else None, d.b.op if d.b else None) if d else None)
                  for r, d in sorted(self.per_rank.items())]
         for ranks, _key in group_by(keyed):
@@ -64,11 +74,11 @@ class RunsDiff:
             if d is None:
                 lines.append(f"  {who}: the same on every op recorded.")
             elif d.how == "value" and d.a is not None and d.b is not None:
-                sums = ", ".join(f"rank {r}: {self.per_rank[r].a.outputs[0].total:.9g} against {self.per_rank[r].b.outputs[0].total:.9g}"  # type: ignore[union-attr]
-                                 for r in ranks[:4] if self.per_rank[r] and self.per_rank[r].a.outputs and self.per_rank[r].b.outputs)  # type: ignore[union-attr]
+                sizes = "; ".join(f"rank {r}: {size_words(size, rd.a.outputs[0].total, rd.b.outputs[0].total)}"
+                                  for r in ranks[:4] if (rd := self.per_rank[r]) is not None and rd.a and rd.b and (size := rd.size))
                 at = f"op #{d.position}" if d.position_b is None else f"op #{d.position} of {cell_name(self.a)} (#{d.position_b} of {cell_name(self.b)})"
                 lines.append(f"  {who}: first difference at {at}, {op_words(d.a.op, d.a.module, d.a.cell, d.a.line, d.a.phase)}"
-                             + (f" (sum {sums})" if sums else "") + "." + self._parted(d))
+                             + (f" ({sizes})" if sizes else "") + "." + self._parted(d))
             elif d.how == "op":
                 after = (f"the {d.compared} ops both made (paired by op, output shapes and named tensors read, look-alikes left out) agree"
                          if d.compared else "no op of one run has a counterpart alike in op, output shapes and named tensors read in the other")
@@ -100,14 +110,12 @@ def _words(op: OpRecord | None) -> str:
 
 
 def _same(x: OpRecord, y: OpRecord, rtol: float, atol: float) -> bool:
+    """The same outputs: bit for bit, or (a tolerance) sums and sampled elements within it."""
     if [(o.shape, o.dtype) for o in x.outputs] != [(o.shape, o.dtype) for o in y.outputs]:
         return False
     if rtol == 0 and atol == 0:
         return [(o.hash, repr(o.total)) for o in x.outputs] == [(o.hash, repr(o.total)) for o in y.outputs]
-    for o, p in zip(x.outputs, y.outputs):
-        if math.isnan(o.total) != math.isnan(p.total) or (not math.isnan(o.total) and abs(o.total - p.total) > atol + rtol * max(abs(o.total), abs(p.total))):
-            return False
-    return True
+    return all(within(a, b, rtol, atol) for o, p in zip(x.outputs, y.outputs) for a, b in zip((o.total, *o.sample), (p.total, *p.sample)))
 
 
 def _key(op: OpRecord) -> tuple[str, tuple[tuple[int, ...], ...], str]:

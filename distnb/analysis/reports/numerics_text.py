@@ -11,7 +11,7 @@ from distnb.ranks import format_ranks
 from distnb.wire.records import SAMPLE, OpRecord
 
 if TYPE_CHECKING:
-    from distnb.analysis.reports.numerics import NumericDivergence, NumericsReport
+    from distnb.analysis.reports.numerics import Gap, NumericDivergence, NumericsReport
 
 __all__ = ["divergence_text", "nonfinite_text", "op_words", "plot", "report_text", "table_rows"]
 
@@ -82,10 +82,13 @@ def divergence_text(d: NumericDivergence) -> str:
 
 
 def _size(d: NumericDivergence) -> str:
-    """The divergence's size: its largest element difference, said as a bound where only some
-    elements were compared."""
-    size = d.size
-    sums = f"sum {_num(d.sides[1].total)} against {_num(d.sides[0].total)}"
+    return size_words(d.size, d.sides[1].total, d.sides[0].total)
+
+
+def size_words(size: Gap, total: float, against: float) -> str:
+    """A difference's size: its largest element difference, said as a bound where only some
+    elements were compared; and the two sums."""
+    sums = f"sum {_num(total)} against {_num(against)}"
     if size.exact:
         every = "its only element" if size.numel == 1 else f"all {size.numel} elements compared"
         return f"max abs diff {size.value:.3g}, {every}; {sums}"
