@@ -334,6 +334,14 @@ class LoadedJob:
             verdict.certainty = Certainty.LIKELY
             verdict.reason = "; ".join(filter(None, [verdict.reason, *why]))
             verdict.details.append(f"  likely, not certain: {'; '.join(why)}")
+        # Even a rank's own error names the rank only as far as its file does.
+        guessed = sorted(set(verdict.culprits) & self.dumps.guessed)
+        if guessed and verdict.is_problem:
+            local = (f"{format_ranks(guessed)} {'is' if len(guessed) == 1 else 'are'} a local rank read from torchrun's error files of "
+                     "several machines, not known to be the job's rank")
+            verdict.certainty = Certainty.LIKELY
+            verdict.reason = "; ".join(filter(None, [verdict.reason, local]))
+            verdict.details.append(f"  likely, not certain: {local}")
         return verdict
 
     def status(self, with_diagnosis: bool = True) -> LoadStatus:

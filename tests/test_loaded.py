@@ -373,6 +373,23 @@ def test_several_folders_one_per_machine(made: Path) -> None:
     assert job.diagnose().culprits == [1]
 
 
+@pytest.mark.slow
+def test_error_files_of_several_machines_name_local_ranks_only_and_say_so(made: Path, tmp_path: Path) -> None:
+    """Two machines' torchrun logs (each machine's local rank 1 raised): torchrun names only the
+    local rank, so "rank 1" is a guess the verdict must not state as certain."""
+    import shutil
+
+    for machine in ("node-a", "node-b"):
+        shutil.copytree(made / "logs", tmp_path / machine / "logs")
+    job = distnb.load(tmp_path)
+    verdict = job.diagnose()
+    assert verdict.culprits == [1] and verdict.certainty.value == "likely", verdict.text()
+    assert "rank 1 is a local rank read from torchrun's error files of several machines" in verdict.text(), verdict.text()
+    assert any("taken as rank 1, its local rank" in n for n in job.dumps.notes), job.dumps.notes
+    # One machine's logs alone: its local rank is its rank, as before.
+    assert distnb.load(made / "logs").diagnose().certainty.value == "certain"
+
+
 # -- %dist_load ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_dist_load_and_the_read_only_magics(made: Path) -> None:

@@ -96,6 +96,9 @@ class JobDumps:
     ranks: dict[int, RankDump] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     files: int = 0  # files looked at
+    #: Ranks placed by a torchrun error file's local rank while error files of several machines
+    #: were read and no record said which global rank each was: likely, not known.
+    guessed: set[int] = field(default_factory=set)
 
     def rank(self, r: int) -> RankDump:
         return self.ranks.setdefault(r, RankDump(r))
@@ -322,6 +325,12 @@ def _place_errors(errors: list[TorchrunError], out: JobDumps) -> None:
     for r, rd in out.ranks.items():
         if rd.record is not None and "local_rank" in rd.record:
             by_local.setdefault(int(rd.record["local_rank"]), []).append(r)
+    # Several files of one local rank: the error files of several machines (torchrun names only
+    # the local rank), so a local rank no record places is not known to be the global rank.
+    per_local: dict[int, int] = {}
+    for err in errors:
+        per_local[err.local_rank] = per_local.get(err.local_rank, 0) + 1
+    machines = max(per_local.values(), default=0) > 1
     for err in sorted(errors, key=lambda e: e.timestamp):
         if err.local_rank < 0:
             out.notes.append(f"skipped {err.path}: its folder does not name a local rank (torchrun writes <attempt>/<local rank>/error.json)")
@@ -330,6 +339,10 @@ def _place_errors(errors: list[TorchrunError], out: JobDumps) -> None:
         rank = known[0] if len(known) == 1 else err.local_rank
         if len(known) > 1:
             out.notes.append(f"{err.path}: local rank {err.local_rank} is ranks {format_ranks(known)} on different machines; taken as rank {rank}")
+        if machines and len(known) != 1:
+            out.guessed.add(rank)
+            out.notes.append(f"{err.path}: taken as rank {rank}, its local rank — error files of several machines name only local ranks "
+                             "and no distnb record says which global rank it was (python -m distnb run writes such records)")
         rd = out.rank(rank)
         if rd.error is not None:
             out.notes.append(f"two torchrun error files for rank {rank}: {err.path} (newest) read, {rd.error.path} left out")
