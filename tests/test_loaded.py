@@ -386,8 +386,13 @@ def test_error_files_of_several_machines_name_local_ranks_only_and_say_so(made: 
     assert verdict.culprits == [1] and verdict.certainty.value == "likely", verdict.text()
     assert "rank 1 is a local rank read from torchrun's error files of several machines" in verdict.text(), verdict.text()
     assert any("taken as rank 1, its local rank" in n for n in job.dumps.notes), job.dumps.notes
-    # One machine's logs alone: its local rank is its rank, as before.
+    # One machine's logs alone: its local rank is its rank, as before — restarts included (a
+    # second attempt under the same run folder is the same machine).
     assert distnb.load(made / "logs").diagnose().certainty.value == "certain"
+    shutil.copytree(made / "logs", tmp_path / "restarted")
+    shutil.copytree(tmp_path / "restarted" / "run_1" / "attempt_0", tmp_path / "restarted" / "run_1" / "attempt_1")
+    again = distnb.load(tmp_path / "restarted")
+    assert again.diagnose().certainty.value == "certain" and not again.dumps.guessed, again.dumps.notes
 
 
 # -- %dist_load ------------------------------------------------------------------------------------

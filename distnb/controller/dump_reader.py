@@ -325,12 +325,13 @@ def _place_errors(errors: list[TorchrunError], out: JobDumps) -> None:
     for r, rd in out.ranks.items():
         if rd.record is not None and "local_rank" in rd.record:
             by_local.setdefault(int(rd.record["local_rank"]), []).append(r)
-    # Several files of one local rank: the error files of several machines (torchrun names only
-    # the local rank), so a local rank no record places is not known to be the global rank.
-    per_local: dict[int, int] = {}
+    # One local rank under several run folders (<run>/attempt_N/<local rank>/error.json; a
+    # restart's attempts share theirs): the error files of several machines, where torchrun names
+    # only the local rank, so a local rank no record places is not known to be the global rank.
+    runs: dict[int, set[Path]] = {}
     for err in errors:
-        per_local[err.local_rank] = per_local.get(err.local_rank, 0) + 1
-    machines = max(per_local.values(), default=0) > 1
+        runs.setdefault(err.local_rank, set()).add(Path(err.path).parents[2] if len(Path(err.path).parents) > 2 else Path(err.path))
+    machines = any(len(found) > 1 for found in runs.values())
     for err in sorted(errors, key=lambda e: e.timestamp):
         if err.local_rank < 0:
             out.notes.append(f"skipped {err.path}: its folder does not name a local rank (torchrun writes <attempt>/<local rank>/error.json)")
