@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import distnb
+from distnb.config import LaunchConfig
 
 from conftest import marked_processes, run_notebook, started_pids, wait_gone
 
@@ -148,16 +149,26 @@ def test_a_rank_that_raised(raised: tuple[int, str, Path]) -> None:
         shell.line("dist_detach")
 
 
+@pytest.mark.timeout(START + 120 + LaunchConfig.start_timeout + 60)  # the job (when first), its kernel, the reproduction's
 def test_a_rank_that_raised_loaded_in_a_real_kernel(raised: tuple[int, str, Path], tmp_path: Path) -> None:
     _, _, records = raised
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("%load_ext distnb"), nbformat.v4.new_code_cell(f"%dist_load {records}"),
-                nbformat.v4.new_code_cell("%dist_stacks 2")]
+                nbformat.v4.new_code_cell("%dist_stacks 2"), nbformat.v4.new_code_cell("%dist_reproduce repro.ipynb --ranks 3")]
     ran = run_notebook(nb, str(tmp_path), "DISTNB_LOAD_KERNEL", timeout=120)
     shown = "\n".join(o.get("data", {}).get("text/plain", "") + o.get("text", "") for c in ran.cells for o in c.get("outputs", []))
     assert not any(o.get("output_type") == "error" for c in ran.cells for o in c.get("outputs", [])), shown
     assert "rank 2 raised ValueError: rank 2 got a bad batch at step 3" in shown and "in train_step() (" in shown, shown
     assert "rank 2: raised ValueError" in shown, shown
+    # The notebook reproduced from the dead job's records, on 3 of its 4 ranks (rank 2 and a
+    # majority apart), run by a real kernel: it fails as the job did.
+    assert "on a pool of 3 ranks (the job had 4" in shown, shown
+    repro = run_notebook(nbformat.read(str(tmp_path / "repro.ipynb"), as_version=4), str(tmp_path), "DISTNB_LOAD_REPRO",
+                         timeout=LaunchConfig.start_timeout + 60)
+    failing = [c for c in repro.cells if c.cell_type == "code"][-2]
+    said = "\n".join(o.get("data", {}).get("text/plain", "") + o.get("text", "") + "\n".join(o.get("traceback", []))
+                     for o in failing.get("outputs", []))
+    assert "rank 2 raised ValueError: rank 2 got a bad batch at step 3" in said, said
 
 
 def test_a_hang_ended_by_gloos_timeout(hung: tuple[int, str, Path]) -> None:
