@@ -104,6 +104,7 @@ def notebooks(Notebook: Any, Md: Any, Code: Any, launch: Any, hang: str, ok: str
                    "distribution calls pair a scatter with a broadcast."),
                 launch(4),
                 Code(f"{ok}\n{MESH}import torch.nn as nn\n"
+                     "import torch._dynamo  # parallelize_module imports it on first use: here, not in the cell timed below\n"
                      "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
                      "mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))",
                      ["on ranks 0-3: ok"]),
