@@ -18,14 +18,15 @@ import math
 import struct
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
-from typing import Any, Protocol
+from typing import Any
 
 from distnb.analysis.agreement.evidence import odd_ones
+from distnb.analysis.reports.numerics_gap import Gap, gap, within
 from distnb.ranks import group_by
 from distnb.wire.records import TENSORS_READ, NumericsRecord, OpRecord
 
-__all__ = ["Gap", "NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "Valued", "compare_numerics", "gap", "nonfinite",
-           "rank_groups", "within"]
+__all__ = ["NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "compare_numerics", "nonfinite",
+           "rank_groups"]
 
 
 @dataclass(frozen=True)
@@ -38,46 +39,6 @@ class Side:
     total: float
     sample: tuple[float, ...] = ()
     numel: int = 0
-
-
-@dataclass(frozen=True)
-class Gap:
-    """How far one value is from another: the largest difference of an element. ``exact`` when
-    every element was compared; else a lower bound — the largest among the sampled elements, or
-    the sums' difference spread evenly over the elements, whichever is larger."""
-
-    value: float
-    exact: bool
-    compared: int  # elements compared
-    numel: int
-
-
-def _element_gap(a: float, b: float) -> float:
-    if math.isnan(a) or math.isnan(b):
-        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
-    return 0.0 if a == b else abs(a - b)  # equal infinities are no gap (inf - inf is NaN)
-
-
-class Valued(Protocol):
-    """A value as the record keeps it (a :class:`Side`, an output's ``OutputStats``)."""
-
-    @property
-    def total(self) -> float: ...
-    @property
-    def sample(self) -> tuple[float, ...]: ...
-    @property
-    def numel(self) -> int: ...
-
-
-def gap(a: Valued, b: Valued) -> Gap:
-    """The largest element difference between two values, exact where every element was sampled."""
-    same = bool(a.sample) and len(a.sample) == len(b.sample) and a.numel == b.numel
-    found = max((_element_gap(x, y) for x, y in zip(a.sample, b.sample)), default=0.0) if same else 0.0
-    numel = max(a.numel, b.numel)
-    exact = same and len(a.sample) == a.numel
-    if not exact and numel and math.isfinite(a.total) and math.isfinite(b.total):
-        found = max(found, abs(a.total - b.total) / numel)  # |Σa − Σb| ≤ n·max|a−b|
-    return Gap(found, exact, len(a.sample) if same else 0, numel)
 
 
 @dataclass
@@ -231,13 +192,6 @@ def _key(h: int, total: float) -> tuple[int, int] | None:
     """A fingerprint to compare: non-finite values (their NaN payloads vary with the order of a
     reduction) compare as one — where they were born is the non-finite analysis's answer."""
     return (h, _bits(total)) if total - total == 0 else None
-
-
-def within(a: float, b: float, rtol: float, atol: float) -> bool:
-    """Equal, or within the tolerance (NaN only with NaN)."""
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return a == b or abs(a - b) <= atol + rtol * max(abs(a), abs(b))
 
 
 def _split(values: dict[int, tuple[Any, ...]], exact: bool, rtol: float, atol: float) -> list[list[int]] | None:

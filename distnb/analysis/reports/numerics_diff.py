@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from distnb.analysis.reports.numerics import Gap, gap, within
+from distnb.analysis.reports.numerics_gap import Gap, gap, within
 from distnb.analysis.reports.numerics_text import op_words, size_words
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by

@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from distnb.analysis.reports.numerics_gap import gap
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 from distnb.wire.records import SAMPLE, OpRecord
 
 if TYPE_CHECKING:
-    from distnb.analysis.reports.numerics import Gap, NumericDivergence, NumericsReport
+    from distnb.analysis.reports.numerics import NumericDivergence, NumericsReport
+    from distnb.analysis.reports.numerics_gap import Gap
 
 __all__ = ["divergence_text", "nonfinite_text", "op_words", "plot", "report_text", "table_rows"]
 
@@ -181,8 +183,6 @@ def plot(report: NumericsReport) -> Any:
     largest element difference known (exact for small outputs, else a lower bound), along the
     cell's ops."""
     from matplotlib.figure import Figure
-
-    from distnb.analysis.reports.numerics import gap
 
     series: dict[int, tuple[list[int], list[float]]] = {r: ([], []) for r in report.records}
     for pos, where in enumerate(report.aligned):
