@@ -9,9 +9,10 @@ local piece. PyTorch's ``DebugMode`` (torch/utils/_debug_mode) logs the same ops
 ``torch.hash_tensor``, as a string per call for one process; this mode keeps, per op, only what the
 notebook compares across ranks: op, module path, pass, cell line, each output's shape, dtype and
 fingerprint (``torch.hash_tensor`` and a float64 sum, computed on the tensor's device and fetched
-in batches: one host sync per ``_FETCH`` ops) and ``SAMPLE`` of its elements, the tensor inputs' fingerprints, and which ranks must
-hold the same output (numerics_context.py), propagated op by op: an output made only from tensors
-that must agree must agree too.
+in batches: one host sync per ``_FETCH`` ops) with ``SAMPLE`` of its elements (what gives a
+divergence its size), the tensor inputs' fingerprints, and which ranks must hold the same output
+(numerics_context.py), propagated op by op: an output made only from tensors that must agree must
+agree too.
 
 A collective's output is not ready when its op returns (the Work is waited later): it is
 fingerprinted when an op first reads it, or at the cell's end. At most ``LIMIT`` ops are kept
