@@ -90,8 +90,9 @@ def _job(net: Cluster, host: str, node_rank: int, jobs: Path, folder: Path, env:
 
 
 def _attach_across(net: Cluster, tmp_path: Path, jobs_a: Path, jobs_b: Path, notebook: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """The hung job on both hosts (each host's ranks' files under its folder), the notebook run on
-    hosta (``notebook``: what runs it, then the job's id is added) with ``env``; what it saw."""
+    """The hung job on both hosts (each host's ranks' files under its folder) and NOTEBOOK run on
+    hosta with ``env``: ``notebook`` is the command that runs it, its last item NOTEBOOK's second
+    argument (a host, or ``--slurm``); returns what NOTEBOOK saw."""
     (tmp_path / "hang.py").write_text(SCRIPT)
     (tmp_path / "notebook.py").write_text(NOTEBOOK)
     token, job = uuid.uuid4().hex, f"two-{uuid.uuid4().hex[:6]}"
