@@ -162,14 +162,14 @@ def write_reproduction(facts: JobFacts, path: str | Path, hung_timeout: float = 
 
     if facts.world_size < 1:
         raise ValueError(f"the job's world size is {facts.world_size}: no rank published it; attach once its ranks run, or load its records.")
+    need = max(facts.culprits) + 1 if facts.culprits else 0  # a pool holding every blamed rank
     # The blamed ranks, and more ranks apart from them: a majority, so the pool can blame them again.
-    fewest = max(max(facts.culprits) + 1, 2 * len(facts.culprits) + 1) if facts.culprits else 0
+    fewest = max(need, 2 * len(facts.culprits) + 1) if facts.culprits else 0
     size = facts.world_size if ranks is None else ranks
     if not 1 <= size <= facts.world_size:
         raise ValueError(f"--ranks {size}: give 1 to the job's world size, {facts.world_size} (a pool the size of the job is the default).")
-    if fewest and size < max(facts.culprits) + 1:
-        raise ValueError(f"--ranks {size}: the failure is rank {max(facts.culprits)}'s, which a pool of {size} ranks does not have; "
-                         f"give at least {max(facts.culprits) + 1}.")
+    if size < need:
+        raise ValueError(f"--ranks {size}: the failure is rank {need - 1}'s, which a pool of {size} ranks does not have; give at least {need}.")
     script = script_path(facts.argv, facts.cwd)
     try:
         source = script.read_text()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from difflib import SequenceMatcher
 from typing import Any
 
@@ -264,7 +264,7 @@ def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why:
     if split is None:
         return None
     ref = ops[split[0][0]]
-    sides = [Side(g, firsts[g[0]].hash, firsts[g[0]].total, firsts[g[0]].sample, firsts[g[0]].numel) for g in split]
+    sides = [replace(firsts[g[0]], ranks=g) for g in split]
     odd = odd_ones({r: split_index for split_index, g in enumerate(split) for r in g})
     ins = {r: tuple(sorted((i.arg, _key(i.hash, i.total) or (0, 0)) for i in ops[r].inputs)) for r in values}
     return NumericDivergence(pos, {r: ops[r].seq for r in group}, ref.op, ref.module, ref.phase, ref.cell, ref.line, list(group),
