@@ -14,6 +14,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import hung_job
 import nbformat
 import pytest
 import torch
@@ -50,20 +51,7 @@ for step in range(6):
     train_step(step)
 """
 
-HANGS = f"""
-from datetime import timedelta
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo", timeout=timedelta(seconds={PG_TIMEOUT}))
-rank = dist.get_rank()
-t = torch.ones(4)
-for _ in range(3):
-    dist.all_reduce(t)
-if rank == 0:
-    dist.all_reduce(t)  # only rank 0: the others go on to the barrier
-dist.barrier()
-"""
+HANGS = hung_job.script(PG_TIMEOUT)
 
 MARK = "DISTNB_LOAD_TEST"
 

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import hung_job
 import pytest
 
 from conftest import marked_processes, started_pids, wait_gone
@@ -29,19 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 REPO = str(Path(__file__).resolve().parents[2])
 MARK = "DISTNB_ATTACH_NETNS_TEST"
 
-SCRIPT = """from datetime import timedelta
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-rank = dist.get_rank()
-t = torch.ones(4)
-for _ in range(3):
-    dist.all_reduce(t)
-if rank == 0:
-    dist.all_reduce(t)  # only rank 0: the others go on to the barrier
-dist.barrier()
-"""
+SCRIPT = hung_job.script(300)
 
 #: Run on hosta, as the notebook would: attach (hostb over ssh) until the hang is diagnosed, then
 #: print what it saw as JSON; also ask one of hostb's ranks without its CURVE keys.
@@ -126,7 +115,7 @@ def test_attach_reads_the_other_machine_over_ssh_and_its_ranks_over_curve(net: C
     assert seen["curve"] == {"0": True, "1": True, "2": True, "3": True}, seen  # bound beyond loopback: CURVE on every rank
     assert seen["culprits"] == [0] and seen["rule"] == "disagree", seen["text"]
     assert "rank 0 in all_reduce #4" in seen["text"] and "ranks 1-3 in barrier #4" in seen["text"], seen["text"]
-    assert "hang.py:12 in <module>: dist.barrier()" in seen["stacks"], seen["stacks"]
+    assert "hang.py:13 in <module>: dist.barrier()" in seen["stacks"], seen["stacks"]
     assert seen["unkeyed"] == [], "a client without the rank's CURVE keys got an answer"
 
 
