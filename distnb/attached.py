@@ -4,9 +4,11 @@ run -- torchrun … train.py``), seen from the notebook — read-only.
 :class:`AttachedJob` offers the read-only subset of the Pool's views: ``status``, ``stacks``,
 ``collectives``, ``memory``, ``env``, ``stragglers`` and ``diagnose``, asked of each rank's control thread (``worker/process/attachable.py``)
 through :class:`~distnb.controller.attach_link.AttachLink` and judged by the same parts a pool
-uses (the ``CollectiveLog``, ``services.positions``, ``analysis.verdicts``). Nothing it does
-changes the job: no cell, interrupt, push or debugger; ``detach()`` closes the notebook's sockets
-and leaves the ranks serving as before.
+uses (the ``CollectiveLog``, ``services.positions``, ``analysis.verdicts``). None of them changes
+the job: no cell, interrupt or push. Only ``debug()`` (``%dist_debug``) steps into a rank, when
+asked and with a warning: it runs what the user types in that rank and may pause it
+(services/job_console.py). ``detach()`` lets a paused rank go, closes the notebook's sockets and
+leaves the ranks serving as before.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, cast
+from typing import Any, Callable, Protocol, Sequence, cast
 
 from distnb import _processes
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
@@ -31,13 +33,17 @@ from distnb.controller.collective_log import CollectiveLog
 from distnb.errors import AttachError
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
+from distnb.services.debugger import Ask, read_line
 from distnb.services.diagnostics import REREAD_AFTER
+from distnb.services.job_console import JobConsole, warning
+from distnb.services.job_stepper import JobStepper
 from distnb.services.native_stacks import py_spy_dumps
 from distnb.services.positions import position_of, unsettled
 from distnb.services.reproduce import JobFacts, Reproduced, job_facts, write_reproduction
 from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
 from distnb.wire.protocol import Msg
-from distnb.wire.records import CollectivesRead
+from distnb.wire.records import CollectivesRead, PeekRead
+from distnb.worker.process.peek import EVAL_TIMEOUT
 
 __all__ = ["AttachStatus", "AttachedJob", "JobView", "attach", "current_attached", "current_job", "detach", "look_into", "stop_looking"]
 
@@ -110,6 +116,7 @@ class AttachedJob:
         self._link: AttachLink | None = AttachLink(files.ranks)
         self._log = CollectiveLog()
         self._attached_at = time.monotonic()
+        self._steppers: dict[int, JobStepper] = {}  # debugpy in the ranks the user paused (services/job_stepper.py)
 
     # -- the job's ranks ------------------------------------------------------------------------
     @property
@@ -251,6 +258,52 @@ class AttachedJob:
         verdict = self._diagnose(self.hang_after, stacks).text() if with_diagnosis else ""
         return AttachStatus(self.job, self.world_size, rows, verdict, notes)
 
+    # -- stepping in (only when asked) ---------------------------------------------------------
+    def peek(self, rank: int, what: str = "frames", frame: int | None = None, expr: str | None = None) -> PeekRead:
+        """A look into rank ``rank``'s main thread as it stands, not stopping it (worker/process/peek.py):
+        its frames, or ``expr`` run in frame ``frame`` (``what``: eval · pretty · exec · args ·
+        locals · source · function). It runs code in the job: ``debug`` is the console over it."""
+        msg: dict[str, Any] = {"t": Msg.PEEK, "what": what, "consent": True}
+        msg.update({k: v for k, v in (("frame", frame), ("expr", expr)) if v is not None})
+        reply = self._ask([rank], msg, max(self.timeout, EVAL_TIMEOUT + self.timeout)).get(rank)
+        if reply is None:
+            raise AttachError(f"rank {rank} gave no answer: {self.why_silent(rank)}.")
+        if "frames" not in reply:  # refused (a job started with DISTNB_ATTACH_DEBUG=0, an older distnb)
+            raise AttachError(f"rank {rank} refused: {reply.get('error', 'no frames in its answer')}.")
+        return cast(PeekRead, {k: reply[k] for k in PeekRead.__annotations__ if k in reply})
+
+    def debug(self, rank: int | None = None, commands: Sequence[str] | None = None, ask: Ask | None = read_line,
+              say: Callable[[str], None] = print) -> None:
+        """pdb's words on rank ``rank`` of the live job (default: the rank the diagnosis blames,
+        else 0) at the frame it stands in, said with a warning first (services/job_console.py):
+        looks that do not stop it, and ``pause``, ``n``, ``s``, ``c`` through debugpy. ``commands``
+        are run in order (then the console ends); without them each line comes from ``ask``
+        (``input()``: Jupyter's input box). ``q``, the end, or an interrupt leaves the rank running."""
+        if rank is None:
+            culprits = self.diagnose().culprits
+            rank = culprits[0] if culprits else 0
+        if not 0 <= rank < self.world_size:
+            raise AttachError(f"job {self.job} has ranks 0-{self.world_size - 1}, not {rank}; %dist_debug RANK names one of them.")
+        link = self._require()
+        stacks = self.stacks([rank]).ranks[0]
+        console = JobConsole(rank, lambda what, frame, expr: self.peek(rank, what, frame, expr),
+                             lambda: self._steppers.setdefault(rank, JobStepper(link, rank)))
+        say(warning(rank, self.job, self.pids().get(rank), stacks.annotation_text or ""))
+        try:
+            say(console.open())
+            lines = iter(commands) if commands is not None else None
+            while not console.done:
+                line = next(lines, "q") if lines is not None else (ask or read_line)(f"(rank {rank}) ")
+                if commands is not None:
+                    say(f"(rank {rank}) {line}")
+                said = console.run(line)
+                if said:
+                    say(said)
+        finally:
+            left = console.leave()  # an interrupt, an error: the rank is not left paused
+            if left:
+                say(left)
+
     # -- to a notebook --------------------------------------------------------------------------
     def facts(self) -> JobFacts:
         """What a notebook needs to stand in for the job (``reproduce``): its command line and folder
@@ -279,7 +332,10 @@ class AttachedJob:
 
     # -- the end --------------------------------------------------------------------------------
     def detach(self) -> None:
-        """Close the notebook's connections; the job runs on as it was."""
+        """Close the notebook's connections; the job runs on as it was (a rank paused from here goes on)."""
+        for stepper in self._steppers.values():
+            stepper.resume()
+        self._steppers.clear()
         if self._link is not None:
             self._link.close()
             self._link = None

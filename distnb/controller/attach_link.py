@@ -4,7 +4,9 @@ address in its discovery file, frames signed with the key the rank published the
 The pool's ranks connect to the controller's ROUTER; an attached job's ranks listen and the
 notebook connects, so no Channel or I/O thread is needed: :meth:`AttachLink.ask` sends a request
 to each rank and waits for the replies on the caller's thread. Requests are the control thread's
-own (STACKS, COLLECTIVES, MEMORY, ENV); each reply repeats its ``id``.
+own (STACKS, COLLECTIVES, MEMORY, ENV, PEEK, DAP); each reply repeats its ``id``. What a rank
+pushes unasked (its debugpy's answers and stops, DAP_PUSH) is kept in :attr:`AttachLink.pushed`
+for :meth:`AttachLink.listen`.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import itertools
 import os
 import time
 import uuid
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import zmq
 
 from distnb.wire.codec import BadFrame, Codec, ReplayGuard, socket_max_msgsize
 from distnb.wire.discovery import RankEndpoint
+from distnb.wire.protocol import Msg
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import drain, send_frames
 
@@ -38,6 +41,8 @@ class AttachLink:
         self._codecs: dict[int, Codec] = {}
         self._guard = ReplayGuard()
         self._ids = itertools.count(1)
+        #: DAP messages each rank's debugpy sent (services/job_debug.py takes them).
+        self.pushed: dict[int, list[dict[str, Any]]] = {r: [] for r in self.endpoints}
         for r, e in self.endpoints.items():
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -72,14 +77,36 @@ class AttachLink:
                 break
             for sock, _ in poller.poll(max(1, int(left * 1000))):
                 r = by_sock[sock]
-                for frames in drain(sock):
-                    try:
-                        reply = self._codecs[r].decode(frames, self._guard)
-                    except BadFrame:
-                        continue
+                for reply in self._read(r, sock):
                     if reply.get("id") == wanted[r]:
                         replies[r] = reply
         return replies
+
+    def listen(self, rank: int, until: Callable[[list[dict[str, Any]]], bool], timeout: float) -> bool:
+        """Read what ``rank`` pushes until ``until(self.pushed[rank])`` holds (True) or ``timeout``
+        seconds pass (False)."""
+        sock = self._socks[rank]
+        deadline = time.monotonic() + timeout
+        while not until(self.pushed[rank]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                for _ in self._read(rank, sock):
+                    pass  # a late answer to an ask that gave up on it
+        return True
+
+    def _read(self, rank: int, sock: zmq.Socket[bytes]) -> Iterable[dict[str, Any]]:
+        """The replies waiting on ``sock``; pushed DAP messages go to :attr:`pushed` on the way."""
+        for frames in drain(sock):
+            try:
+                msg = self._codecs[rank].decode(frames, self._guard)
+            except BadFrame:
+                continue
+            if msg.get("t") == Msg.DAP_PUSH:
+                self.pushed[rank].extend(msg.get("msgs") or [])
+            else:
+                yield msg
 
     def close(self) -> None:
         for sock in self._socks.values():

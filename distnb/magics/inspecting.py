@@ -9,6 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from distnb.attached import AttachedJob, current_job
 from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, usage_errors, views_or_usage_error
 
 __all__ = ["InspectMagics"]
@@ -205,15 +206,34 @@ class InspectMagics(Magics):
             return pool.env(args.ranks)
 
     @magic_arguments()
-    @argument("rank", nargs="?", type=int, default=None, help="The rank to debug (default: the root-cause rank of the last cell that raised).")
+    @argument("rank", nargs="?", type=int, default=None,
+              help="The rank to debug (default: the root-cause rank of the last cell that raised; attached: of the hang).")
+    @argument("-c", "--command", action="append", default=None, metavar="CMD",
+              help="Attached to a job: run this console command (again for more), then leave; without it, lines are asked.")
     @line_magic
     def dist_debug(self, line: str) -> None:
         """Post-mortem: pdb at the frame where the last failing cell raised on a rank, its namespace alive.
 
         Type pdb commands at the prompt (p, w, u/d, l, pp …); c or q ends it. %%on_ranks --pdb
         instead stops every rank that raises at its error while the cell runs. (An out-of-memory
-        error's frames are not kept: they would hold the memory; use --pdb for those.)"""
+        error's frames are not kept: they would hold the memory; use --pdb for those.)
+
+        Attached to a live job (%dist_attach): pdb's words on the rank at the frame it stands in,
+        after a warning. It is not stopped: where, p, pp, l, args read its frames (a rank hung in a
+        collective too); pause stops it at its next Python line, then n, s, r step and c lets it go.
+        q leaves it running as it was."""
         args = parse(self.dist_debug, line)
+        job = current_job()
+        if isinstance(job, AttachedJob):
+            with usage_errors():
+                job.debug(args.rank, commands=args.command)
+            return
+        if job is not None:
+            raise UsageError(f"this notebook is {job.describe()}: its ranks have ended, so there is no frame to debug; "
+                             "%dist_reproduce writes a notebook that fails the same way, where %dist_debug works.")
+        if args.command:
+            raise UsageError("-c runs console commands on a rank of an attached job (%dist_attach); on a pool, "
+                             "%dist_debug asks for pdb's commands at its prompt.")
         pool = pool_or_usage_error()
         with usage_errors():
             result = pool.debug(args.rank)

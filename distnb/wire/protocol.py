@@ -45,6 +45,7 @@ __all__ = [
     "NodeRefused",
     "NodeStart",
     "Output",
+    "Peek",
     "RankEvent",
     "RankExit",
     "Ready",
@@ -109,6 +110,7 @@ class Msg:
     WATCH: Final = "watch"  # the cell has run a while: look at its collectives until it ends (unanswered)
     HOLD: Final = "hold"  # before the next collective: pause in the debugger, or raise rather than wait for ranks that left
     DAP: Final = "dap"  # DAP requests for the rank's debugpy (started on the first); answers come as DAP_PUSH
+    PEEK: Final = "peek"  # an attached job's rank: its main thread's frames, or an expression evaluated in one (%dist_debug)
     # C -> s
     PING: Final = "ping"  # the controller's heartbeat (also to node agents)
     FAULT_REQUEST: Final = "fault_request"  # SIGUSR1 the rank so faulthandler dumps every thread
@@ -300,6 +302,24 @@ class Dap(_DapKind, total=False):
     debugger panel, services/rank_debug.py); its REPLY says whether the link is up."""
 
     stops: bool  # the panel's "before each collective": on or off (worker/torch_hooks/call_log.py STOPS.every)
+    consent: bool  # an attached job's rank: the notebook asked to debug it (%dist_debug)
+    leave: bool  # an attached job's rank: these let its main thread go; stop tracing it once it has
+
+
+class _PeekKind(TypedDict):
+    t: Literal["peek"]
+    id: str
+    what: str  # frames · eval · exec · pretty · args · locals · source · function (worker/process/peek.py)
+
+
+class Peek(_PeekKind, total=False):
+    """A look into an attached job's rank from its control thread, the main thread left running
+    (or held where debugpy paused it): its frames, or ``expr`` run in frame ``frame`` (an index
+    into the frames, outermost first). Answered only with ``consent``: the notebook asked for it."""
+
+    frame: int
+    expr: str
+    consent: bool
 
 
 class DapPush(TypedDict):
@@ -363,7 +383,7 @@ Inbound = FromExec | FromControl | FromSupervisor | FromNode
 RankEvent = CellDone | Display | StdinRequest
 #: The controller, to a rank's main thread, its control thread, its supervisor, a node agent.
 ToExec = Exec | Request | StdinReply
-ToControl = Request | Ping | Dap | Hold
+ToControl = Request | Ping | Dap | Hold | Peek
 ToSupervisor = Request | Ping
 ToNode = NodeStart | NodeRefused | Ping
 
@@ -418,13 +438,14 @@ def accept_event(event: object) -> RankEvent:
 #: Kinds each of the ranks' connections (and a node agent) takes from the controller.
 _TO: dict[PeerKind, frozenset[str]] = {
     PeerKind.EXEC: frozenset({Msg.EXEC, Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STDIN_REPLY}),
-    PeerKind.CONTROL: frozenset({Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.INTERRUPT, Msg.WATCH, Msg.DAP, Msg.HOLD}),
+    PeerKind.CONTROL: frozenset({Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.INTERRUPT, Msg.WATCH, Msg.DAP, Msg.HOLD,
+                                Msg.PEEK}),
     PeerKind.SUPERVISOR: frozenset({Msg.PING, Msg.FAULT_REQUEST, Msg.RESPAWN, Msg.SPARE, Msg.SHUTDOWN, Msg.INTERRUPT}),
     PeerKind.NODE: frozenset({Msg.NODE_START, Msg.NODE_REFUSED, Msg.PING, Msg.SHUTDOWN}),
 }
 #: Requests whose sender waits for a REPLY with their ``id``.
 _ANSWERED = frozenset({Msg.PUSH, Msg.PULL, Msg.CHECK, Msg.REGROUP, Msg.STACKS, Msg.ENV, Msg.MESHES, Msg.MEMORY, Msg.COLLECTIVES, Msg.FAULT_REQUEST, Msg.DAP,
-                       Msg.HOLD})
+                       Msg.HOLD, Msg.PEEK})
 
 
 @overload

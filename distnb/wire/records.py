@@ -14,7 +14,7 @@ import math
 from typing import Any, Final, NamedTuple, TypedDict
 
 __all__ = ["P2P_OPS", "UNRECORDED", "CallRecord", "CellError", "CellOutcome", "CollectiveEntry", "CollectivesRead", "InputRead", "NumericsRecord",
-           "OpRecord", "OutputStats", "SAMPLE", "SyncState", "TENSORS_READ"]
+           "OpRecord", "OutputStats", "PeekFrame", "PeekRead", "SAMPLE", "SyncState", "TENSORS_READ"]
 
 #: The id of an entry made from a watched call the recorder has no entry for yet (NCCL connecting
 #: a communicator): above every real id, so it sorts after the rank's recorded calls.
@@ -86,6 +86,25 @@ class CollectivesRead(TypedDict, total=False):
     groups: dict[str, list[int]]  # the groups' members, only when the rank's table changed since last sent (or asked)
     gkey: int  # the rank's group table's key, in every read: a missed ``groups`` shows as a new key
     descs: dict[str, str]  # group name → torch's description (mesh_dp …), with ``groups``
+
+
+class PeekFrame(NamedTuple):
+    """One frame of a rank's main thread, as a look into it (``worker/process/peek.py``) sees it."""
+
+    filename: str
+    line: int
+    function: str
+    code: str  # the source line
+    user: bool  # the user's code: not the standard library, an installed package, distnb or the debugger
+
+
+class PeekRead(TypedDict, total=False):
+    """The answer to a PEEK: the main thread's frames, outermost first, and what was asked of one."""
+
+    frames: list[PeekFrame]
+    value: str  # the expression's value (repr, pretty-printed or cut to a length), or the names asked
+    source: list[tuple[int, str]]  # (line number, text) for ``source`` and ``function``
+    error: str  # why nothing came: the expression raised (its last line), or the rank refused
 
 
 class SyncState(TypedDict, total=False):

@@ -9,8 +9,10 @@ sets the Flight Recorder's buffer size (torch reads it when the job makes its pr
 starts one daemon thread; that thread imports what it needs, binds ``tcp://127.0.0.1:*`` (or
 ``DISTNB_ATTACH_HOST``), writes the rank's discovery file (``wire/discovery.py``) and serves
 requests as a pool rank's control thread does. It never issues a collective, never signals the
-main thread (interrupts are refused: an attached job is read-only), and any failure of its own is
-one line on stderr, the job going on. The call log (``worker/torch_hooks/call_log.py``: the
+main thread (interrupts are refused), and any failure of its own is one line on stderr, the job
+going on. Only on the notebook's explicit request (``%dist_debug``, a PEEK or DAP carrying
+``consent``) does it run code in the rank (an expression evaluated in a frame) or start debugpy to
+pause and step the main thread; a job started with DISTNB_ATTACH_DEBUG=0 refuses even that. The call log (``worker/torch_hooks/call_log.py``: the
 arguments the Flight Recorder does not keep, gloo's point-to-point calls) is wrapped onto
 ``torch.distributed`` as soon as the job imports it, by a ``sys.meta_path`` finder that answers
 for that one module (``DISTNB_CALL_LOG=0`` leaves it out): an attach then finds the calls made
@@ -23,11 +25,12 @@ import os
 import socket
 import sys
 import threading
+import time
 from typing import Any, Mapping
 
 from distnb.worker.process.job_records import RECORD_AFTER, RECORD_AFTER_ENV, RECORDS_SWITCH, JobRecorder
 
-__all__ = ["ATTACH_ENV", "STARTED_ENV", "maybe_start", "serve"]
+__all__ = ["ATTACH_ENV", "DEBUG_SWITCH", "LEASE", "LEASE_ENV", "STARTED_ENV", "maybe_start", "serve"]
 
 #: The switch: set to 1 in a job's environment, its ranks become attachable.
 ATTACH_ENV = "DISTNB_ATTACH"
@@ -38,6 +41,16 @@ STARTED_ENV = "DISTNB_ATTACH_STARTED"
 FR_ENTRIES = "500"
 #: Bind addresses only this machine reaches: no CURVE needed (the discovery file is private).
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: Set to 0 in a job's environment, its ranks refuse to be debugged (%dist_debug): looked at only.
+DEBUG_SWITCH = "DISTNB_ATTACH_DEBUG"
+#: Seconds a rank paused by a notebook's debugger stays paused with no word from that notebook
+#: (DISTNB_DEBUG_LEASE): then it goes on, so a notebook that closed never leaves the job held.
+LEASE = 600.0
+LEASE_ENV = "DISTNB_DEBUG_LEASE"
+#: Milliseconds between the control thread's looks at a debugged rank (the lease, the untrace).
+TICK_MS = 200
+#: debugpy request numbers the rank uses for itself (far above the notebook's).
+LET_GO_SEQ = 1_000_000_000
 
 _started = False
 
@@ -178,17 +191,76 @@ def _listen() -> tuple[Any, str]:
 def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: Any) -> Any:
     from distnb.wire.protocol import Msg, ToControl
     from distnb.worker.process.control import ControlThread
+    from distnb.worker.process.peek import peek
 
     class AttachableControl(ControlThread):
-        """A pool rank's control thread, read-only: no interrupts, no debugger, the call log
-        wrapped on first use."""
+        """A pool rank's control thread that never interrupts the job. Its frames can be looked
+        into and its main thread paused and stepped by debugpy only on the notebook's explicit
+        request (``consent``, asked by ``%dist_debug`` with a warning), unless the job was started
+        with DISTNB_ATTACH_DEBUG=0; a pause nobody speaks to for the lease is let go."""
+
+        debugged = False
+        heard = 0.0
+        leaving = False  # the notebook let the main thread go: untrace it once it has left the debugger
 
         def handle(self, msg: ToControl) -> Mapping[str, Any] | None:
-            if msg["t"] in (Msg.INTERRUPT, Msg.HOLD, Msg.DAP):
+            if msg["t"] in (Msg.INTERRUPT, Msg.HOLD):
                 return {"error": "this job is attached read-only: distnb does not interrupt or pause it"}
+            if msg["t"] == Msg.PEEK or msg["t"] == Msg.DAP:
+                why = _refused(msg)
+                if why:
+                    return {"error": why}
+                self._heard_from_notebook()
+                if msg["t"] == Msg.PEEK:
+                    return dict(peek(msg))
+                self.push_route = self.asked_by  # debugpy's answers and stops go to the notebook debugging
+                self.tick_every = TICK_MS
+                self.leaving = bool(msg.get("leave"))
+                return super().handle({"t": Msg.DAP, "id": msg["id"], "msgs": msg["msgs"]})  # not the pool's "before each collective"
             return super().handle(msg)
+
+        def _heard_from_notebook(self) -> None:
+            self.heard = time.monotonic()
+            if not self.debugged:
+                self.debugged = True
+                print(f"distnb: rank {rank}: a notebook attached to this job is debugging this rank (%dist_debug): what it types "
+                      "runs here, and it may pause this rank; DISTNB_ATTACH_DEBUG=0 at launch refuses that", file=sys.stderr, flush=True)
+
+        def tick(self) -> None:
+            link = self.executor.panel
+            if self.leaving and link.untrace():
+                self.leaving = False
+            if time.monotonic() - self.heard < _lease():
+                return
+            if link.stopped and link.sock is not None:
+                # The notebook that paused the rank went quiet (closed, crashed, forgot): the job comes first.
+                link.send([{"seq": LET_GO_SEQ + i, "type": "request", "command": "continue", "arguments": {"threadId": t}}
+                           for i, t in enumerate(sorted(link.stopped))])
+                print(f"distnb: rank {rank}: the notebook that paused this rank said nothing for {_lease():g} s: "
+                      "the rank goes on", file=sys.stderr, flush=True)
+                self.leaving = True
+                return
+            if not self.leaving:
+                self.tick_every = None
 
     control = AttachableControl(ctx, addr, creds, rank, executor, bind=True)
     control.state = "in the job"
     control.seqs = None  # nothing to push to: the notebook asks
     return control
+
+
+def _refused(msg: Mapping[str, Any]) -> str:
+    """Why a look into this rank's frames, or its debugger, is refused ("" when it is not)."""
+    if os.environ.get(DEBUG_SWITCH) == "0":
+        return f"this job was started with {DEBUG_SWITCH}=0: its ranks can be looked at (%dist_stacks …), not debugged"
+    if not msg.get("consent"):
+        return ("debugging a rank of a live job runs code in it and may pause it, so it is done only when asked: "
+                "%dist_debug RANK (AttachedJob.debug) asks, with a warning")
+    return ""
+
+
+def _lease() -> float:
+    try:
+        return float(os.environ.get(LEASE_ENV) or LEASE)
+    except ValueError:
+        return LEASE

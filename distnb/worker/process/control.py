@@ -119,6 +119,10 @@ class ControlThread(threading.Thread):
         self._next_watch = 0.0
         self._poller: zmq.Poller | None = None
         self._panel_fd: int | None = None  # debugpy's socket, once the notebook's debugger panel asked
+        self.asked_by: list[bytes] = []  # bound: the route to the notebook whose request is being handled
+        self.push_route: list[bytes] = []  # bound: the route debugpy's messages are pushed to (the notebook debugging)
+        #: Milliseconds between calls of :meth:`tick` (None: never), for a subclass's own timers.
+        self.tick_every: int | None = None
         self.watch_dumps = 0  # Flight Recorder reads the watch made, and their total time (benchmarks)
         self.watch_seconds = 0.0
 
@@ -133,11 +137,15 @@ class ControlThread(threading.Thread):
                 idle = self.executor.cell is None and not self._was_running
                 # Rounded up: a 0 ms poll would spin until the next look is due.
                 wait_ms = None if self.seqs is None or idle else max(0, math.ceil((self._next_watch - time.monotonic()) * 1000))
+                if self.tick_every is not None:
+                    wait_ms = min(wait_ms, self.tick_every) if wait_ms is not None else self.tick_every
                 events = dict(poller.poll(wait_ms))
                 if self.sock in events:
                     self._serve_one(recv_frames(self.sock))
                 if self._panel_fd is not None and self._panel_fd in events:
                     self._relay_panel()
+                if self.tick_every is not None:
+                    self.tick()
                 if self.seqs is not None and time.monotonic() >= self._next_watch:
                     self._next_watch = time.monotonic() + WATCH_INTERVAL
                     self._watch()
@@ -148,6 +156,7 @@ class ControlThread(threading.Thread):
         route: list[bytes] = []
         if self.routed:  # the asking notebook's identity first: the reply goes back to it
             route, frames = frames[:1], frames[1:]
+        self.asked_by = route
         try:
             msg = accept_request(PeerKind.CONTROL, self.codec.decode(frames, self.guard))
         except BadFrame:
@@ -340,6 +349,7 @@ class ControlThread(threading.Thread):
         """Relay DAP requests to this rank's debugpy (started on the first): the answers come back
         unasked, as DAP_PUSH, in the order debugpy sends them."""
         link = self.executor.panel
+        fresh = link.sock is None
         why = link.start()
         if why:
             return {"error": why}
@@ -350,7 +360,7 @@ class ControlThread(threading.Thread):
             link.collective_stops(stops)
         if msgs:
             link.send(msgs)
-        return {"ok": True}
+        return {"ok": True, "fresh": fresh}
 
     def _relay_panel(self) -> None:
         link = self.executor.panel
@@ -360,7 +370,10 @@ class ControlThread(threading.Thread):
             self._panel_fd = None
             msgs.append({"type": "event", "event": "distnb_link_closed", "body": {}})
         if msgs:
-            send_frames(self.sock, self.codec.encode({"t": Msg.DAP_PUSH, "rank": self.rank, "msgs": msgs}))
+            send_frames(self.sock, self.push_route + self.codec.encode({"t": Msg.DAP_PUSH, "rank": self.rank, "msgs": msgs}))
+
+    def tick(self) -> None:
+        """Called every :attr:`tick_every` ms on this thread, while that is set."""
 
     def handle(self, msg: ToControl) -> Mapping[str, Any] | None:
         if msg["t"] == Msg.DAP:

@@ -260,6 +260,43 @@ class PanelLink:
             info.pydev_step_cmd = -1
             info.pydev_state = _STATE_RUN
 
+    def untrace(self) -> bool:
+        """From the control thread, once the debugger let go of the main thread (a console on a live
+        job's rank left, services/job_console.py): stop tracing it, as it ran before the pause. A
+        traced thread runs Python calls about 10× slower, even with no breakpoint (measured on a
+        loop of small calls, 3.11 and 3.13). False while the thread is still held (try again)."""
+        pydevd = sys.modules.get("pydevd")
+        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        if pydevd is None or self.stopped or not self._tracing:
+            return not self.stopped
+        frames = []
+        while frame is not None:
+            if "pydevd" in frame.f_code.co_filename or "debugpy" in frame.f_code.co_filename:
+                return False  # still leaving the debugger's wait
+            frames.append(frame)
+            frame = frame.f_back
+        with contextlib.suppress(Exception):  # pydevd's internals: a newer debugpy may lack them
+            if _monitoring():
+                from _pydevd_sys_monitoring import pydevd_sys_monitoring
+
+                # Freeing the tool leaves the events it set on each code object until 3.14 (about
+                # 25% slower calls, measured on 3.13): those it knows are cleared first.
+                monitoring: Any = getattr(sys, "monitoring")  # 3.12+, as _monitoring() says
+                for name in ("_pydevd_sys_monitoring._pydevd_sys_monitoring_cython", "_pydevd_sys_monitoring._pydevd_sys_monitoring"):
+                    for code in list(getattr(sys.modules.get(name), "_code_to_func_code_info_cache", {})):
+                        monitoring.set_local_events(monitoring.DEBUGGER_ID, code, 0)
+                pydevd_sys_monitoring.stop_monitoring(all_threads=True)  # no tool, no events: a later pause starts it again
+            else:
+                import pydevd_tracing
+
+                # The thread's own trace function can only be removed by that thread: one that
+                # removes itself at the thread's next call; the frames running now are cleared here.
+                pydevd_tracing.set_trace_to_threads(_untrace_self, thread_idents=[threading.main_thread().ident], create_dummy_thread=False)
+                for f in frames:
+                    f.f_trace = None
+            self._tracing = False
+        return True
+
     def after_cell(self) -> None:
         """From the main thread, as a cell ends. An interrupt raised through debugpy's wait leaves
         debugpy believing the thread suspended: it would hold the next traced cell at its first
@@ -298,6 +335,10 @@ class PanelLink:
 #: pydevd's thread states (``_pydevd_bundle.pydevd_constants``): not imported, as let_go may
 #: call nothing.
 _STATE_RUN, _STATE_SUSPEND = 1, 2
+
+
+def _untrace_self(frame: Any, event: str, arg: Any) -> None:
+    sys.settrace(None)
 
 
 def _monitoring() -> bool:

@@ -1,0 +1,211 @@
+"""``%dist_debug`` on an attached job: a pdb-like console on one rank of a live job, at the frame it
+stands in now.
+
+Two parts, so that it works on the rank that matters most, a hung one:
+
+- **Looks** (PEEK, worker/process/peek.py): ``where``, ``up``/``down``, ``list``, ``p``/``pp``,
+  ``args``, ``locals`` and any other line (``!stmt``) are answered by the rank's control thread
+  against the main thread's frames as they stand, without stopping it. A rank blocked in a
+  collective is in native code, where no debugger can pause it, and its frames stand still there.
+- **Steps** (debugpy, services/job_stepper.py): ``pause`` stops the main thread at its next Python
+  line; then ``n``, ``s``, ``r`` step it and ``c`` lets it go. Only on request: a paused rank holds
+  the others at their next collective, their timeouts running.
+
+``q`` (or the end of the commands) leaves the rank running as it was; nothing raises in the job.
+Every answer is text (the console prints it); the looks themselves are data (:class:`PeekRead`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from distnb.services.job_stepper import STEP_WAIT, JobStepper, Stop
+from distnb.wire.records import PeekFrame, PeekRead
+
+__all__ = ["CONSOLE_HELP", "JobConsole", "Look", "warning"]
+
+#: One look into the rank: (what, frame index or None, expression or None) → its answer.
+Look = Callable[[str, int | None, str | None], PeekRead]
+
+_STEPS = {"n": "next", "next": "next", "s": "stepIn", "step": "stepIn", "r": "stepOut", "return": "stepOut"}
+_QUIT = {"q", "quit", "exit", "EOF"}
+
+CONSOLE_HELP = """distnb's console on a rank of a live job (pdb's words; the rank is not stopped unless you pause it):
+  w, where, bt        the main thread's frames, the selected one marked >
+  u [N], d [N]        select the frame N up (outward) or down
+  l, list · ll        the source around the selected frame's line · its whole function
+  p EXPR · pp EXPR    EXPR's value in the selected frame (pp: pretty-printed)
+  a, args · locals    the selected frame's arguments · all its locals
+  !STMT, or any line  run it in the selected frame (its prints go to the job's output)
+  pause               stop the main thread at its next Python line (in native code, e.g. inside a
+                      collective: when it comes back); the others wait for it at their next collective
+  n · s · r           paused: next line · step into · step out (return)
+  c                   paused: let it go on, and leave the console
+  q                   leave the console; a paused rank goes on, as it was"""
+
+
+def warning(rank: int, job: str, pid: int | None, where: str) -> str:
+    """What the console says first: what debugging a live rank does to the job."""
+    at = f" (pid {pid})" if pid is not None else ""
+    lines = [f"[distnb] debugging rank {rank} of the live job {job}{at}: what you type runs in that process, on a thread "
+             "beside the job. It is not stopped: `pause` stops it at its next Python line, and while it is paused the "
+             "other ranks wait for it at their next collective, their timeouts running (gloo 30 min, NCCL 10 min by "
+             "default). q leaves it running as it was; h lists the commands."]
+    if where:
+        lines.append(f"[distnb] rank {rank} is {where}")
+    return "\n".join(lines)
+
+
+class JobConsole:
+    """The console's state on one rank: the selected frame, and debugpy once asked to pause."""
+
+    def __init__(self, rank: int, look: Look, stepper: Callable[[], JobStepper]) -> None:
+        self.rank = rank
+        self._look = look
+        self._make_stepper = stepper
+        self._stepper: JobStepper | None = None
+        self.frames: list[PeekFrame] = []
+        self.selected: int | None = None
+        self.done = False
+
+    @property
+    def paused(self) -> bool:
+        return self._stepper is not None and self._stepper.paused
+
+    def open(self) -> str:
+        """The frames as they stand, the innermost of the user's selected (pdb's first words)."""
+        self._read_frames(select_user=True)
+        return self._where(current_only=True)
+
+    def run(self, line: str) -> str:
+        """One command's answer, in words."""
+        line = line.strip()
+        if self._stepper is not None and not self._stepper.paused and self._stepper.stopped(0) is not None:
+            # A step that ran into native code has stopped since: the frames moved.
+            self._read_frames(select_user=True)
+        word, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if not line:
+            return ""
+        if word in _QUIT:
+            return self.leave()
+        if word in ("h", "help"):
+            return CONSOLE_HELP
+        if word in ("w", "where", "bt"):
+            self._read_frames()
+            return self._where()
+        if word in ("u", "up", "d", "down"):
+            return self._move(word, rest)
+        if word in ("l", "list", "ll", "longlist"):
+            return self._source("function" if word in ("ll", "longlist") else "source")
+        if word in ("p", "pp") and rest:
+            return self._value("pretty" if word == "pp" else "eval", rest)
+        if word in ("a", "args") and not rest:
+            return self._value("args", None)
+        if word == "locals" and not rest:
+            return self._value("locals", None)
+        if word == "pause" and not rest:
+            return self._pause()
+        if word in _STEPS and not rest:
+            return self._step(_STEPS[word])
+        if word in ("c", "cont", "continue") and not rest:
+            return self.leave()
+        return self._value("exec", line[1:] if line.startswith("!") else line)
+
+    def leave(self) -> str:
+        """End the console: a paused rank goes on. Safe to call twice."""
+        if self.done:
+            return ""
+        self.done = True
+        if self._stepper is None or not (self._stepper.paused or self._stepper.pending):
+            return f"[distnb] left rank {self.rank}; it runs on as it was."
+        was = self._stepper.paused
+        why = self._stepper.resume()
+        if why:
+            return f"[distnb] rank {self.rank} may still be paused: debugpy did not take the continue ({why}); %dist_debug {self.rank} then c"
+        return f"[distnb] rank {self.rank} goes on; left it." if was else f"[distnb] left rank {self.rank}; the pause asked for is taken back, it runs on."
+
+    # -- looks ---------------------------------------------------------------------------------
+    def _read_frames(self, select_user: bool = False) -> None:
+        read = self._look("frames", None, None)
+        before = self.frames
+        self.frames = list(read.get("frames", []))
+        moved = [(f.filename, f.function) for f in before] != [(f.filename, f.function) for f in self.frames]
+        if select_user or moved or self.selected is None or self.selected >= len(self.frames):
+            users = [i for i, f in enumerate(self.frames) if f.user]
+            self.selected = users[-1] if users else (len(self.frames) - 1 if self.frames else None)
+
+    def _where(self, current_only: bool = False) -> str:
+        if not self.frames or self.selected is None:
+            return f"rank {self.rank}'s main thread shows no Python frame now"
+        shown = [self.selected] if current_only else range(len(self.frames))
+        return "\n".join(_frame_line(self.frames[i], i == self.selected) for i in shown)
+
+    def _move(self, word: str, count: str) -> str:
+        if not self.frames:
+            self._read_frames(select_user=True)
+        if self.selected is None:
+            return "no frame to move in"
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            return f"*** {word} takes a number of frames, not {count!r}"
+        up = word in ("u", "up")
+        target = self.selected - n if up else self.selected + n
+        if not 0 <= target < len(self.frames):
+            return "*** Oldest frame" if up else "*** Newest frame"
+        self.selected = target
+        return _frame_line(self.frames[target], True)
+
+    def _source(self, what: str) -> str:
+        if self.selected is None:
+            self._read_frames(select_user=True)
+        read = self._look(what, self.selected, None)
+        if read.get("error"):
+            return f"*** {read['error']}"
+        here = self.frames[self.selected].line if self.selected is not None and self.selected < len(self.frames) else -1
+        return "\n".join(f"{n:>4} {'->' if n == here else '  '} {text}" for n, text in read.get("source", [])) or "*** no source"
+
+    def _value(self, what: str, expr: str | None) -> str:
+        if self.selected is None:
+            self._read_frames(select_user=True)
+        read = self._look(what, self.selected, expr)
+        if read.get("error"):
+            return f"*** {read['error']}"
+        return read.get("value", "")
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _pause(self) -> str:
+        if self._stepper is None:
+            self._stepper = self._make_stepper()
+        try:
+            stop = self._stepper.pause()
+        except RuntimeError as exc:
+            return f"*** rank {self.rank} was not paused: {exc}"
+        if stop is None:
+            return (f"[distnb] rank {self.rank} is in native code (a collective, a kernel, I/O): it stops when it comes back to "
+                    "Python. Its frames stand still meanwhile (where, p …); q takes the pause back.")
+        return self._stopped(stop)
+
+    def _step(self, command: str) -> str:
+        if not self.paused or self._stepper is None:
+            return f"*** rank {self.rank} is not paused (it runs on): `pause` first"
+        try:
+            stop = self._stepper.step(command)
+        except RuntimeError as exc:
+            return f"*** {exc}"
+        if stop is None:
+            return (f"[distnb] rank {self.rank} has not stopped within {STEP_WAIT:g} s: the step runs on (a long call, or native code "
+                    "such as a collective waiting for the other ranks); it stops when the step ends. where shows where it is now.")
+        return self._stopped(stop)
+
+    def _stopped(self, stop: Stop) -> str:
+        self._read_frames(select_user=True)
+        why = f" ({stop.text})" if stop.text and stop.reason == "exception" else ""
+        return f"[distnb] rank {self.rank} paused ({stop.reason}{why})\n" + self._where(current_only=True)
+
+
+def _frame_line(frame: PeekFrame, selected: bool) -> str:
+    mark = ">" if selected else " "
+    code = f": {frame.code}" if frame.code else ""
+    return f"{mark} {frame.filename}:{frame.line} in {frame.function}{code}"

@@ -1,0 +1,158 @@
+"""debugpy in one rank of an attached job, driven step by step: pause its main thread, next, step,
+return, continue (``%dist_debug``'s ``pause``, ``n``, ``s``, ``r``, ``c``; services/job_console.py).
+
+The pool's ranks run the same in-process debugpy for the notebook's debugger panel
+(worker/process/panel_link.py, services/rank_debug.py); an attachable rank's control thread relays
+it only when the request carries the notebook's consent (worker/process/attachable.py). Here the
+DAP client is synchronous: each request waits for its response in what the rank pushed
+(:attr:`AttachLink.pushed`), and a step waits for the stop it leads to. Frames and values are not
+read through debugpy but by the console's looks (PEEK), the same whether the rank is paused or not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from distnb.controller.attach_link import AttachLink
+from distnb.services.rank_debug import ANSWER_TIMEOUT
+from distnb.wire.protocol import Msg
+
+__all__ = ["STEP_WAIT", "JobStepper", "Stop"]
+
+#: Seconds a pause or a step waits for the main thread to stop; a thread in native code (a
+#: collective, a kernel) stops only when it comes back to Python.
+STEP_WAIT = 5.0
+_INIT = {"clientID": "distnb", "adapterID": "distnb", "pathFormat": "path", "linesStartAt1": True, "columnsStartAt1": True}
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Where debugpy stopped the main thread, and why (pause, step, breakpoint, exception)."""
+
+    reason: str
+    text: str = ""  # debugpy's words for an exception stop
+
+
+class JobStepper:
+    """One rank's debugpy over the attach link; build it when the user first asks to pause."""
+
+    def __init__(self, link: AttachLink, rank: int, timeout: float = ANSWER_TIMEOUT) -> None:
+        self._link = link
+        self.rank = rank
+        self.timeout = timeout
+        self._seq = itertools.count(1)
+        self.thread: int | None = None  # debugpy's id of the main thread
+        self.paused = False
+        self.pending = False  # a pause or step asked for has not stopped the thread yet
+        self.started = False
+
+    def start(self) -> str:
+        """Start debugpy in the rank (once per process) and attach to it; "" or what went wrong."""
+        if self.started:
+            return ""
+        ack = self._relay([])
+        if "error" in ack:
+            return str(ack["error"])
+        if ack.get("fresh"):
+            seqs = [next(self._seq) for _ in range(3)]
+            msgs = [_request(seqs[0], "initialize", _INIT), _request(seqs[1], "attach", {}), _request(seqs[2], "configurationDone", {})]
+            ack = self._relay(msgs)
+            if "error" in ack:
+                return str(ack["error"])
+            reply = self._response(seqs[1], self.timeout)
+            if not reply.get("success"):
+                return f"debugpy refused to attach ({reply.get('message', 'no answer')})"
+        threads = self.request("threads", {}).get("body", {}).get("threads", [])
+        self.thread = next((t["id"] for t in threads if t.get("name") == "MainThread"), None)
+        if self.thread is None:
+            return "debugpy lists no MainThread in the rank"
+        self.started = True
+        return ""
+
+    def request(self, command: str, arguments: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """One DAP request, its response (``success`` False with a ``message`` when none came)."""
+        seq = next(self._seq)
+        ack = self._relay([_request(seq, command, arguments)])
+        if "error" in ack:
+            return {"success": False, "message": ack["error"]}
+        return self._response(seq, self.timeout if timeout is None else timeout)
+
+    def pause(self, wait: float = STEP_WAIT) -> Stop | None:
+        """Ask debugpy to stop the main thread; the stop, or None while it has not come back to Python."""
+        why = self.start()
+        if why:
+            raise RuntimeError(why)
+        if self.paused:
+            return Stop("pause")
+        reply = self.request("pause", {"threadId": self.thread})
+        if not reply.get("success"):
+            raise RuntimeError(f"debugpy did not pause the rank: {reply.get('message', 'no answer')}")
+        self.pending = True
+        return self.stopped(wait)
+
+    def step(self, command: str, wait: float = STEP_WAIT) -> Stop | None:
+        """next · stepIn · stepOut from the stop: the next stop, or None while the thread runs."""
+        reply = self.request(command, {"threadId": self.thread})
+        if not reply.get("success"):
+            raise RuntimeError(f"debugpy refused {command}: {reply.get('message', 'no answer')}")
+        self.paused, self.pending = False, True
+        return self.stopped(wait)
+
+    def stopped(self, wait: float) -> Stop | None:
+        """The main thread's stop once it comes, within ``wait`` seconds (None: it runs)."""
+        pushed = self._link.pushed[self.rank]
+        self._link.listen(self.rank, lambda msgs: any(_is_stop(m, self.thread) for m in msgs), wait)
+        stops = [m for m in pushed if _is_stop(m, self.thread)]
+        _forget(pushed, lambda m: m.get("type") == "event")
+        if not stops:
+            return None
+        body = stops[-1].get("body") or {}
+        self.paused, self.pending = True, False
+        return Stop(str(body.get("reason", "pause")), str(body.get("text") or body.get("description") or ""))
+
+    def resume(self) -> str:
+        """Let the main thread go on, a pause or step not yet landed taken back too; "" or what failed."""
+        if not (self.paused or self.pending):
+            return ""
+        if not self.paused:
+            # Taken back (pydevd's resume clears the thread's pending step); pydevd answers a
+            # continue only once a thread really resumes, so there is no answer to wait for.
+            ack = self._relay([_request(next(self._seq), "continue", {"threadId": self.thread})], leave=True)
+            self.pending = False
+            return str(ack.get("error", ""))
+        seq = next(self._seq)
+        ack = self._relay([_request(seq, "continue", {"threadId": self.thread})], leave=True)
+        reply = {"success": False, "message": ack["error"]} if "error" in ack else self._response(seq, self.timeout)
+        self.paused = self.pending = False
+        return "" if reply.get("success") else str(reply.get("message", "no answer"))
+
+    def _relay(self, msgs: list[dict[str, Any]], leave: bool = False) -> dict[str, Any]:
+        """``leave``: the last of them lets the thread go; the rank then stops tracing it."""
+        replies = self._link.ask([self.rank], {"t": Msg.DAP, "msgs": msgs, "consent": True, "leave": leave}, self.timeout)
+        return replies.get(self.rank, {"error": f"rank {self.rank} did not answer within {self.timeout:g} s"})
+
+    def _response(self, seq: int, timeout: float) -> dict[str, Any]:
+        pushed = self._link.pushed[self.rank]
+
+        def answered(msgs: list[dict[str, Any]]) -> bool:
+            return any(m.get("type") == "response" and m.get("request_seq") == seq for m in msgs)
+
+        if not self._link.listen(self.rank, answered, timeout):
+            return {"success": False, "message": f"rank {self.rank}'s debugpy gave no answer within {timeout:g} s"}
+        reply = next(m for m in pushed if m.get("type") == "response" and m.get("request_seq") == seq)
+        _forget(pushed, lambda m: m is reply or (m.get("type") == "response" and m.get("request_seq", seq) < seq))
+        return reply
+
+
+def _is_stop(msg: dict[str, Any], thread: int | None) -> bool:
+    return msg.get("event") == "stopped" and (msg.get("body") or {}).get("threadId") in (thread, None)
+
+
+def _forget(msgs: list[dict[str, Any]], drop: Any) -> None:
+    msgs[:] = [m for m in msgs if not drop(m)]
+
+
+def _request(seq: int, command: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"seq": seq, "type": "request", "command": command, "arguments": arguments}
