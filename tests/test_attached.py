@@ -4,10 +4,12 @@ starts one)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -121,17 +123,14 @@ def test_a_programs_stack_gives_its_script_line() -> None:
     assert position_from_stack(pool_rank).line is None and pool_rank.body() == ["    (idle: waiting for a cell)"]
 
 
-def test_a_rank_that_does_not_answer_is_named_and_the_rank_refuses_to_be_changed(jobs: Path) -> None:
-    """An attachable control thread served from this process (rank 0) beside a rank whose port
-    nobody listens on (rank 1): the attach goes on with the one that answers, and says why the
-    other gave nothing; the rank refuses an interrupt (read-only)."""
+@contextlib.contextmanager
+def served_rank(jobs: Path, job: str, world: int = 1) -> Iterator[Any]:
+    """Rank 0 of ``job``: an attachable control thread served from this process, published under ``jobs``."""
     import threading
 
     import torch.distributed  # noqa: F401  (the control thread reads the recorders: not its first import of torch)
     import zmq
 
-    from distnb.controller.attach_link import AttachLink
-    from distnb.wire.protocol import Msg
     from distnb.wire.security import Credentials
     from distnb.worker.process.execute import Executor
 
@@ -142,7 +141,25 @@ def test_a_rank_that_does_not_answer_is_named_and_the_rank_refuses_to_be_changed
     thread.start()
     try:
         port = int(control.addr.rsplit(":", 1)[1])
-        write_endpoint(RankEndpoint("half", 0, 2, os.getpid(), "127.0.0.1", port, creds.key, time.time()), jobs)
+        write_endpoint(RankEndpoint(job, 0, world, os.getpid(), "127.0.0.1", port, creds.key, time.time()), jobs)
+        yield control
+    finally:
+        closing = threading.Thread(target=ctx.term, daemon=True)  # wakes the control thread with ContextTerminated
+        closing.start()
+        thread.join(5)
+        control.sock.close(linger=0)  # then the context can end
+        closing.join(5)
+    assert not thread.is_alive() and not closing.is_alive()
+
+
+def test_a_rank_that_does_not_answer_is_named_and_the_rank_refuses_to_be_changed(jobs: Path) -> None:
+    """An attachable control thread served from this process (rank 0) beside a rank whose port
+    nobody listens on (rank 1): the attach goes on with the one that answers, and says why the
+    other gave nothing; the rank refuses an interrupt (read-only)."""
+    from distnb.controller.attach_link import AttachLink
+    from distnb.wire.protocol import Msg
+
+    with served_rank(jobs, "half", world=2):
         publish(jobs, "half", rank=1)
         with distnb.attach() as job:  # the product's bound (2 s) for each answer
             status = job.status(with_diagnosis=False).text()
@@ -156,13 +173,34 @@ def test_a_rank_that_does_not_answer_is_named_and_the_rank_refuses_to_be_changed
                 link.close()
             assert reply[0]["error"] == "this job is attached read-only: distnb does not interrupt or pause it"
             assert "stacks" in job.stacks([0]).ranks[0].source or job.stacks([0]).ranks[0].threads
-    finally:
-        closing = threading.Thread(target=ctx.term, daemon=True)  # wakes the control thread with ContextTerminated
-        closing.start()
-        thread.join(5)
-        control.sock.close(linger=0)  # then the context can end
-        closing.join(5)
-    assert not thread.is_alive() and not closing.is_alive()
+
+
+def test_a_rank_is_looked_into_only_when_the_notebook_asks_and_never_when_the_job_said_no(jobs: Path,
+                                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """PEEK and DAP without the notebook's consent are refused with what to do; with it, the rank's
+    frames come back (here: this test's own, the main thread waiting for the answer); a job started
+    with DISTNB_ATTACH_DEBUG=0 refuses even that, and says so through the API."""
+    from distnb.controller.attach_link import AttachLink
+    from distnb.wire.protocol import Msg
+
+    waiting_here = 7
+    with served_rank(jobs, "look"), distnb.attach("look") as job:
+        link = AttachLink({0: job.files.ranks[0]})
+        try:
+            for msg in ({"t": Msg.PEEK, "what": "frames"}, {"t": Msg.DAP, "msgs": []}):
+                reply = link.ask([0], msg, 5.0)[0]
+                assert reply["error"].startswith("debugging a rank of a live job runs code in it and may pause it, so it is done only "
+                                                 "when asked: %dist_debug RANK"), reply
+        finally:
+            link.close()
+        frames = job.peek(0)["frames"]
+        mine = max(i for i, f in enumerate(frames) if f.function == "test_a_rank_is_looked_into_only_when_the_notebook_asks_and_never_when_the_job_said_no")
+        assert frames[mine].user and job.peek(0, "eval", mine, "waiting_here * 6")["value"] == "42"
+        monkeypatch.setenv(attachable.DEBUG_SWITCH, "0")  # as the job's environment would have it (read by the rank, here)
+        with pytest.raises(distnb.AttachError) as refused:
+            job.peek(0)
+        assert one_line(refused) == "rank 0 refused: this job was started with DISTNB_ATTACH_DEBUG=0: its ranks can be looked at " \
+            "(%dist_stacks …), not debugged."
 
 
 @pytest.mark.slow

@@ -188,6 +188,9 @@ class JobConsole:
         return self._stopped(stop)
 
     def _step(self, command: str) -> str:
+        if self._stepper is not None and self._stepper.pending:
+            return (f"*** rank {self.rank} has not stopped yet: what was asked (pause, step) lands when its main thread comes "
+                    "back to Python; where shows where it is, q takes it back")
         if not self.paused or self._stepper is None:
             return f"*** rank {self.rank} is not paused (it runs on): `pause` first"
         try:

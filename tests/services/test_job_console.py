@@ -1,0 +1,127 @@
+"""The console on a rank of a live job (services/job_console.py) through its seams: a scripted rank
+answering the looks, and a scripted debugpy. The real thing runs in tests/e2e/test_attach_e2e.py
+(a hung rank) and tests/e2e/test_attach_debug_e2e.py (pause and step a running one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distnb.services.job_console import CONSOLE_HELP, JobConsole, warning
+from distnb.services.job_stepper import Stop
+from distnb.wire.records import PeekFrame, PeekRead
+
+FRAMES = [
+    PeekFrame("train.py", 40, "<module>", "main()", True),
+    PeekFrame("train.py", 31, "main", "loss = step(model, batch)", True),
+    PeekFrame("train.py", 12, "step", "dist.all_reduce(t)", True),
+    PeekFrame("/site-packages/torch/distributed/distributed_c10d.py", 2800, "all_reduce", "work = group.allreduce([tensor], opts)", False),
+]
+
+
+class ScriptedRank:
+    def __init__(self) -> None:
+        self.frames = list(FRAMES)
+        self.asked: list[tuple[str, int | None, str | None]] = []
+
+    def look(self, what: str, frame: int | None, expr: str | None) -> PeekRead:
+        self.asked.append((what, frame, expr))
+        read: PeekRead = {"frames": self.frames}
+        if what == "eval":
+            read.update({"value": f"<{expr} in {self.frames[frame or 0].function}>"} if expr != "boom" else {"error": "NameError: name 'boom' is not defined"})
+        elif what in ("exec", "pretty", "args", "locals"):
+            read["value"] = f"{what}:{expr}"
+        elif what == "source":
+            line = self.frames[frame or 0].line
+            read["source"] = [(line - 1, "before"), (line, "here")]
+        return read
+
+
+class ScriptedDebugpy:
+    """Stands in for JobStepper: a pause lands (or not, in native code); steps move the frames."""
+
+    def __init__(self, rank: ScriptedRank, lands: bool = True) -> None:
+        self.rank = rank
+        self.lands = lands
+        self.paused = self.pending = self.started = False
+        self.calls: list[str] = []
+
+    def pause(self) -> Stop | None:
+        self.calls.append("pause")
+        self.started = True
+        if not self.lands:
+            self.pending = True
+            return None
+        self.paused = True
+        return Stop("pause")
+
+    def step(self, command: str) -> Stop | None:
+        self.calls.append(command)
+        self.rank.frames[2] = self.rank.frames[2]._replace(line=self.rank.frames[2].line + 1)
+        return Stop("step")
+
+    def stopped(self, wait: float) -> Stop | None:
+        return None
+
+    def resume(self) -> str:
+        self.calls.append("continue")
+        self.paused = self.pending = False
+        return ""
+
+
+def console(lands: bool = True) -> tuple[JobConsole, ScriptedRank, ScriptedDebugpy]:
+    rank = ScriptedRank()
+    debugpy = ScriptedDebugpy(rank, lands)
+    made: Any = lambda: debugpy  # noqa: E731
+    return JobConsole(2, rank.look, made), rank, debugpy
+
+
+def test_it_opens_at_the_innermost_frame_of_the_users_code_and_moves_like_pdb() -> None:
+    c, rank, _ = console()
+    assert c.open() == "> train.py:12 in step: dist.all_reduce(t)"  # not torch's frame inside it
+    where = c.run("where").splitlines()
+    assert where[2].startswith("> train.py:12") and where[3].startswith("  /site-packages/torch") and len(where) == 4
+    assert c.run("u") == "> train.py:31 in main: loss = step(model, batch)"
+    assert c.run("p loss") == "<loss in main>"  # in the frame selected
+    assert c.run("up 5") == "*** Oldest frame" and c.run("d 2") == "> /site-packages/torch/distributed/distributed_c10d.py:2800 in all_reduce: " \
+        "work = group.allreduce([tensor], opts)"
+    assert c.run("d") == "*** Newest frame" and c.run("u x") == "*** u takes a number of frames, not 'x'"
+    assert c.run("l") == "2799    before\n2800 -> here"
+    assert c.run("p boom") == "*** NameError: name 'boom' is not defined"
+    assert c.run("pp cfg") == "pretty:cfg" and c.run("a") == "args:None" and c.run("locals") == "locals:None"
+    assert c.run("!x = 1") == "exec:x = 1" and c.run("x = 2") == "exec:x = 2"  # like pdb: any other line runs
+    assert c.run("h") == CONSOLE_HELP and c.run("") == ""
+    assert ("eval", 1, "loss") in rank.asked
+
+
+def test_steps_need_a_pause_which_is_taken_back_on_leaving() -> None:
+    c, _, debugpy = console()
+    c.open()
+    assert c.run("n") == "*** rank 2 is not paused (it runs on): `pause` first" and debugpy.calls == []
+    assert c.run("pause") == "[distnb] rank 2 paused (pause)\n> train.py:12 in step: dist.all_reduce(t)"
+    assert c.run("n") == "[distnb] rank 2 paused (step)\n> train.py:13 in step: dist.all_reduce(t)"
+    assert c.run("c") == "[distnb] rank 2 goes on; left it." and c.done
+    assert debugpy.calls == ["pause", "next", "continue"]
+    assert c.leave() == ""  # once
+
+
+def test_a_pause_that_has_not_landed_is_taken_back() -> None:
+    c, _, debugpy = console(lands=False)
+    c.open()
+    assert c.run("pause").startswith("[distnb] rank 2 is in native code (a collective, a kernel, I/O): it stops when it comes back")
+    assert c.run("n").startswith("*** rank 2 has not stopped yet: what was asked (pause, step) lands when its main thread comes back")
+    assert c.run("p x") == "<x in step>"  # its frames are read all the same
+    assert c.run("q") == "[distnb] left rank 2; the pause asked for is taken back, it runs on."
+    assert debugpy.calls == ["pause", "continue"]
+
+
+def test_leaving_without_a_pause_changes_nothing() -> None:
+    c, _, debugpy = console()
+    c.open()
+    assert c.run("q") == "[distnb] left rank 2; it runs on as it was." and debugpy.calls == []
+
+
+def test_the_warning_says_what_debugging_a_live_rank_does() -> None:
+    text = warning(3, "job-1", 1234, "in all_reduce #4 (group 0) for 35.0 s")
+    assert text.startswith("[distnb] debugging rank 3 of the live job job-1 (pid 1234): what you type runs in that process")
+    assert "`pause` stops it at its next Python line" in text and "other ranks wait for it at their next collective" in text
+    assert text.endswith("[distnb] rank 3 is in all_reduce #4 (group 0) for 35.0 s")
