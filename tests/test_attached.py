@@ -183,7 +183,7 @@ def test_a_rank_is_looked_into_only_when_the_notebook_asks_and_never_when_the_jo
     from distnb.controller.attach_link import AttachLink
     from distnb.wire.protocol import Msg
 
-    waiting_here = 7
+    waiting_here = 7  # noqa: F841  (read by the rank, in this frame)
     with served_rank(jobs, "look"), distnb.attach("look") as job:
         link = AttachLink({0: job.files.ranks[0]})
         try:

@@ -40,7 +40,7 @@ def looked_at_while_waiting(looks: list[dict[str, Any]], hold: Callable[[threadi
 
 
 def test_frames_and_values_of_the_waiting_frame() -> None:
-    marker = 41
+    marker = 41  # noqa: F841  (read by the looks, in this frame)
     table = {"a": list(range(30)), "b": "x" * 10}
     shown = looked_at_while_waiting([{"what": "frames"}])[0]["frames"]
     mine = max(i for i, f in enumerate(shown) if f.function == "test_frames_and_values_of_the_waiting_frame")

@@ -49,6 +49,8 @@ LEASE = 600.0
 LEASE_ENV = "DISTNB_DEBUG_LEASE"
 #: Milliseconds between the control thread's looks at a debugged rank (the lease, the untrace).
 TICK_MS = 200
+#: The debugpy requests that leave the main thread held, or about to be.
+_HOLDING = frozenset({"pause", "next", "stepIn", "stepOut"})
 #: debugpy request numbers the rank uses for itself (far above the notebook's).
 LET_GO_SEQ = 1_000_000_000
 
@@ -200,8 +202,10 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
         with DISTNB_ATTACH_DEBUG=0; a pause nobody speaks to for the lease is let go."""
 
         debugged = False
+        # When the notebook debugging (push_route) last spoke: a pause it holds lasts the lease from then.
         heard = 0.0
         leaving = False  # the notebook let the main thread go: untrace it once it has left the debugger
+        holding = False  # the notebook paused (or stepped) the main thread, and has not let it go
 
         def handle(self, msg: ToControl) -> Mapping[str, Any] | None:
             if msg["t"] in (Msg.INTERRUPT, Msg.HOLD):
@@ -210,17 +214,21 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
                 why = _refused(msg)
                 if why:
                     return {"error": why}
-                self._heard_from_notebook()
+                self._note_debugging()
                 if msg["t"] == Msg.PEEK:
+                    if self.asked_by == self.push_route:
+                        self.heard = time.monotonic()  # the notebook holding the pause is still there
                     return dict(peek(msg))
+                self.heard = time.monotonic()
                 self.push_route = self.asked_by  # debugpy's answers and stops go to the notebook debugging
                 self.tick_every = TICK_MS
                 self.leaving = bool(msg.get("leave"))
+                commands = {m.get("command") for m in msg["msgs"]}
+                self.holding = not self.leaving and (self.holding or bool(commands & _HOLDING))
                 return super().handle({"t": Msg.DAP, "id": msg["id"], "msgs": msg["msgs"]})  # not the pool's "before each collective"
             return super().handle(msg)
 
-        def _heard_from_notebook(self) -> None:
-            self.heard = time.monotonic()
+        def _note_debugging(self) -> None:
             if not self.debugged:
                 self.debugged = True
                 print(f"distnb: rank {rank}: a notebook attached to this job is debugging this rank (%dist_debug): what it types "
@@ -232,13 +240,13 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
                 self.leaving = False
             if time.monotonic() - self.heard < _lease():
                 return
-            if link.stopped and link.sock is not None:
-                # The notebook that paused the rank went quiet (closed, crashed, forgot): the job comes first.
-                link.send([{"seq": LET_GO_SEQ + i, "type": "request", "command": "continue", "arguments": {"threadId": t}}
-                           for i, t in enumerate(sorted(link.stopped))])
+            if self.holding and link.sock is not None:
+                # The notebook that paused the rank (or asked it to) went quiet: closed, crashed, forgot.
+                # The job comes first: "*" resumes it and takes back a pause or step not landed yet.
+                link.send([{"seq": LET_GO_SEQ, "type": "request", "command": "continue", "arguments": {"threadId": "*"}}])
                 print(f"distnb: rank {rank}: the notebook that paused this rank said nothing for {_lease():g} s: "
                       "the rank goes on", file=sys.stderr, flush=True)
-                self.leaving = True
+                self.holding, self.leaving = False, True
                 return
             if not self.leaving:
                 self.tick_every = None
