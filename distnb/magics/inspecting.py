@@ -10,7 +10,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from distnb.attached import AttachedJob, current_job
-from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, usage_errors, views_or_usage_error
+from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, unquote, usage_errors, views_or_usage_error
 
 __all__ = ["InspectMagics"]
 
@@ -225,8 +225,10 @@ class InspectMagics(Magics):
         args = parse(self.dist_debug, line)
         job = current_job()
         if isinstance(job, AttachedJob):
+            # IPython's argument split keeps a value's quotes: -c "p x" gives '"p x"'.
+            commands = None if args.command is None else [unquote(c) for c in args.command]
             with usage_errors():
-                job.debug(args.rank, commands=args.command)
+                job.debug(args.rank, commands=commands)
             return
         if job is not None:
             raise UsageError(f"this notebook is {job.describe()}: its ranks have ended, so there is no frame to debug; "

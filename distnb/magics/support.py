@@ -23,7 +23,7 @@ from distnb.pools import current_pool
 if TYPE_CHECKING:
     from distnb.results import CellResult
 
-__all__ = ["KEEP_GOING_ENV", "Progress", "keep_going", "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed",
+__all__ = ["KEEP_GOING_ENV", "Progress", "keep_going", "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed", "unquote",
            "usage_errors", "views_or_usage_error"]
 
 #: The session's setting: set (``%env DISTNB_KEEP_GOING=1``), a failed cell does not raise, as if
@@ -98,6 +98,11 @@ def parse(magic: Any, line: str) -> Any:
         name = magic.__name__
         prefix = "%%" if name == "on_ranks" else "%"
         raise UsageError(f"{str(exc).rstrip('.')}. Run {prefix}{name}? for its flags.") from None
+
+
+def unquote(value: str) -> str:
+    """A flag's value without the quotes IPython's argument split leaves on it (``-c "p x"``)."""
+    return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'" else value
 
 
 def show_checks(reports: list[Any]) -> None:

@@ -186,7 +186,7 @@ def test_a_pause_whose_notebook_goes_quiet_is_let_go_after_the_lease(job: Job) -
         wait_until(lambda: (steps(job, 0, attached) or -1) > held[0] + 25 and (steps(job, 1, attached) or -1) > held[1] + 25,
                    LEASE + 30, "both ranks going on after the lease", poll=0.5)
         for rank in (0, 1):
-            wait_until(lambda: look(attached, rank, UNTRACED) == "True", 10, f"rank {rank} untraced after the lease", poll=0.2)
+            wait_until(lambda r=rank: look(attached, r, UNTRACED) == "True", 10, f"rank {rank} untraced after the lease", poll=0.2)
     assert f"the notebook that paused this rank said nothing for {LEASE:g} s: the rank goes on" in job.stderr.read_text()
 
 

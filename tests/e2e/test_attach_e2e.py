@@ -173,6 +173,10 @@ def test_attach_from_magics_and_read_only(job: Job) -> None:
         assert "rank" in out, out
         _, out, _ = shell.line("dist_status")
         assert "ranks 1-3 in barrier #4" in out, out
+        _, out, _ = shell.line("dist_debug", '1 -c "p rank"')
+        assert "(rank 1) p rank\n1\n" in out and out.rstrip().endswith("[distnb] left rank 1; it runs on as it was."), out
+        with pytest.raises(UsageError, match=f"job {job.job_id} has ranks 0-3, not 7; %dist_debug RANK names one of them"):
+            shell.ip.run_line_magic("dist_debug", "7")
         with pytest.raises(UsageError, match=f"attached to job {job.job_id}, read-only"):
             shell.ip.run_cell_magic("on_ranks", "", "x = 1")
         with pytest.raises(UsageError, match="read-only"):
@@ -184,6 +188,28 @@ def test_attach_from_magics_and_read_only(job: Job) -> None:
     assert f"detached from job {job.job_id}" in out
     _, out, _ = shell.line("dist_detach")
     assert "not attached" in out
+    assert job.processes() == pids and job.proc.poll() is None
+
+
+def test_debug_a_hung_rank_reads_its_frames_and_leaves_it_as_it_was(job: Job) -> None:
+    """pdb's words on the rank the diagnosis blames, hung in native code: its frames are read where
+    it stands, a pause can't land there (and is taken back on leaving), the job is as it was."""
+    said: list[str] = []
+    pids = job.processes()
+    with distnb.attach(job.job_id) as attached:
+        attached.debug(commands=["where", "p rank", "p t", "u", "p steps", "d", "a", "pause", "n", "q"], say=said.append)
+        text = "\n".join(said)
+        assert said[0].startswith(f"[distnb] debugging rank 0 of the live job {job.job_id} (pid "), said[0]  # the one blamed
+        assert "\n[distnb] rank 0 is in all_reduce [4] f32 (#4 on group 0) for " in said[0], said[0]
+        assert said[1].startswith("> ") and "hang.py:13 in main: dist.all_reduce(t)  # only rank 0" in said[1], said[1]  # the user's frame, not torch's
+        assert "distributed_c10d.py" in text and "(rank 0) p rank\n0\n" in text, text
+        assert "(rank 0) p t\ntensor([64., 64., 64., 64.])" in text, text  # three all_reduces of ones over 4 ranks
+        assert "(rank 0) p steps\n*** NameError: name 'steps' is not defined" in text and "(rank 0) a\nsteps = 3" in text, text
+        assert "(rank 0) pause\n[distnb] rank 0 is in native code (a collective, a kernel, I/O)" in text, text
+        assert "(rank 0) n\n*** rank 0 has not stopped yet" in text, text
+        assert said[-1] == "[distnb] left rank 0; the pause asked for is taken back, it runs on.", said[-1]
+        verdict = attached.diagnose()
+        assert verdict.culprits == [0] and "rank 0 in all_reduce #4" in verdict.text(), verdict.text()
     assert job.processes() == pids and job.proc.poll() is None
 
 
@@ -232,7 +258,8 @@ def test_attach_from_a_real_kernel(job: Job, tmp_path: Path) -> None:
 
     nb = new_notebook(cells=[new_code_cell(c) for c in (
         f"import os\nos.environ['DISTNB_JOBS_DIR'] = {os.environ['DISTNB_JOBS_DIR']!r}\n%load_ext distnb",
-        f"%dist_attach {job.job_id}", "%dist_stacks", "%dist_collectives --last 2", "%dist_reproduce from_kernel.ipynb", "%dist_detach")])
+        f"%dist_attach {job.job_id}", "%dist_stacks", "%dist_collectives --last 2", "%dist_reproduce from_kernel.ipynb", "%dist_detach",
+        f"%dist_attach {job.job_id}", '%dist_debug 2 -c "p rank" -c where', "%dist_detach")])
     pids = job.processes()
     ran = run_notebook(nb, str(tmp_path), "DISTNB_ATTACH_KERNEL_TEST", timeout=120)
     shown = [outputs_text(c) for c in ran.cells]
@@ -240,4 +267,5 @@ def test_attach_from_a_real_kernel(job: Job, tmp_path: Path) -> None:
     assert "dist.all_reduce(t)  # only rank 0" in shown[2] and "first divergence" in shown[3], shown[2:4]
     assert "wrote from_kernel.ipynb: hang.py in" in shown[4] and nbformat.read(str(tmp_path / "from_kernel.ipynb"), as_version=4).cells
     assert f"detached from job {job.job_id}; it runs on as it was." in shown[5], shown[5]
+    assert "(rank 2) p rank\n2\n(rank 2) where\n" in shown[7] and "> " in shown[7] and "hang.py:14 in main: dist.barrier()" in shown[7], shown[7]
     assert job.processes() == pids and job.proc.poll() is None  # the kernel came and went; the job is as it was
