@@ -41,7 +41,7 @@ class AttachLink:
         self._codecs: dict[int, Codec] = {}
         self._guard = ReplayGuard()
         self._ids = itertools.count(1)
-        #: DAP messages each rank's debugpy sent (services/job_debug.py takes them).
+        #: DAP messages each rank's debugpy sent (services/job_stepper.py takes them).
         self.pushed: dict[int, list[dict[str, Any]]] = {r: [] for r in self.endpoints}
         for r, e in self.endpoints.items():
             sock = self._ctx.socket(zmq.DEALER)
