@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distnb.controller.attach_link import AttachLink
-from distnb.services.rank_debug import ANSWER_TIMEOUT
+from distnb.services.rank_debug import ANSWER_TIMEOUT, ATTACH_TIMEOUT
 from distnb.wire.protocol import Msg
 
 __all__ = ["STEP_WAIT", "JobStepper", "Stop"]
@@ -52,7 +52,8 @@ class JobStepper:
         """Start debugpy in the rank (once per process) and attach to it; "" or what went wrong."""
         if self.started:
             return ""
-        ack = self._relay([])
+        # debugpy's import and start, on a thread sharing the GIL with a busy main thread: seconds.
+        ack = self._relay([], timeout=ATTACH_TIMEOUT)
         if "error" in ack:
             return str(ack["error"])
         if ack.get("fresh"):
@@ -61,7 +62,7 @@ class JobStepper:
             ack = self._relay(msgs)
             if "error" in ack:
                 return str(ack["error"])
-            reply = self._response(seqs[1], self.timeout)
+            reply = self._response(seqs[1], ATTACH_TIMEOUT)
             if not reply.get("success"):
                 return f"debugpy refused to attach ({reply.get('message', 'no answer')})"
         threads = self.request("threads", {}).get("body", {}).get("threads", [])
@@ -128,10 +129,11 @@ class JobStepper:
         self.paused = self.pending = False
         return "" if reply.get("success") else str(reply.get("message", "no answer"))
 
-    def _relay(self, msgs: list[dict[str, Any]], leave: bool = False) -> dict[str, Any]:
+    def _relay(self, msgs: list[dict[str, Any]], leave: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """``leave``: the last of them lets the thread go; the rank then stops tracing it."""
-        replies = self._link.ask([self.rank], {"t": Msg.DAP, "msgs": msgs, "consent": True, "leave": leave}, self.timeout)
-        return replies.get(self.rank, {"error": f"rank {self.rank} did not answer within {self.timeout:g} s"})
+        timeout = self.timeout if timeout is None else timeout
+        replies = self._link.ask([self.rank], {"t": Msg.DAP, "msgs": msgs, "consent": True, "leave": leave}, timeout)
+        return replies.get(self.rank, {"error": f"rank {self.rank} did not answer within {timeout:g} s"})
 
     def _response(self, seq: int, timeout: float) -> dict[str, Any]:
         pushed = self._link.pushed[self.rank]

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from distnb.worker.process.debug import cell_place
+from distnb.worker.process.peek import quick_handoffs
 from distnb.worker.torch_hooks.call_log import STOPS
 
 __all__ = ["PanelLink", "private_thread"]
@@ -82,17 +83,18 @@ class PanelLink:
         pdb: Any = sys.modules.get("pdb")
         saved = (sys.breakpointhook, getattr(pdb, "set_trace", None))
         try:
-            import debugpy
+            with quick_handoffs():  # importing and starting debugpy: thousands of calls giving up the GIL
+                import debugpy
 
-            in_process = True
-            try:
-                host, port = debugpy.listen(("127.0.0.1", 0), in_process_debug_adapter=True)
-            except TypeError:  # debugpy before 1.8.1: its adapter process, still on loopback
-                in_process = False
-                host, port = debugpy.listen(("127.0.0.1", 0))
-            self.sock = socket.create_connection((host, port), timeout=30)
-            if in_process:
-                _stop_listening(self.sock)
+                in_process = True
+                try:
+                    host, port = debugpy.listen(("127.0.0.1", 0), in_process_debug_adapter=True)
+                except TypeError:  # debugpy before 1.8.1: its adapter process, still on loopback
+                    in_process = False
+                    host, port = debugpy.listen(("127.0.0.1", 0))
+                self.sock = socket.create_connection((host, port), timeout=30)
+                if in_process:
+                    _stop_listening(self.sock)
             self.sock.setblocking(False)
             for path, (filename, first, lines) in self._maps.items():
                 self._apply(path, filename, first, lines)

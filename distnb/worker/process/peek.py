@@ -11,6 +11,7 @@ the background, said so. Writes to a frame's locals reach it on Python 3.13 (PEP
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import os
@@ -20,17 +21,19 @@ import sysconfig
 import threading
 import traceback
 from types import FrameType
-from typing import Any
+from typing import Any, Iterator
 
 from distnb.wire.protocol import Peek
 from distnb.wire.records import PeekFrame, PeekRead
 
-__all__ = ["EVAL_TIMEOUT", "VALUE_CHARS", "peek"]
+__all__ = ["EVAL_TIMEOUT", "SWITCH_INTERVAL", "VALUE_CHARS", "peek", "quick_handoffs"]
 
 #: Seconds an expression may run in the rank before the answer says it goes on in the background.
 EVAL_TIMEOUT = 10.0
 #: A value's text is cut here: a repr of a large object would make every answer slow.
 VALUE_CHARS = 4000
+#: The GIL's switch interval while a look is answered or debugpy starts (seconds; Python's default is 0.005).
+SWITCH_INTERVAL = 0.0002
 #: Lines ``source`` shows around the frame's line (pdb's ``list``: 11).
 AROUND = 5
 
@@ -46,6 +49,25 @@ _WRAPPERS = os.path.join("distnb", "worker")
 
 def peek(msg: Peek) -> PeekRead:
     """Answer one look (``msg["what"]``) at the main thread's frames as they stand."""
+    with quick_handoffs():
+        return _peek(msg)
+
+
+@contextlib.contextmanager
+def quick_handoffs() -> Iterator[None]:
+    """A short switch interval for this thread's work beside a busy main thread. Each time it gives
+    up the GIL (a file read, a socket call, a thread start), a main thread running pure Python (a
+    live job's training loop) keeps it a whole switch interval (5 ms by default) before handing it
+    back: starting debugpy took over a minute so, measured, instead of a second."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _peek(msg: Peek) -> PeekRead:
     frames = _main_frames()
     shown = [PeekFrame(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, linecache.getline(f.f_code.co_filename, f.f_lineno).strip(),
                        _is_user(f.f_code.co_filename)) for f in frames]
