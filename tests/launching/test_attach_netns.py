@@ -33,7 +33,7 @@ MARK = "DISTNB_ATTACH_NETNS_TEST"
 SCRIPT = hung_job.script(300)
 
 #: Run on hosta, as the notebook would: attach (hostb over ssh) until the hang is diagnosed, then
-#: print what it saw as JSON; also ask one of hostb's ranks without its CURVE keys.
+#: print what it saw as JSON; also ask one of hostb's ranks without its CURVE keys, and look into one's frame.
 NOTEBOOK = """
 import dataclasses, json, sys, time
 import distnb
@@ -56,7 +56,10 @@ while True:
                 link = AttachLink({2: bare})
                 unkeyed = link.ask([2], {"t": Msg.STACKS, "all_threads": False}, 3.0)
                 link.close()
-                print(json.dumps({"culprits": verdict.culprits, "rule": verdict.rule, "text": verdict.text(),
+                # %dist_debug's look into a rank on hostb (over CURVE): its own frame's ``rank``.
+                frames = a.peek(3)["frames"]
+                looked = a.peek(3, "eval", max(i for i, f in enumerate(frames) if f.user), "rank").get("value")
+                print(json.dumps({"looked": looked, "culprits": verdict.culprits, "rule": verdict.rule, "text": verdict.text(),
                                   "machines": {r: e.machine for r, e in a.files.ranks.items()},
                                   "curve": {r: bool(e.creds) for r, e in a.files.ranks.items()},
                                   "stacks": a.stacks().text(), "unkeyed": sorted(unkeyed)}))
@@ -117,6 +120,7 @@ def test_attach_reads_the_other_machine_over_ssh_and_its_ranks_over_curve(net: C
     assert "rank 0 in all_reduce #4" in seen["text"] and "ranks 1-3 in barrier #4" in seen["text"], seen["text"]
     assert "hang.py:13 in <module>: dist.barrier()" in seen["stacks"], seen["stacks"]
     assert seen["unkeyed"] == [], "a client without the rank's CURVE keys got an answer"
+    assert seen["looked"] == "3", seen  # a look into a frame of a rank on the other machine
 
 
 def test_attach_in_a_slurm_allocation_lists_every_node_with_one_srun_step(net: Cluster, slurm: Any, tmp_path: Path) -> None:
