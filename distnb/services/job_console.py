@@ -178,29 +178,28 @@ class JobConsole:
     def _pause(self) -> str:
         if self._stepper is None:
             self._stepper = self._make_stepper()
-        try:
-            stop = self._stepper.pause()
-        except RuntimeError as exc:
-            return f"*** rank {self.rank} was not paused: {exc}"
-        if stop is None:
-            return (f"[distnb] rank {self.rank} is in native code (a collective, a kernel, I/O): it stops when it comes back to "
-                    "Python. Its frames stand still meanwhile (where, p …); q takes the pause back.")
-        return self._stopped(stop)
+        return self._until_stop(self._stepper.pause, f"rank {self.rank} was not paused: ",
+                                f"[distnb] rank {self.rank} is in native code (a collective, a kernel, I/O): it stops when it comes back to "
+                                "Python. Its frames stand still meanwhile (where, p …); q takes the pause back.")
 
     def _step(self, command: str) -> str:
-        if self._stepper is not None and self._stepper.pending:
+        stepper = self._stepper
+        if stepper is not None and stepper.pending:
             return (f"*** rank {self.rank} has not stopped yet: what was asked (pause, step) lands when its main thread comes "
                     "back to Python; where shows where it is, q takes it back")
-        if not self.paused or self._stepper is None:
+        if stepper is None or not stepper.paused:
             return f"*** rank {self.rank} is not paused (it runs on): `pause` first"
+        return self._until_stop(lambda: stepper.step(command), "",
+                                f"[distnb] rank {self.rank} has not stopped within {STEP_WAIT:g} s: the step runs on (a long call, or native "
+                                "code such as a collective waiting for the other ranks); it stops when the step ends. where shows where it is now.")
+
+    def _until_stop(self, act: Callable[[], Stop | None], failed: str, running: str) -> str:
+        """``act`` (a pause, a step), then where it stopped, or ``running`` while it has not."""
         try:
-            stop = self._stepper.step(command)
+            stop = act()
         except RuntimeError as exc:
-            return f"*** {exc}"
-        if stop is None:
-            return (f"[distnb] rank {self.rank} has not stopped within {STEP_WAIT:g} s: the step runs on (a long call, or native code "
-                    "such as a collective waiting for the other ranks); it stops when the step ends. where shows where it is now.")
-        return self._stopped(stop)
+            return f"*** {failed}{exc}"
+        return running if stop is None else self._stopped(stop)
 
     def _stopped(self, stop: Stop) -> str:
         self._read_frames(select_user=True)

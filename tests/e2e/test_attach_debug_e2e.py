@@ -7,16 +7,12 @@ throughout, and is killed by PID at the end."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from attachable_jobs import AttachableJob
 
 import distnb
 from distnb.attached import AttachedJob
@@ -25,7 +21,7 @@ from distnb.services.job_stepper import STEP_WAIT, JobStepper
 from distnb.wire.discovery import list_jobs
 from distnb.worker.process.attachable import LEASE_ENV, TICK_MS
 
-from conftest import marked_processes, started_pids, wait_gone, wait_until
+from conftest import started_pids, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # 2 ranks importing torch on 2 busy cores, then seconds per step
 
@@ -59,31 +55,20 @@ UNTRACED = ("(lambda sys: sys._current_frames()[__import__('threading').main_thr
             "(not hasattr(sys, 'monitoring') or sys.monitoring.get_tool(sys.monitoring.DEBUGGER_ID) is None))(__import__('sys'))")
 
 
-class Job:
-    def __init__(self, proc: subprocess.Popen[bytes], job_id: str, token: str, stderr: Path) -> None:
-        self.proc, self.job_id, self.token, self.stderr = proc, job_id, token, stderr
-
-    def processes(self) -> set[int]:
-        return marked_processes(MARK, self.token)
+class Job(AttachableJob):
+    stderr: Path
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     folder = tmp_path_factory.mktemp("attach_debug")
     (folder / "loop.py").write_text(SCRIPT)
-    before = os.environ.get("DISTNB_JOBS_DIR")
-    os.environ["DISTNB_JOBS_DIR"] = str(folder / "jobs")
-    job_id = f"step-{uuid.uuid4().hex[:6]}"
-    repo = str(Path(__file__).resolve().parents[2])
-    token = uuid.uuid4().hex
-    env = {**os.environ, MARK: token, LEASE_ENV: str(LEASE),
-           "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = pytest.MonkeyPatch()
+    env.setenv("DISTNB_JOBS_DIR", str(folder / "jobs"))  # for the module's tests, which attach from this process
     stderr = folder / "stderr.txt"
-    with stderr.open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "distnb", "run", "--job-id", job_id, "--", sys.executable, "-m",
-                                 "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval", "1", "loop.py"],
-                                cwd=folder, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
-    j = Job(proc, job_id, token, stderr)
+    with stderr.open("w") as err:
+        j = Job(folder, "loop.py", 2, MARK, {LEASE_ENV: str(LEASE)}, stderr=err, standalone=True)
+    j.stderr = stderr
     try:
         try:
             wait_until(lambda: any(len(f.ranks) == 2 for f in list_jobs()), 120, "the job's 2 discovery files")
@@ -93,19 +78,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
             raise AssertionError(f"{exc}; the job's stderr:\n{stderr.read_text()[-3000:]}") from None
         yield j
     finally:
-        pids = j.processes()
-        started_pids.update(pids)
-        for pid in sorted(pids, key=lambda p: p != proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(10)
-        left = wait_gone(pids, 10)
-        if before is None:
-            os.environ.pop("DISTNB_JOBS_DIR", None)
-        else:
-            os.environ["DISTNB_JOBS_DIR"] = before
+        left = j.kill()
+        env.undo()
         assert not left, f"the job's processes outlived the test: {left}"
 
 

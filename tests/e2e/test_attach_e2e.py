@@ -6,22 +6,19 @@ collectives and the diagnosis, detaches, checks the job ran on untouched, and ki
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+from attachable_jobs import AttachableJob
 
 import distnb
 from distnb.config import LaunchConfig
 from distnb.services.reproduce import HUNG_CELL_TIMEOUT
 from distnb.wire.discovery import list_jobs
 
-from conftest import marked_processes, started_pids, wait_gone, wait_until
+from conftest import started_pids, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # 4 ranks importing torch on 2 busy cores: a minute or more
 
@@ -51,32 +48,13 @@ if __name__ == "__main__":
 MARK = "DISTNB_ATTACH_TEST"
 
 
-class Job:
-    def __init__(self, proc: subprocess.Popen[bytes], job_id: str, token: str) -> None:
-        self.proc = proc
-        self.job_id = job_id
-        self.token = token
-
-    def processes(self) -> set[int]:
-        """The wrapper, torchrun and the ranks: every live process carrying the job's token."""
-        return marked_processes(MARK, self.token)
-
-
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AttachableJob]:
     folder = tmp_path_factory.mktemp("attach")
     (folder / "hang.py").write_text(SCRIPT)
-    jobs_dir = folder / "jobs"
-    before = os.environ.get("DISTNB_JOBS_DIR")
-    os.environ["DISTNB_JOBS_DIR"] = str(jobs_dir)
-    job_id = f"test-{uuid.uuid4().hex[:6]}"
-    repo = str(Path(__file__).resolve().parents[2])
-    token = uuid.uuid4().hex
-    env = {**os.environ, MARK: token, "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen([sys.executable, "-m", "distnb", "run", "--job-id", job_id, "--", sys.executable, "-m",
-                             "torch.distributed.run", "--nproc-per-node", "4", "--monitor-interval", "1", "hang.py"],
-                            cwd=folder, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    j = Job(proc, job_id, token)
+    env = pytest.MonkeyPatch()
+    env.setenv("DISTNB_JOBS_DIR", str(folder / "jobs"))  # for the module's tests, which attach from this process
+    j = AttachableJob(folder, "hang.py", 4, MARK)
     try:
         wait_until(lambda: any(len(f.ranks) == 4 for f in list_jobs()), 120, "the job's 4 discovery files")
         started_pids.update(j.processes())
@@ -84,7 +62,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         def hung() -> bool:
             # Every rank in its 4th collective, for the pool's threshold (LaunchConfig.hang_after, 3 s).
             try:
-                attached = distnb.attach(job_id)
+                attached = distnb.attach(j.job_id)
             except distnb.AttachError:
                 return False  # ranks still starting (importing torch) may not answer within the attach's bound
             with attached:
@@ -94,25 +72,12 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         wait_until(hung, 60, "the job's hang, diagnosed", poll=0.5)
         yield j
     finally:
-        pids = j.processes()
-        started_pids.update(pids)
-        for pid in sorted(pids, key=lambda p: p != proc.pid):  # ours, by PID: the wrapper first, torchrun, the ranks
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(10)
-        assert proc.stderr is not None
-        proc.stderr.close()
-        left = wait_gone(pids, 10)
-        if before is None:
-            os.environ.pop("DISTNB_JOBS_DIR", None)
-        else:
-            os.environ["DISTNB_JOBS_DIR"] = before
+        left = j.kill()
+        env.undo()
         assert not left, f"the job's processes outlived the test: {left}"
 
 
-def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Job) -> None:
+def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: AttachableJob) -> None:
     pids = job.processes()
     assert len(pids) >= 6  # the wrapper, torchrun and 4 ranks
     attached = distnb.attach()  # the one job in this folder
@@ -154,7 +119,7 @@ def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Job) 
         assert again.diagnose().culprits == [0]
 
 
-def test_attach_from_magics_and_read_only(job: Job) -> None:
+def test_attach_from_magics_and_read_only(job: AttachableJob) -> None:
     from IPython.core.error import UsageError
     from magic_shell import Shell
 
@@ -191,7 +156,7 @@ def test_attach_from_magics_and_read_only(job: Job) -> None:
     assert job.processes() == pids and job.proc.poll() is None
 
 
-def test_debug_a_hung_rank_reads_its_frames_and_leaves_it_as_it_was(job: Job) -> None:
+def test_debug_a_hung_rank_reads_its_frames_and_leaves_it_as_it_was(job: AttachableJob) -> None:
     """pdb's words on the rank the diagnosis blames, hung in native code: its frames are read where
     it stands, a pause can't land there (and is taken back on leaving), the job is as it was."""
     said: list[str] = []
@@ -214,7 +179,7 @@ def test_debug_a_hung_rank_reads_its_frames_and_leaves_it_as_it_was(job: Job) ->
 
 
 @pytest.mark.timeout(LaunchConfig.start_timeout + HUNG_CELL_TIMEOUT + 180)  # the pool's start, the hung cell, the kernel's own start and end
-def test_reproduce_writes_a_notebook_that_hangs_the_same_way_on_fewer_ranks(job: Job, tmp_path: Path) -> None:
+def test_reproduce_writes_a_notebook_that_hangs_the_same_way_on_fewer_ranks(job: AttachableJob, tmp_path: Path) -> None:
     """%dist_reproduce from the attached job: the script cut into cells (main() inlined, the
     rank-conditional call alone in the last cell); written on 3 of the job's 4 ranks (rank 0 alone
     is to blame: it and a majority apart) and run by a real kernel, where distnb's diagnosis names the same rank and call as
@@ -248,7 +213,7 @@ def test_reproduce_writes_a_notebook_that_hangs_the_same_way_on_fewer_ranks(job:
     assert "ranks 1-3" not in shown, shown  # three ranks
 
 
-def test_attach_from_a_real_kernel(job: Job, tmp_path: Path) -> None:
+def test_attach_from_a_real_kernel(job: AttachableJob, tmp_path: Path) -> None:
     """The magics in a Jupyter kernel (nbclient), as a user runs them: attach, look, reproduce, detach."""
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook

@@ -7,8 +7,6 @@ its environment and killed by PID if still there."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -18,11 +16,12 @@ import hung_job
 import nbformat
 import pytest
 import torch
+from attachable_jobs import AttachableJob
 
 import distnb
 from distnb.config import LaunchConfig
 
-from conftest import marked_processes, run_notebook, started_pids, wait_gone
+from conftest import run_notebook
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -61,29 +60,14 @@ def run_job(folder: Path, script: str, bound: float) -> tuple[int, str, Path]:
     ``bound`` seconds, else kill it by PID and fail); its exit status, stderr and records folder."""
     name = f"{uuid.uuid4().hex[:6]}.py"
     (folder / name).write_text(script)
-    token, job_id = uuid.uuid4().hex, f"load-{uuid.uuid4().hex[:6]}"
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, MARK: token, "DISTNB_JOBS_DIR": str(folder / "jobs"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen([sys.executable, "-m", "distnb", "run", "--job-id", job_id, "--", sys.executable, "-m", "torch.distributed.run",
-                             "--nproc-per-node", "4", "--monitor-interval", "1", name],
-                            cwd=folder, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    job = AttachableJob(folder, name, 4, MARK, {"DISTNB_JOBS_DIR": str(folder / "jobs"), "OMP_NUM_THREADS": "1"},
+                        stderr=subprocess.PIPE, job_id=f"load-{uuid.uuid4().hex[:6]}")
     try:
-        _, err = proc.communicate(timeout=bound)
+        _, err = job.proc.communicate(timeout=bound)
     finally:
-        pids = marked_processes(MARK, token)
-        started_pids.update(pids)
-        for pid in sorted(pids, key=lambda p: p != proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        left = wait_gone(pids, 10)
+        left = job.kill()
     assert not left, f"the job's processes outlived it: {left}"
-    return proc.returncode, err, folder / "jobs" / job_id / "records"
+    return job.proc.returncode, err, folder / "jobs" / job.job_id / "records"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,54 @@
+"""A torchrun job the test starts, made attachable by ``python -m distnb run`` (issue 40's tests),
+and its end: every process of it found by a token in its environment and killed by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import IO, Any
+
+from conftest import marked_processes, started_pids, wait_gone
+
+__all__ = ["AttachableJob"]
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+class AttachableJob:
+    """``python -m distnb run -- torchrun --nproc-per-node N SCRIPT`` in ``folder``, marked with
+    ``mark`` = a fresh token: torchrun starts each rank in a session of its own, so only the token
+    finds them all. ``env`` is added to the test's environment; ``stderr`` is where the job's goes."""
+
+    def __init__(self, folder: Path, script: str, nproc: int, mark: str, env: dict[str, str] | None = None,
+                 stderr: int | IO[Any] = subprocess.DEVNULL, standalone: bool = False, job_id: str | None = None) -> None:
+        self.mark, self.token = mark, uuid.uuid4().hex
+        self.job_id = job_id or f"test-{uuid.uuid4().hex[:6]}"
+        full = {**os.environ, **(env or {}), mark: self.token,
+                "PYTHONPATH": os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        torchrun = [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if standalone else []),
+                    "--nproc-per-node", str(nproc), "--monitor-interval", "1", script]
+        self.proc: subprocess.Popen[str] = subprocess.Popen(
+            [sys.executable, "-m", "distnb", "run", "--job-id", self.job_id, "--", *torchrun], cwd=folder, env=full,
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+
+    def processes(self) -> set[int]:
+        """The wrapper, torchrun and the ranks: every live process carrying the job's token."""
+        return marked_processes(self.mark, self.token)
+
+    def kill(self) -> list[int]:
+        """Kill every process of the job by PID (the wrapper first); those still alive 10 s later."""
+        pids = self.processes()
+        started_pids.update(pids)
+        for pid in sorted(pids, key=lambda p: p != self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate(timeout=10)
+        return wait_gone(pids, 10)
