@@ -272,7 +272,7 @@ class AttachedJob:
             raise AttachError(f"rank {rank} refused: {reply.get('error', 'no frames in its answer')}.")
         return cast(PeekRead, {k: reply[k] for k in PeekRead.__annotations__ if k in reply})
 
-    def debug(self, rank: int | None = None, commands: Sequence[str] | None = None, ask: Ask | None = read_line,
+    def debug(self, rank: int | None = None, commands: Sequence[str] | None = None, ask: Ask = read_line,
               say: Callable[[str], None] = print) -> None:
         """pdb's words on rank ``rank`` of the live job (default: the rank the diagnosis blames,
         else 0) at the frame it stands in, said with a warning first (services/job_console.py):
@@ -293,9 +293,11 @@ class AttachedJob:
             say(console.open())
             lines = iter(commands) if commands is not None else None
             while not console.done:
-                line = next(lines, "q") if lines is not None else (ask or read_line)(f"(rank {rank}) ")
-                if commands is not None:
+                if lines is not None:
+                    line = next(lines, "q")
                     say(f"(rank {rank}) {line}")
+                else:
+                    line = _read(ask, f"(rank {rank}) ", say)
                 said = console.run(line)
                 if said:
                     say(said)
@@ -396,6 +398,17 @@ def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT, hosts: S
                           "was the job started with python -m distnb run (or DISTNB_ATTACH=1)?")
     look_into(attached)
     return attached
+
+
+def _read(ask: Ask, prompt: str, say: Callable[[str], None]) -> str:
+    """The console's next line; "q" when there is none to be had (end of input, a front-end without input)."""
+    try:
+        return ask(prompt)
+    except EOFError:
+        return "q"
+    except NotImplementedError:  # IPython's StdinNotImplementedError: nbconvert, a kernel run without stdin
+        say("[distnb] this front-end gives no input line: %dist_debug RANK -c CMD [-c CMD …] runs commands instead.")
+        return "q"
 
 
 def look_into(job: JobView) -> None:

@@ -224,7 +224,7 @@ def test_attach_from_a_real_kernel(job: AttachableJob, tmp_path: Path) -> None:
     nb = new_notebook(cells=[new_code_cell(c) for c in (
         f"import os\nos.environ['DISTNB_JOBS_DIR'] = {os.environ['DISTNB_JOBS_DIR']!r}\n%load_ext distnb",
         f"%dist_attach {job.job_id}", "%dist_stacks", "%dist_collectives --last 2", "%dist_reproduce from_kernel.ipynb", "%dist_detach",
-        f"%dist_attach {job.job_id}", '%dist_debug 2 -c "p rank" -c where', "%dist_detach")])
+        f"%dist_attach {job.job_id}", '%dist_debug 2 -c "p rank" -c where', "%dist_debug 1", "%dist_detach")])
     pids = job.processes()
     ran = run_notebook(nb, str(tmp_path), "DISTNB_ATTACH_KERNEL_TEST", timeout=120)
     shown = [outputs_text(c) for c in ran.cells]
@@ -232,5 +232,7 @@ def test_attach_from_a_real_kernel(job: AttachableJob, tmp_path: Path) -> None:
     assert "dist.all_reduce(t)  # only rank 0" in shown[2] and "first divergence" in shown[3], shown[2:4]
     assert "wrote from_kernel.ipynb: hang.py in" in shown[4] and nbformat.read(str(tmp_path / "from_kernel.ipynb"), as_version=4).cells
     assert f"detached from job {job.job_id}; it runs on as it was." in shown[5], shown[5]
+    # nbclient's kernel gives no input line: said, and the rank left as it was.
+    assert "this front-end gives no input line: %dist_debug RANK -c CMD" in shown[8] and "[distnb] left rank 1; it runs on as it was." in shown[8], shown[8]
     assert "(rank 2) p rank\n2\n(rank 2) where\n" in shown[7] and "> " in shown[7] and "hang.py:14 in main: dist.barrier()" in shown[7], shown[7]
     assert job.processes() == pids and job.proc.poll() is None  # the kernel came and went; the job is as it was
