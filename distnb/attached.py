@@ -286,8 +286,7 @@ class AttachedJob:
             raise AttachError(f"job {self.job} has ranks 0-{self.world_size - 1}, not {rank}; %dist_debug RANK names one of them.")
         link = self._require()
         stacks = self.stacks([rank]).ranks[0]
-        console = JobConsole(rank, lambda what, frame, expr: self.peek(rank, what, frame, expr),
-                             lambda: self._steppers.setdefault(rank, JobStepper(link, rank)))
+        console = JobConsole(rank, self.world_size, self.peek, lambda: self._steppers.setdefault(rank, JobStepper(link, rank)))
         say(warning(rank, self.job, self.pids().get(rank), stacks.annotation_text or ""))
         try:
             say(console.open())

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from typing import Callable
 
+from distnb.errors import DistnbError
+from distnb.ranks import format_ranks, group_by, parse_ranks
 from distnb.services.job_stepper import STEP_WAIT, JobStepper, Stop
 from distnb.wire.records import PeekFrame, PeekRead
 
 __all__ = ["CONSOLE_HELP", "JobConsole", "Look", "warning"]
 
-#: One look into the rank: (what, frame index or None, expression or None) → its answer.
-Look = Callable[[str, int | None, str | None], PeekRead]
+#: One look into a rank: (rank, what, frame index or None, expression or None) → its answer.
+Look = Callable[[int, str, int | None, str | None], PeekRead]
 
 _STEPS = {"n": "next", "next": "next", "s": "stepIn", "step": "stepIn", "r": "stepOut", "return": "stepOut"}
 _QUIT = {"q", "quit", "exit", "EOF"}
@@ -37,6 +39,8 @@ CONSOLE_HELP = """distnb's console on a rank of a live job (pdb's words; the ran
   p EXPR · pp EXPR    EXPR's value in the selected frame (pp: pretty-printed)
   a, args · locals    the selected frame's arguments · all its locals
   !STMT, or any line  run it in the selected frame (its prints go to the job's output)
+  ranks R: CMD        a look on ranks R (0-3 · 1,3 · all), each in its own innermost frame of the user's
+                      code: p step on every rank, equal answers grouped, the most ranks first
   pause               stop the main thread at its next Python line (in native code, e.g. inside a
                       collective: when it comes back); the others wait for it at their next collective
   n · s · r           paused: next line · step into · step out (return)
@@ -59,9 +63,12 @@ def warning(rank: int, job: str, pid: int | None, where: str) -> str:
 class JobConsole:
     """The console's state on one rank: the selected frame, and debugpy once asked to pause."""
 
-    def __init__(self, rank: int, look: Look, stepper: Callable[[], JobStepper]) -> None:
+    def __init__(self, rank: int, world_size: int, look: Look, stepper: Callable[[], JobStepper]) -> None:
+        """``look(rank, what, frame, expr)``: one look into a rank of the job (any, for ``ranks R:``)."""
         self.rank = rank
-        self._look = look
+        self.world_size = world_size
+        self._look_any = look
+        self._look = lambda what, frame, expr: look(rank, what, frame, expr)
         self._make_stepper = stepper
         self._stepper: JobStepper | None = None
         self.frames: list[PeekFrame] = []
@@ -98,19 +105,16 @@ class JobConsole:
             return self._move(word, rest)
         if word in ("l", "list", "ll", "longlist"):
             return self._source("function" if word in ("ll", "longlist") else "source")
-        if word in ("p", "pp") and rest:
-            return self._value("pretty" if word == "pp" else "eval", rest)
-        if word in ("a", "args") and not rest:
-            return self._value("args", None)
-        if word == "locals" and not rest:
-            return self._value("locals", None)
+        if word == "ranks":
+            return self._across(rest)
         if word == "pause" and not rest:
             return self._pause()
         if word in _STEPS and not rest:
             return self._step(_STEPS[word])
         if word in ("c", "cont", "continue") and not rest:
             return self.leave()
-        return self._value("exec", line[1:] if line.startswith("!") else line)
+        what, expr = _as_look(line)
+        return self._value(what, expr)
 
     def leave(self) -> str:
         """End the console: a paused rank goes on. Safe to call twice."""
@@ -174,6 +178,35 @@ class JobConsole:
             return f"*** {read['error']}"
         return read.get("value", "")
 
+    def _across(self, rest: str) -> str:
+        """``ranks R: CMD``: one look on several ranks, each in the innermost frame of its user's
+        code (this rank: the frame selected); equal answers grouped, the most ranks first."""
+        spec, colon, command = rest.partition(":")
+        if not colon or not command.strip():
+            return "*** ranks R: CMD (R: 0-3 · 1,3 · all; CMD: p, pp, a, locals or an expression)"
+        try:
+            ranks = parse_ranks(spec.strip(), self.world_size)
+        except ValueError as exc:
+            return f"*** {exc}"
+        what, expr = _as_look(command.strip())
+        if what == "exec" and not _expression(expr):
+            return "*** ranks R: takes looks (p, pp, a, locals, an expression), not statements: run those on one rank"
+        answers = []
+        for r in ranks:
+            try:
+                frame: int | None
+                if r == self.rank and self.selected is not None:
+                    frame = self.selected
+                else:
+                    users = [i for i, f in enumerate(self._look_any(r, "frames", None, None).get("frames", [])) if f.user]
+                    frame = users[-1] if users else None
+                read = self._look_any(r, what, frame, expr)
+                answers.append((r, f"*** {read['error']}" if read.get("error") else read.get("value", "")))
+            except DistnbError as exc:
+                answers.append((r, f"*** {exc}"))
+        groups = sorted(group_by(answers), key=lambda g: -len(g[0]))
+        return "\n".join(_grouped(rs, text) for rs, text in groups)
+
     # -- steps ---------------------------------------------------------------------------------
     def _pause(self) -> str:
         if self._stepper is None:
@@ -205,6 +238,32 @@ class JobConsole:
         self._read_frames(select_user=True)
         why = f" ({stop.text})" if stop.text and stop.reason == "exception" else ""
         return f"[distnb] rank {self.rank} paused ({stop.reason}{why})\n" + self._where(current_only=True)
+
+
+def _as_look(line: str) -> tuple[str, str | None]:
+    """The look a console line asks for: p/pp EXPR, a, locals, else the line run (``!`` or not)."""
+    word, _, rest = line.partition(" ")
+    rest = rest.strip()
+    if word in ("p", "pp") and rest:
+        return ("pretty" if word == "pp" else "eval"), rest
+    if word in ("a", "args") and not rest:
+        return "args", None
+    if word == "locals" and not rest:
+        return "locals", None
+    return "exec", line[1:] if line.startswith("!") else line
+
+
+def _expression(text: str | None) -> bool:
+    try:
+        compile(text or "", "<ranks>", "eval")
+    except SyntaxError:
+        return False
+    return True
+
+
+def _grouped(ranks: list[int], text: str) -> str:
+    who = format_ranks(ranks)
+    return f"{who}: {text}" if "\n" not in text else f"{who}:\n" + "\n".join(f"  {line}" for line in text.splitlines())
 
 
 def _frame_line(frame: PeekFrame, selected: bool) -> str:

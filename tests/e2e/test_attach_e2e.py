@@ -162,7 +162,8 @@ def test_debug_a_hung_rank_reads_its_frames_and_leaves_it_as_it_was(job: Attacha
     said: list[str] = []
     pids = job.processes()
     with distnb.attach(job.job_id) as attached:
-        attached.debug(commands=["where", "p rank", "p t", "u", "p steps", "d", "a", "pause", "n", "q"], say=said.append)
+        attached.debug(commands=["where", "p rank", "p t", "u", "p steps", "d", "a", "ranks all: p rank == 0", "pause", "n", "q"],
+                       say=said.append)
         text = "\n".join(said)
         assert said[0].startswith(f"[distnb] debugging rank 0 of the live job {job.job_id} (pid "), said[0]  # the one blamed
         assert "\n[distnb] rank 0 is in all_reduce [4] f32 (#4 on group 0) for " in said[0], said[0]
@@ -170,6 +171,7 @@ def test_debug_a_hung_rank_reads_its_frames_and_leaves_it_as_it_was(job: Attacha
         assert "distributed_c10d.py" in text and "(rank 0) p rank\n0\n" in text, text
         assert "(rank 0) p t\ntensor([64., 64., 64., 64.])" in text, text  # three all_reduces of ones over 4 ranks
         assert "(rank 0) p steps\n*** NameError: name 'steps' is not defined" in text and "(rank 0) a\nsteps = 3" in text, text
+        assert "(rank 0) ranks all: p rank == 0\nranks 1-3: False\nrank 0: True\n" in text, text  # each in its own frame
         assert "(rank 0) pause\n[distnb] rank 0 is in native code (a collective, a kernel, I/O)" in text, text
         assert "(rank 0) n\n*** rank 0 has not stopped yet" in text, text
         assert said[-1] == "[distnb] left rank 0; the pause asked for is taken back, it runs on.", said[-1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distnb.errors import AttachError
 from distnb.services.job_console import CONSOLE_HELP, JobConsole, warning
 from distnb.services.job_stepper import Stop
 from distnb.wire.records import PeekFrame, PeekRead
@@ -23,7 +24,7 @@ class ScriptedRank:
         self.frames = list(FRAMES)
         self.asked: list[tuple[str, int | None, str | None]] = []
 
-    def look(self, what: str, frame: int | None, expr: str | None) -> PeekRead:
+    def look(self, rank: int, what: str, frame: int | None, expr: str | None) -> PeekRead:
         self.asked.append((what, frame, expr))
         read: PeekRead = {"frames": self.frames}
         if what == "eval":
@@ -72,7 +73,7 @@ def console(lands: bool = True) -> tuple[JobConsole, ScriptedRank, ScriptedDebug
     rank = ScriptedRank()
     debugpy = ScriptedDebugpy(rank, lands)
     made: Any = lambda: debugpy  # noqa: E731
-    return JobConsole(2, rank.look, made), rank, debugpy
+    return JobConsole(2, 4, rank.look, made), rank, debugpy
 
 
 def test_it_opens_at_the_innermost_frame_of_the_users_code_and_moves_like_pdb() -> None:
@@ -125,3 +126,32 @@ def test_the_warning_says_what_debugging_a_live_rank_does() -> None:
     assert text.startswith("[distnb] debugging rank 3 of the live job job-1 (pid 1234): what you type runs in that process")
     assert "`pause` stops it at its next Python line" in text and "other ranks wait for it at their next collective" in text
     assert text.endswith("[distnb] rank 3 is in all_reduce #4 (group 0) for 35.0 s")
+
+
+def test_a_look_across_ranks_groups_equal_answers_the_most_ranks_first() -> None:
+    """``ranks R: p step`` on a job whose rank 3 is one step behind and whose rank 1 does not answer:
+    each rank is read in the innermost frame of its user's code, this rank in the frame selected."""
+    asked: list[tuple[int, str, int | None, str | None]] = []
+
+    def look(rank: int, what: str, frame: int | None, expr: str | None) -> PeekRead:
+        asked.append((rank, what, frame, expr))
+        if rank == 1:
+            raise AttachError("rank 1 gave no answer: its process (pid 7) is gone.")
+        read: PeekRead = {"frames": FRAMES}
+        if what == "eval":
+            read["value"] = "39" if rank == 3 else "40"
+        elif what == "locals":
+            read["value"] = f"step = {39 if rank == 3 else 40}\nrank = {rank}"
+        return read
+
+    made: Any = lambda: None  # noqa: E731
+    c = JobConsole(2, 5, look, made)
+    c.open()
+    c.run("u")  # this rank's selected frame: main (1)
+    assert c.run("ranks all: p step") == ("ranks 0,2,4: 40\nrank 1: *** rank 1 gave no answer: its process (pid 7) is gone.\n"
+                                          "rank 3: 39")
+    assert (2, "eval", 1, "step") in asked and (0, "eval", 2, "step") in asked  # the selected frame here, the user's innermost there
+    assert c.run("ranks 3-4: locals") == "rank 3:\n  step = 39\n  rank = 3\nrank 4:\n  step = 40\n  rank = 4"
+    assert c.run("ranks 0-9: p step") == "*** ranks 5, 6, 7, 8, 9 are out of range: this pool has ranks 0-4."
+    assert c.run("ranks all: x = 1").startswith("*** ranks R: takes looks")
+    assert c.run("ranks all") == "*** ranks R: CMD (R: 0-3 · 1,3 · all; CMD: p, pp, a, locals or an expression)"
