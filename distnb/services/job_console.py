@@ -8,8 +8,9 @@ Two parts, so that it works on the rank that matters most, a hung one:
   against the main thread's frames as they stand, without stopping it. A rank blocked in a
   collective is in native code, where no debugger can pause it, and its frames stand still there.
 - **Steps** (debugpy, services/job_stepper.py): ``pause`` stops the main thread at its next Python
-  line; then ``n``, ``s``, ``r`` step it and ``c`` lets it go. Only on request: a paused rank holds
-  the others at their next collective, their timeouts running.
+  line; then ``n``, ``s``, ``r`` step it and ``c`` lets it go; ``b`` sets a breakpoint, and ``c``
+  then goes on until it stops there. Only on request: a paused rank holds the others at their next
+  collective, their timeouts running.
 
 ``q`` (or the end of the commands) leaves the rank running as it was; nothing raises in the job.
 Every answer is text (the console prints it); the looks themselves are data (:class:`PeekRead`).
@@ -44,7 +45,8 @@ CONSOLE_HELP = """distnb's console on a rank of a live job (pdb's words; the ran
   pause               stop the main thread at its next Python line (in native code, e.g. inside a
                       collective: when it comes back); the others wait for it at their next collective
   n · s · r           paused: next line · step into · step out (return)
-  c                   paused: let it go on, and leave the console
+  b [LINE | FILE:LINE]  the breakpoints · one more (LINE: in the selected frame's file); cl clears them
+  c                   with breakpoints: on until one stops it; else let it go on, and leave the console
   q                   leave the console; a paused rank goes on, as it was"""
 
 
@@ -111,7 +113,16 @@ class JobConsole:
             return self._pause()
         if word in _STEPS and not rest:
             return self._step(_STEPS[word])
+        if word in ("b", "break"):
+            return self._break(rest)
+        if word in ("cl", "clear") and not rest:
+            if self._stepper is None or not self._stepper.breakpoints:
+                return "no breakpoints"
+            self._stepper.clear_breakpoints()
+            return f"[distnb] rank {self.rank}'s breakpoints cleared"
         if word in ("c", "cont", "continue") and not rest:
+            if self._stepper is not None and self._stepper.breakpoints:
+                return self._until_stop(self._to_breakpoint, "", "")
             return self.leave()
         what, expr = _as_look(line)
         return self._value(what, expr)
@@ -121,13 +132,18 @@ class JobConsole:
         if self.done:
             return ""
         self.done = True
-        if self._stepper is None or not (self._stepper.paused or self._stepper.pending):
+        if self._stepper is None or not self._stepper.started:
             return f"[distnb] left rank {self.rank}; it runs on as it was."
-        was = self._stepper.paused
+        was, pending, points = self._stepper.paused, self._stepper.pending, bool(self._stepper.breakpoints)
         why = self._stepper.resume()
         if why:
             return f"[distnb] rank {self.rank} may still be paused: debugpy did not take the continue ({why}); %dist_debug {self.rank} then c"
-        return f"[distnb] rank {self.rank} goes on; left it." if was else f"[distnb] left rank {self.rank}; the pause asked for is taken back, it runs on."
+        cleared = ", its breakpoints cleared" if points else ""
+        if was:
+            return f"[distnb] rank {self.rank} goes on; left it{cleared}."
+        if pending:
+            return f"[distnb] left rank {self.rank}; the pause asked for is taken back{cleared}, it runs on."
+        return f"[distnb] left rank {self.rank}{cleared}; it runs on as it was."
 
     # -- looks ---------------------------------------------------------------------------------
     def _read_frames(self, select_user: bool = False) -> None:
@@ -225,6 +241,32 @@ class JobConsole:
         return self._until_stop(lambda: stepper.step(command), "",
                                 f"[distnb] rank {self.rank} has not stopped within {STEP_WAIT:g} s: the step runs on (a long call, or native "
                                 "code such as a collective waiting for the other ranks); it stops when the step ends. where shows where it is now.")
+
+    def _break(self, where: str) -> str:
+        """``b``: the breakpoints; ``b LINE`` (in the selected frame's file) or ``b FILE:LINE``: one more."""
+        if not where:
+            points = self._stepper.breakpoints if self._stepper is not None else {}
+            return "\n".join(f"{path}:{n}" for path, lines in points.items() for n in lines) or "no breakpoints"
+        path, _, number = where.rpartition(":")
+        if not path and self.selected is not None and self.frames:
+            path = self.frames[self.selected].filename
+        if not number.isdigit() or not path:
+            return "*** b LINE (in the selected frame's file) or b FILE:LINE"
+        if self._stepper is None:
+            self._stepper = self._make_stepper()
+        why = self._stepper.set_breakpoint(path, int(number))
+        if why:
+            return f"*** no breakpoint at {path}:{number}: {why}"
+        return (f"[distnb] breakpoint at {path}:{number} on rank {self.rank}: it pauses there, the other ranks then waiting at their "
+                "next collective; c waits for it (interrupt to stop waiting), q clears it")
+
+    def _to_breakpoint(self) -> Stop:
+        """``c`` with breakpoints: on, until the rank stops at one (as long as it takes)."""
+        assert self._stepper is not None
+        self._stepper.proceed()
+        while (stop := self._stepper.stopped(1.0)) is None:
+            pass
+        return stop
 
     def _until_stop(self, act: Callable[[], Stop | None], failed: str, running: str) -> str:
         """``act`` (a pause, a step), then where it stopped, or ``running`` while it has not."""

@@ -1,5 +1,6 @@
 """debugpy in one rank of an attached job, driven step by step: pause its main thread, next, step,
-return, continue (``%dist_debug``'s ``pause``, ``n``, ``s``, ``r``, ``c``; services/job_console.py).
+return, continue, breakpoints (``%dist_debug``'s ``pause``, ``n``, ``s``, ``r``, ``c``, ``b``, ``cl``;
+services/job_console.py).
 
 The pool's ranks run the same in-process debugpy for the notebook's debugger panel
 (worker/process/panel_link.py, services/rank_debug.py); an attachable rank's control thread relays
@@ -47,6 +48,7 @@ class JobStepper:
         self.paused = False
         self.pending = False  # a pause or step asked for has not stopped the thread yet
         self.started = False
+        self.breakpoints: dict[str, list[int]] = {}  # file (as the rank sees it) → lines, as debugpy took them
 
     def start(self) -> str:
         """Start debugpy in the rank (once per process) and attach to it; "" or what went wrong."""
@@ -113,9 +115,44 @@ class JobStepper:
         self.paused, self.pending = True, False
         return Stop(str(body.get("reason", "pause")), str(body.get("text") or body.get("description") or ""))
 
+    def set_breakpoint(self, path: str, line: int) -> str:
+        """A breakpoint at ``path``:``line`` in the rank; "" or why debugpy did not take it."""
+        why = self.start()
+        if why:
+            return why
+        lines = sorted({*self.breakpoints.get(path, []), line})
+        reply = self.request("setBreakpoints", {"source": {"path": path}, "breakpoints": [{"line": n} for n in lines]})
+        if not reply.get("success"):
+            return str(reply.get("message", "no answer"))
+        taken = [b for b in reply.get("body", {}).get("breakpoints", []) if b.get("line") == line]
+        self.breakpoints[path] = lines
+        if taken and not taken[0].get("verified", True):
+            return str(taken[0].get("message") or "debugpy could not place it there (no code on that line?)")
+        return ""
+
+    def clear_breakpoints(self) -> None:
+        for path in list(self.breakpoints):
+            self.request("setBreakpoints", {"source": {"path": path}, "breakpoints": []})
+        self.breakpoints.clear()
+
+    def proceed(self) -> None:
+        """Let a paused thread go on, still debugged (its breakpoints stay): ``stopped`` gives the next stop."""
+        if self.paused:
+            seq = next(self._seq)
+            ack = self._relay([_request(seq, "continue", {"threadId": self.thread})])
+            if "error" in ack:
+                raise RuntimeError(str(ack["error"]))
+            self._response(seq, self.timeout)
+            self.paused, self.pending = False, True
+
     def resume(self) -> str:
-        """Let the main thread go on, a pause or step not yet landed taken back too; "" or what failed."""
+        """Let the main thread go on, undebugged: its breakpoints cleared, a pause or step not yet
+        landed taken back too; "" or what failed."""
+        if self.breakpoints:
+            self.clear_breakpoints()
         if not (self.paused or self.pending):
+            if self.started:
+                self._relay([], leave=True)  # breakpoints gone: the rank untraces its thread
             return ""
         if not self.paused:
             # Taken back (pydevd's resume clears the thread's pending step); pydevd answers a

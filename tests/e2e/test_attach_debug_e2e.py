@@ -46,7 +46,7 @@ for step in itertools.count():
         dist.all_reduce(t)
     time.sleep(0.01)
 """
-LOOP_LINE = 17  # ``value = work(step)``
+WORK_LINE = 12  # ``total = step * 2``, in work()
 #: The lease the job is started with: short, so the test sees a quiet notebook's pause let go.
 LEASE = 4.0
 MARK = "DISTNB_ATTACH_DEBUG_TEST"
@@ -144,16 +144,36 @@ def test_pause_step_and_let_go_a_rank_while_the_others_wait_for_it(job: Job) -> 
     assert "a notebook attached to this job is debugging this rank (%dist_debug)" in job.stderr.read_text()
 
 
+def test_a_breakpoint_stops_the_rank_there_and_is_cleared_on_leaving(job: Job) -> None:
+    said: list[str] = []
+    with distnb.attach(job.job_id) as attached:
+        attached.debug(1, commands=[f"b {WORK_LINE}", "c", "a", "p total", "n", "p total", "q"], say=said.append)
+        text = "\n".join(said)
+        assert f"loop.py:{WORK_LINE} on rank 1: it pauses there" in text, text
+        assert "[distnb] rank 1 paused (breakpoint)\n> " in text and f"loop.py:{WORK_LINE} in work: total = step * 2" in text, text
+        step = int(text.split("(rank 1) a\nstep = ")[1].split("\n")[0])
+        assert "(rank 1) p total\n*** NameError: name 'total' is not defined" in text, text  # not yet run
+        assert f"(rank 1) p total\n{step * 2}\n" in text, text  # one line on
+        assert said[-1] == "[distnb] rank 1 goes on; left it, its breakpoints cleared.", said[-1]
+        held = steps(job, 1, attached) or 0
+        wait_until(lambda: (steps(job, 1, attached) or -1) > held + 25, 60, "rank 1 past its breakpoint's line, unstopped", poll=0.2)
+        wait_until(lambda: look(attached, 1, UNTRACED) == "True", 10, "rank 1 untraced once left", poll=0.2)
+
+
 def test_a_pause_whose_notebook_goes_quiet_is_let_go_after_the_lease(job: Job) -> None:
     """Rank 1 paused, and rank 0 asked to pause while it waits for rank 1 in its all_reduce (native
-    code: the pause would land when that returns); then the notebook is gone without a word. After
-    the lease each rank lets itself go, rank 0's pause taken back before it lands: both run on."""
+    code: the pause would land when that returns) and given a breakpoint in work(); then the
+    notebook is gone without a word. After the lease each rank lets itself go, rank 0's pause taken
+    back before it lands and its breakpoint cleared: both run on."""
+    with distnb.attach(job.job_id) as attached:
+        script = next(f.filename for f in attached.peek(0)["frames"] if f.filename.endswith("loop.py"))
     files = next(f for f in list_jobs() if f.job == job.job_id)
     link = AttachLink(files.ranks)
     one, zero = JobStepper(link, 1), JobStepper(link, 0)
     assert one.pause() is not None and one.paused
     time.sleep(1.0)  # rank 0 reaches its next all_reduce, and waits there for rank 1
     assert zero.pause(wait=1.0) is None and zero.pending
+    assert zero.set_breakpoint(script, WORK_LINE) == ""
     link.close()  # no continue will come
     with distnb.attach(job.job_id) as attached:
         held = (steps(job, 0, attached) or 0, steps(job, 1, attached) or 0)

@@ -44,6 +44,7 @@ class ScriptedDebugpy:
         self.rank = rank
         self.lands = lands
         self.paused = self.pending = self.started = False
+        self.breakpoints: dict[str, list[int]] = {}
         self.calls: list[str] = []
 
     def pause(self) -> Stop | None:
@@ -61,12 +62,31 @@ class ScriptedDebugpy:
         return Stop("step")
 
     def stopped(self, wait: float) -> Stop | None:
+        if self.pending and self.breakpoints:  # runs on to the breakpoint
+            self.paused, self.pending = True, False
+            self.rank.frames[2] = self.rank.frames[2]._replace(line=self.breakpoints["train.py"][0])
+            return Stop("breakpoint")
         return None
 
     def resume(self) -> str:
         self.calls.append("continue")
         self.paused = self.pending = False
+        self.breakpoints.clear()
         return ""
+
+    def set_breakpoint(self, path: str, line: int) -> str:
+        self.started = True
+        if line == 999:
+            return "no code on line 999"
+        self.breakpoints.setdefault(path, []).append(line)
+        return ""
+
+    def clear_breakpoints(self) -> None:
+        self.breakpoints.clear()
+
+    def proceed(self) -> None:
+        self.calls.append("proceed")
+        self.paused, self.pending = False, True
 
 
 def console(lands: bool = True) -> tuple[JobConsole, ScriptedRank, ScriptedDebugpy]:
@@ -155,3 +175,23 @@ def test_a_look_across_ranks_groups_equal_answers_the_most_ranks_first() -> None
     assert c.run("ranks 0-9: p step") == "*** ranks 5, 6, 7, 8, 9 are out of range: this pool has ranks 0-4."
     assert c.run("ranks all: x = 1").startswith("*** ranks R: takes looks")
     assert c.run("ranks all") == "*** ranks R: CMD (R: 0-3 · 1,3 · all; CMD: p, pp, a, locals or an expression)"
+
+
+def test_breakpoints_are_set_in_the_selected_frames_file_and_cleared_on_leaving() -> None:
+    c, _, debugpy = console()
+    c.open()
+    assert c.run("b") == "no breakpoints" and c.run("b x") == "*** b LINE (in the selected frame's file) or b FILE:LINE"
+    assert c.run("b 20").startswith("[distnb] breakpoint at train.py:20 on rank 2: it pauses there")
+    assert c.run("b train.py:999") == "*** no breakpoint at train.py:999: no code on line 999"
+    assert c.run("b") == "train.py:20"
+    assert c.run("c") == "[distnb] rank 2 paused (breakpoint)\n> train.py:20 in step: dist.all_reduce(t)"
+    assert debugpy.calls == ["proceed"] and not c.done  # c with breakpoints stays in the console
+    assert c.run("q") == "[distnb] rank 2 goes on; left it, its breakpoints cleared." and debugpy.breakpoints == {}
+
+
+def test_a_cleared_breakpoint_still_leaves_the_rank_untraced() -> None:
+    c, _, debugpy = console()
+    c.open()
+    c.run("b 20")
+    assert c.run("cl") == "[distnb] rank 2's breakpoints cleared" and c.run("cl") == "no breakpoints"
+    assert c.run("q") == "[distnb] left rank 2; it runs on as it was." and debugpy.calls == ["continue"]  # the rank told to untrace

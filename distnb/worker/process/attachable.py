@@ -49,7 +49,7 @@ LEASE = 600.0
 LEASE_ENV = "DISTNB_DEBUG_LEASE"
 #: Milliseconds between the control thread's looks at a debugged rank (the lease, the untrace).
 TICK_MS = 200
-#: The debugpy requests that leave the main thread held, or about to be.
+#: The debugpy requests that leave the main thread held, or about to be (and breakpoints set).
 _HOLDING = frozenset({"pause", "next", "stepIn", "stepOut"})
 #: debugpy request numbers the rank uses for itself (far above the notebook's).
 LET_GO_SEQ = 1_000_000_000
@@ -224,7 +224,8 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
                 self.tick_every = TICK_MS
                 self.leaving = bool(msg.get("leave"))
                 commands = {m.get("command") for m in msg["msgs"]}
-                self.holding = not self.leaving and (self.holding or bool(commands & _HOLDING))
+                arming = any(m.get("command") == "setBreakpoints" and (m.get("arguments") or {}).get("breakpoints") for m in msg["msgs"])
+                self.holding = not self.leaving and (self.holding or bool(commands & _HOLDING) or arming)
                 return super().handle({"t": Msg.DAP, "id": msg["id"], "msgs": msg["msgs"]})  # not the pool's "before each collective"
             return super().handle(msg)
 
@@ -241,9 +242,12 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
             if time.monotonic() - self.heard < _lease():
                 return
             if self.holding and link.sock is not None:
-                # The notebook that paused the rank (or asked it to) went quiet: closed, crashed, forgot.
-                # The job comes first: "*" resumes it and takes back a pause or step not landed yet.
-                link.send([{"seq": LET_GO_SEQ, "type": "request", "command": "continue", "arguments": {"threadId": "*"}}])
+                # The notebook that paused the rank (or asked it to, or set breakpoints) went quiet:
+                # closed, crashed, forgot. The job comes first: its breakpoints go, and "*" resumes it
+                # and takes back a pause or step not landed yet.
+                clear = [{"seq": LET_GO_SEQ + 1 + i, "type": "request", "command": "setBreakpoints",
+                          "arguments": {"source": {"path": path}, "breakpoints": []}} for i, path in enumerate(link.armed_files())]
+                link.send([*clear, {"seq": LET_GO_SEQ, "type": "request", "command": "continue", "arguments": {"threadId": "*"}}])
                 print(f"distnb: rank {rank}: the notebook that paused this rank said nothing for {_lease():g} s: "
                       "the rank goes on", file=sys.stderr, flush=True)
                 self.holding, self.leaving = False, True

@@ -132,6 +132,10 @@ class PanelLink:
         if not self._tracing and (any(self._armed.values()) or any(m.get("command") == "pause" for m in msgs)):
             self._trace_main_thread()
 
+    def armed_files(self) -> list[str]:
+        """The files the notebook set breakpoints in (the panel's, or an attached job's console's)."""
+        return [path for path, armed in self._armed.items() if armed and path not in ("", "collectives")]
+
     def _trace_main_thread(self) -> None:
         """A breakpoint (or a pause) arrived while the main thread runs untraced: trace it from
         here on, from this thread (pydevd's own way of tracing threads it did not start; it marks
