@@ -220,8 +220,9 @@ class InspectMagics(Magics):
 
         Attached to a live job (%dist_attach): pdb's words on the rank at the frame it stands in,
         after a warning. It is not stopped: where, p, pp, l, args read its frames (a rank hung in a
-        collective too); pause stops it at its next Python line, then n, s, r step and c lets it go.
-        q leaves it running as it was."""
+        collective too), ranks R: p x reads several ranks; pause stops it at its next Python line,
+        then n, s, r step and c lets it go; b LINE and c run it on to a breakpoint. q leaves it
+        running as it was."""
         args = parse(self.dist_debug, line)
         job = current_job()
         if isinstance(job, AttachedJob):
