@@ -259,17 +259,20 @@ class AttachedJob:
         return AttachStatus(self.job, self.world_size, rows, verdict, notes)
 
     # -- stepping in (only when asked) ---------------------------------------------------------
-    def peek(self, rank: int, what: str = "frames", frame: int | None = None, expr: str | None = None) -> PeekRead:
+    def peek(self, rank: int, what: str = "frames", frame: int | None = None, expr: str | None = None,
+             want: tuple[str, str] | None = None) -> PeekRead:
         """A look into rank ``rank``'s main thread as it stands, not stopping it (worker/process/peek.py):
         its frames, or ``expr`` run in frame ``frame`` (``what``: eval · pretty · exec · args ·
-        locals · source · function). It runs code in the job: ``debug`` is the console over it."""
+        locals · source · function; ``want``: that frame's (file, function) as last read, so a rank
+        that ran on is looked at where that function is now, or says it returned). It runs code in
+        the job: ``debug`` is the console over it."""
         msg: dict[str, Any] = {"t": Msg.PEEK, "what": what, "consent": True}
-        msg.update({k: v for k, v in (("frame", frame), ("expr", expr)) if v is not None})
+        msg.update({k: v for k, v in (("frame", frame), ("expr", expr), ("want", list(want) if want else None)) if v is not None})
         reply = self._ask([rank], msg, max(self.timeout, EVAL_TIMEOUT + self.timeout)).get(rank)
         if reply is None:
             raise AttachError(f"rank {rank} gave no answer: {self.why_silent(rank)}.")
-        if "frames" not in reply:  # refused (a job started with DISTNB_ATTACH_DEBUG=0, an older distnb)
-            raise AttachError(f"rank {rank} refused: {reply.get('error', 'no frames in its answer')}.")
+        if "frames" not in reply:  # refused (a job started with DISTNB_ATTACH_DEBUG=0), or an older distnb
+            raise AttachError(f"rank {rank} gave no look: {reply.get('error', 'no frames in its answer')}.")
         return cast(PeekRead, {k: reply[k] for k in PeekRead.__annotations__ if k in reply})
 
     def debug(self, rank: int | None = None, commands: Sequence[str] | None = None, ask: Ask = read_line,

@@ -199,7 +199,7 @@ def test_a_rank_is_looked_into_only_when_the_notebook_asks_and_never_when_the_jo
         monkeypatch.setenv(attachable.DEBUG_SWITCH, "0")  # as the job's environment would have it (read by the rank, here)
         with pytest.raises(distnb.AttachError) as refused:
             job.peek(0)
-        assert one_line(refused) == "rank 0 refused: this job was started with DISTNB_ATTACH_DEBUG=0: its ranks can be looked at " \
+        assert one_line(refused) == "rank 0 gave no look: this job was started with DISTNB_ATTACH_DEBUG=0: its ranks can be looked at " \
             "(%dist_stacks …), not debugged."
 
 

@@ -89,11 +89,12 @@ class AttachLink:
         deadline = time.monotonic() + timeout
         while not until(self.pushed[rank]):
             left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            # Polled at least once, without waiting when the time is up: ``timeout=0`` reads what came.
+            if sock.poll(max(0, int(left * 1000)), zmq.POLLIN):
                 for _ in self._read(rank, sock):
                     pass  # a late answer to an ask that gave up on it
+            elif left <= 0:
+                return False
         return True
 
     def _read(self, rank: int, sock: zmq.Socket[bytes]) -> Iterable[dict[str, Any]]:

@@ -27,9 +27,12 @@ from distnb.wire.records import PeekFrame, PeekRead
 
 __all__ = ["CONSOLE_HELP", "JobConsole", "Look", "warning"]
 
-#: One look into a rank: (rank, what, frame index or None, expression or None) → its answer.
-Look = Callable[[int, str, int | None, str | None], PeekRead]
+#: One look into a rank: (rank, what, frame index or None, expression or None, the frame's (file,
+#: function) as last seen or None) → its answer.
+Look = Callable[[int, str, int | None, str | None, tuple[str, str] | None], PeekRead]
 
+#: Seconds between the console's checks that a rank it waits on (for a breakpoint) still answers.
+ALIVE_EVERY = 2.0
 _STEPS = {"n": "next", "next": "next", "s": "stepIn", "step": "stepIn", "r": "stepOut", "return": "stepOut"}
 _QUIT = {"q", "quit", "exit", "EOF"}
 
@@ -66,11 +69,10 @@ class JobConsole:
     """The console's state on one rank: the selected frame, and debugpy once asked to pause."""
 
     def __init__(self, rank: int, world_size: int, look: Look, stepper: Callable[[], JobStepper]) -> None:
-        """``look(rank, what, frame, expr)``: one look into a rank of the job (any, for ``ranks R:``)."""
+        """``look(rank, what, frame, expr, want)``: one look into a rank of the job (any, for ``ranks R:``)."""
         self.rank = rank
         self.world_size = world_size
         self._look_any = look
-        self._look = lambda what, frame, expr: look(rank, what, frame, expr)
         self._make_stepper = stepper
         self._stepper: JobStepper | None = None
         self.frames: list[PeekFrame] = []
@@ -146,8 +148,16 @@ class JobConsole:
         return f"[distnb] left rank {self.rank}{cleared}; it runs on as it was."
 
     # -- looks ---------------------------------------------------------------------------------
+    def _look(self, what: str, expr: str | None = None) -> PeekRead:
+        """A look into this rank's selected frame; a rank that ran on since is looked at where that
+        function now is (or says it returned), and the frames kept are the answer's."""
+        read = self._look_any(self.rank, what, self.selected, expr, _seen(self.frames, self.selected))
+        if "frames" in read and "frame" in read:
+            self.frames, self.selected = list(read["frames"]), read["frame"]
+        return read
+
     def _read_frames(self, select_user: bool = False) -> None:
-        read = self._look("frames", None, None)
+        read = self._look_any(self.rank, "frames", None, None, None)
         before = self.frames
         self.frames = list(read.get("frames", []))
         moved = [(f.filename, f.function) for f in before] != [(f.filename, f.function) for f in self.frames]
@@ -180,7 +190,7 @@ class JobConsole:
     def _source(self, what: str) -> str:
         if self.selected is None:
             self._read_frames(select_user=True)
-        read = self._look(what, self.selected, None)
+        read = self._look(what)
         if read.get("error"):
             return f"*** {read['error']}"
         here = self.frames[self.selected].line if self.selected is not None and self.selected < len(self.frames) else -1
@@ -189,7 +199,7 @@ class JobConsole:
     def _value(self, what: str, expr: str | None) -> str:
         if self.selected is None:
             self._read_frames(select_user=True)
-        read = self._look(what, self.selected, expr)
+        read = self._look(what, expr)
         if read.get("error"):
             return f"*** {read['error']}"
         return read.get("value", "")
@@ -210,13 +220,13 @@ class JobConsole:
         answers = []
         for r in ranks:
             try:
-                frame: int | None
                 if r == self.rank and self.selected is not None:
-                    frame = self.selected
+                    read = self._look(what, expr)
                 else:
-                    users = [i for i, f in enumerate(self._look_any(r, "frames", None, None).get("frames", [])) if f.user]
+                    frames = self._look_any(r, "frames", None, None, None).get("frames", [])
+                    users = [i for i, f in enumerate(frames) if f.user]
                     frame = users[-1] if users else None
-                read = self._look_any(r, what, frame, expr)
+                    read = self._look_any(r, what, frame, expr, _seen(frames, frame))
                 answers.append((r, f"*** {read['error']}" if read.get("error") else read.get("value", "")))
             except DistnbError as exc:
                 answers.append((r, f"*** {exc}"))
@@ -261,11 +271,17 @@ class JobConsole:
                 "next collective; c waits for it (interrupt to stop waiting), q clears it")
 
     def _to_breakpoint(self) -> Stop:
-        """``c`` with breakpoints: on, until the rank stops at one (as long as it takes)."""
+        """``c`` with breakpoints: on, until the rank stops at one (as long as it takes), the rank
+        asked every few seconds whether it is still there (which renews its lease)."""
         assert self._stepper is not None
         self._stepper.proceed()
-        while (stop := self._stepper.stopped(1.0)) is None:
-            pass
+        while (stop := self._stepper.stopped(ALIVE_EVERY)) is None:
+            why = self._stepper.alive()
+            if why:
+                raise RuntimeError(f"rank {self.rank} stopped answering while the notebook waited for its breakpoint ({why}): "
+                                   "the job may have ended; %dist_status shows its ranks")
+            if not self._stepper.breakpoints:
+                raise RuntimeError(f"rank {self.rank} has no breakpoint left to stop at")
         return stop
 
     def _until_stop(self, act: Callable[[], Stop | None], failed: str, running: str) -> str:
@@ -280,6 +296,11 @@ class JobConsole:
         self._read_frames(select_user=True)
         why = f" ({stop.text})" if stop.text and stop.reason == "exception" else ""
         return f"[distnb] rank {self.rank} paused ({stop.reason}{why})\n" + self._where(current_only=True)
+
+
+def _seen(frames: list[PeekFrame], index: int | None) -> tuple[str, str] | None:
+    """The (file, function) of frame ``index`` as last read: the rank checks it is still that one."""
+    return (frames[index].filename, frames[index].function) if index is not None and 0 <= index < len(frames) else None
 
 
 def _as_look(line: str) -> tuple[str, str | None]:

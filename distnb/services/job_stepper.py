@@ -48,6 +48,7 @@ class JobStepper:
         self.paused = False
         self.pending = False  # a pause or step asked for has not stopped the thread yet
         self.started = False
+        self.touched = False  # a DAP request reached the rank (debugpy may have started there, tracing)
         self.breakpoints: dict[str, list[int]] = {}  # file (as the rank sees it) → lines, as debugpy took them
 
     def start(self) -> str:
@@ -104,16 +105,36 @@ class JobStepper:
         return self.stopped(wait)
 
     def stopped(self, wait: float) -> Stop | None:
-        """The main thread's stop once it comes, within ``wait`` seconds (None: it runs)."""
+        """The main thread's stop once it comes, within ``wait`` seconds (None: it runs). A stop of
+        every thread (a breakpoint another thread hit) counts; a resume the rank made itself (the
+        lease) is taken in too."""
         pushed = self._link.pushed[self.rank]
-        self._link.listen(self.rank, lambda msgs: any(_is_stop(m, self.thread) for m in msgs), wait)
-        stops = [m for m in pushed if _is_stop(m, self.thread)]
+        self._link.listen(self.rank, lambda msgs: self._settle(msgs)[1], wait)
+        last, _, self.paused = self._settle(pushed)  # not paused: resumed by the rank itself (the lease), or another notebook
         _forget(pushed, lambda m: m.get("type") == "event")
-        if not stops:
+        if last is None:
             return None
-        body = stops[-1].get("body") or {}
+        body = last.get("body") or {}
         self.paused, self.pending = True, False
         return Stop(str(body.get("reason", "pause")), str(body.get("text") or body.get("description") or ""))
+
+    def _settle(self, msgs: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, bool, bool]:
+        """The last stop among ``msgs`` still standing, whether they settle anything (a stop, or a
+        resume of a thread this client holds paused), and whether the thread is paused after them.
+        A resume while a pause or step of its own is under way is its own continue's echo, and
+        settles nothing."""
+        paused, last, settled = self.paused, None, False
+        for m in msgs:
+            if _is_stop(m, self.thread):
+                paused, last, settled = True, m, True
+            elif _is_resume(m, self.thread) and paused:
+                paused, last, settled = False, None, True
+        return last, settled, paused
+
+    def alive(self) -> str:
+        """"" while the rank answers (its lease renewed: a notebook waiting for a breakpoint is not
+        a notebook gone quiet), else why not."""
+        return str(self._relay([]).get("error", ""))
 
     def set_breakpoint(self, path: str, line: int) -> str:
         """A breakpoint at ``path``:``line`` in the rank; "" or why debugpy did not take it."""
@@ -151,8 +172,8 @@ class JobStepper:
         if self.breakpoints:
             self.clear_breakpoints()
         if not (self.paused or self.pending):
-            if self.started:
-                self._relay([], leave=True)  # breakpoints gone: the rank untraces its thread
+            if self.touched:
+                self._relay([], leave=True)  # nothing held: the rank untraces its thread (debugpy traced it on starting)
             return ""
         if not self.paused:
             # Taken back (pydevd's resume clears the thread's pending step); pydevd answers a
@@ -169,6 +190,7 @@ class JobStepper:
     def _relay(self, msgs: list[dict[str, Any]], leave: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """``leave``: the last of them lets the thread go; the rank then stops tracing it."""
         timeout = self.timeout if timeout is None else timeout
+        self.touched = True
         replies = self._link.ask([self.rank], {"t": Msg.DAP, "msgs": msgs, "consent": True, "leave": leave}, timeout)
         return replies.get(self.rank, {"error": f"rank {self.rank} did not answer within {timeout:g} s"})
 
@@ -186,7 +208,13 @@ class JobStepper:
 
 
 def _is_stop(msg: dict[str, Any], thread: int | None) -> bool:
-    return msg.get("event") == "stopped" and (msg.get("body") or {}).get("threadId") in (thread, None)
+    body = msg.get("body") or {}
+    return msg.get("event") == "stopped" and (body.get("threadId") in (thread, None) or bool(body.get("allThreadsStopped")))
+
+
+def _is_resume(msg: dict[str, Any], thread: int | None) -> bool:
+    body = msg.get("body") or {}
+    return msg.get("event") == "continued" and (body.get("threadId") == thread or bool(body.get("allThreadsContinued")))
 
 
 def _forget(msgs: list[dict[str, Any]], drop: Any) -> None:

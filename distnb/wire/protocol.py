@@ -318,6 +318,7 @@ class Peek(_PeekKind, total=False):
     into the frames, outermost first). Answered only with ``consent``: the notebook asked for it."""
 
     frame: int
+    want: list[str]  # [filename, function] the notebook saw at ``frame``: a rank that ran on is looked at there, or says it returned
     expr: str
     consent: bool
 

@@ -102,6 +102,7 @@ class PeekRead(TypedDict, total=False):
     """The answer to a PEEK: the main thread's frames, outermost first, and what was asked of one."""
 
     frames: list[PeekFrame]
+    frame: int  # the frame looked at (an index into ``frames``)
     value: str  # the expression's value (repr, pretty-printed or cut to a length), or the names asked
     source: list[tuple[int, str]]  # (line number, text) for ``source`` and ``function``
     error: str  # why nothing came: the expression raised (its last line), or the rank refused

@@ -24,9 +24,12 @@ class ScriptedRank:
         self.frames = list(FRAMES)
         self.asked: list[tuple[str, int | None, str | None]] = []
 
-    def look(self, rank: int, what: str, frame: int | None, expr: str | None) -> PeekRead:
+    def look(self, rank: int, what: str, frame: int | None, expr: str | None, want: tuple[str, str] | None) -> PeekRead:
         self.asked.append((what, frame, expr))
         read: PeekRead = {"frames": self.frames}
+        if frame is not None:
+            assert want == (self.frames[frame].filename, self.frames[frame].function)  # the frame as the console saw it
+            read["frame"] = frame
         if what == "eval":
             read.update({"value": f"<{expr} in {self.frames[frame or 0].function}>"} if expr != "boom" else {"error": "NameError: name 'boom' is not defined"})
         elif what in ("exec", "pretty", "args", "locals"):
@@ -153,7 +156,7 @@ def test_a_look_across_ranks_groups_equal_answers_the_most_ranks_first() -> None
     each rank is read in the innermost frame of its user's code, this rank in the frame selected."""
     asked: list[tuple[int, str, int | None, str | None]] = []
 
-    def look(rank: int, what: str, frame: int | None, expr: str | None) -> PeekRead:
+    def look(rank: int, what: str, frame: int | None, expr: str | None, want: tuple[str, str] | None) -> PeekRead:
         asked.append((rank, what, frame, expr))
         if rank == 1:
             raise AttachError("rank 1 gave no answer: its process (pid 7) is gone.")

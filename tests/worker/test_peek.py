@@ -104,7 +104,8 @@ def test_no_such_frame_and_unknown_looks_are_said() -> None:
 def test_a_debuggers_frames_and_what_it_waits_in_are_not_shown(tmp_path: Path) -> None:
     """A thread held by debugpy waits inside pydevd (and the threading module under it): the
     frames end at the user's line where it was paused."""
-    fake = tmp_path / "pydevd_fake.py"
+    (tmp_path / "debugpy").mkdir()
+    fake = tmp_path / "debugpy" / "pydevd_fake.py"  # debugpy vendors pydevd under its folder
     fake.write_text("def do_wait_suspend(entered, done):\n    entered.set()\n    done.wait(30)\n")
     namespace: dict[str, Any] = {}
     exec(compile(fake.read_text(), str(fake), "exec"), namespace)
@@ -115,3 +116,16 @@ def test_a_debuggers_frames_and_what_it_waits_in_are_not_shown(tmp_path: Path) -
     frames = looked_at_while_waiting([{"what": "frames"}], hold=users_line)[0]["frames"]
     assert frames[-1].function == "users_line" and frames[-1].code.startswith("namespace[\"do_wait_suspend\"](entered, done)"), frames[-3:]
     assert not any("threading" in f.filename or "pydevd" in f.filename for f in frames[-3:])
+
+
+def test_a_look_at_a_frame_that_moved_finds_its_function_or_says_it_returned() -> None:
+    """The notebook read the frames, the rank ran on: the index it sends may now be another frame.
+    With the function it saw there, the look is made in that function's innermost frame, or says
+    it has returned."""
+    here = "moved"  # noqa: F841  (read by the looks, in this frame)
+    found, gone = looked_at_while_waiting([
+        {"what": "eval", "expr": "here", "frame": 0, "want": [__file__, "test_a_look_at_a_frame_that_moved_finds_its_function_or_says_it_returned"]},
+        {"what": "eval", "expr": "here", "frame": 0, "want": [__file__, "a_function_that_returned"]},
+    ])
+    assert found["value"] == "'moved'" and found["frames"][found["frame"]].function.startswith("test_a_look_at_a_frame"), found
+    assert gone["error"] == f"a_function_that_returned ({__file__}) has returned since: `where` shows the frames now", gone

@@ -206,6 +206,8 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
         heard = 0.0
         leaving = False  # the notebook let the main thread go: untrace it once it has left the debugger
         holding = False  # the notebook paused (or stepped) the main thread, and has not let it go
+        lapsed = False  # the lease ran out since the notebook last spoke, and was acted on
+        attached_dap = False  # a notebook's DAP client attached to debugpy here (a later one need not)
 
         def handle(self, msg: ToControl) -> Mapping[str, Any] | None:
             if msg["t"] in (Msg.INTERRUPT, Msg.HOLD):
@@ -217,16 +219,21 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
                 self._note_debugging()
                 if msg["t"] == Msg.PEEK:
                     if self.asked_by == self.push_route:
-                        self.heard = time.monotonic()  # the notebook holding the pause is still there
+                        self.heard, self.lapsed = time.monotonic(), False  # the notebook holding the pause is still there
                     return dict(peek(msg))
-                self.heard = time.monotonic()
+                self.heard, self.lapsed = time.monotonic(), False
                 self.push_route = self.asked_by  # debugpy's answers and stops go to the notebook debugging
                 self.tick_every = TICK_MS
                 self.leaving = bool(msg.get("leave"))
                 commands = {m.get("command") for m in msg["msgs"]}
                 arming = any(m.get("command") == "setBreakpoints" and (m.get("arguments") or {}).get("breakpoints") for m in msg["msgs"])
                 self.holding = not self.leaving and (self.holding or bool(commands & _HOLDING) or arming)
-                return super().handle({"t": Msg.DAP, "id": msg["id"], "msgs": msg["msgs"]})  # not the pool's "before each collective"
+                reply = super().handle({"t": Msg.DAP, "id": msg["id"], "msgs": msg["msgs"]})  # not the pool's "before each collective"
+                if reply is not None and "fresh" in reply:
+                    # Fresh until a client attached: one whose first try timed out must still attach.
+                    reply = {**reply, "fresh": not self.attached_dap}
+                    self.attached_dap = self.attached_dap or "attach" in commands
+                return reply
             return super().handle(msg)
 
         def _note_debugging(self) -> None:
@@ -239,8 +246,11 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
             link = self.executor.panel
             if self.leaving and link.untrace():
                 self.leaving = False
-            if time.monotonic() - self.heard < _lease():
+            if self.lapsed or time.monotonic() - self.heard < _lease():
+                if self.lapsed and not self.leaving:
+                    self.tick_every = None  # nothing left to do until the notebook speaks again
                 return
+            self.lapsed = True
             if self.holding and link.sock is not None:
                 # The notebook that paused the rank (or asked it to, or set breakpoints) went quiet:
                 # closed, crashed, forgot. The job comes first: its breakpoints go, and "*" resumes it
@@ -250,10 +260,8 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
                 link.send([*clear, {"seq": LET_GO_SEQ, "type": "request", "command": "continue", "arguments": {"threadId": "*"}}])
                 print(f"distnb: rank {rank}: the notebook that paused this rank said nothing for {_lease():g} s: "
                       "the rank goes on", file=sys.stderr, flush=True)
-                self.holding, self.leaving = False, True
-                return
-            if not self.leaving:
-                self.tick_every = None
+            self.holding = False
+            self.leaving = link.sock is not None  # debugpy traced the rank on starting, whatever the notebook did since
 
     control = AttachableControl(ctx, addr, creds, rank, executor, bind=True)
     control.state = "in the job"

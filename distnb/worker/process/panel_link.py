@@ -24,10 +24,11 @@ import socket
 import sys
 import threading
 import time
+from types import FrameType
 from typing import Any
 
 from distnb.worker.process.debug import cell_place
-from distnb.worker.process.peek import quick_handoffs
+from distnb.worker.process.peek import DEBUGGER_DIR, quick_handoffs
 from distnb.worker.torch_hooks.call_log import STOPS
 
 __all__ = ["PanelLink", "private_thread"]
@@ -275,13 +276,11 @@ class PanelLink:
         frame = sys._current_frames().get(threading.main_thread().ident or -1)
         if pydevd is None or self.stopped or not self._tracing:
             return not self.stopped
-        frames = []
         while frame is not None:
-            if "pydevd" in frame.f_code.co_filename or "debugpy" in frame.f_code.co_filename:
+            if DEBUGGER_DIR in frame.f_code.co_filename:
                 return False  # still leaving the debugger's wait
-            frames.append(frame)
             frame = frame.f_back
-        with contextlib.suppress(Exception):  # pydevd's internals: a newer debugpy may lack them
+        try:
             if _monitoring():
                 from _pydevd_sys_monitoring import pydevd_sys_monitoring
 
@@ -293,14 +292,11 @@ class PanelLink:
                         monitoring.set_local_events(monitoring.DEBUGGER_ID, code, 0)
                 pydevd_sys_monitoring.stop_monitoring(all_threads=True)  # no tool, no events: a later pause starts it again
             else:
-                import pydevd_tracing
-
-                # The thread's own trace function can only be removed by that thread: one that
-                # removes itself at the thread's next call; the frames running now are cleared here.
-                pydevd_tracing.set_trace_to_threads(_untrace_self, thread_idents=[threading.main_thread().ident], create_dummy_thread=False)
-                for f in frames:
-                    f.f_trace = None
-            self._tracing = False
+                _untrace_threads()
+        except Exception as exc:  # pydevd's internals: a newer debugpy may lack them
+            print(f"distnb: the debugger's tracing could not be removed ({type(exc).__name__}: {exc}); this rank runs traced, "
+                  "about 10x slower in Python code, until it ends", file=sys.stderr, flush=True)
+        self._tracing = False  # tried once: a later pause traces the main thread again
         return True
 
     def after_cell(self) -> None:
@@ -341,6 +337,28 @@ class PanelLink:
 #: pydevd's thread states (``_pydevd_bundle.pydevd_constants``): not imported, as let_go may
 #: call nothing.
 _STATE_RUN, _STATE_SUSPEND = 1, 2
+
+
+def _untrace_threads() -> None:
+    """Before 3.12: pydevd traces every thread of the job (and those it starts, through a patched
+    ``start_new_thread`` and ``threading.settrace``). A thread's trace function can only be removed
+    by that thread: each is given one that removes itself at its next call, and the frames running
+    now are cleared here."""
+    import pydevd_tracing
+    from _pydev_bundle.pydev_monkey import undo_patch_thread_modules
+
+    threading.settrace(None)  # type: ignore[arg-type,unused-ignore]  # typeshed takes a function only in some versions
+    undo_patch_thread_modules()
+    ours = {t.ident for t in threading.enumerate() if getattr(t, "pydev_do_not_trace", False)}
+    idents = [i for i in sys._current_frames() if i not in ours]
+    if pydevd_tracing.set_trace_to_threads(_untrace_self, thread_idents=idents, create_dummy_thread=False) != 0:
+        raise RuntimeError("pydevd's helper could not set the threads' trace functions")
+    for _ in range(2):  # again: a frame entered between the look and the swap got pydevd's trace
+        for ident, top in sys._current_frames().items():
+            at: FrameType | None = None if ident in ours else top
+            while at is not None:
+                at.f_trace = None
+                at = at.f_back
 
 
 def _untrace_self(frame: Any, event: str, arg: Any) -> None:
