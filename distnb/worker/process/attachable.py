@@ -229,11 +229,11 @@ def _attachable_control(ctx: Any, addr: str, creds: Any, rank: int, executor: An
                 arming = any(m.get("command") == "setBreakpoints" and (m.get("arguments") or {}).get("breakpoints") for m in msg["msgs"])
                 self.holding = not self.leaving and (self.holding or bool(commands & _HOLDING) or arming)
                 reply = super().handle({"t": Msg.DAP, "id": msg["id"], "msgs": msg["msgs"]})  # not the pool's "before each collective"
-                if reply is not None and "fresh" in reply:
-                    # Fresh until a client attached: one whose first try timed out must still attach.
-                    reply = {**reply, "fresh": not self.attached_dap}
-                    self.attached_dap = self.attached_dap or "attach" in commands
-                return reply
+                if reply is None or "error" in reply:
+                    return reply
+                # Fresh until a client attached: one whose first try timed out must still attach.
+                fresh, self.attached_dap = not self.attached_dap, self.attached_dap or "attach" in commands
+                return {**reply, "fresh": fresh}
             return super().handle(msg)
 
         def _note_debugging(self) -> None:

@@ -349,7 +349,6 @@ class ControlThread(threading.Thread):
         """Relay DAP requests to this rank's debugpy (started on the first): the answers come back
         unasked, as DAP_PUSH, in the order debugpy sends them."""
         link = self.executor.panel
-        fresh = link.sock is None
         why = link.start()
         if why:
             return {"error": why}
@@ -360,7 +359,7 @@ class ControlThread(threading.Thread):
             link.collective_stops(stops)
         if msgs:
             link.send(msgs)
-        return {"ok": True, "fresh": fresh}
+        return {"ok": True}
 
     def _relay_panel(self) -> None:
         link = self.executor.panel

@@ -353,12 +353,12 @@ def _untrace_threads() -> None:
     idents = [i for i in sys._current_frames() if i not in ours]
     if pydevd_tracing.set_trace_to_threads(_untrace_self, thread_idents=idents, create_dummy_thread=False) != 0:
         raise RuntimeError("pydevd's helper could not set the threads' trace functions")
-    for _ in range(2):  # again: a frame entered between the look and the swap got pydevd's trace
-        for ident, top in sys._current_frames().items():
-            at: FrameType | None = None if ident in ours else top
-            while at is not None:
-                at.f_trace = None
-                at = at.f_back
+    # After the swap: a frame entered since gets no trace (the thread's own function removes itself).
+    for ident, top in sys._current_frames().items():
+        at: FrameType | None = None if ident in ours else top
+        while at is not None:
+            at.f_trace = None
+            at = at.f_back
 
 
 def _untrace_self(frame: Any, event: str, arg: Any) -> None:
