@@ -151,6 +151,8 @@ class JobConsole:
     def _look(self, what: str, expr: str | None = None) -> PeekRead:
         """A look into this rank's selected frame; a rank that ran on since is looked at where that
         function now is (or says it returned), and the frames kept are the answer's."""
+        if self.selected is None:
+            self._read_frames(select_user=True)
         read = self._look_any(self.rank, what, self.selected, expr, _seen(self.frames, self.selected))
         if "frames" in read and "frame" in read:
             self.frames, self.selected = list(read["frames"]), read["frame"]
@@ -162,8 +164,7 @@ class JobConsole:
         self.frames = list(read.get("frames", []))
         moved = [(f.filename, f.function) for f in before] != [(f.filename, f.function) for f in self.frames]
         if select_user or moved or self.selected is None or self.selected >= len(self.frames):
-            users = [i for i, f in enumerate(self.frames) if f.user]
-            self.selected = users[-1] if users else (len(self.frames) - 1 if self.frames else None)
+            self.selected = _innermost_user(self.frames)
 
     def _where(self, current_only: bool = False) -> str:
         if not self.frames or self.selected is None:
@@ -188,8 +189,6 @@ class JobConsole:
         return _frame_line(self.frames[target], True)
 
     def _source(self, what: str) -> str:
-        if self.selected is None:
-            self._read_frames(select_user=True)
         read = self._look(what)
         if read.get("error"):
             return f"*** {read['error']}"
@@ -197,8 +196,6 @@ class JobConsole:
         return "\n".join(f"{n:>4} {'->' if n == here else '  '} {text}" for n, text in read.get("source", [])) or "*** no source"
 
     def _value(self, what: str, expr: str | None) -> str:
-        if self.selected is None:
-            self._read_frames(select_user=True)
         read = self._look(what, expr)
         if read.get("error"):
             return f"*** {read['error']}"
@@ -224,8 +221,7 @@ class JobConsole:
                     read = self._look(what, expr)
                 else:
                     frames = self._look_any(r, "frames", None, None, None).get("frames", [])
-                    users = [i for i, f in enumerate(frames) if f.user]
-                    frame = users[-1] if users else None
+                    frame = _innermost_user(frames)
                     read = self._look_any(r, what, frame, expr, _seen(frames, frame))
                 answers.append((r, f"*** {read['error']}" if read.get("error") else read.get("value", "")))
             except DistnbError as exc:
@@ -234,10 +230,14 @@ class JobConsole:
         return "\n".join(_grouped(rs, text) for rs, text in groups)
 
     # -- steps ---------------------------------------------------------------------------------
-    def _pause(self) -> str:
+    def _debugpy(self) -> JobStepper:
+        """The rank's debugpy, made on the first pause or breakpoint."""
         if self._stepper is None:
             self._stepper = self._make_stepper()
-        return self._until_stop(self._stepper.pause, f"rank {self.rank} was not paused: ",
+        return self._stepper
+
+    def _pause(self) -> str:
+        return self._until_stop(self._debugpy().pause, f"rank {self.rank} was not paused: ",
                                 f"[distnb] rank {self.rank} is in native code (a collective, a kernel, I/O): it stops when it comes back to "
                                 "Python. Its frames stand still meanwhile (where, p …); q takes the pause back.")
 
@@ -262,9 +262,7 @@ class JobConsole:
             path = self.frames[self.selected].filename
         if not number.isdigit() or not path:
             return "*** b LINE (in the selected frame's file) or b FILE:LINE"
-        if self._stepper is None:
-            self._stepper = self._make_stepper()
-        why = self._stepper.set_breakpoint(path, int(number))
+        why = self._debugpy().set_breakpoint(path, int(number))
         if why:
             return f"*** no breakpoint at {path}:{number}: {why}"
         return (f"[distnb] breakpoint at {path}:{number} on rank {self.rank}: it pauses there, the other ranks then waiting at their "
@@ -280,8 +278,6 @@ class JobConsole:
             if why:
                 raise RuntimeError(f"rank {self.rank} stopped answering while the notebook waited for its breakpoint ({why}): "
                                    "the job may have ended; %dist_status shows its ranks")
-            if not self._stepper.breakpoints:
-                raise RuntimeError(f"rank {self.rank} has no breakpoint left to stop at")
         return stop
 
     def _until_stop(self, act: Callable[[], Stop | None], failed: str, running: str) -> str:
@@ -296,6 +292,12 @@ class JobConsole:
         self._read_frames(select_user=True)
         why = f" ({stop.text})" if stop.text and stop.reason == "exception" else ""
         return f"[distnb] rank {self.rank} paused ({stop.reason}{why})\n" + self._where(current_only=True)
+
+
+def _innermost_user(frames: list[PeekFrame]) -> int | None:
+    """Where pdb would stand: the innermost frame of the user's code (else the innermost there is)."""
+    users = [i for i, f in enumerate(frames) if f.user]
+    return users[-1] if users else (len(frames) - 1 if frames else None)
 
 
 def _seen(frames: list[PeekFrame], index: int | None) -> tuple[str, str] | None:
