@@ -3,17 +3,22 @@ and its end: every process of it found by a token in its environment and killed 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
-from conftest import marked_processes, started_pids, wait_gone
+import pytest
 
-__all__ = ["AttachableJob"]
+from distnb.wire.discovery import list_jobs
+
+from conftest import marked_processes, started_pids, wait_gone, wait_until
+
+__all__ = ["AttachableJob", "running_job"]
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -25,7 +30,7 @@ class AttachableJob:
 
     def __init__(self, folder: Path, script: str, nproc: int, mark: str, env: dict[str, str] | None = None,
                  stderr: int | IO[Any] = subprocess.DEVNULL, standalone: bool = False, job_id: str | None = None) -> None:
-        self.mark, self.token = mark, uuid.uuid4().hex
+        self.folder, self.mark, self.token = folder, mark, uuid.uuid4().hex
         self.job_id = job_id or f"test-{uuid.uuid4().hex[:6]}"
         full = {**os.environ, **(env or {}), mark: self.token,
                 "PYTHONPATH": os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -52,3 +57,23 @@ class AttachableJob:
             self.proc.kill()
         self.proc.communicate(timeout=10)
         return wait_gone(pids, 10)
+
+
+@contextlib.contextmanager
+def running_job(folder: Path, script: str, nproc: int, mark: str, env: dict[str, str] | None = None, stderr: Path | None = None,
+                standalone: bool = False) -> Iterator[AttachableJob]:
+    """The job started and its ``nproc`` discovery files published, with DISTNB_JOBS_DIR set to
+    ``folder/jobs`` in this process too (the tests attach from it); killed by PID at the end, every
+    process of it gone. ``stderr``: a file for the job's own."""
+    jobs_dir = pytest.MonkeyPatch()
+    jobs_dir.setenv("DISTNB_JOBS_DIR", str(folder / "jobs"))
+    with stderr.open("w") if stderr is not None else contextlib.nullcontext(subprocess.DEVNULL) as err:
+        job = AttachableJob(folder, script, nproc, mark, env, stderr=err, standalone=standalone)
+    try:
+        wait_until(lambda: any(len(f.ranks) == nproc for f in list_jobs()), 120, f"the job's {nproc} discovery files")
+        started_pids.update(job.processes())
+        yield job
+    finally:
+        left = job.kill()
+        jobs_dir.undo()
+        assert not left, f"the job's processes outlived the test: {left}"

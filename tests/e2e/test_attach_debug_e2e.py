@@ -8,11 +8,10 @@ throughout, and is killed by PID at the end."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-from attachable_jobs import AttachableJob
+from attachable_jobs import AttachableJob, running_job
 
 import distnb
 from distnb.attached import AttachedJob
@@ -21,7 +20,7 @@ from distnb.services.job_stepper import STEP_WAIT, JobStepper
 from distnb.wire.discovery import list_jobs
 from distnb.worker.process.attachable import LEASE_ENV, TICK_MS
 
-from conftest import started_pids, wait_until
+from conftest import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # 2 ranks importing torch on 2 busy cores, then seconds per step
 
@@ -55,35 +54,23 @@ UNTRACED = ("(lambda sys: sys._current_frames()[__import__('threading').main_thr
             "(not hasattr(sys, 'monitoring') or sys.monitoring.get_tool(sys.monitoring.DEBUGGER_ID) is None))(__import__('sys'))")
 
 
-class Job(AttachableJob):
-    stderr: Path
-
-
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AttachableJob]:
     folder = tmp_path_factory.mktemp("attach_debug")
     (folder / "loop.py").write_text(SCRIPT)
-    env = pytest.MonkeyPatch()
-    env.setenv("DISTNB_JOBS_DIR", str(folder / "jobs"))  # for the module's tests, which attach from this process
-    stderr = folder / "stderr.txt"
-    with stderr.open("w") as err:
-        j = Job(folder, "loop.py", 2, MARK, {LEASE_ENV: str(LEASE)}, stderr=err, standalone=True)
-    j.stderr = stderr
-    try:
+    with running_job(folder, "loop.py", 2, MARK, {LEASE_ENV: str(LEASE)}, stderr=folder / "stderr.txt", standalone=True) as j:
         try:
-            wait_until(lambda: any(len(f.ranks) == 2 for f in list_jobs()), 120, "the job's 2 discovery files")
-            started_pids.update(j.processes())
             wait_until(lambda: steps(j, 1) is not None and steps(j, 1) > 25, 120, "the loop past its second all_reduce", poll=0.5)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}; the job's stderr:\n{stderr.read_text()[-3000:]}") from None
+            raise AssertionError(f"{exc}; the job's stderr:\n{stderr(j)[-3000:]}") from None
         yield j
-    finally:
-        left = j.kill()
-        env.undo()
-        assert not left, f"the job's processes outlived the test: {left}"
 
 
-def steps(job: Job, rank: int, attached: AttachedJob | None = None) -> int | None:
+def stderr(job: AttachableJob) -> str:
+    return (job.folder / "stderr.txt").read_text()
+
+
+def steps(job: AttachableJob, rank: int, attached: AttachedJob | None = None) -> int | None:
     """Rank ``rank``'s loop counter now (read without stopping it), or None while it can't be read."""
     try:
         own = attached is None
@@ -116,7 +103,7 @@ def scripted(lines: list[str | Callable[[], str]]) -> Callable[[str], str]:
     return ask
 
 
-def test_pause_step_and_let_go_a_rank_while_the_others_wait_for_it(job: Job) -> None:
+def test_pause_step_and_let_go_a_rank_while_the_others_wait_for_it(job: AttachableJob) -> None:
     said: list[str] = []
     waited: list[tuple[int | None, int | None]] = []
     with distnb.attach(job.job_id) as attached:
@@ -141,10 +128,10 @@ def test_pause_step_and_let_go_a_rank_while_the_others_wait_for_it(job: Job) -> 
         wait_until(lambda: (steps(job, 0, attached) or 0) > before[0] + 20 and (steps(job, 1, attached) or 0) > before[1] + 20,
                    60, "both ranks past their next all_reduce", poll=0.2)
         wait_until(lambda: look(attached, 1, UNTRACED) == "True", 10 * TICK_MS / 1000 + STEP_WAIT, "rank 1 untraced once let go", poll=0.2)
-    assert "a notebook attached to this job is debugging this rank (%dist_debug)" in job.stderr.read_text()
+    assert "a notebook attached to this job is debugging this rank (%dist_debug)" in stderr(job)
 
 
-def test_a_breakpoint_stops_the_rank_there_and_is_cleared_on_leaving(job: Job) -> None:
+def test_a_breakpoint_stops_the_rank_there_and_is_cleared_on_leaving(job: AttachableJob) -> None:
     said: list[str] = []
     with distnb.attach(job.job_id) as attached:
         attached.debug(1, commands=[f"b {WORK_LINE}", "c", "a", "p total", "n", "p total", "q"], say=said.append)
@@ -160,7 +147,7 @@ def test_a_breakpoint_stops_the_rank_there_and_is_cleared_on_leaving(job: Job) -
         wait_until(lambda: look(attached, 1, UNTRACED) == "True", 10, "rank 1 untraced once left", poll=0.2)
 
 
-def test_a_pause_whose_notebook_goes_quiet_is_let_go_after_the_lease(job: Job) -> None:
+def test_a_pause_whose_notebook_goes_quiet_is_let_go_after_the_lease(job: AttachableJob) -> None:
     """Rank 1 paused, and rank 0 asked to pause while it waits for rank 1 in its all_reduce (native
     code: the pause would land when that returns) and given a breakpoint in work(); then the
     notebook is gone without a word. After the lease each rank lets itself go, rank 0's pause taken
@@ -171,7 +158,8 @@ def test_a_pause_whose_notebook_goes_quiet_is_let_go_after_the_lease(job: Job) -
     link = AttachLink(files.ranks)
     one, zero = JobStepper(link, 1), JobStepper(link, 0)
     assert one.pause() is not None and one.paused
-    time.sleep(1.0)  # rank 0 reaches its next all_reduce, and waits there for rank 1
+    with distnb.attach(job.job_id) as attached:  # rank 0 reaches its next all_reduce, and waits there for rank 1
+        wait_until(lambda: attached.peek(0)["frames"][-1].function == "all_reduce", 60, "rank 0 waiting in its all_reduce", poll=0.2)
     assert zero.pause(wait=1.0) is None and zero.pending
     assert zero.set_breakpoint(script, WORK_LINE) == ""
     link.close()  # no continue will come
@@ -181,10 +169,10 @@ def test_a_pause_whose_notebook_goes_quiet_is_let_go_after_the_lease(job: Job) -
                    LEASE + 30, "both ranks going on after the lease", poll=0.5)
         for rank in (0, 1):
             wait_until(lambda r=rank: look(attached, r, UNTRACED) == "True", 10, f"rank {rank} untraced after the lease", poll=0.2)
-    assert f"the notebook that paused this rank said nothing for {LEASE:g} s: the rank goes on" in job.stderr.read_text()
+    assert f"the notebook that paused this rank said nothing for {LEASE:g} s: the rank goes on" in stderr(job)
 
 
-def test_an_interrupted_console_and_a_detach_leave_nothing_paused(job: Job) -> None:
+def test_an_interrupted_console_and_a_detach_leave_nothing_paused(job: AttachableJob) -> None:
     said: list[str] = []
 
     def interrupted() -> str:

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from attachable_jobs import AttachableJob
+from attachable_jobs import AttachableJob, running_job
 
 import distnb
 from distnb.config import LaunchConfig
 from distnb.services.reproduce import HUNG_CELL_TIMEOUT
-from distnb.wire.discovery import list_jobs
 
-from conftest import started_pids, wait_until
+from conftest import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # 4 ranks importing torch on 2 busy cores: a minute or more
 
@@ -52,12 +51,7 @@ MARK = "DISTNB_ATTACH_TEST"
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AttachableJob]:
     folder = tmp_path_factory.mktemp("attach")
     (folder / "hang.py").write_text(SCRIPT)
-    env = pytest.MonkeyPatch()
-    env.setenv("DISTNB_JOBS_DIR", str(folder / "jobs"))  # for the module's tests, which attach from this process
-    j = AttachableJob(folder, "hang.py", 4, MARK)
-    try:
-        wait_until(lambda: any(len(f.ranks) == 4 for f in list_jobs()), 120, "the job's 4 discovery files")
-        started_pids.update(j.processes())
+    with running_job(folder, "hang.py", 4, MARK) as j:
 
         def hung() -> bool:
             # Every rank in its 4th collective, for the pool's threshold (LaunchConfig.hang_after, 3 s).
@@ -71,10 +65,6 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AttachableJob]:
 
         wait_until(hung, 60, "the job's hang, diagnosed", poll=0.5)
         yield j
-    finally:
-        left = j.kill()
-        env.undo()
-        assert not left, f"the job's processes outlived the test: {left}"
 
 
 def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: AttachableJob) -> None:
