@@ -54,12 +54,17 @@ def doctor() -> int:
     """Print what distnb will use, so a bug report carries the facts."""
     import importlib
 
-    print(f"python     {sys.version.split()[0]} ({sys.executable})")
+    from distnb.services.versions import TESTED, installed
+
+    found = installed()
     print(f"platform   {platform.platform()}")
-    for mod in ("torch", "zmq", "IPython", "ipywidgets", "matplotlib", "nbformat", "pynvml"):
+    print(f"python     {sys.version.split()[0]} ({sys.executable})" + (f"  (untested: {found[0].outside})" if found[0].outside else ""))
+    for item in found[1:]:
+        print(f"{item.name:<10} {item.version or 'missing'}" + (f"  (untested: {item.outside})" if item.outside else ""))
+    for mod in ("pynvml",):
         try:
-            m = importlib.import_module(mod)
-            print(f"{mod:<10} {getattr(m, '__version__', 'installed')}")
+            importlib.import_module(mod)
+            print(f"{mod:<10} installed")
         except Exception as exc:
             print(f"{mod:<10} missing ({type(exc).__name__})")
     try:
@@ -74,6 +79,12 @@ def doctor() -> int:
     from distnb.config import default_nproc
 
     print(f"default -n {default_nproc()}")
+    outside = [i for i in found if i.outside]
+    if outside:
+        names = ", ".join(f"{i.name} {i.version}" for i in outside)
+        ranges = ", ".join(f"{i.name} {TESTED[i.name][0]}–{TESTED[i.name][1]}" for i in outside)
+        print(f"warning: {names} {'is' if len(outside) == 1 else 'are'} outside what distnb's CI tests ({ranges}); "
+              "it may work, but a verdict there has not been checked. Report what you see with this output.")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from typing import Iterator
 
 import pytest
 
@@ -39,23 +40,33 @@ class Shell:
 
     def cell(self, args: str, code: str) -> tuple[str, str]:
         out, err = io.StringIO(), io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                self.ip.run_cell_magic("on_ranks", args, code)
-        finally:
-            self.ip.execution_count += 1  # as a kernel's next cell is the next In[n]
+        with self.as_cell(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            self.ip.run_cell_magic("on_ranks", args, code)
         return out.getvalue(), err.getvalue()
+
+    @contextlib.contextmanager
+    def as_cell(self) -> Iterator[int]:
+        """Run a magic as IPython runs a cell: numbered In[n] by the ExecutionResult it makes first
+        (what distnb reads), the next cell the next In[n]. Yields the In[n]."""
+        from IPython.core.interactiveshell import ExecutionResult
+
+        result = ExecutionResult(None)
+        result.execution_count = number = self.ip.execution_count
+        self.ip.displayhook.exec_result = result
+        try:
+            yield number
+        finally:
+            self.ip.displayhook.exec_result = None
+            self.ip.execution_count += 1
 
     def failing(self, name: str, args: str = "", code: str | None = None) -> tuple[str, str, distnb.CellFailed]:
         """Run a magic that must fail a cell (``%%name`` when ``code`` is given, else ``%name``): it
         prints its report, then raises CellFailed. Returns what it printed and the error."""
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(distnb.CellFailed) as failed:
-            try:
+            with self.as_cell():
                 if code is None:
                     self.ip.run_line_magic(name, args)
                 else:
                     self.ip.run_cell_magic(name, args, code)
-            finally:
-                self.ip.execution_count += 1
         return out.getvalue(), err.getvalue(), failed.value

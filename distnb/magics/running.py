@@ -21,7 +21,7 @@ from distnb.display.widgets import widgets_available
 from distnb.errors import CellFailed, NoPoolError
 from distnb.loaded import LoadedJob
 from distnb.magics.panel import cell_source
-from distnb.magics.support import keep_going, pool_or_usage_error, show_checks, show_figure, stop_if_failed, views_or_usage_error
+from distnb.magics.support import keep_going, notebook_cell_number, pool_or_usage_error, show_checks, show_figure, stop_if_failed, views_or_usage_error
 from distnb.magics.support import parse as _parse
 from distnb.magics.support import usage_errors as _usage_errors
 from distnb.pool import Pool
@@ -387,7 +387,7 @@ class DistMagics(Magics):
         try:
             with _usage_errors():
                 result = pool.submit(cell, args.ranks, events if (isinstance(view, CellDisplay) or not args.bg) else None,
-                                     profile=args.profile, pdb=args.pdb, label=getattr(self.shell, "execution_count", None),
+                                     profile=args.profile, pdb=args.pdb, label=notebook_cell_number(self.shell),
                                      comms=args.comms, paths=args.paths, source=cell_source(self.shell, pool),
                                      numerics=args.numerics or False)
         except SyntaxError as exc:  # pool.submit compiles the cell before sending anything

@@ -23,13 +23,30 @@ from distnb.pools import current_pool
 if TYPE_CHECKING:
     from distnb.results import CellResult
 
-__all__ = ["KEEP_GOING_ENV", "Progress", "keep_going", "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed", "unquote",
+__all__ = ["KEEP_GOING_ENV", "Progress", "keep_going", "notebook_cell_number",
+           "parse", "pool_or_usage_error", "show_checks", "show_figure", "stop_if_failed", "unquote",
            "usage_errors", "views_or_usage_error"]
 
 #: The session's setting: set (``%env DISTNB_KEEP_GOING=1``), a failed cell does not raise, as if
 #: every cell had ``--keep-going``. Read at each failure, so setting it mid-session takes effect.
 KEEP_GOING_ENV = "DISTNB_KEEP_GOING"
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def notebook_cell_number(shell: Any) -> int | None:
+    """The In[n] IPython gave the cell now running, or None (a silent run, or a magic called from
+    Python outside any cell).
+
+    Read from the ExecutionResult IPython made for this cell before running it, never from
+    ``shell.execution_count``: that counter moves *before* the cell runs from IPython 9 on and after
+    it before, so read during a cell it is the next cell's number on 9 and this one's on 8.
+    """
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(result, "execution_count", None)
+    info = getattr(result, "info", None)
+    if info is not None and (getattr(info, "silent", False) or not getattr(info, "store_history", True)):
+        return None  # IPython 9 numbers a cell it keeps out of the history too; it has no In[n]
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 class Progress:

@@ -41,6 +41,7 @@ class CallRecord(_CallRecordCore, total=False):
 
     count: int | None  # new_group: how many groups the rank had created before it
     made: str  # new_group: the name of the group made (absent on ranks outside it)
+    local: bool  # new_group with use_local_synchronization: only its members make it (count None)
     sizes: list[list[int]]  # the input tensors' shapes (point-to-point, the digested collectives)
     dtypes: list[str]
     splits: list[Any]  # all_to_all: the input and output split sizes

@@ -10,7 +10,7 @@ from typing import Any
 
 import ipywidgets as w
 import pytest
-from ipywidgets.widgets.widget import _instances
+from ipywidgets.widgets import widget as _widget_module
 
 from distnb.display.cell_display import CellDisplay, close_tree
 from distnb.display.static import SAVED_GROUPED_CHARS, SAVED_RANK_CHARS, StaticCell
@@ -18,6 +18,9 @@ from distnb.display.widgets import CellView
 from distnb.results import CellResult, RankResult
 
 pytestmark = pytest.mark.timeout(60)
+
+# Every live widget, by id: a module's dict from ipywidgets 8.0.5, the class's before.
+_instances: dict[str, Any] = _widget_module._instances if hasattr(_widget_module, "_instances") else w.Widget._active_widgets
 
 
 def stream_of_widget(output: w.Output, name: str = "stdout") -> str:

@@ -194,9 +194,12 @@ def test_four_ranks_look_as_they_did() -> None:
 
 # -- the live widget view -------------------------------------------------------------------------
 def test_the_live_view_of_1024_ranks_is_a_few_widgets_with_a_tab_for_each_rank_that_stands_out() -> None:
-    from ipywidgets.widgets.widget import _instances
+    from ipywidgets import Widget
+    from ipywidgets.widgets import widget as widget_module
 
     from distnb.display.widgets import LIVE_SECTIONS, CellView
+
+    _instances = widget_module._instances if hasattr(widget_module, "_instances") else Widget._active_widgets  # a module's dict from ipywidgets 8.0.5
 
     before = len(_instances)
     view = CellView(1, list(range(N)))

@@ -142,9 +142,26 @@ def test_a_cell_shows_grouped_output_and_the_failing_rank_with_its_line(shell: I
     assert "[ranks 0-3] step 1" in out
     assert "── ValueError on rank 2 at cell line 3 ──" in err and "ValueError: bad batch" in err
     assert shell.user_ns["_dist"] is fake.history[-1] and fake.history[-1].failed == [2]
-    assert fake.history[-1].label == shell.execution_count  # the notebook's In[n], for export
+    assert fake.history[-1].label is None  # called from Python, outside any cell: it has no In[n]
     assert fake.calls[0] == ("submit", {"code": "x = 1\nprint('step 1')\nraise ValueError('bad batch')", "ranks": [0, 1, 2, 3],
                                         "profile": False, "pdb": False, "comms": False})
+
+
+def test_each_cell_is_named_by_the_in_n_ipython_gives_it(shell: InteractiveShell, fake: FakePool) -> None:
+    # IPython 9 moves execution_count before a cell runs, IPython 8 after: read during the cell it
+    # is this cell's number on 8 and the next one's on 9. Run as IPython runs cells, each cell's label
+    # must be the number under which IPython keeps its source in In[], on either version.
+    fake.script = {r: ("", None) for r in range(4)}
+    for step in range(3):
+        raw = f"%%on_ranks\nx = {step}\n"
+        result = shell.run_cell(raw, store_history=True)
+        assert result.success, result
+        label = fake.history[-1].label
+        assert label == result.execution_count and shell.user_ns["In"][label].startswith("get_ipython().run_cell_magic('on_ranks'")
+        assert f"x = {step}" in shell.user_ns["In"][label]
+    # A silent run (a front end's own request) is no cell of the notebook's: no In[n] for it.
+    shell.run_cell("%%on_ranks\nx = 9\n", silent=True)
+    assert fake.history[-1].label is None
 
 
 def test_cell_flags_reach_the_pool(shell: InteractiveShell, fake: FakePool) -> None:

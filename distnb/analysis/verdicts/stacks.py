@@ -151,8 +151,10 @@ class StackReport:
         p.text(self.text())
 
 
-def frames_from_wire(frames: list[tuple[str, int, str, str]]) -> list[Frame]:
-    return [Frame(fn, int(ln), name, line) for fn, ln, name, line in frames]
+def frames_from_wire(frames: list[tuple[str, int | None, str, str]]) -> list[Frame]:
+    # A frame between two instructions that carry no location (a call being set up, code a tool
+    # generated) has no line number (None on Python 3.11+): 0, "no line", rather than no stack.
+    return [Frame(fn, int(ln) if ln is not None else 0, name, line or "") for fn, ln, name, line in frames]
 
 
 _STDLIB_RE = re.compile(r"/lib/python3\.\d+/")

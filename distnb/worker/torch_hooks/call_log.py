@@ -50,7 +50,7 @@ WATCHED: dict[str, tuple[str, ...]] = {
     "recv": ("src", "group_src", "tag"),
     "isend": ("dst", "group_dst", "tag"),
     "irecv": ("src", "group_src", "tag"),
-    "new_group": ("ranks",),
+    "new_group": ("ranks", "use_local_synchronization"),
     # Kept for their group and cell line alone: on NCCL a group's first collective waits in the
     # call while the communicator connects, before the recorder has an entry for it — the call
     # log is then the only record of which group the rank entered (a mesh dimension mix-up).
@@ -154,6 +154,21 @@ class CallLog:
         # match, input shapes and dtypes): ranks that made as many collectives on a group but with
         # other arguments show it at the cell's end, though nothing hung (a reduce op, a shape).
         self.digests: dict[str, int] = {}
+        # torch's group counter less the counts groups made with use_local_synchronization took:
+        # only their members make those, so they must not count in the step every rank keeps.
+        # torch 2.13 and older skip them in its counter; 2.14 and newer count them (on members only).
+        self._local_counts = 0
+        self._last_count = 0
+
+    def _creation_count(self, local: bool) -> int | None:
+        """Where this creation stands among those every rank must make (None: a local one)."""
+        count = _group_count()
+        if count is None:
+            return None
+        if count < self._last_count:  # destroy_process_group started torch's counter over
+            self._local_counts = 0
+        self._last_count = count
+        return None if local else count - self._local_counts
 
     def begin(self, fn: str, group: Any, args: dict[str, Any], inputs: Any = None) -> CallRecord:
         cell, line, func = _caller(self._prefix)
@@ -162,7 +177,10 @@ class CallLog:
             "t": time.time_ns(), "end": None, "cell": cell, "line": line, "func": func,
         }
         if fn == "new_group":
-            rec["count"] = _group_count()
+            local = bool(args.get("use_local_synchronization"))
+            rec["count"] = self._creation_count(local)
+            if local:
+                rec["local"] = True
         elif fn in P2P_OPS:
             self.p2p_counts[rec["group"]] += 1
             # No recorder sees a send's or receive's tensor on gloo: its shape, which sender and
@@ -184,8 +202,11 @@ class CallLog:
             with self._lock:
                 self._works[rec["n"]] = work  # open until the work completes (checked on read)
             return
-        if rec["op"] == "new_group" and work is not None:
-            made = _group_name(work)  # a rank outside the group gets no group: "?"
+        if rec["op"] == "new_group":
+            if rec.get("local") and (count := _group_count()) is not None:
+                self._local_counts += max(0, count - self._last_count)  # what this torch's counter took for it
+                self._last_count = count
+            made = _group_name(work) if work is not None else "?"  # a rank outside the group gets no group: "?"
             if made != "?":
                 rec["made"] = made
         rec["end"] = time.time_ns()
@@ -363,9 +384,11 @@ def c10d_calls() -> list[str]:
 
 
 def needs(name: str, group: Any, got: dict[str, Any], ranks: frozenset[int]) -> bool:
-    """Would this call wait for one of ``ranks``? (new_group needs every rank; unknown: yes.)"""
+    """Would this call wait for one of ``ranks``? (new_group needs every rank, or with
+    use_local_synchronization its members; unknown: yes.)"""
     if name == "new_group":
-        return True
+        members = got.get("ranks")
+        return not (got.get("use_local_synchronization") and members is not None) or bool(set(members) & ranks)
     if name in P2P_OPS:
         side = "dst" if P2P_OPS[name] == "send" else "src"
         peer = got.get(side)
