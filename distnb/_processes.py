@@ -22,6 +22,7 @@ __all__ = [
     "same_process",
     "session_pids",
     "set_parent_death_signal",
+    "signal_main_thread",
     "signal_meaning",
     "signal_process",
     "start_time",
@@ -41,6 +42,29 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+#: tgkill's system call number, by machine (Linux has no libc wrapper before glibc 2.30).
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131, "ppc64le": 250, "s390x": 241}
+
+
+def signal_main_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to the main thread of process ``pid`` (on Linux its thread id is its pid).
+
+    ``os.kill`` lets the kernel hand the signal to any thread of the process; a faulthandler dump
+    must run on the thread whose stack it reads (see worker/process/rank.py). Falls back to
+    ``os.kill`` where tgkill can't be called."""
+    number = _SYS_TGKILL.get(os.uname().machine)
+    if number is not None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            if libc.syscall(number, pid, pid, int(sig)) == 0:
+                return
+            if ctypes.get_errno() == 3:  # ESRCH: gone
+                raise ProcessLookupError(pid)
+        except (OSError, AttributeError):
+            pass
+    os.kill(pid, sig)
 
 
 _spawn_queue: queue.Queue[tuple[list[str], dict[str, Any], queue.Queue[Any]]] = queue.Queue()

@@ -113,7 +113,7 @@ class Msg:
     PEEK: Final = "peek"  # an attached job's rank: its main thread's frames, or an expression evaluated in one (%dist_debug)
     # C -> s
     PING: Final = "ping"  # the controller's heartbeat (also to node agents)
-    FAULT_REQUEST: Final = "fault_request"  # SIGUSR1 the rank so faulthandler dumps every thread
+    FAULT_REQUEST: Final = "fault_request"  # SIGUSR1 the rank's main thread so faulthandler dumps its stack
     RESPAWN: Final = "respawn"  # kill the rank; its spare (or a new process) joins process group generation N
     SPARE: Final = "spare"  # start a spare rank process (torch imported, waiting) for the next RESPAWN
     SHUTDOWN: Final = "shutdown"  # also to node agents

@@ -73,18 +73,6 @@ def test_recv_from_the_wrong_peer_names_the_receiver(pool4: distnb.Pool) -> None
     assert "── point-to-point" in text and "rank 0: send → rank 1 ⏳" in text and "rank 1: recv ← rank 2 ⏳" in text, text
 
 
-def test_a_group_only_its_members_make_is_no_creation_out_of_step(pool4: distnb.Pool) -> None:
-    # use_local_synchronization: only the members call new_group, as torch allows. torch 2.14+
-    # counts it in its group counter on the members alone, 2.13 not at all; on either, every later
-    # group the ranks all make is in step.
-    pool = usable(pool4)
-    res = pool.run("if rank < 2:\n    gl = dist.new_group([0, 1], use_local_synchronization=True)\n"
-                   "    dist.all_reduce(torch.ones(1), group=gl)\n"
-                   "gall = dist.new_group([0, 1, 2, 3])\ndist.all_reduce(torch.ones(1), group=gall)\ndist.barrier()", timeout=60)
-    assert res.ok, res.text()
-    assert "out of step" not in res.text() and "out of step" not in pool.collectives().text(), res.text()
-
-
 def test_a_skipped_new_group_names_the_rank_out_of_step(pool4: distnb.Pool) -> None:
     pool = usable(pool4)
     _, diag = hang(pool, "ga = dist.new_group([0, 1]) if rank != 2 else None\ngb = dist.new_group([2, 3])\n"

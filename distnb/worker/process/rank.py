@@ -178,9 +178,13 @@ class Rank:
         faulthandler.enable(file=sys.stderr, all_threads=True)
         fault_fd = os.environ.pop("DISTNB_FAULT_FD", None)
         if fault_fd is not None:
-            # Read by the supervisor: gives a stack even when a C loop holds the GIL.
+            # Read by the supervisor: gives a stack even when a C loop holds the GIL. The main
+            # thread's own, never all threads': the handler reads frames without the GIL, so
+            # another thread's, changing as that thread runs, can be freed under it (a SIGSEGV seen
+            # on 3.11, a control thread's frame read while it ran; tests/e2e/test_stress_threads.py).
+            # The supervisor sends the signal to the main thread itself (_processes.signal_main_thread).
             self._fault_file = os.fdopen(int(fault_fd), "w")
-            faulthandler.register(signal.SIGUSR1, file=self._fault_file, all_threads=True, chain=False)
+            faulthandler.register(signal.SIGUSR1, file=self._fault_file, all_threads=False, chain=False)
         signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:

@@ -6,8 +6,8 @@ owns the child's stdout/stderr pipes, so that:
 * output reaches the controller the moment it is written, Python- and C-level alike;
 * the last stderr lines of a rank that dies abruptly (SIGKILL, SIGABRT, segfault) are not lost;
 * the exact exit code or signal of the rank is known (it is our child: ``waitpid``);
-* a faulthandler dump can be requested with SIGUSR1 and read back even while the rank holds the
-  GIL in a C loop.
+* a faulthandler dump of the rank's main thread can be requested with SIGUSR1 (sent to that
+  thread) and read back even while the rank holds the GIL in a C loop.
 
 When the rank dies the supervisor stays up (so torchrun does not tear down the other ranks, whose
 state the user wants to inspect) until the controller says shut down or stops sending heartbeats.
@@ -273,7 +273,10 @@ class Supervisor:
                     self.fault_buf = b""
                 self.pending_fault.append(msg["id"])
                 self.fault_deadline = time.monotonic() + float(msg.get("wait", 0.3))
-                os.kill(child.pid, signal.SIGUSR1)
+                try:
+                    _processes.signal_main_thread(child.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass  # it just died: its death is reported, and the deadline answers the request
             else:
                 self.send({"t": Msg.REPLY, "id": msg["id"], "rank": self.rank, "text": "", "alive": False})
         elif msg["t"] == Msg.INTERRUPT:

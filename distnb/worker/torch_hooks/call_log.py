@@ -160,15 +160,21 @@ class CallLog:
         self._local_counts = 0
         self._last_count = 0
 
-    def _creation_count(self, local: bool) -> int | None:
-        """Where this creation stands among those every rank must make (None: a local one)."""
+    def creations_in_step(self) -> int | None:
+        """The groups this rank made that every rank must make too: torch's counter less the
+        local ones (None before torch.distributed is up)."""
         count = _group_count()
         if count is None:
             return None
         if count < self._last_count:  # destroy_process_group started torch's counter over
             self._local_counts = 0
         self._last_count = count
-        return None if local else count - self._local_counts
+        return count - self._local_counts
+
+    def _creation_count(self, local: bool) -> int | None:
+        """Where this creation stands among those every rank must make (None: a local one)."""
+        count = self.creations_in_step()
+        return None if local else count
 
     def begin(self, fn: str, group: Any, args: dict[str, Any], inputs: Any = None) -> CallRecord:
         cell, line, func = _caller(self._prefix)

@@ -60,8 +60,9 @@ def sync_state(calls: CallLog, groups: Groups | None = None) -> SyncState | None
 
     A group's sequence number counts its collectives; gloo's counts point-to-point calls too (NCCL
     keeps those apart), so the calls distnb saw are taken out there — a send on one rank and a recv
-    on another are not a desync. torch's group counter leaves out the groups made with
-    ``use_local_synchronization`` (only their members create those, under hashed names).
+    on another are not a desync. The groups made with ``use_local_synchronization`` (only their
+    members create those, under hashed names) are left out of "created": torch's counter skips
+    them up to 2.13 and counts them from 2.14 (CallLog.creations_in_step).
     """
     c10d = _c10d()
     if c10d is None:
@@ -70,7 +71,8 @@ def sync_state(calls: CallLog, groups: Groups | None = None) -> SyncState | None
         p2p = calls.p2p_counts
         seqs = {name: int(pg._get_sequence_number_for_group()) - (0 if nccl else p2p.get(name, 0))
                 for pg, name, nccl in (_groups(c10d) if groups is None else groups)}
-        return {"seqs": seqs, "created": int(c10d._world.group_count), "digests": dict(calls.digests)}
+        created = calls.creations_in_step()
+        return {"seqs": seqs, "created": int(c10d._world.group_count) if created is None else created, "digests": dict(calls.digests)}
     except Exception:  # no group yet, a group being destroyed, a backend without a counter
         return None
 

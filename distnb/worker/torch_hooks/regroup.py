@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import faulthandler
 import sys
+import threading
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -15,8 +16,17 @@ __all__ = ["ABORT_WAIT", "REGROUP_STACKS_AFTER", "regroup"]
 #: Seconds a regroup waits for the old NCCL communicators to abort before abandoning them.
 ABORT_WAIT = 10.0
 
-#: Seconds into a regroup after which the rank prints every thread's stack (to its log).
+#: Seconds into a regroup after which the rank prints its main thread's stack (to its log).
 REGROUP_STACKS_AFTER = 20.0
+
+
+def _say_where(rank: int, main: int) -> None:
+    """The main thread's stack, read holding the GIL (faulthandler's dump_traceback_later reads
+    every thread's frames without it, while they run: see worker/process/rank.py)."""
+    frame = sys._current_frames().get(main)
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (no Python frame)\n"
+    print(f"distnb: rank {rank}'s regroup has not finished after {REGROUP_STACKS_AFTER:.0f} s; its main thread:\n{stack}",
+          file=sys.stderr, flush=True)
 
 
 def regroup(rank: int, world_size: int, pg_timeout: float, device: Any, calls: CallLog, generation: int) -> dict[str, Any]:
@@ -41,7 +51,10 @@ def regroup(rank: int, world_size: int, pg_timeout: float, device: Any, calls: C
     last_id = _newest_record_id()
     nccl = "nccl" in str(backend)
     # A regroup that hangs (a communicator that won't abort, a peer that never joins) says where.
-    faulthandler.dump_traceback_later(REGROUP_STACKS_AFTER, file=sys.stderr)
+    watch = threading.Timer(REGROUP_STACKS_AFTER, _say_where, (rank, threading.get_ident()))
+    watch.daemon = True
+    watch.name = "distnb-regroup-watch"
+    watch.start()
     print(f"distnb: rank {rank} replacing its process groups ({'abort' if nccl else 'destroy'}, then a new group)",
           file=sys.stderr, flush=True)
     try:
@@ -69,7 +82,7 @@ def regroup(rank: int, world_size: int, pg_timeout: float, device: Any, calls: C
     except Exception as exc:
         return {"status": "error", "error": f"rank {rank} could not build a new process group: {type(exc).__name__}: {exc}"}
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        watch.cancel()
     return {"status": "ok", "backend": backend, "last_id": last_id}
 
 
