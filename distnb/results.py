@@ -384,7 +384,8 @@ class CellResult:
             where = f" at cell line {line}" if line else ""
             evalue = errors[0].get("evalue") or ""
             if caused and is_consequence(f"{ename}: {evalue}"):
-                out.append(f"── {ename} on {format_ranks(ranks)}{where}, a consequence: {cut_message(evalue.splitlines()[0] if evalue else '', 160)} "
+                said = cut_message(evalue.splitlines()[0], 160) if evalue.strip() else ""  # a KeyboardInterrupt says nothing
+                out.append(f"── {ename} on {format_ranks(ranks)}{where}, a consequence{': ' + said if said else ''} "
                            f"(its traceback: _dist[{ranks[0]}].error['traceback'])")
                 continue
             if many and n >= MAX_TRACEBACKS:

@@ -24,7 +24,7 @@ TESTED: dict[str, tuple[str, str]] = {
     "ipython": ("8.0", "9.18"),
     "ipykernel": ("6.25", "7.4"),
     "ipywidgets": ("8.0", "8.1"),
-    "pyzmq": ("25.1", "27.3"),
+    "pyzmq": ("25.0", "27.3"),
     "matplotlib": ("3.8", "3.11"),
     "nbformat": ("5.7", "5.11"),
     "debugpy": ("1.8", "1.8"),

@@ -104,6 +104,14 @@ def test_parse_faulthandler_orders_frames_and_finds_main() -> None:
     assert threads[0].frames[0].line == "re.match(p, s)"
 
 
+def test_a_one_thread_dump_is_the_main_threads() -> None:
+    # The rank's SIGUSR1 dump is its main thread's own (all_threads=False): no thread header.
+    dump = 'Stack (most recent call first):\n  File "/x/re/__init__.py", line 166 in match\n  File "<cell-4>", line 2 in <module>\n'
+    threads = parse_faulthandler(dump, {"<cell-4>": "import re\nre.match(p, s)"}, main_ident=0x7F0000000001)
+    assert len(threads) == 1 and threads[0].main and [f.name for f in threads[0].frames] == ["<module>", "match"]
+    assert threads[0].frames[0].line == "re.match(p, s)"
+
+
 def _entry(rid: int, seq: int, op: str = "all_reduce", cell: int | None = 1, done: bool = True, group: str = "0",
            sizes: list | None = None, dtypes: list | None = None, t: float = 0.0) -> dict:
     return {"id": rid, "group": group, "desc": "default_pg", "seq": seq, "p2p": False, "op": op, "sizes": sizes or [[2]],

@@ -84,7 +84,9 @@ def jupyter_server(app: str, tmp_path_factory: pytest.TempPathFactory, prepare: 
     home = tmp_path_factory.mktemp(app)
     served = tmp_path_factory.mktemp("served")
     prepare(served)
-    for plugin, values in (settings or {}).items():
+    # No "get notified about Jupyter news?" toast over what the screenshots show, in any test.
+    quiet = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
+    for plugin, values in {**quiet, **(settings or {})}.items():
         package, name = plugin.split(":")
         path = home / "settings" / package / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)

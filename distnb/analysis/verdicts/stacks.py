@@ -159,18 +159,23 @@ def frames_from_wire(frames: list[tuple[str, int | None, str, str]]) -> list[Fra
 
 _STDLIB_RE = re.compile(r"/lib/python3\.\d+/")
 _THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
+#: One thread's dump (``all_threads=False``): the rank's SIGUSR1 dump is its main thread's own.
+_ONE_THREAD_RE = re.compile(r"^Stack \(most recent call first\):")
 _FRAME_RE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
 
 def parse_faulthandler(text: str, cell_sources: dict[str, str] | None = None, main_ident: int | None = None) -> list[ThreadStack]:
-    """Parse ``faulthandler.dump_traceback`` output (most recent call first) into stacks."""
+    """Parse ``faulthandler.dump_traceback`` output (most recent call first) into stacks: every
+    thread's, or the one thread's of a dump without thread headers (taken as the main thread: the
+    rank's SIGUSR1 dump is made on, and of, its main thread)."""
     threads: list[ThreadStack] = []
     current: list[Frame] | None = None
     for raw in text.splitlines():
         m = _THREAD_RE.match(raw)
-        if m:
+        if m or _ONE_THREAD_RE.match(raw):
             current = []
-            threads.append(ThreadStack(name=m.group(2), main=False, frames=current))
+            name = m.group(2) if m else (hex(main_ident) if main_ident is not None else "MainThread")
+            threads.append(ThreadStack(name=name, main=False, frames=current))
             continue
         m = _FRAME_RE.match(raw)
         if m and current is not None:
@@ -178,7 +183,7 @@ def parse_faulthandler(text: str, cell_sources: dict[str, str] | None = None, ma
             current.append(Frame(filename, lineno, name, _source_line(filename, lineno, cell_sources)))
     for t in threads:
         t.frames.reverse()
-        t.main = main_ident is not None and int(t.name, 16) == main_ident
+        t.main = main_ident is not None and t.name.startswith("0x") and int(t.name, 16) == main_ident
     if threads and not any(t.main for t in threads):
         threads[-1].main = True  # faulthandler lists the oldest thread, the main one, last
     threads.sort(key=lambda t: not t.main)
