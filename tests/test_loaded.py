@@ -401,7 +401,10 @@ def test_dist_load_and_the_read_only_magics(made: Path) -> None:
     from IPython.core.error import UsageError
     from magic_shell import Shell
 
+    from distnb import pools
+
     shell = Shell()
+    pools.set_current(None)  # a shared pool an earlier module started is "current"; the launch below must meet the loaded job
     value, _, _ = shell.line("dist_load", str(made / "rec" / "records"))
     text = repr(value)
     assert text.startswith(f"loaded job {made.name}") or "loaded job" in text, text
