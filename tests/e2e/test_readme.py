@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 from magic_shell import Shell
 
+from distnb import pools
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 _SECONDS = re.compile(r"\d+(\.\d+)? s\b")
+WAITING = "ranks 0,1"
 
 
 def lead_example() -> tuple[list[str], list[str]]:
@@ -40,6 +43,7 @@ def test_the_readmes_lead_example_is_what_distnb_prints() -> None:
     typed, printed = lead_example()
     assert printed and len(typed) >= 3, "the README's lead example is not where this test looks"
     ip = Shell().ip
+    pools.set_current(None)  # a shared pool an earlier module started is "current": the example launches its own
     before = ip.execution_count
     out, err = io.StringIO(), io.StringIO()
     ip.execution_count = 1  # the example starts a notebook: its first cell is In[1]
@@ -54,11 +58,15 @@ def test_the_readmes_lead_example_is_what_distnb_prints() -> None:
     finally:
         ip.run_cell("%dist_shutdown", store_history=False)
         ip.execution_count = max(before, ip.execution_count)
-    said = (err.getvalue() + out.getvalue()).split("\n")
+    said = [_SECONDS.sub("N s", line).rstrip() for line in (err.getvalue() + out.getvalue()).split("\n")]
     at = 0
     for line in printed:
         want = _SECONDS.sub("N s", line).rstrip()
-        while at < len(said) and _SECONDS.sub("N s", said[at]).rstrip() != want:
+        # Where the waiting ranks stood when the raise was seen depends on timing (1 run in 5 here
+        # differed): a line naming them is checked up to where it names them.
+        exact = WAITING not in want
+        head = want.split(WAITING)[0]
+        while at < len(said) and not (said[at] == want if exact else said[at].startswith(head)):
             at += 1
         assert at < len(said), f"README line not printed (in this order): {line!r}\n--- printed:\n" + "\n".join(said)
         at += 1
