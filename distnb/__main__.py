@@ -54,19 +54,18 @@ def doctor() -> int:
     """Print what distnb will use, so a bug report carries the facts."""
     import importlib
 
-    from distnb.services.versions import TESTED, installed
+    from distnb.services.versions import TESTED, installed, untested
 
     found = installed()
     print(f"platform   {platform.platform()}")
-    print(f"python     {sys.version.split()[0]} ({sys.executable})" + (f"  (untested: {found[0].outside})" if found[0].outside else ""))
-    for item in found[1:]:
-        print(f"{item.name:<10} {item.version or 'missing'}" + (f"  (untested: {item.outside})" if item.outside else ""))
-    for mod in ("pynvml",):
-        try:
-            importlib.import_module(mod)
-            print(f"{mod:<10} installed")
-        except Exception as exc:
-            print(f"{mod:<10} missing ({type(exc).__name__})")
+    for item in found:
+        where = f" ({sys.executable})" if item.name == "python" else ""
+        print(f"{item.name:<10} {item.version or 'missing'}{where}" + (f"  (untested: {item.outside})" if item.outside else ""))
+    try:
+        importlib.import_module("pynvml")
+        print(f"{'pynvml':<10} installed")
+    except Exception as exc:
+        print(f"{'pynvml':<10} missing ({type(exc).__name__})")
     try:
         import torch
 
@@ -79,7 +78,7 @@ def doctor() -> int:
     from distnb.config import default_nproc
 
     print(f"default -n {default_nproc()}")
-    outside = [i for i in found if i.outside]
+    outside = untested(found)
     if outside:
         names = ", ".join(f"{i.name} {i.version}" for i in outside)
         ranges = ", ".join(f"{i.name} {TESTED[i.name][0]}–{TESTED[i.name][1]}" for i in outside)

@@ -31,6 +31,10 @@ __all__ = [
 _PR_SET_PDEATHSIG = 1
 
 
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
     """Ask the kernel to send ``sig`` to this process when its parent thread exits.
 
@@ -38,8 +42,7 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
     platform has no prctl, in which case heartbeat loss is the only safety net.
     """
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
@@ -57,8 +60,7 @@ def signal_main_thread(pid: int, sig: int) -> None:
     number = _SYS_TGKILL.get(os.uname().machine)
     if number is not None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            if libc.syscall(number, pid, pid, int(sig)) == 0:
+            if _libc().syscall(number, pid, pid, int(sig)) == 0:
                 return
             if ctypes.get_errno() == 3:  # ESRCH: gone
                 raise ProcessLookupError(pid)

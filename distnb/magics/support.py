@@ -46,7 +46,7 @@ def notebook_cell_number(shell: Any) -> int | None:
     info = getattr(result, "info", None)
     if info is not None and (getattr(info, "silent", False) or not getattr(info, "store_history", True)):
         return None  # IPython 9 numbers a cell it keeps out of the history too; it has no In[n]
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    return count if isinstance(count, int) else None
 
 
 class Progress:

@@ -171,11 +171,6 @@ class CallLog:
         self._last_count = count
         return count - self._local_counts
 
-    def _creation_count(self, local: bool) -> int | None:
-        """Where this creation stands among those every rank must make (None: a local one)."""
-        count = self.creations_in_step()
-        return None if local else count
-
     def begin(self, fn: str, group: Any, args: dict[str, Any], inputs: Any = None) -> CallRecord:
         cell, line, func = _caller(self._prefix)
         rec: CallRecord = {
@@ -183,10 +178,11 @@ class CallLog:
             "t": time.time_ns(), "end": None, "cell": cell, "line": line, "func": func,
         }
         if fn == "new_group":
-            local = bool(args.get("use_local_synchronization"))
-            rec["count"] = self._creation_count(local)
-            if local:
-                rec["local"] = True
+            in_step = self.creations_in_step()  # read for a local one too: it notes torch's counter before the call
+            if args.get("use_local_synchronization"):
+                rec["count"], rec["local"] = None, True
+            else:
+                rec["count"] = in_step
         elif fn in P2P_OPS:
             self.p2p_counts[rec["group"]] += 1
             # No recorder sees a send's or receive's tensor on gloo: its shape, which sender and

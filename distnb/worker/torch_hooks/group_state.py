@@ -72,7 +72,9 @@ def sync_state(calls: CallLog, groups: Groups | None = None) -> SyncState | None
         seqs = {name: int(pg._get_sequence_number_for_group()) - (0 if nccl else p2p.get(name, 0))
                 for pg, name, nccl in (_groups(c10d) if groups is None else groups)}
         created = calls.creations_in_step()
-        return {"seqs": seqs, "created": int(c10d._world.group_count) if created is None else created, "digests": dict(calls.digests)}
+        if created is None:
+            return None
+        return {"seqs": seqs, "created": created, "digests": dict(calls.digests)}
     except Exception:  # no group yet, a group being destroyed, a backend without a counter
         return None
 
