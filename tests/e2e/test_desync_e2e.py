@@ -137,10 +137,12 @@ def test_a_slow_rank_is_a_straggler_never_a_hang(pool4: distnb.Pool, tmp_path) -
     # The ranks run until the test has seen the verdict (a flag file rank 0 reads, its answer
     # all-reduced so every rank leaves at the same step), not for a fixed number of steps: on a
     # loaded machine a fixed loop could end before a look saw it. A rank that keeps arriving late
-    # is judged with the pool's own hang threshold (3 s), never called hung.
+    # is judged with the pool's own hang threshold (3 s), never called hung. Its 100 ms sleep is
+    # beyond doubt on a busy machine: with 25 ms, a CI run had the other three ranks spread by
+    # 15.8 ms on median among themselves (4 ranks on 2 cores), and 37 ms late is within 3x that.
     pool = usable(pool4)
     flag = tmp_path / "stop"
-    res = pool.submit(f"import os, time\nsx = torch.zeros(1)\nwhile True:\n    if rank == 3:\n        time.sleep(0.025)\n"
+    res = pool.submit(f"import os, time\nsx = torch.zeros(1)\nwhile True:\n    if rank == 3:\n        time.sleep(0.1)\n"
                       f"    sx.fill_(float(rank == 0 and os.path.exists({str(flag)!r})))\n    dist.all_reduce(sx)\n"
                       "    if sx.item():\n        break\n")
     seen = []

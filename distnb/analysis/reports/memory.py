@@ -20,8 +20,13 @@ __all__ = ["Imbalance", "MemoryReport", "figure_png", "imbalance", "imbalances",
 
 #: A rank is flagged when its peak is this many times the median …
 IMBALANCE_RATIO = 1.5
-#: … and at least this much above it (small absolute differences are noise).
+#: … and at least this much above it (small absolute differences are noise). CUDA peaks are the
+#: caching allocator's exact counts of live tensors.
 IMBALANCE_MIN_BYTES = 64 << 20
+#: RSS peaks also hold what the C allocator kept of freed blocks, which depends on each process's
+#: history: a healthy cell freeing ten-MB tensors 50 times peaked 86 MiB higher on one of two
+#: identical ranks (a 2-core CI machine). Twice that noise before RSS counts as evidence.
+RSS_IMBALANCE_MIN_BYTES = 160 << 20
 #: Imbalances named one by one before the rest are counted (and their ranks listed).
 MAX_FLAGS = 5
 #: Ranks the summarised plots draw on their own (the extremes and the flagged).
@@ -78,7 +83,8 @@ def imbalances(samples: dict[int, dict[str, Any]]) -> list[Imbalance]:
     would hide a rank that allocates 200 MiB more on a CUDA build of torch."""
     key = _peak_key(samples)
     peaks: dict[int, float] = {r: s[key] for r, s in samples.items() if s.get(key) is not None}
-    if len(peaks) < 2 or max(peaks.values()) - min(peaks.values()) < IMBALANCE_MIN_BYTES:
+    least = IMBALANCE_MIN_BYTES if key == "cuda_peak" else RSS_IMBALANCE_MIN_BYTES
+    if len(peaks) < 2 or max(peaks.values()) - min(peaks.values()) < least:
         return []  # no rank can be that far above a median of the others (every cell asks this)
     what = "CUDA peak" if key == "cuda_peak" else "RSS peak"
     starts = [s["rss_start"] for r, s in samples.items() if r in peaks and s.get("rss_start") is not None]
@@ -88,7 +94,7 @@ def imbalances(samples: dict[int, dict[str, Any]]) -> list[Imbalance]:
     out = []
     for r, p in sorted(peaks.items()):
         med = _median_without(ordered, index[p])
-        if p - med < IMBALANCE_MIN_BYTES:
+        if p - med < least:
             continue
         flag = Imbalance(r, what, p, med, floor)
         if flag.ratio >= IMBALANCE_RATIO:
