@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distnb import _processes
-from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures, last_exception
+from distnb.analysis.verdicts.reproduction import DIED, FailureSignature, compare_failures, last_exception
 from distnb.config import LaunchConfig
 from distnb.results import CellRecord, CellResult
 
@@ -64,7 +64,7 @@ def session_signature(cell: CellResult | CellRecord) -> FailureSignature | None:
     errors = {}
     for r, res in cell.results.items():
         if res.status == "dead":
-            errors[r] = "died"
+            errors[r] = DIED
         elif res.status == "error" and res.error:
             errors[r] = f"{res.error.get('ename', 'Error')}: {res.error.get('evalue', '')}"
     return FailureSignature.of(errors, cell.running if cell.timed_out else [])
@@ -127,7 +127,7 @@ def _signature(logs: Path, torchrun_out: str, world: int, hung: list[int]) -> Fa
             errors[r] = exc
     for rank, code in _FAILED_RANK.findall(torchrun_out):
         if int(code) < 0 and int(rank) not in errors and int(code) != -signal.SIGTERM:
-            errors[int(rank)] = "died"  # killed by a signal of its own (not torchrun's SIGTERM after another failed)
+            errors[int(rank)] = DIED  # killed by a signal of its own (not torchrun's SIGTERM after another failed)
     return FailureSignature.of(errors, [r for r in hung if r not in errors])
 
 

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from distnb.analysis.verdicts.records import is_consequence
 from distnb.ranks import format_ranks, group_by
 
-__all__ = ["FailureSignature", "compare_failures", "last_exception"]
+__all__ = ["DIED", "FailureSignature", "compare_failures", "last_exception"]
+
+#: A rank's "error" when its process died (a signal, no exception of its own).
+DIED = "died"
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class FailureSignature:
         return FailureSignature({r: e for r, e in self.errors.items() if r < world_size}, tuple(r for r in self.hung if r < world_size))
 
     def text(self) -> str:
-        parts = [f"{format_ranks(rs)} raised {what}" for rs, what in group_by(sorted(self.errors.items()))]
+        # A death is recorded as the error "died" (it has no exception): said as such, not "raised died".
+        parts = [f"{format_ranks(rs)} {what if what == DIED else 'raised ' + what}" for rs, what in group_by(sorted(self.errors.items()))]
         if self.hung:
             parts.append(f"{format_ranks(list(self.hung))} never finished (a hang)")
         return "; ".join(parts) if parts else "no failure"

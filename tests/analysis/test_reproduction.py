@@ -1,0 +1,41 @@
+"""A failure's signature, said and compared (what %dist_export's verification reports)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distnb.analysis.verdicts.reproduction import DIED, FailureSignature, compare_failures, last_exception
+
+
+@pytest.mark.parametrize(
+    ("errors", "hung", "text"),
+    [
+        ({0: DIED}, [], "rank 0 died"),
+        ({0: DIED, 2: DIED}, [], "ranks 0,2 died"),
+        ({1: "ValueError: bad batch"}, [], "rank 1 raised ValueError: bad batch"),
+        ({0: DIED, 1: "KeyError: 'x'"}, [2, 3], "rank 0 died; rank 1 raised KeyError: 'x'; ranks 2,3 never finished (a hang)"),
+        ({}, [0, 1, 2, 3], "ranks 0-3 never finished (a hang)"),
+        ({}, [], "no failure"),
+    ],
+)
+def test_a_signature_says_deaths_errors_and_hangs_apart(errors: dict[int, str], hung: list[int], text: str) -> None:
+    assert FailureSignature.of(errors, hung).text() == text
+    assert "raised died" not in FailureSignature.of(errors, hung).text()
+
+
+def test_consequences_and_later_lines_are_left_out() -> None:
+    sig = FailureSignature.of({0: "ValueError: bad\n  more detail", 1: "DistBackendError: Connection closed by peer"})
+    assert sig.errors == {0: "ValueError: bad"}, sig
+
+
+def test_two_failures_match_only_when_the_same_ranks_fail_the_same_way() -> None:
+    session = FailureSignature.of({0: DIED}, [])
+    assert compare_failures(session, FailureSignature.of({0: DIED}, [])) == ""
+    assert compare_failures(session, FailureSignature.of({}, [0])) == ("rank 0: died in the session, no error of its own in the script; "
+                                                                       "hung: none in the session, rank 0 in the script")
+
+
+def test_the_last_exception_of_a_ranks_output() -> None:
+    log = "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\", line 3\n[rank1]: torch.OutOfMemoryError: no room\n"
+    assert last_exception(log) == "OutOfMemoryError: no room"
+    assert last_exception("just output\n") is None
