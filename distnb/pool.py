@@ -449,12 +449,12 @@ class Pool(PoolViews):
             pools.set_current(self)
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
-               by_label: bool = False, verify: float | None = VERIFY_SECONDS) -> Export:
+               by_label: bool = False, verify: float | None = VERIFY_SECONDS, say: Callable[[str], None] | None = None) -> Export:
         """Write the session as a standalone ``torchrun`` script (or a notebook: ``.ipynb``): by
         default the minimal failing case, see :func:`~distnb.services.export.export_session`. A
         script ending with a failed cell is run under torchrun for at most ``verify`` seconds (None:
-        not run) and says whether it reproduced the failure (``.verified``)."""
-        return export_session(self._session, path, self._config, cells, include_failed, only_ok, by_label, verify)
+        not run; ``say`` hears it start) and says whether it reproduced the failure (``.verified``)."""
+        return export_session(self._session, path, self._config, cells, include_failed, only_ok, by_label, verify, say)
 
     def __repr__(self) -> str:
         return f"<distnb.Pool {self.state.value}, {self.world_size} ranks>"

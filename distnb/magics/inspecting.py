@@ -81,13 +81,16 @@ class InspectMagics(Magics):
         if args.verify_timeout is not None and args.verify_timeout <= 0:
             raise UsageError("--verify-timeout takes a positive number of seconds, e.g. --verify-timeout 60.")
         pool = pool_or_usage_error()
+        progress = Progress()  # the check runs the script for seconds: it says so, and how to skip it
         with usage_errors():
             try:
                 # The pool's default bound unless told (--verify-timeout), none with --no-verify.
                 verify = {"verify": None} if args.no_verify else {"verify": args.verify_timeout} if args.verify_timeout else {}
-                written = pool.export(args.path, cells=args.cells, include_failed=args.all, only_ok=args.ok, by_label=True, **verify)
+                written = pool.export(args.path, cells=args.cells, include_failed=args.all, only_ok=args.ok, by_label=True,
+                                      say=progress.say, **verify)
             except OSError as exc:  # e.g. a folder that does not exist
                 raise UsageError(f"can't write {args.path}: {exc.strerror or exc}. Pick a path in a folder you can write to.") from None
+        progress.done()
         print(written.text())
 
     @magic_arguments()

@@ -9,7 +9,7 @@ import shlex
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from distnb.analysis.verdicts.reproduction import FailureSignature
 from distnb.config import DEBUG_ENV, LaunchConfig
@@ -367,11 +367,13 @@ class Export:
 
 
 def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: str | None = None, include_failed: bool = False,
-                   only_ok: bool = False, by_label: bool = False, verify: float | None = None) -> Export:
+                   only_ok: bool = False, by_label: bool = False, verify: float | None = None,
+                   say: Callable[[str], None] | None = None) -> Export:
     """Write the session's cells since launch as a standalone ``torchrun`` script, or as a
     notebook when ``path`` ends in ``.ipynb`` (which cells: :func:`select_cells`). With
     ``verify`` (seconds), a script that ends with a failed cell is run under torchrun, bounded
-    by it, and its failure compared with the session's (services/verify.py)."""
+    by it, and its failure compared with the session's (services/verify.py); ``say`` hears, before
+    that run, what it is and how to skip it (it takes seconds: ranks start and must fail)."""
     history = session.history
     start = session.launch_index
     chosen = select_cells(history[start:] if cells is None else history, cells, include_failed, only_ok, by_label)
@@ -385,6 +387,9 @@ def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: 
     checked = None
     if verify is not None and not notebook and not chosen[-1].ok:
         signature = session_signature(chosen[-1])
+        if signature is not None and say is not None:
+            say(f"checking {written}: running it under torchrun here for at most {verify:g} s, to see it fail as the "
+                "session did (--no-verify skips this) …")
         checked = verify_script(written, config, signature, verify) if signature is not None else Reproduction(
             False, False, FailureSignature(), None, 0.0, f"{_name(chosen[-1])}'s errors are no longer kept (only the newest cells' are)")
     return Export(written, tuple(_name(c) for c in chosen), _name(failing) if failing is not None else None,

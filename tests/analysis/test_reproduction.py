@@ -39,3 +39,33 @@ def test_the_last_exception_of_a_ranks_output() -> None:
     log = "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\", line 3\n[rank1]: torch.OutOfMemoryError: no room\n"
     assert last_exception(log) == "OutOfMemoryError: no room"
     assert last_exception("just output\n") is None
+
+
+def test_an_export_says_it_runs_the_script_and_how_to_skip_that_before_it_does(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from distnb.config import LaunchConfig
+    from distnb.controller.session import SessionLog
+    from distnb.results import CellResult, RankResult
+    from distnb.services import export
+    from distnb.services.verify import Reproduction
+
+    log = SessionLog()
+    cell = CellResult(cell=log.next_cell(), code="raise ValueError('bad')", ranks=[0, 1], results={0: RankResult(0), 1: RankResult(1)})
+    log.add_cell(cell)
+    cell.results[0].status = "ok"
+    cell.results[1].status, cell.results[1].error = "error", {"ename": "ValueError", "evalue": "bad"}
+    heard: list[str] = []
+    ran: list[float] = []
+
+    def verify(path, config, session, timeout):  # the run itself is tests/services/test_export.py's
+        assert heard, "the check ran before the user was told"
+        ran.append(timeout)
+        return Reproduction(True, True, session, session, 1.0)
+
+    monkeypatch.setattr(export, "verify_script", verify)
+    done = export.export_session(log, str(tmp_path / "repro.py"), LaunchConfig(nproc=2, backend="gloo"), verify=30.0,
+                                 say=heard.append)
+    assert ran == [30.0] and done.verified is not None and done.verified.reproduced
+    assert len(heard) == 1 and "at most 30 s" in heard[0] and "--no-verify skips this" in heard[0], heard
+    heard.clear()
+    export.export_session(log, str(tmp_path / "repro.py"), LaunchConfig(nproc=2, backend="gloo"), verify=None, say=heard.append)
+    assert heard == [] and ran == [30.0]  # not checked: nothing said, nothing run

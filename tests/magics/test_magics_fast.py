@@ -91,8 +91,10 @@ class FakePool:
         return {r: f"{name}@{r}" for r in parse_ranks(ranks, self.world_size)}
 
     def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
-               by_label: bool = False, **verify: float | None) -> Export:
+               by_label: bool = False, say: Any = None, **verify: float | None) -> Export:
         self.calls.append(("export", (cells, include_failed, only_ok, by_label, verify)))
+        if verify.get("verify", 30) is not None:
+            say("checking it …")  # as the pool's export does before it runs the script
         Path(path).write_text("# exported\n")  # raises OSError for a folder that does not exist, as the real one
         return Export(path, ("In[3]", "In[4]"), "In[4]", run_command(self.config, path))
 
@@ -286,9 +288,10 @@ def test_export_prints_the_command_that_runs_the_script(shell: InteractiveShell,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "repro.py"
     shell.run_line_magic("dist_export", f"{target} --cells 3-4")
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert f"wrote {target} with In[3], In[4]; it ends with In[4], which failed in the session." in out
     assert f"Run it with: torchrun --nproc-per-node 4 {target}" in out
+    assert "checking it …" in err  # a terminal hears the check start (a notebook's line is rewritten)
     assert fake.calls[-1] == ("export", ("3-4", False, False, True, {}))  # the cells by the notebook's In[n]; the pool's check
     shell.run_line_magic("dist_export", f"{target} --no-verify")
     assert fake.calls[-1][1][-1] == {"verify": None}
