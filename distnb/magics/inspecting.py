@@ -67,7 +67,7 @@ class InspectMagics(Magics):
     @argument("--ok", action="store_true", help="Only the cells that succeeded (a script that runs through).")
     @argument("--no-verify", action="store_true", help="Don't run the script to check that it fails as the session did.")
     @argument("--verify-timeout", type=float, default=None, metavar="SECONDS",
-              help="How long the check may run the script (default 30; a hang reproduces by still running then).")
+              help="How long the check may run the script (default 75; a hang's script times out its collectives after 30).")
     @line_magic
     def dist_export(self, line: str) -> None:
         """Write the session as a standalone script (torchrun --nproc-per-node N PATH) or notebook.

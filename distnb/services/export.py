@@ -20,10 +20,13 @@ from distnb.services.verify import Reproduction, session_signature, verify_scrip
 if TYPE_CHECKING:
     from distnb.controller.session import SessionLog
 
-__all__ = ["Export", "export_notebook", "export_script", "export_session", "launch_line", "run_command", "select_cells", "with_pushes"]
+__all__ = ["HANG_TIMEOUT", "Export", "export_notebook", "export_script", "export_session", "launch_line", "run_command", "select_cells", "with_pushes"]
 
 #: Pushed values larger than this go to a file beside the export instead of inline base64.
 INLINE_PUSH_BYTES = 64 * 1024
+#: Seconds a collective of an exported script may wait when the session's last cell hung: the
+#: printed command ends within it (torch's default, kept by the pool, is 30 minutes).
+HANG_TIMEOUT = 30.0
 
 _PRELUDE = '''\
 #!/usr/bin/env python
@@ -43,6 +46,7 @@ rank = int(os.environ["RANK"])
 local_rank = int(os.environ["LOCAL_RANK"])
 world_size = int(os.environ["WORLD_SIZE"])
 backend = {backend!r}
+TIMEOUT = {timeout!r}  # seconds a collective may wait
 if backend == "auto":
     backend = "nccl" if torch.cuda.is_available() else "gloo"
 if backend == "nccl":
@@ -50,8 +54,8 @@ if backend == "nccl":
     torch.cuda.set_device(device)
 else:
     device = torch.device("cpu")
-# device_id: NCCL creates its communicator now (eagerly) on this rank's own GPU.
-dist.init_process_group(backend, timeout=timedelta(seconds={pg_timeout!r}), device_id=device if backend == "nccl" else None)
+{timeout_note}# device_id: NCCL creates its communicator now (eagerly) on this rank's own GPU.
+dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT), device_id=device if backend == "nccl" else None)
 
 
 def display(*objs):
@@ -86,15 +90,33 @@ dist.init_process_group = _c10d.init_process_group = _kept_init
 dist.destroy_process_group = _c10d.destroy_process_group = _kept_destroy
 '''
 
+#: The script's words when the session's last cell hung: its collectives wait this long, not the pool's.
+_HANG_NOTE = '''# The session's last cell hung: a collective that waits longer than TIMEOUT raises torch's
+# timeout, so a run ends by itself (the pool's timeout was {pg_timeout:g} s). Raise TIMEOUT if a
+# rank legitimately computes that long while the others wait for it.
+'''
+
 _EPILOGUE = '''
-if os.environ.get("DISTNB_VERIFY_DIR"):  # distnb's own run of this script: which ranks reached the end
-    # As in the session, a rank that finished stays while another still runs: leaving would end
-    # the others' waits with a closed connection, where in the session they hung.
+# As in the session, a rank that finished waits for the others (in the pool it stayed alive):
+# leaving would end their waits with a closed connection, where in the session they hung.
+def _wait_for_every_rank(seconds):
     import time
-    _marks = [os.path.join(os.environ["DISTNB_VERIFY_DIR"], f"rank{{r}}.done") for r in range(int(os.environ["WORLD_SIZE"]))]
-    open(_marks[int(os.environ["RANK"])], "w").close()
-    while not all(os.path.exists(m) for m in _marks):
-        time.sleep(0.1)
+    if os.environ.get("DISTNB_VERIFY_DIR"):  # distnb's own run of this script: which ranks reached the end
+        open(os.path.join(os.environ["DISTNB_VERIFY_DIR"], f"rank{{os.environ['RANK']}}.done"), "w").close()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("distnb/finished", 1)
+        deadline = time.monotonic() + seconds
+        while store.add("distnb/finished", 0) < int(os.environ["WORLD_SIZE"]):
+            if time.monotonic() > deadline:
+                print(f"rank {{os.environ['RANK']}} finished; other ranks still had not after {{seconds:g}} s", flush=True)
+                return
+            time.sleep(0.1)
+    except Exception:  # the store left with a failed rank: torchrun ends this one too
+        pass
+
+
+_wait_for_every_rank(TIMEOUT + 10)
 {destroy}()
 '''
 
@@ -244,13 +266,16 @@ def _as_in_the_session(code: str) -> str:
     return _CAUGHT_EXIT.format(body=textwrap.indent(code, "    ") or "    pass").rstrip("\n")
 
 
-def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path) -> Path:
+def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path, hang: bool = False) -> Path:
+    """The steps as a torchrun script. ``hang``: the last cell hung in the session, so the script's
+    collectives time out after :data:`HANG_TIMEOUT` s, and a run of it ends by itself."""
     steps = list(steps)
     path = Path(path)
     cells = [s for s in steps if not isinstance(s, PushRecord)]
     pasted = any(word in c.code for c in cells for word in _PASTED)
-    parts = [_PRELUDE.format(n=len(cells), run=run_command(config, path.name), backend=config.backend,
-                             pg_timeout=config.pg_timeout, env=_env_lines(config))]
+    timeout = min(HANG_TIMEOUT, config.pg_timeout) if hang else config.pg_timeout
+    parts = [_PRELUDE.format(n=len(cells), run=run_command(config, path.name), backend=config.backend, timeout=timeout,
+                             timeout_note=_HANG_NOTE.format(pg_timeout=config.pg_timeout) if hang else "", env=_env_lines(config))]
     if pasted:
         parts.append(_KEPT_GROUP)
     all_ranks = list(range(int(config.nproc or 0) * config.nnodes))
@@ -353,6 +378,7 @@ class Export:
     failing: str | None
     command: str  # how to run it
     verified: Reproduction | None = None
+    hang_timeout: float | None = None  # the script's collective timeout, when it ends with a hang
 
     def __fspath__(self) -> str:
         return self.path
@@ -363,7 +389,10 @@ class Export:
     def text(self) -> str:
         ending = f"; it ends with {self.failing}, which failed in the session" if self.failing else ""
         checked = f"\n{self.verified.text()}" if self.verified is not None else ""
-        return f"wrote {self.path} with {', '.join(self.cells)}{ending}. Run it with: {self.command}{checked}"
+        hang = (f"\nAs in the session, ranks that finish wait for the others; its collectives time out after "
+                f"{self.hang_timeout:g} s (TIMEOUT in the script), so a run of the hang ends by itself."
+                if self.hang_timeout is not None else "")
+        return f"wrote {self.path} with {', '.join(self.cells)}{ending}. Run it with: {self.command}{hang}{checked}"
 
 
 def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: str | None = None, include_failed: bool = False,
@@ -382,15 +411,17 @@ def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: 
     # The cells read what %dist_push sent them: the pushes go in too, where they happened.
     steps = with_pushes(history, chosen, session.pushes, start)
     notebook = str(path).endswith(".ipynb")
-    written = str((export_notebook if notebook else export_script)(steps, config, path))
+    signature = session_signature(chosen[-1]) if not chosen[-1].ok else None
+    hang = signature is not None and bool(signature.hung)
+    written = str(export_notebook(steps, config, path) if notebook else export_script(steps, config, path, hang))
     failing = chosen[-1] if not chosen[-1].ok and cells is None and not include_failed else None
     checked = None
     if verify is not None and not notebook and not chosen[-1].ok:
-        signature = session_signature(chosen[-1])
         if signature is not None and say is not None:
             say(f"checking {written}: running it under torchrun here for at most {verify:g} s, to see it fail as the "
                 "session did (--no-verify skips this) …")
         checked = verify_script(written, config, signature, verify) if signature is not None else Reproduction(
             False, False, FailureSignature(), None, 0.0, f"{_name(chosen[-1])}'s errors are no longer kept (only the newest cells' are)")
     return Export(written, tuple(_name(c) for c in chosen), _name(failing) if failing is not None else None,
-                  f"open {written}" if notebook else run_command(config, written), checked)
+                  f"open {written}" if notebook else run_command(config, written), checked,
+                  min(HANG_TIMEOUT, config.pg_timeout) if hang and not notebook else None)

@@ -103,7 +103,7 @@ def write_case(found: Minimized, config: LaunchConfig, path: str | Path, verify:
         config = replace(config, nproc=found.world_size)
     base = Path(path).with_suffix("")
     steps = [CellRecord(i + 1, c.code, c.ranks, i < len(found.cells) - 1) for i, c in enumerate(found.cells)]
-    found.script = str(export_script(steps, config, base.with_suffix(".py")))
+    found.script = str(export_script(steps, config, base.with_suffix(".py"), hang=bool(found.signature and found.signature.hung)))
     found.notebook = str(export_notebook(steps, config, base.with_suffix(".ipynb")))
     if verify is not None:
         found.verified = verify_script(found.script, config, found.signature, verify)

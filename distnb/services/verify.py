@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distnb import _processes
-from distnb.analysis.verdicts.reproduction import DIED, FailureSignature, compare_failures, last_exception
+from distnb.analysis.verdicts.reproduction import DIED, FailureSignature, compare_failures, is_timeout, last_exception
 from distnb.config import LaunchConfig
 from distnb.results import CellRecord, CellResult
 
 __all__ = ["VERIFY_SECONDS", "Reproduction", "session_signature", "verify_script"]
 
 #: How long %dist_export lets the script run by default: a failure that raises shows within it;
-#: a hang reproduces by still running when it passes.
-VERIFY_SECONDS = 30.0
+#: a hang ends by its own collective timeout (export.HANG_TIMEOUT, 30 s) within it, or reproduces
+#: by still running when it passes.
+VERIFY_SECONDS = 75.0
 
 #: torchrun's closing report names each failed rank and its exit code.
 _FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -112,12 +113,16 @@ def verify_script(path: str | Path, config: LaunchConfig, session: FailureSignat
             _stop(proc)
             out, _ = proc.communicate()
         seconds = time.monotonic() - t0
-        script = _signature(logs, out.decode(errors="replace"), config.world_size, hung)
+        finished = {r for r in range(config.world_size) if (marks / f"rank{r}.done").exists()}
+        script = _signature(logs, out.decode(errors="replace"), config.world_size, hung, finished)
     differs = compare_failures(session, script)
     return Reproduction(not differs, True, session, script, seconds, differs)
 
 
-def _signature(logs: Path, torchrun_out: str, world: int, hung: list[int]) -> FailureSignature:
+def _signature(logs: Path, torchrun_out: str, world: int, hung: list[int], finished: set[int]) -> FailureSignature:
+    """The run's failure. A rank whose collective timed out hung (the script's own timeout ended
+    the hang); once one did, a rank that neither finished nor failed of its own was hung too (torchrun
+    stopped it when the first timed out). Without a timeout, such a rank is a consequence."""
     errors: dict[int, str] = {}
     for r in range(world):
         found = sorted(logs.glob(f"**/attempt_*/{r}/stderr.log"))
@@ -128,7 +133,11 @@ def _signature(logs: Path, torchrun_out: str, world: int, hung: list[int]) -> Fa
     for rank, code in _FAILED_RANK.findall(torchrun_out):
         if int(code) < 0 and int(rank) not in errors and int(code) != -signal.SIGTERM:
             errors[int(rank)] = DIED  # killed by a signal of its own (not torchrun's SIGTERM after another failed)
-    return FailureSignature.of(errors, [r for r in hung if r not in errors])
+    timed_out = {r for r, e in errors.items() if is_timeout(e)}
+    if timed_out:
+        own = FailureSignature.of(errors).errors
+        hung = sorted(set(hung) | timed_out | {r for r in range(world) if r not in finished and r not in own})
+    return FailureSignature.of({r: e for r, e in errors.items() if r not in hung}, hung)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

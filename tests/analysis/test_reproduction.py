@@ -69,3 +69,37 @@ def test_an_export_says_it_runs_the_script_and_how_to_skip_that_before_it_does(t
     heard.clear()
     export.export_session(log, str(tmp_path / "repro.py"), LaunchConfig(nproc=2, backend="gloo"), verify=None, say=heard.append)
     assert heard == [] and ran == [30.0]  # not checked: nothing said, nothing run
+
+
+def _run_logs(tmp_path, stderr: dict[int, str]):
+    for rank, text in stderr.items():
+        d = tmp_path / "logs" / "run" / "attempt_0" / str(rank)
+        d.mkdir(parents=True)
+        (d / "stderr.log").write_text(text)
+    return tmp_path / "logs"
+
+
+def _raised(line: str) -> str:
+    return f"Traceback (most recent call last):\n  File \"repro.py\", line 9, in <module>\n{line}\n"
+
+
+@pytest.mark.parametrize(
+    ("stderr", "finished", "torchrun_out", "expected"),
+    [
+        # The hung rank's collective timed out (gloo's words); the rank that finished waited.
+        ({1: _raised("RuntimeError: [gloo/unbound_buffer.cc:129] Timed out waiting 30000ms for send operation to complete")},
+         {0}, "", FailureSignature({}, (1,))),
+        # NCCL's watchdog on one rank; the other, stuck too, was stopped by torchrun (SIGTERM) before its own.
+        ({2: _raised("torch.distributed.DistBackendError: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)")},
+         {0, 1}, "", FailureSignature({}, (2, 3))),
+        # A rank's own error ends the run: the ranks torchrun stopped are consequences, not hung.
+        ({1: _raised("ValueError: bad batch")}, set(), "", FailureSignature({1: "ValueError: bad batch"}, ())),
+        # A rank killed by a signal of its own died.
+        ({}, {1}, "  rank      : 0 (local_rank: 0)\n  exitcode  : -11 (pid: 7)", FailureSignature({0: "died"}, ())),
+    ],
+)
+def test_a_runs_signature_counts_timed_out_collectives_as_hangs(tmp_path, stderr, finished, torchrun_out, expected) -> None:
+    from distnb.services.verify import _signature
+
+    world = 4 if 2 in stderr else 2
+    assert _signature(_run_logs(tmp_path, stderr), torchrun_out, world, [], finished) == expected

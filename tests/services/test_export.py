@@ -165,3 +165,29 @@ def test_an_exported_notebook_tags_its_failing_cell_so_it_runs_through_to_the_sh
     nb = nbformat.read(str(export_notebook(steps, LaunchConfig(nproc=2, backend="gloo"), tmp_path / "r.ipynb")), as_version=4)
     tags = [c.metadata.get("tags", []) for c in nb.cells if c.cell_type == "code"]
     assert tags == [[], [], ["raises-exception"], []], tags  # launch, cell 1, the failing cell, the shutdown
+
+
+def test_a_hang_exports_as_a_script_that_ends_by_itself_and_is_verified_as_the_command_runs(tmp_path: Path) -> None:
+    """The session's last cell hung (rank 1 alone in an all_reduce): the script times its
+    collectives out after HANG_TIMEOUT, so the printed command ends by itself, and the check, run
+    the same way, counts the rank that timed out as hung while rank 0 finished and waited."""
+    from distnb.services.export import HANG_TIMEOUT
+
+    with distnb.Pool(nproc=2, backend="gloo") as pool:
+        assert pool.run("t = torch.ones(2)\ndist.all_reduce(t)").ok
+        hung = pool.run("if rank == 1:\n    dist.all_reduce(t)\n'done'", timeout=8)
+        assert hung.timed_out and hung.running == [1], hung.text()
+        written = pool.export(str(tmp_path / "repro.py"))
+    assert written.hang_timeout == HANG_TIMEOUT and "time out after 30 s (TIMEOUT in the script)" in written.text()
+    assert written.verified is not None and written.verified.reproduced, written.text()
+    assert "reproduced the failure (rank 1 never finished (a hang))" in written.text()
+    assert f"TIMEOUT = {HANG_TIMEOUT!r}" in Path(written).read_text()
+    logs = tmp_path / "logs"
+    # The printed command, bounded only by the test: the script's own timeout ends it.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--redirects", "3",
+                           "--log-dir", str(logs), str(written)], capture_output=True, text=True, timeout=HANG_TIMEOUT + 120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    [err1] = list(logs.rglob("attempt_0/1/stderr.log"))
+    assert "Timed out waiting" in err1.read_text()
+    [out0] = list(logs.rglob("attempt_0/0/stdout.log"))
+    assert out0.read_text().splitlines() == ["'done'"]
