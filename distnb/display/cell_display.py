@@ -115,8 +115,11 @@ class CellDisplay:
             self._view = view
         self._handle = view.show()
 
-    def set_diagnosis(self, text: str) -> None:
-        self._diagnosis = text
+    def set_diagnosis(self, text: str, keep: bool = True) -> None:
+        """Show ``text`` in the live view. ``keep=False``: what healthy ranks are doing now (a long
+        cell's activity, a slow collective) — live only, never left in the cell's saved output."""
+        if keep:
+            self._diagnosis = text
         self.go_live()
         if self._view is not None:
             self._view.set_diagnosis(text)

@@ -96,8 +96,13 @@ class _HangWatch:
             if kind == "paused" and (verdict := self._pool.panel.verdict()):
                 headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
         # Said again only when the headline changes (it carries no durations); a failing diagnosis
-        # is said once too, so a broken watch is not silent.
-        if kind in ("hang", "slow", "error", "paused") and headline != self._shown:
+        # is said once too, so a broken watch is not silent. "Slow" is healthy ranks waiting on a
+        # peer: the live view shows it while it lasts, and nothing of it stays (nor is printed).
+        if kind == "slow":
+            if isinstance(view, CellDisplay):
+                view.set_diagnosis(diag_text, keep=False)
+            return
+        if kind in ("hang", "error", "paused") and headline != self._shown:
             self._shown = headline
             if isinstance(view, CellDisplay):
                 view.set_diagnosis(diag_text)
@@ -107,17 +112,25 @@ class _HangWatch:
 
     def _say_activity(self, result: CellResult, view: CellDisplay | LivePrinter) -> None:
         """A cell running past LONG_CELL with nothing wrong: what each group of ranks does now
-        (importing, compiling, building an extension, at which line), said again when it changes."""
+        (importing, compiling, building an extension, at which line). The live view updates it in
+        place and keeps none of it. Printed text (a terminal, no widgets) can't update a line: it says
+        only what explains a wait (ranks importing, compiling, building an extension), once each
+        time that changes kind; ranks merely running Python code print nothing."""
         doing = self._watch.activity
         if doing is None or time.monotonic() - self._started < LONG_CELL:
             return
-        key = tuple((p.rank, p.state, p.detail, p.line, p.func) for p in doing.positions)
+        if isinstance(view, CellDisplay):
+            key: tuple[object, ...] = tuple((p.rank, p.state, p.detail, p.line, p.func) for p in doing.positions)
+        else:
+            key = tuple(sorted({p.detail.split(" ", 1)[0] for p in doing.positions if p.detail}))
+            if not key:
+                return
         if key == self._doing:
             return
         self._doing = key
         text = doing.text()
         if isinstance(view, CellDisplay):
-            view.set_diagnosis(text)
+            view.set_diagnosis(text, keep=False)
         else:
             print(text, file=sys.stderr)
 

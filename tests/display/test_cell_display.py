@@ -106,6 +106,23 @@ def test_a_slow_cell_goes_live_with_what_it_printed_then_hands_its_widgets_back(
     assert static.text().startswith("[distnb] hang: rank 1 never arrived") and "hang: rank 1 never arrived" in static.html()
 
 
+def test_what_healthy_ranks_are_doing_is_shown_live_and_never_saved(monkeypatch: pytest.MonkeyPatch) -> None:
+    shown = Shown(monkeypatch)
+    view = CellDisplay([0, 1], live_after=60)
+    view.cell = 4
+    view.set_diagnosis("ranks 0,1 still running Python code (no rank is in a collective).", keep=False)
+    live = shown.items[0]
+    assert isinstance(live, CellView) and "still running Python code" in live.text()
+    static = view.finish(result_of({0: "", 1: ""}))
+    assert "still running" not in static.text() and "still running" not in static.html()
+    # A problem seen meanwhile stays, whatever healthy activity was shown after it.
+    again = CellDisplay([0, 1], live_after=60)
+    again.cell = 5
+    again.set_diagnosis("[distnb] hang: rank 1 never arrived")
+    again.set_diagnosis("ranks 0,1 wait in all_reduce: slow, not a hang yet", keep=False)
+    assert again.finish(result_of({0: "", 1: ""})).text().startswith("[distnb] hang: rank 1 never arrived")
+
+
 def test_going_live_loses_no_output_fed_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     Shown(monkeypatch)
     view = CellDisplay([0], live_after=60)

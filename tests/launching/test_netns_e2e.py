@@ -202,9 +202,9 @@ def test_a_slow_link_is_slow_not_a_hang(net: Cluster, nb: Notebook) -> None:
     print(f"all_reduce of 2 MB over 4 Mbit/s: {took:.1f} s")
     # The ranks leave the all_reduce at different times, so their lines may come in several groups.
     assert ranks_printing(out, "4") == [0, 1, 2, 3], out
-    # Two true verdicts, by when the watch looked: every rank still in the all_reduce ("slow but
-    # consistent, not a hang"), or some out of it and the others finishing ("slow, not a hang").
-    assert re.search(r"slow(, | but consistent, )not a hang", out) and "mismatch" not in out, out
+    # Slow, and healthy: the watch sees every rank in the same all_reduce (or some out of it and the
+    # others finishing), never a hang or a mismatch, and a healthy cell prints no verdict of it.
+    assert "[distnb]" not in out and "mismatch" not in out and "hang" not in out, out
     assert took > 2, f"the link was not slow ({took:.1f} s)"
 
 
