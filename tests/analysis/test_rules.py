@@ -4,6 +4,7 @@ rule comes with its test. The corpus (benchmarks/bench_diagnosis.py) judges them
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import pytest
@@ -243,3 +244,49 @@ def test_a_rank_whose_call_is_further_down_the_cell_skipped_the_others_call() ->
     per_rank[1] = [entry(0, 1, "barrier", line=6, size=0, done=False)]
     verdict = judge([*(waits(r, seq=1) for r in (0, 2, 3)), waits(1, "barrier", 1, line=6)], log_of(per_rank))
     assert (verdict.kind, verdict.culprits) == (Kind.CALL_MISSING, [1]), verdict.text()
+
+
+#: What a sentence pieced together from parts shows when a part ends in its own punctuation or a
+#: label was cut: "[256, 64].; ranks 0-2", "the call..", "In[1" for In[15].
+_SEAMS = re.compile(r"(?<!\.)\.[;,:]|(?<![.…])\.\.(?!\.)|[;,:]\.|;;|,,|\s[;,.:](?!\d)|\(\s|\s\)")
+
+
+def _balanced(line: str) -> bool:
+    depth = {"(": 0, "[": 0}
+    for ch in line:
+        if ch in "([":
+            depth[ch] += 1
+        elif ch in ")]":
+            depth["(" if ch == ")" else "["] -= 1
+            if min(depth.values()) < 0:
+                return False
+    return all(v == 0 for v in depth.values())
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_every_verdicts_words_have_no_seams_or_cut_labels(rule: str) -> None:
+    verdict = CASES[rule][0]()
+    for line in verdict.text().splitlines():
+        assert not _SEAMS.search(line), f"{rule}: {line!r}"
+        assert _balanced(line) or "…" in line, f"{rule}: brackets unbalanced (a cut label?) in {line!r}"
+
+
+def test_the_collectives_view_of_each_case_has_no_seams_or_cut_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, list[Position], CollectiveLog | None]] = []
+    original, running = judge, [""]
+
+    def keep(positions: list[Position], log: CollectiveLog | None = None, first_death: int | None = None) -> Verdict:
+        seen.append((running[0], positions, log))
+        return original(positions, log, first_death)
+
+    monkeypatch.setitem(globals(), "judge", keep)
+    for rule, (case, *_) in CASES.items():
+        running[0] = rule
+        case()
+    logged = [(rule, positions, log) for rule, positions, log in seen if log is not None]
+    assert len(logged) >= 6, [rule for rule, _, _ in logged]  # the cases with a log: agreement, mismatches, p2p, groups
+    for rule, positions, log in logged:
+        text = log.report(sorted(p.rank for p in positions)).text()
+        for line in text.splitlines():
+            assert not _SEAMS.search(line), f"{rule}: {line!r}"
+            assert _balanced(line) or "…" in line, f"{rule}: brackets unbalanced (a cut label?) in {line!r}"
