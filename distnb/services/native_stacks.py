@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
 
-__all__ = ["NATIVE_TIMEOUT", "py_spy_dumps"]
+__all__ = ["NATIVE_TIMEOUT", "py_spy_dumps", "py_spy_path"]
 
 #: How long py-spy may take for all ranks together. A native dump of a process with torch loaded
 #: reads the symbols of libtorch (hundreds of MB) first: 1-3 s of CPU each, measured on this
@@ -21,10 +24,20 @@ _PTRACE_HINT = (
 )
 
 
+def py_spy_path() -> str | None:
+    """py-spy's executable: the one installed beside this Python (``pip install distnb[native]`` in
+    a virtual environment whose bin/ is not on PATH, as when Jupyter is started by its full path),
+    else the first on PATH; None when there is none."""
+    beside = Path(sys.executable).parent / "py-spy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("py-spy")
+
+
 def py_spy_dumps(pids: dict[int, int], timeout: float = NATIVE_TIMEOUT) -> dict[int, str]:
     """Native + Python frames of each rank (``{rank: pid}``) through py-spy, all ranks at once,
     when it is installed (``pip install distnb[native]``)."""
-    exe = shutil.which("py-spy")
+    exe = py_spy_path()
     if exe is None:
         return {r: "py-spy is not installed; `pip install py-spy` (or distnb[native]) for native frames." for r in pids}
     procs = {r: subprocess.Popen([exe, "dump", "--native", "--pid", str(pid)], stdout=subprocess.PIPE,

@@ -28,7 +28,7 @@ def position_of(r: int, result: CellResult, stacks: StackReport | None, elapsed:
     if res is None:
         return Position(r, "idle")
     if res.status == "ok":
-        return Position(r, "finished")
+        return Position(r, "finished", seqs=dict(res.sync["seqs"]) if res.sync and "seqs" in res.sync else None)
     if res.status in ("error", "interrupted") and res.error:
         lines = result.code.splitlines()
         line = res.error.get("line")

@@ -290,3 +290,20 @@ def test_the_collectives_view_of_each_case_has_no_seams_or_cut_labels(monkeypatc
         for line in text.splitlines():
             assert not _SEAMS.search(line), f"{rule}: {line!r}"
             assert _balanced(line) or "…" in line, f"{rule}: brackets unbalanced (a cut label?) in {line!r}"
+
+
+def test_finished_ranks_whose_counts_show_the_call_are_not_said_to_have_skipped_it() -> None:
+    # A slow link (seen on network-namespace hosts): ranks 0,2,3 finished all_reduce #2 and the cell
+    # while rank 1 still received its data; their log of #2 had not arrived, their CELL_DONE had.
+    per_rank = {1: loop_calls(1) + [entry(1, 2, done=False)], **{r: loop_calls(1) for r in (0, 2, 3)}}
+    finished = [Position(r, "finished", seqs={"0": 2}) for r in (0, 2, 3)]
+    verdict = judge([*finished, waits(1, seq=2)], log_of(per_rank))
+    assert verdict.state == VerdictState.SLOW and verdict.kind == Kind.SLOW_COLLECTIVE and verdict.culprits == [], verdict.text()
+    assert "ranks 0,2,3 issued all_reduce #2" in verdict.summary and "without entering" not in verdict.text(), verdict.text()
+    # Counts that stop short of the call agree with the log: the loop ran once more on rank 1.
+    short = [Position(r, "finished", seqs={"0": 1}) for r in (0, 2, 3)]
+    skipped = judge([*short, waits(1, seq=2)], log_of(per_rank))
+    assert (skipped.state, skipped.kind, skipped.culprits) == (VerdictState.HANG, Kind.LOOP_COUNT, [1]), skipped.text()
+    # With no counts (an older rank), the log alone decides, as before.
+    unknown = judge([*(Position(r, "finished") for r in (0, 2, 3)), waits(1, seq=2)], log_of(per_rank))
+    assert unknown.state == VerdictState.HANG, unknown.text()

@@ -11,7 +11,7 @@ import pytest
 import distnb
 from distnb import _processes
 from distnb.services.diagnostics import FAULT_WAIT, STACKS_TIMEOUT
-from distnb.services.native_stacks import NATIVE_TIMEOUT
+from distnb.services.native_stacks import NATIVE_TIMEOUT, py_spy_path
 
 from conftest import usable
 
@@ -63,8 +63,6 @@ def test_stacks_while_blocked_in_all_reduce_and_shutdown_of_the_hung_pool(pool3:
 
 
 def test_stacks_native_and_all_threads(pool3: distnb.Pool) -> None:
-    import shutil
-
     pool = usable(pool3)
     pool.submit(
         "import threading, time\n"
@@ -76,7 +74,7 @@ def test_stacks_native_and_all_threads(pool3: distnb.Pool) -> None:
     assert "data-helper" not in main_only, main_only
     every = pool.stacks([0], all_threads=True).text()
     assert "data-helper" in every and "dist.all_reduce(x)" in every, every
-    if shutil.which("py-spy") is None:
+    if py_spy_path() is None:  # found beside this Python too: the test extra installs it there
         pytest.skip("py-spy is not installed (pip install distnb[native]); the test extra installs it")
     t0 = time.monotonic()
     report = pool.stacks(native=True)

@@ -38,8 +38,8 @@ _KINDS = {Change.MISSING: Kind.CALL_MISSING, Change.EXTRA: Kind.CALL_EXTRA, Chan
 
 def agreement(rec: Records) -> Verdict | None:
     log, cell = rec.log, rec.judged_cell
-    if log is None or cell is None:
-        return None
+    if log is None or cell is None or rec.logs_behind:
+        return None  # (a finished rank's records still on their way: what they lack decides nothing yet)
     where = rec.presence()
     found = disagreements(log.log, cell, where, rec.waiting_in())
     if not found:

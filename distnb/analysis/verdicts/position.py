@@ -58,6 +58,9 @@ class Position:
     issued: str = ""
     label: str = ""  # the group as the user built it (``dp (ranks 1,3)``); empty: ``group <name>``
     file: str = ""  # the script ``line`` is in, for a rank running a program rather than cells (an attached job)
+    # A finished rank's collectives issued per group at its cell's end (its CELL_DONE's sync): what it
+    # entered, known even when its collective log has not arrived.
+    seqs: dict[str, int] | None = None
 
     def between(self) -> bool:
         """Read between two places: running the cell's code, or in a collective by its stack that

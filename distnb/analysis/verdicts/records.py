@@ -94,6 +94,22 @@ class Records:
                 out[p.rank] = Presence.MOVING
         return out
 
+    @cached_property
+    def logs_behind(self) -> list[int]:
+        """Finished ranks whose own collective counts (from their CELL_DONE) are ahead of what the
+        log holds of them on a group the log has records of: their log has not all arrived, so what
+        it lacks is no evidence that they skipped a call."""
+        if self.log is None:
+            return []
+        behind = []
+        for p in self.of("finished"):
+            for group, issued in (p.seqs or {}).items():
+                if any(self.log.log.last_seq(q.rank, group) is not None for q in self.positions):
+                    if (self.log.log.last_seq(p.rank, group) or 0) < issued:
+                        behind.append(p.rank)
+                        break
+        return behind
+
     def waiting_in(self) -> dict[int, str | None]:
         """The group each waiting rank's collective is on; None for a collective its stack shows
         and the log does not hold yet (any group's: the rank is not known to be absent from one).
