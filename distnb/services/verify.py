@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distnb import _processes
-from distnb.analysis.verdicts.reproduction import DIED, FailureSignature, compare_failures, is_timeout, last_exception
+from distnb.analysis.verdicts.failures import is_timeout
+from distnb.analysis.verdicts.reproduction import DIED, FailureSignature, compare_failures, last_exception
 from distnb.config import LaunchConfig
 from distnb.results import CellRecord, CellResult
 

@@ -11,12 +11,13 @@ from distnb.wire.records import CellError
 __all__ = ["cut_message", "differing_messages", "fold_crash_dump", "holders_words", "is_timeout", "salient_lines"]
 
 #: Error texts that mean a collective timed out (gloo's and NCCL's words).
-_TIMEOUT_MARKS = ("Timed out waiting", "Application timeout caused pair closure", "Watchdog caught collective operation timeout")
+_TIMEOUT_MARKS = re.compile(r"Timed out waiting|Application timeout caused pair closure|Watchdog caught collective operation timeout|"
+                            r"Socket Timeout|wait timeout after", re.IGNORECASE)
 
 
-def is_timeout(error: CellError) -> bool:
-    """Did this cell error come from a collective timing out (gloo's or NCCL's words)?"""
-    return any(m in error.get("evalue", "") for m in _TIMEOUT_MARKS)
+def is_timeout(error: CellError | str) -> bool:
+    """Did this cell error (or a rank's ``Ename: message``) come from a collective timing out?"""
+    return bool(_TIMEOUT_MARKS.search(error if isinstance(error, str) else error.get("evalue", "")))
 
 
 _NOISE = re.compile(r"^\s*(frame #\d+:|<omitting python frames>|Exception raised from |File \"|\^+$|Extension modules: |"

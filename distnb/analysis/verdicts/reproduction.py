@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from distnb.analysis.verdicts.records import is_consequence
 from distnb.ranks import format_ranks, group_by
 
-__all__ = ["DIED", "FailureSignature", "compare_failures", "is_timeout", "last_exception"]
+__all__ = ["DIED", "FailureSignature", "compare_failures", "last_exception"]
 
 #: A rank's "error" when its process died (a signal, no exception of its own).
 DIED = "died"
@@ -63,17 +63,6 @@ def compare_failures(session: FailureSignature, script: FailureSignature) -> str
         out.append(f"hung: {format_ranks(list(session.hung)) if session.hung else 'none'} in the session, "
                    f"{format_ranks(list(script.hung)) if script.hung else 'none'} in the script")
     return "; ".join(out)
-
-
-#: A collective that waited past its process group's timeout (gloo's and NCCL's words): the run
-#: ended a hang, and the rank that raised it was hung, not failing of its own.
-_TIMEOUT = re.compile(r"Timed out waiting|Watchdog caught collective operation timeout|timed out after \d+|"
-                      r"Socket Timeout|wait timeout after", re.IGNORECASE)
-
-
-def is_timeout(error: str) -> bool:
-    """Whether a rank's error (``ename: evalue``) is its collective's timeout."""
-    return bool(_TIMEOUT.search(error))
 
 
 def _first_line(error: str) -> str:
