@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import distnb
+from distnb import pools
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -55,6 +56,10 @@ def test_check_magic_and_on_ranks_check(pool4: distnb.Pool, capsys) -> None:
     ip = start_ipython() or get_ipython()
     if "on_ranks" not in ip.magics_manager.magics["cell"]:
         ip.run_line_magic("load_ext", "distnb")
+    # The magics act on the current pool: this test's own, with what it reads defined here (an earlier
+    # test may have made another shared pool current, and may not have run at all).
+    pools.set_current(pool4)
+    assert pool4.run("same = torch.arange(8.0)").ok
     ip.run_cell_magic("on_ranks", "--check v", "v = torch.ones(3) * (2 if rank == 1 else 1)")
     out = capsys.readouterr().out
     assert "check v:" in out and "odd rank: 1" in out
