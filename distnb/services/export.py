@@ -266,6 +266,12 @@ def _as_in_the_session(code: str) -> str:
     return _CAUGHT_EXIT.format(body=textwrap.indent(code, "    ") or "    pass").rstrip("\n")
 
 
+def _script_timeout(config: LaunchConfig, hang: bool) -> float:
+    """Seconds a collective of the exported script may wait: :data:`HANG_TIMEOUT` when the
+    session's last cell hung (at most the pool's own), else the pool's."""
+    return min(HANG_TIMEOUT, config.pg_timeout) if hang else config.pg_timeout
+
+
 def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path, hang: bool = False) -> Path:
     """The steps as a torchrun script. ``hang``: the last cell hung in the session, so the script's
     collectives time out after :data:`HANG_TIMEOUT` s, and a run of it ends by itself."""
@@ -273,8 +279,7 @@ def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path,
     path = Path(path)
     cells = [s for s in steps if not isinstance(s, PushRecord)]
     pasted = any(word in c.code for c in cells for word in _PASTED)
-    timeout = min(HANG_TIMEOUT, config.pg_timeout) if hang else config.pg_timeout
-    parts = [_PRELUDE.format(n=len(cells), run=run_command(config, path.name), backend=config.backend, timeout=timeout,
+    parts = [_PRELUDE.format(n=len(cells), run=run_command(config, path.name), backend=config.backend, timeout=_script_timeout(config, hang),
                              timeout_note=_HANG_NOTE.format(pg_timeout=config.pg_timeout) if hang else "", env=_env_lines(config))]
     if pasted:
         parts.append(_KEPT_GROUP)
@@ -424,4 +429,4 @@ def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: 
             False, False, FailureSignature(), None, 0.0, f"{_name(chosen[-1])}'s errors are no longer kept (only the newest cells' are)")
     return Export(written, tuple(_name(c) for c in chosen), _name(failing) if failing is not None else None,
                   f"open {written}" if notebook else run_command(config, written), checked,
-                  min(HANG_TIMEOUT, config.pg_timeout) if hang and not notebook else None)
+                  _script_timeout(config, hang) if hang and not notebook else None)

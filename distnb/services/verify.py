@@ -106,24 +106,26 @@ def verify_script(path: str | Path, config: LaunchConfig, session: FailureSignat
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=str(Path(path).resolve().parent), env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+        ran_out = False
         try:
             out, _ = proc.communicate(timeout=timeout)
-            hung: list[int] = []
         except subprocess.TimeoutExpired:
-            hung = [r for r in range(config.world_size) if not (marks / f"rank{r}.done").exists()]
+            ran_out = True
             _stop(proc)
             out, _ = proc.communicate()
         seconds = time.monotonic() - t0
         finished = {r for r in range(config.world_size) if (marks / f"rank{r}.done").exists()}
-        script = _signature(logs, out.decode(errors="replace"), config.world_size, hung, finished)
+        script = _signature(logs, out.decode(errors="replace"), config.world_size, finished, ran_out)
     differs = compare_failures(session, script)
     return Reproduction(not differs, True, session, script, seconds, differs)
 
 
-def _signature(logs: Path, torchrun_out: str, world: int, hung: list[int], finished: set[int]) -> FailureSignature:
-    """The run's failure. A rank whose collective timed out hung (the script's own timeout ended
-    the hang); once one did, a rank that neither finished nor failed of its own was hung too (torchrun
-    stopped it when the first timed out). Without a timeout, such a rank is a consequence."""
+def _signature(logs: Path, torchrun_out: str, world: int, finished: set[int], ran_out: bool) -> FailureSignature:
+    """The run's failure. When the bound ran out (``ran_out``), the ranks that had not finished
+    hung. A rank whose collective timed out hung (the script's own timeout ended the hang); once one
+    did, a rank that neither finished nor failed of its own was hung too (torchrun stopped it when
+    the first timed out). Without a timeout, such a rank is a consequence."""
+    hung = [r for r in range(world) if r not in finished] if ran_out else []
     errors: dict[int, str] = {}
     for r in range(world):
         found = sorted(logs.glob(f"**/attempt_*/{r}/stderr.log"))

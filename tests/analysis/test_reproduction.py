@@ -102,4 +102,4 @@ def test_a_runs_signature_counts_timed_out_collectives_as_hangs(tmp_path, stderr
     from distnb.services.verify import _signature
 
     world = 4 if 2 in stderr else 2
-    assert _signature(_run_logs(tmp_path, stderr), torchrun_out, world, [], finished) == expected
+    assert _signature(_run_logs(tmp_path, stderr), torchrun_out, world, finished, ran_out=False) == expected

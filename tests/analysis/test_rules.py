@@ -263,12 +263,15 @@ def _balanced(line: str) -> bool:
     return all(v == 0 for v in depth.values())
 
 
-@pytest.mark.parametrize("rule", list(CASES))
-def test_every_verdicts_words_have_no_seams_or_cut_labels(rule: str) -> None:
-    verdict = CASES[rule][0]()
-    for line in verdict.text().splitlines():
+def _no_seams(rule: str, text: str) -> None:
+    for line in text.splitlines():
         assert not _SEAMS.search(line), f"{rule}: {line!r}"
         assert _balanced(line) or "…" in line, f"{rule}: brackets unbalanced (a cut label?) in {line!r}"
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_every_verdicts_words_have_no_seams_or_cut_labels(rule: str) -> None:
+    _no_seams(rule, CASES[rule][0]().text())
 
 
 def test_the_collectives_view_of_each_case_has_no_seams_or_cut_labels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,10 +289,7 @@ def test_the_collectives_view_of_each_case_has_no_seams_or_cut_labels(monkeypatc
     logged = [(rule, positions, log) for rule, positions, log in seen if log is not None]
     assert len(logged) >= 6, [rule for rule, _, _ in logged]  # the cases with a log: agreement, mismatches, p2p, groups
     for rule, positions, log in logged:
-        text = log.report(sorted(p.rank for p in positions)).text()
-        for line in text.splitlines():
-            assert not _SEAMS.search(line), f"{rule}: {line!r}"
-            assert _balanced(line) or "…" in line, f"{rule}: brackets unbalanced (a cut label?) in {line!r}"
+        _no_seams(rule, log.report(sorted(p.rank for p in positions)).text())
 
 
 def test_finished_ranks_whose_counts_show_the_call_are_not_said_to_have_skipped_it() -> None:

@@ -139,15 +139,15 @@ def finished_early(rec: Records) -> Verdict | None:
             return None
     head = rec.waiting[0]
     w = format_ranks([p.rank for p in rec.waiting])
-    entered = [p for p in finished if _issued(p, rec.waiting)]
+    entered = {p.rank for p in finished if _issued(p, rec.waiting)}
     if entered and len(entered) == len(finished):
         # Each finished rank's own count says it issued the collective the others wait in (its
         # log may not have arrived yet): they are still in a call every rank made. Slow so far.
         return _v(rec, VerdictState.SLOW, Kind.SLOW_COLLECTIVE,
-                  f"{format_ranks([p.rank for p in entered])} issued {head.collective()} and finished the cell; {w} "
+                  f"{format_ranks(sorted(entered))} issued {head.collective()} and finished the cell; {w} "
                   f"{'is' if len(rec.waiting) == 1 else 'are'} still in it (its data still on its way): slow, not a hang yet.",
                   rule="finished_early", reason="from the finished ranks' collective counts at the cell's end")
-    finished = [p for p in finished if p.rank not in {q.rank for q in entered}]  # no evidence they entered it
+    finished = [p for p in finished if p.rank not in entered]  # no evidence they entered it
     cell = head.line_cell if head.line_cell is not None else head.running
     why = because(rec.sources.get(cell) if cell is not None else None, head.line, cell)
     # By majority: more ranks waiting than finished — the finished ones skipped it; fewer — the
@@ -171,8 +171,9 @@ def finished_early(rec: Records) -> Verdict | None:
 def _issued(done: Position, waiting: list[Position]) -> bool:
     """Whether a finished rank's counts show it issued every call the waiting ranks wait in (each
     known by its group and sequence number): then it did not skip them."""
-    known = [p for p in waiting if p.group is not None and p.seq is not None]
-    return bool(done.seqs and known) and all((done.seqs or {}).get(str(p.group), 0) >= (p.seq or 0) for p in known)
+    seqs = done.seqs or {}
+    known = [(str(p.group), p.seq) for p in waiting if p.group is not None and p.seq is not None]
+    return bool(seqs and known) and all(seqs.get(group, 0) >= seq for group, seq in known)
 
 
 def disagree(rec: Records) -> Verdict | None:

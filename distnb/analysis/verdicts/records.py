@@ -101,14 +101,16 @@ class Records:
         it lacks is no evidence that they skipped a call."""
         if self.log is None:
             return []
-        behind = []
-        for p in self.of("finished"):
-            for group, issued in (p.seqs or {}).items():
-                if any(self.log.log.last_seq(q.rank, group) is not None for q in self.positions):
-                    if (self.log.log.last_seq(p.rank, group) or 0) < issued:
-                        behind.append(p.rank)
-                        break
-        return behind
+        log = self.log.log
+        recorded: dict[str, bool] = {}  # per group, once (not per finished rank: 1,024 ranks ask it)
+
+        def has_records(group: str) -> bool:
+            if group not in recorded:
+                recorded[group] = any(log.last_seq(q.rank, group) is not None for q in self.positions)
+            return recorded[group]
+
+        return [p.rank for p in self.of("finished")
+                if any(has_records(group) and (log.last_seq(p.rank, group) or 0) < issued for group, issued in (p.seqs or {}).items())]
 
     def waiting_in(self) -> dict[int, str | None]:
         """The group each waiting rank's collective is on; None for a collective its stack shows
