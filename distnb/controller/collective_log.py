@@ -118,25 +118,9 @@ class CollectiveLog:
         if "now" in reply and host != _HERE:
             self._skew.setdefault(host, collections.deque(maxlen=64)).append(float(reply["now"]) - time.time())
         floor = self.floors.get(rank, -1)
-        mine = self.entries.setdefault(rank, {})
-        seqs = self._seqs.setdefault(rank, {})
-        open_ = self._open.setdefault(rank, {})
         for e in reply.get("entries", []):
             if e["id"] > floor:
-                held = mine.get(e["id"])
-                if held is None or held["done"] != e["done"]:
-                    self.changes += 1
-                mine[e["id"]] = e
-                self._newest[rank] = max(self._newest.get(rank, -1), e["id"])
-                if e["done"]:
-                    open_.pop(e["id"], None)
-                else:
-                    open_[e["id"]] = e
-                if not e.get("p2p"):
-                    seqs.setdefault(e["group"], {})[e["seq"]] = e
-                if e.get("desc") and self.descs.get(e["group"]) != e["desc"]:
-                    self.descs[e["group"]] = e["desc"]
-                    self._infos.pop(e["group"], None)
+                self.keep(rank, e)
         if "groups" in reply:
             self._gkeys[rank] = reply.get("gkey")
             self.groups.update(reply["groups"])
@@ -147,6 +131,7 @@ class CollectiveLog:
             if name not in self.descs:  # an entry's own description (above) stands
                 self.descs[name] = desc
                 self._infos.pop(name, None)
+        mine, seqs, open_ = self.entries.setdefault(rank, {}), self._seqs.setdefault(rank, {}), self._open.setdefault(rank, {})
         if len(mine) > 5000:  # the recorder itself keeps 2000; keep a bounded history
             for rid in sorted(mine)[: len(mine) - 5000]:
                 gone = mine.pop(rid)
@@ -154,6 +139,29 @@ class CollectiveLog:
                 by_seq = seqs.get(gone["group"], {})
                 if by_seq.get(gone["seq"]) is gone:
                     del by_seq[gone["seq"]]
+
+    def forget_sites(self) -> None:
+        """The calls changed outside :meth:`merge`: the groups' ``new_group`` sites are read again."""
+        self._sites = None
+
+    def keep(self, rank: int, e: CollectiveEntry) -> None:
+        """Hold (or update) one of the rank's entries."""
+        mine = self.entries.setdefault(rank, {})
+        held = mine.get(e["id"])
+        if held is None or held["done"] != e["done"]:
+            self.changes += 1
+        mine[e["id"]] = e
+        self._newest[rank] = max(self._newest.get(rank, -1), e["id"])
+        open_ = self._open.setdefault(rank, {})
+        if e["done"]:
+            open_.pop(e["id"], None)
+        else:
+            open_[e["id"]] = e
+        if not e.get("p2p"):
+            self._seqs.setdefault(rank, {}).setdefault(e["group"], {})[e["seq"]] = e
+        if e.get("desc") and self.descs.get(e["group"]) != e["desc"]:
+            self.descs[e["group"]] = e["desc"]
+            self._infos.pop(e["group"], None)
 
     def clear(self) -> None:
         """Forget everything (a fresh launch: new processes, record ids from 0 again)."""

@@ -11,10 +11,12 @@ from __future__ import annotations
 import time
 
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.evidence import same_op
 from distnb.analysis.verdicts.position import position_at_death
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.rank_record import RankRecord
 from distnb.results import RankResult
+from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry
 
 __all__ = ["Deaths"]
 
@@ -64,6 +66,7 @@ class Deaths:
         res.cause = info.cause
         res.finished_at = time.monotonic()
         self._log.died_during[info.rank] = cell
+        self._from_black_box(info.rank, info.last_calls, cell)
         # As the rank last pushed it (within ~50 ms of entering) or the pool last polled it; the
         # rank itself tells which cell an entry belongs to (no cross-machine clocks).
         pending = self._log.pending(info.rank, cell)
@@ -77,3 +80,38 @@ class Deaths:
         if died_in is not None and died_in.op:
             self._log.died_in[info.rank] = died_in.op
             self._log.died_at[info.rank] = (died_in.line_cell, died_in.line)
+
+    def _from_black_box(self, rank: int, calls: list[CallRecord], cell: int) -> CollectiveEntry | None:
+        """The dead rank's last calls from its black box (wire/black_box.py) into the log: the
+        watched calls as if it had pushed them, and the collective it died in — its newest call
+        still open — as the entry its recorder never sent (shapes, group and place in the group's
+        sequence as the rank read them when it issued the call). Returns that entry."""
+        if not calls:
+            return None
+        held = self._log.calls.setdefault(rank, {})
+        for c in calls:
+            mine = held.get(c["n"])
+            if mine is None or (mine["end"] is None and c.get("end") is not None):
+                held[c["n"]] = c
+        self._log.forget_sites()
+        open_ = [c for c in calls if c.get("end") is None and c["op"] not in P2P_OPS and c["op"] != "new_group"
+                 and c.get("seq") is not None and c.get("group") not in (None, "?")]
+        if not open_:
+            return None
+        c = open_[-1]
+        group, seq = str(c["group"]), int(c["seq"])  # type: ignore[arg-type]
+        if seq in self._log.seqs(rank, group):
+            return None  # its recorder's entry arrived after all
+        # The recorder's name for the op where the group's other ranks recorded this position
+        # (``all_gather`` for ``all_gather_into_tensor``), so only a real difference differs.
+        theirs = (e["op"] for r in self._log.groups.get(group, ()) if r != rank
+                  if (e := self._log.seqs(r, group).get(seq)) is not None and same_op(e["op"], c["op"]))
+        entry: CollectiveEntry = {
+            "id": self._log.last_id(rank) + 1, "rec": "black box", "group": group, "seq": seq, "p2p": False,
+            "op": next(theirs, c["op"]), "sizes": c.get("sizes", []), "dtypes": c.get("dtypes", []), "t": c["t"] / 1e9,
+            "done": False, "state": "started", "cell": cell, "args": {k: v for k, v in c["args"].items() if v is not None},
+        }
+        if c.get("line") is not None:
+            entry["line"], entry["func"], entry["call_cell"] = c["line"], c.get("func") or "", c["cell"]
+        self._log.keep(rank, entry)
+        return entry

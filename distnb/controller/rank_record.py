@@ -9,6 +9,7 @@ from typing import Any
 
 from distnb.controller.cell_run import CellRun
 from distnb.states import RankState
+from distnb.wire.records import CallRecord
 
 __all__ = ["RankRecord"]
 
@@ -29,6 +30,8 @@ class RankRecord:
     returncode: int | None = None
     start_error: str | None = None
     stderr_tail: str = ""
+    # A dead rank's last watched calls, from its black box (wire/black_box.py), oldest first.
+    last_calls: list[CallRecord] = field(default_factory=list)
     died_at: float | None = None  # monotonic
     main_ident: int | None = None
     agent: int = 0

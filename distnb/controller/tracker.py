@@ -366,7 +366,7 @@ class Tracker:
                     self._on_event(info, accept_event(pickle.loads(msg["body"])), direct=False)
                 elif msg["t"] == Msg.RANK_EXIT:
                     info.returncode = msg["returncode"]
-                    info.stderr_tail = msg.get("stderr_tail", "")
+                    info.stderr_tail, info.last_calls = msg.get("stderr_tail", ""), msg.get("last_calls", [])
                     self._mark_dead(info, msg.get("time"))
                 elif msg["t"] == Msg.CELL_DONE:  # a silent cell's, straight from the rank
                     self._cell_done(info, msg, direct=True)

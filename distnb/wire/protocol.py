@@ -20,7 +20,7 @@ from typing import Any, Final, Literal, TypedDict, cast, overload
 
 from distnb.wire.codec import BadFrame
 from distnb.wire.peers import PeerKind
-from distnb.wire.records import CellOutcome, CollectivesRead
+from distnb.wire.records import CallRecord, CellOutcome, CollectivesRead
 
 __all__ = [
     "CellDone",
@@ -153,12 +153,16 @@ class Event(TypedDict):
     body: bytes  # a pickled CellDone or Display, as the rank wrote it to its private events pipe
 
 
-class RankExit(TypedDict):
+class _RankExitCore(TypedDict):
     t: Literal["rank_exit"]
     rank: int
     returncode: int
     stderr_tail: str
     time: float  # the supervisor's wall clock when it reaped the rank
+
+
+class RankExit(_RankExitCore, total=False):
+    last_calls: list[CallRecord]  # a death's: the calls its black box held (wire/black_box.py)
 
 
 class Hello(TypedDict):

@@ -45,6 +45,7 @@ class CallRecord(_CallRecordCore, total=False):
     sizes: list[list[int]]  # the input tensors' shapes (point-to-point, the digested collectives)
     dtypes: list[str]
     splits: list[Any]  # all_to_all: the input and output split sizes
+    seq: int | None  # a collective's place in its group's sequence, as torch counted it (the black box's calls)
 
 
 class CollectiveEntry(TypedDict, total=False):

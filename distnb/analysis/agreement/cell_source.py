@@ -11,12 +11,42 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from typing import Iterable
 
 from distnb.cell_names import cell_name
 
-__all__ = ["Around", "around", "because", "condition_ranks", "loop_span", "other_branches"]
+__all__ = ["Around", "around", "because", "condition_ranks", "loop_span", "other_branches", "rank_names"]
 
-_RANK_NAMES = {"rank", "local_rank", "get_rank", "group_rank", "get_local_rank", "get_coordinate", "global_rank"}
+_RANK_NAMES = frozenset({"rank", "local_rank", "get_rank", "group_rank", "get_local_rank", "get_coordinate", "global_rank"})
+#: The environment variables torchrun sets per rank: ``int(os.environ["RANK"])`` reads the rank.
+_RANK_VARS = {"RANK", "LOCAL_RANK", "GROUP_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"}
+
+
+def _reads_rank(node: ast.AST, names: frozenset[str]) -> bool:
+    return any(isinstance(n, ast.Name) and n.id in names or isinstance(n, ast.Attribute) and n.attr in names
+               or isinstance(n, ast.Constant) and n.value in _RANK_VARS for n in ast.walk(node))
+
+
+def rank_names(sources: Iterable[str]) -> frozenset[str]:
+    """The names that hold the rank or something made from it in these cells, besides torch's
+    own: ``ddp_rank = int(os.environ["RANK"])``, then ``master_process = ddp_rank == 0`` — the
+    idiom of most training scripts, whose ``if master_process:`` is as much a condition on the
+    rank as ``if rank == 0:``."""
+    trees = []
+    for code in sources:
+        try:
+            trees.append(ast.parse(code))
+        except SyntaxError:
+            continue
+    assigns = [(t, n.value) for tree in trees for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    names = _RANK_NAMES
+    while True:  # to a fixed point: a name made from a name made from the rank
+        more = {n.id for target, value in assigns for n in ast.walk(target) if isinstance(n, ast.Name) and n.id not in names
+                and _reads_rank(value, names)}
+        if not more:
+            return names
+        names = names | more
 
 
 @dataclass
@@ -39,8 +69,9 @@ class Around:
         return None
 
 
-def around(code: str, line: int) -> Around | None:
-    """The statements around ``line`` of ``code``; None when the code does not parse."""
+def around(code: str, line: int, names: frozenset[str] = _RANK_NAMES) -> Around | None:
+    """The statements around ``line`` of ``code``; None when the code does not parse. An ``if``
+    reads the rank when its test reads one of ``names`` (:func:`rank_names` of the session)."""
     try:
         tree = ast.parse(code)
     except SyntaxError:
@@ -64,8 +95,7 @@ def around(code: str, line: int) -> Around | None:
             if not node.lineno <= line <= end:
                 continue
             if isinstance(node, ast.If):
-                reads_rank = any(isinstance(n, ast.Name) and n.id in _RANK_NAMES or isinstance(n, ast.Attribute) and n.attr in _RANK_NAMES
-                                 for n in ast.walk(node.test))
+                reads_rank = _reads_rank(node.test, names)
                 in_else = bool(node.orelse) and node.orelse[0].lineno <= line
                 chain.append(("if-rank" if reads_rank else "if", node.lineno, header(node) + (" (its else branch)" if in_else else "")))
                 walk(node.orelse if in_else else node.body)

@@ -163,8 +163,10 @@ class CollectiveReport:
                 lost = {r for r, e in at.items() if e is None and r not in inside and (not seqs[r] or max(seqs[r]) < seq)
                         and (cell := self.log.died_during.get(r)) is not None and any(x.get("cell") == cell for x in present)}
                 if any(e is None and r not in inside and r not in lost for r, e in at.items()):
-                    # A rank whose log starts later (ring buffer) is not "missing" it.
-                    if all(e is not None or r in inside or (seqs[r] and min(seqs[r]) > seq) for r, e in at.items()):
+                    # A rank whose log starts later (ring buffer), or goes on past this position (a
+                    # group's numbers run without gaps: a dead rank's unpushed entry), is not "missing" it.
+                    if all(e is not None or r in inside or (seqs[r] and (min(seqs[r]) > seq or max(seqs[r]) > seq))
+                           for r, e in at.items()):
                         continue
                     out.append(Divergence(group, seq, "missing", at, label=self._div_label(group)))
                     break

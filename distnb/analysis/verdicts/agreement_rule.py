@@ -85,12 +85,38 @@ def agreement(rec: Records) -> Verdict | None:
     if ref is not None:
         programs[a] = _known_start(programs.get(a) or program(a), program(ref), d, a)
     diff = compare(a, ref) if ref is not None else None
+    branch = _rank_branch(rec, d, program)
+    if branch is not None:
+        side, call = branch
+        if tie and how == "no majority":
+            odd, tie, how = side, False, "by the `if` on the rank around their call"
+        # The odd ranks took the branch (an extra call), or the others did (the odd ones lack it).
+        diff = Difference(Change.EXTRA, [call], [], 0) if set(odd) <= set(side) else Difference(Change.MISSING, [], [call], 0)
     if _left_first(rec, d, odd):
         return None  # their error or death explains the calls they did not make: the event rules say so
     kind = _KINDS[diff.change] if diff is not None else (
         Kind.CALL_MISSING if d.presence and all(d.by_rank.get(r) is None for r in odd) else
         Kind.CALL_EXTRA if d.presence else Kind.MISMATCH)
     return _verdict(rec, d, odd, tie, how, kind, diff, ref)
+
+
+def _rank_branch(rec: Records, d: Disagreement, program: Any) -> tuple[list[int], Call] | None:
+    """The ranks whose own call at the disagreement sits under an ``if`` on the rank (``if
+    master_process:``), at a site none of the group's other ranks made a call from in the cell,
+    and that call: one side took a branch the other did not, however the programs line up. (They
+    line up wrongly when a rank died within milliseconds: its calls before that one never reached
+    distnb, and the reference rank's, copied in their place, make a call at an earlier line of the
+    loop look skipped.)"""
+    sites: set[tuple[int, int]] = {s for c in d.by_rank.values() if c is not None and (s := c.site()) is not None}
+    for site in sorted(sites):
+        side = sorted(r for r, c in d.by_rank.items() if c is not None and c.site() == site)
+        call = d.by_rank[side[0]]
+        if call is None or len(side) == len(d.by_rank) or not _under_rank_condition(rec, call):
+            continue
+        if any(c.site() == site for r in d.by_rank if r not in side for c in program(r)):
+            continue  # the others make calls there too: the branch is not what sets them apart
+        return side, call
+    return None
 
 
 def _upstream(found: list[Disagreement], rec: Records) -> Disagreement:
@@ -336,7 +362,7 @@ def _victim_words(rec: Records, dead: list[int]) -> str:
 def _under_rank_condition(rec: Records, call: Call | None) -> bool:
     if call is None or call.line is None or call.cell is None:
         return False
-    found = around(rec.sources.get(call.cell, ""), call.line)
+    found = around(rec.sources.get(call.cell, ""), call.line, rec.rank_names())
     return found is not None and found.rank_condition() is not None
 
 
@@ -395,7 +421,7 @@ def _sites(rec: Records, d: Disagreement, odd: list[int], diff: Difference | Non
                 out.append(Site(cell, p.line, p.func, p.code, "where the call was made"))
                 break
     if diff is not None and diff.change == Change.REPEATS and out:
-        found = around(rec.sources.get(out[0].cell or -1, ""), out[0].line or 0)
+        found = around(rec.sources.get(out[0].cell or -1, ""), out[0].line or 0, rec.rank_names())
         loop = found.loop() if found else None
         if loop is not None:
             out.append(Site(out[0].cell, loop[0], "", loop[1], "the loop"))
@@ -419,7 +445,7 @@ def _cause(rec: Records, sites: list[Site], kind: Kind | None = None) -> str:
     if not sites or sites[0].line is None:
         return ""
     s = sites[0]
-    found = around(rec.sources.get(s.cell or -1, ""), s.line or 0)
+    found = around(rec.sources.get(s.cell or -1, ""), s.line or 0, rec.rank_names())
     if found is None:
         return ""
     cond = found.rank_condition()

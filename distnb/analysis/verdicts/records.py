@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from distnb.analysis.agreement.cell_source import rank_names
 from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.compare import Presence
 from distnb.analysis.verdicts.position import Position
@@ -46,6 +47,14 @@ class Records:
 
     def of(self, *states: str) -> list[Position]:
         return [p for p in self.positions if p.state in states]
+
+    def rank_names(self) -> frozenset[str]:
+        """The names that hold the rank in the session's cells (``master_process``), read once."""
+        return self._rank_names
+
+    @cached_property
+    def _rank_names(self) -> frozenset[str]:
+        return rank_names(self.sources.values())
 
     @cached_property
     def by_rank(self) -> dict[int, Position]:

@@ -15,6 +15,7 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
+from distnb.wire.black_box import BlackBox
 from distnb.wire.cell_code import CELL_PREFIX, CompiledCell, cell_filename, compile_cell
 from distnb.wire.records import CellError, CellOutcome
 from distnb.worker.process.debug import DebugInterrupt, Hooks, quit_error
@@ -81,7 +82,7 @@ class Executor:
         self.ns = namespace
         self.memory = memory or MemorySampler()
         self.clock = CellClock()
-        self.calls = CallLog(CELL_PREFIX)
+        self.calls = CallLog(CELL_PREFIX, black_box=BlackBox.from_environ())
         self.paths = PathRecorder(CELL_PREFIX)
         self.compiles = CompileRecorder()
         self.stale = StaleHolders()  # what held the groups the last regroup closed

@@ -29,6 +29,8 @@ from typing import Any, Mapping
 import zmq
 
 from distnb import _processes
+from distnb.wire.black_box import ENV as BLACK_BOX_ENV
+from distnb.wire.black_box import BlackBox
 from distnb.wire.codec import BadFrame, Codec, FrameTooLarge, ReplayGuard, socket_max_msgsize
 from distnb.wire.peers import PeerKind, supervisor_identity
 from distnb.wire.protocol import Msg, ToSupervisor, accept_request
@@ -72,8 +74,9 @@ class Child:
     """A rank process and the read ends of its pipes (stdout, stderr, faulthandler dumps, events)."""
 
     def __init__(self, proc: subprocess.Popen[bytes], out_r: int, err_r: int, fault_r: int, events_r: int, wake_w: int = -1,
-                 fence: ReadFence | None = None) -> None:
+                 fence: ReadFence | None = None, box: BlackBox | None = None) -> None:
         self.proc = proc
+        self.box = box  # the rank's last calls, read when it dies (wire/black_box.py)
         self.fence = fence  # moved around every read of its pipes (see worker/process/quiet.py)
         self.streams = {out_r: "stdout", err_r: "stderr"}
         self.fault_r, self.events_r, self.wake_w = fault_r, events_r, wake_w
@@ -143,6 +146,9 @@ class Child:
         if self.fence is not None:
             self.fence.close()
             self.fence = None
+        if self.box is not None:
+            self.box.close()
+            self.box = None
 
 
 class Supervisor:
@@ -195,6 +201,10 @@ class Supervisor:
         fence = ReadFence()
         env["DISTNB_READ_FENCE_FD"] = str(fence.fd)
         passed = [fault_w, events_w]
+        box = BlackBox.create()
+        if box is not None:
+            env[BLACK_BOX_ENV] = str(box.fd)
+            passed.append(box.fd)
         wake_w = -1
         if spare:
             wake_r, wake_w = os.pipe()
@@ -212,12 +222,13 @@ class Supervisor:
             preexec_fn=lambda: _processes.set_parent_death_signal(signal.SIGKILL),
         )
         for fd in (out_w, err_w, *passed):
-            os.close(fd)
+            if box is None or fd != box.fd:  # the supervisor keeps its own mapping of the box
+                os.close(fd)
         fence.passed()
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)  # drained to EAGAIN before each event is forwarded
         os.set_blocking(events_r, False)
-        return Child(proc, out_r, err_r, fault_r, events_r, wake_w, fence)
+        return Child(proc, out_r, err_r, fault_r, events_r, wake_w, fence, box)
 
     def _keep_tail(self, data: bytes) -> None:
         self.stderr_tail.append(data)
@@ -366,7 +377,7 @@ class Supervisor:
                 # grandchild writes later is still forwarded, as output outside any cell.
                 self._pump_events(child)
                 self._drain_all(child)
-                self._report_exit(rc, died_at)
+                self._report_exit(rc, died_at, child)
                 child.exit_reported = True
                 child.unwatch_exit(self.poller)
             if self.stopping or now - last_heard > self.heartbeat_timeout:
@@ -426,9 +437,12 @@ class Supervisor:
         os.environ.update(update)
         self._adopt(self.start_child())
 
-    def _report_exit(self, rc: int, died_at: float) -> None:
+    def _report_exit(self, rc: int, died_at: float, child: Child) -> None:
         tail = b"".join(self.stderr_tail).decode("utf-8", "replace")
-        self.send({"t": Msg.RANK_EXIT, "rank": self.rank, "returncode": rc, "stderr_tail": tail, "time": died_at})
+        # A clean exit has nothing to explain; a death, the calls it cut short.
+        last_calls = child.box.read() if child.box is not None and rc != 0 else []
+        self.send({"t": Msg.RANK_EXIT, "rank": self.rank, "returncode": rc, "stderr_tail": tail, "time": died_at,
+                   "last_calls": last_calls})
         if self.pending_fault:
             self._finish_fault()
 

@@ -31,6 +31,7 @@ import time
 import zlib
 from typing import Any, Callable
 
+from distnb.wire.black_box import BlackBox
 from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry
 from distnb.worker.torch_hooks.patching import wrap_c10d
 
@@ -141,8 +142,11 @@ def _caller(prefix: str) -> tuple[int | None, int | None, str]:
 class CallLog:
     """The recent watched calls of this rank, newest last; safe to read from the control thread."""
 
-    def __init__(self, cell_prefix: str, keep: int = _KEEP) -> None:
+    def __init__(self, cell_prefix: str, keep: int = _KEEP, black_box: BlackBox | None = None) -> None:
         self._prefix = cell_prefix  # cells' code objects are named ``<prefix>N>``
+        # Where each call is also written as it begins, for the supervisor to read if the rank
+        # dies inside it (wire/black_box.py); None outside a pool (an attached job).
+        self.black_box = black_box
         self._records: collections.deque[CallRecord] = collections.deque(maxlen=keep)
         self._works: dict[int, Any] = {}  # open isend/irecv record → its Work
         self._next = itertools.count(1)
@@ -193,13 +197,21 @@ class CallLog:
         else:
             kept = sorted((k, v) for k, v in args.items() if k not in _PER_RANK and v is not None)
             shapes = _shapes(inputs) if fn not in _ROOT_ONLY else {}
-            group = rec["group"]
+            group_name = rec["group"]
             # crc32, not hash(): the digest is compared across processes, whose str hashes differ.
-            self.digests[group] = zlib.crc32(repr((self.digests.get(group), fn, kept, shapes)).encode())
+            self.digests[group_name] = zlib.crc32(repr((self.digests.get(group_name), fn, kept, shapes)).encode())
+            if self.black_box is not None:
+                # What the recorder's entry would say, had the rank lived to push it: its shapes and
+                # its number in the group's sequence (torch's counter before the call issues it).
+                self.black_box.write({**rec, **shapes, "seq": _next_seq(group)})
+        if self.black_box is not None and (fn == "new_group" or fn in P2P_OPS):
+            self.black_box.write(rec)
         self._records.append(rec)
         return rec
 
     def end(self, rec: CallRecord, work: Any = None) -> None:
+        if self.black_box is not None and not (work is not None and rec["op"] in _ASYNC):
+            self.black_box.ended(rec["n"])
         if work is not None and rec["op"] in _ASYNC:
             with self._lock:
                 self._works[rec["n"]] = work  # open until the work completes (checked on read)
@@ -285,6 +297,17 @@ def _group_name(group: Any) -> str:
         return str(c10d._world.pg_names.get(pg, "?"))
     except Exception:
         return "?"
+
+
+def _next_seq(group: Any) -> int | None:
+    """The number the group's next collective will have in its sequence (None: unknown, e.g. a
+    group this rank is not a member of)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    try:
+        pg = group if group is not None else c10d._world.default_pg  # type: ignore[union-attr]
+        return int(pg._get_sequence_number_for_group()) + 1
+    except Exception:
+        return None
 
 
 def _group_count() -> int | None:
