@@ -9,7 +9,7 @@ supervisor gives each rank process a small shared-memory file (a memfd), the ran
 before torch issues anything, and when the rank dies the supervisor reads the file and sends its
 calls with the rank's exit.
 
-A write is a pickle and a copy into the mapping: no system call, ~2 µs beside the call log's own
+A write is a marshal and a copy into the mapping: no system call, ~2 µs beside the call log's own
 ~2 µs. Only the supervisor reads, and only once the rank is gone, so nothing is locked; a slot that
 the death itself cut short fails its checksum and is dropped. The file holds the last :data:`SLOTS`
 calls, each of at most :data:`SLOT` bytes (a call whose arguments do not fit is kept without them).
@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import pickle
+import marshal
 import struct
 import zlib
 from typing import Any, Mapping
@@ -50,6 +50,7 @@ class BlackBox:
         self._mem = mem
         self._serial = itertools.count()  # next() is atomic under the GIL: threads never share a slot
         self._slot_of: dict[int, int] = {}  # call number → its slot, while the slot still holds it
+        self._held: list[int | None] = [None] * SLOTS  # slot → the call number it holds
 
     @classmethod
     def create(cls) -> BlackBox | None:
@@ -89,18 +90,23 @@ class BlackBox:
 
     def write(self, rec: Mapping[str, Any]) -> None:
         """Keep ``rec`` (a call as it begins) in the next slot."""
-        body = pickle.dumps(dict(rec), protocol=pickle.HIGHEST_PROTOCOL)
-        if len(body) > _ROOM:  # a new_group of thousands of ranks: the call without its arguments
-            body = pickle.dumps({k: v for k, v in rec.items() if k != "args"}, protocol=pickle.HIGHEST_PROTOCOL)
-            if len(body) > _ROOM:
-                return
+        try:
+            body = marshal.dumps(dict(rec))
+            if len(body) > _ROOM:  # a new_group of thousands of ranks: the call without its arguments
+                body = marshal.dumps({k: v for k, v in rec.items() if k != "args"})
+        except ValueError:  # an argument marshal can't write (call_log keeps plain values: not expected)
+            return
+        if len(body) > _ROOM:
+            return
         slot = next(self._serial) % SLOTS
         at = _HEADER.size + slot * SLOT
         n = int(rec["n"])
         self._mem[at + _SLOT_HEAD.size : at + _SLOT_HEAD.size + len(body)] = body
         _SLOT_HEAD.pack_into(self._mem, at, len(body), zlib.crc32(body), n, 0)
-        for old in [k for k, v in self._slot_of.items() if v == slot]:
-            del self._slot_of[old]
+        old = self._held[slot]
+        if old is not None:
+            self._slot_of.pop(old, None)
+        self._held[slot] = n
         self._slot_of[n] = slot
 
     def ended(self, n: int) -> None:
@@ -122,8 +128,8 @@ class BlackBox:
             if zlib.crc32(body) != crc:
                 continue
             try:
-                rec = pickle.loads(body)
-            except Exception:  # a slot cut short mid-write that still matched its old checksum
+                rec = marshal.loads(body)
+            except (ValueError, EOFError, TypeError):  # a slot cut short that still matched its old checksum
                 continue
             if isinstance(rec, dict) and "n" in rec:
                 if done and rec.get("end") is None:

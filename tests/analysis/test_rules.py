@@ -307,3 +307,49 @@ def test_finished_ranks_whose_counts_show_the_call_are_not_said_to_have_skipped_
     # With no counts (an older rank), the log alone decides, as before.
     unknown = judge([*(Position(r, "finished") for r in (0, 2, 3)), waits(1, seq=2)], log_of(per_rank))
     assert unknown.state == VerdictState.HANG, unknown.text()
+
+
+MASTER_SETUP = 'import os\nddp_rank = int(os.environ["RANK"])\nmaster_process = ddp_rank == 0\n'
+MASTER_LOOP = "\n".join([
+    "for it in range(4):",                          # 1
+    "    for micro in range(2):",                   # 2
+    "        loss = model(x)",                      # 3
+    "        loss.backward()",                      # 4: DDP's all_reduce, from C++
+    "    opt.step()",                               # 5
+    "    if it % 2 == 1 and master_process:",       # 6
+    "        dist.all_reduce(loss)",                # 7
+])
+
+
+@pytest.mark.parametrize("pushed", [0, 1, 3])
+def test_a_master_only_call_that_aborted_rank_0_is_its_branch_whatever_reached_distnb_first(pushed: int) -> None:
+    """Issue 49's headline: rank 0's ``all_reduce(loss)`` under ``if … and master_process:`` pairs
+    with the others' DDP all_reduce, and gloo aborts rank 0 before it pushes its calls. Its black
+    box gives its own call (#4, a scalar); of its DDP calls before it, ``pushed`` reached distnb.
+    Whatever that number, the verdict is rank 0's extra call under its ``if``, never a DDP call
+    "not made", and the collectives view says the same."""
+    ddp = [entry(i, i + 1, line=None, size=4160, done=i < 3) for i in range(4)]
+    mine = entry(9, 4, line=7, size=0, done=False)
+    mine.update(sizes=[[]], dtypes=["Float"])
+    log = log_of({0: [e for e in ddp[:pushed] if e["done"]] + [mine], 1: ddp, 2: ddp, 3: ddp})
+    log.died_during[0] = CELL
+    positions = [Position(0, "dead", detail="aborted (SIGABRT: a C++ assertion or abort(), e.g. gloo on mismatched tensors)"),
+                 Position(1, "failed", line=4, running=CELL, detail="RuntimeError: Connection reset by peer"),
+                 waits(2, seq=4, line=4), Position(3, "failed", line=4, running=CELL, detail="RuntimeError: Connection reset by peer")]
+    v = diagnose(positions, 3.0, 5.0, log.report([0, 1, 2, 3]), 0, {1: MASTER_SETUP, CELL: MASTER_LOOP})
+    assert v.kind == Kind.CALL_EXTRA and v.culprits == [0], v.text
+    assert v.summary.startswith("rank-conditional collective: rank 0 entered all_reduce #4 [] f32 at cell line 7, but ranks 1-3 did not "
+                                "enter it"), v.summary
+    assert "is under `if it % 2 == 1 and master_process:` (line 6)" in v.summary, v.summary
+    report = log.report([0, 1, 2, 3]).text()
+    assert report.startswith("first divergence: collective #4 on group 0 (ranks 0-3): different shapes: rank 0 all_reduce [] f32; "
+                             "ranks 1-3 all_reduce [4160] f32"), report
+
+
+def test_a_rank_past_a_position_is_not_said_to_have_skipped_it() -> None:
+    """A group's sequence numbers run without gaps: a rank whose log holds #4 made #2 and #3, even
+    when their entries died with it."""
+    full = [entry(i, i + 1) for i in range(4)]
+    log = log_of({0: [full[0], full[3]], 1: full, 2: full})
+    log.died_during[0] = CELL
+    assert log.report([0, 1, 2]).divergences() == []

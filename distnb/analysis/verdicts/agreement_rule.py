@@ -113,6 +113,8 @@ def _rank_branch(rec: Records, d: Disagreement, program: Any) -> tuple[list[int]
         call = d.by_rank[side[0]]
         if call is None or len(side) == len(d.by_rank) or not _under_rank_condition(rec, call):
             continue
+        if any(c is not None and c.site() != site and _under_rank_condition(rec, c) for c in d.by_rank.values()):
+            continue  # the others' call is under an `if` on the rank too (its else branch): calls that differ, not one extra
         if any(c.site() == site for r in d.by_rank if r not in side for c in program(r)):
             continue  # the others make calls there too: the branch is not what sets them apart
         return side, call
