@@ -109,7 +109,7 @@ class Deaths:
         entry: CollectiveEntry = {
             "id": self._log.last_id(rank) + 1, "rec": "black box", "group": group, "seq": seq, "p2p": False,
             "op": next(theirs, c["op"]), "sizes": c.get("sizes", []), "dtypes": c.get("dtypes", []), "t": c["t"] / 1e9,
-            "done": False, "state": "started", "cell": cell, "args": {k: v for k, v in c["args"].items() if v is not None},
+            "done": False, "state": "started", "cell": cell, "args": {k: v for k, v in (c.get("args") or {}).items() if v is not None},
         }
         if c.get("line") is not None:
             entry["line"], entry["func"], entry["call_cell"] = c["line"], c.get("func") or "", c["cell"]

@@ -40,6 +40,8 @@ _HEADER = struct.Struct("<4sII")  # magic, slots, slot size
 _SLOT_HEAD = struct.Struct("<IIQB")
 _DONE = _SLOT_HEAD.size - 1
 _ROOM = SLOT - _SLOT_HEAD.size
+#: What a slot keeps of a call, as a list in this order (marshalled in half a dict's time).
+_FIELDS = ("n", "op", "group", "args", "t", "end", "cell", "line", "func", "count", "local", "sizes", "dtypes", "seq")
 
 
 class BlackBox:
@@ -91,9 +93,9 @@ class BlackBox:
     def write(self, rec: Mapping[str, Any]) -> None:
         """Keep ``rec`` (a call as it begins) in the next slot."""
         try:
-            body = marshal.dumps(dict(rec))
+            body = marshal.dumps([rec.get(k) for k in _FIELDS])
             if len(body) > _ROOM:  # a new_group of thousands of ranks: the call without its arguments
-                body = marshal.dumps({k: v for k, v in rec.items() if k != "args"})
+                body = marshal.dumps([rec.get(k) if k != "args" else None for k in _FIELDS])
         except ValueError:  # an argument marshal can't write (call_log keeps plain values: not expected)
             return
         if len(body) > _ROOM:
@@ -128,10 +130,11 @@ class BlackBox:
             if zlib.crc32(body) != crc:
                 continue
             try:
-                rec = marshal.loads(body)
+                values = marshal.loads(body)
             except (ValueError, EOFError, TypeError):  # a slot cut short that still matched its old checksum
                 continue
-            if isinstance(rec, dict) and "n" in rec:
+            if isinstance(values, list) and len(values) == len(_FIELDS):
+                rec = {k: v for k, v in zip(_FIELDS, values) if v is not None or k == "end"}
                 if done and rec.get("end") is None:
                     rec["end"] = rec.get("t")
                 out.append(rec)  # type: ignore[arg-type]

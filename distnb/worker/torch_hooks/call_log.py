@@ -462,10 +462,16 @@ def _shapes(inputs: Any) -> dict[str, Any]:
         shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
         if shape is None or dtype is None:
             continue
-        sizes.append([int(n) for n in shape])
-        name = str(dtype).rsplit(".", 1)[-1]
-        dtypes.append(_DTYPES.get(name, name))
+        sizes.append(list(shape))
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:  # read once per dtype: str() of a dtype is slow enough to count per call
+            short = str(dtype).rsplit(".", 1)[-1]
+            name = _DTYPE_NAMES[dtype] = _DTYPES.get(short, short)
+        dtypes.append(name)
     return {"sizes": sizes, "dtypes": dtypes} if sizes else {}
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def install(log: CallLog) -> None:
