@@ -18,9 +18,9 @@ calls, each of at most :data:`SLOT` bytes (a call whose arguments do not fit is 
 from __future__ import annotations
 
 import itertools
+import marshal
 import mmap
 import os
-import marshal
 import struct
 import zlib
 from typing import Any, Mapping
