@@ -41,7 +41,7 @@ _SLOT_HEAD = struct.Struct("<IIQB")
 _DONE = _SLOT_HEAD.size - 1
 _ROOM = SLOT - _SLOT_HEAD.size
 #: What a slot keeps of a call, as a list in this order (marshalled in half a dict's time).
-_FIELDS = ("n", "op", "group", "args", "t", "end", "cell", "line", "func", "count", "local", "sizes", "dtypes", "seq")
+_FIELDS = ("n", "op", "group", "args", "t", "end", "cell", "line", "func", "count", "local", "sizes", "dtypes", "seq")  # these three last
 
 
 class BlackBox:
@@ -90,12 +90,16 @@ class BlackBox:
         fd = os.environ.pop(ENV, None)
         return cls.attach(int(fd)) if fd is not None and fd.isdigit() else None
 
-    def write(self, rec: Mapping[str, Any]) -> None:
-        """Keep ``rec`` (a call as it begins) in the next slot."""
+    def write(self, rec: Mapping[str, Any], shapes: Mapping[str, Any] | None = None, seq: int | None = None) -> None:
+        """Keep ``rec`` (a call as it begins) in the next slot, with a collective's input ``shapes``
+        (``sizes``, ``dtypes``) and ``seq``, its number in its group's sequence."""
+        values = [rec.get(k) for k in _FIELDS[:-3]]
+        values += [shapes.get("sizes"), shapes.get("dtypes"), seq] if shapes is not None else [rec.get("sizes"), rec.get("dtypes"), seq]
         try:
-            body = marshal.dumps([rec.get(k) for k in _FIELDS])
+            body = marshal.dumps(values)
             if len(body) > _ROOM:  # a new_group of thousands of ranks: the call without its arguments
-                body = marshal.dumps([rec.get(k) if k != "args" else None for k in _FIELDS])
+                values[_FIELDS.index("args")] = None
+                body = marshal.dumps(values)
         except ValueError:  # an argument marshal can't write (call_log keeps plain values: not expected)
             return
         if len(body) > _ROOM:

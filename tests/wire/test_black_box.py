@@ -24,7 +24,8 @@ def test_the_last_calls_come_back_in_order_with_the_ones_that_ended_marked() -> 
     rank = BlackBox.attach(box.fd)
     assert rank is not None
     for n in range(1, SLOTS + 9):
-        rank.write(_call(n))
+        call = _call(n)
+        rank.write(call, {"sizes": call.pop("sizes"), "dtypes": call.pop("dtypes")}, int(call.pop("seq")))
         if n < SLOTS + 8:
             rank.ended(n)
     got = box.read()

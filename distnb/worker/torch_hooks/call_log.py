@@ -203,7 +203,7 @@ class CallLog:
             if self.black_box is not None:
                 # What the recorder's entry would say, had the rank lived to push it: its shapes and
                 # its number in the group's sequence (torch's counter before the call issues it).
-                self.black_box.write({**rec, **shapes, "seq": _next_seq(group)})
+                self.black_box.write(rec, shapes, _next_seq(group))
         if self.black_box is not None and (fn == "new_group" or fn in P2P_OPS):
             self.black_box.write(rec)
         self._records.append(rec)
