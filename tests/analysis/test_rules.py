@@ -353,3 +353,13 @@ def test_a_rank_past_a_position_is_not_said_to_have_skipped_it() -> None:
     log = log_of({0: [full[0], full[3]], 1: full, 2: full})
     log.died_during[0] = CELL
     assert log.report([0, 1, 2]).divergences() == []
+
+
+def test_the_table_says_not_recorded_where_a_rank_got_past_a_position_without_its_entry() -> None:
+    full = [entry(i, i + 1) for i in range(4)]
+    log = log_of({0: [full[0], full[3]], 1: full})
+    text = log.report([0, 1]).text()
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip()[:1].isdigit()}
+    assert "not recorded" in rows["2"] and "not recorded" in rows["3"] and "—" not in text.split("(⏳")[0], text
+    assert "not recorded: made, but its record died with the rank or was let go)" in text, text
+    assert "not recorded" not in log_of({0: full, 1: full}).report([0, 1]).text()

@@ -19,12 +19,18 @@ from distnb.cell_names import cell_tag
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.wire.records import CollectiveEntry
 
-__all__ = ["GroupTable", "Row", "cell_text", "MAX_MINORITIES", "PAGE_RANKS"]
+__all__ = ["GroupTable", "Row", "cell_text", "MAX_MINORITIES", "NOT_RECORDED", "PAGE_RANKS"]
 
 #: Ranks per page of the per-rank view: a page as wide as the view of 8 ranks is today.
 PAGE_RANKS = 8
 #: Kinds of difference named at one position before "… and N more" (each names its ranks).
 MAX_MINORITIES = 4
+
+
+#: A position a rank got past (a group's numbers run without gaps: it holds a later one) whose entry
+#: distnb does not hold — it died with the rank before it was sent, or the log let it go: made,
+#: not "never entered".
+NOT_RECORDED: CollectiveEntry = {"id": -1, "op": "not recorded", "done": True}
 
 
 def cell_text(e: CollectiveEntry | None, odd: bool = False) -> str:

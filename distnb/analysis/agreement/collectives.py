@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from distnb.analysis.agreement.collective_table import GroupTable, Row
+from distnb.analysis.agreement.collective_table import NOT_RECORDED, GroupTable, Row
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, odd_ones, peer_words, same_op
 from distnb.analysis.agreement.groups import short_name
@@ -246,8 +246,13 @@ class CollectiveReport:
             lines.extend(self.table(group, divs.get(group)).lines(self.page))
         lines.extend(p2p)
         lines.extend(gaps)
-        lines.append("(⏳ entered, not completed · ⏸ queued on the GPU, not started · cN: issued in cell N · — never entered · ✗ the odd one out)")
+        lines.append("(⏳ entered, not completed · ⏸ queued on the GPU, not started · cN: issued in cell N · — never entered · ✗ the odd one out"
+                     + (" · not recorded: made, but its record died with the rank or was let go)" if self._not_recorded(groups) else ")"))
         return "\n".join(lines)
+
+    def _not_recorded(self, groups: list[str]) -> bool:
+        divs = {d.group: d for d in self.divergences()}
+        return any(e is NOT_RECORDED for g in groups for row in self.table(g, divs.get(g)).rows for e in row.by_rank.values())
 
     def headline(self) -> str:
         """The first line: where the sequences first disagree, or that they agree."""
@@ -276,7 +281,9 @@ class CollectiveReport:
         info = self.log.group(group)
         title = f"group {short_name(group)}, {format_ranks(members)}" if info.world else f"{self.label(group)}, torch's group {short_name(group)}"
         odd = div.odd() if div is not None and div.kind != "missing" else []
-        rows = [Row(seq, {r: seqs[r].get(seq) for r in members}, div is not None and div.seq == seq, odd) for seq in shown]
+        top = {r: max(by_seq) if by_seq else 0 for r, by_seq in seqs.items()}
+        rows = [Row(seq, {r: seqs[r].get(seq, NOT_RECORDED if seq < top[r] else None) for r in members}, div is not None and div.seq == seq, odd)
+                for seq in shown]
         return GroupTable(title, members, {r: len(seqs[r]) for r in members}, rows, len(all_seqs) - len(shown))
 
     def paged(self, page: int) -> CollectiveReport:
