@@ -118,7 +118,7 @@ class Diagnostics:
                 state = f"busy in {replies[r]['busy']}"  # idle to the tracker, but its main thread is taken
             if "stacks" in replies.get(r, {}):
                 threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(t["frames"])) for t in replies[r]["stacks"]]
-                rs = RankStack(r, state, "control thread", threads, paused=replies[r].get("paused"))
+                rs = RankStack(r, state, "control thread", threads, paused=replies[r].get("paused"), cpu=replies[r].get("cpu"))
                 if rs.paused:
                     rs.annotation = {"pdb": "paused in the debugger", "panel": "paused in the debugger panel"}.get(
                         rs.paused["kind"], "waiting for a line for input()")

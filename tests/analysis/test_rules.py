@@ -363,3 +363,18 @@ def test_the_table_says_not_recorded_where_a_rank_got_past_a_position_without_it
     assert "not recorded" in rows["2"] and "not recorded" in rows["3"] and "—" not in text.split("(⏳")[0], text
     assert "not recorded: made, but its record died with the rank or was let go)" in text, text
     assert "not recorded" not in log_of({0: full, 1: full}).report([0, 1]).text()
+
+
+@pytest.mark.parametrize(("cpu", "state", "words"), [
+    (0.9, VerdictState.SLOW, "still computing outside any collective (its main thread uses 90% of a CPU or more): slow, not a hang yet"),
+    (0.25, VerdictState.SLOW, "uses 25% of a CPU or more"),  # four busy ranks share two cores
+    (0.01, VerdictState.HANG, "without using the CPU (blocked on something else: a sleep, a lock, a queue, I/O"),
+    (0.1, VerdictState.HANG, "(slow, stuck in a loop, or about to skip it)"),
+    (None, VerdictState.HANG, "(slow, stuck in a loop, or about to skip it)"),
+])
+def test_a_rank_still_running_code_is_slow_while_it_computes_and_a_likely_hang_while_blocked(cpu: float | None, state: VerdictState,
+                                                                                               words: str) -> None:
+    """A rank given more work computes while the others wait at the barrier: a healthy cell, slow,
+    never a hang block; a rank that sleeps, waits on a lock or reads a socket uses no CPU."""
+    v = judge([waits(0), Position(1, "computing", line=2, since=5.0, cpu=cpu)])
+    assert v.kind == Kind.STILL_RUNNING and v.state == state and v.culprits == [1] and words in v.summary, v.summary

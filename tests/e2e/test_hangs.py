@@ -456,3 +456,26 @@ def test_a_healthy_ddp_loop_is_never_called_a_hang(pool3: distnb.Pool) -> None:
     pool.wait(res, timeout=60)
     assert res.ok, res.text()
     assert len(seen) >= 8 and int(res.values[0]) > 10, (seen, res.values)
+
+
+def test_a_rank_computing_longer_than_hang_after_is_slow_not_a_hang(pool3: distnb.Pool) -> None:
+    """A rank given more work: the others wait for it in the all_reduce past ``hang_after``
+    while its main thread uses the CPU. The cell is healthy and slow — never called a hang. The
+    sleeping rank of ``test_same_hang_a_second_later_has_the_same_headline`` uses no CPU and is."""
+    pool = usable(pool3)
+    hang_after = pool.config.hang_after
+    work = hang_after + 6.0
+    res = pool.submit(f"import time\nx = torch.ones(2)\nif rank == 2:\n    end = time.monotonic() + {work}\n"
+                      "    while time.monotonic() < end:\n        sum(range(1000))\ndist.all_reduce(x)")
+    seen = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < work - 1.0:
+        diag = pool.diagnose(res)
+        if time.monotonic() - t0 > hang_after + 1.0 and diag.kind == "still_running":
+            seen.append(diag)
+        assert diag.state != "hang" or diag.kind != "still_running" or diag.summary.count("without using the CPU") == 0, diag.text()
+        time.sleep(0.5)
+    assert seen and all(d.state == "slow" for d in seen), [d.text() for d in seen]
+    assert "rank 2 is still computing outside any collective" in seen[-1].summary, seen[-1].text()
+    pool.wait(res, timeout=60)
+    assert res.ok, res.text()

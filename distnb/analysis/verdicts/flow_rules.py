@@ -92,6 +92,12 @@ def unresponsive(rec: Records) -> Verdict | None:
     return _v(rec, VerdictState.HANG, Kind.UNRESPONSIVE, summary, ranks, "unresponsive", reason="it gives no stack: where it is stuck is unknown")
 
 
+#: A running rank's main thread using this share of a CPU or more computes (a busy 2-core machine
+#: gives each of 4 busy ranks half of one); one using this little or less is blocked.
+BUSY_CPU = 0.2
+IDLE_CPU = 0.05
+
+
 def computing(rec: Records) -> Verdict | None:
     """Ranks still running code while others wait for them: importing or compiling (slow), else
     slow, stuck in a loop, or about to skip the collective."""
@@ -110,8 +116,17 @@ def computing(rec: Records) -> Verdict | None:
         # A compile on some ranks only (a recompile: a guard failed there) makes the others wait.
         return _v(rec, VerdictState.SLOW, Kind.COMPILING, f"{head} {busy[0].detail}: slow, not a hang yet (if it recompiles on every step, "
                   "%dist_compile says which guard fails).", ranks, "computing")
-    return _v(rec, VerdictState.HANG, Kind.STILL_RUNNING, f"{head} still running Python code outside any collective "
-              "(slow, stuck in a loop, or about to skip it).", ranks, "computing",
+    if all(p.cpu is not None and p.cpu >= BUSY_CPU for p in busy):
+        # Its main thread uses the CPU: it computes (a rank given more work, a slower path) and may
+        # arrive any moment. Said live, never as a hang: a long healthy cell must not print one.
+        share = min(p.cpu or 0.0 for p in busy)
+        return _v(rec, VerdictState.SLOW, Kind.STILL_RUNNING, f"{head} still computing outside any collective (its main thread "
+                  f"uses {share:.0%} of a CPU or more): slow, not a hang yet; if it never arrives, %dist_stacks shows where it loops.",
+                  ranks, "computing")
+    idle = all(p.cpu is not None and p.cpu <= IDLE_CPU for p in busy)
+    return _v(rec, VerdictState.HANG, Kind.STILL_RUNNING, f"{head} still running Python code outside any collective " + (
+              "without using the CPU (blocked on something else: a sleep, a lock, a queue, I/O — or about to skip the collective)."
+              if idle else "(slow, stuck in a loop, or about to skip it)."), ranks, "computing",
               reason="a rank running code may yet arrive: slow, stuck, or on its way elsewhere")
 
 

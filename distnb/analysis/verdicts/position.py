@@ -61,6 +61,9 @@ class Position:
     # A finished rank's collectives issued per group at its cell's end (its CELL_DONE's sync): what it
     # entered, known even when its collective log has not arrived.
     seqs: dict[str, int] | None = None
+    # The share of one CPU the rank's main thread used lately, as its control thread last measured
+    # it (None: not known): computing (slow) against blocked outside torch.distributed.
+    cpu: float | None = None
 
     def between(self) -> bool:
         """Read between two places: running the cell's code, or in a collective by its stack that
@@ -154,7 +157,7 @@ def position_from_stack(stack: RankStack, cell: int | None = None) -> Position:
     )
     if op is not None:
         return Position(stack.rank, "collective", op=op, **where)
-    return Position(stack.rank, "computing", detail=_importing(frames) or _compiling(frames), **where)
+    return Position(stack.rank, "computing", detail=_importing(frames) or _compiling(frames), cpu=stack.cpu, **where)
 
 
 def position_paused(rank: int, paused: dict[str, Any], cell: int | None) -> Position:

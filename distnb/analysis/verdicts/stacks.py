@@ -83,6 +83,7 @@ class RankStack:
     state_since: float | None = None  # seconds in that state (a running cell)
     annotation_since: float | None = None  # seconds in that collective, by the rank's clock
     paused: dict[str, Any] | None = None  # waiting for the notebook's line (pdb, input()): kind, where, since
+    cpu: float | None = None  # the share of one CPU its main thread used lately (None: not known)
 
     @property
     def state_text(self) -> str:

@@ -31,6 +31,7 @@ from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker.process.debug import hold_request
 from distnb.worker.process.execute import Executor
+from distnb.worker.recorders.main_cpu import MainCpu
 from distnb.worker.torch_hooks.call_log import c10d_calls
 from distnb.worker.torch_hooks.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
 from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
@@ -108,6 +109,7 @@ class ControlThread(threading.Thread):
         self.state = "starting"
         # DISTNB_FR_WATCH=0 turns the pushes off (benchmarks compare; the 1 s poll remains).
         self.seqs: SeqWatch | None = SeqWatch() if os.environ.get("DISTNB_FR_WATCH", "1") != "0" else None
+        self._main_cpu = MainCpu()
         self._pushed_seqs: tuple[tuple[str, int], ...] | None = None
         self._seen_seqs: tuple[tuple[str, int], ...] | None = None
         self._pushed_id = -1  # the newest record already pushed
@@ -260,6 +262,8 @@ class ControlThread(threading.Thread):
             "elapsed": time.monotonic() - ex.started if cell is not None else None,
             "pid": os.getpid(),
             "unblocked": self.unblocked,
+            # The main thread's CPU share lately: computing (slow) or blocked outside torch.distributed.
+            "cpu": self._main_cpu.look() if cell is not None else None,
         }
 
     def _nudge(self, cell: int, sigints: int) -> None:
