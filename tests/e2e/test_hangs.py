@@ -54,7 +54,8 @@ def test_stacks_while_blocked_in_all_reduce_and_shutdown_of_the_hung_pool(pool3:
     assert "distnb/worker" not in text
     diag = wait_for_hang(pool, res)
     assert diag.culprits == [2] and "rank-conditional" in diag.summary
-    assert "all_reduce #1 [1] f32 at cell line 3" in diag.summary and "is under `if rank != 2:`" in diag.summary, diag.summary
+    # The sequence number depends on what earlier tests ran on the shared pool.
+    assert re.search(r"all_reduce #\d+ \[1\] f32 at cell line 3", diag.summary) and "is under `if rank != 2:`" in diag.summary, diag.summary
     # Two ranks stay blocked in gloo: shutdown still ends every process, and the pool starts again.
     pids = pool.pids()
     pool.shutdown()
