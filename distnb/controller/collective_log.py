@@ -140,8 +140,15 @@ class CollectiveLog:
                 if by_seq.get(gone["seq"]) is gone:
                     del by_seq[gone["seq"]]
 
-    def forget_sites(self) -> None:
-        """The calls changed outside :meth:`merge`: the groups' ``new_group`` sites are read again."""
+    def keep_calls(self, rank: int, calls: list[CallRecord]) -> None:
+        """Calls the rank did not push itself (a dead rank's black box): each added, or taken in
+        place of one held still open that it says ended; a call the rank pushed is kept otherwise
+        (it has its real end time, and what ``new_group`` made)."""
+        held = self.calls.setdefault(rank, {})
+        for c in calls:
+            mine = held.get(c["n"])
+            if mine is None or (mine["end"] is None and c.get("end") is not None):
+                held[c["n"]] = c
         self._sites = None
 
     def keep(self, rank: int, e: CollectiveEntry) -> None:

@@ -81,27 +81,22 @@ class Deaths:
             self._log.died_in[info.rank] = died_in.op
             self._log.died_at[info.rank] = (died_in.line_cell, died_in.line)
 
-    def _from_black_box(self, rank: int, calls: list[CallRecord], cell: int) -> CollectiveEntry | None:
+    def _from_black_box(self, rank: int, calls: list[CallRecord], cell: int) -> None:
         """The dead rank's last calls from its black box (wire/black_box.py) into the log: the
         watched calls as if it had pushed them, and the collective it died in — its newest call
         still open — as the entry its recorder never sent (shapes, group and place in the group's
-        sequence as the rank read them when it issued the call). Returns that entry."""
+        sequence as the rank read them when it issued the call)."""
         if not calls:
-            return None
-        held = self._log.calls.setdefault(rank, {})
-        for c in calls:
-            mine = held.get(c["n"])
-            if mine is None or (mine["end"] is None and c.get("end") is not None):
-                held[c["n"]] = c
-        self._log.forget_sites()
+            return
+        self._log.keep_calls(rank, calls)
         open_ = [c for c in calls if c.get("end") is None and c["op"] not in P2P_OPS and c["op"] != "new_group"
                  and c.get("seq") is not None and c.get("group") not in (None, "?")]
         if not open_:
-            return None
+            return
         c = open_[-1]
         group, seq = str(c["group"]), int(c["seq"])  # type: ignore[arg-type]
         if seq in self._log.seqs(rank, group):
-            return None  # its recorder's entry arrived after all
+            return  # its recorder's entry arrived after all
         # The recorder's name for the op where the group's other ranks recorded this position
         # (``all_gather`` for ``all_gather_into_tensor``), so only a real difference differs.
         theirs = (e["op"] for r in self._log.groups.get(group, ()) if r != rank
@@ -114,4 +109,3 @@ class Deaths:
         if c.get("line") is not None:
             entry["line"], entry["func"], entry["call_cell"] = c["line"], c.get("func") or "", c["cell"]
         self._log.keep(rank, entry)
-        return entry

@@ -139,7 +139,7 @@ class BlackBox:
                 continue
             if isinstance(values, list) and len(values) == len(_FIELDS):
                 rec = {k: v for k, v in zip(_FIELDS, values) if v is not None or k == "end"}
-                if done and rec.get("end") is None:
+                if done:  # a call is written as it begins: its end is never in the slot
                     rec["end"] = rec.get("t")
                 out.append(rec)  # type: ignore[arg-type]
         return sorted(out, key=lambda r: r["n"])

@@ -165,8 +165,7 @@ class CollectiveReport:
                 if any(e is None and r not in inside and r not in lost for r, e in at.items()):
                     # A rank whose log starts later (ring buffer), or goes on past this position (a
                     # group's numbers run without gaps: a dead rank's unpushed entry), is not "missing" it.
-                    if all(e is not None or r in inside or (seqs[r] and (min(seqs[r]) > seq or max(seqs[r]) > seq))
-                           for r, e in at.items()):
+                    if all(e is not None or r in inside or (seqs[r] and max(seqs[r]) > seq) for r, e in at.items()):
                         continue
                     out.append(Divergence(group, seq, "missing", at, label=self._div_label(group)))
                     break
@@ -241,18 +240,16 @@ class CollectiveReport:
         if not groups and not p2p:
             return "\n".join([f"no collective recorded on {format_ranks(self.ranks)} yet.", *gaps])
         divs = {d.group: d for d in self.divergences()}
+        tables = [self.table(group, divs.get(group)) for group in groups]
         lines = [self.headline()]
-        for group in groups:
-            lines.extend(self.table(group, divs.get(group)).lines(self.page))
+        for table in tables:
+            lines.extend(table.lines(self.page))
         lines.extend(p2p)
         lines.extend(gaps)
+        lost = any(e is NOT_RECORDED for table in tables for row in table.rows for e in row.by_rank.values())
         lines.append("(⏳ entered, not completed · ⏸ queued on the GPU, not started · cN: issued in cell N · — never entered · ✗ the odd one out"
-                     + (" · not recorded: made, but its record died with the rank or was let go)" if self._not_recorded(groups) else ")"))
+                     + (" · not recorded: made, but its record died with the rank or was let go)" if lost else ")"))
         return "\n".join(lines)
-
-    def _not_recorded(self, groups: list[str]) -> bool:
-        divs = {d.group: d for d in self.divergences()}
-        return any(e is NOT_RECORDED for g in groups for row in self.table(g, divs.get(g)).rows for e in row.by_rank.values())
 
     def headline(self) -> str:
         """The first line: where the sequences first disagree, or that they agree."""

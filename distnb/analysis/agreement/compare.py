@@ -143,9 +143,9 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
                 continue
             if seqs[r] and min(seqs[r]) > k:
                 continue  # its log starts later (the recorder let old entries go): no evidence
-            if seqs[r] and max(seqs[r]) > k:
-                continue  # it got past this position (a group's numbers run without gaps): its entry died with it
             last = max(seqs[r], default=0)
+            if last > k:
+                continue  # it got past this position (a group's numbers run without gaps): its entry died with it
             died = log.died_in.get(r)
             if died is not None and last < k:
                 # Died inside a collective before its entry reached distnb: the one after its last

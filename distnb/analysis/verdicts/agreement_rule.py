@@ -107,16 +107,22 @@ def _rank_branch(rec: Records, d: Disagreement, program: Any) -> tuple[list[int]
     line up wrongly when a rank died within milliseconds: its calls before that one never reached
     distnb, and the reference rank's, copied in their place, make a call at an earlier line of the
     loop look skipped.)"""
-    sites: set[tuple[int, int]] = {s for c in d.by_rank.values() if c is not None and (s := c.site()) is not None}
-    for site in sorted(sites):
+    at: dict[tuple[int, int], Call] = {}  # each call site at the disagreement, and a call made there
+    for c in d.by_rank.values():
+        if c is not None and (s := c.site()) is not None:
+            at.setdefault(s, c)
+    # Read once per site, not per rank (each reading parses the cell): a thousand ranks share a few sites.
+    conditional = {s: _under_rank_condition(rec, c) for s, c in at.items()}
+    for site in sorted(at):
         side = sorted(r for r, c in d.by_rank.items() if c is not None and c.site() == site)
-        call = d.by_rank[side[0]]
-        if call is None or len(side) == len(d.by_rank) or not _under_rank_condition(rec, call):
+        if not conditional[site] or len(side) == len(d.by_rank):
             continue
-        if any(c is not None and c.site() != site and _under_rank_condition(rec, c) for c in d.by_rank.values()):
+        if any(conditional[s] for s in at if s != site):
             continue  # the others' call is under an `if` on the rank too (its else branch): calls that differ, not one extra
         if any(c.site() == site for r in d.by_rank if r not in side for c in program(r)):
             continue  # the others make calls there too: the branch is not what sets them apart
+        call = d.by_rank[side[0]]
+        assert call is not None  # side holds the ranks with a call at this site
         return side, call
     return None
 
@@ -364,7 +370,7 @@ def _victim_words(rec: Records, dead: list[int]) -> str:
 def _under_rank_condition(rec: Records, call: Call | None) -> bool:
     if call is None or call.line is None or call.cell is None:
         return False
-    found = around(rec.sources.get(call.cell, ""), call.line, rec.rank_names())
+    found = around(rec.sources.get(call.cell, ""), call.line, rec.rank_names)
     return found is not None and found.rank_condition() is not None
 
 
@@ -423,7 +429,7 @@ def _sites(rec: Records, d: Disagreement, odd: list[int], diff: Difference | Non
                 out.append(Site(cell, p.line, p.func, p.code, "where the call was made"))
                 break
     if diff is not None and diff.change == Change.REPEATS and out:
-        found = around(rec.sources.get(out[0].cell or -1, ""), out[0].line or 0, rec.rank_names())
+        found = around(rec.sources.get(out[0].cell or -1, ""), out[0].line or 0, rec.rank_names)
         loop = found.loop() if found else None
         if loop is not None:
             out.append(Site(out[0].cell, loop[0], "", loop[1], "the loop"))
@@ -447,7 +453,7 @@ def _cause(rec: Records, sites: list[Site], kind: Kind | None = None) -> str:
     if not sites or sites[0].line is None:
         return ""
     s = sites[0]
-    found = around(rec.sources.get(s.cell or -1, ""), s.line or 0, rec.rank_names())
+    found = around(rec.sources.get(s.cell or -1, ""), s.line or 0, rec.rank_names)
     if found is None:
         return ""
     cond = found.rank_condition()

@@ -48,12 +48,9 @@ class Records:
     def of(self, *states: str) -> list[Position]:
         return [p for p in self.positions if p.state in states]
 
+    @cached_property
     def rank_names(self) -> frozenset[str]:
         """The names that hold the rank in the session's cells (``master_process``), read once."""
-        return self._rank_names
-
-    @cached_property
-    def _rank_names(self) -> frozenset[str]:
         return rank_names(self.sources.values())
 
     @cached_property

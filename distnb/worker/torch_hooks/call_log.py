@@ -197,25 +197,24 @@ class CallLog:
         else:
             kept = sorted((k, v) for k, v in args.items() if k not in _PER_RANK and v is not None)
             shapes = _shapes(inputs) if fn not in _ROOT_ONLY else {}
-            group_name = rec["group"]
+            name = rec["group"]
             # crc32, not hash(): the digest is compared across processes, whose str hashes differ.
-            self.digests[group_name] = zlib.crc32(repr((self.digests.get(group_name), fn, kept, shapes)).encode())
-            if self.black_box is not None:
-                # What the recorder's entry would say, had the rank lived to push it: its shapes and
-                # its number in the group's sequence (torch's counter before the call issues it).
-                self.black_box.write(rec, shapes, _next_seq(group))
-        if self.black_box is not None and (fn == "new_group" or fn in P2P_OPS):
-            self.black_box.write(rec)
+            self.digests[name] = zlib.crc32(repr((self.digests.get(name), fn, kept, shapes)).encode())
+        if self.black_box is not None:
+            # A collective as the recorder's entry would say, had the rank lived to push it: its
+            # shapes and its number in the group's sequence (torch's counter before the call issues it).
+            collective = fn != "new_group" and fn not in P2P_OPS
+            self.black_box.write(rec, shapes if collective else None, _next_seq(group) if collective else None)
         self._records.append(rec)
         return rec
 
     def end(self, rec: CallRecord, work: Any = None) -> None:
-        if self.black_box is not None and not (work is not None and rec["op"] in _ASYNC):
-            self.black_box.ended(rec["n"])
         if work is not None and rec["op"] in _ASYNC:
             with self._lock:
                 self._works[rec["n"]] = work  # open until the work completes (checked on read)
             return
+        if self.black_box is not None:
+            self.black_box.ended(rec["n"])
         if rec["op"] == "new_group":
             if rec.get("local") and (count := _group_count()) is not None:
                 self._local_counts += max(0, count - self._last_count)  # what this torch's counter took for it
@@ -462,7 +461,7 @@ def _shapes(inputs: Any) -> dict[str, Any]:
         shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
         if shape is None or dtype is None:
             continue
-        sizes.append(list(shape))
+        sizes.append([int(n) for n in shape])
         name = _DTYPE_NAMES.get(dtype)
         if name is None:  # read once per dtype: str() of a dtype is slow enough to count per call
             short = str(dtype).rsplit(".", 1)[-1]
