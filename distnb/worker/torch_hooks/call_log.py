@@ -6,7 +6,7 @@ op; gloo does not record ``send``/``recv`` at all, and no backend records ``new_
 mismatch in any of these hangs or silently corrupts a run, so the rank wraps the few
 ``torch.distributed`` functions that take them (the module attributes, which is what ``dist.x``
 and torch's own internal calls resolve) and keeps a bounded log of their calls. A wrapper costs
-~2 µs per call; collectives issued from C++ (DDP's buckets) pass by untouched, and carry no such
+tens of µs per call (docs/performance.md); collectives issued from C++ (DDP's buckets) pass by untouched, and carry no such
 arguments.
 
 A call's record is matched to the Flight Recorder entry it created by time: the entry is created
