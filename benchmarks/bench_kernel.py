@@ -189,7 +189,7 @@ def main() -> None:
                 report["ipyparallel"] = f"not measured: {exc}"
         k.refresh()
         # The spares (one per rank) import torch once the pool is ready: start-up, not cells.
-        agent = json.loads(k.execute("import json\nprint(json.dumps(pool._launcher.pid))")[2])
+        agent = json.loads(k.execute("import json\nprint(json.dumps(pool._transport.agent_pid))")[2])
         quiet(tree(agent))
         cells = interleaved(k, kinds, args.cells)
         report["cells"] = cells

@@ -6,7 +6,9 @@ It composes the parts that do the work and keeps each to its job:
 - :class:`~distnb.controller.session.SessionLog` — cells and pushes, for replay and export;
 - :class:`~distnb.services.diagnostics.Diagnostics` — stacks, diagnoses, collectives, memory, env, checksums
   (:class:`~distnb.services.watch.CellWatch`, the live hang watch, asks it only when the logs look wrong);
-- ``Channel``, ``Launcher`` and ``MultiNode`` — the wire, the processes, the other machines.
+- a :class:`~distnb.transport.base.RankTransport` — the ranks and the wire to them:
+  :class:`~distnb.transport.torchrun_ranks.TorchrunRanks` (ZMQ, torchrun, other machines' agents)
+  unless another is given (tests replay recorded ranks through it).
 """
 
 from __future__ import annotations
@@ -20,13 +22,10 @@ from typing import Any, Callable, Iterable, Iterator
 from distnb import pools
 from distnb.cell_names import name_cell
 from distnb.config import LaunchConfig
-from distnb.controller.channel import Channel
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.session import SessionLog
 from distnb.controller.tracker import Tracker
 from distnb.errors import LaunchError, RemoteError, ShutdownError
-from distnb.launching.remote_nodes import Nodes
-from distnb.launching.torchrun import Launcher
 from distnb.pool_views import PoolViews
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankResult
@@ -35,18 +34,18 @@ from distnb.services.diagnostics import Diagnostics
 from distnb.services.export import Export, export_session
 from distnb.services.fail_fast import FailFast
 from distnb.services.minimize import Minimized, Runs, minimize, write_case
-from distnb.services.multinode import MultiNode
 from distnb.services.rank_debug import RankDebug
-from distnb.services.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
 from distnb.services.verify import VERIFY_SECONDS
 from distnb.services.waiting import rebuild_after_unblock, wait_for_cell
 from distnb.states import PoolState
 from distnb.status import PoolStatus, Regrouped
+from distnb.transport.base import RankTransport
+from distnb.transport.startup import OnNote, OnProgress, request_spares, respawn, wait_ready
+from distnb.transport.torchrun_ranks import TorchrunRanks
 from distnb.wire.cell_code import CompiledCell, compile_source, exec_request
-from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
+from distnb.wire.peers import control_identity, exec_identity
 from distnb.wire.protocol import Msg
-from distnb.wire.security import Credentials
 
 __all__ = ["Pool", "launch"]
 
@@ -56,7 +55,8 @@ class Pool(PoolViews):
     """A persistent pool of ranks under torchrun.
 
     Options are :class:`~distnb.config.LaunchConfig`'s, given either as a config or one by one
-    (``None`` keeps the config's default)::
+    (``None`` keeps the config's default). ``transport`` is what starts the ranks and carries the
+    messages to them (default: torchrun's processes over ZMQ, :class:`~distnb.transport.torchrun_ranks.TorchrunRanks`)::
 
         pool = distnb.Pool(nproc=4).start()
         pool.run("x = torch.ones(1); dist.all_reduce(x); x")
@@ -85,8 +85,9 @@ class Pool(PoolViews):
         local_nodes: bool | None = None,
         share_gpus: bool | None = None,
         spares: bool | None = None,
+        transport: RankTransport | None = None,
     ) -> None:
-        options = {k: v for k, v in locals().items() if k not in ("self", "config") and v is not None}
+        options = {k: v for k, v in locals().items() if k not in ("self", "config", "transport") and v is not None}
         if config is not None and options:
             raise TypeError("pass either a LaunchConfig or keyword options, not both.")
         self._config = config if config is not None else LaunchConfig(**options)
@@ -96,9 +97,7 @@ class Pool(PoolViews):
         self._debugger = Debugger(self._tracker, self._config, self.diagnose, self.meshes)
         self._panel = RankDebug(self._tracker.requests, self._tracker.rank_statuses)
         self._tracker.route_debugger(self._panel.deliver)
-        self._channel: Channel | None = None
-        self._launcher: Launcher | None = None
-        self._multinode: MultiNode | None = None
+        self._transport: RankTransport = transport if transport is not None else TorchrunRanks(self._config)
         self._regroups = 0
         self._respawns = 0
         pools.add_pool(self)
@@ -111,7 +110,7 @@ class Pool(PoolViews):
     @property
     def run_dir(self) -> str | None:
         """This launch's folder (torchrun's logs, NCCL's timeout dumps); None when not running."""
-        return self._launcher.run_dir if self._launcher is not None else None
+        return self._transport.run_dir
 
     @property
     def debugger(self) -> Debugger:
@@ -142,10 +141,12 @@ class Pool(PoolViews):
     @property
     def address(self) -> str | None:
         """What other machines connect to (multi-node pools)."""
-        return self._multinode.address if self._multinode else None
+        return self._transport.multinode.address if self._transport.multinode else None
 
-    key_file = property(lambda self: self._multinode.key_file if self._multinode else None, doc="A multi-node pool's key file.")
-    join_command = property(lambda self: self._multinode.join_command if self._multinode else None, doc="What joins a machine to it.")
+    key_file = property(lambda self: self._transport.multinode.key_file if self._transport.multinode else None,
+                        doc="A multi-node pool's key file.")
+    join_command = property(lambda self: self._transport.multinode.join_command if self._transport.multinode else None,
+                            doc="What joins a machine to it.")
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, on_progress: OnProgress | None = None, on_note: OnNote | None = None) -> Pool:
@@ -154,34 +155,14 @@ class Pool(PoolViews):
         ``on_progress`` hears each change of the ranks' stages; ``on_note`` what a multi-node start has to say."""
         if self.state not in (PoolState.NEW, PoolState.STOPPED):
             raise LaunchError(f"this pool is {self.state.value}; call shutdown() or restart() instead of start().")
-        config, tracker = self._config, self._tracker
-        self._channel = self._launcher = self._multinode = None
+        config, tracker, transport = self._config, self._tracker, self._transport
         try:
-            creds = Credentials.new(curve=config.curve)
-            self._channel = Channel(creds, tracker.on_message, tracker.on_tick, bind=config.bind_host, port=config.bind_port,
-                                    ping_every=config.ping_interval)
-        except (OSError, RuntimeError) as exc:
-            raise LaunchError(str(exc)) from None
-        tracker.begin_start(self._channel, Nodes(config.nnodes - 1))
-        try:
-            rdzv = None
-            if config.nnodes > 1:
-                try:
-                    self._multinode = MultiNode(config, tracker, self._channel, self._channel.address, creds)
-                except (OSError, RuntimeError) as exc:
-                    raise LaunchError(str(exc)) from None
-                tracker.route_nodes(self._multinode.on_message)
-                rdzv = self._multinode.rdzv
-            self._launcher = Launcher(config, self._channel.address, creds, rdzv=rdzv)
-            self._launcher.start()
-            tracker.watch(self._launcher)
-            if self._multinode is not None:
-                self._launcher.known_pids |= self._multinode.start_agents()
-            wait_ready(tracker, self._launcher, config, self._multinode, on_progress, on_note)
+            transport.open(tracker)
+            wait_ready(tracker, transport, config, on_progress, on_note)
         except BaseException:
             self._teardown()
             raise
-        request_spares(self._channel, config, tracker, on_note)
+        request_spares(transport, config, tracker, on_note)
         self._session.mark_launch()
         pools.set_current(self)
         return self
@@ -203,22 +184,10 @@ class Pool(PoolViews):
     def _teardown(self) -> list[int]:
         """Stop what this launch started, in order; the tracker ends STOPPED whatever happens."""
         self._tracker.begin_stop()
-        leftovers: list[int] = []
         try:
-            if self._channel is not None:
-                self._channel.send_many(map(supervisor_identity, range(self.world_size)), {"t": Msg.SHUTDOWN})
-                if self._multinode is not None:
-                    # Other machines stop first: their torchrun leans on this one's rendezvous store.
-                    self._multinode.stop_agents()
-            if self._launcher is not None:
-                leftovers = self._launcher.stop(grace=2.0)
-            if self._multinode is not None:
-                self._multinode.close()
-            if self._channel is not None:
-                self._channel.close()
+            return self._transport.close()
         finally:
             self._tracker.stopped()
-        return leftovers
 
     def restart(
         self,
@@ -250,10 +219,10 @@ class Pool(PoolViews):
         return self
 
     def _respawn(self, on_progress: OnProgress | None, on_note: OnNote | None) -> bool:
-        if self._channel is None or self._launcher is None or self._launcher.returncode() is not None:
+        if not self._transport.running():
             return False
         self._respawns += 1
-        if not respawn(self._tracker, self._channel, self._launcher, self._config, self._multinode, self._respawns, on_progress, on_note):
+        if not respawn(self._tracker, self._transport, self._config, self._respawns, on_progress, on_note):
             return False
         self._session.mark_launch()
         return True
@@ -314,8 +283,7 @@ class Pool(PoolViews):
             run = self._tracker.begin_cell(result, events or CellEvents())
             if record:
                 self._session.add_cell(result)
-        assert self._channel is not None
-        self._channel.send_many(map(exec_identity, targets), exec_request(cell, code, compiled, flags),  # type: ignore[arg-type]
+        self._transport.send_many(map(exec_identity, targets), exec_request(cell, code, compiled, flags),  # type: ignore[arg-type]
                                 follow_up=self._tracker.watch_follow_up(run))
         return result
 
@@ -364,11 +332,11 @@ class Pool(PoolViews):
         """Send a KeyboardInterrupt to the cell running on the given (default: all busy) ranks."""
         cells = self._tracker.busy(None if ranks is None else list(ranks))
         targets = list(ranks) if ranks is not None else list(cells)
-        if self._channel is None:
+        if self._transport.address is None:  # never launched
             return []
         for r in targets:
             # The cell number lets a rank whose EXEC has not arrived yet interrupt that cell on arrival.
-            self._channel.send(control_identity(r), {"t": Msg.INTERRUPT, "cell": cells.get(r)})
+            self._transport.send(control_identity(r), {"t": Msg.INTERRUPT, "cell": cells.get(r)})
         return targets
 
     # -- values in and out ----------------------------------------------------------------------
@@ -392,18 +360,19 @@ class Pool(PoolViews):
     # -- status and inspection ------------------------------------------------------------------
     def status(self) -> PoolStatus:
         """Per-rank pid, host, device and state, from what the controller knows (no round trip)."""
-        channel, multinode = self._channel, self._multinode
+        transport, multinode = self._transport, self._transport.multinode
+        health = transport.health
         return PoolStatus(
             state=self.state.value, backend=self._tracker.backend(), world_size=self.world_size, ranks=self._tracker.rank_statuses(),
-            agent_pid=self._launcher.pid if self._launcher else None, address=self.address or (channel.address if channel else None),
+            agent_pid=transport.agent_pid, address=self.address or transport.address,
             cells_run=len(self._session), nnodes=self._config.nnodes,
             nodes=multinode.nodes.text(self._tracker.ranks_by_agent()) if multinode else "",
-            rejected=channel.rejected if channel else 0, internal_errors=channel.errors if channel else 0,
-            last_internal_error=channel.last_error if channel else None)
+            rejected=health.rejected if health else 0, internal_errors=health.errors if health else 0,
+            last_internal_error=health.last_error if health else None)
 
     def pids(self) -> list[int]:
         """Every process of the pool known to be alive (agent, supervisors, ranks)."""
-        return sorted(self._launcher.live_pids()) if self._launcher is not None else []
+        return self._transport.pids()
 
     def minimize(self, budget: float = 300.0, path: str = "minimal.py", on_progress: Callable[[str], None] | None = None,
                  verify: float | None = VERIFY_SECONDS, bound: float | None = None) -> Minimized:

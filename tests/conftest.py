@@ -257,11 +257,17 @@ def pool(pool4: distnb.Pool) -> distnb.Pool:
 
 @pytest.fixture
 def fresh_pool(leak_check) -> Callable[..., distnb.Pool]:
-    """Factory for pools a test may break or kill: ``fresh_pool(nproc=2)``; shut down after the test."""
+    """Factory for pools a test may break or kill: ``fresh_pool(nproc=2)``; shut down after the test.
+
+    Without spare rank processes unless the test asks (``spares=True``): a spare imports torch once
+    more per rank (~2.5 s of CPU each here), for a restart that most of these short-lived pools
+    never make, while the test's own cells run beside it. A restart without spares starts its
+    ranks then; the tests of restarts ask for the user's default."""
     made: list[distnb.Pool] = []
 
     def make(nproc: int = 2, **kwargs) -> distnb.Pool:
         kwargs.setdefault("backend", "gloo")
+        kwargs.setdefault("spares", False)
         pool = distnb.Pool(nproc=nproc, **kwargs)
         made.append(pool)
         _pools.append(pool)

@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"results", "status"},  # the public result types, whose text names the analyses' findings
     {"launching"},  # torchrun, addresses, node agents and how they start
     {"controller"},  # the controller's live state
+    {"transport"},  # the seam under the Pool: a launch's ranks and the wire to them (real, or replayed in tests)
     {"services"},  # built from the controller's parts, never from the Pool
     # the public face (its read-only views a base of its own), the registry of live pools, an attached or loaded job
     {"pool", "pool_views", "pools", "attached", "loaded"},
@@ -216,10 +217,10 @@ def test_pool_and_launch_spell_out_their_options() -> None:
 
     import pytest
 
-    options = set(inspect.signature(distnb.Pool).parameters) - {"config"}
+    options = set(inspect.signature(distnb.Pool).parameters) - {"config", "transport"}
     fields = set(distnb.LaunchConfig.__dataclass_fields__)
     assert options == fields, f"Pool's options and LaunchConfig's fields differ: {sorted(options ^ fields)}"
-    assert set(inspect.signature(distnb.launch).parameters) == options | {"config", "on_progress"}
+    assert set(inspect.signature(distnb.launch).parameters) == options | {"config", "on_progress", "transport"}
     with pytest.raises(TypeError, match="either a LaunchConfig or keyword options"):
         distnb.Pool(distnb.LaunchConfig(nproc=1), nproc=2)
     with pytest.raises(TypeError):

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_replay_re_pushes_values_between_cells(fresh_pool) -> None:
-    pool = fresh_pool(nproc=2)
+    pool = fresh_pool(nproc=2, spares=True)
     assert pool.run("acc = [rank]").ok
     pool.push(scale=10)
     pool.push(ranks="1", only_one=5)
@@ -33,7 +33,7 @@ def test_replay_after_quick_restarts_brings_back_the_whole_session(fresh_pool) -
     """A restart without --replay leaves empty ranks but does not move where replay starts: the
     next --replay re-runs the session since launch (cells before and after the restarts, in
     order), and a restart after that replay replays the replayed copies once, not twice."""
-    pool = fresh_pool(nproc=2)
+    pool = fresh_pool(nproc=2, spares=True)
     assert pool.wait(pool.submit("before = [rank]", label=3)).ok  # as %%on_ranks in In[3] runs it
     pool.restart()  # quick: fresh ranks under the running torchrun, namespaces empty
     assert pool.run("after = 7").ok
@@ -48,7 +48,7 @@ def test_replay_after_quick_restarts_brings_back_the_whole_session(fresh_pool) -
 
 
 def test_a_push_too_large_to_keep_stops_replay_with_a_clear_error(fresh_pool, monkeypatch) -> None:
-    pool = fresh_pool(nproc=2)
+    pool = fresh_pool(nproc=2, spares=True)
     monkeypatch.setattr(session, "KEEP_PUSH_BYTES", 0)  # every pushed value is let go at once
     pool.push(big=1)
     assert pool.pushes[-1].blob is None and pool.pushes[-1].names == ("big",)

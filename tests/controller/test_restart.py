@@ -37,7 +37,7 @@ def test_a_respawned_rank_connects_under_a_name_of_its_generation() -> None:
 
 @pytest.mark.timeout(180)
 def test_restart_replaces_only_the_rank_processes_and_works_again_and_again(fresh_pool) -> None:
-    pool = fresh_pool(nproc=3)
+    pool = fresh_pool(nproc=3, spares=True)
     agent, sups = pool.status().agent_pid, supervisors(pool)
     first = pool.run("rs_var = rank + 1\nrs_var")
     for round_ in range(3):
@@ -57,7 +57,7 @@ def test_restart_replaces_only_the_rank_processes_and_works_again_and_again(fres
 
 @pytest.mark.timeout(180)
 def test_a_broken_pool_restarts_under_the_same_torchrun(fresh_pool) -> None:
-    pool = fresh_pool(nproc=2)
+    pool = fresh_pool(nproc=2, spares=True)
     agent = pool.status().agent_pid
     os.kill(rank_pids(pool)[1], signal.SIGKILL)
     wait_until(lambda: pool.state == PoolState.BROKEN, 10, "the pool to notice the death")
@@ -78,7 +78,7 @@ def test_a_restart_without_spares_still_keeps_torchrun(fresh_pool) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_lost_supervisor_means_a_full_restart(fresh_pool) -> None:
-    pool = fresh_pool(nproc=2)
+    pool = fresh_pool(nproc=2, spares=True)
     agent = pool.status().agent_pid
     os.kill(supervisors(pool)[1], signal.SIGKILL)  # torchrun then stops the job
     wait_until(lambda: pool.state == PoolState.BROKEN, 15, "the pool to notice the lost supervisor")
@@ -89,7 +89,7 @@ def test_a_lost_supervisor_means_a_full_restart(fresh_pool) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_hung_cell_ends_with_the_restart_that_replaces_its_ranks(fresh_pool) -> None:
-    pool = fresh_pool(nproc=2)
+    pool = fresh_pool(nproc=2, spares=True)
     hung = pool.run("import time\nif rank == 0:\n    t = torch.ones(1); dist.all_reduce(t)\nelse:\n    time.sleep(600)", timeout=1.5)
     assert hung.running == [0, 1]
     pool.restart()

@@ -72,7 +72,7 @@ def test_rogue_frames_are_dropped_and_counted(pool2: distnb.Pool) -> None:
     import zmq
 
     pool = usable(pool2)
-    channel = pool._channel
+    channel = pool._transport.channel
     before = channel.rejected
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.DEALER)

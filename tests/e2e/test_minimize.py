@@ -16,7 +16,7 @@ FAILING = "x = 1\ny = b.sum()\nif rank == 1:\n    raise ValueError(f'bad batch {
 
 @pytest.mark.timeout(600)  # the minimize budget (400 s) with its verification and the replay after it
 def test_a_failure_is_cut_down_to_what_it_needs_and_verified(fresh_pool, tmp_path: Path) -> None:
-    pool = fresh_pool(3)
+    pool = fresh_pool(3, spares=True)
     for code in CELLS:
         assert pool.run(code, timeout=60).ok
     res = pool.run(FAILING, timeout=60)

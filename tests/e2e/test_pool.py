@@ -43,7 +43,7 @@ def test_launch_and_shutdown_leave_no_process(fresh_pool):
     assert repr(pool) == "<distnb.Pool ready, 2 ranks>"
     pids = pool.pids()
     assert len(pids) == 5, f"expected torchrun agent + 2 supervisors + 2 ranks, got {pids}"
-    run_dir = pool._launcher.run_dir
+    run_dir = pool._transport.launcher.run_dir
     assert os.path.isdir(run_dir)
     everything = pool_processes(pool)
     sessions = {session_id(p) for p in everything}
@@ -504,7 +504,7 @@ def test_killed_controller_leaves_no_workers(leak_check):
 
 @pytest.mark.timeout(120)
 def test_rank_death_breaks_the_pool_and_restart_recovers(fresh_pool):
-    pool = fresh_pool(nproc=2)
+    pool = fresh_pool(nproc=2, spares=True)
     res = pool.run("import os\nif rank == 1:\n    print('about to exit', flush=True)\n    os._exit(3)\nrank", timeout=30)
     assert not res.timed_out
     assert res[0].status == "ok" and res[0].value_text == "0"

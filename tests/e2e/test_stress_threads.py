@@ -32,7 +32,7 @@ LOOK_EVERY = 0.05
 
 
 def test_no_rank_dies_while_distnb_watches_first_imports_and_compiles(fresh_pool) -> None:
-    pool = fresh_pool(nproc=4)
+    pool = fresh_pool(nproc=4, spares=True)
     looks = 0
     for i in range(ROUNDS):
         if i:

@@ -306,7 +306,7 @@ def test_launch_magic_starts_nodes_over_ssh_with_curve(leak_check, monkeypatch: 
         ctx.term()
         assert pool.status().rejected > before and len(pool._tracker.nodes.agents) == 1
 
-        starters = pool._multinode.starters if pool._multinode else None
+        starters = pool._transport.multinode.starters if pool._transport.multinode else None
         assert starters is not None
         ssh_pids = sorted(starters.pids())
         started_pids.update(ssh_pids)

@@ -7,7 +7,7 @@ from typing import Any
 
 from distnb import _processes
 from distnb.config import LaunchConfig
-from distnb.services.startup import request_spares
+from distnb.transport.startup import request_spares
 from distnb.wire.protocol import Msg
 
 from synthetic import SyntheticPool

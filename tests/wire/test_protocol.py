@@ -465,7 +465,7 @@ def test_fuzz_live_controller_and_workers(small_pool, tmp_path):
     controller ROUTER (from rogue peers) and at live worker sockets (through the controller):
     nothing crashes, nothing is unpickled, every rejection is counted, and cells still run."""
     pool = small_pool
-    channel = pool._channel
+    channel = pool._transport.channel
     key = channel._codec._key
     marker = str(tmp_path / "unpickled")
     trap = pickle.dumps(_Marker(marker), protocol=pickle.HIGHEST_PROTOCOL)
