@@ -121,9 +121,6 @@ class ShutdownError(DistnbError):
 
 #: How much of an error's message the one-line summary keeps (the report above it has the rest).
 _MESSAGE_CHARS = 160
-#: The root cause the diagnosis found, in its words (``CellResult.root_cause``: "… Root cause: rank 2,
-#: the odd one out; rank 0 is a victim (gloo aborts …)."), without the explanation that follows.
-_ROOT_CAUSE = re.compile(r"Root cause: (.+?)(?: \(|\.\s|\.?$)")
 #: Where a signal's explanation starts: "aborted (SIGABRT: a C++ assertion or abort(), …)".
 _SIGNAL_WHY = re.compile(r"\((SIG[A-Z0-9]+): ")
 
@@ -188,9 +185,11 @@ def _summary(result: CellResult) -> str:
     tail = {"interrupted": "interrupted", "stranded": "stranded", "running": "still running (timed out)" if result.timed_out else "still running"}
     line = "; ".join([lead] + [f"{who} {tail.get(state, state)}" for state, who in rest])
     # A death's true cause (gloo aborts the rank that received too much, not the one that sent
-    # it) or a timeout's (the rank that never came): the part that names whom to look at.
-    cause = _ROOT_CAUSE.search(result.root_cause or "")
-    return f"{line} — root cause: {cause[1]}" if cause else line
+    # it) or a timeout's (the rank that never came): whom to look at, as the diagnosis blamed them.
+    blamed = result.blamed
+    if blamed is None or not blamed.ranks:
+        return line
+    return f"{line} — root cause: {'likely ' if blamed.likely else ''}{format_ranks(blamed.ranks)}"
 
 
 def _without_signal_why(reason: str) -> str:

@@ -23,12 +23,12 @@ from distnb import pools
 from distnb.cell_names import name_cell
 from distnb.config import LaunchConfig
 from distnb.controller.collective_log import CollectiveLog
-from distnb.controller.session import SessionLog
+from distnb.controller.session import CellRecord, PushRecord, SessionLog
 from distnb.controller.tracker import Tracker
 from distnb.errors import LaunchError, RemoteError, ShutdownError
 from distnb.pool_views import PoolViews
 from distnb.ranks import Ranks, format_ranks, parse_ranks
-from distnb.results import CellEvents, CellRecord, CellResult, PushRecord, RankResult
+from distnb.results import CellEvents, CellResult, RankResult
 from distnb.services.debugger import Ask, Debugger, read_line
 from distnb.services.diagnostics import Diagnostics
 from distnb.services.export import Export, export_session

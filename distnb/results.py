@@ -5,7 +5,6 @@ export keep of old cells and pushes."""
 from __future__ import annotations
 
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -15,18 +14,15 @@ from distnb._text import MAX_ROWS, MERGED_NOTE, Rows, merge_lines, merge_rows, p
 from distnb.analysis.reports.nccl_dumps import watchdog_cause
 from distnb.analysis.verdicts.failures import cut_message, differing_messages, fold_crash_dump, holders_words, is_timeout, salient_lines
 from distnb.analysis.verdicts.records import is_consequence
-from distnb.analysis.verdicts.verdict import Verdict
+from distnb.analysis.verdicts.verdict import Blame, Verdict
 from distnb.cell_names import cell_name, name_cells_in
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.wire.records import CellError, NumericsRecord, SyncState
 
 __all__ = [
     "CellEvents",
-    "CellRecord",
     "CellResult",
-    "PushRecord",
     "RankResult",
-    "Step",
     "ranks_label",
 ]
 
@@ -163,8 +159,10 @@ class CellResult:
     detached: bool = False  # the caller stopped waiting (second interrupt) with ranks busy
     notes: list[str] = field(default_factory=list)
     # Who caused a death when it was not the rank that died (a mismatch gloo aborted a neighbour
-    # for), in words; shown right after the post-mortems.
+    # for), or a timeout (the ranks that never came): in words, shown right after the
+    # post-mortems, and as data (``blamed``), which the one line of CellFailed names.
     root_cause: str = ""
+    blamed: Blame | None = None
     # Ranks that finished the cell with different collective or group-creation counts
     # (sync_check.CountMismatch), and the words for them, with the entries involved.
     desync: list[Any] = field(default_factory=list)
@@ -462,39 +460,3 @@ def _merged_messages(ename: str, messages: list[tuple[int, str]]) -> str:
     if len(rows) > _MESSAGE_ROWS:
         lines.append(f"  ⋯ {len(rows) - _MESSAGE_ROWS:,} more lines: _dist[rank].error['evalue']")
     return f"\n  the {ename} messages differ:\n" + "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class CellRecord:
-    """What replay and export need of an old cell, once its outputs are let go."""
-
-    cell: int
-    code: str
-    ranks: tuple[int, ...]
-    ok: bool
-    label: int | None = None  # the notebook's In[n]
-
-    @classmethod
-    def of(cls, result: CellResult) -> CellRecord:
-        ranks = tuple(result.ranks)
-        # Most cells run on the same rank set: share one tuple (and the code text of repeats).
-        ranks = _SHARED.setdefault(ranks, ranks)
-        return cls(result.cell, sys.intern(result.code) if len(result.code) < 256 else result.code, ranks, result.ok, result.label)
-
-
-_SHARED: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-
-@dataclass(frozen=True)
-class PushRecord:
-    """Values pushed into the ranks (``%dist_push``): replay and export re-create them in order,
-    since the cells after a push depend on them."""
-
-    position: int  # pushed when the pool's history held this many cells
-    ranks: tuple[int, ...]
-    names: tuple[str, ...]
-    blob: bytes | None  # the pickled ``{name: value}`` the ranks received; None once let go (too large to keep)
-
-
-#: One thing a session did, in order: a cell (full result, or its record once let go) or a push.
-Step = CellResult | CellRecord | PushRecord

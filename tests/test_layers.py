@@ -229,3 +229,12 @@ def test_pool_and_launch_spell_out_their_options() -> None:
     assert pool.config == distnb.LaunchConfig(nproc=3, backend="gloo", hang_after=2.0)
     with pytest.raises(AttributeError):
         pool.state = distnb.PoolState.READY  # type: ignore[misc]
+
+
+def test_nothing_reads_a_root_cause_back_from_words() -> None:
+    """Whom a failure blames travels as data (``Blame``, ``Verdict.culprits``): outside the analyses
+    that write the words, no module holds "Root cause" to search the words for it."""
+    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "analysis" not in p.relative_to(PACKAGE).parts
+                 and any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "Root cause" in n.value
+                         for n in ast.walk(ast.parse(p.read_text())))]
+    assert not offenders, offenders

@@ -10,15 +10,53 @@ it). Pickled pushes beyond :data:`KEEP_PUSH_BYTES` in all are let go oldest firs
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from distnb.cell_names import cell_name, next_cell_number
 from distnb.errors import RemoteError
-from distnb.results import CellRecord, CellResult, PushRecord, Step
+from distnb.results import CellResult
 
-__all__ = ["KEEP_OUTPUT_BYTES", "KEEP_PUSH_BYTES", "KEEP_RESULTS", "SessionLog"]
+__all__ = ["KEEP_OUTPUT_BYTES", "KEEP_PUSH_BYTES", "KEEP_RESULTS", "CellRecord", "PushRecord", "SessionLog", "Step"]
+
+@dataclass(frozen=True, slots=True)
+class CellRecord:
+    """What replay and export need of an old cell, once its outputs are let go."""
+
+    cell: int
+    code: str
+    ranks: tuple[int, ...]
+    ok: bool
+    label: int | None = None  # the notebook's In[n]
+
+    @classmethod
+    def of(cls, result: CellResult) -> CellRecord:
+        ranks = tuple(result.ranks)
+        # Most cells run on the same rank set: share one tuple (and the code text of repeats).
+        ranks = _SHARED.setdefault(ranks, ranks)
+        return cls(result.cell, sys.intern(result.code) if len(result.code) < 256 else result.code, ranks, result.ok, result.label)
+
+
+_SHARED: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    """Values pushed into the ranks (``%dist_push``): replay and export re-create them in order,
+    since the cells after a push depend on them."""
+
+    position: int  # pushed when the pool's history held this many cells
+    ranks: tuple[int, ...]
+    names: tuple[str, ...]
+    blob: bytes | None  # the pickled ``{name: value}`` the ranks received; None once let go (too large to keep)
+
+
+#: One thing a session did, in order: a cell (full result, or its record once let go) or a push.
+Step = CellResult | CellRecord | PushRecord
+
 
 #: Cells whose full results the log keeps; older ones keep only what replay and export need.
 KEEP_RESULTS = 100

@@ -35,10 +35,11 @@ from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.config import LaunchConfig
 from distnb.controller.prompts import Prompt
+from distnb.controller.session import CellRecord
 from distnb.controller.tracker import Tracker
 from distnb.errors import NoCellError
 from distnb.ranks import format_ranks, group_by, parse_ranks
-from distnb.results import CellRecord, CellResult
+from distnb.results import CellResult
 from distnb.services.collective_stops import CollectiveStops, left_words
 from distnb.services.mesh_ranks import mesh_ranks
 from distnb.wire.peers import exec_identity

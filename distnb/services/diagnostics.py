@@ -31,7 +31,7 @@ from distnb.analysis.verdicts.paths import first_difference
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, straggler_window, stragglers_of
-from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
+from distnb.analysis.verdicts.verdict import Blame, Certainty, Kind, Verdict, VerdictState
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog
@@ -311,7 +311,11 @@ class Diagnostics:
             # a cause they do not (a mismatch that aborted a neighbour, a skipped call, a loop).
             told = verdict.rule in _SAID_BY_THE_REPORT or not verdict.is_problem
             if result.failed:
-                result.root_cause = (self.timeout_note(result) if told else "") or ("" if told else verdict.summary)
+                if told:  # a timeout's report still lacks who never came
+                    result.root_cause, result.blamed = self.timeout_note(result)
+                else:
+                    result.root_cause = verdict.summary
+                    result.blamed = Blame(tuple(verdict.culprits), verdict.certainty) if verdict.culprits else None
                 if result.desync:
                     result.desync_note = self.desync_note(result)
             else:
@@ -331,13 +335,13 @@ class Diagnostics:
             why = self.why(result, quiet_expected=True, hint=False)
             result.path_note = f"the ranks ran different code, though the cell finished everywhere — {why}" if why else ""
 
-    def timeout_note(self, result: CellResult) -> str:
+    def timeout_note(self, result: CellResult) -> tuple[str, Blame | None]:
         """After a collective timeout: who never arrived, by sequence numbers — from the Flight
-        Recorder dumps NCCL's watchdog wrote into the run folder, else from the collective log.
-        The rank that timed out first waited; it is not the root cause."""
+        Recorder dumps NCCL's watchdog wrote into the run folder, else from the collective log —
+        in words and as whom it blames. The rank that timed out first waited; it is not the root cause."""
         timed_out = [r for r, res in sorted(result.results.items()) if res.error and is_timeout(res.error)]
         if not timed_out:
-            return ""
+            return "", None
         run_dir = self._run_dir()
         dumps = read_dumps(run_dir, newer_than=result.started) if run_dir else {}
         log = self.collectives(refresh=True).log
@@ -349,11 +353,12 @@ class Diagnostics:
             source = "distnb's collective log"
         paired = cross_cell(log, list(result.ranks), result.cell)
         if paired is not None:  # "never arrived" would blame the ranks whose call was taken
-            return f"[distnb] {paired.text()}"
+            return f"[distnb] {paired.text()}", Blame(tuple(paired.blamed), Certainty.CERTAIN) if paired.blamed else None
         blames = seq_blame(marks, log.groups)
         if not blames:
-            return ""
-        return f"[distnb] {blames[0].text(timed_out)} (from {source})"
+            return "", None
+        # Sequence numbers run without gaps: a rank whose last is lower never issued the call.
+        return f"[distnb] {blames[0].text(timed_out)} (from {source})", Blame(tuple(sorted(blames[0].never)), Certainty.CERTAIN)
 
     def desync_note(self, result: CellResult) -> str:
         """The end-of-cell count mismatches in words, with the collectives involved (the log is

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from distnb.analysis.verdicts.reproduction import FailureSignature
 from distnb.config import DEBUG_ENV, LaunchConfig
+from distnb.controller.session import CellRecord, PushRecord, Step
 from distnb.ranks import format_ranks, rank_span
-from distnb.results import CellRecord, CellResult, PushRecord, Step
+from distnb.results import CellResult
 from distnb.services.verify import Reproduction, session_signature, verify_script
 
 if TYPE_CHECKING:

@@ -25,8 +25,9 @@ from typing import Callable, Protocol, Sequence, TypeVar
 
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
+from distnb.controller.session import CellRecord
 from distnb.ranks import format_ranks
-from distnb.results import CellRecord, CellResult
+from distnb.results import CellResult
 from distnb.services.export import export_notebook, export_script
 from distnb.services.verify import Reproduction, session_signature, verify_script
 

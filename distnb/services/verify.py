@@ -24,7 +24,8 @@ from distnb import _processes
 from distnb.analysis.verdicts.failures import is_timeout
 from distnb.analysis.verdicts.reproduction import DIED, FailureSignature, compare_failures, last_exception
 from distnb.config import LaunchConfig
-from distnb.results import CellRecord, CellResult
+from distnb.controller.session import CellRecord
+from distnb.results import CellResult
 
 __all__ = ["VERIFY_SECONDS", "Reproduction", "session_signature", "verify_script"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from distnb.controller import session
-from distnb.controller.session import SessionLog
-from distnb.results import CellRecord, CellResult, RankResult
+from distnb.controller.session import CellRecord, SessionLog
+from distnb.results import CellResult, RankResult
 
 
 def _cell(log: SessionLog, out: str = "", ranks: tuple[int, ...] = (0, 1), finish: bool = True) -> CellResult:

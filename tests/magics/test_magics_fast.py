@@ -15,6 +15,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.verdicts.stacks import Frame, RankStack, StackReport, ThreadStack
+from distnb.analysis.verdicts.verdict import Blame, Certainty
 from distnb.config import LaunchConfig
 from distnb.errors import CellFailed, NoPoolError, PoolBusyError
 from distnb.magics import running, support
@@ -377,12 +378,17 @@ def test_the_one_line_names_the_root_cause_first() -> None:
     result = _cell({0: "stranded", 1: "dead", 2: "dead", 3: "ok"})
     result[1].returncode, result[2].returncode, result[2].first_death = -6, -9, True
     assert str(CellFailed.of(result)) == "cell 7 failed: ranks 1,2 died, rank 2 first: killed (SIGKILL); rank 0 stranded"
-    # Unless the diagnosis found the rank that caused it: then the line names that rank too.
+    # Unless the diagnosis found the rank that caused it: then the line names that rank too, from
+    # whom the diagnosis blamed (data), as sure as the records make it — never from its words.
     result = _cell({0: "dead", 1: "ok", 2: "error"}, root_cause="rank 0 died (aborted) inside all_gather #1 on dp (ranks 0,2), a shape "
-                   "mismatch: … Root cause: rank 2, the odd one out; rank 0 is a victim (gloo aborts a rank that receives data …).")
+                   "mismatch: … Root cause: rank 3, said in words that the line must not read.",
+                   blamed=Blame((2,), Certainty.CERTAIN))
     result[0].returncode, result[2].error = -6, {"ename": "RuntimeError", "evalue": "Connection reset by peer", "traceback": ""}
-    assert str(CellFailed.of(result)) == ("cell 7 failed: rank 0 died: aborted (SIGABRT); rank 2 raised RuntimeError — "
-                                          "root cause: rank 2, the odd one out; rank 0 is a victim")
+    assert str(CellFailed.of(result)) == "cell 7 failed: rank 0 died: aborted (SIGABRT); rank 2 raised RuntimeError — root cause: rank 2"
+    result.blamed = Blame((1, 2), Certainty.LIKELY)
+    assert str(CellFailed.of(result)).endswith(" — root cause: likely ranks 1,2")
+    result.blamed = None
+    assert "root cause" not in str(CellFailed.of(result))
     # No rank raised or died.
     assert str(CellFailed.of(_cell({0: "interrupted", 1: "interrupted"}))) == "cell 7 was interrupted on ranks 0,1"
     assert str(CellFailed.of(_cell({0: "ok", 1: "running"}, timed_out=True, elapsed=4.04))) == "cell 7 timed out: rank 1 still running after 4.0 s"

@@ -12,7 +12,7 @@ import pytest
 from nbtext import outputs_text
 
 import distnb
-from distnb.results import CellRecord
+from distnb.controller.session import CellRecord
 from distnb.services.export import _show_last_value, select_cells
 
 from conftest import run_notebook
@@ -158,7 +158,7 @@ def test_an_exported_notebook_tags_its_failing_cell_so_it_runs_through_to_the_sh
     import nbformat
 
     from distnb.config import LaunchConfig
-    from distnb.results import CellRecord
+    from distnb.controller.session import CellRecord
     from distnb.services.export import export_notebook
 
     steps = [CellRecord(1, "x = 1", (0, 1), True), CellRecord(2, "1/0", (0, 1), False)]

@@ -135,6 +135,16 @@ class CrossCell:
         """The ranks whose call came from another cell than most ranks' (every rank on a tie)."""
         return odd_ones({r: _cell(e) for r, e in self.by_rank.items()})
 
+    @property
+    def blamed(self) -> list[int]:
+        """The odd ranks when their call is older than every other rank's: left pending in an
+        earlier cell, it is the root cause; else none is named."""
+        odd = self.odd
+        later = [r for r in self.by_rank if r not in odd] if len(odd) < len(self.by_rank) else []
+        if later and all((_cell(self.by_rank[r]) or 0) < min(_cell(self.by_rank[x]) or 0 for x in later) for r in odd):
+            return odd
+        return []
+
     def text(self) -> str:
         sides = group_by((r, (_cell(e), describe(e))) for r, e in sorted(self.by_rank.items()))
         calls = " with ".join(f"{format_ranks(rs)}'s {describe(self.by_rank[rs[0]])} from {_site(self.by_rank[rs[0]])}" for rs, _ in sides)
@@ -151,7 +161,7 @@ class CrossCell:
         what = "different shapes, " if shapes else ""
         blame = (f" Root cause: {format_ranks(odd)}'s call from an earlier cell, left pending there (likely an async_op=True "
                  "work never waited on, or a collective only some ranks reached); the next call on this group paired with it."
-                 if later and all((_cell(self.by_rank[r]) or 0) < min(_cell(self.by_rank[x]) or 0 for x in later) for r in odd) else "")
+                 if self.blamed else "")
         return f"collective #{self.seq} on {self.label} paired calls of different cells: {calls} ({what}{effect}).{blame}"
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from distnb.ranks import format_ranks, group_by
 
-__all__ = ["MAX_PLACES", "Certainty", "Evidence", "Kind", "Site", "VerdictState", "Verdict"]
+__all__ = ["MAX_PLACES", "Blame", "Certainty", "Evidence", "Kind", "Site", "VerdictState", "Verdict"]
 
 #: Places (ranks grouped by where they are) a verdict lists before "… and N more".
 MAX_PLACES = 8
@@ -67,6 +67,20 @@ class Certainty(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class Blame:
+    """Whom a failure's root cause names, and how sure the records make it: the data behind the
+    words ``CellResult.root_cause`` holds, read by whatever names the rank again (the one line of
+    ``CellFailed``) so that nothing parses the words back."""
+
+    ranks: tuple[int, ...]
+    certainty: Certainty
+
+    @property
+    def likely(self) -> bool:
+        return self.certainty is Certainty.LIKELY
 
 
 @dataclass(frozen=True)
