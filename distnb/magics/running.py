@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from distnb.analysis.verdicts.verdict import VerdictState
 from distnb.attached import AttachedJob, current_job
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
@@ -83,26 +84,27 @@ class _HangWatch:
         if now < self._next or not result.running or paused:
             return  # (the debugger console says where paused ranks are)
         self._next = now + 1.0
+        state: VerdictState | None  # None: the diagnosis itself failed
         try:
             diag = self._watch.look()
         except Exception as exc:  # diagnosis is best effort; the cell keeps streaming
             headline = f"could not diagnose: {exc}"
-            diag_text, kind = f"[distnb] {headline}", "error"
+            diag_text, state = f"[distnb] {headline}", None
         else:
             if diag is None:
                 self._say_activity(result, view)
                 return  # the ranks' logs show progress: nothing else to say
-            headline, diag_text, kind = diag.summary, diag.text(), str(diag.state)
-            if kind == "paused" and (verdict := self._pool.panel.verdict()):
+            headline, diag_text, state = diag.summary, diag.text(), diag.state
+            if state is VerdictState.PAUSED and (verdict := self._pool.panel.verdict()):
                 headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
         # Said again only when the headline changes (it carries no durations); a failing diagnosis
         # is said once too, so a broken watch is not silent. "Slow" is healthy ranks waiting on a
         # peer: the live view shows it while it lasts, and nothing of it stays (nor is printed).
-        if kind == "slow":
+        if state is VerdictState.SLOW:
             if isinstance(view, CellDisplay):
                 view.set_diagnosis(diag_text, keep=False)
             return
-        if kind in ("hang", "error", "paused") and headline != self._shown:
+        if state in (VerdictState.HANG, VerdictState.PAUSED, None) and headline != self._shown:
             self._shown = headline
             if isinstance(view, CellDisplay):
                 view.set_diagnosis(diag_text)

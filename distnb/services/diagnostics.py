@@ -52,9 +52,6 @@ __all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "PATHS_HINT", "STACKS_T
 PATHS_HINT = ("run the cell again with %%on_ranks --paths to see the first decision the ranks took differently "
               "(recorded by default on Python 3.12+ ranks, or with %env DISTNB_PATHS=1)")
 
-#: Rules whose verdict the cell's own report already says (its errors, its deaths).
-_SAID_BY_THE_REPORT = {"died", "raised", "quiet", "none"}
-
 #: How long the control threads have to answer a stacks request; one that can't (its rank holds
 #: the GIL in a C loop) is asked of its supervisor through faulthandler instead.
 STACKS_TIMEOUT = 0.25
@@ -309,7 +306,7 @@ class Diagnostics:
             verdict = result.verdict = self.diagnose(result)
             # The deaths and errors are in the report already: the verdict is said when it names
             # a cause they do not (a mismatch that aborted a neighbour, a skipped call, a loop).
-            told = verdict.rule in _SAID_BY_THE_REPORT or not verdict.is_problem
+            told = not verdict.beyond_report or not verdict.is_problem
             if result.failed:
                 if told:  # a timeout's report still lacks who never came
                     result.root_cause, result.blamed = self.timeout_note(result)

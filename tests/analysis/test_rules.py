@@ -207,6 +207,8 @@ def test_the_rule_gives_its_verdict(rule: str) -> None:
     if verdict.certainty == Certainty.LIKELY and verdict.is_problem:
         assert verdict.reason, f"a likely verdict says why it is only likely: {verdict.text()}"
     assert verdict.text().startswith("[distnb] ")
+    # A death or an error is said by the cell's own report: the verdict adds no root cause to it.
+    assert verdict.beyond_report == (rule not in ("died", "raised")), rule
 
 
 def test_every_rule_has_a_case() -> None:

@@ -56,7 +56,7 @@ def died(rec: Records) -> Verdict | None:
         """An abort's verdict: likely, judged by whether the ranks' n-th calls agree."""
         return Verdict(state, kind, words, culprits, victims, sites,
                        Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
-                       reason, positions=rec.positions, rule="died")
+                       reason, positions=rec.positions, rule="died", beyond_report=False)
 
     if "SIGABRT" in d.detail and unread:
         # gloo aborts the rank that receives more than its tensor holds, whoever sent it: with ranks
@@ -84,7 +84,7 @@ def died(rec: Records) -> Verdict | None:
     return Verdict(state, Kind.DIED, summary, [d.rank], victims, sites,
                    Evidence("every rank of the cell stays alive", {d.rank: d.detail}), Certainty.CERTAIN if certain else Certainty.LIKELY,
                    "" if certain else "it died inside a collective: a mismatch there may have caused it", positions=rec.positions,
-                   rule="died")
+                   rule="died", beyond_report=False)
 
 
 def _out_of_step_before(rec: Records, rank: int) -> tuple[Kind, str] | None:
@@ -203,7 +203,7 @@ def raised(rec: Records) -> Verdict | None:
                        f"Root cause: {who}.", ranks, [p.rank for p in waiting], sites,
                        Evidence("the n-th call on a group is the same on every member", {p.rank: p.detail for p in failed}),
                        Certainty.LIKELY, "torch refused the call on that rank; its inputs differ from the group's", positions=rec.positions,
-                       rule="raised")
+                       rule="raised", beyond_report=False)
     # Raised by the cell's own code (a raise, an assert) it is the cause; raised inside torch (DDP
     # finding a reduction it never made, say), it may be the consequence of an earlier difference.
     own = any(word in f.code for word in ("raise ", "assert ")) or (f.code.strip().startswith(("raise", "assert")))
@@ -211,4 +211,4 @@ def raised(rec: Records) -> Verdict | None:
                    Evidence("no rank leaves the cell while the others need it", {p.rank: p.detail for p in failed}),
                    Certainty.CERTAIN if own else Certainty.LIKELY,
                    "" if own else "raised inside a library: it may follow from an earlier difference between the ranks",
-                   positions=rec.positions, rule="raised")
+                   positions=rec.positions, rule="raised", beyond_report=False)

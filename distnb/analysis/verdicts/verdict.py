@@ -125,7 +125,10 @@ class Verdict:
     reason: str = ""  # why only likely: what was inferred, from what
     positions: list[Any] = field(default_factory=list)  # analysis.position.Position, per rank
     details: list[str] = field(default_factory=list)  # more lines under the per-rank ones
-    rule: str = ""  # the rule that found it (for tests and the corpus' confusion table)
+    rule: str = ""  # the rule that found it (for tests and the corpus' confusion table; nothing branches on it)
+    #: Whether it names a cause the cell's own report (its errors and deaths) does not say: a
+    #: verdict that a rank died or raised is said there, and is not repeated as the root cause.
+    beyond_report: bool = True
     explained: bool = False  # the cell's code shows why (a condition on the rank, a loop): no need to record paths
 
     @property
