@@ -13,7 +13,8 @@ explains the calls it did not make.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any
 
 from distnb.analysis.agreement.calls import Call, cell_calls, death_call
@@ -72,9 +73,9 @@ def agreement(rec: Records) -> Verdict | None:
     odd, tie, how = _blame(d, where, lambda a, b: compare(a, b, votes=True), rec)
     if not odd:
         return None
-    if tie and how == "no majority" and _undecided_members(rec, d, where):
+    if tie and how.by is By.NO_MAJORITY and _undecided_members(rec, d, where):
         return None  # members whose call there is not known yet may break the tie: judge when they are
-    if tie and how == "no majority":
+    if tie and how.by is By.NO_MAJORITY:
         # No side to call odd: compare the two sides' programs, the ranks in the call against the others.
         inside = [r for r in odd if d.by_rank.get(r) is not None] or odd[:1]
         a = inside[0]
@@ -88,8 +89,8 @@ def agreement(rec: Records) -> Verdict | None:
     branch = _rank_branch(rec, d, program)
     if branch is not None:
         side, call = branch
-        if tie and how == "no majority":
-            odd, tie, how = side, False, "by the `if` on the rank around their call"
+        if tie and how.by is By.NO_MAJORITY:
+            odd, tie, how = side, False, How(By.RANK_BRANCH)
         # The odd ranks took the branch (an extra call), or the others did (the odd ones lack it).
         diff = Difference(Change.EXTRA, [call], [], 0) if set(odd) <= set(side) else Difference(Change.MISSING, [], [call], 0)
     if _left_first(rec, d, odd):
@@ -197,8 +198,34 @@ def _known_start(mine: list[Call], theirs: list[Call], d: Disagreement, rank: in
     return before + rest
 
 
-def _blame(d: Disagreement, where: dict[int, Presence], compare: Any, rec: Records) -> tuple[list[int], bool, str]:
-    """The odd ranks, whether only a tie-break named them, and how they were found (in words).
+class By(Enum):
+    """How the odd ranks of a disagreement were found."""
+
+    MAJORITY = "majority"  # the group's majority (with the ranks in step on the other groups of its role)
+    DEPARTS = "departs"  # their calls in the cell depart from most other ranks'
+    NO_MAJORITY = "no majority"  # a tie: both sides named, neither blamed
+    RANK_BRANCH = "rank branch"  # the `if` on the rank around their call
+
+
+@dataclass(frozen=True)
+class How:
+    """How the odd ranks were found, and over how many ranks (the words are :meth:`words`)."""
+
+    by: By
+    over: int = 0  # the ranks voting (MAJORITY) or compared with (DEPARTS)
+    witnesses: bool = False  # MAJORITY: ranks of the other groups of the role voted too
+
+    def words(self) -> str:
+        if self.by is By.MAJORITY:
+            return f"by majority over {self.over} ranks" + (
+                " (the group's members and the ranks in step on the other groups of its role)" if self.witnesses else "")
+        if self.by is By.DEPARTS:
+            return f"its calls in this cell depart from most of the other {self.over} ranks'"
+        return "by the `if` on the rank around their call" if self.by is By.RANK_BRANCH else "no majority"
+
+
+def _blame(d: Disagreement, where: dict[int, Presence], compare: Any, rec: Records) -> tuple[list[int], bool, How]:
+    """The odd ranks, whether only a tie-break named them, and how they were found.
 
     The ranks whose programs of the cell depart from most other ranks' (among the cell's ranks,
     up to a sample: the rank that skipped a call may not be in the group that shows the hang first,
@@ -211,10 +238,10 @@ def _blame(d: Disagreement, where: dict[int, Presence], compare: Any, rec: Recor
         if departs and len(departs) * 2 < len(ranks):
             if not d.tie and set(departs) == set(d.odd):
                 return d.odd, False, _by_majority(d)
-            return sorted(departs), False, f"its calls in this cell depart from most of the other {len(ranks) - 1} ranks'"
+            return sorted(departs), False, How(By.DEPARTS, len(ranks) - 1)
     if not d.tie:
         return d.odd, False, _by_majority(d)
-    return sorted(d.odd), True, "no majority"
+    return sorted(d.odd), True, How(By.NO_MAJORITY)
 
 
 def _undecided_members(rec: Records, d: Disagreement, where: dict[int, Presence]) -> list[int]:
@@ -224,9 +251,8 @@ def _undecided_members(rec: Records, d: Disagreement, where: dict[int, Presence]
     return [r for r in members if r in where and r not in d.by_rank]
 
 
-def _by_majority(d: Disagreement) -> str:
-    return f"by majority over {len(d.voters())} ranks" + (" (the group's members and the ranks in step on the other groups of its role)"
-                                                          if d.witnesses else "")
+def _by_majority(d: Disagreement) -> How:
+    return How(By.MAJORITY, len(d.voters()), bool(d.witnesses))
 
 
 def _reference(d: Disagreement, odd: list[int], program: Any) -> int | None:
@@ -258,11 +284,11 @@ def _left_first(rec: Records, d: Disagreement, odd: list[int]) -> bool:
     return len(present) == 1 or all(d.by_rank.get(r) is None for r in odd) or not set(odd) - left - set(absent)
 
 
-def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str, kind: Kind, diff: Difference | None,
+def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: How, kind: Kind, diff: Difference | None,
              ref: int | None) -> Verdict:
     log = rec.log
     assert log is not None
-    undecided = tie and how == "no majority"
+    undecided = tie and how.by is By.NO_MAJORITY
     others = [r for r in d.by_rank if r not in odd]
     if undecided:  # both sides named: the ranks in the call against those without it, or one value against the other
         lead = next((r for r in odd if d.by_rank.get(r) is not None), odd[0])
@@ -296,14 +322,14 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: str,
     else:
         # Named with how when the group alone could not tell (a tie-break, or witnesses from the
         # other groups of its role outvoting a group of two).
-        blame = f" Root cause: {format_ranks(odd)}" + (f" ({how})." if tie or d.witnesses and how.startswith("by majority") else ".")
+        blame = f" Root cause: {format_ranks(odd)}" + (f" ({how.words()})." if tie or d.witnesses and how.by is By.MAJORITY else ".")
     certain = _certain(rec, kind, tie, d, diff, odd, sites, how)
     return Verdict(
         rec.state(), kind, summary + ("; " + "; ".join(tail) if tail else "") + "." + blame,
         culprits=odd, victims=sorted(set(waiting) | set(dead)), sites=sites,
         evidence=Evidence("the n-th call on a group is made, and the same, by every member", _records(d), d.group, d.seq,
                           diff.fields if diff is not None and diff.fields else d.fields),
-        certainty=certain, reason="" if certain == Certainty.CERTAIN else f"the odd {'ones' if len(odd) > 1 else 'one'} found {how}",
+        certainty=certain, reason="" if certain == Certainty.CERTAIN else f"the odd {'ones' if len(odd) > 1 else 'one'} found {how.words()}",
         positions=rec.positions, rule="agreement", explained=bool(cause),
     )
 
@@ -384,13 +410,13 @@ def _rank_conditional(rec: Records, call: Call | None, entered: list[int], skipp
 
 
 def _certain(rec: Records, kind: Kind, tie: bool, d: Disagreement, diff: Difference | None, odd: list[int], sites: list[Site],
-             how: str) -> Certainty:
+             how: How) -> Certainty:
     """Certain only where the records leave no other reading, by a strict majority of at least
     three ranks: the same call site on both sides with another signature (a mismatch); or a call
     whose ``if`` on the rank, evaluated for every rank, says exactly which ranks reach it — and
     they are the odd ones (an extra call) or exactly the ones that don't (a missing one)."""
     members = [r for r in d.by_rank if r not in odd]
-    if tie or len(d.voters()) < 3 or not how.startswith("by majority") or len(members) <= len(odd):
+    if tie or len(d.voters()) < 3 or how.by is not By.MAJORITY or len(members) <= len(odd):
         return Certainty.LIKELY  # the group's own members must outnumber the odd ones
     if kind == Kind.MISMATCH and diff is not None and diff.odd_calls and diff.majority_calls and \
             diff.odd_calls[0].site() is not None and diff.odd_calls[0].site() == diff.majority_calls[0].site():
