@@ -10,6 +10,7 @@ import pytest
 
 import distnb
 from distnb import _processes
+from distnb.analysis.agreement.collectives import Differs
 from distnb.services.diagnostics import FAULT_WAIT, STACKS_TIMEOUT
 from distnb.services.native_stacks import NATIVE_TIMEOUT, py_spy_path
 
@@ -405,7 +406,7 @@ def test_shape_mismatch_is_named_from_the_collective_log(pool3: distnb.Pool) -> 
     assert re.search(r"rank 0 all_reduce #\d+ \[3\] f32 at cell line 2; ranks 1,2 all_reduce #\d+ \[4\] f32", diag.summary), diag.summary
     assert diag.culprits == [0]
     [div] = pool.collectives().divergences()
-    assert div.kind == "shape" and f"#{div.seq} on group 0" in diag.summary
+    assert div.kind is Differs.SHAPE and f"#{div.seq} on group 0" in diag.summary
 
 
 def test_regroup_after_a_collective_timeout_keeps_state() -> None:

@@ -5,6 +5,7 @@ the ranks' sequences side by side with the first place where they disagree."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any, Callable
 
 from distnb.analysis.agreement.collective_table import NOT_RECORDED, GroupTable, Row
@@ -16,7 +17,7 @@ from distnb.cell_names import cell_name, cell_tag
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import P2P_OPS, CollectiveEntry
 
-__all__ = ["CollectiveReport", "Divergence", "RECORDER_NAMES", "issued_words", "signature"]
+__all__ = ["CollectiveReport", "Divergence", "Differs", "RECORDER_NAMES", "issued_words", "signature"]
 
 #: distnb's recorder names (worker/torch_hooks/flight_recorder.py) in words.
 RECORDER_NAMES = {"nccl": "NCCL", "fr": "gloo (and other non-NCCL)"}
@@ -49,29 +50,40 @@ def signature(entry: CollectiveEntry) -> tuple[Any, ...]:
             tuple(sorted((k, repr(v)) for k, v in (entry.get("args") or {}).items())))
 
 
+class Differs(str, Enum):
+    """What differs at one position of a group's sequence: a member never made the call there, or
+    the calls differ in their op, shape, dtype or arguments (the first of these, in this order)."""
+
+    MISSING = "missing"
+    OP = "op"
+    SHAPE = "shape"
+    DTYPE = "dtype"
+    ARGS = "args"
+
+
 #: What must match at one position of a group's sequence, in the order a difference is named.
-_KINDS: dict[str, Callable[[CollectiveEntry], Any]] = {
-    "op": lambda e: e["op"],
-    "shape": _sizes,
-    "dtype": _dtypes,
-    "args": lambda e: e.get("args"),
+_KINDS: dict[Differs, Callable[[CollectiveEntry], Any]] = {
+    Differs.OP: lambda e: e["op"],
+    Differs.SHAPE: _sizes,
+    Differs.DTYPE: _dtypes,
+    Differs.ARGS: lambda e: e.get("args"),
 }
 
 
-def _first_difference(entries: list[CollectiveEntry]) -> str | None:
+def _first_difference(entries: list[CollectiveEntry]) -> Differs | None:
     """The first kind (op, shape, dtype, args) in which these entries of one position differ;
     arguments only among the entries the call log annotated."""
     views = [(e["op"], e.get("sizes"), e.get("dtypes"), e.get("args")) for e in entries]
     if views.count(views[0]) == len(views) if views else True:
         return None  # the common case, compared in C: a thousand ranks agree
-    return next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in entries if k != "args" or "args" in e}) > 1), None)
+    return next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in entries if k is not Differs.ARGS or "args" in e}) > 1), None)
 
 
 @dataclass
 class Divergence:
     group: str
     seq: int
-    kind: str  # missing · op · shape · dtype · args
+    kind: Differs
     by_rank: dict[int, CollectiveEntry | None]
     # The same position (sequence number) on the other groups of the same role (a mesh's other dp
     # groups): ranks in step there are witnesses, so a 1-against-1 split inside one group still has
@@ -82,7 +94,7 @@ class Divergence:
     def odd(self) -> list[int]:
         """The ranks of this group that stand out by majority (every rank involved on a tie),
         counting the same-role witnesses in the majority but never among the odd ones."""
-        if self.kind == "missing":
+        if self.kind is Differs.MISSING:
             return odd_ones({r: e is None for r, e in self.by_rank.items()})
         key = _KINDS[self.kind]
         mine = {r: key(e) for r, e in self.by_rank.items() if e is not None}
@@ -99,11 +111,12 @@ class Divergence:
         present = {r: e for r, e in self.by_rank.items() if e is not None}
         absent = [r for r, e in self.by_rank.items() if e is None]
         where = f"collective #{self.seq} on {self.label or f'group {self.group} ({format_ranks(members)})'}"
-        if self.kind == "missing":
+        if self.kind is Differs.MISSING:
             sample = next(iter(present.values()))
             return f"{where}: {format_ranks(present)} entered {sample['op']}, {format_ranks(absent)} never did"
         groups = group_by((r, describe(e)) for r, e in sorted(present.items()))
-        what = {"op": "different ops", "shape": "different shapes", "dtype": "different dtypes", "args": "different arguments"}[self.kind]
+        what = {Differs.OP: "different ops", Differs.SHAPE: "different shapes", Differs.DTYPE: "different dtypes",
+                Differs.ARGS: "different arguments"}[self.kind]
         odd = self.odd()
         witnesses = f"; {self.witnesses()}" if odd and len(odd) < len(self.by_rank) and self.peers else ""
         blame = f" (the odd one{'s' if len(odd) > 1 else ''} out: {format_ranks(odd)}{witnesses})" if odd and len(odd) < len(self.by_rank) else ""
@@ -167,7 +180,7 @@ class CollectiveReport:
                     # group's numbers run without gaps: a dead rank's unpushed entry), is not "missing" it.
                     if all(e is not None or r in inside or (seqs[r] and max(seqs[r]) > seq) for r, e in at.items()):
                         continue
-                    out.append(Divergence(group, seq, "missing", at, label=self._div_label(group)))
+                    out.append(Divergence(group, seq, Differs.MISSING, at, label=self._div_label(group)))
                     break
                 kind = _first_difference(present)
                 if kind:
@@ -277,7 +290,7 @@ class CollectiveReport:
         shown = all_seqs[-self.last:] if self.last else all_seqs
         info = self.log.group(group)
         title = f"group {short_name(group)}, {format_ranks(members)}" if info.world else f"{self.label(group)}, torch's group {short_name(group)}"
-        odd = div.odd() if div is not None and div.kind != "missing" else []
+        odd = div.odd() if div is not None and div.kind is not Differs.MISSING else []
         top = {r: max(by_seq) if by_seq else 0 for r, by_seq in seqs.items()}
         rows = [Row(seq, {r: seqs[r].get(seq, NOT_RECORDED if seq < top[r] else None) for r in members}, div is not None and div.seq == seq, odd)
                 for seq in shown]

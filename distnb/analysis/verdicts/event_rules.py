@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from distnb.analysis.agreement.collectives import CollectiveReport, Divergence, issued_words
+from distnb.analysis.agreement.collectives import CollectiveReport, Differs, Divergence, issued_words
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
@@ -95,7 +95,7 @@ def _out_of_step_before(rec: Records, rank: int) -> tuple[Kind, str] | None:
         return None
     for div in rec.log.divergences():
         cells = {e.get("call_cell", e.get("cell")) for e in div.by_rank.values() if e is not None}
-        if div.kind != "missing" or not cells or any(c is None or c >= rec.judged_cell for c in cells) or div.odd() != [rank]:
+        if div.kind is not Differs.MISSING or not cells or any(c is None or c >= rec.judged_cell for c in cells) or div.odd() != [rank]:
             continue
         present = sorted(r for r, e in div.by_rank.items() if e is not None)
         entry = next(e for e in div.by_rank.values() if e is not None)
@@ -137,19 +137,20 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
                   and log.log.died_during.get(dead.rank) is not None)
         blind = unseen and not log.log.died_in.get(dead.rank)  # not even its stack at death says where it was
         entry = div.by_rank.get(dead.rank) or (present[0] if (log.log.died_in.get(dead.rank) or unseen) and dead.rank in div.by_rank else None)
-        if div.kind == "missing" or entry is None:
+        if div.kind is Differs.MISSING or entry is None:
             continue
         odd = div.odd()
         if blind and (len(odd) != 1 or len(present) - len(odd) < 2):
             continue
-        by_size = div.kind == "shape" and "SIGABRT" in dead.detail and len(odd) > 1 and set(odd) >= {r for r, e in div.by_rank.items() if e}
+        by_size = div.kind is Differs.SHAPE and "SIGABRT" in dead.detail and len(odd) > 1 and set(odd) >= {r for r, e in div.by_rank.items() if e}
         if by_size:
             # No majority: gloo aborts the rank that receives more than its own tensor holds, so the
             # dead rank sided with the smaller tensors and the larger ones are the odd out.
             odd = _larger(div)
         if not odd or dead.rank in odd or len(odd) == len(div.by_rank):
             continue
-        what = {"op": "different ops", "shape": "shape mismatch", "dtype": "dtype mismatch", "args": "argument mismatch"}[div.kind]
+        what = {Differs.OP: "different ops", Differs.SHAPE: "shape mismatch", Differs.DTYPE: "dtype mismatch",
+                Differs.ARGS: "argument mismatch"}[div.kind]
         detail = "; ".join(f"{format_ranks(rs)} {d}" for rs, d in group_by((r, describe(e)) for r, e in sorted(div.by_rank.items()) if e))
         if div.peers:
             detail += f" (where {div.witnesses()})"
