@@ -25,7 +25,7 @@ from distnb.analysis.reports.memory import MemoryReport
 from distnb.analysis.reports.nccl_dumps import dump_marks, seq_blame
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.failures import cut_message
-from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, short_path
 from distnb.analysis.verdicts.stragglers import StragglerReport, stragglers_of
@@ -266,9 +266,9 @@ class LoadedJob:
             if seen.state == "waiting":
                 out.append(position_of(r, whole, stacks, self._elapsed(), self._log, lambda _: "it left no stack"))
             elif seen.state == "raised":
-                out.append(Position(r, "failed", detail=seen.detail, **where))
+                out.append(Position(r, Place.FAILED, detail=seen.detail, **where))
             elif seen.state == "dead":
-                out.append(Position(r, "dead", detail=seen.detail))
+                out.append(Position(r, Place.DEAD, detail=seen.detail))
             else:
                 out.append(self._from_dump(r))
         return out
@@ -280,8 +280,8 @@ class LoadedJob:
         open_ = [e for e in entries if not e["done"]]
         e = open_[0] if open_ else entries[-1] if entries else None
         if e is None:
-            return Position(r, "unresponsive", detail="its Flight Recorder dump holds no collective")
-        return Position(r, "collective", op=e["op"], seq=e["seq"], group=e["group"], shapes=describe(e, with_op=False),
+            return Position(r, Place.UNRESPONSIVE, detail="its Flight Recorder dump holds no collective")
+        return Position(r, Place.COLLECTIVE, op=e["op"], seq=e["seq"], group=e["group"], shapes=describe(e, with_op=False),
                         sizes=e.get("sizes"), dtypes=e.get("dtypes"), since=self._log.age(r, e) if open_ else None,
                         line=e.get("line"), func=e.get("func", ""), file=e.get("file", ""), label=self._log.group(e["group"]).label())
 
@@ -295,7 +295,7 @@ class LoadedJob:
         positions = self.positions()
         if not positions:
             raise LoadError(f"no rank of job {self.job} left anything to judge in {', '.join(self.folders)}.")
-        dead = [p.rank for p in positions if p.state == "dead"]
+        dead = [p.rank for p in positions if p.state == Place.DEAD]
         verdict = diagnose(positions, self.hang_after if hang_after is None else hang_after, self._elapsed(), self.collectives(),
                            dead[0] if dead else None)
         why: list[str] = []

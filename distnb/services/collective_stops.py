@@ -20,7 +20,7 @@ from typing import Any
 
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.analysis.verdicts.next_calls import NextCall, NextReport, compare_next
-from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.position import Place, Position
 from distnb.cell_names import cell_name
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.prompts import Prompt
@@ -81,7 +81,7 @@ class CollectiveStops:
                 unknown[r] = f"is paused at {paused[r].place()}, not before a collective"
             elif r not in running:
                 gone[r] = left_words(result.results[r])
-            elif (pos := by_rank.get(r)) is not None and pos.state == "collective" and pos.op and pos.group:
+            elif (pos := by_rank.get(r)) is not None and pos.state == Place.COLLECTIVE and pos.op and pos.group:
                 calls[r] = self._inside_call(pos, result.cell)
             else:
                 unknown[r] = "is still running (not stopped before a collective)"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from distnb.analysis.reports.meshes import MeshReport
-from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.config import LaunchConfig
 from distnb.controller.prompts import Prompt
@@ -232,9 +232,9 @@ class Debugger:
 
     def _others(self, waiting: list[Prompt], positions: list[Position]) -> list[str]:
         paused = {p.rank for p in waiting}
-        others = [p for p in positions if p.rank not in paused and p.state != "idle"]
+        others = [p for p in positions if p.rank not in paused and p.state != Place.IDLE]
         lines = [f"  {format_ranks(ranks)}: {text}" for ranks, text in group_by((p.rank, p.where()) for p in others)]
-        blocked = [p for p in others if p.state == "collective"]
+        blocked = [p for p in others if p.state == Place.COLLECTIVE]
         if blocked:
             waited = max(p.since or 0.0 for p in blocked)
             timeout = self._config.pg_timeout

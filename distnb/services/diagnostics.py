@@ -28,7 +28,7 @@ from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
 from distnb.analysis.verdicts.failures import is_timeout
 from distnb.analysis.verdicts.paths import first_difference
-from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
 from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, straggler_window, stragglers_of
 from distnb.analysis.verdicts.verdict import Blame, Certainty, Kind, Verdict, VerdictState
@@ -296,7 +296,7 @@ class Diagnostics:
             return ""
         first = self._tracker.first_death if self._tracker.first_death in dead else dead[0]
         report = self.collectives(refresh=True)
-        found = victim(Position(first, "dead", detail=_processes.signal_meaning(result.results[first].returncode)), report)
+        found = victim(Position(first, Place.DEAD, detail=_processes.signal_meaning(result.results[first].returncode)), report)
         return found[0] if found else ""
 
     def conclude(self, result: CellResult) -> None:

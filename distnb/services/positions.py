@@ -11,7 +11,7 @@ from distnb import _processes
 from distnb.analysis.agreement.collectives import issued_words
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.verdicts.failures import cut_message
-from distnb.analysis.verdicts.position import Position, position_from_stack, position_paused
+from distnb.analysis.verdicts.position import Place, Position, position_from_stack, position_paused
 from distnb.analysis.verdicts.stacks import StackReport
 from distnb.controller.collective_log import CollectiveLog
 from distnb.results import CellResult
@@ -26,40 +26,40 @@ def position_of(r: int, result: CellResult, stacks: StackReport | None, elapsed:
     stack (``stacks``: the last round) and its collective log."""
     res = result.results.get(r)
     if res is None:
-        return Position(r, "idle")
+        return Position(r, Place.IDLE)
     if res.status == "ok":
-        return Position(r, "finished", seqs=dict(res.sync["seqs"]) if res.sync and "seqs" in res.sync else None)
+        return Position(r, Place.FINISHED, seqs=dict(res.sync["seqs"]) if res.sync and "seqs" in res.sync else None)
     if res.status in ("error", "interrupted") and res.error:
         lines = result.code.splitlines()
         line = res.error.get("line")
-        return Position(r, "failed", line=line, code=lines[line - 1] if line and line <= len(lines) else "",
+        return Position(r, Place.FAILED, line=line, code=lines[line - 1] if line and line <= len(lines) else "",
                         detail=f"{res.error['ename']}: {cut_message(res.error['evalue'], 200)}")
     if res.status == "dead":
-        return Position(r, "dead", detail=_processes.signal_meaning(res.returncode))
+        return Position(r, Place.DEAD, detail=_processes.signal_meaning(res.returncode))
     if res.status != "running" or stacks is None:
         # Over without an error of its own: stranded by a death, or interrupted.
-        return Position(r, "stranded" if res.status == "stranded" else "finished", detail=res.collective or "")
+        return Position(r, Place.STRANDED if res.status == "stranded" else Place.FINISHED, detail=res.collective or "")
     if not stacks[r].threads:
-        return Position(r, "unresponsive", since=elapsed, detail=why_silent(r))
+        return Position(r, Place.UNRESPONSIVE, since=elapsed, detail=why_silent(r))
     if (paused := stacks[r].paused) is not None:
         return position_paused(r, paused, result.cell)
     pos = position_from_stack(stacks[r], result.cell)
     # The rank tells which cell an entry belongs to by its own clock: no cross-machine clock comparison.
     pending = log.pending(r, result.cell)
-    stuck = log.stuck(r) if pos.state == "computing" else None
+    stuck = log.stuck(r) if pos.state == Place.COMPUTING else None
     if stuck is not None:
         # Not in torch.distributed by its stack, with a collective still open: NCCL (or an
         # async_op work) returned to the host at enqueue, and the host now waits at a sync.
-        pos.state, pos.op, pos.seq, pos.group = "collective", stuck["op"], stuck["seq"], stuck["group"]
+        pos.state, pos.op, pos.seq, pos.group = Place.COLLECTIVE, stuck["op"], stuck["seq"], stuck["group"]
         pos.shapes, pos.sizes, pos.dtypes, pos.args = describe(stuck, with_op=False), stuck.get("sizes"), stuck.get("dtypes"), stuck.get("args")
         pos.issued = issued_words(stuck)
         pos.since = log.age(r, stuck)
     elif pending is not None:
-        pos.state, pos.op, pos.seq, pos.group = "collective", pending["op"], pending["seq"], pending["group"]
+        pos.state, pos.op, pos.seq, pos.group = Place.COLLECTIVE, pending["op"], pending["seq"], pending["group"]
         pos.shapes = describe(pending, with_op=False)
         pos.sizes, pos.dtypes, pos.args = pending.get("sizes"), pending.get("dtypes"), pending.get("args")
         pos.since = log.age(r, pending)
-    elif pos.state == "collective":
+    elif pos.state == Place.COLLECTIVE:
         # In a collective by its stack, with no open entry: one torch does not record (new_group),
         # or the stack was taken as the rank went from one collective to the next. Its wait is
         # the call's (when watched), or just began — never the whole cell's.
@@ -71,8 +71,8 @@ def position_of(r: int, result: CellResult, stacks: StackReport | None, elapsed:
             pos.since = 0.0
     # Point-to-point calls have no recorder entry on gloo: the rank's own record of the call.
     peers = [c for c in log.open_calls(r) if c["op"] in P2P_OPS]
-    if peers and (pos.op in P2P_OPS or pos.state == "computing" and ".wait(" in pos.code):
-        pos.state, pos.op, pos.peers = "collective", peers[-1]["op"], peers
+    if peers and (pos.op in P2P_OPS or pos.state == Place.COMPUTING and ".wait(" in pos.code):
+        pos.state, pos.op, pos.peers = Place.COLLECTIVE, peers[-1]["op"], peers
         pos.since = log.age(r, {"t": peers[0]["t"] / 1e9})
     pos.since = pos.since if pos.since is not None else elapsed
     if pos.group is not None:

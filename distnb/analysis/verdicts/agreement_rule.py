@@ -21,6 +21,7 @@ from distnb.analysis.agreement.calls import Call, cell_calls, death_call
 from distnb.analysis.agreement.cell_source import around, condition_ranks, loop_span, other_branches
 from distnb.analysis.agreement.compare import Disagreement, Presence, disagreements
 from distnb.analysis.agreement.programs import Change, Difference, compare_programs
+from distnb.analysis.verdicts.position import Place
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
@@ -165,10 +166,10 @@ def _program(rec: Records, r: int, cell: int) -> list[Call]:
     p = rec.by_rank.get(r)
     if p is None:
         return calls
-    if calls and p.line and calls[-1].line is None and (p.state == "failed" or p.state == "collective" and not calls[-1].done):
+    if calls and p.line and calls[-1].line is None and (p.state == Place.FAILED or p.state == Place.COLLECTIVE and not calls[-1].done):
         here = p.line_cell if p.line_cell is not None else cell
         calls[-1] = replace(calls[-1], cell=here, line=p.line, func=p.func)
-    if p.state == "dead":
+    if p.state == Place.DEAD:
         last = calls[-1] if calls else None
         mine = death_call(rec.log.log, r, last.group if last is not None else "0", None)
         if mine is not None and mine.cell == cell and (last is None or last.line != mine.line):
@@ -267,7 +268,7 @@ def _left_first(rec: Records, d: Disagreement, odd: list[int]) -> bool:
     if not any(c is None for c in d.by_rank.values()):
         return False
     absent = [r for r, c in d.by_rank.items() if c is None]
-    if d.inside and not (rec.dead and all((p := rec.by_rank.get(r)) is not None and p.state in ("failed", "stranded")
+    if d.inside and not (rec.dead and all((p := rec.by_rank.get(r)) is not None and p.state in (Place.FAILED, Place.STRANDED)
                                           and p not in rec.raised for r in absent)):
         # A rank died inside the call: the call may be the mismatch that killed it, unless every
         # rank without it left on a peer's closed connection (a death elsewhere took them out).
@@ -276,7 +277,7 @@ def _left_first(rec: Records, d: Disagreement, odd: list[int]) -> bool:
     if not events:
         return False
     # Ranks stranded by a death, or failed only because a peer's connection closed, left with it.
-    left = events | {p.rank for p in rec.of("stranded", "failed")}
+    left = events | {p.rank for p in rec.of(Place.STRANDED, Place.FAILED)}
     if not all(r in left for r in absent):
         return False
     # The ranks in the call agree with each other: only the absent ones differ, and they left.
@@ -403,7 +404,7 @@ def _under_rank_condition(rec: Records, call: Call | None) -> bool:
 def _rank_conditional(rec: Records, call: Call | None, entered: list[int], skipped: list[int]) -> str:
     """``rank-conditional collective: rank 0 entered barrier #1 at cell line 4, but ranks 1,2
     finished the cell without entering it`` — the ranks on each side of an ``if`` on the rank."""
-    finished = all(rec.by_rank[r].state == "finished" for r in skipped if r in rec.by_rank)
+    finished = all(rec.by_rank[r].state == Place.FINISHED for r in skipped if r in rec.by_rank)
     rest = "finished the cell without entering it" if finished else "did not enter it"
     return (f"rank-conditional collective: {format_ranks(entered)} entered {call_words(call)}{site_of_call(call, rec)}, but "
             f"{format_ranks(skipped) if skipped else 'the others'} {rest}")
@@ -422,7 +423,7 @@ def _certain(rec: Records, kind: Kind, tie: bool, d: Disagreement, diff: Differe
             diff.odd_calls[0].site() is not None and diff.odd_calls[0].site() == diff.majority_calls[0].site():
         return Certainty.CERTAIN
     if kind in (Kind.CALL_EXTRA, Kind.CALL_MISSING) and sites and sites[0].line is not None and sites[0].cell is not None:
-        ranks = [p.rank for p in rec.positions if p.state != "idle"]
+        ranks = [p.rank for p in rec.positions if p.state != Place.IDLE]
         reach = condition_ranks(rec.sources.get(sites[0].cell), sites[0].line, max(ranks) + 1 if ranks else 0)
         if reach is not None:
             reach &= set(ranks)

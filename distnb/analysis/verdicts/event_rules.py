@@ -13,7 +13,7 @@ import re
 
 from distnb.analysis.agreement.collectives import CollectiveReport, Differs, Divergence, issued_words
 from distnb.analysis.agreement.entry_words import describe
-from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import ranks_verb
@@ -48,7 +48,7 @@ def died(rec: Records) -> Verdict | None:
     inside = rec.log is not None and d.rank in rec.log.log.died_in
     # Wider than Position.between: a rank in a send/recv or in new_group counts too (its part in
     # the aborted collective is not recorded either).
-    unread = [p.rank for p in rec.positions if p.state == "computing" or p.state == "collective" and p.seq is None]
+    unread = [p.rank for p in rec.positions if p.state == Place.COMPUTING or p.state == Place.COLLECTIVE and p.seq is None]
     state = VerdictState.HANG if waiting else VerdictState.FAILED
     victims = [p.rank for p in waiting] + later
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from distnb.analysis.agreement.cell_source import because
 from distnb.analysis.agreement.entry_words import args_text
-from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import ranks_verb
@@ -26,7 +26,7 @@ def _v(rec: Records, state: VerdictState, kind: Kind, summary: str, culprits: li
 
 def paused(rec: Records) -> Verdict | None:
     """Ranks waiting for the notebook (pdb, input()) are not hung, and neither are those waiting for them."""
-    held = rec.of("paused")
+    held = rec.of(Place.PAUSED)
     if not held:
         return None
     first, one = held[0], len(held) == 1
@@ -42,10 +42,10 @@ def paused(rec: Records) -> Verdict | None:
 
 def quiet(rec: Records) -> Verdict | None:
     """A running cell with nothing to judge yet: no rank waits past the threshold, none failed."""
-    if not rec.running or rec.dead or rec.of("failed", "stranded"):
+    if not rec.running or rec.dead or rec.of(Place.FAILED, Place.STRANDED):
         return None
     if not rec.waiting:
-        silent, busy = rec.of("unresponsive"), rec.of("computing")
+        silent, busy = rec.of(Place.UNRESPONSIVE), rec.of(Place.COMPUTING)
         if silent and rec.elapsed >= rec.hang_after:
             return None  # the unresponsive rule says it
         if busy and rec.elapsed >= rec.hang_after:
@@ -59,7 +59,7 @@ def quiet(rec: Records) -> Verdict | None:
 
 def not_in_cell(rec: Records) -> Verdict | None:
     """Ranks the waiting collective needs that the cell does not run on."""
-    outside = rec.of("idle")
+    outside = rec.of(Place.IDLE)
     if not rec.waiting or not outside:
         return None
     head = rec.waiting[0]
@@ -78,7 +78,7 @@ def not_in_cell(rec: Records) -> Verdict | None:
 
 
 def unresponsive(rec: Records) -> Verdict | None:
-    silent = rec.of("unresponsive")
+    silent = rec.of(Place.UNRESPONSIVE)
     if not silent or (not rec.waiting and rec.elapsed < rec.hang_after):
         return None
     ranks = [p.rank for p in silent]
@@ -101,7 +101,7 @@ IDLE_CPU = 0.05
 def computing(rec: Records) -> Verdict | None:
     """Ranks still running code while others wait for them: importing or compiling (slow), else
     slow, stuck in a loop, or about to skip the collective."""
-    busy = rec.of("computing")
+    busy = rec.of(Place.COMPUTING)
     if not busy or not rec.waiting:
         return None
     w = format_ranks([p.rank for p in rec.waiting])
@@ -143,7 +143,7 @@ def new_group_wait(rec: Records) -> Verdict | None:
 
 def finished_early(rec: Records) -> Verdict | None:
     """Ranks finished the cell while others wait in a collective (the log could not say more)."""
-    finished = rec.of("finished")
+    finished = rec.of(Place.FINISHED)
     if not rec.waiting or not finished:
         return None
     if rec.log is not None and all(p.group is not None for p in rec.waiting):

@@ -8,6 +8,7 @@ from distnb.analysis.agreement.group_creation import creation_mismatch
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.analysis.verdicts.p2p import match_p2p
 from distnb.analysis.verdicts.p2p_roots import p2p_roots, site_departure
+from distnb.analysis.verdicts.position import Place
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.cell_names import cell_name
@@ -21,12 +22,12 @@ def creation_out_of_step(rec: Records) -> Verdict | None:
     """new_group out of step: every rank must create every group, in the same order."""
     if rec.log is None or not (rec.waiting or not rec.running):
         return None
-    moving = {p.rank for p in rec.of("computing")}
+    moving = {p.rank for p in rec.of(Place.COMPUTING)}
     cell = rec.judged_cell
     # A rank whose calls of this cell never reached distnb (its reply lost) made "none" only in
     # the log: it is left out unless it left the cell.
-    gone = {p.rank for p in rec.of("finished", "failed", "dead", "stranded")}
-    heard = {p.rank for p in rec.positions if p.state != "idle" and
+    gone = {p.rank for p in rec.of(Place.FINISHED, Place.FAILED, Place.DEAD, Place.STRANDED)}
+    heard = {p.rank for p in rec.positions if p.state != Place.IDLE and
              (p.rank in gone or any(cell is None or c.get("cell") == cell for c in rec.log.log.calls_of(p.rank)))}
     found = creation_mismatch(rec.log.log, sorted(heard), moving)
     if found is None:
@@ -49,7 +50,7 @@ def paired_across_cells(rec: Records) -> Verdict | None:
     cell = rec.judged_cell
     if rec.log is None or cell is None or not rec.waiting:
         return None
-    ranks = [p.rank for p in rec.positions if p.state != "idle"]
+    ranks = [p.rank for p in rec.positions if p.state != Place.IDLE]
     found = cross_cell(rec.log.log, ranks, cell)
     if found is None:
         return None
@@ -67,7 +68,7 @@ def wrong_group(rec: Records) -> Verdict | None:
     cell = rec.judged_cell
     if rec.log is None or cell is None or not rec.waiting:
         return None
-    ranks = [p.rank for p in rec.positions if p.state != "idle"]
+    ranks = [p.rank for p in rec.positions if p.state != Place.IDLE]
     found = cross_group(rec.log.log, ranks, cell, frozenset(p.rank for p in rec.waiting))
     if found is None or not found.waits_for or not found.odd or len(found.odd) * 2 >= len(found.by_rank):
         return None
@@ -97,9 +98,9 @@ def p2p_departure(rec: Records) -> Verdict | None:
     if rec.log is None or cell is None:
         return None
     p2p_waits = any(p.peers for p in rec.waiting)
-    if rec.running and not p2p_waits and not rec.dead and not rec.of("failed"):
+    if rec.running and not p2p_waits and not rec.dead and not rec.of(Place.FAILED):
         return None
-    ranks = [p.rank for p in rec.positions if p.state != "idle"]
+    ranks = [p.rank for p in rec.positions if p.state != Place.IDLE]
     # Another tensor or peer among the ranks that make such calls; calls at a line only the odd
     # ranks reach, among all.
     found = site_departure(rec.log.log, cell, ranks, only=("shape", "peer")) or \
@@ -139,7 +140,7 @@ def _met(rec: Records, odd: list[int]) -> bool:
 def _past(rec: Records, rank: int, site: tuple[int, int]) -> bool:
     """The rank left the cell, or stands further down its code than ``site``."""
     p = rec.by_rank.get(rank)
-    if p is None or p.state in ("finished", "failed", "dead", "stranded"):
+    if p is None or p.state in (Place.FINISHED, Place.FAILED, Place.DEAD, Place.STRANDED):
         return True
     cell = p.line_cell if p.line_cell is not None else p.running
     return cell == site[0] and p.line is not None and p.line > site[1]

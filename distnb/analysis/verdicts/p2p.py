@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distnb.analysis.agreement.evidence import peer_of
-from distnb.analysis.verdicts.position import Position, p2p_text
+from distnb.analysis.verdicts.position import Place, Position, p2p_text
 from distnb.wire.records import P2P_OPS, CallRecord
 
 __all__ = ["P2PFinding", "match_p2p"]
@@ -32,9 +32,9 @@ def _tag(call: CallRecord) -> int:
 def _elsewhere(p: Position | None) -> str:
     if p is None:
         return "not part of this cell"
-    if p.state == "collective" and not p.peers:
+    if p.state == Place.COLLECTIVE and not p.peers:
         return f"waits in {p.collective()}"
-    if p.state == "collective":
+    if p.state == Place.COLLECTIVE:
         return "is itself " + " and ".join(p2p_text(c) for c in p.peers)
     return {"finished": "finished the cell", "computing": "is running Python code", "idle": "is not part of this cell",
             "failed": f"raised {p.detail}", "dead": "died"}.get(p.state, p.state)

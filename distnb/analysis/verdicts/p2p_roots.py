@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, peer_of
-from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.position import Place, Position
 from distnb.wire.records import P2P_OPS, CallRecord
 
 __all__ = ["P2PRoot", "SiteDeparture", "channel_counts", "p2p_roots", "site_departure"]
@@ -69,7 +69,7 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
     waits = _waits(positions)
     if not waits:
         return None
-    ranks = [p.rank for p in positions if p.state != "idle"]
+    ranks = [p.rank for p in positions if p.state != Place.IDLE]
     if log is not None and cell is not None:
         # First the call sites: a rank whose sends (or receives) at a line go to another peer
         # relative to itself, or carry another tensor, than the other ranks' that send there.
@@ -78,13 +78,14 @@ def p2p_roots(positions: list[Position], log: CollectiveEvidence | None, cell: i
             return P2PRoot(found.odd, "its point-to-point calls depart from the other ranks' at the same call site", found.site)
     if explicit:
         return P2PRoot(_relative_odd(positions, explicit), "a call that names the wrong peer or tag", None)
-    if log is not None and cell is not None and (counted := _count_root(log, cell, ranks, {p.rank for p in positions if p.state == "finished"})) is not None:
+    finished = {p.rank for p in positions if p.state == Place.FINISHED}
+    if log is not None and cell is not None and (counted := _count_root(log, cell, ranks, finished)) is not None:
         return counted
     waited = {q for targets in waits.values() for q in targets}
-    sinks = sorted(q for q in waited if q not in waits and (p := by_rank.get(q)) is not None and p.state != "collective")
+    sinks = sorted(q for q in waited if q not in waits and (p := by_rank.get(q)) is not None and p.state != Place.COLLECTIVE)
     if sinks:
         waiters = sorted(waits)
-        if len(waiters) < len(sinks) and all(by_rank[q].state == "finished" for q in sinks):
+        if len(waiters) < len(sinks) and all(by_rank[q].state == Place.FINISHED for q in sinks):
             # One rank asks several that finished alike for more: it made the extra calls.
             return P2PRoot(waiters, "it waits for ranks that all finished alike: it made more calls than they did", None)
         return P2PRoot(sinks, "the rank the chain of waits ends at", _their_site(positions, log, cell, sinks))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from distnb.analysis.agreement.evidence import peer_words
@@ -12,7 +13,7 @@ from distnb.analysis.verdicts.stacks import RankStack, parse_faulthandler, short
 from distnb.cell_names import cell_name
 from distnb.wire.records import P2P_OPS, CallRecord
 
-__all__ = ["Position", "position_from_stack", "collective_at_death", "position_at_death", "COLLECTIVE_FUNCS"]
+__all__ = ["Place", "Position", "position_from_stack", "collective_at_death", "position_at_death", "COLLECTIVE_FUNCS"]
 
 #: Public torch.distributed functions that block until peers arrive.
 COLLECTIVE_FUNCS = {
@@ -32,12 +33,29 @@ def _duration(seconds: list[float]) -> str:
     return f" for {lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f" for {lo:.1f}–{hi:.1f} s"
 
 
+class Place(str, Enum):
+    """Where a rank is in the current cell (:attr:`Position.state`)."""
+
+    FINISHED = "finished"  # left the cell, done
+    FAILED = "failed"  # left it by an error
+    STRANDED = "stranded"  # left it from a collective a dead peer would never finish
+    DEAD = "dead"
+    COMPUTING = "computing"  # running code outside a torch.distributed call
+    COLLECTIVE = "collective"  # in a torch.distributed call (a collective, send/recv, group creation)
+    UNRESPONSIVE = "unresponsive"  # no stack at all: its control thread did not answer
+    IDLE = "idle"  # not running the cell
+    PAUSED = "paused"  # waiting for the notebook (pdb, input(), the debugger panel)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Position:
     """Where one rank is in the current cell."""
 
     rank: int
-    state: str  # finished · failed · dead · computing · collective · unresponsive (no stack at all) · idle · paused
+    state: Place
     op: str | None = None  # the collective it waits in
     seq: int | None = None  # per-group sequence number, when known
     group: str | None = None
@@ -65,12 +83,15 @@ class Position:
     # it (None: not known): computing (slow) against blocked outside torch.distributed.
     cpu: float | None = None
 
+    def __post_init__(self) -> None:
+        self.state = Place(self.state)  # a plain word from older records or a test reads as its Place
+
     def between(self) -> bool:
         """Read between two places: running the cell's code, or in a collective by its stack that
         the log holds no entry for yet (point-to-point calls and group creation have none to wait
         for). Where it will be next is not known yet."""
-        return (self.state == "computing" and self.running is not None or
-                self.state == "collective" and self.seq is None and self.op not in P2P_OPS and self.op != "new_group")
+        return (self.state == Place.COMPUTING and self.running is not None or
+                self.state == Place.COLLECTIVE and self.seq is None and self.op not in P2P_OPS and self.op != "new_group")
 
     def on(self) -> str:
         """`` on dp (ranks 1,3)``, `` on group 0``; empty when the group is unknown."""
@@ -103,29 +124,29 @@ class Position:
         """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration."""
         at = self.at() + (f" ({self.code.strip()})" if self.code.strip() else "") if self.line else ""
         dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
-        if self.state == "collective" and self.issued:
+        if self.state == Place.COLLECTIVE and self.issued:
             shp = f" {self.shapes}" if self.shapes else ""
             return (f"waiting for {self.op}{f' #{self.seq}' if self.seq is not None else ''}{self.on()}{shp} "
                     f"({self.issued}){dur}, now blocked{at or ' at a host sync'}")
-        if self.state == "collective" and self.peers:
+        if self.state == Place.COLLECTIVE and self.peers:
             return f"{' and '.join(p2p_text(c) for c in self.peers)}{dur}{at}"
-        if self.state == "collective":
+        if self.state == Place.COLLECTIVE:
             seq = f" #{self.seq}" if self.seq is not None else ""
             shp = f" {self.shapes}" if self.shapes else ""
             return f"waiting in {self.op}{seq}{self.on()}{shp}{dur}{at}"
-        if self.state == "computing":
+        if self.state == Place.COMPUTING:
             return f"running Python code (not in a collective{', ' + self.detail if self.detail else ''}){dur}{at}"
-        if self.state == "paused":
+        if self.state == Place.PAUSED:
             return f"{self.detail}{dur}{at}"
-        if self.state == "finished":
+        if self.state == Place.FINISHED:
             return "finished the cell"
-        if self.state == "idle":
+        if self.state == Place.IDLE:
             return "idle: not part of this cell"
-        if self.state == "failed":
+        if self.state == Place.FAILED:
             return f"raised {self.detail}{at}"
-        if self.state == "dead":
+        if self.state == Place.DEAD:
             return f"died: {self.detail}"
-        if self.state == "unresponsive":
+        if self.state == Place.UNRESPONSIVE:
             return f"not answering: {self.detail}"
         return self.state
 
@@ -156,8 +177,8 @@ def position_from_stack(stack: RankStack, cell: int | None = None) -> Position:
         None,
     )
     if op is not None:
-        return Position(stack.rank, "collective", op=op, **where)
-    return Position(stack.rank, "computing", detail=_importing(frames) or _compiling(frames), cpu=stack.cpu, **where)
+        return Position(stack.rank, Place.COLLECTIVE, op=op, **where)
+    return Position(stack.rank, Place.COMPUTING, detail=_importing(frames) or _compiling(frames), cpu=stack.cpu, **where)
 
 
 def position_paused(rank: int, paused: dict[str, Any], cell: int | None) -> Position:
@@ -166,7 +187,7 @@ def position_paused(rank: int, paused: dict[str, Any], cell: int | None) -> Posi
     doing = {"pdb": "paused in the debugger", "panel": "paused in the debugger panel"}.get(paused.get("kind", ""), "waiting for input()")
     if w and w.get("cell") is None:  # stepped into library code
         doing += f" in {w.get('func')}() ({w.get('file')}:{w.get('line')})"
-    return Position(rank, "paused", detail=doing, since=paused.get("since"), line=w.get("line") if w.get("cell") is not None else None,
+    return Position(rank, Place.PAUSED, detail=doing, since=paused.get("since"), line=w.get("line") if w.get("cell") is not None else None,
                     code=w.get("code", ""), func=w.get("func", ""), line_cell=w.get("cell"), running=cell)
 
 
@@ -180,7 +201,7 @@ def position_at_death(stderr: str, main_ident: int | None = None) -> Position | 
     if main is None:
         return None
     pos = position_from_stack(RankStack(-1, "", "faulthandler", [main]))
-    return pos if pos.state == "collective" else None
+    return pos if pos.state == Place.COLLECTIVE else None
 
 
 def collective_at_death(stderr: str, main_ident: int | None = None) -> str | None:

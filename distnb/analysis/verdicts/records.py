@@ -11,7 +11,7 @@ from functools import cached_property
 from distnb.analysis.agreement.cell_source import rank_names
 from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.compare import Presence
-from distnb.analysis.verdicts.position import Position
+from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.verdict import VerdictState
 from distnb.wire.records import P2P_OPS
 
@@ -45,7 +45,7 @@ class Records:
     sources: dict[int, str] = field(default_factory=dict)
     cell: int | None = None  # the cell judged (None: read off the positions)
 
-    def of(self, *states: str) -> list[Position]:
+    def of(self, *states: Place) -> list[Position]:
         return [p for p in self.positions if p.state in states]
 
     @cached_property
@@ -59,21 +59,21 @@ class Records:
 
     @cached_property
     def waiting(self) -> list[Position]:
-        return self.of("collective")
+        return self.of(Place.COLLECTIVE)
 
     @cached_property
     def running(self) -> bool:
         """Some rank of the cell still runs it (waits, computes, or gives no answer)."""
-        return bool(self.of("collective", "computing", "unresponsive", "paused"))
+        return bool(self.of(Place.COLLECTIVE, Place.COMPUTING, Place.UNRESPONSIVE, Place.PAUSED))
 
     @cached_property
     def raised(self) -> list[Position]:
         """Ranks that raised an error of their own (not a consequence of another rank's failure)."""
-        return [p for p in self.of("failed") if not is_consequence(p.detail)]
+        return [p for p in self.of(Place.FAILED) if not is_consequence(p.detail)]
 
     @cached_property
     def dead(self) -> list[Position]:
-        dead = self.of("dead")
+        dead = self.of(Place.DEAD)
         return sorted(dead, key=lambda p: p.rank != self.first_death)
 
     @cached_property
@@ -90,11 +90,11 @@ class Records:
         or may yet come (ranks not part of the cell are left out)."""
         out = {}
         for p in self.positions:
-            if p.state == "idle":
+            if p.state == Place.IDLE:
                 continue
-            if p.state in ("finished", "failed", "dead", "stranded") or not self.running:
+            if p.state in (Place.FINISHED, Place.FAILED, Place.DEAD, Place.STRANDED) or not self.running:
                 out[p.rank] = Presence.GONE
-            elif p.state == "collective" or p.state == "paused":
+            elif p.state == Place.COLLECTIVE or p.state == Place.PAUSED:
                 out[p.rank] = Presence.ELSEWHERE
             else:
                 out[p.rank] = Presence.MOVING
@@ -115,7 +115,7 @@ class Records:
                 recorded[group] = any(log.last_seq(q.rank, group) is not None for q in self.positions)
             return recorded[group]
 
-        return [p.rank for p in self.of("finished")
+        return [p.rank for p in self.of(Place.FINISHED)
                 if any(has_records(group) and (log.last_seq(p.rank, group) or 0) < issued for group, issued in (p.seqs or {}).items())]
 
     def waiting_in(self) -> dict[int, str | None]:
@@ -129,7 +129,7 @@ class Records:
         over on every rank, a desync (wrong results, or the next sync hangs)."""
         if self.running:
             return VerdictState.HANG
-        return VerdictState.FAILED if self.of("failed", "dead", "stranded") else VerdictState.DESYNC
+        return VerdictState.FAILED if self.of(Place.FAILED, Place.DEAD, Place.STRANDED) else VerdictState.DESYNC
 
     def longest_wait(self) -> float:
         # since == 0.0 is a wait that just began, not an unknown one.
