@@ -25,10 +25,10 @@ _PUBLIC = {
     "NoCellError": "distnb.errors", "NoPoolError": "distnb.errors", "PoolBrokenError": "distnb.errors",
     "PoolBusyError": "distnb.errors", "RemoteError": "distnb.errors", "ShutdownError": "distnb.errors",
     "LaunchConfig": "distnb.config",
-    "CellEvents": "distnb.results", "Pool": "distnb.pool", "PoolState": "distnb.states", "current_pool": "distnb.pools", "live_pools": "distnb.pools",
+    "CellEvents": "distnb.results", "Pool": "distnb.pool", "PoolState": "distnb.states", "current_pool": "distnb.jobs.pools", "live_pools": "distnb.jobs.pools",
     "launch": "distnb.pool",
-    "attach": "distnb.attached", "detach": "distnb.attached", "AttachedJob": "distnb.attached", "AttachError": "distnb.errors",
-    "load": "distnb.loaded", "LoadedJob": "distnb.loaded", "LoadError": "distnb.errors",
+    "attach": "distnb.jobs.attached", "detach": "distnb.jobs.attached", "AttachedJob": "distnb.jobs.attached", "AttachError": "distnb.errors",
+    "load": "distnb.jobs.loaded", "LoadedJob": "distnb.jobs.loaded", "LoadError": "distnb.errors",
     "CellResult": "distnb.results", "PoolStatus": "distnb.status", "RankResult": "distnb.results",
     "RankState": "distnb.states", "RankStatus": "distnb.status",
     "checksum": "distnb.worker.recorders.checksum",
@@ -39,7 +39,6 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
-    from distnb.attached import AttachedJob, attach, detach
     from distnb.config import LaunchConfig
     from distnb.controller.prompts import Prompt
     from distnb.errors import (
@@ -56,9 +55,10 @@ if TYPE_CHECKING:
         RemoteError,
         ShutdownError,
     )
-    from distnb.loaded import LoadedJob, load
+    from distnb.jobs.attached import AttachedJob, attach, detach
+    from distnb.jobs.loaded import LoadedJob, load
+    from distnb.jobs.pools import current_pool, live_pools
     from distnb.pool import Pool, launch
-    from distnb.pools import current_pool, live_pools
     from distnb.results import CellEvents, CellResult, RankResult
     from distnb.services.debugger import Debugger
     from distnb.states import PoolState, RankState

@@ -19,13 +19,13 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator
 
-from distnb import pools
 from distnb.cell_names import name_cell
 from distnb.config import LaunchConfig
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.session import CellRecord, PushRecord, SessionLog
 from distnb.controller.tracker import Tracker
 from distnb.errors import LaunchError, RemoteError, ShutdownError
+from distnb.jobs import pools
 from distnb.pool_views import PoolViews
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellResult, RankResult

@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 
 import distnb
-from distnb import pools
+from distnb.jobs import pools
 
 
 class Shell:

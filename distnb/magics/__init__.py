@@ -28,7 +28,7 @@ def load_magics(ipython: Any) -> None:
 
 def unload_magics(ipython: Any) -> None:
     """``%unload_ext distnb`` / ``%reload_ext distnb``: no pool of this kernel outlives the extension."""
-    from distnb.pools import live_pools
+    from distnb.jobs.pools import live_pools
     from distnb.states import PoolState
 
     for pool in live_pools():

@@ -1,6 +1,6 @@
 """``%dist_attach`` and ``%dist_detach``: the notebook looks into a torchrun job distnb did not
 launch (``python -m distnb run -- torchrun … train.py``), read-only. Thin over
-:func:`distnb.attach` and :class:`distnb.attached.AttachedJob`."""
+:func:`distnb.attach` and :class:`distnb.jobs.attached.AttachedJob`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.attached import JOB_ANSWER_TIMEOUT, AttachedJob, attach, current_job
+from distnb.jobs.attached import JOB_ANSWER_TIMEOUT, AttachedJob, attach, current_job
 from distnb.magics.support import parse, usage_errors
 
 __all__ = ["AttachMagics"]

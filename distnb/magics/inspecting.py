@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.attached import AttachedJob, current_job
+from distnb.jobs.attached import AttachedJob, current_job
 from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, unquote, usage_errors, views_or_usage_error
 
 __all__ = ["InspectMagics"]

@@ -1,6 +1,6 @@
 """``%dist_load``: the notebook looks into a job that already died or hung, through the files it
 left (distnb's records, Flight Recorder dumps, torchrun's error files). Thin over
-:func:`distnb.load` and :class:`distnb.loaded.LoadedJob`; ``%dist_detach`` leaves it."""
+:func:`distnb.load` and :class:`distnb.jobs.loaded.LoadedJob`; ``%dist_detach`` leaves it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.loaded import load
+from distnb.jobs.loaded import load
 from distnb.magics.support import parse, usage_errors
 
 __all__ = ["LoadMagics"]

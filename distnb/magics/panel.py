@@ -101,7 +101,7 @@ def _hide_threads() -> None:
 
 def _panel(debugger: Any) -> Any:
     """The running pool's rank debugger, wired to publish on this kernel; None without a pool."""
-    from distnb.pools import current_or_none
+    from distnb.jobs.pools import current_or_none
 
     pool = current_or_none()
     if pool is None:

@@ -13,20 +13,20 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from distnb.analysis.verdicts.verdict import VerdictState
-from distnb.attached import AttachedJob, current_job
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.display.cell_display import CellDisplay
 from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import widgets_available
 from distnb.errors import CellFailed, NoPoolError
-from distnb.loaded import LoadedJob
+from distnb.jobs.attached import AttachedJob, current_job
+from distnb.jobs.loaded import LoadedJob
+from distnb.jobs.pools import current_pool
 from distnb.magics.panel import cell_source
 from distnb.magics.support import keep_going, notebook_cell_number, pool_or_usage_error, show_checks, show_figure, stop_if_failed, views_or_usage_error
 from distnb.magics.support import parse as _parse
 from distnb.magics.support import usage_errors as _usage_errors
 from distnb.pool import Pool
-from distnb.pools import current_pool
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellEvents, CellResult
 from distnb.states import PoolState, RankState

@@ -14,11 +14,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import parse_argstring
 
 from distnb.analysis.reports.memory import figure_png
-from distnb.attached import AttachedJob, current_job
 from distnb.errors import CellFailed, DistnbError
-from distnb.loaded import LoadedJob
+from distnb.jobs.attached import AttachedJob, current_job
+from distnb.jobs.loaded import LoadedJob
+from distnb.jobs.pools import current_pool
 from distnb.pool import Pool
-from distnb.pools import current_pool
 
 if TYPE_CHECKING:
     from distnb.results import CellResult

@@ -14,8 +14,8 @@ import pytest
 from attachable_jobs import AttachableJob, running_job
 
 import distnb
-from distnb.attached import AttachedJob
 from distnb.controller.attach_link import AttachLink
+from distnb.jobs.attached import AttachedJob
 from distnb.services.job_stepper import STEP_WAIT, JobStepper
 from distnb.wire.discovery import list_jobs
 from distnb.worker.process.attachable import LEASE_ENV, TICK_MS

@@ -99,7 +99,7 @@ def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Attac
         assert "rank 0: pid" in status and "in all_reduce" in status and "The odd one out: rank 0." in status, status
     finally:
         attached.detach()
-    assert not attached.attached and distnb.attached.current_attached() is None
+    assert not attached.attached and distnb.jobs.attached.current_attached() is None
     with pytest.raises(distnb.AttachError, match="is detached; attach again"):
         attached.stacks()
     # Detached: the job runs on as it was, every process the same, still hung where it was.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import distnb
-from distnb import pools
+from distnb.jobs import pools
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

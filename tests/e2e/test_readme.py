@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from magic_shell import Shell
 
-from distnb import pools
+from distnb.jobs import pools
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -18,7 +18,7 @@ import zmq
 from magic_shell import Shell
 
 import distnb
-from distnb import pools
+from distnb.jobs import pools
 from distnb.launching.remote_nodes import NodeStarters
 from distnb.wire.codec import Codec
 from distnb.wire.peers import supervisor_identity

@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from magic_shell import Shell
 
 import distnb
-from distnb import pools
+from distnb.jobs import pools
 from distnb.wire import codec
 
 from conftest import wait_gone

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from magic_shell import Shell
 
 import distnb
-from distnb import pools
+from distnb.jobs import pools
 
 pytestmark = pytest.mark.timeout(60)
 

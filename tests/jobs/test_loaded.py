@@ -19,8 +19,8 @@ from typing import Iterator
 import pytest
 
 import distnb
-from distnb.attached import current_job
 from distnb.controller.dump_reader import read_job_dumps
+from distnb.jobs.attached import current_job
 
 from conftest import started_pids
 
@@ -401,7 +401,7 @@ def test_dist_load_and_the_read_only_magics(made: Path) -> None:
     from IPython.core.error import UsageError
     from magic_shell import Shell
 
-    from distnb import pools
+    from distnb.jobs import pools
 
     shell = Shell()
     pools.set_current(None)  # a shared pool an earlier module started is "current"; the launch below must meet the loaded job

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 import distnb
-from distnb.attached import current_attached
+from distnb.jobs.attached import current_attached
 from distnb.launching.attach_run import SITECUSTOMIZE, attach_env, run, write_site
 from distnb.wire.discovery import RankEndpoint, write_endpoint
 from distnb.worker.process import attachable

@@ -53,7 +53,7 @@ JOB_ANSWER_TIMEOUT = 2.0
 
 class JobView(Protocol):
     """A job the read-only views look into instead of a pool: one attached (:class:`AttachedJob`)
-    or one loaded from the records it left (:class:`distnb.loaded.LoadedJob`)."""
+    or one loaded from the records it left (:class:`distnb.jobs.loaded.LoadedJob`)."""
 
     job: str
 
@@ -78,7 +78,7 @@ _current: list[JobView] = []
 @dataclass
 class AttachStatus:
     """What ``%dist_status`` shows for an attached job (and, with its own heading, a loaded one,
-    ``distnb.loaded.LoadStatus``): a line per rank, the notes and the diagnosis."""
+    ``distnb.jobs.loaded.LoadStatus``): a line per rank, the notes and the diagnosis."""
 
     job: str
     world_size: int

@@ -30,10 +30,10 @@ from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, short_path
 from distnb.analysis.verdicts.stragglers import StragglerReport, stragglers_of
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Verdict, VerdictState
-from distnb.attached import AttachStatus, look_into, stop_looking
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.dump_reader import JobDumps, RankDump, callstack_frames, read_job_dumps
 from distnb.errors import LoadError
+from distnb.jobs.attached import AttachStatus, look_into, stop_looking
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
 from distnb.services.positions import position_of
