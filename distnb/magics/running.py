@@ -5,14 +5,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import time
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.analysis.verdicts.verdict import VerdictState
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.display.cell_display import CellDisplay
@@ -22,14 +20,16 @@ from distnb.errors import CellFailed, NoPoolError
 from distnb.jobs.attached import AttachedJob, current_job
 from distnb.jobs.loaded import LoadedJob
 from distnb.jobs.pools import current_pool
+from distnb.magics.after_cell import AfterCell, show_after_cell
+from distnb.magics.live_watch import HangWatch, follow
 from distnb.magics.panel import cell_source
-from distnb.magics.support import keep_going, notebook_cell_number, pool_or_usage_error, show_checks, show_figure, stop_if_failed, views_or_usage_error
+from distnb.magics.support import keep_going, notebook_cell_number, pool_or_usage_error, stop_if_failed, views_or_usage_error
 from distnb.magics.support import parse as _parse
 from distnb.magics.support import usage_errors as _usage_errors
 from distnb.pool import Pool
 from distnb.ranks import format_ranks, parse_ranks
 from distnb.results import CellEvents, CellResult
-from distnb.states import PoolState, RankState
+from distnb.states import RankState
 from distnb.wire.cell_code import RANK_NAMES
 
 __all__ = ["DistMagics"]
@@ -47,100 +47,6 @@ def _env_pairs(items: list[str] | None) -> dict[str, str]:
 
 def _print_note(text: str) -> None:
     print(f"[distnb] {text}", flush=True)
-
-
-#: Seconds after which a cell that runs with nothing wrong says what its ranks are doing.
-LONG_CELL = 5.0
-
-
-class _HangWatch:
-    """While a cell runs: flush live output, and once ranks disagree for a while, say why."""
-
-    def __init__(self, pool: Pool, result: CellResult, hang_after: float, view: CellDisplay | LivePrinter) -> None:
-        self._pool = pool
-        self._result = result
-        self._view = view
-        self._next = time.monotonic() + min(hang_after, 1.0)
-        self._shown = ""
-        self._watch = pool.watch(result, hang_after)
-        self._doing: tuple[object, ...] = ()  # what a long cell's ranks were said to be doing
-        self._started = time.monotonic()
-
-    @property
-    def said(self) -> bool:
-        """Whether a diagnosis was shown while the cell ran."""
-        return bool(self._shown)
-
-    def tick(self, result: CellResult) -> None:
-        view = self._view
-        if isinstance(view, CellDisplay):
-            view.tick(result)
-        else:
-            view.flush()
-        now = time.monotonic()
-        paused = bool(self._pool.debugger.pending(result))
-        if paused and isinstance(view, CellDisplay):
-            view.go_live()  # the user is about to be asked: show what the ranks printed so far
-        if now < self._next or not result.running or paused:
-            return  # (the debugger console says where paused ranks are)
-        self._next = now + 1.0
-        state: VerdictState | None  # None: the diagnosis itself failed
-        try:
-            diag = self._watch.look()
-        except Exception as exc:  # diagnosis is best effort; the cell keeps streaming
-            headline = f"could not diagnose: {exc}"
-            diag_text, state = f"[distnb] {headline}", None
-        else:
-            if diag is None:
-                self._say_activity(result, view)
-                return  # the ranks' logs show progress: nothing else to say
-            headline, diag_text, state = diag.summary, diag.text(), diag.state
-            if state is VerdictState.PAUSED and (verdict := self._pool.panel.verdict()):
-                headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
-        # Said again only when the headline changes (it carries no durations); a failing diagnosis
-        # is said once too, so a broken watch is not silent. "Slow" is healthy ranks waiting on a
-        # peer: the live view shows it while it lasts, and nothing of it stays (nor is printed).
-        if state is VerdictState.SLOW:
-            if isinstance(view, CellDisplay):
-                view.set_diagnosis(diag_text, keep=False)
-            return
-        if state in (VerdictState.HANG, VerdictState.PAUSED, None) and headline != self._shown:
-            self._shown = headline
-            if isinstance(view, CellDisplay):
-                view.set_diagnosis(diag_text)
-            else:
-                print(diag_text, file=sys.stderr)
-
-
-    def _say_activity(self, result: CellResult, view: CellDisplay | LivePrinter) -> None:
-        """A cell running past LONG_CELL with nothing wrong: what each group of ranks does now
-        (importing, compiling, building an extension, at which line). The live view updates it in
-        place and keeps none of it. Printed text (a terminal, no widgets) can't update a line: it says
-        only what explains a wait (ranks importing, compiling, building an extension), once each
-        time that changes kind; ranks merely running Python code print nothing."""
-        doing = self._watch.activity
-        if doing is None or time.monotonic() - self._started < LONG_CELL:
-            return
-        if isinstance(view, CellDisplay):
-            key: tuple[object, ...] = tuple((p.rank, p.state, p.detail, p.line, p.func) for p in doing.positions)
-        else:
-            key = tuple(sorted({p.detail.split(" ", 1)[0] for p in doing.positions if p.detail}))
-            if not key:
-                return
-        if key == self._doing:
-            return
-        self._doing = key
-        text = doing.text()
-        if isinstance(view, CellDisplay):
-            view.set_diagnosis(text, keep=False)
-        else:
-            print(text, file=sys.stderr)
-
-
-def _follow(pool: Pool, result: CellResult, view: CellDisplay) -> None:
-    """Keep a background cell's widget view updating until the cell ends."""
-    pool.wait(result, on_tick=view.tick, tick=0.25, ask=None)  # prompts wait for %dist_wait, on the kernel's thread
-    view.finish(result)
 
 
 @magics_class
@@ -422,9 +328,9 @@ class DistMagics(Magics):
                   "_dist holds its live result; %dist_stacks shows where it is, %dist_wait shows its output.")
             if isinstance(view, CellDisplay):
                 view.go_live()
-                threading.Thread(target=_follow, args=(pool, result, view), name="distnb-view", daemon=True).start()
+                threading.Thread(target=follow, args=(pool, result, view), name="distnb-view", daemon=True).start()
             return
-        watch = _HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, view)
+        watch = HangWatch(pool, result, pool.config.hang_after if args.hang_after is None else args.hang_after, view)
         pool.wait(result, timeout=args.timeout, on_tick=watch.tick, fail_fast=not args.no_fail_fast)
         if not watch.said:  # the live watch said why already, else the report does
             pool.explain_timeout(result)
@@ -433,29 +339,8 @@ class DistMagics(Magics):
         else:
             view.flush(final=True)
             self._show_outcome(result, view)
-        if args.check and not result.running and pool.state == PoolState.READY:
-            with _usage_errors():
-                show_checks(pool.check([n.strip() for n in args.check.split(",") if n.strip()], ranks=result.ranks))
-        if args.profile and not result.running:
-            from IPython.display import display
-
-            with _usage_errors():
-                report = pool.profile(result)
-            display(report)
-            if report.times:
-                show_figure(report.plot())
-        if args.comms and not result.running:
-            from IPython.display import display
-
-            with _usage_errors():
-                comms = result.comms()
-            display(comms)
-            if comms.rows:
-                show_figure(comms.plot())
-        if args.numerics and not result.running:
-            from distnb.magics.numerics import show_numerics
-
-            show_numerics(result)
+        if not result.running:
+            show_after_cell(pool, result, AfterCell(args.check, args.profile, args.comms, bool(args.numerics)))
         stop_if_failed(result, args.keep_going)  # last: the report, checks and profile are shown first
 
     def _show_outcome(self, result: CellResult, printer: LivePrinter) -> None:
