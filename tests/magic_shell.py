@@ -26,6 +26,27 @@ class Shell:
             self.ip.run_line_magic("load_ext", "distnb")
 
         self.pools: list[distnb.Pool] = []  # every pool these tests launched, for teardown
+        self.stopped_pids: list[int] = []
+
+    @contextlib.contextmanager
+    def launched(self, args: str) -> Iterator[Shell]:
+        """The magics over a pool ``%dist_launch ARGS`` starts for them; whatever the tests did
+        (failed half-way, relaunched, unloaded the extension), every pool they started is shut
+        down after, its PIDs kept in ``stopped_pids`` for the caller to check."""
+        # A shared pool another module restarted last is "current" (start() makes it so): the magics
+        # launch their own, which %dist_launch refuses while another is ready. The shared pool
+        # stays tracked by its owner.
+        pools.set_current(None)
+        try:
+            self.line("dist_launch", args)
+            yield self
+        finally:
+            if "on_ranks" not in self.ip.magics_manager.magics["cell"]:
+                self.ip.run_line_magic("load_ext", "distnb")
+            self.stopped_pids = sorted({p for pool in self.pools for p in pool.pids()})
+            for pool in self.pools:
+                pool.shutdown()
+            pools.set_current(None)
 
     def line(self, name: str, args: str = "") -> tuple[object, str, str]:
         out, err = io.StringIO(), io.StringIO()

@@ -20,22 +20,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 @pytest.fixture(scope="module")
 def sh():
     shell = Shell()
-    # A shared pool another module restarted last is "current" (start() makes it so): the magics
-    # here launch their own, which %dist_launch refuses while another is ready. The shared pool
-    # stays tracked by its owner.
-    pools.set_current(None)
-    try:
-        shell.line("dist_launch", "-n 2 --backend gloo")
+    with shell.launched("-n 2 --backend gloo"):
         yield shell
-    finally:
-        # Whatever the tests did (failed half-way, relaunched, unloaded the extension): stop every
-        # pool they started and check that no process of it is left.
-        if "on_ranks" not in shell.ip.magics_manager.magics["cell"]:
-            shell.ip.run_line_magic("load_ext", "distnb")
-        pids = sorted({p for pool in shell.pools for p in pool.pids()})
-        for pool in shell.pools:
-            pool.shutdown()
-        assert not wait_gone(pids, 10.0), f"pool processes survived the module's teardown: {pids}"
+    pids = shell.stopped_pids
+    assert not wait_gone(pids, 10.0), f"pool processes survived the module's teardown: {pids}"
 
 
 def test_wait_timeout_counts_from_the_call(sh: Shell) -> None:

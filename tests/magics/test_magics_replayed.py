@@ -35,16 +35,8 @@ def sh(fakes: list[FakeRanks]) -> Iterator[Shell]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(importlib.import_module("distnb.pool"), "TorchrunRanks", replayed)
         shell = Shell()
-        pools.set_current(None)  # the magics launch their own pool (a shared real one may be current)
-        try:
-            shell.line("dist_launch", "-n 2 --backend gloo")
+        with shell.launched("-n 2 --backend gloo"):
             yield shell
-        finally:
-            if "on_ranks" not in shell.ip.magics_manager.magics["cell"]:
-                shell.ip.run_line_magic("load_ext", "distnb")
-            for pool in shell.pools:
-                pool.shutdown()
-            pools.set_current(None)
     assert [f.unrecorded for f in fakes] == [[]] and [f.errors for f in fakes] == [[]], "the replay was asked what it never recorded"
 
 
