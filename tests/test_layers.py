@@ -4,6 +4,7 @@ speaks to the controller only through the shared modules, and the public surface
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import distnb
@@ -53,12 +54,23 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
+@functools.cache
+def _modules() -> frozenset[str]:
+    return frozenset(_module_name(p) for p in PACKAGE.rglob("*.py"))
+
+
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for every rule here."""
+    return ast.parse(path.read_text())
+
+
 def _top_level_imports(path: Path, functions: bool = False) -> set[str]:
     """distnb modules imported when ``path`` is imported: module level, not under TYPE_CHECKING;
     with ``functions``, the imports inside functions too (they load on first use, but hide a
     dependency all the same: they obey the layers, and form no cycle)."""
     found: set[str] = set()
-    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    modules = _modules()
 
     def visit(nodes: list[ast.stmt]) -> None:
         for node in nodes:
@@ -77,7 +89,7 @@ def _top_level_imports(path: Path, functions: bool = False) -> set[str]:
             elif isinstance(node, ast.Import):
                 found.update(a.name[len("distnb."):] for a in node.names if a.name.startswith("distnb."))
 
-    visit(ast.parse(path.read_text()).body)
+    visit(_parsed(path).body)
     found.discard(_module_name(path))
     return found
 
@@ -145,7 +157,7 @@ def test_analyses_are_pure() -> None:
     """Data in, findings out: no analysis starts a process, opens a socket or a thread, or imports
     torch, ZMQ or IPython (the controller only for type checking: see the layer test)."""
     for path in (PACKAGE / "analysis").rglob("*.py"):
-        tree = ast.parse(path.read_text())
+        tree = _parsed(path)
         imported = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
         banned = imported & {"torch", "zmq", "IPython", "ipywidgets", "subprocess", "socket", "threading"}
@@ -162,7 +174,7 @@ def test_one_home_per_name() -> None:
     package's own face)."""
     homes: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
-        for node in ast.parse(path.read_text()).body:
+        for node in _parsed(path).body:
             names: list[str] = []
             if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
                 names = [node.name]
@@ -181,7 +193,7 @@ def test_one_home_per_name() -> None:
     for path in PACKAGE.rglob("*.py"):
         if path.name == "__init__.py" or path == PACKAGE / "node.py":
             continue
-        tree = ast.parse(path.read_text())
+        tree = _parsed(path)
         exported = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                          and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), [])
         foreign = [name for name in exported if _module_name(path) not in homes.get(name, {_module_name(path)})]
@@ -235,7 +247,7 @@ def test_nothing_reads_a_root_cause_back_from_words() -> None:
     that write the words, no module holds "Root cause" to search the words for it."""
     offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "analysis" not in p.relative_to(PACKAGE).parts
                  and any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "Root cause" in n.value
-                         for n in ast.walk(ast.parse(p.read_text())))]
+                         for n in ast.walk(_parsed(p)))]
     assert not offenders, offenders
 
 
