@@ -88,9 +88,13 @@ def test_background_cell_and_wait(sh: Shell) -> None:
 
 
 def test_export_writes_a_script(sh: Shell, tmp_path) -> None:
+    # The session's last failure is what the export ends with (and runs once to verify): an error
+    # made here, not whatever the tests before left (a hang verifies for 30 s).
+    sh.cell("--keep-going", "assert rank != 1, 'the case to export'")
     target = tmp_path / "case.py"
     _, out, _ = sh.line("dist_export", str(target))
     assert target.exists() and "torchrun --nproc-per-node 2" in out
+    assert "the case to export" in target.read_text()
 
 
 def test_regroup_magic_gives_a_working_group(sh: Shell) -> None:
