@@ -182,12 +182,14 @@ class Pool(PoolViews):
             )
 
     def _teardown(self) -> list[int]:
-        """Stop what this launch started, in order; the tracker ends STOPPED whatever happens."""
-        self._tracker.begin_stop()
+        """Stop what this launch started, in order; the tracker ends STOPPED whatever happens once it began."""
+        # A launch that failed before it began (the wire could not listen) left the pool as it was.
+        began = self._tracker.begin_stop() or self._tracker.state == PoolState.STOPPING
         try:
             return self._transport.close()
         finally:
-            self._tracker.stopped()
+            if began:
+                self._tracker.stopped()
 
     def restart(
         self,

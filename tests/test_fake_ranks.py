@@ -10,6 +10,7 @@ import pytest
 from fake_ranks import FakeRanks, Stream
 
 import distnb
+from distnb.controller.tracker import Tracker
 from distnb.wire.protocol import Msg
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,3 +75,27 @@ def test_cell_numbers_are_the_pools_own_in_replayed_messages(replayed: tuple[dis
     for res in (first, again):
         assert res[2].error is not None and f"<cell-{res.cell}>" in res.text(), res.text()
         assert res.cell == 4 or "<cell-4>" not in res.text()
+
+
+def test_a_launch_that_fails_before_it_begins_says_why_and_can_be_tried_again() -> None:
+    """The wire could not listen (an address in use, not this machine's): the LaunchError says so,
+    nothing was started, and the pool can start once the cause is gone."""
+
+    class NoWire(FakeRanks):
+        failures = 1
+
+        def open(self, tracker: Tracker) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise distnb.LaunchError("can't listen on 10.0.0.1:5555: Cannot assign requested address.")
+            super().open(tracker)
+
+    pool = distnb.Pool(nproc=4, backend="gloo", transport=NoWire(Stream.load("four_ranks")))
+    with pytest.raises(distnb.LaunchError, match="can't listen on"):
+        pool.start()
+    assert pool.state == distnb.PoolState.NEW
+    pool.start()
+    try:
+        assert pool.state == distnb.PoolState.READY
+    finally:
+        pool.shutdown()
