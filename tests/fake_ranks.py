@@ -5,7 +5,8 @@ ranks sent, recorded once from a real pool (``tests/record_streams.py``) and kep
 A recording is every message the controller received (peer, message, when) and every message it
 sent. :class:`Stream` cuts it into the start (up to every rank READY), one reply stream per cell
 (what each rank sent from the cell's EXEC up to its CELL_DONE, collectives and output included)
-and the replies to requests (``%dist_stacks``' STACKS, MEMORY, ENV …) by kind and rank.
+and the replies to requests (``%dist_stacks``' STACKS, MEMORY, ENV, a PULL of a name …) by what
+was asked and rank.
 :class:`FakeRanks` then answers the Pool as the ranks did: a cell whose code was recorded is
 replayed with the cell number the Pool gave it now; a request gets the recorded reply with its id;
 anything not recorded fails loudly, in the test (``unrecorded``), never by a silent wait.
@@ -96,6 +97,12 @@ def _renumber(value: Any, old: int, new: int) -> Any:
     return value
 
 
+def _asked(request: dict[str, Any]) -> tuple[str, str]:
+    """What a request asks, as a replay tells requests apart: its kind and the names it names (a
+    PULL's variables, a CHECK's), so that a pull of another name is not answered with this one's value."""
+    return request["t"], repr(request.get("names", ""))
+
+
 #: What the ranks send that is not a cell's: answers to requests (replayed by id), the start.
 _NOT_A_CELLS = frozenset({Msg.REPLY, Msg.SUP_HELLO, Msg.HELLO, Msg.READY})
 
@@ -108,8 +115,8 @@ class Stream:
     start: list[Received]
     #: code -> (the cell number it ran as, what the ranks sent for it: kind, rank, message)
     cells: dict[str, tuple[int, list[Received]]] = field(default_factory=dict)
-    #: request kind -> rank -> the rank's reply (its ``id`` replaced at replay)
-    replies: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    #: what was asked (:func:`_asked`) -> rank -> the rank's reply (its ``id`` replaced at replay)
+    replies: dict[tuple[str, str], dict[int, dict[str, Any]]] = field(default_factory=dict)
     #: code -> the text of the real pool's result for it
     texts: dict[str, str] = field(default_factory=dict)
 
@@ -131,7 +138,7 @@ class Stream:
             if item[3]["t"] == Msg.READY:
                 ready.add(item[2])
         stream = cls(nproc, [(0.0, kind, rank, msg) for _, kind, rank, msg in start])  # a replayed start takes no time
-        requests = {m["id"]: m["t"] for _, _, m in sent if "id" in m and m["t"] != Msg.EXEC}
+        requests = {m["id"]: _asked(m) for _, _, m in sent if "id" in m and m["t"] != Msg.EXEC}
         execs = [(t, m["cell"], m["code"]) for t, _, m in sent if m["t"] == Msg.EXEC]
         # A cell's messages: what the ranks sent from its EXEC to the next cell's (collectives are
         # pushed shortly after a cell ends; a rank that died sends its exit instead of CELL_DONE).
@@ -142,7 +149,7 @@ class Stream:
                                              if t0 <= t < t1 and msg["t"] not in _NOT_A_CELLS])
         for _, _, rank, msg in rest:
             if msg["t"] == Msg.REPLY and (kind := requests.get(msg.get("id"))) is not None:
-                stream.replies.setdefault(kind, {}).setdefault(rank, msg)
+                stream.replies.setdefault(kind, {}).setdefault(rank, msg)  # the first answer to it
         return stream
 
 
@@ -230,7 +237,7 @@ class FakeRanks:
         self._replay(mine, at=now)
 
     def _answer_request(self, rank: int, msg: dict[str, Any], now: float) -> None:
-        reply = self.stream.replies.get(msg["t"], {}).get(rank)
+        reply = self.stream.replies.get(_asked(msg), {}).get(rank)
         if reply is None:  # answered as an error the caller reports, and kept for the test
             self.unrecorded.append(f"{msg['t']} to rank {rank}")
             reply = {"t": Msg.REPLY, "error": f"the recording has no reply to {msg['t']} from rank {rank}"}
