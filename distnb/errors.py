@@ -187,7 +187,7 @@ def _summary(result: CellResult) -> str:
     # A death's true cause (gloo aborts the rank that received too much, not the one that sent
     # it) or a timeout's (the rank that never came): whom to look at, as the diagnosis blamed them.
     blamed = result.blamed
-    if blamed is None or not blamed.ranks:
+    if blamed is None:
         return line
     return f"{line} — root cause: {'likely ' if blamed.likely else ''}{format_ranks(blamed.ranks)}"
 

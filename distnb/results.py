@@ -1,6 +1,6 @@
 """What a cell gives back: its result per rank and in all (each with a plain-text form that stands
-alone and names its ranks), the callbacks that stream it while it runs, and the records replay and
-export keep of old cells and pushes."""
+alone and names its ranks), and the callbacks that stream it while it runs. (What replay and export
+keep of old cells and pushes is the session log's: ``controller/session.py``.)"""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ fake's own, as the channel's I/O thread delivers them, and the tracker's tick ru
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import pickle
@@ -33,7 +34,9 @@ from distnb.launching.remote_nodes import Nodes
 from distnb.states import RankState
 from distnb.transport.multinode import MultiNode
 from distnb.wire.peers import Peer, PeerKind, parse_identity
-from distnb.wire.protocol import Msg, accept
+from distnb.wire.protocol import Msg
+
+from conftest import feed
 
 __all__ = ["FakeRanks", "Recorder", "Stream", "STREAMS"]
 
@@ -219,7 +222,7 @@ class FakeRanks:
         now = time.monotonic()
         for identity in identities:
             self.sent.append((identity, dict(msg)))
-            kind, rank = parse_identity(identity)
+            _, rank = parse_identity(identity)
             if msg["t"] == Msg.EXEC:
                 self._answer_cell(rank, msg, now)
             elif "id" in msg:
@@ -246,14 +249,7 @@ class FakeRanks:
     # -- delivery, on the fake's own thread -----------------------------------------------------
     def _replay(self, items: list[Received], at: float) -> None:
         for t, kind, rank, msg in items:
-            self._later(at + t if t > 1e-3 else at, self._deliverer(kind, rank, msg))
-
-    def _deliverer(self, kind: str, rank: int, msg: dict[str, Any]) -> Callable[[], None]:
-        def deliver() -> None:
-            assert self._tracker is not None
-            peer_kind = PeerKind(kind)
-            self._tracker.on_message(Peer(peer_kind, rank), accept(peer_kind, dict(msg)))
-        return deliver
+            self._later(at + t, functools.partial(feed, self._tracker, kind, rank, dict(msg)))
 
     def _later(self, when: float, fn: Callable[[], None]) -> None:
         self._inbox.put((when, next(self._order), fn))

@@ -22,6 +22,7 @@ from distnb.results import CellResult
 
 __all__ = ["KEEP_OUTPUT_BYTES", "KEEP_PUSH_BYTES", "KEEP_RESULTS", "CellRecord", "PushRecord", "SessionLog", "Step"]
 
+
 @dataclass(frozen=True, slots=True)
 class CellRecord:
     """What replay and export need of an old cell, once its outputs are let go."""

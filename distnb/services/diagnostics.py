@@ -312,7 +312,7 @@ class Diagnostics:
                     result.root_cause, result.blamed = self.timeout_note(result)
                 else:
                     result.root_cause = verdict.summary
-                    result.blamed = Blame(tuple(verdict.culprits), verdict.certainty) if verdict.culprits else None
+                    result.blamed = Blame.of(verdict.culprits, verdict.certainty)
                 if result.desync:
                     result.desync_note = self.desync_note(result)
             else:
@@ -350,12 +350,12 @@ class Diagnostics:
             source = "distnb's collective log"
         paired = cross_cell(log, list(result.ranks), result.cell)
         if paired is not None:  # "never arrived" would blame the ranks whose call was taken
-            return f"[distnb] {paired.text()}", Blame(tuple(paired.blamed), Certainty.CERTAIN) if paired.blamed else None
+            return f"[distnb] {paired.text()}", Blame.of(paired.blamed, Certainty.CERTAIN)
         blames = seq_blame(marks, log.groups)
         if not blames:
             return "", None
         # Sequence numbers run without gaps: a rank whose last is lower never issued the call.
-        return f"[distnb] {blames[0].text(timed_out)} (from {source})", Blame(tuple(sorted(blames[0].never)), Certainty.CERTAIN)
+        return f"[distnb] {blames[0].text(timed_out)} (from {source})", Blame.of(sorted(blames[0].never), Certainty.CERTAIN)
 
     def desync_note(self, result: CellResult) -> str:
         """The end-of-cell count mismatches in words, with the collectives involved (the log is

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Iterable
 
 from distnb.ranks import format_ranks, group_by
 
@@ -77,6 +77,12 @@ class Blame:
 
     ranks: tuple[int, ...]
     certainty: Certainty
+
+    @classmethod
+    def of(cls, ranks: Iterable[int], certainty: Certainty) -> Blame | None:
+        """Blame on ``ranks``; None when there are none to name."""
+        named = tuple(ranks)
+        return cls(named, certainty) if named else None
 
     @property
     def likely(self) -> bool:
