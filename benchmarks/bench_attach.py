@@ -1,8 +1,8 @@
 """What an attachable job costs while healthy (issue 40): a small DDP loop's step time, run plain
 and made attachable (``python -m distnb run``, with and without the records a dead or hung job
-leaves), and attachable with a notebook attached and asking for stacks and collectives once a
-second — the four interleaved, so the machine's drift falls on
-each alike. Reports medians; asserts nothing.
+leaves), attachable with a notebook attached and asking for stacks and collectives once a
+second, and watched by the wrapper (``--watch``, issue 48: it asks the same once a second) — the
+five interleaved, so the machine's drift falls on each alike. Reports medians; asserts nothing.
 
     python benchmarks/bench_attach.py [--nproc 2] [--steps 300] [--rounds 3] [--out FILE]
 """
@@ -51,13 +51,14 @@ dist.destroy_process_group()
 def run_job(mode: str, nproc: int, steps: int, folder: Path) -> float:
     """One job's median step time (s), rank 0's, in ``mode``: plain, attachable (with the records a
     dead or hung job leaves, ``worker/process/job_records.py``), attachable without those records
-    (``no_records``: what the recorder itself costs) or attached."""
+    (``no_records``: what the recorder itself costs), attached, or watched (``--watch``)."""
     out = folder / f"{mode}-{uuid.uuid4().hex[:6]}.json"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(folder / "loop.py"), str(steps), str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            "DISTNB_JOBS_DIR": str(folder / "jobs"), "OMP_NUM_THREADS": "1", "DISTNB_RECORDS": "0" if mode == "no_records" else "1"}
     job_id = f"bench-{uuid.uuid4().hex[:6]}"
-    cmd = torchrun if mode == "plain" else [sys.executable, "-m", "distnb", "run", "--job-id", job_id, "--", *torchrun]
+    watch = ["--watch"] if mode == "watched" else []
+    cmd = torchrun if mode == "plain" else [sys.executable, "-m", "distnb", "run", "--job-id", job_id, *watch, "--", *torchrun]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     asker = None
     if mode == "attached":
@@ -93,7 +94,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
-    modes = ("plain", "attachable", "no_records", "attached")
+    modes = ("plain", "attachable", "no_records", "attached", "watched")
     got: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -104,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="only install distnb-attach.pth into site-packages (or DIR): every Python of that environment then starts "
                    "attachable when DISTNB_ATTACH=1 (and a rank: RANK and WORLD_SIZE set), and is untouched without it")
     r.add_argument("--uninstall-hook", nargs="?", const="", default=None, metavar="DIR", help="remove what --install-hook wrote")
+    r.add_argument("--watch", action="store_true",
+                   help="watch the job for a hang the records prove (different calls, a call only some ranks made, a rank that "
+                   "died while others wait) and say it in the job's log; a slow collective or a rank still computing is never one")
+    r.add_argument("--on-hang", choices=("report", "dump", "stop"), default=None,
+                   help="with --watch: report (the verdict in the log; the default), dump (and the verdict, stacks, collectives and a "
+                   "reproduce notebook in the job's records folder), stop (and end the job)")
+    r.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
+                   help="with --watch: how long every rank must have waited before a verdict (default 3)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="command", help="-- then the command, e.g. -- torchrun --nproc-per-node 4 train.py")
     args = parser.parse_args(argv)
     if args.command == "jobs":
@@ -131,7 +140,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_site:
             print(write_site(args.write_site))
             return 0
-        return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd, args.job_id)
+        watcher = None
+        if args.watch or os.environ.get("DISTNB_WATCH"):
+            from distnb.jobs.watch import ON_HANG, start_watch
+
+            on_hang = args.on_hang or os.environ.get("DISTNB_WATCH_ON_HANG") or "report"
+            if on_hang not in ON_HANG:
+                parser.error(f"DISTNB_WATCH_ON_HANG={on_hang!r}: use report, dump or stop.")
+            from distnb.config import LaunchConfig
+
+            hang_after = args.hang_after if args.hang_after is not None else LaunchConfig.hang_after
+            if hang_after <= 0:
+                parser.error("--hang-after takes a positive number of seconds, e.g. --hang-after 5.")
+            watcher = start_watch(on_hang, hang_after)
+        elif args.on_hang or args.hang_after is not None:
+            parser.error("--on-hang and --hang-after go with --watch: python -m distnb run --watch --on-hang stop -- torchrun …")
+        return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd, args.job_id, watcher)
     if args.command == "demo":
         if not 1 <= args.nproc <= 64:
             parser.error(f"-n takes 1 to 64 ranks for the demo, not {args.nproc}.")

@@ -17,7 +17,7 @@ from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.verdict import Blame, Verdict
 from distnb.cell_names import cell_name, name_cells_in
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
-from distnb.wire.records import CellError, NumericsRecord, SyncState
+from distnb.wire.records import CellError, NumericsRecord, SyncState, ThreadError
 
 __all__ = [
     "CellEvents",
@@ -115,6 +115,7 @@ class RankResult:
     sync: SyncState | None = None  # collectives issued per group at the cell's end (worker/torch_hooks/group_state.py)
     paths: dict[str, Any] | None = None  # which notebook lines ran, as transitions (worker/recorders/paths.py)
     compiles: dict[str, Any] | None = None  # torch.compile's frames compiled, recompiles, graph breaks (worker/torch_hooks/compile_record.py)
+    threads: list[ThreadError] = field(default_factory=list)  # the rank's other threads' uncaught exceptions in the cell
 
     def add_output(self, stream: str, text: str) -> None:
         """Append ``text`` to ``stream`` (``"stdout"`` or ``"stderr"``) without copying what is there."""

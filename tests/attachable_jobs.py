@@ -18,18 +18,35 @@ from distnb.wire.discovery import list_jobs
 
 from conftest import marked_processes, started_pids, wait_gone, wait_until
 
-__all__ = ["AttachableJob", "running_job"]
+__all__ = ["LOOP_EXIT", "AttachableJob", "plain_job", "running_job"]
 
 REPO = str(Path(__file__).resolve().parents[1])
+
+#: A job hung by a rank that leaves its loop early: rank 2 waits in the barrier (line 11), the
+#: others in their 4th all_reduce (line 10).
+LOOP_EXIT = """import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.ones(4)
+for step in range(1000):
+    if rank == 2 and step == 3:
+        break  # rank 2 leaves the loop early
+    dist.all_reduce(t)
+dist.barrier()
+"""
 
 
 class AttachableJob:
     """``python -m distnb run -- torchrun --nproc-per-node N SCRIPT`` in ``folder``, marked with
     ``mark`` = a fresh token: torchrun starts each rank in a session of its own, so only the token
-    finds them all. ``env`` is added to the test's environment; ``stderr`` is where the job's goes."""
+    finds them all. ``env`` is added to the test's environment; ``stderr`` is where the job's goes;
+    ``run_args`` go to ``python -m distnb run`` (``--watch`` …)."""
 
     def __init__(self, folder: Path, script: str, nproc: int, mark: str, env: dict[str, str] | None = None,
-                 stderr: int | IO[Any] = subprocess.DEVNULL, standalone: bool = False, job_id: str | None = None) -> None:
+                 stderr: int | IO[Any] = subprocess.DEVNULL, standalone: bool = False, job_id: str | None = None,
+                 run_args: tuple[str, ...] = ()) -> None:
         self.folder, self.mark, self.token = folder, mark, uuid.uuid4().hex
         self.job_id = job_id or f"test-{uuid.uuid4().hex[:6]}"
         full = {**os.environ, **(env or {}), mark: self.token,
@@ -37,7 +54,7 @@ class AttachableJob:
         torchrun = [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if standalone else []),
                     "--nproc-per-node", str(nproc), "--monitor-interval", "1", script]
         self.proc: subprocess.Popen[str] = subprocess.Popen(
-            [sys.executable, "-m", "distnb", "run", "--job-id", self.job_id, "--", *torchrun], cwd=folder, env=full,
+            [sys.executable, "-m", "distnb", "run", "--job-id", self.job_id, *run_args, "--", *torchrun], cwd=folder, env=full,
             start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
     def processes(self) -> set[int]:
@@ -76,4 +93,26 @@ def running_job(folder: Path, script: str, nproc: int, mark: str, env: dict[str,
     finally:
         left = job.kill()
         jobs_dir.undo()
+        assert not left, f"the job's processes outlived the test: {left}"
+
+
+@contextlib.contextmanager
+def plain_job(folder: Path, script: str, nproc: int, mark: str, ready: int | None = None) -> Iterator[AttachableJob]:
+    """``torchrun --nproc-per-node N SCRIPT`` with nothing of distnb anywhere in its environment (no
+    wrapper, no hook, no distnb on its path): a job as users start theirs. Found by ``mark``'s
+    token and killed by PID at the end, as :func:`running_job`'s. Yields once ``ready`` (default
+    ``nproc``) ranks have started."""
+    job = AttachableJob.__new__(AttachableJob)
+    job.folder, job.mark, job.token, job.job_id = folder, mark, uuid.uuid4().hex, ""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTNB_") and k != "PYTHONPATH"}
+    env[mark] = job.token
+    job.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--monitor-interval", "1",
+                                 script], cwd=folder, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, text=True)
+    try:
+        wait_until(lambda: len(job.processes()) > (ready if ready is not None else nproc), 120, f"torchrun and its {nproc} ranks")
+        started_pids.update(job.processes())
+        yield job
+    finally:
+        left = job.kill()
         assert not left, f"the job's processes outlived the test: {left}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -14,14 +14,21 @@ import distnb
 from distnb.jobs import pools
 
 
+def process_shell() -> Any:
+    """This test process's one IPython shell (IPython's own test shell): every test that drives
+    magics in-process takes this one, whichever file a pytest-xdist worker ran first — IPython
+    keeps one shell per process, and a second of another class cannot be made."""
+    from IPython import get_ipython
+    from IPython.testing.globalipapp import start_ipython
+
+    return start_ipython() or get_ipython()
+
+
 class Shell:
     """An InteractiveShell with distnb loaded; captures what the magics print."""
 
     def __init__(self) -> None:
-        from IPython import get_ipython
-        from IPython.testing.globalipapp import start_ipython
-
-        self.ip = start_ipython() or get_ipython()  # one test shell per process
+        self.ip = process_shell()
         if "on_ranks" not in self.ip.magics_manager.magics["cell"]:
             self.ip.run_line_magic("load_ext", "distnb")
 

@@ -108,4 +108,6 @@ class Deaths:
         }
         if c.get("line") is not None:
             entry["line"], entry["func"], entry["call_cell"] = c["line"], c.get("func") or "", c["cell"]
+            if c.get("in_line") is not None:
+                entry["in_line"] = c["in_line"]
         self._log.keep(rank, entry)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from distnb import _processes
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
@@ -31,13 +30,15 @@ from distnb.config import LaunchConfig
 from distnb.controller.attach_link import AttachLink
 from distnb.controller.collective_log import CollectiveLog
 from distnb.errors import AttachError
+from distnb.jobs.looking import AttachStatus, current_job, look_into, stop_looking
+from distnb.launching.bare_jobs import BareJobFiles, bare_job_of, find_bare_jobs, unreadable_note
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
 from distnb.services.debugger import Ask, read_line
 from distnb.services.diagnostics import REREAD_AFTER
 from distnb.services.job_console import JobConsole, warning
 from distnb.services.job_stepper import JobStepper
-from distnb.services.native_stacks import py_spy_dumps
+from distnb.services.native_stacks import py_spy_dumps, py_spy_path
 from distnb.services.positions import position_of, unsettled
 from distnb.services.reproduce import JobFacts, Reproduced, job_facts, write_reproduction
 from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
@@ -45,63 +46,13 @@ from distnb.wire.protocol import Msg
 from distnb.wire.records import CollectivesRead, PeekRead
 from distnb.worker.process.peek import EVAL_TIMEOUT
 
-__all__ = ["AttachStatus", "AttachedJob", "JobView", "attach", "current_attached", "current_job", "detach", "look_into", "stop_looking"]
+if TYPE_CHECKING:
+    from distnb.jobs.bare import BareJob
+
+__all__ = ["AttachedJob", "attach", "current_attached", "detach"]
 
 #: How long each rank has to answer the first request of an attach, and every later one.
 JOB_ANSWER_TIMEOUT = 2.0
-
-
-class JobView(Protocol):
-    """A job the read-only views look into instead of a pool: one attached (:class:`AttachedJob`)
-    or one loaded from the records it left (:class:`distnb.jobs.loaded.LoadedJob`)."""
-
-    job: str
-
-    def describe(self) -> str:
-        """``attached to job X`` · ``looking into the records of job X``: for the magics' words."""
-        ...
-
-    def detach(self) -> None:
-        """Leave the job (the job itself is not changed)."""
-        ...
-
-    def reproduce(self, path: str | None = None, ranks: int | None = None) -> Reproduced:
-        """Write the notebook that stands in for the job (``%dist_reproduce``), on a pool of the job's
-        world size or of ``ranks``."""
-        ...
-
-
-#: The job the notebook looks into, if any (one at a time: attaching or loading leaves the last).
-_current: list[JobView] = []
-
-
-@dataclass
-class AttachStatus:
-    """What ``%dist_status`` shows for an attached job (and, with its own heading, a loaded one,
-    ``distnb.jobs.loaded.LoadStatus``): a line per rank, the notes and the diagnosis."""
-
-    job: str
-    world_size: int
-    rows: list[tuple[int, int | None, str]]  # rank, pid, state in words
-    verdict: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    def heading(self) -> str:
-        return f"attached to job {self.job} (read-only): {self.world_size} ranks"
-
-    def text(self) -> str:
-        lines = [self.heading()]
-        lines += [f"  rank {r}: pid {pid if pid is not None else '?'}, {state}" for r, pid, state in self.rows]
-        lines += [f"  {n}" for n in self.notes]
-        if self.verdict:
-            lines.append(self.verdict)
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text())
 
 
 class AttachedJob:
@@ -359,14 +310,34 @@ class AttachedJob:
 
 
 def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT, hosts: Sequence[str] | str | None = None,
-           slurm: bool = False) -> AttachedJob:
-    """Attach to an attachable job: ``job`` names it (as ``python -m distnb run`` printed it);
-    without it, the one job there is. Its ranks on this machine, and on ``hosts`` (read over ssh)
-    or every node of the current Slurm allocation (``slurm``), which need the job started with
-    ``DISTNB_ATTACH_HOST`` set to an address this machine reaches. Raises
-    :class:`~distnb.errors.AttachError` with what to do when there is none, several, or its ranks
-    are gone or silent."""
+           slurm: bool = False, pid: int | None = None) -> AttachedJob | BareJob:
+    """Attach to a job: ``job`` names it (as ``python -m distnb run`` printed it, or
+    ``torchrun-PID``); ``pid`` finds it by its torchrun agent's or any rank's process; without
+    either, the one job there is. An attachable job (started with ``python -m distnb run``) is
+    asked by its ranks' control threads; any other torchrun job on this machine is read from
+    outside (:class:`~distnb.jobs.bare.BareJob`: py-spy and /proc, verdicts "likely"). Its ranks
+    on this machine, and on ``hosts`` (read over ssh) or every node of the current Slurm
+    allocation (``slurm``), which need the job started with ``DISTNB_ATTACH_HOST`` set to an
+    address this machine reaches. Raises :class:`~distnb.errors.AttachError` with what to do when
+    there is none, several, or its ranks are gone or silent."""
     jobs, unread = _listings(hosts, slurm)
+    if pid is not None:
+        hooked = [j for j in jobs if any(e.pid == pid for e in j.ranks.values())]
+        if hooked:
+            job = hooked[0].job
+        else:
+            return _bare(bare_job_of(pid), f"pid {pid}: {unreadable_note(pid)}")
+    if job is not None and job.startswith("torchrun-") and not any(j.job == job for j in jobs):
+        agent = job.removeprefix("torchrun-")
+        return _bare(bare_job_of(int(agent)) if agent.isdigit() else None, f"no torchrun job {job!r} on this machine now: it has ended, or its name is not "
+                     "torchrun-<its agent's pid>; %dist_attach with no argument finds the job there is")
+    if job is None and not any(j.ranks for j in jobs):
+        bare = find_bare_jobs()
+        if len(bare) == 1:
+            return _bare(bare[0], "")
+        if len(bare) > 1:
+            raise AttachError("several torchrun jobs on this machine, none started with distnb; name one by its agent's pid: "
+                              + "; ".join(b.line() for b in bare))
     if job is not None:
         named = [j for j in jobs if j.job == job]
         if not named:
@@ -380,8 +351,9 @@ def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT, hosts: S
         if not live:
             stale = f" ({len(jobs)} with stale files only: {', '.join(j.job for j in jobs)}, their processes gone)" if jobs else ""
             where = "on this machine" + (" or the machines asked" if hosts or slurm else "")
-            raise AttachError(f"no attachable job {where}{stale}: start one with python -m distnb run -- torchrun "
-                              "--nproc-per-node N train.py (or set DISTNB_ATTACH=1 with the hook on the ranks' PYTHONPATH)"
+            raise AttachError(f"no attachable job {where}{stale}, nor any other torchrun job here: start one with python -m distnb "
+                              "run -- torchrun --nproc-per-node N train.py (or set DISTNB_ATTACH=1 with the hook on the ranks' PYTHONPATH); "
+                              "a job started otherwise is found by its processes (%dist_attach --pid PID when ps shows it)"
                               + "".join(f"; {m}: {why}" for m, why in unread.items()) + ".")
         if len(live) > 1:
             raise AttachError("several attachable jobs on this machine; name one, e.g. %dist_attach "
@@ -402,6 +374,22 @@ def attach(job: str | None = None, timeout: float = JOB_ANSWER_TIMEOUT, hosts: S
     return attached
 
 
+def _bare(files: BareJobFiles | None, why_not: str) -> BareJob:
+    """A job not started with distnb, looked into from outside; ``why_not`` when there is none."""
+    if files is None:
+        raise AttachError(f"{why_not}.")
+    if not files.ranks:
+        raise AttachError(f"job {files.job} has no rank on this machine that this user can read.")
+    if py_spy_path() is None:
+        raise AttachError(f"job {files.job} was not started with distnb, so it is read from outside, with py-spy: pip install py-spy "
+                          "(or distnb[native]) beside this Python, then attach again.")
+    from distnb.jobs.bare import BareJob
+
+    found = BareJob(files)
+    look_into(found)
+    return found
+
+
 def _read(ask: Ask, prompt: str, say: Callable[[str], None]) -> str:
     """The console's next line; "q" when there is none to be had (end of input, a front-end without input)."""
     try:
@@ -411,24 +399,6 @@ def _read(ask: Ask, prompt: str, say: Callable[[str], None]) -> str:
     except NotImplementedError:  # IPython's StdinNotImplementedError: nbconvert, a kernel run without stdin
         say("[distnb] this front-end gives no input line: %dist_debug RANK -c CMD [-c CMD …] runs commands instead.")
         return "q"
-
-
-def look_into(job: JobView) -> None:
-    """From now, the read-only views look into ``job``; the job looked into before is left."""
-    for old in list(_current):
-        old.detach()
-    _current.append(job)
-
-
-def stop_looking(job: JobView) -> None:
-    """``job`` is no longer the one the views look into (its ``detach`` calls this)."""
-    if job in _current:
-        _current.remove(job)
-
-
-def current_job() -> JobView | None:
-    """The job the read-only views look into (attached or loaded), if any."""
-    return _current[-1] if _current else None
 
 
 def _listings(hosts: Sequence[str] | str | None, slurm: bool) -> tuple[list[JobFiles], dict[str, str]]:

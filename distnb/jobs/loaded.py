@@ -20,20 +20,20 @@ from typing import Any, cast
 
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.sequence_numbers import dump_marks, seq_blame
 from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.reports.memory import MemoryReport
-from distnb.analysis.reports.nccl_dumps import dump_marks, seq_blame
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.failures import cut_message
 from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler, short_path
 from distnb.analysis.verdicts.stragglers import StragglerReport, stragglers_of
-from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Verdict, VerdictState
+from distnb.analysis.verdicts.verdict import Certainty, Kind, Verdict
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.dump_reader import JobDumps, RankDump, callstack_frames, read_job_dumps
 from distnb.errors import LoadError
-from distnb.jobs.attached import AttachStatus, look_into, stop_looking
+from distnb.jobs.looking import AttachStatus, look_into, stop_looking
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
 from distnb.services.positions import position_of
@@ -296,8 +296,9 @@ class LoadedJob:
         if not positions:
             raise LoadError(f"no rank of job {self.job} left anything to judge in {', '.join(self.folders)}.")
         dead = [p.rank for p in positions if p.state == Place.DEAD]
+        dumps_only = [r for r, s in self.seen.items() if s.state == "dump"]
         verdict = diagnose(positions, self.hang_after if hang_after is None else hang_after, self._elapsed(), self.collectives(),
-                           dead[0] if dead else None)
+                           dead[0] if dead else None, dumps_only=frozenset(dumps_only))
         why: list[str] = []
         if self.missing:
             verdict.details.append(f"  {format_ranks(self.missing)} left no record (killed before writing one — torchrun ends the "
@@ -309,20 +310,10 @@ class LoadedJob:
                 ended.setdefault(seen.ended.split(":", 1)[0], []).append(r)
         for what, ranks in ended.items():
             verdict.details.append(f"  then {format_ranks(ranks)} raised {what} (the wait's end: a timeout, or a peer gone), and the job ended")
-        dumps_only = [r for r, s in self.seen.items() if s.state == "dump"]
         if dumps_only:
             why.append(f"{format_ranks(dumps_only)} known by Flight Recorder dumps alone (no stacks)")
             marks = {r: dump_marks(_raw_marks(self._log.entries.get(r, {}))) for r in dumps_only}
             blames = seq_blame(marks, self._log.groups or None)
-            settled = not any(not e["done"] for r in dumps_only for e in self._log.entries.get(r, {}).values())
-            if blames and settled and len(dumps_only) == len(positions) and verdict.rule in ("disagree", "same_collective", "none"):
-                # Dumps alone, every entry completed (NCCL's abort completes them all): where the
-                # ranks "are" says nothing; how far each got on a group does.
-                b = blames[0]
-                verdict = Verdict(VerdictState.HANG, Kind.CALL_MISSING, b.text(), sorted(b.never), b.ahead, [],
-                                  Evidence("every member of a group reaches its n-th collective",
-                                           {r: f"last #{seq}" if seq is not None else "none" for r, seq in b.never.items()}, b.group, b.seq),
-                                  Certainty.LIKELY, "", positions=positions, rule="seq_blame")
             for blame in blames:
                 verdict.details.append(f"  by sequence numbers: {blame.text()}")
         sites = sorted({short_path(p.file) + f":{p.line}" for p in positions if p.rank in verdict.culprits and p.file and p.line})

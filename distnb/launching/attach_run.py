@@ -21,6 +21,7 @@ import tempfile
 import uuid
 from pathlib import Path
 from types import FrameType
+from typing import Any, Callable
 
 __all__ = ["PTH_LINE", "SITECUSTOMIZE", "attach_env", "install_hook", "run", "write_site"]
 
@@ -92,8 +93,14 @@ def attach_env(site: str, env: dict[str, str] | None = None, job_id: str | None 
     return out
 
 
-def run(command: list[str], job_id: str | None = None) -> int:
-    """Run ``command`` attachable; its exit status (128 + signal when a signal ended it)."""
+#: Started with the job, given its process and environment; returns how to stop it (the job watch,
+#: ``jobs/watch.py``, which this layer does not import).
+Watcher = Callable[["subprocess.Popen[Any]", dict[str, str]], Callable[[], None]]
+
+
+def run(command: list[str], job_id: str | None = None, watcher: Watcher | None = None) -> int:
+    """Run ``command`` attachable; its exit status (128 + signal when a signal ended it).
+    ``watcher`` is started on it once it runs, and stopped when it ends."""
     if not command:
         print("distnb run: give the command to run after --, e.g. python -m distnb run -- torchrun --nproc-per-node 4 train.py",
               file=sys.stderr)
@@ -113,9 +120,12 @@ def run(command: list[str], job_id: str | None = None) -> int:
             proc.send_signal(signum)
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        stop_watch = watcher(proc, env) if watcher is not None else None
         try:
             rc = proc.wait()
         finally:
+            if stop_watch is not None:
+                stop_watch()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return 128 - rc if rc < 0 else rc

@@ -10,7 +10,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.jobs.attached import JOB_ANSWER_TIMEOUT, AttachedJob, attach, current_job
+from distnb.jobs.attached import JOB_ANSWER_TIMEOUT, AttachedJob, attach
+from distnb.jobs.bare import BareJob
+from distnb.jobs.looking import current_job
 from distnb.magics.support import parse, usage_errors
 
 __all__ = ["AttachMagics"]
@@ -26,13 +28,16 @@ class AttachMagics(Magics):
     @argument("--hosts", default=None, metavar="H1,H2",
               help="Other machines of the job, read over ssh (DISTNB_SSH replaces the client); the job's ranks need DISTNB_ATTACH_HOST set.")
     @argument("--slurm", action="store_true", help="Every node of the current Slurm allocation (one srun step).")
+    @argument("--pid", type=int, default=None, metavar="PID",
+              help="The job by a process of it: its torchrun agent or any rank; a job not started with distnb is read from outside (py-spy).")
     @line_magic
     def dist_attach(self, line: str) -> Any:
-        """Attach to an attachable torchrun job on this machine, read-only: %dist_status, %dist_stacks,
-        %dist_collectives, %dist_timeline, %dist_memory and %dist_env then show its ranks, with the hang diagnosis; %dist_detach leaves it as it was."""
+        """Attach to a torchrun job on this machine, read-only: %dist_status, %dist_stacks,
+        %dist_collectives, %dist_timeline, %dist_memory and %dist_env then show its ranks, with the hang diagnosis; %dist_detach leaves it as it was.
+        A job not started with distnb (python -m distnb run) is read from outside: its stacks with py-spy, verdicts said "likely"."""
         args = parse(self.dist_attach, line)
         with usage_errors():
-            job = attach(args.job, timeout=args.timeout, hosts=args.hosts, slurm=args.slurm)
+            job = attach(args.job, timeout=args.timeout, hosts=args.hosts, slurm=args.slurm, pid=args.pid)
             return job.status()
 
     @magic_arguments()
@@ -59,7 +64,7 @@ class AttachMagics(Magics):
             print("not attached to any job (%dist_attach attaches to one; %dist_load reads the records of one that ended).")
             return
         job.detach()
-        if isinstance(job, AttachedJob):
+        if isinstance(job, (AttachedJob, BareJob)):
             print(f"detached from job {job.job}; it runs on as it was.")
         else:
             print(f"left the loaded job {job.job}; its files stay as they were.")

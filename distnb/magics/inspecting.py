@@ -9,7 +9,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from distnb.jobs.attached import AttachedJob, current_job
+from distnb.jobs.attached import AttachedJob
+from distnb.jobs.bare import BareJob
+from distnb.jobs.looking import current_job
 from distnb.magics.support import Progress, parse, pool_or_usage_error, show_checks, show_figure, unquote, usage_errors, views_or_usage_error
 
 __all__ = ["InspectMagics"]
@@ -234,6 +236,11 @@ class InspectMagics(Magics):
             with usage_errors():
                 job.debug(args.rank, commands=commands)
             return
+        if isinstance(job, BareJob):
+            pids = ", ".join(f"rank {r}: {p}" for r, p in job.pids().items())
+            raise UsageError(f"this notebook is {job.describe()}: stepping into a rank needs its control thread, which a job not "
+                             f"started with distnb lacks. py-spy dump --locals --pid PID shows a rank's locals now ({pids}); "
+                             "python -m distnb run -- torchrun … starts the job so that %dist_debug can step into it.")
         if job is not None:
             raise UsageError(f"this notebook is {job.describe()}: its ranks have ended, so there is no frame to debug; "
                              "%dist_reproduce writes a notebook that fails the same way, where %dist_debug works.")

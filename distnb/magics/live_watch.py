@@ -7,13 +7,15 @@ from __future__ import annotations
 import sys
 import time
 
-from distnb.analysis.verdicts.verdict import VerdictState
+from distnb.analysis.verdicts.verdict import Verdict, VerdictState
+from distnb.cell_names import cell_name
 from distnb.display.cell_display import CellDisplay
 from distnb.display.text import LivePrinter
 from distnb.pool import Pool
+from distnb.ranks import format_ranks, group_by
 from distnb.results import CellResult
 
-__all__ = ["HangWatch", "LONG_CELL", "follow"]
+__all__ = ["HangWatch", "LONG_CELL", "activity_line", "follow"]
 
 
 #: Seconds after which a cell that runs with nothing wrong says what its ranks are doing.
@@ -83,8 +85,9 @@ class HangWatch:
         """A cell running past LONG_CELL with nothing wrong: what each group of ranks does now
         (importing, compiling, building an extension, at which line). The live view updates it in
         place and keeps none of it. Printed text (a terminal, no widgets) can't update a line: it says
-        only what explains a wait (ranks importing, compiling, building an extension), once each
-        time that changes kind; ranks merely running Python code print nothing."""
+        only what explains a wait (ranks importing, compiling, building an extension), in one line
+        (:func:`activity_line`: not a verdict's block), once each time that changes kind; ranks
+        merely running Python code print nothing."""
         doing = self._watch.activity
         if doing is None or time.monotonic() - self._started < LONG_CELL:
             return
@@ -97,11 +100,28 @@ class HangWatch:
         if key == self._doing:
             return
         self._doing = key
-        text = doing.text()
         if isinstance(view, CellDisplay):
-            view.set_diagnosis(text, keep=False)
+            view.set_diagnosis(doing.text(), keep=False)
         else:
-            print(text, file=sys.stderr)
+            print(activity_line(doing, time.monotonic() - self._started), file=sys.stderr)
+
+
+#: Kinds of work one activity line names before "N more".
+MAX_KINDS = 3
+
+
+def activity_line(doing: Verdict, elapsed: float) -> str:
+    """``[distnb] 6 s in, no rank waits on another: ranks 0-3 importing sympy/core/expr.py at cell
+    line 8`` — what a long healthy cell's ranks do, by kind of work, in one line."""
+    groups = group_by((p.rank, p.detail.split(" ", 1)[0] if p.detail else "") for p in doing.positions)
+    parts = []
+    for ranks, _ in groups[:MAX_KINDS]:
+        p = next(p for p in doing.positions if p.rank == ranks[0])
+        where = "" if not p.line else f" at cell line {p.line}" if p.line_cell in (None, p.running) else \
+            f" in {p.func}() ({cell_name(p.line_cell)} line {p.line})"
+        parts.append(f"{format_ranks(ranks)} {p.detail or 'running Python code'}{where}")
+    more = f"; {len(groups) - MAX_KINDS} more kinds of work" if len(groups) > MAX_KINDS else ""
+    return f"[distnb] {elapsed:.0f} s in, no rank waits on another: {'; '.join(parts)}{more}"
 
 
 def follow(pool: Pool, result: CellResult, view: CellDisplay) -> None:

@@ -17,8 +17,10 @@ from distnb.display.cell_display import CellDisplay
 from distnb.display.text import LivePrinter, StartProgress
 from distnb.display.widgets import widgets_available
 from distnb.errors import CellFailed, NoPoolError
-from distnb.jobs.attached import AttachedJob, current_job
+from distnb.jobs.attached import AttachedJob
+from distnb.jobs.bare import BareJob
 from distnb.jobs.loaded import LoadedJob
+from distnb.jobs.looking import current_job
 from distnb.jobs.pools import current_pool
 from distnb.magics.after_cell import AfterCell, show_after_cell
 from distnb.magics.live_watch import HangWatch, follow
@@ -242,7 +244,7 @@ class DistMagics(Magics):
         from IPython.display import display
 
         target = views_or_usage_error()
-        if isinstance(target, (AttachedJob, LoadedJob)):
+        if isinstance(target, (AttachedJob, BareJob, LoadedJob)):
             display(target.status())
             return
         status = target.status()

@@ -15,8 +15,10 @@ from IPython.core.magic_arguments import parse_argstring
 
 from distnb.analysis.reports.memory import figure_png
 from distnb.errors import CellFailed, DistnbError
-from distnb.jobs.attached import AttachedJob, current_job
+from distnb.jobs.attached import AttachedJob
+from distnb.jobs.bare import BareJob
 from distnb.jobs.loaded import LoadedJob
+from distnb.jobs.looking import current_job
 from distnb.jobs.pools import current_pool
 from distnb.pool import Pool
 
@@ -142,10 +144,10 @@ def pool_or_usage_error() -> Pool:
         return current_pool()
 
 
-def views_or_usage_error() -> Pool | AttachedJob | LoadedJob:
+def views_or_usage_error() -> Pool | AttachedJob | BareJob | LoadedJob:
     """What the read-only views look into: the job attached or loaded when there is one, else the pool."""
     job = current_job()
-    if isinstance(job, (AttachedJob, LoadedJob)):
+    if isinstance(job, (AttachedJob, BareJob, LoadedJob)):
         return job
     return pool_or_usage_error()
 

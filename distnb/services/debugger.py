@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +43,7 @@ from distnb.ranks import format_ranks, group_by, parse_ranks
 from distnb.results import CellResult
 from distnb.services.collective_stops import CollectiveStops, left_words
 from distnb.services.mesh_ranks import mesh_ranks
+from distnb.services.positions import unsettled
 from distnb.wire.peers import exec_identity
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CellError
@@ -60,6 +62,8 @@ SETTLE = 1.0
 #: Seconds the console gives the other ranks of the cell to reach the breakpoint the first one hit,
 #: so that ranks stopping together are prompted together.
 GATHER = 0.25
+#: How long a pause's status waits for the other ranks to reach where they will wait.
+SETTLE_OTHERS = 3.0
 #: Seconds ``nc`` (and a hold) waits for ranks to reach their next collective before the console
 #: shows what it has; a rank that arrives later is shown when it does.
 NEXT_SETTLE = 3.0
@@ -218,8 +222,16 @@ class Debugger:
             if first.source():
                 lines.append(first.source())
         positions: list[Position] = []
+        paused = {p.rank for p in waiting}
         try:
             diag = self._diagnose(result, hang_after=0.0)
+            # The others may be on their way to where they will wait (their stack in the cell's
+            # code, or in a call whose record is not here yet): read again, a little, until they are
+            # there, so the line says where they wait — on a busy machine that takes a moment.
+            deadline = time.monotonic() + SETTLE_OTHERS
+            while unsettled([p for p in diag.positions if p.rank not in paused]) and time.monotonic() < deadline:
+                time.sleep(GATHER)
+                diag = self._diagnose(result, hang_after=0.0)
         except Exception as exc:  # best effort: the prompt matters more
             lines.append(f"  (the other ranks could not be read: {exc})")
         else:

@@ -13,16 +13,18 @@ import time
 from typing import Any, Callable, Iterable, cast
 
 from distnb import _processes
+from distnb.analysis.agreement.cell_source import may_branch
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
 from distnb.analysis.agreement.desync import mismatch_text
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.pairing import cross_cell
+from distnb.analysis.agreement.sequence_numbers import dump_marks, seq_blame
 from distnb.analysis.reports.check_within import WithinReport, agreement_by_dim, compare_within
 from distnb.analysis.reports.checks import CheckReport, compare
 from distnb.analysis.reports.compiles import CompileReport
 from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.reports.memory import MemoryReport
-from distnb.analysis.reports.nccl_dumps import dump_marks, read_dumps, seq_blame
+from distnb.analysis.reports.nccl_dumps import read_dumps
 from distnb.analysis.reports.profile import ProfileReport, RankTime, merge_traces
 from distnb.analysis.verdicts.diagnose import diagnose
 from distnb.analysis.verdicts.event_rules import victim
@@ -30,8 +32,9 @@ from distnb.analysis.verdicts.failures import is_timeout
 from distnb.analysis.verdicts.paths import first_difference
 from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.stacks import RankStack, StackReport, ThreadStack, frames_from_wire, parse_faulthandler
-from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, straggler_window, stragglers_of
-from distnb.analysis.verdicts.verdict import Blame, Certainty, Kind, Verdict, VerdictState
+from distnb.analysis.verdicts.straggler_rule import straggler_verdict
+from distnb.analysis.verdicts.stragglers import StragglerReport, arrivals, stragglers_of
+from distnb.analysis.verdicts.verdict import Blame, Certainty, Verdict, VerdictState
 from distnb.cell_names import cell_name
 from distnb.config import LaunchConfig
 from distnb.controller.session import SessionLog
@@ -44,7 +47,7 @@ from distnb.services.positions import position_of, unsettled
 from distnb.states import PoolState, RankState
 from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
 from distnb.wire.protocol import Msg
-from distnb.wire.records import CollectivesRead
+from distnb.wire.records import CollectivesRead, ThreadError
 
 __all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "PATHS_HINT", "STACKS_TIMEOUT"]
 
@@ -75,6 +78,7 @@ class Diagnostics:
         self._world = config.world_size
         # Running ranks' path and compile records, from the last stacks round (by kind, then rank).
         self._live: dict[str, dict[int, dict[str, Any]]] = {"paths": {}, "compiles": {}}
+        self._live_threads: dict[int, list[ThreadError]] = {}  # the last stacks round's: running ranks' threads that raised
 
     def require_pool(self) -> None:
         if self._tracker.state in (PoolState.NEW, PoolState.STOPPED):
@@ -101,6 +105,7 @@ class Diagnostics:
                "calls_since": min((log.last_call(r) for r in alive), default=-1), "groups": log.wants_groups(alive), "paths": paths}
         replies = tracker.requests.ask(control_identity, alive, msg, timeout, partial=True)
         self._live = {kind: {r: m[kind] for r, m in replies.items() if m.get(kind)} for kind in ("paths", "compiles")}
+        self._live_threads = {r: m["threads"] for r, m in replies.items() if m.get("threads")}
         self._merge_collectives({r: m["collectives"] for r, m in replies.items() if "collectives" in m}, since)
         # A control thread that answered with an error instead of stacks gave no stack either.
         silent = [r for r in alive if "stacks" not in replies.get(r, {})]
@@ -168,15 +173,12 @@ class Diagnostics:
                 raise NoCellError("no cell has run on this pool yet; run one with %%on_ranks (pool.run) first.")
             result = last
         threshold = self._config.hang_after if hang_after is None else hang_after
-        diag, busy = self._judge(result, threshold)
+        diag = self._judge(result, threshold)
         if diag.is_problem and unsettled(diag.positions):
             # Read while a rank was on its way into a call (its stack there, its entry not yet
             # pushed): what the next round sees, once the records caught up, is the verdict.
             time.sleep(REREAD_AFTER)
-            diag, busy = self._judge(result, threshold)
-        if diag.state == VerdictState.OK and busy:
-            # Nobody hangs: is one rank keeping the others waiting at every collective of this cell?
-            return self.straggler(result, straggler_window(len(result.ranks)), diag.positions) or diag
+            diag = self._judge(result, threshold)
         if diag.state in (VerdictState.HANG, VerdictState.SLOW, VerdictState.FAILED):
             why = self.why(result, hint=not diag.explained, culprits=diag.culprits)
             if why:
@@ -186,8 +188,8 @@ class Diagnostics:
                 diag.details.append(f"  {compiled.summary()}")
         return diag
 
-    def _judge(self, result: CellResult, threshold: float) -> tuple[Verdict, list[int]]:
-        """One reading of the cell's records, judged; and the ranks still running it."""
+    def _judge(self, result: CellResult, threshold: float) -> Verdict:
+        """One reading of the cell's records, judged."""
         tracker = self._tracker
         elapsed = time.monotonic() - tracker.run_of(result).started
         busy = [r for r in result.ranks if result.results[r].status == "running"]
@@ -196,8 +198,9 @@ class Diagnostics:
         # logs, so a rank holding the GIL costs one timeout per diagnosis.
         stacks = self.stacks(alive, paths=True) if busy else None
         log = self.collectives(refresh=not busy)
-        positions = [position_of(r, result, stacks, elapsed, tracker.collective_log, self.why_silent) for r in range(self._world)]
-        return diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes(), result.cell), busy
+        positions = [position_of(r, result, stacks, elapsed, tracker.collective_log, self.why_silent, self._live_threads)
+                     for r in range(self._world)]
+        return diagnose(positions, threshold, elapsed, log, tracker.first_death, self._session.codes(), result.cell)
 
     def compiles(self, ranks: Ranks = None, cells: list[int] | None = None, live: bool = False,
                  results: list[CellResult] | None = None) -> CompileReport:
@@ -230,7 +233,8 @@ class Diagnostics:
         culprits did (a rank leaving its wait loop because its peer finished), not its cause."""
         paths = self._records(result, "paths", live=True)
         if not paths and hint and len(result.ranks) > 1:
-            return PATHS_HINT
+            # Only where the lines the ranks ran could tell them apart.
+            return PATHS_HINT if may_branch(result.code, self._session.codes().values()) else ""
         if len(paths) < 2:
             return ""  # nothing to compare (and the session's sources are not worth gathering)
         found = first_difference(paths, self._session.codes(), quiet_expected)
@@ -246,18 +250,11 @@ class Diagnostics:
             records.update({r: rec for r, rec in self._live[kind].items() if r in result.results and result.results[r].status == "running"})
         return records
 
-    def straggler(self, result: CellResult, last: int = 200, positions: list[Position] | None = None) -> Verdict | None:
-        """A "slow" diagnosis naming the rank that keeps the others waiting at most of the cell's
-        last ``last`` collectives on the default group, from the log alone; None when none does."""
-        ranks = list(result.ranks)
-        report = StragglerReport("0", ranks, arrivals(self._tracker.collective_log, "0", ranks, last, result.cell))
-        rank = report.straggler()
-        if rank is None:
-            return None
-        # The figures go under the headline, which must not change while nothing else does.
-        return Verdict(VerdictState.SLOW, Kind.STRAGGLER, f"rank {rank} is a straggler: it arrives last at most collectives of this cell, late "
-                       "beyond the step and the other ranks' noise (see %dist_timeline).", [rank], positions=positions or [],
-                       details=[f"  {report.summary()}"], reason="from the arrival times of the cell's collectives", rule="straggler")
+    def straggler(self, result: CellResult, last: int = 200) -> Verdict | None:
+        """The straggler rule on the log alone (no stacks round), for the live watch between its
+        full looks: a SLOW verdict naming the rank that keeps the others waiting at most of the
+        cell's last ``last`` collectives on the default group; None when none does."""
+        return straggler_verdict(self._tracker.collective_log, list(result.ranks), result.cell, last)
 
     def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
         """Per-rank time of a cell run with ``profile=True``; see :meth:`distnb.Pool.profile`."""

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["NATIVE_TIMEOUT", "py_spy_dumps", "py_spy_path"]
+__all__ = ["NATIVE_TIMEOUT", "py_spy_dumps", "py_spy_path", "py_spy_runs"]
 
 #: How long py-spy may take for all ranks together. A native dump of a process with torch loaded
 #: reads the symbols of libtorch (hundreds of MB) first: 1-3 s of CPU each, measured on this
@@ -37,10 +37,17 @@ def py_spy_path() -> str | None:
 def py_spy_dumps(pids: dict[int, int], timeout: float = NATIVE_TIMEOUT) -> dict[int, str]:
     """Native + Python frames of each rank (``{rank: pid}``) through py-spy, all ranks at once,
     when it is installed (``pip install distnb[native]``)."""
+    return {r: text.strip() for r, (_gave, text) in py_spy_runs(pids, ["--native"], timeout).items()}
+
+
+def py_spy_runs(pids: dict[int, int], options: list[str], timeout: float) -> dict[int, tuple[bool, str]]:
+    """``py-spy dump OPTIONS --pid PID`` for each rank (``{rank: pid}``), all at once: per rank,
+    whether it gave its dump, and the dump or why not in words (py-spy missing, too slow, no
+    ptrace permission: what to change)."""
     exe = py_spy_path()
     if exe is None:
-        return {r: "py-spy is not installed; `pip install py-spy` (or distnb[native]) for native frames." for r in pids}
-    procs = {r: subprocess.Popen([exe, "dump", "--native", "--pid", str(pid)], stdout=subprocess.PIPE,
+        return {r: (False, "py-spy is not installed; `pip install py-spy` (or distnb[native]) for native frames.") for r in pids}
+    procs = {r: subprocess.Popen([exe, "dump", *options, "--pid", str(pid)], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
              for r, pid in pids.items()}
     deadline = time.monotonic() + timeout
@@ -51,10 +58,13 @@ def py_spy_dumps(pids: dict[int, int], timeout: float = NATIVE_TIMEOUT) -> dict[
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            out[r] = f"py-spy did not finish within {timeout:g} s."
+            out[r] = (False, f"py-spy did not finish within {timeout:g} s.")
             continue
-        text = (stdout or stderr).strip()
-        if proc.returncode != 0 and any(w in stderr for w in ("ermission", "ptrace", "not permitted")):
+        if proc.returncode == 0:
+            out[r] = (True, stdout)
+            continue
+        text = (stderr or stdout).strip().split("\nStack backtrace:")[0].strip()
+        if any(w in stderr for w in ("ermission", "ptrace", "not permitted")):
             text += "\n" + _PTRACE_HINT
-        out[r] = text
+        out[r] = (False, text)
     return out

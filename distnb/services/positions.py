@@ -12,18 +12,28 @@ from distnb.analysis.agreement.collectives import issued_words
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.verdicts.failures import cut_message
 from distnb.analysis.verdicts.position import Place, Position, position_from_stack, position_paused
-from distnb.analysis.verdicts.stacks import StackReport
+from distnb.analysis.verdicts.stacks import RankStack, StackReport
 from distnb.controller.collective_log import CollectiveLog
 from distnb.results import CellResult
-from distnb.wire.records import P2P_OPS
+from distnb.wire.records import P2P_OPS, ThreadError
 
 __all__ = ["position_of", "unsettled"]
 
 
 def position_of(r: int, result: CellResult, stacks: StackReport | None, elapsed: float, log: CollectiveLog,
-                why_silent: Callable[[int], str]) -> Position:
+                why_silent: Callable[[int], str], threads: dict[int, list[ThreadError]] | None = None) -> Position:
     """Where rank ``r`` is in ``result``'s cell: from its result when it left the cell, else from its
-    stack (``stacks``: the last round) and its collective log."""
+    stack (``stacks``: the last round) and its collective log; with what its other threads raised
+    (from its result, or ``threads``: the last stacks round's, while it runs)."""
+    pos = _position(r, result, stacks, elapsed, log, why_silent)
+    res = result.results.get(r)
+    raised = (res.threads if res is not None else []) or (threads or {}).get(r, [])
+    pos.threads = [t for t in raised if t.get("during") in (None, result.cell)]
+    return pos
+
+
+def _position(r: int, result: CellResult, stacks: StackReport | None, elapsed: float, log: CollectiveLog,
+              why_silent: Callable[[int], str]) -> Position:
     res = result.results.get(r)
     if res is None:
         return Position(r, Place.IDLE)
@@ -71,13 +81,24 @@ def position_of(r: int, result: CellResult, stacks: StackReport | None, elapsed:
             pos.since = 0.0
     # Point-to-point calls have no recorder entry on gloo: the rank's own record of the call.
     peers = [c for c in log.open_calls(r) if c["op"] in P2P_OPS]
-    if peers and (pos.op in P2P_OPS or pos.state == Place.COMPUTING and ".wait(" in pos.code):
+    if peers and (pos.op in P2P_OPS or pos.state == Place.COMPUTING and _waits_on_work(stacks[r], pos)):
         pos.state, pos.op, pos.peers = Place.COLLECTIVE, peers[-1]["op"], peers
         pos.since = log.age(r, {"t": peers[0]["t"] / 1e9})
     pos.since = pos.since if pos.since is not None else elapsed
     if pos.group is not None:
         pos.label = log.group(pos.group).label()
     return pos
+
+
+def _waits_on_work(stack: RankStack, pos: Position) -> bool:
+    """Whether the main thread waits on a work (``work.wait()``) — in the cell, or in a library's
+    schedule that issued the calls for it (pipelining's ``_wait_batch_p2p``, any p2p helper):
+    its innermost frame is the wait."""
+    if ".wait(" in pos.code:
+        return True
+    main = next((t for t in stack.threads if t.main), None)
+    inner = main.frames[-1] if main is not None and main.frames else None
+    return inner is not None and ".wait(" in inner.line
 
 
 def unsettled(positions: list[Position]) -> bool:

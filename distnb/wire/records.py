@@ -14,7 +14,8 @@ import math
 from typing import Any, Final, NamedTuple, TypedDict
 
 __all__ = ["P2P_OPS", "UNRECORDED", "CallRecord", "CellError", "CellOutcome", "CollectiveEntry", "CollectivesRead", "InputRead", "NumericsRecord",
-           "OpRecord", "OutputStats", "PeekFrame", "PeekRead", "SAMPLE", "SyncState", "TENSORS_READ"]
+           "OpRecord", "OutputStats", "PeekFrame", "PeekRead", "SAMPLE", "SyncState", "TENSORS_READ", "ThreadError",
+           "called_in", "issued_in"]
 
 #: The id of an entry made from a watched call the recorder has no entry for yet (NCCL connecting
 #: a communicator): above every real id, so it sorts after the rank's recorded calls.
@@ -30,7 +31,7 @@ class _CallRecordCore(TypedDict):
     args: dict[str, Any]  # the arguments that must agree across ranks (op, src, dst, tag, ranks …)
     t: int  # when it was called, the rank's wall clock in ns
     end: int | None  # when it returned (or its work completed); None while open
-    cell: int | None  # the cell it was called from (None: not from a cell's code)
+    cell: int | None  # the cell whose code holds ``line`` (None: not from a cell's code)
     line: int | None
     func: str
 
@@ -46,6 +47,9 @@ class CallRecord(_CallRecordCore, total=False):
     dtypes: list[str]
     splits: list[Any]  # all_to_all: the input and output split sizes
     seq: int | None  # a collective's place in its group's sequence, as torch counted it (the black box's calls)
+    skipped: bool  # torch skipped the call: the rank is not a member of the group it names (a no-op, with a warning)
+    in_cell: int  # the cell running when it was called, where that is not ``cell`` (a function an earlier cell defined)
+    in_line: int  # the line of ``in_cell``'s code that led to the call
 
 
 class CollectiveEntry(TypedDict, total=False):
@@ -69,12 +73,25 @@ class CollectiveEntry(TypedDict, total=False):
     ended: float | None
     queued: bool  # not started on the GPU yet (NCCL with timing on)
     cell: int | None  # the cell running when it was created
-    call_cell: int | None  # the cell its Python call came from, with ``line`` and ``func``
+    call_cell: int | None  # the cell whose code holds its Python call's ``line`` and ``func`` (``cell`` issued it)
     line: int | None
     func: str
+    in_line: int  # where ``call_cell`` is an earlier cell's function: the line of ``cell`` that called it
     file: str  # the script its call came from, for a job's own program (read from a Flight Recorder dump's frames)
     args: dict[str, Any]  # the arguments of the call that created it (``CallRecord.args``)
     peer: int  # point-to-point reconstructed from a call: the other rank
+
+
+def issued_in(e: CollectiveEntry) -> int | None:
+    """The cell that issued an entry: the rank's cell at the time (a function an earlier cell
+    defined, called from this one, is this one's), else the cell of its Python call."""
+    cell = e.get("cell")
+    return int(cell) if cell is not None else e.get("call_cell")
+
+
+def called_in(c: CallRecord) -> int | None:
+    """The cell running when a watched call was made (see :func:`issued_in`)."""
+    return c.get("in_cell", c.get("cell"))
 
 
 class CollectivesRead(TypedDict, total=False):
@@ -129,6 +146,18 @@ class CellError(TypedDict, total=False):
     stale: dict[str, str]  # names still bound to an object holding a group a regroup closed: name → kind
 
 
+class ThreadError(TypedDict):
+    """An uncaught exception of one of a rank's other threads (worker/recorders/thread_errors.py)."""
+
+    thread: str  # the thread's name
+    ename: str
+    evalue: str
+    cell: int | None  # where it was raised: the innermost line in a notebook cell (None: not in one)
+    line: int | None
+    func: str
+    during: int | None  # the cell running when it was raised
+
+
 class _CellOutcomeCore(TypedDict):
     status: str  # "ok", "error", "interrupted"
 
@@ -146,6 +175,7 @@ class CellOutcome(_CellOutcomeCore, total=False):
     sync: SyncState | None
     paths: dict[str, Any] | None  # the notebook lines' transitions the cell made (worker/paths.py)
     compiles: dict[str, Any] | None  # what torch.compile did during the cell (worker/compile_record.py)
+    threads: list[ThreadError]  # uncaught exceptions of the rank's other threads during the cell
 
 
 # -- the per-op numerics record (%%on_ranks --numerics) ------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distnb.analysis.agreement.cell_source import around, rank_names
+from distnb.analysis.agreement.cell_source import around, may_branch, rank_names
 
 SETUP = """
 import os
@@ -38,3 +38,19 @@ def test_an_if_on_a_rank_name_is_a_condition_on_the_rank(test: str) -> None:
 def test_an_if_on_a_setting_is_not_a_condition_on_the_rank() -> None:
     found = around("if lr > 1e-3:\n    dist.all_reduce(x)\n", 2, rank_names([SETUP]))
     assert found is not None and found.rank_condition() is None
+
+
+@pytest.mark.parametrize("code, sources, expected", [
+    ("if rank == 0:\n    dist.barrier()\n", [], True),
+    ("for step in range(n):\n    dist.all_reduce(x)\n", [], True),
+    ("try:\n    f()\nexcept ValueError:\n    pass\n", [], True),
+    # One line for every rank: a value that differs, not a line.
+    ("n_mb = 2 if rank == 2 else 4\nsched = ScheduleGPipe(stage, n_microbatches=n_mb)\nsched.step()\n", ["import torch\n"], False),
+    ("x = [1, 2]\n", ["def step(x):\n    if x.sum() > 0:\n        return x\n"], False),  # no call at all
+    ("y = step(x)\n", ["def step(x):\n    if x.sum() > 0:\n        return x\n"], True),
+    ("out = model(x)\n", ["class Net(nn.Module):\n    def forward(self, x):\n        for layer in self.layers:\n            x = layer(x)\n"], True),
+    ("out = model(x)\n", ["model = nn.Linear(2, 2)\n"], False),
+    ("out = model(x\n", [], True),  # unparsable: maybe
+])
+def test_paths_are_worth_recording_only_where_lines_could_differ(code: str, sources: list[str], expected: bool) -> None:
+    assert may_branch(code, sources) is expected

@@ -166,6 +166,8 @@ def test_the_size_of_a_divergence_is_exact_when_every_element_was_kept_and_never
 def test_the_size_of_a_divergence_with_nan_or_equal_infinities() -> None:
     inf, nan = math.inf, math.nan
     d = compare_numerics(1, _one_op({0: [1.0, inf], 1: [1.0, inf], 2: [1.5, inf]})).first
+    loose = compare_numerics(1, _one_op({0: [1.0, inf], 1: [1.0, inf], 2: [1.5, inf]}), atol=1e-3).first
+    assert loose is not None and loose.odd == [2], loose  # within a tolerance too: a non-finite sum hides no element
     assert d is not None and d.size.value == 0.5 and d.size.exact  # equal infinities are no difference
     d = compare_numerics(1, _one_op({0: [1.0, 2.0], 1: [1.0, 2.0], 2: [1.0, nan]})).first
     assert d is not None and d.odd == [2] and d.size.value == inf
@@ -279,3 +281,22 @@ def test_a_nan_from_an_op_with_more_inputs_than_are_read_is_only_likely_born_the
     op = OpRecord(0, "aten._foreach_add.List", "", "step", 5, 3, None, "", [OutputStats((2,), "float32", 1, math.nan)], reads, "0", False, False)
     report = compare_numerics(5, {0: {"mode": "ops", "ops": [op], "total": 1, "limit": 20000}})
     assert [nf.certain for nf in report.nonfinite] == [False] and "NaN likely born on rank 0" in report.text()
+
+
+def test_nan_on_every_rank_where_they_must_agree_is_not_a_divergence_of_different_values() -> None:
+    """Every rank's all_reduce output holds NaN (its payload and so its fingerprint vary with the
+    reduction's order; each rank's NaN is its own float, as read off the wire): they agree on
+    non-finite, and where the NaN was born is the non-finite analysis's answer — not "no majority,
+    4 different values (rank 0 sum nan; rank 1 sum nan; …)"."""
+    per_rank: dict[int, NumericsRecord] = {}
+    for r in RANKS:
+        born = r == 1
+        ops = [OpRecord(0, "aten.div.Tensor", "model.pool", "fwd", 5, 3, None, "", [OutputStats((4,), "float32", 11 + r, float("nan") if born else 1.0 + r)],
+                        [InputRead(0, 5 + r, 2.0 + r, None, "", None, -1)], "0", False, False),
+               OpRecord(1, "c10d.allreduce_.default", "", "fwd", 5, 4, (0, 1, 2, 3), "allreduce",
+                        [OutputStats((4,), "float32", 100 + r, float("nan"), (float("nan"), 1.0))],
+                        [InputRead(0, 50 + r, float("nan") if born else 1.0 + r, None, "", None, 0)], "0", False, True)]
+        per_rank[r] = {"mode": "ops", "ops": ops, "total": len(ops), "limit": 20000}
+    report = compare_numerics(1, per_rank)
+    assert report.first is None and "different values" not in report.text(), report.text()
+    assert [(nf.rank, nf.how) for nf in report.nonfinite if nf.how == "born"] == [(1, "born")], report.text()

@@ -174,6 +174,23 @@ def case_same_collective() -> Verdict:
     return judge([waits(r, group=None) for r in range(3)])
 
 
+def case_seq_blame() -> Verdict:
+    # A loaded job known by NCCL's dumps alone: every entry completed by the abort, every rank
+    # "in" its last collective; rank 2 got to #3 on group 0, the others to #4.
+    log = log_of({r: [entry(i, i + 1) for i in range(3 if r == 2 else 4)] for r in range(3)})
+    positions = [waits(r, seq=3 if r == 2 else 4, group=None) for r in range(3)]
+    return diagnose(positions, 3.0, 5.0, log.report([0, 1, 2]), None, {CELL: SOURCE}, dumps_only=frozenset(range(3)))
+
+
+def case_straggler() -> Verdict:
+    # A cell in its stride (no wait past the threshold): rank 3 arrives 40 ms after the others at
+    # each of 20 collectives, the others within 3 ms of each other.
+    late = {r: [entry(i, i + 1) | {"t": 100.0 + i * 0.1 + (0.04 if r == 3 else 0.001 * r)} for i in range(20)] for r in range(4)}
+    positions = [Position(r, "collective", op="all_reduce", seq=21, group="0", since=0.02, line=3, running=CELL, line_cell=CELL)
+                 for r in range(4)]
+    return judge(positions, log_of(late))
+
+
 #: rule → (case, kind, culprits, state, certainty or None for either)
 CASES: dict[str, tuple[Callable[[], Verdict], Kind, list[int], VerdictState, Certainty | None]] = {
     "paused": (case_paused, Kind.PAUSED, [], VerdictState.PAUSED, Certainty.CERTAIN),
@@ -192,8 +209,10 @@ CASES: dict[str, tuple[Callable[[], Verdict], Kind, list[int], VerdictState, Cer
     "unresponsive": (case_unresponsive, Kind.UNRESPONSIVE, [1], VerdictState.HANG, Certainty.LIKELY),
     "computing": (case_computing, Kind.STILL_RUNNING, [1], VerdictState.HANG, Certainty.LIKELY),
     "new_group_wait": (case_new_group_wait, Kind.GROUP_CREATION, [], VerdictState.HANG, Certainty.LIKELY),
+    "seq_blame": (case_seq_blame, Kind.CALL_MISSING, [2], VerdictState.HANG, Certainty.LIKELY),
     "disagree": (case_disagree, Kind.MISMATCH, [1], VerdictState.HANG, Certainty.LIKELY),
     "same_collective": (case_same_collective, Kind.SLOW_COLLECTIVE, [], VerdictState.SLOW, None),
+    "straggler": (case_straggler, Kind.STRAGGLER, [3], VerdictState.SLOW, None),
 }
 
 
@@ -209,6 +228,12 @@ def test_the_rule_gives_its_verdict(rule: str) -> None:
     assert verdict.text().startswith("[distnb] ")
     # A death or an error is said by the cell's own report: the verdict adds no root cause to it.
     assert verdict.beyond_report == (rule not in ("died", "raised")), rule
+
+
+def test_a_p2p_departure_names_the_peer_used_and_the_peer_expected() -> None:
+    verdict = case_p2p_departure()
+    assert ("rank 2's sends at cell 5 line 6 go to rank 0 (2 ranks on), where the other ranks' there go to the next rank "
+            "(rank 3, for rank 2)") in verdict.summary, verdict.text()
 
 
 def test_every_rule_has_a_case() -> None:
@@ -368,8 +393,8 @@ def test_the_table_says_not_recorded_where_a_rank_got_past_a_position_without_it
 
 
 @pytest.mark.parametrize(("cpu", "state", "words"), [
-    (0.9, VerdictState.SLOW, "still computing outside any collective (its main thread uses 90% of a CPU or more): slow, not a hang yet"),
-    (0.25, VerdictState.SLOW, "uses 25% of a CPU or more"),  # four busy ranks share two cores
+    (0.9, VerdictState.SLOW, "still computing outside any collective (its main thread is busy 90% of the time or more): slow, not a hang yet"),
+    (0.25, VerdictState.SLOW, "is busy 25% of the time or more"),  # a thread that computes only part of the time
     (0.01, VerdictState.HANG, "without using the CPU (blocked on something else: a sleep, a lock, a queue, I/O"),
     (0.1, VerdictState.HANG, "(slow, stuck in a loop, or about to skip it)"),
     (None, VerdictState.HANG, "(slow, stuck in a loop, or about to skip it)"),
@@ -380,3 +405,56 @@ def test_a_rank_still_running_code_is_slow_while_it_computes_and_a_likely_hang_w
     never a hang block; a rank that sleeps, waits on a lock or reads a socket uses no CPU."""
     v = judge([waits(0), Position(1, "computing", line=2, since=5.0, cpu=cpu)])
     assert v.kind == Kind.STILL_RUNNING and v.state == state and v.culprits == [1] and words in v.summary, v.summary
+
+
+def test_a_straggler_never_takes_the_place_of_a_fault() -> None:
+    """The straggler rule judges a calm cell only: the same late arrivals beside a rank that died,
+    or a wait past the threshold, give those verdicts."""
+    late = {r: [entry(i, i + 1) | {"t": 100.0 + i * 0.1 + (0.04 if r == 3 else 0.001 * r)} for i in range(20)] for r in range(4)}
+    calm = [Position(r, "collective", op="all_reduce", seq=21, group="0", since=0.02, line=3, running=CELL, line_cell=CELL) for r in range(4)]
+    assert judge(calm, log_of(late)).rule == "straggler"
+    died = [*calm[:1], Position(1, "dead", detail="SIGKILL"), *calm[2:]]
+    assert judge(died, log_of(late), first_death=1).rule == "died"
+    stuck = [Position(r, "collective", op="all_reduce", seq=21, group="0", since=5.0, line=3, running=CELL, line_cell=CELL) for r in range(4)]
+    assert judge(stuck, log_of(late)).rule == "same_collective"
+    even = {r: [entry(i, i + 1) | {"t": 100.0 + i * 0.1 + 0.0001 * ((r + i) % 4)} for i in range(20)] for r in range(4)}
+    assert judge(calm, log_of(even)).rule == "quiet"
+
+
+def test_a_call_torch_skipped_on_a_group_the_rank_is_not_in_is_named_as_such() -> None:
+    """Rank 2 called all_reduce with a group new_group gave it as a non-member (torch returns at
+    once, with a warning): the group's member that waits is not "the extra call" of a tie of two —
+    rank 2, whose call went nowhere, is the one that did not make it, and the skip is the cause."""
+    skipped = {"n": 1, "op": "all_reduce", "group": "?", "args": {}, "t": 1, "end": 1, "cell": CELL, "line": 3, "func": "<module>",
+               "skipped": True}
+    log = log_of({0: [entry(0, 1, group="1", done=False)], 1: [], 2: []}, groups={"0": [0, 1, 2], "1": [0, 2]}, calls={2: [skipped]})
+    positions = [waits(0, group="1", seq=1), Position(1, "finished"), Position(2, "finished")]
+    verdict = judge(positions, log)
+    assert (verdict.kind, verdict.culprits, verdict.victims) == (Kind.CALL_MISSING, [2], [0]), verdict.text()
+    assert "rank 2 called all_reduce at cell line 3 on a group it is not a member of" in verdict.summary, verdict.text()
+    assert "torch skipped the call" in verdict.summary and verdict.certainty == Certainty.LIKELY and verdict.reason, verdict.text()
+    # Without the call log's mark, the same records are the tie they were.
+    del skipped["skipped"]
+    plain = judge(positions, log_of({0: [entry(0, 1, group="1", done=False)], 1: [], 2: []}, groups={"0": [0, 1, 2], "1": [0, 2]},
+                                    calls={2: [skipped]}))
+    assert "not a member" not in plain.summary and plain.culprits == [0], plain.text()
+
+
+def test_a_thread_that_raised_before_its_call_is_the_cause() -> None:
+    """Ranks 0,1 wait in an all_reduce their `work()` thread made; rank 2's thread raised in
+    work() first (the rank itself finished the cell): the thread and its error are the cause,
+    not a condition on the rank."""
+    per_rank = {r: [entry(0, 1, line=5, done=False) | {"func": "work"}] for r in (0, 1)} | {2: []}
+    error = {"thread": "loader", "ename": "ValueError", "evalue": "bad shard index", "cell": CELL, "line": 4, "func": "work",
+             "during": CELL}
+    positions = [waits(0, seq=1, line=8), waits(1, seq=1, line=8), Position(2, "finished", threads=[error])]
+    verdict = judge(positions, log_of(per_rank))
+    assert (verdict.kind, verdict.culprits) == (Kind.CALL_MISSING, [2]), verdict.text()
+    assert ("rank 2's thread 'loader' raised ValueError: bad shard index in work() (cell 5 line 4): the thread ended there, "
+            "before its call") in verdict.summary, verdict.text()
+    assert "rank 2: finished the cell; its thread 'loader' raised ValueError" in verdict.text()
+    assert verdict.explained  # no "--paths" hint under it
+    # Raised in another function than the call's: said as likely, beside the verdict.
+    elsewhere = dict(error, func="prefetch")
+    other = judge([*positions[:2], Position(2, "finished", threads=[elsewhere])], log_of(per_rank))
+    assert "likely the thread that was to make the call" in other.summary, other.text()

@@ -109,10 +109,15 @@ def test_attach_from_python_diagnoses_the_rank_conditional_collective(job: Attac
         assert again.diagnose().culprits == [0]
 
 
-def test_attach_from_magics_and_read_only(job: AttachableJob) -> None:
+def test_attach_from_magics_and_read_only(job: AttachableJob, monkeypatch: pytest.MonkeyPatch) -> None:
     from IPython.core.error import UsageError
     from magic_shell import Shell
 
+    from distnb.jobs import pools
+
+    # No pool of this process's earlier tests is the notebook's current one (the shell is shared):
+    # %dist_launch below must meet the attached job, not a pool that is already up.
+    monkeypatch.setattr(pools, "_current", None)
     shell = Shell()
     pids = job.processes()
     value, _, _ = shell.line("dist_attach")

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Iterator
 
 import pytest
 
 import distnb
 from distnb.analysis.verdicts.verdict import Certainty
 
-from conftest import usable
+from conftest import track, usable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 
@@ -51,9 +52,13 @@ def _picked() -> list[Mutant]:
 
 
 @pytest.fixture(scope="module")
-def runner(request: pytest.FixtureRequest) -> Runner:
-    pool = usable(request.getfixturevalue("shared_pools").get(nproc=4))
-    return Runner(pool, log=lambda _: None)
+def runner(leak_check) -> Iterator[Runner]:
+    """A pool of its own: a mutant is judged against its program's records alone, and a shared
+    pool carries the groups and calls of whatever tests ran on it before (their order is not
+    fixed under pytest-xdist)."""
+    made = Runner(track(distnb.Pool(nproc=4, backend="gloo")).start(), log=lambda _: None)
+    yield made
+    made.pool.shutdown()
 
 
 def test_healthy_programs_give_no_alarm(runner: Runner) -> None:

@@ -82,6 +82,65 @@ def test_a_skipped_new_group_names_the_rank_out_of_step(pool4: distnb.Pool) -> N
     assert diag.culprits == [2]
 
 
+def test_a_call_on_a_group_the_rank_is_not_in_is_named_as_skipped(fresh_pool) -> None:
+    """Ranks 1 and 2 pick the other pair's group: torch skips their calls (GroupMember.NON_GROUP_MEMBER,
+    a warning) and ranks 0 and 3 wait for them. Each pair is a tie of two; the call log's mark of
+    the skip names who went wrong, and why. (A pool of its own: the groups it makes would be in
+    every later test's records on a shared one.)"""
+    pool = fresh_pool(nproc=4, hang_after=1.0)
+    _, diag = hang(pool, "sk_evens, sk_odds = dist.new_group([0, 2]), dist.new_group([1, 3])\n"
+                         "sk_group = sk_evens if rank in (0, 1) else sk_odds   # BUG: by position, not parity\n"
+                         "dist.all_reduce(torch.ones(3), group=sk_group)\n")
+    assert diag.kind == "call_missing" and diag.culprits == [1, 2], diag.text()
+    assert "ranks 1,2 called all_reduce at cell line 3 on a group they are not members of" in diag.summary, diag.text()
+    assert "torch skipped the calls" in diag.summary and diag.summary.endswith("Root cause: ranks 1,2."), diag.text()
+
+
+def test_a_thread_that_raised_before_its_collective_is_named_with_its_error(fresh_pool) -> None:
+    """The collective is made on a background thread; rank 2's raises first. The rank finishes
+    the cell (its main thread joined a dead thread) while the others wait: the verdict names the
+    thread and its error, as Python printed it to rank 2's stderr. (A pool of its own: the others'
+    threads stay blocked in that all_reduce after the interrupt, which lands on the main thread.)"""
+    pool = fresh_pool(nproc=3, hang_after=1.0)
+    res, diag = hang(pool, "import threading\n"
+                           "def th_work():\n"
+                           "    if rank == 2:\n"
+                           "        raise ValueError('bad shard index')\n"
+                           "    dist.all_reduce(torch.ones(2))\n"
+                           "th_loader = threading.Thread(target=th_work, name='loader')\n"
+                           "th_loader.start()\n"
+                           "th_loader.join()\n")
+    assert diag.kind == "call_missing" and diag.culprits == [2], diag.text()
+    assert ("rank 2's thread 'loader' raised ValueError: bad shard index in th_work() (cell" in diag.summary
+            and "the thread ended there, before its call" in diag.summary), diag.text()
+    assert "--paths" not in diag.text(), diag.text()
+    pool.interrupt()
+    pool.wait(res, timeout=30)
+    assert res.results[2].threads and res.results[2].threads[0]["ename"] == "ValueError", res.results[2]
+    assert "rank 2's thread 'loader' raised ValueError" in res.text(), res.text()
+
+
+def test_a_pipeline_schedule_that_waits_in_its_receives_reads_as_the_p2p_calls_they_are(fresh_pool) -> None:
+    """torch.distributed.pipelining's schedule issues its sends and receives itself (batched, by
+    stage index, not global rank) and waits on their works in its own frames. Rank 2 runs 2
+    micro-batches where the others run 4: the ranks waiting in the schedule are read as the
+    sends and receives they wait on, and the chain of waits ends at rank 2. (A pool of its own:
+    the stages' sends stay open after the verdict.)"""
+    pool = fresh_pool(nproc=4, hang_after=1.0)
+    ready = pool.run("import torch.nn as nn\nfrom torch.distributed.pipelining import PipelineStage, ScheduleGPipe\n", timeout=120)
+    assert ready.ok, ready.text()
+    _, diag = hang(pool, "torch.manual_seed(0)\n"
+                         "pp_stage = PipelineStage(nn.Linear(8, 8), rank, world_size, torch.device('cpu'))\n"
+                         "pp_n = 2 if rank == 2 else 4   # BUG: a per-rank micro-batch count\n"
+                         "pp_sched = ScheduleGPipe(pp_stage, n_microbatches=pp_n)\n"
+                         "pp_out = pp_sched.step(torch.randn(8, 8)) if rank == 0 else pp_sched.step()\n", within=60)
+    assert diag.summary.startswith("point-to-point calls without a partner: "), diag.text()
+    assert "rank 3 waits to receive from rank 2, which finished the cell without sending to it" in diag.summary, diag.text()
+    assert diag.culprits == [2] and "still running Python code" not in diag.text(), diag.text()
+    assert diag.summary.count("rank 1 sends to rank 2") == 1, diag.text()
+    assert "--paths" not in diag.text(), "every rank ran the same lines: recording them would tell nothing"
+
+
 def test_an_abort_in_a_dtype_mismatch_blames_the_odd_rank_not_the_victim(pool4: distnb.Pool) -> None:
     pool = usable(pool4)
     t0 = time.monotonic()
@@ -128,9 +187,10 @@ def test_an_fsdp_like_loop_one_step_short_is_an_uneven_loop(pool4: distnb.Pool) 
     pool.run("def shard_step(p):\n    full = torch.zeros(8)\n    dist.all_gather_into_tensor(full, p)\n"
              "    dist.reduce_scatter_tensor(p, full)\n")
     _, diag = hang(pool, "fp = torch.ones(2)\nfor _ in range(4 if rank == 0 else 5):\n    shard_step(fp)\n")
-    # The call is in a function of an earlier cell, the loop in this one: who is certain, why only likely.
-    assert "ranks 1-3 entered all_gather" in diag.summary and "in shard_step()" in diag.summary, diag.summary
-    assert "but rank 0 finished the cell without entering it" in diag.summary and diag.culprits == [0], diag.summary
+    # The calls are in a function of an earlier cell, the loop in this one: its calls are this
+    # cell's, so the loop is seen (rank 0 went round it once less).
+    assert diag.summary.startswith("uneven loop: rank 0 ran 4 steps of (all_gather") and "ranks 1-3 ran 5" in diag.summary, diag.summary
+    assert "in shard_step()" in diag.summary and diag.culprits == [0], diag.summary
 
 
 def test_a_slow_rank_is_a_straggler_never_a_hang(pool4: distnb.Pool, tmp_path) -> None:

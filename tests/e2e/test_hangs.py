@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -103,6 +104,18 @@ def test_different_collectives_name_the_odd_rank(pool3: distnb.Pool) -> None:
     res = pool.submit("x = torch.ones(1)\nif rank == 0:\n    dist.broadcast(x, 0)\nelse:\n    dist.barrier()\n")
     diag = wait_for_hang(pool, res)
     assert diag.culprits == [0] and "broadcast" in diag.summary and "barrier" in diag.summary
+
+
+def test_a_helper_an_earlier_cell_defined_called_under_an_if_on_the_rank_is_named_as_that_if(pool3: distnb.Pool) -> None:
+    """A notebook's evaluate() from an earlier cell, called by rank 0 alone: its all_reduce was
+    issued by the running cell (not "calls of different cells paired"), and the ``if`` is there."""
+    pool = usable(pool3)
+    defined = pool.run("def eh_evaluate():\n    l = torch.zeros(1)\n    dist.all_reduce(l)\n    return l\n")
+    assert defined.ok, defined.text()
+    res = pool.submit("for it in range(3):\n    if it == 1 and rank == 0:\n        eh_evaluate()\ndist.barrier()\n")
+    diag = wait_for_hang(pool, res)
+    assert diag.culprits == [0] and "paired calls of different cells" not in diag.text(), diag.text()
+    assert f"in eh_evaluate() (cell {defined.cell} line 3)" in diag.summary and "under `if it == 1 and rank == 0:`" in diag.summary, diag.text()
 
 
 def test_stack_of_rank_holding_the_gil(pool3: distnb.Pool) -> None:
@@ -429,7 +442,7 @@ def test_regroup_after_a_collective_timeout_keeps_state() -> None:
         assert report.divergences() == [] and "agree" in report.text()
 
 
-def test_a_healthy_ddp_loop_is_never_called_a_hang(pool3: distnb.Pool) -> None:
+def test_a_healthy_ddp_loop_is_never_called_a_hang(pool3: distnb.Pool, tmp_path: Path) -> None:
     """Several seconds of DDP training at the default threshold: ranks keep entering and leaving
     the same collectives, one of them a little slower; the watch must not cry hang."""
     pool = usable(pool3)
@@ -440,24 +453,29 @@ def test_a_healthy_ddp_loop_is_never_called_a_hang(pool3: distnb.Pool) -> None:
         timeout=120,
     )
     assert setup.ok, setup.text()
+    stop = tmp_path / "stop"
     res = pool.submit(
-        # A fixed step count: a loop run until each rank's own clock says stop would itself be an
-        # uneven loop (distnb rightly calls that a hang).
-        "import time\nsteps = 0\n"
-        "for _ in range(250):\n"
+        # The loop runs until the test has read it often enough, however fast this machine is today:
+        # rank 0 reads the test's stop file and every rank learns it from an all_reduce. (A loop run
+        # until each rank's own clock says stop would itself be an uneven loop, rightly a hang.)
+        "import os, time\nsteps = 0\nhl_stop = torch.zeros(1)\n"
+        "while hl_stop.item() == 0:\n"
         "    hl_opt.zero_grad(); hl_model(hl_x).sum().backward(); hl_opt.step(); steps += 1\n"
         "    if rank == 1:\n        time.sleep(0.01)  # a slightly slower rank: the others wait for it every step\n"
+        f"    hl_stop = torch.tensor([float(rank == 0 and os.path.exists({str(stop)!r}))])\n"
+        "    dist.all_reduce(hl_stop)\n"
         "steps"
     )
     seen = []
-    while res.running:
+    while res.running and len(seen) < 8:
         diag = pool.diagnose(res)  # the pool's threshold: the default 3 s would apply; pool3 uses 1 s
         seen.append(diag.state)
         assert diag.state != "hang", diag.text()
         time.sleep(0.5)
+    stop.touch()
     pool.wait(res, timeout=60)
     assert res.ok, res.text()
-    assert len(seen) >= 8 and int(res.values[0]) > 10, (seen, res.values)
+    assert len(seen) == 8 and int(res.values[0]) > 10, (seen, res.values)
 
 
 def test_a_rank_computing_longer_than_hang_after_is_slow_not_a_hang(pool3: distnb.Pool) -> None:

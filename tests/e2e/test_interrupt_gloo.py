@@ -62,7 +62,8 @@ def test_one_interrupt_unblocks_a_gloo_collective_keeps_namespaces_and_rebuilds_
     # names those. A rank whose timer fired as a peer's shutdown ended its cell says so on stderr
     # just after its cell's output closed, so its line may miss the result: the note (from the
     # ranks' own records) names at least the ranks whose line arrived, and only blocked ones.
-    escalated = [r for r in (0, 2, 3) if "shutting down its 3 gloo connections so the cell can stop" in res[r].stderr]
+    # Its connections: 3 on the default group, more where the shared pool made other groups before.
+    escalated = [r for r in (0, 2, 3) if re.search(r"shutting down its \d+ gloo connections so the cell can stop", res[r].stderr)]
     assert escalated, text
     assert any("Every rank has a fresh default process group (4 ranks), namespaces kept" in n for n in res.notes), text
     named = re.search(r"could not land on ranks? ([\d,\-]+), blocked in all_reduce #", text)

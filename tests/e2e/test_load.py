@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -49,10 +50,14 @@ def test_500_cells_keep_memory_and_fds_flat() -> None:
         assert len(pool.history) == 600
 
 
-def test_launch_shutdown_cycles_leave_nothing() -> None:
+def test_launch_shutdown_cycles_leave_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mine = os.path.join(tempfile.gettempdir(), f"distnb-{os.getpid()}-*")  # run folders of this process's pools
     run_dirs_before = set(glob.glob(mine))
-    elastic_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "torchelastic_*")))
+    # torchrun makes its torchelastic_* folder under its TMPDIR: one of this test's own, so that
+    # another torchrun on the machine (a test beside this one) makes none of those looked at.
+    elastic = tmp_path / "tmp"
+    elastic.mkdir()
+    monkeypatch.setenv("TMPDIR", str(elastic))
     fds_before = fds(os.getpid())
     seen: list[int] = []
     for _ in range(5):
@@ -65,5 +70,5 @@ def test_launch_shutdown_cycles_leave_nothing() -> None:
         assert port not in _processes.listening_ports()
     assert [p for p in seen if _processes.pid_alive(p)] == []
     assert set(glob.glob(mine)) == run_dirs_before
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "torchelastic_*"))) == elastic_before
+    assert list(elastic.glob("torchelastic_*")) == []
     assert fds(os.getpid()) <= fds_before + 2  # the ZMQ context may keep an fd or two warm

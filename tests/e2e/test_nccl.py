@@ -13,7 +13,8 @@ import pytest
 
 from distnb.analysis.agreement.desync import CountMismatch, carry_over, count_mismatches, mismatch_text
 from distnb.analysis.agreement.entry_words import state_mark
-from distnb.analysis.reports.nccl_dumps import dump_marks, read_dumps, seq_blame, watchdog_cause
+from distnb.analysis.agreement.sequence_numbers import dump_marks, seq_blame
+from distnb.analysis.reports.nccl_dumps import read_dumps, watchdog_cause
 from distnb.analysis.verdicts.position import Position
 from distnb.config import LaunchConfig
 from distnb.controller.collective_log import CollectiveLog

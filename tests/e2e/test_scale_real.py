@@ -25,6 +25,8 @@ NNODES, NPROC = 8, 8
 WORLD = NNODES * NPROC
 #: The product's own bound on a start, given to the launch (it is ~70 s here on 2 cores, idle).
 START_TIMEOUT = 600.0
+#: Seconds the module waits for the memory it needs before skipping.
+MEMORY_WAIT = 300
 #: The pool's hang threshold (the default).
 HANG_AFTER = 3.0
 #: Bound on any one cell (tens of ms here) or on naming the hang past HANG_AFTER, for a loaded machine.
@@ -34,7 +36,7 @@ CELL_TIMEOUT = 120.0
 SHUTDOWN_BOUND = 60.0
 #: A test may restart the pool (usable(): a start and a shutdown), then run its cells; the first
 #: test carries the launch, the last the shutdown.
-TEST_TIMEOUT = int(START_TIMEOUT + SHUTDOWN_BOUND + HANG_AFTER + 4 * CELL_TIMEOUT)
+TEST_TIMEOUT = int(MEMORY_WAIT + START_TIMEOUT + SHUTDOWN_BOUND + HANG_AFTER + 4 * CELL_TIMEOUT)
 
 #: Memory: a rank and a torchrun are each a Python with torch (~230 MiB RSS, ~150 MiB of it their
 #: own, measured); a supervisor and a node agent ~12 MiB of their own. Rounded up.
@@ -96,7 +98,12 @@ def timed_run(pool: distnb.Pool, code: str, ranks=None) -> tuple[distnb.CellResu
 @pytest.fixture(scope="module")
 def big_pool(leak_check, request: pytest.FixtureRequest):
     """64 ranks on 8 local nodes, with the processes the launch added (for the shutdown check)."""
-    available, need = mem_available_mib(), needed_mib()
+    need = needed_mib()
+    # Under pytest-xdist (README's -n 2) the other worker's pools and kernels come and go: their
+    # memory is waited for, a while, before the test says it cannot run here.
+    deadline = time.monotonic() + MEMORY_WAIT
+    while (available := mem_available_mib()) < need and time.monotonic() < deadline:
+        time.sleep(2)
     if available < need:
         pytest.skip(f"{WORLD} ranks on {NNODES} local nodes need ~{need / 1024:.1f} GiB of memory with this torch; "
                     f"{available / 1024:.1f} GiB is available")

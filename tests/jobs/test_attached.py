@@ -24,7 +24,12 @@ GONE_PID = 2**30
 
 @pytest.fixture
 def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A jobs folder of the test's own; no torchrun job on this machine is found by its processes
+    (another test's, running beside this one, would be: tests/e2e/test_bare_attach_e2e.py finds those)."""
+    from distnb.jobs import attached
+
     monkeypatch.setenv("DISTNB_JOBS_DIR", str(tmp_path))
+    monkeypatch.setattr(attached, "find_bare_jobs", lambda: [])
     return tmp_path
 
 
@@ -45,7 +50,8 @@ def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
 def test_no_job_says_how_to_start_one(jobs: Path) -> None:
     with pytest.raises(distnb.AttachError) as exc:
         distnb.attach()
-    assert "no attachable job on this machine: start one with python -m distnb run -- torchrun" in one_line(exc)
+    assert ("no attachable job on this machine, nor any other torchrun job here: start one with python -m distnb run -- torchrun"
+            in one_line(exc)) and "%dist_attach --pid PID" in one_line(exc)
 
 
 def test_a_job_whose_processes_are_gone_is_not_offered(jobs: Path) -> None:
@@ -259,7 +265,7 @@ def test_the_magics_say_it_in_one_line(jobs: Path) -> None:
     from magic_shell import Shell
 
     shell = Shell()
-    with pytest.raises(UsageError, match="no attachable job on this machine: start one with python -m distnb run"):
+    with pytest.raises(UsageError, match="no attachable job on this machine, nor any other torchrun job here: start one with python -m distnb run"):
         shell.ip.run_line_magic("dist_attach", "")
     with pytest.raises(UsageError, match="no attachable job 'nope'"):
         shell.ip.run_line_magic("dist_attach", "nope")
@@ -276,3 +282,19 @@ def test_a_machine_that_cannot_be_read_is_named_with_why(jobs: Path, monkeypatch
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(distnb.AttachError, match="slurm: not inside a Slurm allocation"):
         distnb.attach(slurm=True)
+
+
+def test_several_torchrun_jobs_not_started_with_distnb_are_listed_by_pid(jobs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from distnb.jobs import attached
+    from distnb.launching.bare_jobs import BareJobFiles, BareRank
+
+    def job(agent: int) -> BareJobFiles:
+        rank = BareRank(0, agent + 1, 0, ("python", "-u", "train.py"), "/w", {"LOCAL_WORLD_SIZE": "2"}, 0.0)
+        return BareJobFiles(agent, "none", 2, {0: rank})
+
+    monkeypatch.setattr(attached, "find_bare_jobs", lambda: [job(100), job(200)])
+    with pytest.raises(distnb.AttachError) as exc:
+        distnb.attach()
+    said = one_line(exc)
+    assert "several torchrun jobs on this machine, none started with distnb; name one by its agent's pid" in said, said
+    assert "torchrun-100: 1 rank here of 2, train.py (%dist_attach --pid 100)" in said and "--pid 200" in said, said

@@ -20,7 +20,7 @@ import pytest
 
 import distnb
 from distnb.controller.dump_reader import read_job_dumps
-from distnb.jobs.attached import current_job
+from distnb.jobs.looking import current_job
 
 from conftest import started_pids
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
+from magic_shell import process_shell
 
 from distnb.analysis.reports.env import EnvReport
 from distnb.analysis.verdicts.stacks import Frame, RankStack, StackReport, ThreadStack
@@ -122,8 +123,9 @@ class FakePool:
 
 @pytest.fixture
 def shell() -> InteractiveShell:
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "distnb")
+    ip = process_shell()
+    if "on_ranks" not in ip.magics_manager.magics["cell"]:
+        ip.run_line_magic("load_ext", "distnb")
     return ip
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, op_stem, same_op, unrecorded_calls
 from distnb.cell_names import cell_name
-from distnb.wire.records import UNRECORDED, CollectiveEntry
+from distnb.wire.records import UNRECORDED, CollectiveEntry, issued_in
 
 __all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "program_key"]
 
@@ -45,18 +45,29 @@ class Call:
     args: tuple[tuple[str, str], ...]  # the arguments that must match, sorted
     splits: tuple[Any, Any] | None  # (input split sizes, output split sizes) of an all_to_all
     cell: int | None  # the cell that issued it
-    line: int | None  # its line there, when the call log saw the Python call
+    line: int | None  # its line in ``site_cell``, when the call log saw the Python call
     func: str
     done: bool
     t: float  # when the rank issued it, on the controller's clock
     entry: CollectiveEntry
+    site_cell: int | None = None  # the cell whose code holds ``line``: ``cell``, or an earlier cell's function
+    in_line: int | None = None  # where ``site_cell`` is not ``cell``: the line of ``cell`` that called it
 
     def signature(self) -> tuple[Any, ...]:
         """What must be equal across the group's members at this position."""
         return (op_stem(self.op), self.sizes, self.dtypes, self.args)
 
     def site(self) -> tuple[int, int] | None:
-        return (self.cell, self.line) if self.cell is not None and self.line is not None else None
+        return (self.site_cell, self.line) if self.site_cell is not None and self.line is not None else None
+
+    def sites(self) -> list[tuple[int, int]]:
+        """Its own line, then the line of the issuing cell that called it (a function an earlier
+        cell defined): where an ``if`` on the rank may decide whether it is made."""
+        own = self.site()
+        out = [own] if own is not None else []
+        if self.in_line is not None and self.cell is not None and self.cell != self.site_cell:
+            out.append((self.cell, self.in_line))
+        return out
 
     def words(self) -> str:
         """``all_reduce [4] f32``."""
@@ -67,7 +78,7 @@ class Call:
         if self.line is None:
             return ""
         func = f" in {self.func}()" if self.func not in ("", "<module>") else ""
-        return f" ({cell_name(self.cell)} line {self.line}{func})"
+        return f" ({cell_name(self.site_cell)} line {self.line}{func})"
 
 
 def call_of(log: CollectiveEvidence, rank: int, e: CollectiveEntry) -> Call:
@@ -77,12 +88,13 @@ def call_of(log: CollectiveEvidence, rank: int, e: CollectiveEntry) -> Call:
     splits = (_tup(args.get("input_split_sizes")), _tup(args.get("output_split_sizes"))) \
         if any(args.get(k) is not None for k in SPLIT_ARGS) else None
     root_only = e["op"] in ROOT_INPUT_ONLY
-    cell = e.get("call_cell", e.get("cell"))
+    cell, site_cell = issued_in(e), e.get("call_cell")
     return Call(
         rank=rank, group=str(e["group"]), role=log.group(str(e["group"])).role(), seq=e.get("seq"), op=e["op"],
         sizes=None if root_only else _tup(e.get("sizes")), dtypes=None if root_only else _tup(e.get("dtypes")), args=kept,
-        splits=splits, cell=int(cell) if cell is not None else None, line=e.get("line") if e.get("call_cell") is not None else None,
+        splits=splits, cell=int(cell) if cell is not None else None, line=e.get("line") if site_cell is not None else None,
         func=e.get("func") or "", done=bool(e.get("done")), t=log.local_time(rank, e), entry=e,
+        site_cell=int(site_cell) if site_cell is not None else None, in_line=e.get("in_line") if site_cell is not None else None,
     )
 
 
@@ -90,7 +102,7 @@ def cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[Call]:
     """The rank's collectives issued in ``cell``, in issue order: its recorder's entries, then the
     collective it is in when the recorder has no entry for it yet (a call the log watched)."""
     entries = sorted((e for e in log.entries.get(rank, {}).values()
-                      if not e.get("p2p") and e.get("call_cell", e.get("cell")) == cell), key=lambda e: e["id"])
+                      if not e.get("p2p") and issued_in(e) == cell), key=lambda e: e["id"])
     return [call_of(log, rank, e) for e in entries + unrecorded_calls(log, rank, cell, entries)]
 
 
@@ -106,7 +118,7 @@ def death_call(log: CollectiveEvidence, rank: int, group: str, seq: int | None) 
     if seq is not None:
         entry["seq"] = seq
     return Call(rank=rank, group=group, role=log.group(group).role(), seq=seq, op=op, sizes=None, dtypes=None, args=(),
-                splits=None, cell=cell, line=line, func="", done=False, t=float("inf"), entry=entry)
+                splits=None, cell=cell, line=line, func="", done=False, t=float("inf"), entry=entry, site_cell=cell if line else None)
 
 
 def program_key(call: Call) -> tuple[Any, ...]:

@@ -15,7 +15,7 @@ from typing import Iterable
 
 from distnb.cell_names import cell_name
 
-__all__ = ["Around", "around", "because", "condition_ranks", "loop_span", "other_branches", "rank_names"]
+__all__ = ["Around", "around", "because", "condition_ranks", "loop_span", "may_branch", "other_branches", "rank_names"]
 
 _RANK_NAMES = frozenset({"rank", "local_rank", "get_rank", "group_rank", "get_local_rank", "get_coordinate", "global_rank"})
 #: The environment variables torchrun sets per rank: ``int(os.environ["RANK"])`` reads the rank.
@@ -25,6 +25,37 @@ _RANK_VARS = {"RANK", "LOCAL_RANK", "GROUP_RANK", "SLURM_PROCID", "OMPI_COMM_WOR
 def _reads_rank(node: ast.AST, names: frozenset[str]) -> bool:
     return any(isinstance(n, ast.Name) and n.id in names or isinstance(n, ast.Attribute) and n.attr in names
                or isinstance(n, ast.Constant) and n.value in _RANK_VARS for n in ast.walk(node))
+
+
+_BRANCHES = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.Match, ast.Break, ast.Continue, ast.Return, ast.Raise)
+
+
+def may_branch(code: str, sources: Iterable[str]) -> bool:
+    """Whether the notebook's own lines could run differently per rank in this cell: it has a
+    statement that chooses lines (an ``if``, a loop, a ``try``, a ``return`` …), or it calls
+    something while the session defines a function or class that has one (a model's
+    ``forward`` is reached through an instance: which one is not told apart here). Recording
+    paths (which lines ran) tells ranks apart only then; a value that differs on one line (``2 if
+    rank == 2 else 4``), or a decision inside a library, leaves every rank on the same lines.
+    Unparsable code: maybe."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return True
+    if any(isinstance(n, _BRANCHES) for n in ast.walk(tree)):
+        return True
+    if not any(isinstance(n, ast.Call) for n in ast.walk(tree)):
+        return False
+    for source in sources:
+        try:
+            defined = ast.parse(source)
+        except SyntaxError:
+            return True
+        for node in ast.walk(defined):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                    any(isinstance(n, _BRANCHES) for stmt in node.body for n in ast.walk(stmt)):
+                return True
+    return False
 
 
 def rank_names(sources: Iterable[str]) -> frozenset[str]:

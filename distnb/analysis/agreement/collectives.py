@@ -9,13 +9,13 @@ from enum import Enum
 from typing import Any, Callable
 
 from distnb.analysis.agreement.collective_table import NOT_RECORDED, GroupTable, Row
-from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.entry_words import describe, line_words
 from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, odd_ones, peer_words, same_op
 from distnb.analysis.agreement.groups import short_name
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.cell_names import cell_name, cell_tag
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import P2P_OPS, CollectiveEntry
+from distnb.wire.records import P2P_OPS, CollectiveEntry, called_in, issued_in
 
 __all__ = ["CollectiveReport", "Divergence", "Differs", "RECORDER_NAMES", "issued_words", "signature"]
 
@@ -24,12 +24,13 @@ RECORDER_NAMES = {"nccl": "NCCL", "fr": "gloo (and other non-NCCL)"}
 
 
 def issued_words(entry: CollectiveEntry) -> str:
-    """``issued in cell 3, line 4`` (the call's own cell and line when the call log matched it),
-    ``issued in cell 3``, or ``issued outside distnb's cells``."""
-    cell = entry.get("call_cell", entry.get("cell"))
+    """``issued in cell 3, line 4`` (the call's own cell and line when the call log matched it;
+    ``issued in cell 3, line 4, in step() (cell 1 line 7)`` for a function an earlier cell
+    defined), ``issued in cell 3``, or ``issued outside distnb's cells``."""
+    cell = issued_in(entry)
     if cell is None:
         return "issued outside distnb's cells"
-    return f"issued in {cell_name(cell)}" + (f", line {entry['line']}" if entry.get("line") and entry.get("call_cell") is not None else "")
+    return f"issued in {cell_name(cell)}{line_words(entry)}"
 
 
 #: Ops whose input exists on the root alone: the recorder shows the scattered tensor on the source
@@ -174,7 +175,7 @@ class CollectiveReport:
                 # A rank that died in this cell with its later entries unpushed: whether it got
                 # here is not known (its last entry may be long past), so it is no vote either way.
                 lost = {r for r, e in at.items() if e is None and r not in inside and (not seqs[r] or max(seqs[r]) < seq)
-                        and (cell := self.log.died_during.get(r)) is not None and any(x.get("cell") == cell for x in present)}
+                        and (cell := self.log.died_during.get(r)) is not None and any(issued_in(x) == cell for x in present)}
                 if any(e is None and r not in inside and r not in lost for r, e in at.items()):
                     # A rank whose log starts later (ring buffer), or goes on past this position (a
                     # group's numbers run without gaps: a dead rank's unpushed entry), is not "missing" it.
@@ -202,7 +203,7 @@ class CollectiveReport:
     def paired(self, first: Divergence) -> str:
         """The first divergence as one group can't see it, in words: in the cell where it began,
         a collective over another group than its peers', or one that paired calls of different cells."""
-        cells = {c for e in first.by_rank.values() if e is not None and (c := e.get("call_cell", e.get("cell"))) is not None}
+        cells = {c for e in first.by_rank.values() if e is not None and (c := issued_in(e)) is not None}
         for cell in sorted(cells):
             crossed = cross_group(self.log, self.ranks, cell)
             if crossed is not None:
@@ -312,7 +313,7 @@ class CollectiveReport:
             if calls:
                 rows.append(f"  rank {r}: " + ", ".join(
                     f"{c['op']} {'→' if P2P_OPS[c['op']] == 'send' else '←'} "
-                    f"{peer_words(c)}{' ⏳' if c['end'] is None else ''}" + (f" {cell_tag(c['cell'])}" if c.get("cell") is not None else "")
+                    f"{peer_words(c)}{' ⏳' if c['end'] is None else ''}" + (f" {cell_tag(cell)}" if (cell := called_in(c)) is not None else "")
                     for c in calls))
         return ["── point-to-point (last calls per rank)", *rows] if rows else []
 

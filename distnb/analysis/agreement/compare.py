@@ -22,6 +22,7 @@ from typing import Any
 from distnb.analysis.agreement.calls import Call, call_of, death_call
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, op_stem
 from distnb.ranks import group_by
+from distnb.wire.records import issued_in
 
 __all__ = ["Disagreement", "Presence", "disagreements"]
 
@@ -100,7 +101,7 @@ def _split_pairs(at: dict[int, Call | None], members: list[int]) -> list[tuple[i
 def _sites(calls: list[Call], cell: int) -> tuple[str, ...]:
     """``("call site",)`` when calls of this cell at one position come from different lines:
     the same signature, but not the same call (a rank that skipped one call met the next)."""
-    lines = {c.line for c in calls if c.cell == cell and c.line is not None}
+    lines = {c.site() for c in calls if c.cell == cell and c.line is not None}
     unknown = any(c.line is None for c in calls)
     return ("call site",) if len(lines) > 1 or (lines and unknown and any(c.sizes is None for c in calls)) else ()
 
@@ -116,7 +117,7 @@ def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence]
     call (it may be this group's)."""
     out = []
     groups = sorted({str(e["group"]) for r in where for e in log.entries.get(r, {}).values()
-                     if not e.get("p2p") and e.get("call_cell", e.get("cell")) == cell})
+                     if not e.get("p2p") and issued_in(e) == cell})
     for g in groups:
         members = [r for r in log.groups.get(g, []) if r in where] or [r for r in where if log.seqs(r, g)]
         found = _first(log, g, members, cell, where, waiting_in or {})
@@ -129,7 +130,7 @@ def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence]
 def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where: dict[int, Presence],
            waiting_in: dict[int, str | None]) -> Disagreement | None:
     seqs = {r: log.seqs(r, g) for r in members}
-    in_cell = [s for m in seqs.values() for s, e in m.items() if e.get("call_cell", e.get("cell")) == cell]
+    in_cell = [s for m in seqs.values() for s, e in m.items() if issued_in(e) == cell]
     if len(members) < 2 or not in_cell:
         return None
     top = max(s for m in seqs.values() for s in m)
@@ -154,7 +155,7 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
                 if last == k - 1:
                     mine = death_call(log, r, g, k)
                     lines = {e.get("line") for m in seqs.values() if (e := m.get(k)) and e.get("call_cell") is not None}
-                    if mine is not None and mine.line is not None and _site_of_another_role(log, g, mine.cell, mine.line):
+                    if mine is not None and mine.line is not None and _site_of_another_role(log, g, mine.site_cell, mine.line):
                         at[r] = None  # it died in a call the others made on a group of another role: before this one
                     elif mine is not None and mine.line is not None and lines and mine.line not in lines:
                         at[r] = mine

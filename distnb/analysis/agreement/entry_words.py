@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-__all__ = ["args_text", "describe", "state_mark"]
+from distnb.cell_names import cell_name
+from distnb.wire.records import CollectiveEntry, issued_in
+
+__all__ = ["args_text", "describe", "line_words", "state_mark"]
 
 _DTYPE_SHORT = {"Float": "f32", "Double": "f64", "Half": "f16", "BFloat16": "bf16", "Long": "i64", "Int": "i32",
                 "Byte": "u8", "Bool": "bool", "Char": "i8", "Short": "i16"}
@@ -25,6 +28,18 @@ def describe(entry: Mapping[str, Any], with_op: bool = True) -> str:
     args = args_text(entry.get("args"))
     parts = ([entry["op"]] if with_op else []) + ([shapes] if shapes else []) + ([",".join(dtypes)] if dtypes else []) + ([args] if args else [])
     return " ".join(parts)
+
+
+def line_words(entry: CollectiveEntry) -> str:
+    """``, line 7`` (of the cell that issued it), or for a call inside a function an earlier cell
+    defined ``, line 4, in step() (cell 1 line 7)``; ``""`` where the call log did not see it."""
+    site = entry.get("call_cell")
+    if not entry.get("line") or site is None:
+        return ""
+    if site == issued_in(entry):
+        return f", line {entry['line']}"
+    called = f"line {entry['in_line']}, " if entry.get("in_line") else ""
+    return f", {called}in {entry.get('func') or 'a function'}() ({cell_name(site)} line {entry['line']})"
 
 
 def state_mark(entry: Mapping[str, Any]) -> str:

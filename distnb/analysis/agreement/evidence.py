@@ -8,7 +8,7 @@ from typing import Any, Mapping, Protocol
 
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.ranks import group_by
-from distnb.wire.records import P2P_OPS, UNRECORDED, CallRecord, CollectiveEntry
+from distnb.wire.records import P2P_OPS, UNRECORDED, CallRecord, CollectiveEntry, called_in
 
 __all__ = ["ROOT_INPUT_ONLY", "CollectiveEvidence", "odd_ones", "op_stem", "peer_of", "peer_words", "same_op", "unrecorded_calls"]
 
@@ -57,13 +57,16 @@ def unrecorded_calls(log: CollectiveEvidence, rank: int, cell: int, entries: lis
     from the watched call, no sequence number, no shapes."""
     out: list[CollectiveEntry] = []
     for c in log.open_calls(rank):
-        if c.get("cell") != cell or c["op"] in _NOT_COLLECTIVE or c.get("group") in (None, "?"):
+        if called_in(c) != cell or c["op"] in _NOT_COLLECTIVE or c.get("group") in (None, "?"):
             continue
         t = c["t"] / 1e9
         if any(e["group"] == c["group"] and e["t"] >= t - 1e-3 for e in entries):
             continue  # its entry is in
-        out.append({"id": UNRECORDED, "group": c["group"], "op": c["op"], "done": False, "cell": cell, "call_cell": cell,
-                    "line": c.get("line"), "func": c.get("func") or "", "p2p": False, "t": t, "args": c.get("args") or {}})
+        entry: CollectiveEntry = {"id": UNRECORDED, "group": c["group"], "op": c["op"], "done": False, "cell": cell, "call_cell": c["cell"],
+                                  "line": c.get("line"), "func": c.get("func") or "", "p2p": False, "t": t, "args": c.get("args") or {}}
+        if c.get("in_line") is not None:
+            entry["in_line"] = c["in_line"]
+        out.append(entry)
     return out
 
 

@@ -17,26 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.agreement.entry_words import describe, line_words
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, unrecorded_calls
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import CollectiveEntry
+from distnb.wire.records import CollectiveEntry, issued_in
 
 __all__ = ["CrossCell", "CrossGroup", "cross_cell", "cross_group"]
 
 
 
 
-def _cell(e: CollectiveEntry) -> int | None:
-    """The cell that issued an entry: the call's own (call log), else the rank's clock's."""
-    cell = e.get("call_cell", e.get("cell"))
-    return int(cell) if cell is not None else None
-
-
 def _site(e: CollectiveEntry) -> str:
-    line = f", line {e['line']}" if e.get("line") and e.get("call_cell") is not None else ""
-    return f"{cell_name(_cell(e))}{line}" if _cell(e) is not None else "outside distnb's cells"
+    cell = issued_in(e)
+    return "outside distnb's cells" if cell is None else f"{cell_name(cell)}{line_words(e)}"
 
 
 @dataclass
@@ -89,7 +83,7 @@ def _ordinal(n: int) -> str:
 def _in_cell(log: CollectiveEvidence, rank: int, cell: int) -> list[CollectiveEntry]:
     """The rank's collectives of ``cell`` in issue order: its recorder's entries, then the call it
     is in when the recorder has no entry for it yet (NCCL connecting a group's communicator)."""
-    entries = sorted((e for e in log.entries.get(rank, {}).values() if not e.get("p2p") and _cell(e) == cell), key=lambda e: e["id"])
+    entries = sorted((e for e in log.entries.get(rank, {}).values() if not e.get("p2p") and issued_in(e) == cell), key=lambda e: e["id"])
     return entries + [{**e, "sizes": [], "dtypes": []} for e in unrecorded_calls(log, rank, cell, entries)]
 
 
@@ -133,7 +127,7 @@ class CrossCell:
     @property
     def odd(self) -> list[int]:
         """The ranks whose call came from another cell than most ranks' (every rank on a tie)."""
-        return odd_ones({r: _cell(e) for r, e in self.by_rank.items()})
+        return odd_ones({r: issued_in(e) for r, e in self.by_rank.items()})
 
     @property
     def blamed(self) -> list[int]:
@@ -141,12 +135,12 @@ class CrossCell:
         earlier cell, it is the root cause; else none is named."""
         odd = self.odd
         later = [r for r in self.by_rank if r not in odd] if len(odd) < len(self.by_rank) else []
-        if later and all((_cell(self.by_rank[r]) or 0) < min(_cell(self.by_rank[x]) or 0 for x in later) for r in odd):
+        if later and all((issued_in(self.by_rank[r]) or 0) < min(issued_in(self.by_rank[x]) or 0 for x in later) for r in odd):
             return odd
         return []
 
     def text(self) -> str:
-        sides = group_by((r, (_cell(e), describe(e))) for r, e in sorted(self.by_rank.items()))
+        sides = group_by((r, (issued_in(e), describe(e))) for r, e in sorted(self.by_rank.items()))
         calls = " with ".join(f"{format_ranks(rs)}'s {describe(self.by_rank[rs[0]])} from {_site(self.by_rank[rs[0]])}" for rs, _ in sides)
         shapes = len({describe(e) for e in self.by_rank.values()}) > 1
         odd = self.odd
@@ -178,7 +172,7 @@ def cross_cell(log: CollectiveEvidence, ranks: list[int], cell: int | None = Non
                 by_seq.setdefault(seq, {})[r] = e
         for seq in sorted(by_seq, reverse=True):
             at = by_seq[seq]
-            cells = {_cell(e) for e in at.values()}
+            cells = {issued_in(e) for e in at.values()}
             if len(at) < 2 or None in cells or len(cells) < 2:
                 continue
             if cell is not None and cell not in cells:

@@ -136,8 +136,8 @@ def compare_programs(odd: list[Call], majority: list[Call], odd_left: bool, majo
             return _extra(a, b, odd, majority, i1, i1 + a[i1 + 1 :].index(b[j1]) + 1, j1)
         # Two lines of one cell: the code says which way the odd rank went; calls from C++ have no
         # line, and only their repetition says whether one side went round a loop again.
-        if x.line is not None and y.line is not None and x.cell == y.cell and x.cell is not None and apart is not None \
-                and apart(x.cell, x.line, y.line):
+        if x.line is not None and y.line is not None and x.site_cell == y.site_cell and x.site_cell is not None and apart is not None \
+                and apart(x.site_cell, x.line, y.line):
             return Difference(Change.DIFFERENT, [x], [y], j1, fields=_fields(x, y) or ("call site",))
         found = _code_order(odd, majority, i1, j1, loop_of) or _repeats(a, b, odd, majority, i1, i2, j1, j2)
         if found is not None:
@@ -170,16 +170,16 @@ def _code_order(odd: list[Call], majority: list[Call], i1: int, j1: int, loop_of
     above it, it made one the majority did not. A side that went back up (round its loop) while
     the other went on past the loop's end ran the loop another number of times."""
     x, y = odd[i1], majority[j1]
-    if x.line is None or y.line is None or x.cell != y.cell:
+    if x.line is None or y.line is None or x.site_cell != y.site_cell:
         return None
     prev = odd[i1 - 1] if i1 > 0 else None
-    last = prev.line if prev is not None and prev.cell == x.cell and prev.line is not None else 0
+    last = prev.line if prev is not None and prev.site_cell == x.site_cell and prev.line is not None else 0
     x_on, y_on = x.line > last, y.line > last
     if x_on == y_on:
         if x.line > y.line:
             return Difference(Change.MISSING, [], [y], j1)
         return Difference(Change.EXTRA, [x], [], j1)
-    loop = loop_of(x.cell, last) if loop_of is not None and x.cell is not None and last else None
+    loop = loop_of(x.site_cell, last) if loop_of is not None and x.site_cell is not None and last else None
     if y_on:  # the odd rank went back up, the majority on
         if loop is not None and y.line > loop[1]:
             return Difference(Change.REPEATS, [x], [], j1, None, [x])  # it went round again; the majority left the loop

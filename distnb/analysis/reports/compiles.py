@@ -109,14 +109,25 @@ class CompileReport:
         ops = Counter(op for g in graphs for op in g)
         return ", ".join(f"{op} ×{n}" for op, n in sorted(ops.items())) or "none"
 
+    @property
+    def graphs_recorded(self) -> bool:
+        """Whether any rank's compiles carry their graphs' collectives (recorded with --paths)."""
+        return any(e.get("collectives") is not None for by_rank in self.codes().values() for es in by_rank.values() for e in es)
+
     def odd_ranks(self) -> list[int]:
-        """Ranks that compiled something differently from the majority, for a diagnosis."""
+        """Ranks that compiled something differently from the majority, or whose graphs hold
+        other collectives, for a diagnosis."""
         ranks = self.ranks
         odd: set[int] = set()
         for by_rank in self.codes().values():
             counts = {r: len(by_rank.get(r, [])) for r in ranks}
             sides = sorted(group_by(sorted(counts.items())), key=lambda g: -len(g[0]))
             for rs, _ in sides[1:]:
+                odd.update(rs)
+            graphs = {r: g for r in ranks if (g := tuple(tuple(e.get("collectives") or ()) for e in by_rank.get(r, [])
+                                                         if e.get("collectives") is not None))}
+            gsides = sorted(group_by(sorted(graphs.items())), key=lambda g: -len(g[0]))
+            for rs, _ in gsides[1:]:
                 odd.update(rs)
         return sorted(odd)
 
@@ -125,8 +136,13 @@ class CompileReport:
         where = f" (cell{'s' if len(self.cells) > 1 else ''} {', '.join(map(str, self.cells))})" if self.cells else ""
         if not self.codes() and not any(self.breaks.values()):
             return f"torch.compile compiled nothing on {format_ranks(self.ranks)}{where}."
+        if not diffs and not self.graphs_recorded:
+            # Counts alike say nothing of what the graphs issue: a branch taken inside one rank's
+            # graph issues another collective with the same compile count.
+            return (f"torch.compile compiled the same frames as often on {format_ranks(self.ranks)}{where}; what their graphs "
+                    "issue was not recorded (run the cell with --paths to compare the graphs' collectives).")
         if not diffs:
-            return f"torch.compile did the same on {format_ranks(self.ranks)}{where}."
+            return f"torch.compile did the same on {format_ranks(self.ranks)}{where}: the same frames as often, graphs with the same collectives."
         return f"torch.compile differs across ranks{where}: " + "; ".join(diffs) + "."
 
     def text(self) -> str:

@@ -194,18 +194,26 @@ def _key(h: int, total: float) -> tuple[int, int] | None:
     return (h, _bits(total)) if total - total == 0 else None
 
 
+_NAN = "nan"  # a NaN sum or element, as the exact comparison keys it
+
+
 def _split(values: dict[int, tuple[Any, ...]], exact: bool, rtol: float, atol: float) -> list[list[int]] | None:
     """The ranks grouped by value, majority first, or None when they all agree. A value is
     (shape/dtype key, hashes, sums and sampled elements); without ``exact``, values whose sums and
     sampled elements are within the tolerance agree."""
     if exact:
-        groups = [rs for rs, _ in group_by(sorted(values.items()))]
+        # Each rank's NaN is a float of its own, and no NaN equals another: four outputs with NaN
+        # in the same places would read as four values. A NaN compares as NaN.
+        groups = [rs for rs, _ in group_by((r, (v[0], v[1], tuple(_NAN if x != x else x for x in v[2])))
+                                           for r, v in sorted(values.items()))]
     else:
         groups = []
         reps: list[tuple[Any, ...]] = []
         for r, v in sorted(values.items()):
             for g, rep in zip(groups, reps):
-                if rep[0] == v[0] and (rep[1] == v[1] or all(within(a, b, rtol, atol) for a, b in zip(rep[2], v[2]))):
+                # Fingerprints equal only say "the same" when finite (a non-finite one is None).
+                same = rep[1] == v[1] and None not in v[1]
+                if rep[0] == v[0] and (same or all(within(a, b, rtol, atol) for a, b in zip(rep[2], v[2]))):
                     g.append(r)
                     break
             else:

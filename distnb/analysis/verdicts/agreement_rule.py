@@ -21,11 +21,11 @@ from distnb.analysis.agreement.calls import Call, cell_calls, death_call
 from distnb.analysis.agreement.cell_source import around, condition_ranks, loop_span, other_branches
 from distnb.analysis.agreement.compare import Disagreement, Presence, disagreements
 from distnb.analysis.agreement.programs import Change, Difference, compare_programs
+from distnb.analysis.verdicts.agreement_causes import code_cause, skipped_words, skipping_ranks, thread_raised_words
 from distnb.analysis.verdicts.position import Place
 from distnb.analysis.verdicts.records import Records
-from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
+from distnb.analysis.verdicts.verdict import CALLED_FROM, Certainty, Evidence, Kind, Site, Verdict, VerdictState, call_and_caller
 from distnb.analysis.verdicts.words import call_words, group_words, ranks_verb, site_of_call
-from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 from distnb.wire.records import UNRECORDED
 
@@ -94,6 +94,12 @@ def agreement(rec: Records) -> Verdict | None:
             odd, tie, how = side, False, How(By.RANK_BRANCH)
         # The odd ranks took the branch (an extra call), or the others did (the odd ones lack it).
         diff = Difference(Change.EXTRA, [call], [], 0) if set(odd) <= set(side) else Difference(Change.MISSING, [], [call], 0)
+    skipped = skipping_ranks(rec, d)
+    if skipped and set(skipped) != set(odd):
+        # The members without the call made it, on a group they are not in: torch dropped it.
+        # They are the odd ones, whatever a vote of a group of two said.
+        present = next(c for c in d.by_rank.values() if c is not None)
+        odd, tie, how, diff = skipped, False, How(By.SKIPPED), Difference(Change.MISSING, [], [present], 0)
     if _left_first(rec, d, odd):
         return None  # their error or death explains the calls they did not make: the event rules say so
     kind = _KINDS[diff.change] if diff is not None else (
@@ -151,9 +157,9 @@ def _earlier(rec: Records, a: Disagreement, b: Disagreement) -> bool:
     """Whether ``a``'s call site comes before ``b``'s in one cell, neither inside a loop around the other."""
     ca = next((c for c in a.by_rank.values() if c is not None and c.line is not None), None)
     cb = next((c for c in b.by_rank.values() if c is not None and c.line is not None), None)
-    if ca is None or cb is None or ca.cell != cb.cell or ca.cell is None or ca.line is None or cb.line is None or ca.line >= cb.line:
+    if ca is None or cb is None or ca.site_cell != cb.site_cell or ca.site_cell is None or ca.line is None or cb.line is None or ca.line >= cb.line:
         return False
-    loop = loop_span(rec.sources.get(ca.cell), cb.line)
+    loop = loop_span(rec.sources.get(ca.site_cell), cb.line)
     return loop is None or not loop[0] <= ca.line <= loop[1]
 
 
@@ -168,11 +174,11 @@ def _program(rec: Records, r: int, cell: int) -> list[Call]:
         return calls
     if calls and p.line and calls[-1].line is None and (p.state == Place.FAILED or p.state == Place.COLLECTIVE and not calls[-1].done):
         here = p.line_cell if p.line_cell is not None else cell
-        calls[-1] = replace(calls[-1], cell=here, line=p.line, func=p.func)
+        calls[-1] = replace(calls[-1], site_cell=here, line=p.line, func=p.func)
     if p.state == Place.DEAD:
         last = calls[-1] if calls else None
         mine = death_call(rec.log.log, r, last.group if last is not None else "0", None)
-        if mine is not None and mine.cell == cell and (last is None or last.line != mine.line):
+        if mine is not None and mine.cell == cell and (last is None or last.site() != mine.site()):
             calls.append(mine)
     return calls
 
@@ -206,6 +212,7 @@ class By(Enum):
     DEPARTS = "departs"  # their calls in the cell depart from most other ranks'
     NO_MAJORITY = "no majority"  # a tie: both sides named, neither blamed
     RANK_BRANCH = "rank branch"  # the `if` on the rank around their call
+    SKIPPED = "skipped"  # they made the call on a group they are not members of, and torch skipped it
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,8 @@ class How:
                 " (the group's members and the ranks in step on the other groups of its role)" if self.witnesses else "")
         if self.by is By.DEPARTS:
             return f"its calls in this cell depart from most of the other {self.over} ranks'"
+        if self.by is By.SKIPPED:
+            return "by their own call of it, on a group they are not members of (torch skips it; the call log saw it)"
         return "by the `if` on the rank around their call" if self.by is By.RANK_BRANCH else "no majority"
 
 
@@ -295,12 +304,15 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: How,
         lead = next((r for r in odd if d.by_rank.get(r) is not None), odd[0])
         side = [r for r in odd if _same_value(d, r, lead)]
         first, second = side, [r for r in odd if r not in side]
+    elif how.by is By.SKIPPED:  # the headline is this group's: its members that skipped
+        first, second = [r for r in odd if r in d.by_rank], others
     else:
         first, second = odd, others or ([ref] if ref is not None else [])
     waiting = [p.rank for p in rec.waiting if p.rank not in odd]
     dead = [p.rank for p in rec.dead if p.rank not in odd]
     sites = _sites(rec, d, odd, diff, ref)
-    cause = _cause(rec, sites, kind)
+    cause = skipped_words(rec, odd, [c.op for c in d.by_rank.values() if c is not None]) if kind == Kind.CALL_MISSING else ""
+    cause = cause or (thread_raised_words(rec, odd, diff, d) if kind == Kind.CALL_MISSING else "") or code_cause(rec, sites, kind)
     summary, kind = _words(rec, d, kind, diff, first, second)
     tail = []
     if diff is not None and diff.odd_calls and _pending_async(rec, diff.odd_calls[0]):
@@ -308,7 +320,7 @@ def _verdict(rec: Records, d: Disagreement, odd: list[int], tie: bool, how: How,
     if cause:
         tail.append(cause)
     if waiting:
-        tail.append(f"{format_ranks(waiting)} {ranks_verb(waiting, 'wait')} for it")
+        tail.append(f"{format_ranks(waiting)} {ranks_verb(waiting, 'wait')} for {'them' if len(odd) > 1 else 'it'}")
     if dead:
         tail.append(f"{format_ranks(dead)} died in it ({_victim_words(rec, dead)})")
     gone = [p.rank for p in rec.dead if p.rank in odd]
@@ -395,10 +407,15 @@ def _victim_words(rec: Records, dead: list[int]) -> str:
 
 
 def _under_rank_condition(rec: Records, call: Call | None) -> bool:
-    if call is None or call.line is None or call.cell is None:
+    """Its line, or the issuing cell's line that called the function it is in, sits under an
+    ``if`` on the rank."""
+    if call is None:
         return False
-    found = around(rec.sources.get(call.cell, ""), call.line, rec.rank_names)
-    return found is not None and found.rank_condition() is not None
+    for cell, line in call.sites():
+        found = around(rec.sources.get(cell, ""), line, rec.rank_names)
+        if found is not None and found.rank_condition() is not None:
+            return True
+    return False
 
 
 def _rank_conditional(rec: Records, call: Call | None, entered: list[int], skipped: list[int]) -> str:
@@ -422,9 +439,11 @@ def _certain(rec: Records, kind: Kind, tie: bool, d: Disagreement, diff: Differe
     if kind == Kind.MISMATCH and diff is not None and diff.odd_calls and diff.majority_calls and \
             diff.odd_calls[0].site() is not None and diff.odd_calls[0].site() == diff.majority_calls[0].site():
         return Certainty.CERTAIN
-    if kind in (Kind.CALL_EXTRA, Kind.CALL_MISSING) and sites and sites[0].line is not None and sites[0].cell is not None:
+    if kind in (Kind.CALL_EXTRA, Kind.CALL_MISSING):
         ranks = [p.rank for p in rec.positions if p.state != Place.IDLE]
-        reach = condition_ranks(rec.sources.get(sites[0].cell), sites[0].line, max(ranks) + 1 if ranks else 0)
+        # The call's own line first, then the cell's line that called its function.
+        reach = next((found for s in call_and_caller(sites) if s.line is not None and s.cell is not None
+                      if (found := condition_ranks(rec.sources.get(s.cell), s.line, max(ranks) + 1 if ranks else 0)) is not None), None)
         if reach is not None:
             reach &= set(ranks)
             if set(odd) == (reach if kind == Kind.CALL_EXTRA else set(ranks) - reach):
@@ -445,7 +464,9 @@ def _sites(rec: Records, d: Disagreement, odd: list[int], diff: Difference | Non
     out = []
     for c in calls[:1]:
         if c.site() is not None:
-            out.append(Site(c.cell, c.line, c.func, _code(rec, c.cell, c.line), "the call"))
+            out.append(Site(c.site_cell, c.line, c.func, _code(rec, c.site_cell, c.line), "the call"))
+            for caller, at in c.sites()[1:]:
+                out.append(Site(caller, at, "", _code(rec, caller, at), CALLED_FROM))
     if not out:
         # Issued from C++ (DDP, FSDP): the line the ranks were at when they made it.
         side = odd if diff is not None and diff.odd_calls else [r for r in d.by_rank if r not in odd] or odd
@@ -456,10 +477,13 @@ def _sites(rec: Records, d: Disagreement, odd: list[int], diff: Difference | Non
                 out.append(Site(cell, p.line, p.func, p.code, "where the call was made"))
                 break
     if diff is not None and diff.change == Change.REPEATS and out:
-        found = around(rec.sources.get(out[0].cell or -1, ""), out[0].line or 0, rec.rank_names)
-        loop = found.loop() if found else None
-        if loop is not None:
-            out.append(Site(out[0].cell, loop[0], "", loop[1], "the loop"))
+        # The loop around the call, or around the line of the cell that called its function.
+        for s in call_and_caller(out):
+            found = around(rec.sources.get(s.cell or -1, ""), s.line or 0, rec.rank_names)
+            loop = found.loop() if found else None
+            if loop is not None:
+                out.append(Site(s.cell, loop[0], "", loop[1], "the loop"))
+                break
     return out
 
 
@@ -472,23 +496,4 @@ def _code(rec: Records, cell: int | None, line: int | None) -> str:
 def _pending_async(rec: Records, call: Call) -> bool:
     """An ``async_op=True`` call whose work nobody waited on: it leaves its rank a call ahead
     without any rank blocking in it."""
-    return not call.done and "async_op=True" in _code(rec, call.cell, call.line).replace(" ", "")
-
-
-def _cause(rec: Records, sites: list[Site], kind: Kind | None = None) -> str:
-    """What the cell's code says around the site: a rank condition, a loop."""
-    if not sites or sites[0].line is None:
-        return ""
-    s = sites[0]
-    found = around(rec.sources.get(s.cell or -1, ""), s.line or 0, rec.rank_names)
-    if found is None:
-        return ""
-    cond = found.rank_condition()
-    if cond is not None and kind == Kind.MISMATCH:
-        return f"the call at {cell_name(s.cell)} line {s.line} is under `{cond[1]}` (line {cond[0]}): the ranks took different branches"
-    if cond is not None:
-        return f"the call at {cell_name(s.cell)} line {s.line} is under `{cond[1]}` (line {cond[0]}): a collective only some ranks reach"
-    loop = found.loop()
-    if loop is not None:
-        return f"the call is inside `{loop[1]}` ({cell_name(s.cell)} line {loop[0]})"
-    return ""
+    return not call.done and "async_op=True" in _code(rec, call.site_cell, call.line).replace(" ", "")

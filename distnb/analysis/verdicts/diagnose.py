@@ -7,7 +7,9 @@ the first broken agreement between a group's members come before what follows fr
 left behind, an abort). A rank that raised or died before a call it never made is the cause of
 the waits it leaves. What the log cannot explain is judged from where the ranks are: ranks the
 cell does not run on, a rank with no stack, ranks still computing, ranks that finished while
-others wait, ranks waiting in different places, and last every rank in the same collective.
+others wait, a group's sequence numbers where Flight Recorder dumps are all a job left, ranks
+waiting in different places, and every rank in the same collective. Last, in a cell where nothing
+is wrong, a rank that keeps the others waiting.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 from distnb.analysis.agreement.collectives import CollectiveReport
-from distnb.analysis.verdicts import event_rules, flow_rules, log_rules
+from distnb.analysis.verdicts import event_rules, flow_rules, log_rules, straggler_rule
 from distnb.analysis.verdicts.agreement_rule import agreement
 from distnb.analysis.verdicts.position import Position
 from distnb.analysis.verdicts.records import Records
@@ -42,8 +44,10 @@ RULES: list[tuple[str, Rule]] = [
     ("unresponsive", flow_rules.unresponsive),
     ("computing", flow_rules.computing),
     ("new_group_wait", flow_rules.new_group_wait),
+    ("seq_blame", log_rules.by_sequence_numbers),
     ("disagree", flow_rules.disagree),
     ("same_collective", flow_rules.same_collective),
+    ("straggler", straggler_rule.straggler),  # a calm cell: "quiet" asks it too, before calling the cell calm
 ]
 
 
@@ -66,8 +70,10 @@ def diagnose(
     first_death: int | None = None,
     sources: dict[int, str] | None = None,
     cell: int | None = None,
+    dumps_only: frozenset[int] = frozenset(),
 ) -> Verdict:
     """Judge the ranks of a cell: where each is (``positions``), how long the cell has run, the
     ranks' collective logs, the rank that died first, the cells' code (by cell number) as
-    evidence, and the cell judged (default: the one the positions say the ranks run)."""
-    return judge(Records(positions, hang_after, elapsed, log, first_death, sources or {}, cell))
+    evidence, the cell judged (default: the one the positions say the ranks run), and the ranks
+    known by Flight Recorder dumps alone (a loaded job's)."""
+    return judge(Records(positions, hang_after, elapsed, log, first_death, sources or {}, cell, dumps_only))

@@ -18,6 +18,7 @@ from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import ranks_verb
 from distnb.ranks import format_ranks, group_by
+from distnb.wire.records import issued_in
 
 __all__ = ["died", "raised", "victim", "victim_of_mismatch"]
 
@@ -94,7 +95,7 @@ def _out_of_step_before(rec: Records, rank: int) -> tuple[Kind, str] | None:
     if rec.log is None or rec.judged_cell is None:
         return None
     for div in rec.log.divergences():
-        cells = {e.get("call_cell", e.get("cell")) for e in div.by_rank.values() if e is not None}
+        cells = {issued_in(e) for e in div.by_rank.values() if e is not None}
         if div.kind is not Differs.MISSING or not cells or any(c is None or c >= rec.judged_cell for c in cells) or div.odd() != [rank]:
             continue
         present = sorted(r for r, e in div.by_rank.items() if e is not None)
@@ -128,7 +129,7 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
     if log is None:
         return None
     for div in log.divergences():
-        if cell is not None and not any(e is not None and e.get("call_cell", e.get("cell")) == cell for e in div.by_rank.values()):
+        if cell is not None and not any(e is not None and issued_in(e) == cell for e in div.by_rank.values()):
             continue
         present = [e for e in div.by_rank.values() if e is not None]
         # An abort with its own call there unrecorded (it died before pushing it): the calls that

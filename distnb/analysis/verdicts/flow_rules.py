@@ -11,6 +11,7 @@ from distnb.analysis.agreement.cell_source import because
 from distnb.analysis.agreement.entry_words import args_text
 from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.records import Records
+from distnb.analysis.verdicts.straggler_rule import straggler
 from distnb.analysis.verdicts.verdict import Certainty, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import ranks_verb
 from distnb.ranks import format_ranks, group_by
@@ -51,10 +52,15 @@ def quiet(rec: Records) -> Verdict | None:
         if busy and rec.elapsed >= rec.hang_after:
             return _v(rec, VerdictState.RUNNING, Kind.NONE, f"{format_ranks([p.rank for p in busy])} still running Python code (no rank is in a "
                       "collective).", rule="quiet")
-        return _v(rec, VerdictState.OK, Kind.NONE, "no rank is waiting in a collective.", rule="quiet")
+        return _calm(rec, "no rank is waiting in a collective.")
     if rec.longest_wait() < rec.hang_after:
-        return _v(rec, VerdictState.OK, Kind.NONE, "collectives in progress.", rule="quiet")
+        return _calm(rec, "collectives in progress.")
     return None
+
+
+def _calm(rec: Records, summary: str) -> Verdict:
+    """Nothing wrong yet — unless one rank keeps the others waiting at most collectives."""
+    return straggler(rec) or _v(rec, VerdictState.OK, Kind.NONE, summary, rule="quiet")
 
 
 def not_in_cell(rec: Records) -> Verdict | None:
@@ -92,8 +98,8 @@ def unresponsive(rec: Records) -> Verdict | None:
     return _v(rec, VerdictState.HANG, Kind.UNRESPONSIVE, summary, ranks, "unresponsive", reason="it gives no stack: where it is stuck is unknown")
 
 
-#: A running rank's main thread using this share of a CPU or more computes (a busy 2-core machine
-#: gives each of 4 busy ranks half of one); one using this little or less is blocked.
+#: A running rank's main thread busy (running, or waiting for a CPU taken from it: worker/recorders/main_cpu.py) this
+#: share of the time or more computes, however loaded the machine; one this little or less is blocked.
 BUSY_CPU = 0.2
 IDLE_CPU = 0.05
 
@@ -121,7 +127,7 @@ def computing(rec: Records) -> Verdict | None:
         # arrive any moment. Said live, never as a hang: a long healthy cell must not print one.
         share = min(p.cpu or 0.0 for p in busy)
         return _v(rec, VerdictState.SLOW, Kind.STILL_RUNNING, f"{head} still computing outside any collective (its main thread "
-                  f"uses {share:.0%} of a CPU or more): slow, not a hang yet; if it never arrives, %dist_stacks shows where it loops.",
+                  f"is busy {share:.0%} of the time or more): slow, not a hang yet; if it never arrives, %dist_stacks shows where it loops.",
                   ranks, "computing")
     idle = all(p.cpu is not None and p.cpu <= IDLE_CPU for p in busy)
     return _v(rec, VerdictState.HANG, Kind.STILL_RUNNING, f"{head} still running Python code outside any collective " + (
@@ -174,10 +180,10 @@ def finished_early(rec: Records) -> Verdict | None:
     # Named for its cause only when the code shows it: a condition on the rank, or a loop.
     head_words = "rank-conditional collective" if "under `" in why else "uneven loop" if "inside `" in why else \
         "a collective only some ranks reached"
+    left = "ended" if any(p.file for p in finished) else "finished the cell"  # a program's rank (a job's) has no cell
     found = _v(rec, VerdictState.HANG, kind,
-               f"{head_words}: {w} entered {head.collective()}, but {format_ranks([p.rank for p in finished])} finished "
-               "the cell without entering it" + (f"; {why}." if why else " (likely a condition on the rank around it, or a loop that ran "
-                                                 "fewer times on one side)."),
+               f"{head_words}: {w} entered {head.collective()}, but {format_ranks([p.rank for p in finished])} {left} without entering it"
+               + (f"; {why}." if why else " (likely a condition on the rank around it, or a loop that ran fewer times on one side)."),
                culprits, "finished_early", reason="from where the ranks are (the collective log said no more)", sites=sites)
     found.explained = bool(why)
     return found

@@ -1,21 +1,23 @@
 """Rules that read the calls beyond one group's sequence: group creation out of step, a collective
-that paired calls of different cells, and point-to-point calls left without a partner."""
+that paired calls of different cells, point-to-point calls left without a partner, and how far
+each rank got on a group where Flight Recorder dumps are all there is."""
 
 from __future__ import annotations
 
 from distnb.analysis.agreement.evidence import peer_of, same_op
 from distnb.analysis.agreement.group_creation import creation_mismatch
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
+from distnb.analysis.agreement.sequence_numbers import seq_blame as blame_by_seq
 from distnb.analysis.verdicts.p2p import match_p2p
-from distnb.analysis.verdicts.p2p_roots import p2p_roots, site_departure
+from distnb.analysis.verdicts.p2p_roots import SiteDeparture, p2p_roots, site_departure
 from distnb.analysis.verdicts.position import Place
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
-from distnb.wire.records import P2P_OPS, CollectiveEntry
+from distnb.wire.records import P2P_OPS, CollectiveEntry, called_in, issued_in
 
-__all__ = ["creation_out_of_step", "p2p_departure", "p2p_unmatched", "paired_across_cells", "wrong_group"]
+__all__ = ["creation_out_of_step", "p2p_departure", "p2p_unmatched", "by_sequence_numbers", "paired_across_cells", "wrong_group"]
 
 
 def creation_out_of_step(rec: Records) -> Verdict | None:
@@ -28,7 +30,7 @@ def creation_out_of_step(rec: Records) -> Verdict | None:
     # the log: it is left out unless it left the cell.
     gone = {p.rank for p in rec.of(Place.FINISHED, Place.FAILED, Place.DEAD, Place.STRANDED)}
     heard = {p.rank for p in rec.positions if p.state != Place.IDLE and
-             (p.rank in gone or any(cell is None or c.get("cell") == cell for c in rec.log.log.calls_of(p.rank)))}
+             (p.rank in gone or any(cell is None or called_in(c) == cell for c in rec.log.log.calls_of(p.rank)))}
     found = creation_mismatch(rec.log.log, sorted(heard), moving)
     if found is None:
         return None
@@ -56,7 +58,7 @@ def paired_across_cells(rec: Records) -> Verdict | None:
         return None
     odd = found.odd
     return Verdict(VerdictState.HANG, Kind.CROSS_CELL, found.text(), odd, [r for r in found.by_rank if r not in odd], [],
-                   Evidence("a collective pairs the same call on every member", {r: cell_name(e.get('call_cell', e.get('cell')))
+                   Evidence("a collective pairs the same call on every member", {r: cell_name(issued_in(e))
                                                                                   for r, e in found.by_rank.items()}, found.group, found.seq),
                    Certainty.LIKELY, "by majority over the cells that issued the paired calls", positions=rec.positions, rule="cross_cell")
 
@@ -113,7 +115,7 @@ def p2p_departure(rec: Records) -> Verdict | None:
     line = found.site[1]
     verb = "sends" if found.kind == "send" else "receives"
     said = {"shape": f"{who}'s {verb} at {cell_name(found.site[0])} line {line} carry another tensor than the other ranks' there",
-            "peer": f"{who}'s {verb} at {cell_name(found.site[0])} line {line} go to another peer (relative to the rank) than the other ranks' there",
+            "peer": f"{who}'s {verb} at {cell_name(found.site[0])} line {line} {_peers_apart(found, max(ranks) + 1)}",
             "presence": f"{who} {verb} at {cell_name(found.site[0])} line {line}, where no other rank does"}[found.what]
     kind = Kind.MISMATCH if found.what == "shape" else Kind.P2P_UNMATCHED
     return Verdict(rec.state(), kind, f"point-to-point: {said}. Root cause: {who}.", found.odd,
@@ -146,6 +148,27 @@ def _past(rec: Records, rank: int, site: tuple[int, int]) -> bool:
     return cell == site[0] and p.line is not None and p.line > site[1]
 
 
+def _peers_apart(found: SiteDeparture, world: int) -> str:
+    """``come from rank 3 (the next rank), where the other ranks' there come from the previous
+    rank (rank 1, for rank 2)``: the peer the odd rank used and the one the others' pattern gives it."""
+    rank = found.odd[0]
+    usual_rank = next(r for r in found.by_rank if r not in found.odd)
+    mine = sorted({rel for rel, _ in found.by_rank[rank] if rel is not None})
+    usual = sorted({rel for rel, _ in found.by_rank[usual_rank] if rel is not None})
+    if not mine or not usual:
+        return "go to another peer (relative to the rank) than the other ranks' there"
+    verb = "go to" if found.kind == "send" else "come from"
+
+    def relative(rel: int) -> str:
+        return "the next rank" if rel == 1 else "the previous rank" if rel == world - 1 else f"{rel} ranks on"
+
+    def ranks(rels: list[int]) -> str:
+        return ", ".join(f"rank {(rank + rel) % world}" for rel in rels)
+
+    return (f"{verb} {ranks(mine)} ({', '.join(map(relative, mine))}), where the other ranks' there {verb} "
+            f"{', '.join(map(relative, usual))} ({ranks(usual)}, for rank {rank})")
+
+
 def p2p_unmatched(rec: Records) -> Verdict | None:
     """Open sends and receives without a partner (every open call with its partner: a transfer)."""
     if not any(p.peers for p in rec.waiting):
@@ -157,7 +180,7 @@ def p2p_unmatched(rec: Records) -> Verdict | None:
         sites = [Site(root.site[0], root.site[1], "", "", "the call")] if root is not None and root.site else _p2p_sites(rec, culprits)
         blame = f" Root cause: {format_ranks(culprits)} ({root.how})." if root is not None else ""
         kind = Kind.LOOP_COUNT if root is not None and root.loop else Kind.P2P_UNMATCHED
-        return Verdict(VerdictState.HANG, kind, "point-to-point calls without a partner: " + "; ".join(found.sentences) + "." + blame,
+        return Verdict(VerdictState.HANG, kind, "point-to-point calls without a partner: " + "; ".join(dict.fromkeys(found.sentences)) + "." + blame,
                        culprits, [p.rank for p in rec.waiting if p.rank not in culprits], sites,
                        Evidence("a send is matched by a receive on its peer, with the same tag"), Certainty.LIKELY,
                        "which side of an unmatched pair is wrong is inferred from the other calls", positions=rec.positions, rule="p2p")
@@ -174,3 +197,24 @@ def _p2p_sites(rec: Records, culprits: list[int]) -> list[Site]:
         if p is not None and p.line:
             out.append(Site(p.line_cell if p.line_cell is not None else rec.judged_cell, p.line, p.func, p.code, "where it is"))
     return out[:1]
+
+
+def by_sequence_numbers(rec: Records) -> Verdict | None:
+    """Every rank known by its Flight Recorder dump alone, every entry completed (NCCL's abort
+    completes them all): where the ranks "are" says nothing; how far each got on a group does —
+    a rank whose last sequence number is lower never issued the call the others reached."""
+    if rec.log is None or not rec.dumps_only or len(rec.dumps_only) != len(rec.positions):
+        return None
+    entries = {r: list(rec.log.log.entries.get(r, {}).values()) for r in rec.dumps_only}
+    if any(not e["done"] for es in entries.values() for e in es):
+        return None
+    marks = {r: [(e["group"], e["seq"], e["op"].split(":")[-1]) for e in es if not e.get("p2p")] for r, es in entries.items()}
+    blames = blame_by_seq(marks, rec.log.log.groups or None)
+    if not blames:
+        return None
+    b = blames[0]
+    return Verdict(VerdictState.HANG, Kind.CALL_MISSING, b.text(), sorted(b.never), b.ahead, [],
+                   Evidence("every member of a group reaches its n-th collective",
+                            {r: f"last #{seq}" if seq is not None else "none" for r, seq in b.never.items()}, b.group, b.seq),
+                   Certainty.LIKELY, "from the ranks' sequence numbers on the group: a dump says how far a rank got, not where it waits",
+                   positions=rec.positions, rule="seq_blame")

@@ -26,7 +26,7 @@ from typing import Any
 
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, peer_of
 from distnb.analysis.verdicts.position import Place, Position
-from distnb.wire.records import P2P_OPS, CallRecord
+from distnb.wire.records import P2P_OPS, CallRecord, called_in
 
 __all__ = ["P2PRoot", "SiteDeparture", "channel_counts", "p2p_roots", "site_departure"]
 
@@ -105,10 +105,10 @@ def channel_counts(log: CollectiveEvidence, cell: int, ranks: list[int]) -> dict
     ends: Counter[End] = Counter()
     for r in ranks:
         held = log.calls_of(r)
-        if len(held) >= WINDOW_NEAR and held[0].get("cell") == cell:
+        if len(held) >= WINDOW_NEAR and called_in(held[0]) == cell:
             return None  # the window starts inside this cell: its first calls may be gone
         for c in held:
-            if c.get("cell") != cell or c["op"] not in P2P_OPS:
+            if called_in(c) != cell or c["op"] not in P2P_OPS:
                 continue
             peer = peer_of(c)
             if peer is None:
@@ -177,7 +177,7 @@ def _by_majority(log: CollectiveEvidence, cell: int, ranks: list[int], ends: dic
 def _same_lines(log: CollectiveEvidence, cell: int, rank: int) -> bool:
     """Every line the rank's point-to-point calls came from made the same number of them (one
     more turn of a loop), rather than one line more than the others (an extra call)."""
-    per_line = Counter(c.get("line") for c in log.calls_of(rank) if c.get("cell") == cell and c["op"] in P2P_OPS)
+    per_line = Counter(c.get("line") for c in log.calls_of(rank) if called_in(c) == cell and c["op"] in P2P_OPS)
     return len(set(per_line.values())) == 1
 
 
@@ -203,7 +203,7 @@ def _relative_odd(positions: list[Position], explicit: list[int]) -> list[int]:
 
 
 def _cell_calls(log: CollectiveEvidence, rank: int, cell: int) -> list[CallRecord]:
-    return [c for c in log.p2p(rank) if c.get("cell") == cell]
+    return [c for c in log.p2p(rank) if called_in(c) == cell]
 
 
 @dataclass

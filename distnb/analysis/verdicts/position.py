@@ -11,9 +11,9 @@ from typing import Any
 from distnb.analysis.agreement.evidence import peer_words
 from distnb.analysis.verdicts.stacks import RankStack, parse_faulthandler, short_path
 from distnb.cell_names import cell_name
-from distnb.wire.records import P2P_OPS, CallRecord
+from distnb.wire.records import P2P_OPS, CallRecord, ThreadError
 
-__all__ = ["Place", "Position", "position_from_stack", "collective_at_death", "position_at_death", "COLLECTIVE_FUNCS"]
+__all__ = ["Place", "Position", "position_from_stack", "collective_at_death", "position_at_death", "thread_error_words", "COLLECTIVE_FUNCS"]
 
 #: Public torch.distributed functions that block until peers arrive.
 COLLECTIVE_FUNCS = {
@@ -82,6 +82,9 @@ class Position:
     # The share of one CPU the rank's main thread used lately, as its control thread last measured
     # it (None: not known): computing (slow) against blocked outside torch.distributed.
     cpu: float | None = None
+    # Uncaught exceptions of the rank's other threads in this cell: a collective such a thread was
+    # to make never comes.
+    threads: list[ThreadError] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.state = Place(self.state)  # a plain word from older records or a test reads as its Place
@@ -121,7 +124,12 @@ class Position:
         return f"{self.op}{seq} ({self.issued})" if self.issued else f"{self.op}{seq}" + self.at()
 
     def where(self, durations: list[float] | None = None) -> str:
-        """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration."""
+        """Where the rank is, in words; ``durations`` (of a group of ranks) replaces its own duration;
+        then what its other threads raised."""
+        raised = "".join(f"; its thread {thread_error_words(t, self.running)}" for t in self.threads[:2])
+        return self._place_words(durations) + raised
+
+    def _place_words(self, durations: list[float] | None) -> str:
         at = self.at() + (f" ({self.code.strip()})" if self.code.strip() else "") if self.line else ""
         dur = _duration(durations if durations is not None else [self.since] if self.since is not None else [])
         if self.state == Place.COLLECTIVE and self.issued:
@@ -129,7 +137,7 @@ class Position:
             return (f"waiting for {self.op}{f' #{self.seq}' if self.seq is not None else ''}{self.on()}{shp} "
                     f"({self.issued}){dur}, now blocked{at or ' at a host sync'}")
         if self.state == Place.COLLECTIVE and self.peers:
-            return f"{' and '.join(p2p_text(c) for c in self.peers)}{dur}{at}"
+            return f"{' and '.join(dict.fromkeys(p2p_text(c) for c in self.peers))}{dur}{at}"
         if self.state == Place.COLLECTIVE:
             seq = f" #{self.seq}" if self.seq is not None else ""
             shp = f" {self.shapes}" if self.shapes else ""
@@ -139,7 +147,8 @@ class Position:
         if self.state == Place.PAUSED:
             return f"{self.detail}{dur}{at}"
         if self.state == Place.FINISHED:
-            return "finished the cell"
+            # A program's rank (a job's) has no cell: what is known is how it left.
+            return f"ended: {self.detail}" if self.file and self.detail else "finished the cell"
         if self.state == Place.IDLE:
             return "idle: not part of this cell"
         if self.state == Place.FAILED:
@@ -149,6 +158,19 @@ class Position:
         if self.state == Place.UNRESPONSIVE:
             return f"not answering: {self.detail}"
         return self.state
+
+
+def thread_error_words(error: ThreadError, cell: int | None = None) -> str:
+    """``'loader' raised ValueError: bad shard index in work() (cell 1 line 4)`` (``cell``: the
+    cell judged, whose own lines read ``at cell line 4``)."""
+    where = ""
+    if error["line"] is not None:
+        if error["func"] not in ("", "<module>"):
+            where = f" in {error['func']}() ({cell_name(error['cell'])} line {error['line']})"
+        else:
+            where = f" at cell line {error['line']}" if error["cell"] == cell else f" at {cell_name(error['cell'])} line {error['line']}"
+    message = f": {error['evalue']}" if error["evalue"] else ""
+    return f"{error['thread']!r} raised {error['ename']}{message}{where}"
 
 
 def p2p_text(call: CallRecord) -> str:

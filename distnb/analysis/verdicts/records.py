@@ -44,6 +44,7 @@ class Records:
     first_death: int | None = None
     sources: dict[int, str] = field(default_factory=dict)
     cell: int | None = None  # the cell judged (None: read off the positions)
+    dumps_only: frozenset[int] = frozenset()  # ranks known by Flight Recorder dumps alone: their places say nothing
 
     def of(self, *states: Place) -> list[Position]:
         return [p for p in self.positions if p.state in states]

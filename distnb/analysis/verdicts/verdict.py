@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 from distnb.ranks import format_ranks, group_by
 
-__all__ = ["MAX_PLACES", "Blame", "Certainty", "Evidence", "Kind", "Site", "VerdictState", "Verdict"]
+__all__ = ["CALLED_FROM", "call_and_caller", "MAX_PLACES", "Blame", "Certainty", "Evidence", "Kind", "Site", "VerdictState", "Verdict"]
 
 #: Places (ranks grouped by where they are) a verdict lists before "… and N more".
 MAX_PLACES = 8
@@ -87,6 +87,17 @@ class Blame:
     @property
     def likely(self) -> bool:
         return self.certainty is Certainty.LIKELY
+
+
+#: A :class:`Site`'s ``what`` for the line of the judged cell that called the function (an earlier
+#: cell's) holding the call: the second site, after the call's own.
+CALLED_FROM = "where the cell called it"
+
+
+def call_and_caller(sites: list[Site]) -> list[Site]:
+    """The call's own site, then the judged cell's line that called its function (when the
+    call sits in a function an earlier cell defined): where an ``if`` or a loop may decide it."""
+    return sites[:1] + [s for s in sites[1:2] if s.what == CALLED_FROM]
 
 
 @dataclass(frozen=True)

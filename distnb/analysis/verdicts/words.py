@@ -11,7 +11,7 @@ from distnb.cell_names import cell_name
 if TYPE_CHECKING:
     from distnb.analysis.verdicts.records import Records
 
-__all__ = ["call_words", "group_words", "ranks_verb", "site_of_call"]
+__all__ = ["call_words", "group_words", "ranks_verb", "site_of_call", "site_words"]
 
 
 def call_words(call: Call | None) -> str:
@@ -31,10 +31,15 @@ def site_of_call(call: Call | None, rec: Records) -> str:
         return ""
     if call.line is None:
         return " (issued inside torch, e.g. by DDP or FSDP)"
-    if call.func not in ("", "<module>"):
-        return f" in {call.func}() ({cell_name(call.cell)} line {call.line})"
+    return site_words(call.site_cell, call.line, call.func, rec)
+
+
+def site_words(cell: int | None, line: int, func: str, rec: Records) -> str:
+    """`` at cell line 7`` (the judged cell), `` at cell 5 line 7``, `` in step() (cell 5 line 7)``."""
+    if func not in ("", "<module>"):
+        return f" in {func}() ({cell_name(cell)} line {line})"
     # The judged cell's own lines read as the stack's do ("at cell line 4"); an earlier cell's name it.
-    return f" at cell line {call.line}" if call.cell == rec.judged_cell else f" at {cell_name(call.cell)} line {call.line}"
+    return f" at cell line {line}" if cell == rec.judged_cell else f" at {cell_name(cell)} line {line}"
 
 
 def group_words(log: CollectiveReport, group: str) -> str:

@@ -31,6 +31,7 @@ from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
 from distnb.worker.process.debug import hold_request
 from distnb.worker.process.execute import Executor
+from distnb.worker.process.exit_guard import torch_work
 from distnb.worker.recorders.main_cpu import MainCpu
 from distnb.worker.torch_hooks.call_log import c10d_calls
 from distnb.worker.torch_hooks.flight_recorder import SeqWatch, backends_in_use, open_nccl, read_collectives
@@ -142,15 +143,19 @@ class ControlThread(threading.Thread):
                 if self.tick_every is not None:
                     wait_ms = min(wait_ms, self.tick_every) if wait_ms is not None else self.tick_every
                 events = dict(poller.poll(wait_ms))
-                if self.sock in events:
-                    self._serve_one(recv_frames(self.sock))
-                if self._panel_fd is not None and self._panel_fd in events:
-                    self._relay_panel()
-                if self.tick_every is not None:
-                    self.tick()
-                if self.seqs is not None and time.monotonic() >= self._next_watch:
-                    self._next_watch = time.monotonic() + WATCH_INTERVAL
-                    self._watch()
+                # What it does may enter torch's C++ code: never while the rank exits (exit_guard.py).
+                with torch_work() as serving:
+                    if not serving:
+                        return
+                    if self.sock in events:
+                        self._serve_one(recv_frames(self.sock))
+                    if self._panel_fd is not None and self._panel_fd in events:
+                        self._relay_panel()
+                    if self.tick_every is not None:
+                        self.tick()
+                    if self.seqs is not None and time.monotonic() >= self._next_watch:
+                        self._next_watch = time.monotonic() + WATCH_INTERVAL
+                        self._watch()
             except zmq.ContextTerminated:
                 return
 
@@ -387,6 +392,8 @@ class ControlThread(threading.Thread):
                 reply["paths"] = self.executor.paths.snapshot()  # where a hung cell's ranks went so far
             if msg.get("paths") and self.executor.compiles.on:
                 reply["compiles"] = self.executor.compiles.snapshot()
+            if threads := self.executor.threads.peek():
+                reply["threads"] = threads  # a thread that raised while the cell runs on
             if "collectives_since" in msg:
                 # In the same answer, so a rank that can't answer (a C loop holding the GIL) costs
                 # the caller one timeout, not one per question.

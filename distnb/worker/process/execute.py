@@ -22,6 +22,7 @@ from distnb.worker.process.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.process.panel_link import PanelLink
 from distnb.worker.recorders.memory_sampler import MemorySampler
 from distnb.worker.recorders.paths import PathRecorder
+from distnb.worker.recorders.thread_errors import ThreadErrors
 from distnb.worker.torch_hooks.call_log import CallLog
 from distnb.worker.torch_hooks.compile_record import CompileRecorder
 from distnb.worker.torch_hooks.flight_recorder import CellClock
@@ -82,9 +83,11 @@ class Executor:
         self.ns = namespace
         self.memory = memory or MemorySampler()
         self.clock = CellClock()
-        self.calls = CallLog(CELL_PREFIX, black_box=BlackBox.from_environ())
+        self.calls = CallLog(CELL_PREFIX, black_box=BlackBox.from_environ(), running=lambda: self.cell)
         self.paths = PathRecorder(CELL_PREFIX)
         self.compiles = CompileRecorder()
+        self.threads = ThreadErrors(CELL_PREFIX, lambda: self.cell)
+        self.threads.install()
         self.stale = StaleHolders()  # what held the groups the last regroup closed
         self._send_display = send_display
         self.cell: int | None = None
@@ -177,6 +180,9 @@ class Executor:
             self.cell = None  # first: from here on a late SIGINT is ignored
             self.panel.after_cell()  # again, for an interrupt that landed before the cell's code ran
             reply["duration"] = time.monotonic() - self.started
+            threads = self.threads.take()
+            if threads:
+                reply["threads"] = threads
             reply["memory"] = self.memory.stop()
             self.clock.end(time.time())
             groups = live_groups()

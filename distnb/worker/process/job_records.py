@@ -30,6 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from distnb.worker.process.exit_guard import torch_work
+
 __all__ = ["POLL", "RECORD_AFTER", "RECORD_AFTER_ENV", "RECORDS_SWITCH", "REWRITE_EVERY", "JobRecorder", "user_site"]
 
 #: How long a rank sits in one collective before its record is written. Measured
@@ -171,45 +173,49 @@ class JobRecorder:
         warm = False
         while not self.ended:
             time.sleep(POLL)
-            try:
-                c10d = sys.modules.get("torch.distributed.distributed_c10d")
-                if c10d is None or not hasattr(c10d, "is_initialized"):
-                    continue  # nothing distributed yet (or still importing); never import torch from here
-                if not warm:
-                    # What a write needs, imported now, once (an attachable rank's control thread
-                    # has most of it already): the first write must not spend the wait importing.
-                    warm = _warm_up()
-                now = time.time()
-                outer, names = _c10d_frame()
-                new_key = (id(outer), names, self._seq_snapshot(), self.calls.newest() if self.calls is not None else 0)
-                if new_key != key:
-                    key, same_since, looked = new_key, now, False
-                    if self.wait is not None and forget_at is None:
-                        # Moved on: slow, not stuck — unless an exception ended the wait (gloo's
-                        # timeout), whose record keeps it: the hook has a moment to say so.
-                        forget_at = now + _GRACE
-                if forget_at is not None and now >= forget_at:
-                    forget_at = None
-                    self._forget()
-                if now - same_since < self.after:
-                    continue
-                if names:
-                    what = names
-                elif not looked or (self.wait is not None and now - self.wait["written"] >= REWRITE_EVERY):
-                    # Quiet: is a recorder entry open (NCCL returned at enqueue)? Asked once per
-                    # quiet spell, and again before each rewrite: it may have completed since.
-                    looked = True
-                    what = self._open_entry(now)
-                    if not what and self.wait is not None and forget_at is None:
-                        forget_at = now
-                else:
-                    what = self.wait["what"] if self.wait is not None else ""
-                if what and (self.wait is None or now - self.wait["written"] >= REWRITE_EVERY):
-                    since = self.wait["since"] if self.wait is not None else same_since
-                    self._write("waiting", since=since, what=what)
-            except Exception as exc:
-                self._say("watch its collectives", exc)
-                return
+            # It reads torch's recorder (C++): never while the rank exits (exit_guard.py).
+            with torch_work() as watching:
+                if not watching:
+                    return
+                try:
+                    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+                    if c10d is None or not hasattr(c10d, "is_initialized"):
+                        continue  # nothing distributed yet (or still importing); never import torch from here
+                    if not warm:
+                        # What a write needs, imported now, once (an attachable rank's control thread
+                        # has most of it already): the first write must not spend the wait importing.
+                        warm = _warm_up()
+                    now = time.time()
+                    outer, names = _c10d_frame()
+                    new_key = (id(outer), names, self._seq_snapshot(), self.calls.newest() if self.calls is not None else 0)
+                    if new_key != key:
+                        key, same_since, looked = new_key, now, False
+                        if self.wait is not None and forget_at is None:
+                            # Moved on: slow, not stuck — unless an exception ended the wait (gloo's
+                            # timeout), whose record keeps it: the hook has a moment to say so.
+                            forget_at = now + _GRACE
+                    if forget_at is not None and now >= forget_at:
+                        forget_at = None
+                        self._forget()
+                    if now - same_since < self.after:
+                        continue
+                    if names:
+                        what = names
+                    elif not looked or (self.wait is not None and now - self.wait["written"] >= REWRITE_EVERY):
+                        # Quiet: is a recorder entry open (NCCL returned at enqueue)? Asked once per
+                        # quiet spell, and again before each rewrite: it may have completed since.
+                        looked = True
+                        what = self._open_entry(now)
+                        if not what and self.wait is not None and forget_at is None:
+                            forget_at = now
+                    else:
+                        what = self.wait["what"] if self.wait is not None else ""
+                    if what and (self.wait is None or now - self.wait["written"] >= REWRITE_EVERY):
+                        since = self.wait["since"] if self.wait is not None else same_since
+                        self._write("waiting", since=since, what=what)
+                except Exception as exc:
+                    self._say("watch its collectives", exc)
+                    return
 
     def _seq_snapshot(self) -> Any:
         if self._seqs is None:

@@ -11,7 +11,8 @@ module              what it reads from torch                               witho
 ==================  =====================================================  =============================================
 call_log            wraps ``torch.distributed``'s collectives, p2p and     no call sites or arguments: verdicts name the
                     ``new_group``; ``distributed_c10d._world``             op and group only
-                    (``pg_names``, ``default_pg``, ``group_count``)
+                    (``pg_names``, ``default_pg``, ``group_count``),       a call torch skipped on a rank outside its
+                    ``_rank_not_in_group``                                 group is not named as such
 flight_recorder     ``torch._C._distributed_c10d._dump_fr_trace`` (gloo    "no Flight Recorder could be read": the
                     and NCCL ≥ 2.13), ``_dump_nccl_trace`` (NCCL ≤ 2.12),  collective views and hang verdicts say so
                     ``ProcessGroup._get_sequence_number_for_group``

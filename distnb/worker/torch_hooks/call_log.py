@@ -29,10 +29,11 @@ import sys
 import threading
 import time
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from distnb.wire.black_box import BlackBox
 from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry
+from distnb.worker.torch_hooks.c10d_groups import description, global_rank, group_count, group_name, members, next_seq, not_a_member
 from distnb.worker.torch_hooks.patching import wrap_c10d
 
 __all__ = ["STOPS", "CallLog", "LeftCell", "StopFlags", "c10d_calls", "install", "needs"]
@@ -127,23 +128,49 @@ def _plain(value: Any) -> Any:
     return str(value).rsplit(".", 1)[-1]
 
 
-def _caller(prefix: str) -> tuple[int | None, int | None, str]:
-    """The innermost cell frame calling torch.distributed: (cell, line, function)."""
+class Caller(NamedTuple):
+    """Where a watched call came from in the cells: the innermost cell frame (the call's own
+    line, perhaps in a function an earlier cell defined) and the outermost (the line of the
+    running cell's code that led there)."""
+
+    cell: int | None
+    line: int | None
+    func: str
+    outer_cell: int | None
+    outer_line: int | None
+
+
+def _caller(prefix: str) -> Caller:
+    """The cell frames of the calling thread's stack around a torch.distributed call."""
     frame: Any = sys._getframe(3)
+    inner: Any = None
+    outer: Any = None
     depth = 0
-    while frame is not None and depth < 48:
-        name = frame.f_code.co_filename
-        if name.startswith(prefix):
-            return int(name[len(prefix) : -1]), frame.f_lineno, frame.f_code.co_name
+    while frame is not None and depth < 256:
+        if frame.f_code.co_filename.startswith(prefix):
+            inner = inner or frame
+            outer = frame
+        elif inner is None and depth >= 48:
+            break  # deep in a library with no cell frame yet: not from a cell
         frame, depth = frame.f_back, depth + 1
-    return None, None, ""
+    if inner is None:
+        return Caller(None, None, "", None, None)
+
+    def cell_of(f: Any) -> int:
+        return int(f.f_code.co_filename[len(prefix) : -1])
+
+    return Caller(cell_of(inner), inner.f_lineno, inner.f_code.co_name, cell_of(outer), outer.f_lineno)
 
 
 class CallLog:
     """The recent watched calls of this rank, newest last; safe to read from the control thread."""
 
-    def __init__(self, cell_prefix: str, keep: int = _KEEP, black_box: BlackBox | None = None) -> None:
+    def __init__(self, cell_prefix: str, keep: int = _KEEP, black_box: BlackBox | None = None,
+                 running: Callable[[], int | None] | None = None) -> None:
         self._prefix = cell_prefix  # cells' code objects are named ``<prefix>N>``
+        # The cell running now, whoever calls (a thread's call is issued in it too); None: the
+        # outermost cell frame of the calling thread says.
+        self._running = running
         # Where each call is also written as it begins, for the supervisor to read if the rank
         # dies inside it (wire/black_box.py); None outside a pool (an attached job).
         self.black_box = black_box
@@ -167,7 +194,7 @@ class CallLog:
     def creations_in_step(self) -> int | None:
         """The groups this rank made that every rank must make too: torch's counter less the
         local ones (None before torch.distributed is up)."""
-        count = _group_count()
+        count = group_count()
         if count is None:
             return None
         if count < self._last_count:  # destroy_process_group started torch's counter over
@@ -176,11 +203,20 @@ class CallLog:
         return count - self._local_counts
 
     def begin(self, fn: str, group: Any, args: dict[str, Any], inputs: Any = None) -> CallRecord:
-        cell, line, func = _caller(self._prefix)
+        where = _caller(self._prefix)
         rec: CallRecord = {
-            "n": next(self._next), "op": fn, "group": _group_name(group), "args": args,
-            "t": time.time_ns(), "end": None, "cell": cell, "line": line, "func": func,
+            "n": next(self._next), "op": fn, "group": group_name(group), "args": args,
+            "t": time.time_ns(), "end": None, "cell": where.cell, "line": where.line, "func": where.func,
         }
+        running = self._running() if self._running is not None else where.outer_cell
+        if running is not None and running != where.cell:
+            # A function an earlier cell defined, called from this one: issued in this cell, at
+            # the line of it that called the function.
+            rec["in_cell"] = running
+            if where.outer_cell == running and where.outer_line is not None:
+                rec["in_line"] = where.outer_line
+        if fn != "new_group" and not_a_member(group):
+            rec["skipped"] = True
         if fn == "new_group":
             in_step = self.creations_in_step()  # read for a local one too: it notes torch's counter before the call
             if args.get("use_local_synchronization"):
@@ -189,6 +225,11 @@ class CallLog:
                 rec["count"] = in_step
         elif fn in P2P_OPS:
             self.p2p_counts[rec["group"]] += 1
+            side = "dst" if P2P_OPS[fn] == "send" else "src"
+            if args.get(side) is None and args.get(f"group_{side}") is not None:
+                # Named by its rank in the group (pipelining's stages do): the global rank, which
+                # the other side's call names, matches the pair.
+                args[side] = global_rank(group, args[f"group_{side}"])
             # No recorder sees a send's or receive's tensor on gloo: its shape, which sender and
             # receiver must agree on, is kept here (a few µs).
             shapes = _shapes(inputs)
@@ -204,7 +245,7 @@ class CallLog:
             # A collective as the recorder's entry would say, had the rank lived to push it: its
             # shapes and its number in the group's sequence (torch's counter before the call issues it).
             collective = fn != "new_group" and fn not in P2P_OPS
-            self.black_box.write(rec, shapes if collective else None, _next_seq(group) if collective else None)
+            self.black_box.write(rec, shapes if collective else None, next_seq(group) if collective else None)
         self._records.append(rec)
         return rec
 
@@ -216,10 +257,10 @@ class CallLog:
         if self.black_box is not None:
             self.black_box.ended(rec["n"])
         if rec["op"] == "new_group":
-            if rec.get("local") and (count := _group_count()) is not None:
+            if rec.get("local") and (count := group_count()) is not None:
                 self._local_counts += max(0, count - self._last_count)  # what this torch's counter took for it
                 self._last_count = count
-            made = _group_name(work) if work is not None else "?"  # a rank outside the group gets no group: "?"
+            made = group_name(work) if work is not None else "?"  # a rank outside the group gets no group: "?"
             if made != "?":
                 rec["made"] = made
         rec["end"] = time.time_ns()
@@ -285,36 +326,12 @@ class CallLog:
                 e["args"] = {k: v for k, v in rec["args"].items() if v is not None}
                 if rec["line"] is not None:
                     e["line"], e["func"], e["call_cell"] = rec["line"], rec["func"], rec["cell"]
+                    if rec.get("in_line") is not None:
+                        e["in_line"] = rec["in_line"]
 
 
-def _group_name(group: Any) -> str:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    if c10d is None:
-        return "?"
-    try:
-        pg = group if group is not None else c10d._world.default_pg
-        return str(c10d._world.pg_names.get(pg, "?"))
-    except Exception:
-        return "?"
 
 
-def _next_seq(group: Any) -> int | None:
-    """The number the group's next collective will have in its sequence (None: unknown, e.g. a
-    group this rank is not a member of)."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    try:
-        pg = group if group is not None else c10d._world.default_pg  # type: ignore[union-attr]
-        return int(pg._get_sequence_number_for_group()) + 1
-    except Exception:
-        return None
-
-
-def _group_count() -> int | None:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    try:
-        return int(c10d._world.group_count)  # type: ignore[union-attr]
-    except Exception:
-        return None
 
 
 def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -377,7 +394,7 @@ def _stop(log: CallLog, name: str, group: Any, got: dict[str, Any], inputs: Any)
         why, hook = "panel", STOPS.panel_hook
     frame = _cell_frame(log._prefix) if why and hook is not None else None
     if frame is not None and hook is not None:
-        info = {"op": name, "group": _group_name(group), "members": _members(group), "desc": _desc(group),
+        info = {"op": name, "group": group_name(group), "members": members(group), "desc": description(group),
                 "args": {k: v for k, v in got.items() if v is not None}, **_shapes(inputs),
                 "cell": int(frame.f_code.co_filename[len(log._prefix):-1]), "line": frame.f_lineno,
                 "func": frame.f_code.co_name, "why": why}
@@ -388,7 +405,7 @@ def _stop(log: CallLog, name: str, group: Any, got: dict[str, Any], inputs: Any)
             STOPS.calling = (name, group, got)
     if STOPS.gone and needs(name, group, got, STOPS.gone):
         left = ",".join(map(str, sorted(STOPS.gone)))
-        print(f"distnb: stopped before {name} on group {_group_name(group)} rather than wait for rank{'s' * (len(STOPS.gone) > 1)} "
+        print(f"distnb: stopped before {name} on group {group_name(group)} rather than wait for rank{'s' * (len(STOPS.gone) > 1)} "
               f"{left}, which left this cell{f' ({STOPS.why})' if STOPS.why else ''}: nothing was issued.", file=sys.stderr, flush=True)
         raise LeftCell(f"rank {left} left the cell")
 
@@ -411,17 +428,16 @@ def needs(name: str, group: Any, got: dict[str, Any], ranks: frozenset[int]) -> 
     """Would this call wait for one of ``ranks``? (new_group needs every rank, or with
     use_local_synchronization its members; unknown: yes.)"""
     if name == "new_group":
-        members = got.get("ranks")
-        return not (got.get("use_local_synchronization") and members is not None) or bool(set(members) & ranks)
+        made_of = got.get("ranks")
+        return not (got.get("use_local_synchronization") and made_of is not None) or bool(set(made_of) & ranks)
     if name in P2P_OPS:
         side = "dst" if P2P_OPS[name] == "send" else "src"
         peer = got.get(side)
         if peer is None and got.get(f"group_{side}") is not None:
-            members = _members(group)
-            peer = members[got[f"group_{side}"]] if members and got[f"group_{side}"] < len(members) else None
+            peer = global_rank(group, got[f"group_{side}"])
         return peer is None or peer in ranks
-    members = _members(group)
-    return members is None or bool(set(members) & ranks)
+    inside = members(group)
+    return inside is None or bool(set(inside) & ranks)
 
 
 def _cell_frame(prefix: str) -> Any:
@@ -436,21 +452,7 @@ def _cell_frame(prefix: str) -> Any:
     return None
 
 
-def _members(group: Any) -> list[int] | None:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    try:
-        return sorted(int(r) for r in c10d.get_process_group_ranks(group if group is not None else c10d._world.default_pg))  # type: ignore[union-attr]
-    except Exception:
-        return None
 
-
-def _desc(group: Any) -> str | None:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    try:
-        desc = (group if group is not None else c10d._world.default_pg).group_desc  # type: ignore[union-attr]
-        return str(desc) if desc else None
-    except Exception:
-        return None
 
 
 def _shapes(inputs: Any) -> dict[str, Any]:

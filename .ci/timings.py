@@ -1,0 +1,45 @@
+"""What CI's time went to, printed last so that the end of the log says it: each phase's start
+(the "=== [ci …]" lines, collected by .ci/run) and, from each pytest run's JUnit report, the files
+and the tests that took longest. Standard library only: it runs under whichever Python is left."""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+FILES, TESTS = 15, 10
+
+
+def report(junit: Path) -> list[str]:
+    try:
+        root = ET.parse(junit).getroot()
+    except (OSError, ET.ParseError) as exc:
+        return [f"{junit.name}: unreadable ({exc})"]
+    by_file: dict[str, float] = defaultdict(float)
+    tests: list[tuple[float, str]] = []
+    for case in root.iter("testcase"):
+        seconds = float(case.get("time") or 0)
+        name = (case.get("classname") or "").replace(".", "/") + ".py"
+        by_file[name] += seconds
+        tests.append((seconds, f"{name}::{case.get('name')}"))
+    total = sum(by_file.values())
+    lines = [f"{junit.stem}: {len(tests)} tests, {total / 60:.1f} min in tests; the longest files:"]
+    lines += [f"  {s:7.1f} s  {f}" for f, s in sorted(by_file.items(), key=lambda kv: -kv[1])[:FILES]]
+    lines.append("  the longest tests:")
+    lines += [f"  {s:7.1f} s  {t}" for s, t in sorted(tests, reverse=True)[:TESTS]]
+    return lines
+
+
+def main(work: Path) -> None:
+    print("=== where CI's time went")
+    phases = work / "phases.log"
+    if phases.exists():
+        print(phases.read_text().rstrip())
+    for junit in sorted(work.glob("junit-*.xml")):
+        print("\n".join(report(junit)))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
