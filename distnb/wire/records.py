@@ -215,6 +215,9 @@ class InputRead(NamedTuple):
     producer: int  # the op (``seq``) whose output it is; -1: not an output of a recorded op
     sample: tuple[float, ...] = ()  # as OutputStats.sample
     numel: int = 0
+    # A sum of the elements at its two ends weighted by place: what tells it from a permutation of
+    # it, which (hash, total) cannot. NaN: not read (an older record).
+    order: float = math.nan
 
     @property
     def finite(self) -> bool:
@@ -237,6 +240,12 @@ class OpRecord(NamedTuple):
     args: str  # a digest of the non-tensor arguments (a scalar, a dim, a group)
     random: bool  # the op draws from the RNG (torch's ``nondeterministic_seeded`` tag)
     collective: bool
+    # Its outputs are fixed by what the record read: every tensor input read, and a kernel that gives
+    # equal bits for equal inputs (a CPU one; an accelerator's only under
+    # torch.use_deterministic_algorithms; never one torch tags ``nondeterministic_bitwise``). False
+    # in a record that does not say (older ones): no agreement is inferred from its inputs.
+    determined: bool = False
+    rng: int = 0  # a random op: a fingerprint of its generator's state before it drew (0: not read)
 
 
 class NumericsRecord(TypedDict, total=False):

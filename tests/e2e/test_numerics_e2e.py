@@ -1,9 +1,11 @@
 """``--numerics`` end to end on the shared 4-rank gloo pool: a healthy DDP step and an FSDP2 + tensor
 parallel step report no divergence; a buffer changed on one rank, an optimizer state reset on one
 rank, a replicated DTensor weight changed on one rank, dropout seeded per rank after a tensor-parallel
-all_reduce, and a NaN born in one rank's batch and spread by DDP's all_reduce are each named where
-they start; a perturbation injected at a random layer and rank is found there; two runs of a cell
-are compared with ``%dist_numerics diff``'s function."""
+all_reduce, one rank seeded apart in a replicated forward (agreement inferred from equal inputs),
+batch norm left in eval() on one rank of a lockstep DDP step, and a NaN born in one rank's batch and
+spread by DDP's all_reduce are each named where they start; a perturbation injected at a random
+layer and rank is found there; two runs of a cell are compared with ``%dist_numerics diff``'s
+function."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import random
 import pytest
 
 import distnb
+from distnb.analysis.reports.numerics import EvalMode
 from distnb.analysis.reports.numerics_diff import diff_runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -99,6 +102,39 @@ def test_a_nan_born_in_one_ranks_batch_is_traced_to_it_and_to_the_all_reduce_tha
     assert any(s.sources == [2] and s.reached == [0, 1, 3] for s in cheap.spreads)
 
 
+def test_a_replicated_forward_with_one_rank_seeded_apart_is_found_at_its_dropout(pool: distnb.Pool) -> None:
+    # No DDP, no collective: that the ranks must agree is inferred from their equal inputs.
+    _run(pool, "import torch.nn as nn\ntorch.manual_seed(0)\n"
+               "rf_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))\n")
+    forward = ("torch.manual_seed(0)\n"
+               "rf_x = torch.randn(4, 8)\n"
+               "torch.manual_seed({seed})\n"
+               "rf_y = rf_model(rf_x)\n")
+    healthy = _run(pool, forward.format(seed=7), numerics=True).numerics()
+    assert healthy.first is None and healthy.checked > 4, healthy.text()
+    assert healthy.text().splitlines()[1].startswith(f"no divergence: at the {healthy.checked} ops")
+    report = _run(pool, forward.format(seed="8 if rank == 1 else 7"), numerics=True).numerics()
+    d = report.first
+    assert d is not None and d.odd == [1] and d.rng_apart == [1] and d.line == 4 and "bernoulli" in d.op, report.text()
+    assert d.module == "rf_model.2" and d.group == [0, 1, 2, 3]
+    assert "rank 1 drew from another random generator state than the others" in report.text()
+    # Each rank seeded its own way (as data-parallel code does): nothing says they must agree there.
+    own = _run(pool, forward.format(seed="rank"), numerics=True).numerics()
+    assert own.first is None, own.text()
+
+
+def test_batch_norm_left_in_eval_on_one_rank_of_a_lockstep_ddp_step_is_named(pool: distnb.Pool) -> None:
+    _run(pool, "import torch.nn as nn\nfrom torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
+               "bn_model = DDP(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)))\n"
+               "if rank == 1:\n    bn_model.module[1].eval()\n")
+    step = "torch.manual_seed(0)\nbn_loss = bn_model(torch.randn(16, 8)).sum()\nbn_loss.backward()\n"
+    report = _run(pool, step, numerics=True).numerics()
+    lead = report.departure
+    assert lead is not None and lead.rank == 1 and lead.mode == EvalMode(1, "bn_model.module.1", "batch norm"), report.text()
+    headline = report.text().splitlines()[1]
+    assert headline.startswith("first divergence: the ranks' ops part") and "eval() mode on rank 1" in headline, report.text()
+
+
 TP_SETUP = ("import torch.nn as nn\nimport torch.nn.functional as F\n"
             "from torch.distributed.device_mesh import init_device_mesh\n"
             "from torch.distributed.tensor import Replicate, distribute_tensor, distribute_module\n"
@@ -121,7 +157,7 @@ def test_tensor_parallel_dropout_seeded_per_rank_and_a_replicated_weight_changed
     d = report.first
     assert d is not None and d.what == "output" and d.random and d.inputs_agreed is not False and d.line == 5, report.text()
     assert d.group == [0, 1, 2, 3] and "bernoulli" in d.op and d.why == "inputs"
-    assert "random generator states likely differ" in report.text()
+    assert d.rng_apart == [0, 1, 2, 3] and "each rank drew from a random generator state of its own" in report.text()
     _run(pool, "if rank == 2:\n    with torch.no_grad():\n        tp_lin.weight._local_tensor.mul_(1.001)\n")
     replicated = ("torch.manual_seed(0)\n"
                   "tp_in = distribute_tensor(torch.randn(4, 8), tp_mesh, [Replicate()])\n"

@@ -5,7 +5,8 @@ Which ranks must agree is what the records say, op by op: the members of a colle
 every member holds (all_reduce, all_gather, broadcast), a DTensor's replicas (``Replicate()``
 placements), a DDP module's replicas (its parameters, their gradients and optimizer state at the
 step; its buffers, said as replicas should), and every op made only from tensors that must agree;
-and any ranks the caller names (``agree``: the ranks ran the same data). The answer is the first
+any ranks the caller names (``agree``: the ranks ran the same data); and ranks that read equal
+inputs into an op those inputs determine (numerics_claims.py). The answer is the first
 op, in execution order, where they do not: its output (or a tensor it read from before the cell)
 differs among ranks that must agree. Separately: where a NaN or Inf is born — the first op on a
 rank whose output is non-finite while every input it read was finite — and which collective carried
@@ -14,18 +15,19 @@ it to other ranks. Data here; the words are numerics_text.py's.
 
 from __future__ import annotations
 
+import collections
 import math
-import struct
 from dataclasses import dataclass, field, replace
 from difflib import SequenceMatcher
-from typing import Any
+from typing import Any, NamedTuple
 
 from distnb.analysis.agreement.evidence import odd_ones
+from distnb.analysis.reports.numerics_claims import claims, value_key
 from distnb.analysis.reports.numerics_gap import Gap, gap, within
 from distnb.ranks import group_by
 from distnb.wire.records import TENSORS_READ, NumericsRecord, OpRecord
 
-__all__ = ["NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "compare_numerics", "nonfinite",
+__all__ = ["EvalMode", "NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "compare_numerics", "nonfinite",
            "rank_groups"]
 
 
@@ -63,6 +65,9 @@ class NumericDivergence:
     random: bool  # the op draws random numbers
     exact: bool  # compared bit for bit (else by sums within the tolerance)
     writers: dict[int, int] = field(default_factory=dict)  # an input: rank → the op (seq) that wrote it, where one did
+    # A random op: the ranks whose generator state before it differed from the majority's (None: not
+    # random, or a state not read).
+    rng_apart: list[int] | None = None
 
     @property
     def diff(self) -> float:
@@ -77,6 +82,14 @@ class NumericDivergence:
         return max(gaps, key=lambda g: g.value, default=Gap(0.0, True, 0, 0))
 
 
+class EvalMode(NamedTuple):
+    """A module in eval() mode on one rank and in train() on another, as its ops show."""
+
+    rank: int  # the rank whose module ran in eval mode
+    module: str
+    layer: str  # "batch norm" (its statistics not updated) or "dropout" (not run)
+
+
 @dataclass
 class ProgramSplit:
     """Where a rank's sequence of ops departs from the reference rank's."""
@@ -87,6 +100,11 @@ class ProgramSplit:
     how: str  # "extra" (the rank ran ops the reference did not), "missing", "different"
     theirs: OpRecord | None
     ours: OpRecord | None  # the reference's op there
+    mode: EvalMode | None = None  # the departure's likely cause, where the module's ops show one
+    # The op there writes, in place, a named tensor both ranks must hold the same (a parameter, buffer
+    # or optimizer state): values part with it. Other ops on one rank only (a metric rank 0 alone
+    # computes, even from the parameters) change nothing the ranks share.
+    writes_shared: bool = False
 
 
 @dataclass
@@ -133,6 +151,13 @@ class NumericsReport:
     tolerance: tuple[float, float]  # (rtol, atol); (0, 0): bit for bit
     named: list[list[int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    checked: int = 0  # ops at which some ranks had to agree (the rest say nothing either way)
+
+    @property
+    def departure(self) -> ProgramSplit | None:
+        """The first place ranks ran other ops where that is a divergence, not just other code (a
+        metric only rank 0 computes): a module's mode, or a write to what the ranks share."""
+        return next((s for s in self.programs if s.mode is not None or s.writes_shared), None) if self.mode != "collectives" else None
 
     def text(self) -> str:
         from distnb.analysis.reports.numerics_text import report_text
@@ -180,18 +205,45 @@ def _align(records: dict[int, list[OpRecord]]) -> tuple[int, list[dict[int, int]
                 first = False
                 how = {"insert": "extra", "delete": "missing"}.get(tag, "different")
                 splits.append(ProgramSplit(r, ref, i1, how, ops[j1] if j1 < len(ops) else None, ref_ops[i1] if i1 < len(ref_ops) else None))
+    for s in splits:
+        s.mode = eval_mode(records, s)
+        s.writes_shared = any(_writes_shared(op, {s.rank, s.reference}) for op in (s.ours, s.theirs))
     return ref, aligned, sorted(splits, key=lambda s: (s.position, s.rank))
 
 
-def _bits(x: float) -> int:
-    """A float's bits: equal fingerprints compare equal, NaN included."""
-    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+def eval_mode(records: dict[int, list[OpRecord]], s: ProgramSplit) -> EvalMode | None:
+    """Whether the module where two ranks' ops part ran in eval() mode on one and train() on the
+    other. Its ops show it: batch norm in training counts its batches (``add_`` on
+    ``num_batches_tracked``) and, traced, runs another op than without (``…_no_training``); eager
+    passes the mode only as an argument. Dropout runs no op at all in eval."""
+    op = s.theirs or s.ours
+    module = op.module if op is not None else ""
+    if not module or op is None or op.phase not in ("fwd", "bwd"):
+        return None
+    names = {r: {o.op.split(".")[1] for o in records[r] if o.module == module and o.op.count(".") >= 2} for r in (s.rank, s.reference)}
+    for rank, other in ((s.rank, s.reference), (s.reference, s.rank)):
+        mine, theirs = names[rank], names[other]
+        def bn(ops: set[str]) -> bool:
+            return any("batch_norm" in n for n in ops)
+        def bn_eval(ops: set[str]) -> bool:
+            return any("batch_norm" in n and "no_training" in n for n in ops) or (bn(ops) and "add_" not in ops)
+        if bn(mine) and bn(theirs) and bn_eval(mine) and not bn_eval(theirs):
+            return EvalMode(rank, module, "batch norm")
+        if theirs & _DROPOUT and not mine & _DROPOUT:
+            return EvalMode(rank, module, "dropout")
+    return None
 
 
-def _key(h: int, total: float) -> tuple[int, int] | None:
-    """A fingerprint to compare: non-finite values (their NaN payloads vary with the order of a
-    reduction) compare as one — where they were born is the non-finite analysis's answer."""
-    return (h, _bits(total)) if total - total == 0 else None
+_DROPOUT = {"native_dropout", "bernoulli_", "bernoulli"}
+
+
+def _writes_shared(op: OpRecord | None, ranks: set[int]) -> bool:
+    """An in-place op (aten's trailing ``_``) on a named tensor from before the cell that ``ranks``
+    must hold the same."""
+    if op is None or op.collective or op.op.count(".") < 2 or not op.op.split(".")[1].endswith("_"):
+        return False
+    target = next((i for i in op.inputs if i.arg == 0), None)
+    return target is not None and target.label is not None and target.agree is not None and ranks <= set(target.agree)
 
 
 _NAN = "nan"  # a NaN sum or element, as the exact comparison keys it
@@ -224,26 +276,6 @@ def _split(values: dict[int, tuple[Any, ...]], exact: bool, rtol: float, atol: f
     return sorted(groups, key=lambda g: (-len(g), g[0]))
 
 
-def _claims(ops: dict[int, OpRecord], named: list[list[int]], inputs: bool, k: int = 0) -> list[tuple[tuple[int, ...], str]]:
-    """The groups of ranks that must agree at one position, with how that is known."""
-    found: dict[tuple[int, ...], str] = {}
-    for op in ops.values():
-        if inputs:
-            read = next((i for i in op.inputs if i.arg == k), None)
-            agree, why = (read.agree, read.why) if read is not None else (None, "")
-        else:
-            agree, why = op.agree, op.why
-        if agree:
-            members = tuple(r for r in agree if r in ops)
-            if len(members) > 1:
-                found.setdefault(members, why)
-    for g in named:
-        members = tuple(r for r in g if r in ops)
-        if len(members) > 1:
-            found.setdefault(members, "named")
-    return list(found.items())
-
-
 def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why: str, what: str, k: int, exact: bool,
                 rtol: float, atol: float) -> NumericDivergence | None:
     values: dict[int, tuple[Any, ...]] = {}
@@ -257,14 +289,14 @@ def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why:
             if read is None:
                 continue
             label = label or read.label
-            values[r] = ((read.numel,), (_key(read.hash, read.total),), (read.total, *read.sample))
+            values[r] = ((read.numel,), (value_key(read.hash, read.total),), (read.total, *read.sample))
             firsts[r] = Side([r], read.hash, read.total, read.sample, read.numel)
             if read.producer >= 0:
                 writers[r] = read.producer
         else:
             if not op.outputs:
                 continue  # a collective whose output was never read
-            values[r] = (tuple((o.shape, o.dtype) for o in op.outputs), tuple(_key(o.hash, o.total) for o in op.outputs),
+            values[r] = (tuple((o.shape, o.dtype) for o in op.outputs), tuple(value_key(o.hash, o.total) for o in op.outputs),
                          tuple(x for o in op.outputs for x in (o.total, *o.sample)))
             out = op.outputs[0]
             firsts[r] = Side([r], out.hash, out.total, out.sample, out.numel)
@@ -274,11 +306,16 @@ def _divergence(pos: int, ops: dict[int, OpRecord], group: tuple[int, ...], why:
     ref = ops[split[0][0]]
     sides = [replace(firsts[g[0]], ranks=g) for g in split]
     odd = odd_ones({r: split_index for split_index, g in enumerate(split) for r in g})
-    ins = {r: tuple(sorted((i.arg, _key(i.hash, i.total) or (0, 0)) for i in ops[r].inputs)) for r in values}
+    ins = {r: tuple(sorted((i.arg, value_key(i.hash, i.total) or (0, 0)) for i in ops[r].inputs)) for r in values}
+    rng_apart = None
+    if ref.random and what == "output" and all(ops[r].rng for r in values):
+        (usual, n), *rest = collections.Counter(ops[r].rng for r in values).most_common()
+        # No state most ranks drew from: each rank is apart.
+        rng_apart = [r for r in sorted(values) if ops[r].rng != usual or n < 2 or (rest and rest[0][1] == n)]
     return NumericDivergence(pos, {r: ops[r].seq for r in group}, ref.op, ref.module, ref.phase, ref.cell, ref.line, list(group),
                       why if what == "output" else (why or "inputs"), what, label, sides, odd,
                       (len(set(ins.values())) == 1) if any(ins.values()) else None,
-                      len({ops[r].args for r in values}) == 1, ref.random, exact or what == "input", writers)
+                      len({ops[r].args for r in values}) == 1, ref.random, exact or what == "input", writers, rng_apart)
 
 
 def compare_numerics(cell: int, per_rank: dict[int, NumericsRecord | None], agree: Any = (),
@@ -304,20 +341,25 @@ def compare_numerics(cell: int, per_rank: dict[int, NumericsRecord | None], agre
         return NumericsReport(cell, sorted(per_rank), mode, None, [], [], [], [], {}, [], -1, (rtol, atol), named, notes)
     ref, aligned, programs = _align(records)
     found: dict[tuple[int, ...], NumericDivergence] = {}
+    checked = 0
     for pos, where in enumerate(aligned):
         ops = {r: records[r][i] for r, i in where.items()}
         exchange = any(op.collective for op in ops.values())  # what ranks send a collective differs by design
+        any_claim = False
         for k in sorted({i.arg for op in ops.values() for i in op.inputs} if not exchange else ()):
-            for group, why in _claims(ops, named, True, k):
+            for group, why in claims(ops, named, True, k):
+                any_claim = True
                 if group not in found and (d := _divergence(pos, ops, group, why, "input", k, exact, rtol, atol)):
                     found[group] = d
-        for group, why in _claims(ops, named, False):
+        for group, why in claims(ops, named, False):
+            any_claim = True
             if group not in found and (d := _divergence(pos, ops, group, why, "output", 0, exact, rtol, atol)):
                 found[group] = d
+        checked += any_claim
     divergences = sorted(found.values(), key=lambda d: (d.position, d.what != "input"))
     births, spreads = nonfinite(records, aligned, mode)
     return NumericsReport(cell, sorted(per_rank), mode, divergences[0] if divergences else None, divergences, programs, births, spreads,
-                          records, aligned, ref, (rtol, atol), named, notes)
+                          records, aligned, ref, (rtol, atol), named, notes, checked)
 
 
 def _finite(op: OpRecord) -> bool:

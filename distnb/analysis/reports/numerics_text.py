@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from distnb.analysis.reports.numerics_claims import INFERRED
 from distnb.analysis.reports.numerics_gap import gap
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 from distnb.wire.records import SAMPLE, OpRecord
 
 if TYPE_CHECKING:
-    from distnb.analysis.reports.numerics import NumericDivergence, NumericsReport
+    from distnb.analysis.reports.numerics import EvalMode, NumericDivergence, NumericsReport, ProgramSplit
     from distnb.analysis.reports.numerics_gap import Gap
 
 __all__ = ["divergence_text", "nonfinite_text", "op_words", "plot", "report_text", "table_rows"]
@@ -42,7 +43,8 @@ def _basis(why: str) -> str:
             "Replicate": "DTensor Replicate()", "DDP": "DDP replicas", "gradient": "DDP replicas' gradients",
             "optimizer state": "optimizer state of DDP replicas", "DDP buffer": "DDP replicas' buffers",
             "DDP buffer, not broadcast": "DDP replicas' buffers (should agree; DDP does not broadcast them here)",
-            "inputs": "made only from tensors that must agree", "named": "ranks you named"}.get(why, why or "made from tensors that must agree")
+            "inputs": "made only from tensors that must agree", "named": "ranks you named",
+            INFERRED: "they read equal inputs into an op those fix"}.get(why, why or "made from tensors that must agree")
 
 
 def divergence_text(d: NumericDivergence) -> str:
@@ -70,7 +72,12 @@ def divergence_text(d: NumericDivergence) -> str:
     if not tie:
         text += f" ({_size(d)})"
     text += "." if d.exact else f" (beyond the tolerance: sums and up to {SAMPLE} elements compared)."
-    if d.random and d.inputs_agreed is not False and d.args_agreed:
+    if d.random and d.inputs_agreed is not False and d.args_agreed and d.rng_apart:
+        drew = (f"{format_ranks(d.rng_apart)} drew from another random generator state than the others"
+                if sorted(d.rng_apart) != sorted(d.group) else "each rank drew from a random generator state of its own")
+        text += (" It draws random numbers" + (", and its inputs agreed (by fingerprint)" if d.inputs_agreed else "")
+                 + f": {drew} (likely seeded differently, or drew a different number of times before).")
+    elif d.random and d.inputs_agreed is not False and d.args_agreed and d.rng_apart is None:
         text += (" It draws random numbers" + (", and its inputs agreed (by fingerprint)" if d.inputs_agreed else "")
                  + ": the ranks' random generator states likely differ (seeded per rank?).")
     elif d.inputs_agreed and d.args_agreed:
@@ -118,17 +125,26 @@ def nonfinite_text(report: NumericsReport) -> list[str]:
     return lines
 
 
-def _split_text(report: NumericsReport) -> list[str]:
-    out = []
-    for s in report.programs[:_MAX_SPLITS]:
-        def w(op: OpRecord | None) -> str:
-            return op_words(op.op, op.module, op.cell, op.line, op.phase) if op is not None else "nothing (its ops ended)"
-        if s.how == "extra":
-            out.append(f"rank {s.rank} ran ops rank {s.reference} did not, first {w(s.theirs)}; ops are compared where they match.")
-        elif s.how == "missing":
-            out.append(f"rank {s.rank} did not run {w(s.ours)}, which rank {s.reference} ran; ops are compared where they match.")
-        else:
-            out.append(f"rank {s.rank} ran {w(s.theirs)} where rank {s.reference} ran {w(s.ours)}.")
+def _op(op: OpRecord | None) -> str:
+    return op_words(op.op, op.module, op.cell, op.line, op.phase) if op is not None else "nothing (its ops ended)"
+
+
+def split_words(s: ProgramSplit) -> str:
+    """Where one rank's ops depart from the reference rank's."""
+    if s.how == "extra":
+        return f"rank {s.rank} ran ops rank {s.reference} did not, first {_op(s.theirs)}"
+    if s.how == "missing":
+        return f"rank {s.rank} did not run {_op(s.ours)}, which rank {s.reference} ran"
+    return f"rank {s.rank} ran {_op(s.theirs)} where rank {s.reference} ran {_op(s.ours)}"
+
+
+def _mode_words(m: EvalMode) -> str:
+    return (f" Likely {m.module} is in eval() mode on rank {m.rank} and in train() mode on the other: "
+            + ("its batch norm ran without updating its statistics there." if m.layer == "batch norm" else "its dropout did not run there."))
+
+
+def _split_text(report: NumericsReport, said: ProgramSplit | None) -> list[str]:
+    out = [split_words(s) + "; ops are compared where they match." for s in report.programs[:_MAX_SPLITS] if s is not said]
     if len(report.programs) > _MAX_SPLITS:
         out.append(f"(and {len(report.programs) - _MAX_SPLITS} more ranks whose ops depart)")
     return out
@@ -140,20 +156,35 @@ def report_text(report: NumericsReport) -> str:
     lines = [f"numerics of {cell_name(report.cell)}: {n} {what} recorded per rank on {format_ranks(sorted(report.records))}"
              + ("" if report.tolerance == (0.0, 0.0) else
                 f", sums and sampled elements compared within rtol={report.tolerance[0]:g}, atol={report.tolerance[1]:g}")]
-    if report.first is None:
+    # Ranks that run other ops than the rest part there, before any value compared can.
+    lead = report.departure
+    departs = lead is not None and (report.first is None or lead.position <= report.first.position)
+    also = report.divergences
+    if departs and lead is not None:
+        lines.append(f"first divergence: the ranks' ops part: {split_words(lead)}."
+                     + (_mode_words(lead.mode) if lead.mode else " It writes a tensor these ranks must hold the same."))
+    elif report.first is None:
         if report.mode == "collectives":
             lines.append("collectives only: their inputs and outputs were checked for NaN/Inf, not compared op by op.")
+        elif not report.checked:
+            lines.append("not checked: nothing in the records says these ranks must agree (no collective whose result they "
+                         "all hold, no DDP or replicated DTensor, no op they fed equal inputs); if they ran the same data, "
+                         "name them: --agree RANKS.")
         else:
-            lines.append("no divergence: wherever the records say ranks must agree, they did"
-                         + (" (bit for bit, by fingerprint)." if report.tolerance == (0.0, 0.0) else " (within the tolerance)."))
+            rest = len(report.aligned) - report.checked
+            lines.append(f"no divergence: at the {report.checked} ops where the records say ranks must agree, they did"
+                         + (" (bit for bit, by fingerprint)" if report.tolerance == (0.0, 0.0) else " (within the tolerance)")
+                         + (f"; the other {rest} were not checked (nothing in the records says the ranks must agree there)."
+                            if rest > 0 else "."))
     else:
         lines.append(divergence_text(report.first))
-        for d in report.divergences[1:4]:
-            lines.append("  also " + divergence_text(d))
-        if len(report.divergences) > 4:
-            lines.append(f"  (and {len(report.divergences) - 4} more groups of ranks)")
+        also = report.divergences[1:]
+    for d in also[:4 if departs else 3]:
+        lines.append("  also " + divergence_text(d))
+    if len(also) > (4 if departs else 3):
+        lines.append(f"  (and {len(also) - (4 if departs else 3)} more groups of ranks)")
     lines += nonfinite_text(report)
-    lines += _split_text(report)
+    lines += _split_text(report, lead if departs else None)
     lines += report.notes
     return "\n".join(lines)
 

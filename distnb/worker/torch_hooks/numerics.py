@@ -21,6 +21,7 @@ fingerprinted when an op first reads it, or at the cell's end. At most ``LIMIT``
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import weakref
@@ -38,6 +39,7 @@ LIMIT = int(os.environ.get("DISTNB_NUMERICS_OPS") or 20000)
 _TENSORS = TENSORS_READ
 _FETCH = 256  # ops between two fetches of the fingerprints from their devices
 _PENDING = 256  # collective outputs kept for a later read; past it the oldest go unread
+_ENDS = 4096  # elements at each end of a tensor whose places its fingerprint's order sum weighs
 #: Collectives after which every member of the group holds the same result.
 _AGREEING = {"allreduce_", "broadcast_", "allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allreduce_coalesced_",
              "all_reduce", "all_reduce_", "all_gather_into_tensor", "all_gather_into_tensor_out", "all_reduce_coalesced",
@@ -56,7 +58,7 @@ VIEW, SKIP, COLL, OP, EMPTY = 0, 1, 2, 3, 4
 
 
 class _Kind:
-    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "random", "agreeing", "valued")
+    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "random", "stable", "agreeing", "valued")
 
     def __init__(self, func: Any) -> None:
         import torch
@@ -68,6 +70,7 @@ class _Kind:
         self.written = [i for i, a in enumerate(schema.arguments)
                         if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
         self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.stable = torch.Tag.nondeterministic_bitwise not in func.tags  # equal inputs, equal bits
         self.valued = _WRITTEN_OUTPUTS.get(packet, _TENSORS)
         returns = any("Tensor" in str(r.type) for r in schema.returns)
         collective = func.namespace in _COLLECTIVE_NS
@@ -134,6 +137,26 @@ def _intersect(agrees: list[Agree | None]) -> Agree | None:
     return tuple(sorted(common)) if len(common) > 1 else None
 
 
+def _rng_state(kwargs: dict[str, Any], tensors: list[Any]) -> int:
+    """A fingerprint of the generator a random op is about to draw from (its ``generator=``, else
+    its device's default): ranks whose states match draw the same numbers. 0 where none is read."""
+    import torch
+
+    try:
+        gen = kwargs.get("generator")
+        if gen is None:
+            device = torch.device(kwargs.get("device") or (tensors[0].device if tensors else "cpu"))
+            if device.type == "cpu":
+                gen = torch.default_generator
+            elif device.type == "cuda":
+                gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+            else:
+                return 0
+        return zlib.crc32(gen.get_state().numpy().tobytes()) or 1
+    except Exception:  # a generator that cannot say its state: the comparison goes without it
+        return 0
+
+
 def _mode_class() -> Any:
     import torch
     from torch.distributed.tensor import DTensor
@@ -141,6 +164,7 @@ def _mode_class() -> Any:
 
     Tensor = torch.Tensor
     current_node = torch._C._current_autograd_node
+    are_deterministic = torch.are_deterministic_algorithms_enabled
 
     class Record(TorchDispatchMode):
         """Fingerprints every op (``collectives``: only the collectives) while it is entered."""
@@ -157,6 +181,7 @@ def _mode_class() -> Any:
             self.unfetched: list[list[Any]] = []
             self.pending: dict[int, tuple[list[Any], bool]] = {}
             self.samples: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (shape, device) → where _fp samples
+            self.weights: dict[Any, Any] = {}  # device → the weights of _order
 
         @classmethod
         def ignore_compile_internals(cls) -> bool:
@@ -202,15 +227,28 @@ def _mode_class() -> Any:
                 if local.device.type == "meta" or type(local).__name__ == "FakeTensor":
                     return None
                 if local.numel() == 0:
-                    return [0, 0.0, (), 0]
+                    return [0, 0.0, (), 0, 0.0]
                 if local.is_complex():
                     local = torch.view_as_real(local)
                 fp = [torch.hash_tensor(local).view(torch.int64), local.sum(dtype=torch.float64),
-                      local[self._sample_at(local)].reshape(-1).to(torch.float64, copy=True), local.numel()]
+                      local[self._sample_at(local)].reshape(-1).to(torch.float64, copy=True), local.numel(), self._order(local)]
             except Exception:
                 return None
             self.unfetched.append(fp)
             return fp
+
+        def _order(self, t: Any) -> Any:
+            """A sum of the elements at each end of ``t`` (``_ENDS`` each, in logical order), each
+            weighted by its place: the xor and the sum cannot tell a tensor from a permutation of it
+            (``mesh == rank`` on two ranks: one True each), and agreement inferred from equal
+            inputs must."""
+            flat = t.reshape(-1)  # a view where contiguous; a copy only of a strided tensor
+            n = flat.numel()
+            ends = flat if n <= 2 * _ENDS else torch.cat([flat[:_ENDS], flat[-_ENDS:]])
+            w = self.weights.get(t.device)
+            if w is None:
+                w = self.weights[t.device] = torch.rand(2 * _ENDS, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).add_(1).to(t.device)
+            return torch.dot(ends.to(torch.float64), w[:ends.numel()])
 
         def _sample_at(self, t: Any) -> tuple[Any, ...]:
             """Index tensors that pick ``SAMPLE`` elements spread evenly in ``t``'s logical order
@@ -242,10 +280,14 @@ def _mode_class() -> Any:
                     flat = torch.cat([f[2] for f in fps]).tolist()
                 except Exception:  # the values are a size's detail: the fingerprints stand without them
                     flat = []
+                try:
+                    orders = torch.stack([f[4] for f in fps]).tolist()
+                except Exception:  # without it, nothing is inferred from these inputs
+                    orders = [math.nan] * len(fps)
                 at = 0
-                for f, h, s in zip(fps, hashes, sums):
+                for f, h, s, o in zip(fps, hashes, sums, orders):
                     n = f[2].numel() if flat else 0
-                    f[0], f[1], f[2] = h, s, tuple(flat[at:at + n])
+                    f[0], f[1], f[2], f[4] = h, s, tuple(flat[at:at + n]), o
                     at += n
 
         def _settle(self, seq: int) -> None:
@@ -287,6 +329,7 @@ def _mode_class() -> Any:
             tensors_in = [t for t in flat_in if isinstance(t, Tensor)]
             reads: list[list[Any]] = []
             agrees: list[Agree | None] = []
+            blank = 0  # inputs allocated and not written: nothing to read, and no value of theirs to fix
             for k, t in enumerate(tensors_in[:_TENSORS]):
                 e = self._entry(t)
                 if e is not None and e.pending >= 0:
@@ -295,6 +338,7 @@ def _mode_class() -> Any:
                     e = self._new(t)
                 agrees.append(e.agree)
                 if e.uninit == t._version:
+                    blank += 1
                     continue  # allocated and not written yet (a random op's buffer): its shape is all it gives
                 if e.fp is None or e.version != t._version:
                     if e.version != -1 and e.version != t._version:
@@ -304,6 +348,7 @@ def _mode_class() -> Any:
             digest = zlib.crc32(repr([a if isinstance(a, _SCALARS) else str(a) for a in flat_in
                                       if isinstance(a, _SCALARS) or isinstance(a, (torch.dtype, torch.device))]).encode())
             module, phase, cell, line = self._where()
+            rng = _rng_state(kwargs, tensors_in) if kind.random else 0
             out = func(*args, **kwargs)
             outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
             for i in kind.written:
@@ -333,8 +378,13 @@ def _mode_class() -> Any:
                         continue
                     e.fp = self._fp(t)
                     specs.append([tuple(t.shape), str(t.dtype).replace("torch.", ""), e.fp])
+            # Whether what was read fixes the outputs: every tensor input read, and equal inputs give
+            # equal bits (CPU kernels do; an accelerator's only under use_deterministic_algorithms:
+            # cuBLAS split-K, atomics; never a kernel torch tags nondeterministic_bitwise).
+            exact = kind.stable and (not outs or outs[0].device.type in ("cpu", "meta") or are_deterministic()) \
+                and len(reads) + blank == len(tensors_in) and all(rd[1] is not None for rd in reads)
             self.raw.append([seq, kind.name, module, phase, cell, line, agree, why if agree else "", specs, reads, f"{digest:08x}",
-                             kind.random, kind.kind == COLL])
+                             kind.random, kind.kind == COLL, exact, rng])
             if len(self.unfetched) >= 2 * _FETCH:
                 self._fetch()
             return out
@@ -392,12 +442,12 @@ def _mode_class() -> Any:
                 self._settle(seq)
             self._fetch()
             ops = []
-            for seq, name, module, phase, cell, line, agree, why, specs, reads, digest, random, coll in self.raw:
+            for seq, name, module, phase, cell, line, agree, why, specs, reads, digest, random, coll, exact, rng in self.raw:
                 outputs = [OutputStats(shape, dtype, int(fp[0]), float(fp[1]), fp[2]) for shape, dtype, fp in specs or []
                            if fp is not None and fp[0] is not None]
-                inputs = [InputRead(k, int(fp[0]), float(fp[1]), agree_in, why_in if agree_in else "", label, producer, fp[2], fp[3])
+                inputs = [InputRead(k, int(fp[0]), float(fp[1]), agree_in, why_in if agree_in else "", label, producer, fp[2], fp[3], fp[4])
                           for k, fp, agree_in, why_in, label, producer in reads if fp is not None and fp[0] is not None]
-                ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll))
+                ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll, exact, rng))
             self.tensors.clear()
             return {"mode": "collectives" if self.collectives else "ops", "ops": ops, "total": self.total, "limit": self.limit,
                     "mesh_groups": self._mesh_groups()}
