@@ -14,6 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from distnb.results import CellResult, RankResult
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "analysis"))
+from magic_shell import process_shell  # noqa: E402
 from test_numerics import _records  # noqa: E402  (the generated records of the analysis tests)
 
 
@@ -27,8 +28,9 @@ def _result(cell: int, inject: tuple[int, int, str] | None) -> CellResult:
 
 @pytest.fixture
 def shell() -> InteractiveShell:
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "distnb")
+    ip = process_shell()
+    if "on_ranks" not in ip.magics_manager.magics["cell"]:
+        ip.run_line_magic("load_ext", "distnb")
     return ip
 
 
