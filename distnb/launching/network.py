@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import random
 import socket
 import struct
+from pathlib import Path
 
-__all__ = ["SOCKET_IFNAME_VARS", "interface_of", "interfaces", "is_local", "local_addresses", "missing_interface", "resolve",
+__all__ = ["SOCKET_IFNAME_VARS", "interface_of", "interfaces", "is_local", "local_addresses", "missing_interface", "port_for_another", "resolve",
            "socket_env", "source_address"]
 
 #: The variables that pin a backend's sockets to one interface.
@@ -117,3 +119,34 @@ def missing_interface(env: dict[str, str]) -> str | None:
     return (f"GLOO_SOCKET_IFNAME={value} names an interface {socket.gethostname()} does not have; its interfaces: {listed}. "
             "Drop GLOO_SOCKET_IFNAME from --env: distnb sets it on each machine to the interface that reaches the "
             "notebook's machine, which may be named differently on every machine.")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def port_for_another(host: str = "127.0.0.1") -> int:
+    """A port free now on ``host``, for another process to listen on later (torchrun's rendezvous
+    store). A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, the range
+    it also hands every outgoing connection: on a busy machine (gloo and NCCL open many) one may
+    take it before the other process binds it. So it is chosen below that range, at random among
+    thousands, and tried; the kernel's choice is the fallback."""
+    low, _ = _ephemeral_range()
+    bind_host = host if host not in ("", "::") else "0.0.0.0"
+    rng = random.SystemRandom()
+    start = 15000 if low > 20000 else 1024
+    for _ in range(64):
+        port = rng.randrange(start, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((bind_host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:
+        sock.bind((bind_host, 0))
+        return int(sock.getsockname()[1])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import time
 
 from distnb.config import LaunchConfig, Rendezvous, is_loopback, split_host_port
@@ -22,12 +21,6 @@ from distnb.wire.protocol import FromNode, Msg
 from distnb.wire.security import Credentials, default_key_file
 
 __all__ = ["MultiNode"]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host if host not in ("", "::") else "0.0.0.0", 0))
-        return int(sock.getsockname()[1])
 
 
 def _local_addr(config: LaunchConfig, host: str) -> str | None:
@@ -59,7 +52,7 @@ class MultiNode:
             raise RuntimeError(problem)
         self.key_file: str | None = str(creds.write(config.key_file or default_key_file(run_id)))
         self.join_command = join_command(self.address, self.key_file, config.node_python)
-        endpoint = config.rdzv_endpoint or f"{host}:{_free_port(config.bind_host)}"
+        endpoint = config.rdzv_endpoint or f"{host}:{network.port_for_another(config.bind_host)}"
         rdzv_host = split_host_port(endpoint, "rendezvous endpoint")[0]
         # This machine hosts the rendezvous store when the endpoint names it, so an agent that
         # joins first can't take the store with it when it leaves.

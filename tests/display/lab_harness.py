@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from distnb.launching.network import port_for_another
 
 from conftest import cmdline, kill_pids, marked_processes, wait_gone
 
@@ -61,9 +62,8 @@ def launch_chromium(p):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for the server this test starts (below the range outgoing connections take)."""
+    return port_for_another("127.0.0.1")
 
 
 def shots_dir(tmp_path: Path) -> Path:

@@ -43,3 +43,26 @@ def test_a_name_that_resolves_to_loopback_is_refused_for_other_machines(monkeypa
         connect_host(distnb.LaunchConfig(nproc=1, nnodes=2, bind="0.0.0.0"))
     assert connect_host(distnb.LaunchConfig(nproc=1, nnodes=2, bind="0.0.0.0", local_nodes=True)) == "localhost"
     assert connect_host(distnb.LaunchConfig(nproc=1, nnodes=2, bind="10.1.2.3")) == "10.1.2.3"
+
+
+def test_a_port_for_another_process_is_free_and_outside_the_range_outgoing_connections_take() -> None:
+    # The multi-node rendezvous' port: one the kernel hands out for bind(0) can be taken by any
+    # outgoing connection (gloo opens many) before torchrun binds it.
+    low, high = network._ephemeral_range()
+    ports = {network.port_for_another("127.0.0.1") for _ in range(20)}
+    assert all(p < low or p > high for p in ports) and len(ports) > 1, (ports, low, high)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free: it binds
+
+
+def test_a_port_taken_below_the_range_is_skipped_and_the_kernel_chooses_when_none_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        held.listen()
+        # Only the taken port lies below the range: every try fails, and the kernel's choice comes back.
+        monkeypatch.setattr(network, "_ephemeral_range", lambda: (taken + 1, 60999))
+        monkeypatch.setattr(network.random.SystemRandom, "randrange", lambda self, a, b: taken)
+        port = network.port_for_another("127.0.0.1")
+        assert port != taken and port > 0

@@ -8,12 +8,13 @@ exception": 6 of 8 measured); with it, never."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from distnb.launching.network import port_for_another
 
 pytestmark = pytest.mark.slow
 
@@ -68,9 +69,8 @@ CLOSE = textwrap.dedent("""
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for the server this test starts (below the range outgoing connections take)."""
+    return port_for_another("127.0.0.1")
 
 
 @pytest.mark.timeout(300)
