@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -225,13 +226,17 @@ def test_second_ctrl_c_detaches_from_a_rank_that_swallows_interrupts(pool2: dist
     assert pool.run("rank").values == {0: "0", 1: "1"}
 
 
-def test_sigstopped_rank_shows_as_hung_with_others_stacks(pool2: distnb.Pool) -> None:
+def test_sigstopped_rank_shows_as_hung_with_others_stacks(pool2: distnb.Pool, tmp_path: Path) -> None:
     pool = usable(pool2)
-    # Rank 1 is stopped while it sleeps, before the all_reduce that rank 0 then waits in.
-    res = pool.submit("import time\ntime.sleep(1.0 if rank == 1 else 0)\nx = torch.ones(1)\ndist.all_reduce(x)")
-    time.sleep(0.4)
+    # Rank 1 waits for the test's go file before the all_reduce that rank 0 waits in; it is stopped
+    # once rank 0 is seen in the all_reduce (an order the test makes, not a machine's speed).
+    go = tmp_path / "go"
+    res = pool.submit(f"import os, time\nwhile rank == 1 and not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
+                      "x = torch.ones(1)\ndist.all_reduce(x)")
+    wait_until(lambda: "dist.all_reduce(x)" in pool.stacks(ranks=[0]).text(), 60, "rank 0 in the all_reduce", poll=0.2)
     pid = pool.status().ranks[1].pid
     os.kill(pid, signal.SIGSTOP)
+    go.touch()
     try:
         report = pool.stacks()
         assert report[0].threads and "dist.all_reduce(x)" in report.text(), report.text()
