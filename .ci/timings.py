@@ -12,20 +12,23 @@ from pathlib import Path
 FILES, TESTS = 15, 10
 
 
-def report(junit: Path) -> list[str]:
-    try:
-        root = ET.parse(junit).getroot()
-    except (OSError, ET.ParseError) as exc:
-        return [f"{junit.name}: unreadable ({exc})"]
+def report(name: str, junits: list[Path]) -> list[str]:
+    """One pytest run's report, or a leg's runs of a file each (``NAME--NN.xml``) as one."""
+    cases = []
+    for junit in junits:
+        try:
+            cases += list(ET.parse(junit).getroot().iter("testcase"))
+        except (OSError, ET.ParseError) as exc:
+            return [f"{junit.name}: unreadable ({exc})"]
     by_file: dict[str, float] = defaultdict(float)
     tests: list[tuple[float, str]] = []
-    for case in root.iter("testcase"):
+    for case in cases:
         seconds = float(case.get("time") or 0)
         name = (case.get("classname") or "").replace(".", "/") + ".py"
         by_file[name] += seconds
         tests.append((seconds, f"{name}::{case.get('name')}"))
     total = sum(by_file.values())
-    lines = [f"{junit.stem}: {len(tests)} tests, {total / 60:.1f} min in tests; the longest files:"]
+    lines = [f"{name}: {len(tests)} tests, {total / 60:.1f} min in tests; the longest files:"]
     lines += [f"  {s:7.1f} s  {f}" for f, s in sorted(by_file.items(), key=lambda kv: -kv[1])[:FILES]]
     lines.append("  the longest tests:")
     lines += [f"  {s:7.1f} s  {t}" for s, t in sorted(tests, reverse=True)[:TESTS]]
@@ -37,8 +40,11 @@ def main(work: Path) -> None:
     phases = work / "phases.log"
     if phases.exists():
         print(phases.read_text().rstrip())
+    runs: dict[str, list[Path]] = defaultdict(list)
     for junit in sorted(work.glob("junit-*.xml")):
-        print("\n".join(report(junit)))
+        runs[junit.stem.split("--")[0]].append(junit)
+    for name, junits in runs.items():
+        print("\n".join(report(name, junits)))
 
 
 if __name__ == "__main__":
