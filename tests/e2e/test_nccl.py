@@ -223,6 +223,44 @@ def test_a_bounded_abort_then_forgetting_the_groups_lets_a_new_group_start() -> 
     assert out.stdout.strip() == "[1.0, 1.0] ['0', '1']", out.stdout
 
 
+def test_the_abort_thread_never_holds_the_last_reference_to_a_group() -> None:
+    """A group's destructor releases the GIL; a daemon thread that drops the last reference while
+    the interpreter finalizes is ended inside a noexcept destructor: std::terminate, SIGABRT at
+    the rank's exit (7 of 40 runs of the test above on torch 2.11 before the fix). Checked
+    without waiting for that race: after the abort returns, nothing the helper thread runs may
+    still reach a process group."""
+    import os
+    import subprocess
+
+    code = (
+        "import gc, threading, torch, torch.distributed as dist\n"
+        "from distnb.worker.torch_hooks.group_abort import abort_backends, forget_groups\n"
+        "targets = []\n"
+        "start = threading.Thread.start\n"
+        "def keep(self):\n"
+        "    targets.append(self._target)\n"
+        "    start(self)\n"
+        "threading.Thread.start = keep\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "side = dist.new_group([0])\n"
+        "assert abort_backends(10.0)\n"
+        "forget_groups()\n"
+        "def reaches_a_group(obj, depth=4):\n"
+        "    if isinstance(obj, dist.ProcessGroup):\n"
+        "        return True\n"
+        "    if depth == 0 or isinstance(obj, (type, type(gc))):\n"
+        "        return False\n"
+        "    kids = [c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not obj] if callable(obj) and "
+        "hasattr(obj, '__closure__') else gc.get_referents(obj) if isinstance(obj, (list, tuple, dict)) else []\n"
+        "    return any(reaches_a_group(k, depth - 1) for k in kids)\n"
+        "print([t.__name__ for t in targets], any(reaches_a_group(t) for t in targets))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['run'] False", out.stdout
+
+
 def test_a_check_on_a_gpu_still_busy_says_so_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank whose GPU still has queued work (an NCCL collective whose peers never came) would
     block in any tensor read: the check waits DEVICE_WAIT at most, then names the open work, and

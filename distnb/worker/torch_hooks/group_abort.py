@@ -24,29 +24,30 @@ ESCALATE_AFTER = 2.0
 
 def abort_backends(timeout: float) -> bool:
     """Abort every process group's backend (NCCL inside one group call, as torch does: aborts of
-    several communicators must not deadlock each other); True if that finished in ``timeout``."""
-    import torch
+    several communicators must not deadlock each other); True if that finished in ``timeout``.
+
+    The helper thread never holds the last reference to a group: a group's destructor releases the
+    GIL, and a daemon thread that takes it back while the interpreter finalizes is ended by
+    ``pthread_exit`` inside a ``noexcept`` destructor — ``std::terminate``, the rank killed by
+    SIGABRT at its exit (seen on torch 2.11: the thread's last act, dropping its target, dropped
+    the groups the main thread had just forgotten). So the thread holds them in a list it empties
+    before it ends, under the exit guard (worker/process/exit_guard.py), which holds the rank's
+    exit while it aborts."""
     from torch.distributed import distributed_c10d as c10d
 
-    groups = sorted(c10d._world.pg_names, key=lambda pg: c10d._world.pg_names[pg], reverse=True)
-    default: Any = c10d._world.default_pg
+    from distnb.worker.process.exit_guard import torch_work
+
+    held: list[Any] = [sorted(c10d._world.pg_names, key=lambda pg: c10d._world.pg_names[pg], reverse=True), c10d._world.default_pg]
     done = threading.Event()
 
     def run() -> None:
-        nccl = None
         try:
-            if default is not None and c10d.is_nccl_available():
-                backend = default._get_backend(torch.device("cuda"))
-                nccl = backend if isinstance(backend, c10d.ProcessGroupNCCL) else None
-        except RuntimeError:
-            nccl = None
-        try:
-            if nccl is not None:
-                nccl._group_start()
-            for pg in groups:
-                pg.abort()
-            if nccl is not None:
-                nccl._group_end()
+            with torch_work() as allowed:
+                try:
+                    if allowed:
+                        _abort(held[0], held[1])
+                finally:
+                    held.clear()  # inside the guard: if these were the last references, the exit waits for them
         except Exception:
             pass  # an already-aborted communicator may complain; it is gone either way
         finally:
@@ -54,6 +55,25 @@ def abort_backends(timeout: float) -> bool:
 
     threading.Thread(target=run, name="distnb-abort", daemon=True).start()
     return done.wait(timeout)
+
+
+def _abort(groups: list[Any], default: Any) -> None:
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    nccl = None
+    try:
+        if default is not None and c10d.is_nccl_available():
+            backend = default._get_backend(torch.device("cuda"))
+            nccl = backend if isinstance(backend, c10d.ProcessGroupNCCL) else None
+    except RuntimeError:
+        nccl = None
+    if nccl is not None:
+        nccl._group_start()
+    for pg in groups:
+        pg.abort()
+    if nccl is not None:
+        nccl._group_end()
 
 
 def forget_groups() -> None:
