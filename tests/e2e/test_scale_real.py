@@ -41,10 +41,13 @@ SHUTDOWN_BOUND = 60.0
 #: test carries the launch, the last the shutdown.
 TEST_TIMEOUT = int(MEMORY_WAIT + START_TIMEOUT + SHUTDOWN_BOUND + HANG_AFTER + 4 * CELL_TIMEOUT)
 
-#: Memory: a rank and a torchrun are each a Python with torch (~230 MiB RSS, ~150 MiB of it their
-#: own, measured); a supervisor and a node agent ~12 MiB of their own. Rounded up.
-TORCH_PROCESS_MIB, SMALL_PROCESS_MIB = 200, 20
-NEED_MIB = (WORLD + NNODES) * TORCH_PROCESS_MIB + (WORLD + NNODES - 1) * SMALL_PROCESS_MIB
+#: Memory: a rank and a torchrun are each a Python with torch: ~280 MiB RSS, of which ~150 MiB is
+#: their own (anonymous) and the rest torch's libraries, mapped from files and shared by every
+#: process; a rank's cells and recorders add ~10 MiB of its own (measured 2026-11-30: 151 MiB
+#: anonymous after the import, 159 in a running rank). A supervisor and a node agent ~12 MiB of
+#: their own. Rounded up.
+TORCH_PROCESS_MIB, RANK_WORK_MIB, SMALL_PROCESS_MIB = 150, 40, 20
+NEED_MIB = (WORLD + NNODES) * (TORCH_PROCESS_MIB + RANK_WORK_MIB) + 200 + (WORLD + NNODES - 1) * SMALL_PROCESS_MIB
 
 ODD = 45  # the rank that skips the collective: node 5, local rank 5 (not on the controller's node)
 
@@ -63,19 +66,22 @@ def mem_available_mib() -> float:
 
 
 def needed_mib() -> float:
-    """NEED_MIB, or more where this torch's import is heavier (a CUDA build, ~450 MiB on a CPU-only
-    machine against ~200 for the CPU build): measured in a Python of its own."""
+    """NEED_MIB, or more where this torch's import is heavier (a CUDA build's own memory is about
+    twice the CPU build's): measured in a Python of its own — the memory it made its own, per
+    process, and its libraries' pages once (RSS counts those in every process: 72 of them would
+    ask for ~20 GiB where ~15 is used)."""
     import subprocess
     import sys
 
     probe = ("import torch, torch.distributed\n"
-             "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS:')) / 1024)")
+             "f = {l.split()[0]: int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.split()[1:2] and l.split()[1].isdigit()}\n"
+             "print(f['Anonymous:'] / 1024, (f['Rss:'] - f['Anonymous:']) / 1024)")
     try:
-        rss = float(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout.strip())
+        own, shared = map(float, subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout.split())
     except (ValueError, subprocess.SubprocessError):
         return NEED_MIB
-    per_torch = max(TORCH_PROCESS_MIB, rss)  # the bare import: what NEED_MIB was measured against (~220 MiB)
-    return (WORLD + NNODES) * per_torch + (WORLD + NNODES - 1) * SMALL_PROCESS_MIB
+    per_torch = max(TORCH_PROCESS_MIB, own) + RANK_WORK_MIB
+    return (WORLD + NNODES) * per_torch + shared + (WORLD + NNODES - 1) * SMALL_PROCESS_MIB
 
 
 def kind_of(pid: int) -> str:
