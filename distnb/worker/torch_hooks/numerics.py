@@ -181,7 +181,7 @@ def _mode_class() -> Any:
             self.unfetched: list[list[Any]] = []
             self.pending: dict[int, tuple[list[Any], bool]] = {}
             self.samples: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (shape, device) → where _fp samples
-            self.weights: dict[Any, Any] = {}  # device → the weights of _order
+            self.weights: dict[Any, Any] = {}  # (device, dtype) → the weights of _order
 
         @classmethod
         def ignore_compile_internals(cls) -> bool:
@@ -241,14 +241,18 @@ def _mode_class() -> Any:
             """A sum of the elements at each end of ``t`` (``_ENDS`` each, in logical order), each
             weighted by its place: the xor and the sum cannot tell a tensor from a permutation of it
             (``mesh == rank`` on two ranks: one True each), and agreement inferred from equal
-            inputs must."""
+            inputs must. One dot product in the tensor's own floating type (two kernels at most:
+            every op's outputs pay it)."""
             flat = t.reshape(-1)  # a view where contiguous; a copy only of a strided tensor
+            if not flat.is_floating_point():
+                flat = flat.to(torch.float32)
             n = flat.numel()
             ends = flat if n <= 2 * _ENDS else torch.cat([flat[:_ENDS], flat[-_ENDS:]])
-            w = self.weights.get(t.device)
+            key = (flat.device, flat.dtype)
+            w = self.weights.get(key)
             if w is None:
-                w = self.weights[t.device] = torch.rand(2 * _ENDS, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).add_(1).to(t.device)
-            return torch.dot(ends.to(torch.float64), w[:ends.numel()])
+                w = self.weights[key] = torch.rand(2 * _ENDS, generator=torch.Generator().manual_seed(0)).add_(1).to(flat.device, flat.dtype)
+            return torch.dot(ends, w[:ends.numel()])
 
         def _sample_at(self, t: Any) -> tuple[Any, ...]:
             """Index tensors that pick ``SAMPLE`` elements spread evenly in ``t``'s logical order
@@ -281,7 +285,7 @@ def _mode_class() -> Any:
                 except Exception:  # the values are a size's detail: the fingerprints stand without them
                     flat = []
                 try:
-                    orders = torch.stack([f[4] for f in fps]).tolist()
+                    orders = torch.stack([f[4].float() for f in fps]).tolist()  # float32 already, mostly: no copy
                 except Exception:  # without it, nothing is inferred from these inputs
                     orders = [math.nan] * len(fps)
                 at = 0
