@@ -24,9 +24,9 @@ def report(name: str, junits: list[Path]) -> list[str]:
     tests: list[tuple[float, str]] = []
     for case in cases:
         seconds = float(case.get("time") or 0)
-        name = (case.get("classname") or "").replace(".", "/") + ".py"
-        by_file[name] += seconds
-        tests.append((seconds, f"{name}::{case.get('name')}"))
+        file = (case.get("classname") or "").replace(".", "/") + ".py"
+        by_file[file] += seconds
+        tests.append((seconds, f"{file}::{case.get('name')}"))
     total = sum(by_file.values())
     lines = [f"{name}: {len(tests)} tests, {total / 60:.1f} min in tests; the longest files:"]
     lines += [f"  {s:7.1f} s  {f}" for f, s in sorted(by_file.items(), key=lambda kv: -kv[1])[:FILES]]
