@@ -211,30 +211,34 @@ def _align(records: dict[int, list[OpRecord]]) -> tuple[int, list[dict[int, int]
     return ref, aligned, sorted(splits, key=lambda s: (s.position, s.rank))
 
 
+_DROPOUT = {"native_dropout", "bernoulli_", "bernoulli"}
+
+
+def _batch_norm(ops: set[str]) -> bool:
+    return any("batch_norm" in n for n in ops)
+
+
+def _batch_norm_eval(ops: set[str]) -> bool:
+    """Batch norm without training: traced, its own op; eager, no batch counted (``add_``)."""
+    return any("batch_norm" in n and "no_training" in n for n in ops) or (_batch_norm(ops) and "add_" not in ops)
+
+
 def eval_mode(records: dict[int, list[OpRecord]], s: ProgramSplit) -> EvalMode | None:
     """Whether the module where two ranks' ops part ran in eval() mode on one and train() on the
     other. Its ops show it: batch norm in training counts its batches (``add_`` on
     ``num_batches_tracked``) and, traced, runs another op than without (``…_no_training``); eager
     passes the mode only as an argument. Dropout runs no op at all in eval."""
     op = s.theirs or s.ours
-    module = op.module if op is not None else ""
-    if not module or op is None or op.phase not in ("fwd", "bwd"):
+    if op is None or not op.module or op.phase not in ("fwd", "bwd"):
         return None
-    names = {r: {o.op.split(".")[1] for o in records[r] if o.module == module and o.op.count(".") >= 2} for r in (s.rank, s.reference)}
+    names = {r: {o.op.split(".")[1] for o in records[r] if o.module == op.module and o.op.count(".") >= 2} for r in (s.rank, s.reference)}
     for rank, other in ((s.rank, s.reference), (s.reference, s.rank)):
         mine, theirs = names[rank], names[other]
-        def bn(ops: set[str]) -> bool:
-            return any("batch_norm" in n for n in ops)
-        def bn_eval(ops: set[str]) -> bool:
-            return any("batch_norm" in n and "no_training" in n for n in ops) or (bn(ops) and "add_" not in ops)
-        if bn(mine) and bn(theirs) and bn_eval(mine) and not bn_eval(theirs):
-            return EvalMode(rank, module, "batch norm")
+        if _batch_norm(mine) and _batch_norm(theirs) and _batch_norm_eval(mine) and not _batch_norm_eval(theirs):
+            return EvalMode(rank, op.module, "batch norm")
         if theirs & _DROPOUT and not mine & _DROPOUT:
-            return EvalMode(rank, module, "dropout")
+            return EvalMode(rank, op.module, "dropout")
     return None
-
-
-_DROPOUT = {"native_dropout", "bernoulli_", "bernoulli"}
 
 
 def _writes_shared(op: OpRecord | None, ranks: set[int]) -> bool:

@@ -11,6 +11,7 @@ the majority of such ranks drew from: that rank is where the group parts."""
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 from distnb.ranks import group_by
@@ -25,8 +26,6 @@ INFERRED = "same inputs"
 def value_key(h: int, total: float) -> tuple[int, int] | None:
     """A fingerprint to compare: non-finite values (their NaN payloads vary with the order of a
     reduction) compare as one — where they were born is the non-finite analysis's answer."""
-    import struct
-
     return (h, int(struct.unpack("<q", struct.pack("<d", total))[0])) if total - total == 0 else None
 
 
