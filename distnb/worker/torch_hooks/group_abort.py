@@ -22,6 +22,11 @@ __all__ = ["ESCALATE_AFTER", "abort_backends", "forget_groups"]
 ESCALATE_AFTER = 2.0
 
 
+#: Groups whose abort outlived its wait: kept here for the life of the process, so that the helper
+#: thread still aborting them never holds their last reference (see abort_backends).
+_abandoned: list[Any] = []
+
+
 def abort_backends(timeout: float) -> bool:
     """Abort every process group's backend (NCCL inside one group call, as torch does: aborts of
     several communicators must not deadlock each other); True if that finished in ``timeout``.
@@ -30,31 +35,28 @@ def abort_backends(timeout: float) -> bool:
     GIL, and a daemon thread that takes it back while the interpreter finalizes is ended by
     ``pthread_exit`` inside a ``noexcept`` destructor — ``std::terminate``, the rank killed by
     SIGABRT at its exit (seen on torch 2.11: the thread's last act, dropping its target, dropped
-    the groups the main thread had just forgotten). So the thread holds them in a list it empties
-    before it ends, under the exit guard (worker/process/exit_guard.py), which holds the rank's
-    exit while it aborts."""
+    the groups the main thread had just forgotten). So the groups travel in a list the caller
+    empties once the thread is done with them; a wait that runs out leaves them to
+    ``_abandoned``. (Not the exit guard's lock: the control thread, which calls this, holds it.)"""
     from torch.distributed import distributed_c10d as c10d
-
-    from distnb.worker.process.exit_guard import torch_work
 
     held: list[Any] = [sorted(c10d._world.pg_names, key=lambda pg: c10d._world.pg_names[pg], reverse=True), c10d._world.default_pg]
     done = threading.Event()
 
     def run() -> None:
         try:
-            with torch_work() as allowed:
-                try:
-                    if allowed:
-                        _abort(held[0], held[1])
-                finally:
-                    held.clear()  # inside the guard: if these were the last references, the exit waits for them
+            _abort(held[0], held[1])
         except Exception:
             pass  # an already-aborted communicator may complain; it is gone either way
         finally:
             done.set()
 
     threading.Thread(target=run, name="distnb-abort", daemon=True).start()
-    return done.wait(timeout)
+    finished = done.wait(timeout)
+    if not finished:
+        _abandoned.append(list(held))
+    held.clear()
+    return finished
 
 
 def _abort(groups: list[Any], default: Any) -> None:
