@@ -228,7 +228,8 @@ def test_the_abort_thread_never_holds_the_last_reference_to_a_group() -> None:
     the interpreter finalizes is ended inside a noexcept destructor: std::terminate, SIGABRT at
     the rank's exit (7 of 40 runs of the test above on torch 2.11 before the fix). Checked
     without waiting for that race: after the abort returns, nothing the helper thread runs may
-    still reach a process group."""
+    still reach a process group. Called as the control thread calls it, holding the exit guard's
+    lock: an abort that waited for that lock would return False after its whole wait."""
     import os
     import subprocess
 
@@ -243,7 +244,9 @@ def test_the_abort_thread_never_holds_the_last_reference_to_a_group() -> None:
         "threading.Thread.start = keep\n"
         "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
         "side = dist.new_group([0])\n"
-        "assert abort_backends(10.0)\n"
+        "from distnb.worker.process.exit_guard import torch_work\n"
+        "with torch_work():  # as the control thread calls it (an interrupt's escalation): no wait on that lock\n"
+        "    assert abort_backends(10.0)\n"
         "forget_groups()\n"
         "def reaches_a_group(obj, depth=4):\n"
         "    if isinstance(obj, dist.ProcessGroup):\n"
