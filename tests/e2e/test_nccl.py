@@ -295,3 +295,43 @@ def test_a_check_on_a_gpu_still_busy_says_so_within_its_bound(monkeypatch: pytes
     monkeypatch.setattr(Event, "query", lambda self: True)
     assert rank.on_device("distnb's check", lambda: seen.append(control.status()) or {"status": "ok"}) == {"status": "ok"}
     assert seen[0]["state"] == "busy" and seen[0]["busy"] == "distnb's check"
+
+
+def test_a_read_after_a_cell_waits_briefly_for_gloo_to_retire_what_the_cell_completed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gloo retires an entry on its own thread after the work completes: a read just after the cell
+    returned from its all_reduce found it "entered, not completed" (CI, once, under load), and the
+    notebook kept saying so until its next read."""
+    import time
+
+    def entry(retired: bool) -> dict[str, object]:
+        return {"record_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 1, "p2p_seq_id": 0,
+                "profiling_name": "gloo:all_reduce", "time_created_ns": int(1000.5e9), "state": "scheduled", "retired": retired,
+                "input_sizes": [[1]], "input_dtypes": ["Float"]}
+
+    reads: list[int] = []
+
+    def dumps(retire_after: int) -> tuple[dict[str, object], dict[str, str]]:
+        reads.append(1)
+        return {"fr": {"entries": [entry(len(reads) > retire_after)]}}, {}
+
+    clock = CellClock()
+    clock.start(3, 1000.0)
+    clock.end(1001.0)  # the cell that made it has ended
+    monkeypatch.setattr(fr, "dump_recorders", lambda: dumps(2))
+    reply = fr.read_collectives(-1, clock, ids=RecordIds())
+    assert [e["done"] for e in reply["entries"]] == [True] and len(reads) == 3
+    # A work never waited on (async_op=True) stays open: the read gives up after RETIRE_WAIT, once.
+    reads.clear()
+    monkeypatch.setattr(fr, "dump_recorders", lambda: dumps(10**6))
+    t0 = time.monotonic()
+    ids = RecordIds()
+    reply = fr.read_collectives(-1, clock, ids=ids)
+    assert [e["done"] for e in reply["entries"]] == [False] and time.monotonic() - t0 >= fr.RETIRE_WAIT
+    reads.clear()
+    fr.read_collectives(reply["entries"][0]["id"], clock, ids=ids)  # the notebook holds it now: no wait
+    assert len(reads) == 1
+    # While a cell runs, an open entry is the truth of the moment: no wait.
+    clock.start(4, 1002.0)
+    reads.clear()
+    fr.read_collectives(-1, clock, ids=RecordIds())
+    assert len(reads) == 1

@@ -48,6 +48,10 @@ class CellClock:
             cell, t0, _ = self._spans[-1]
             self._spans[-1] = (cell, t0, t)
 
+    def idle_since(self) -> float | None:
+        """When the last cell ended; None while one runs (or before any)."""
+        return self._spans[-1][2] if self._spans else None
+
     def cell_at(self, t: float) -> int | None:
         # Bisect the deque in place: copying it per entry made a read O(entries × cells).
         i = bisect.bisect_right(self._spans, t, key=lambda span: span[1]) - 1
@@ -290,6 +294,7 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
     """
     recent = calls.since(calls_since) if calls is not None else None  # before the dump: none missed between
     dumps, missing = dump_recorders()
+    dumps, missing = _retired(dumps, missing, since, clock, ids)
     if not dumps:
         out: CollectivesRead = {"unavailable": "; ".join(f"{why}" for why in missing.values()) or "no Flight Recorder could be read"}
         if recent is not None:
@@ -311,6 +316,28 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
     if missing:
         reply["missing"] = missing
     return reply
+
+
+#: How long a read waits, at most, for the gloo entries of a cell that has ended to be retired.
+RETIRE_WAIT = 0.2
+_RETIRE_STEP = 0.01
+
+
+def _retired(dumps: dict[str, Any], missing: dict[str, str], since: int, clock: CellClock,
+             ids: RecordIds) -> tuple[dict[str, Any], dict[str, str]]:
+    """The dumps once the gloo entries new to the notebook, made in a cell that has since ended,
+    are retired (or RETIRE_WAIT has passed). Gloo retires an entry on its own thread after the
+    work completes, so a read just after the cell returned from a collective could find it
+    "entered, not completed" — and the notebook would keep saying so until the next read. Only
+    a work never waited on (``async_op=True``) stays open: waited for once."""
+    ended = clock.idle_since()
+    deadline = time.monotonic() + RETIRE_WAIT
+    while ended is not None and time.monotonic() < deadline and any(
+            did > since and not _completed(e) and not str(e.get("profiling_name", "")).startswith("nccl:")
+            and int(e.get("time_created_ns", 0)) / 1e9 <= ended for did, _, e in ids.assign(dumps)):
+        time.sleep(_RETIRE_STEP)
+        dumps, missing = dump_recorders()
+    return dumps, missing
 
 
 def open_nccl(limit: int = 3) -> str:
