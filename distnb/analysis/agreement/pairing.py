@@ -26,8 +26,6 @@ from distnb.wire.records import CollectiveEntry, issued_in
 __all__ = ["CrossCell", "CrossGroup", "cross_cell", "cross_group"]
 
 
-
-
 def _site(e: CollectiveEntry) -> str:
     cell = issued_in(e)
     return "outside distnb's cells" if cell is None else f"{cell_name(cell)}{line_words(e)}"

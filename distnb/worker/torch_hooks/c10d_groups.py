@@ -13,14 +13,19 @@ from typing import Any
 __all__ = ["description", "global_rank", "group_count", "group_name", "members", "next_seq", "not_a_member"]
 
 
+def _c10d() -> Any:
+    return sys.modules.get("torch.distributed.distributed_c10d")
+
+
+def _pg(group: Any) -> Any:
+    """``group``, or the default group for None (raises where torch.distributed is not up)."""
+    return group if group is not None else _c10d()._world.default_pg
+
+
 def group_name(group: Any) -> str:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    if c10d is None:
-        return "?"
     try:
-        pg = group if group is not None else c10d._world.default_pg
-        return str(c10d._world.pg_names.get(pg, "?"))
-    except Exception:
+        return str(_c10d()._world.pg_names.get(_pg(group), "?"))
+    except Exception:  # torch.distributed not imported, or a name torch moved
         return "?"
 
 
@@ -30,9 +35,8 @@ def not_a_member(group: Any) -> bool:
     (torch's own test, which the calls make)."""
     if group is None:
         return False
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
     try:
-        return bool(c10d._rank_not_in_group(group))  # type: ignore[union-attr]
+        return bool(_c10d()._rank_not_in_group(group))
     except Exception:
         return False
 
@@ -40,42 +44,36 @@ def not_a_member(group: Any) -> bool:
 def next_seq(group: Any) -> int | None:
     """The number the group's next collective will have in its sequence (None: unknown, e.g. a
     group this rank is not a member of)."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
     try:
-        pg = group if group is not None else c10d._world.default_pg  # type: ignore[union-attr]
-        return int(pg._get_sequence_number_for_group()) + 1
+        return int(_pg(group)._get_sequence_number_for_group()) + 1
     except Exception:
         return None
 
 
 def group_count() -> int | None:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
     try:
-        return int(c10d._world.group_count)  # type: ignore[union-attr]
+        return int(_c10d()._world.group_count)
     except Exception:
         return None
 
 
 def global_rank(group: Any, group_rank: Any) -> int | None:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
     try:
-        return int(c10d.get_global_rank(group if group is not None else c10d._world.default_pg, int(group_rank)))  # type: ignore[union-attr]
+        return int(_c10d().get_global_rank(_pg(group), int(group_rank)))
     except Exception:
         return None
 
 
 def members(group: Any) -> list[int] | None:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
     try:
-        return sorted(int(r) for r in c10d.get_process_group_ranks(group if group is not None else c10d._world.default_pg))  # type: ignore[union-attr]
+        return sorted(int(r) for r in _c10d().get_process_group_ranks(_pg(group)))
     except Exception:
         return None
 
 
 def description(group: Any) -> str | None:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
     try:
-        desc = (group if group is not None else c10d._world.default_pg).group_desc  # type: ignore[union-attr]
+        desc = _pg(group).group_desc
         return str(desc) if desc else None
     except Exception:
         return None

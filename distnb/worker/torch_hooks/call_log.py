@@ -330,10 +330,6 @@ class CallLog:
                         e["in_line"] = rec["in_line"]
 
 
-
-
-
-
 def _wrap(log: CallLog, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     sig = inspect.signature(fn).parameters
     params = list(sig)
@@ -450,9 +446,6 @@ def _cell_frame(prefix: str) -> Any:
             return frame
         frame = frame.f_back
     return None
-
-
-
 
 
 def _shapes(inputs: Any) -> dict[str, Any]:

@@ -208,11 +208,15 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
+def _nccl(e: dict[str, Any]) -> bool:
+    return str(e.get("profiling_name", "")).startswith("nccl:")
+
+
 def _completed(e: dict[str, Any]) -> bool:
     """NCCL moves an entry's ``state`` to "completed" (and retires timed-out works too, so
     ``retired`` alone proves nothing there); gloo never moves ``state`` past "scheduled" and
     retires an entry when its work completes."""
-    if str(e.get("profiling_name", "")).startswith("nccl:"):
+    if _nccl(e):
         return e.get("state") == "completed"
     return bool(e.get("retired")) or e.get("state") == "completed"
 
@@ -293,8 +297,7 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
     when they changed since last sent, or with ``groups`` (:class:`SentGroups`).
     """
     recent = calls.since(calls_since) if calls is not None else None  # before the dump: none missed between
-    dumps, missing = dump_recorders()
-    dumps, missing = _retired(dumps, missing, since, clock, ids)
+    dumps, missing, assigned = _retired(since, clock, ids)
     if not dumps:
         out: CollectivesRead = {"unavailable": "; ".join(f"{why}" for why in missing.values()) or "no Flight Recorder could be read"}
         if recent is not None:
@@ -303,7 +306,7 @@ def read_collectives(since: int, clock: CellClock, calls: CallLog | None = None,
     now = time.time()
     entries: list[CollectiveEntry] = []
     created = []
-    for did, rec, e in ids.assign(dumps):
+    for did, rec, e in assigned:
         if did <= since and _completed(e):
             continue
         entries.append(entry_view(did, rec, e, clock))
@@ -323,21 +326,24 @@ RETIRE_WAIT = 0.2
 _RETIRE_STEP = 0.01
 
 
-def _retired(dumps: dict[str, Any], missing: dict[str, str], since: int, clock: CellClock,
-             ids: RecordIds) -> tuple[dict[str, Any], dict[str, str]]:
-    """The dumps once the gloo entries new to the notebook, made in a cell that has since ended,
-    are retired (or RETIRE_WAIT has passed). Gloo retires an entry on its own thread after the
-    work completes, so a read just after the cell returned from a collective could find it
-    "entered, not completed" — and the notebook would keep saying so until the next read. Only
-    a work never waited on (``async_op=True``) stays open: waited for once."""
+def _retired(since: int, clock: CellClock, ids: RecordIds) -> tuple[dict[str, Any], dict[str, str], list[tuple[int, str, dict[str, Any]]]]:
+    """The recorders' dumps (with what could not be read, and each entry under distnb's id), once
+    the gloo entries new to the notebook, made in a cell that has since ended, are retired (or
+    RETIRE_WAIT has passed). Gloo retires an entry on its own thread after the work completes, so a
+    read just after the cell returned from a collective could find it "entered, not completed" —
+    and the notebook would keep saying so until the next read. Only a work never waited on
+    (``async_op=True``) stays open: waited for once."""
+    dumps, missing = dump_recorders()
+    assigned = ids.assign(dumps)
     ended = clock.idle_since()
     deadline = time.monotonic() + RETIRE_WAIT
     while ended is not None and time.monotonic() < deadline and any(
-            did > since and not _completed(e) and not str(e.get("profiling_name", "")).startswith("nccl:")
-            and int(e.get("time_created_ns", 0)) / 1e9 <= ended for did, _, e in ids.assign(dumps)):
+            did > since and not _completed(e) and not _nccl(e) and int(e.get("time_created_ns", 0)) / 1e9 <= ended
+            for did, _, e in assigned):
         time.sleep(_RETIRE_STEP)
         dumps, missing = dump_recorders()
-    return dumps, missing
+        assigned = ids.assign(dumps)
+    return dumps, missing, assigned
 
 
 def open_nccl(limit: int = 3) -> str:

@@ -385,10 +385,10 @@ def _mode_class() -> Any:
             # Whether what was read fixes the outputs: every tensor input read, and equal inputs give
             # equal bits (CPU kernels do; an accelerator's only under use_deterministic_algorithms:
             # cuBLAS split-K, atomics; never a kernel torch tags nondeterministic_bitwise).
-            exact = kind.stable and (not outs or outs[0].device.type in ("cpu", "meta") or are_deterministic()) \
+            determined = kind.stable and (not outs or outs[0].device.type in ("cpu", "meta") or are_deterministic()) \
                 and len(reads) + blank == len(tensors_in) and all(rd[1] is not None for rd in reads)
             self.raw.append([seq, kind.name, module, phase, cell, line, agree, why if agree else "", specs, reads, f"{digest:08x}",
-                             kind.random, kind.kind == COLL, exact, rng])
+                             kind.random, kind.kind == COLL, determined, rng])
             if len(self.unfetched) >= 2 * _FETCH:
                 self._fetch()
             return out
@@ -446,12 +446,12 @@ def _mode_class() -> Any:
                 self._settle(seq)
             self._fetch()
             ops = []
-            for seq, name, module, phase, cell, line, agree, why, specs, reads, digest, random, coll, exact, rng in self.raw:
+            for seq, name, module, phase, cell, line, agree, why, specs, reads, digest, random, coll, determined, rng in self.raw:
                 outputs = [OutputStats(shape, dtype, int(fp[0]), float(fp[1]), fp[2]) for shape, dtype, fp in specs or []
                            if fp is not None and fp[0] is not None]
                 inputs = [InputRead(k, int(fp[0]), float(fp[1]), agree_in, why_in if agree_in else "", label, producer, fp[2], fp[3], fp[4])
                           for k, fp, agree_in, why_in, label, producer in reads if fp is not None and fp[0] is not None]
-                ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll, exact, rng))
+                ops.append(OpRecord(seq, name, module, phase, cell, line, agree, why, outputs, inputs, digest, random, coll, determined, rng))
             self.tensors.clear()
             return {"mode": "collectives" if self.collectives else "ops", "ops": ops, "total": self.total, "limit": self.limit,
                     "mesh_groups": self._mesh_groups()}
