@@ -148,7 +148,7 @@ def measure(world: int, skip: set[str]) -> dict[str, dict[str, Any]]:
     result = hung_cell(pool, steps=50, odd=min(17, world - 1))
     if "hang" not in skip:
         t, diag = cpu(lambda: pool.diagnostics.diagnose(result), repeat)
-        out["hang"] = {"s": t, "kind": diag.kind, "culprits": diag.culprits, "lines": diag.text().count("\n") + 1}
+        out["hang"] = {"s": t, "state": str(diag.state), "kind": diag.kind, "culprits": diag.culprits, "lines": diag.text().count("\n") + 1}
     if "stacks" not in skip:
         t, chars = cpu(lambda: len(pool.diagnostics.stacks().text()), repeat)
         out["stacks"] = {"s": t, "chars": chars}
@@ -172,6 +172,9 @@ def main() -> None:
     args = parser.parse_args()
     rows: dict[int, dict[str, dict[str, Any]]] = {}
     skip: set[str] = set()
+    # Once per kernel, not per size: the first plot imports matplotlib and loads its fonts (about
+    # 0.8 s here), which a run of one large size alone would otherwise count as that size's cost.
+    measure(8, set())
     for world in [int(s) for s in args.sizes.split(",")]:
         rows[world] = measure(world, skip)
         for path, figures in rows[world].items():

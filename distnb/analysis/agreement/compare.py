@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from distnb.analysis.agreement.calls import Call, call_of, death_call
-from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, op_stem
+from distnb.analysis.agreement.calls import SPLIT_ARGS, Call, call_of, death_call
+from distnb.analysis.agreement.evidence import CollectiveEvidence, groups_in_cell, odd_ones, op_stem
 from distnb.ranks import group_by
-from distnb.wire.records import issued_in
+from distnb.wire.records import CollectiveEntry, issued_in
 
 __all__ = ["Disagreement", "Presence", "disagreements"]
 
@@ -116,9 +116,7 @@ def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence]
     has no entry for yet is in that group, not absent from it), None when only its stack shows the
     call (it may be this group's)."""
     out = []
-    groups = sorted({str(e["group"]) for r in where for e in log.entries.get(r, {}).values()
-                     if not e.get("p2p") and issued_in(e) == cell})
-    for g in groups:
+    for g in sorted(groups_in_cell(log, where, cell)):
         members = [r for r in log.groups.get(g, []) if r in where] or [r for r in where if log.seqs(r, g)]
         found = _first(log, g, members, cell, where, waiting_in or {})
         if found is not None:
@@ -130,11 +128,13 @@ def disagreements(log: CollectiveEvidence, cell: int, where: dict[int, Presence]
 def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where: dict[int, Presence],
            waiting_in: dict[int, str | None]) -> Disagreement | None:
     seqs = {r: log.seqs(r, g) for r in members}
-    in_cell = [s for m in seqs.values() for s, e in m.items() if issued_in(e) == cell]
-    if len(members) < 2 or not in_cell:
+    first = min((s for m in seqs.values() for s, e in m.items() if issued_in(e) == cell), default=None)
+    if len(members) < 2 or first is None:
         return None
-    top = max(s for m in seqs.values() for s in m)
-    for k in range(min(in_cell), top + 1):
+    top = max(max(m) for m in seqs.values() if m)
+    for k in range(first, top + 1):
+        if _alike([seqs[r].get(k) for r in members]):
+            continue
         at: dict[int, Call | None] = {}
         inside = []
         for r in members:
@@ -188,6 +188,23 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
         odd, tie = _odd(at, witnesses)
         return Disagreement(g, k, at, witnesses, odd, tie, fields, inside)
     return None
+
+
+def _same(e: CollectiveEntry) -> tuple[Any, ...]:
+    """The fields of an entry that a :class:`Call`'s signature and site are made of."""
+    return e.get("op"), e.get("sizes"), e.get("dtypes"), e.get("args"), e.get("call_cell"), e.get("line")
+
+
+def _alike(entries: list[CollectiveEntry | None]) -> bool:
+    """Whether every member has an entry at a position and the entries are equal wherever a
+    :class:`Call` could differ — most positions of a healthy group: the members' calls agree
+    there without building one (at thousands of ranks, building them was most of a diagnosis).
+    All-to-all's split sizes are checked pairwise, never here."""
+    first = entries[0]
+    if first is None or (first.get("args") or {}).keys() & set(SPLIT_ARGS):
+        return False
+    want = _same(first)
+    return all(e is not None and _same(e) == want for e in entries)
 
 
 def _site_of_another_role(log: CollectiveEvidence, g: str, cell: int | None, line: int) -> bool:

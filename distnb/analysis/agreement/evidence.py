@@ -4,13 +4,13 @@ names are one collective, and who stands out by majority."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.ranks import group_by
-from distnb.wire.records import P2P_OPS, UNRECORDED, CallRecord, CollectiveEntry, called_in
+from distnb.wire.records import P2P_OPS, UNRECORDED, CallRecord, CollectiveEntry, called_in, issued_in
 
-__all__ = ["ROOT_INPUT_ONLY", "CollectiveEvidence", "odd_ones", "op_stem", "peer_of", "peer_words", "same_op", "unrecorded_calls"]
+__all__ = ["ROOT_INPUT_ONLY", "CollectiveEvidence", "groups_in_cell", "odd_ones", "op_stem", "peer_of", "peer_words", "same_op", "unrecorded_calls"]
 
 
 class CollectiveEvidence(Protocol):
@@ -71,6 +71,22 @@ def unrecorded_calls(log: CollectiveEvidence, rank: int, cell: int, entries: lis
 
 
 _NOT_COLLECTIVE = {"new_group", *P2P_OPS}
+
+
+def groups_in_cell(log: CollectiveEvidence, ranks: Iterable[int], cell: int, open_calls: bool = False) -> set[str]:
+    """The groups any of ``ranks`` issued a collective on in ``cell`` (not point-to-point), by
+    their recorders' entries and, with ``open_calls``, the calls they are in that have no entry
+    yet. Each group's entries are read newest first, and the first of ``cell`` ends the search:
+    a cell's own are the latest, so a diagnosis reads a few entries per group, not every one."""
+    out: set[str] = set()
+    for r in ranks:
+        for g, by_seq in log.groups_of(r).items():
+            if g not in out and any(issued_in(e) == cell for e in reversed(by_seq.values())):
+                out.add(g)
+        if open_calls:
+            out.update(str(c["group"]) for c in log.open_calls(r)
+                       if called_in(c) == cell and c["op"] not in _NOT_COLLECTIVE and c.get("group") not in (None, "?"))
+    return out
 
 
 def peer_of(call: Mapping[str, Any]) -> int | None:

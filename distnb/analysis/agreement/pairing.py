@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distnb.analysis.agreement.entry_words import describe, line_words
-from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, unrecorded_calls
+from distnb.analysis.agreement.evidence import CollectiveEvidence, groups_in_cell, odd_ones, unrecorded_calls
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import CollectiveEntry, issued_in
@@ -90,6 +90,8 @@ def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int, waiting: f
     (with the same calls before it on every rank: the ranks were in step until then). ``waiting``:
     ranks whose stack shows them still in a collective — their entry there is open whatever the
     recorder says (NCCL's can read "completed" for a call still connecting its communicator)."""
+    if len(groups_in_cell(log, ranks, cell, open_calls=True)) < 2:
+        return None  # one group (or none) in the cell: no call of it can have gone elsewhere
     seqs = {r: _in_cell(log, r, cell) for r in ranks}
     depth = max((len(s) for s in seqs.values()), default=0)
     for k in range(depth):
@@ -164,12 +166,12 @@ def cross_cell(log: CollectiveEvidence, ranks: list[int], cell: int | None = Non
     shown = set(ranks)
     for group in sorted(names):
         members = [r for r in log.groups.get(group, ranks) if r in shown] or ranks
-        by_seq: dict[int, dict[int, CollectiveEntry]] = {}
-        for r in members:
-            for seq, e in log.seqs(r, group).items():
-                by_seq.setdefault(seq, {})[r] = e
-        for seq in sorted(by_seq, reverse=True):
-            at = by_seq[seq]
+        # Latest positions first, each gathered only when reached: the walk stops at the first
+        # one most ranks' records hold, and gathering every position of every rank first cost
+        # more than the rest of the verdict at thousands of ranks.
+        per_rank = {r: m for r in members if (m := log.seqs(r, group))}
+        for seq in sorted({s for m in per_rank.values() for s in m}, reverse=True):
+            at = {r: m[seq] for r, m in per_rank.items() if seq in m}
             cells = {issued_in(e) for e in at.values()}
             if len(at) < 2 or None in cells or len(cells) < 2:
                 continue
