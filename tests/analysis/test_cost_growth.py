@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import pytest
 
+from distnb.results import CellResult
 from distnb.services.watch import CellWatch
 
 from synthetic import SyntheticPool, healthy_cell, hung_cell
@@ -44,19 +45,39 @@ def _hang(world: int) -> Callable[[], Any]:
     return lambda: pool.diagnostics.diagnose(result).text()
 
 
-def _healthy(world: int) -> SyntheticPool:
+def _healthy(world: int) -> tuple[SyntheticPool, CellResult]:
     pool = SyntheticPool(world, hang_after=60.0)
-    pool.result = healthy_cell(pool, steps=20)  # type: ignore[attr-defined]
-    return pool
+    return pool, healthy_cell(pool, steps=20)
+
+
+def _healthy_diagnosis(world: int) -> Callable[[], Any]:
+    pool, result = _healthy(world)
+    return lambda: pool.diagnostics.diagnose(result).text()
+
+
+def _stacks(world: int) -> Callable[[], Any]:
+    pool, _ = _healthy(world)
+    return lambda: pool.diagnostics.stacks().text()
+
+
+def _collectives(world: int) -> Callable[[], Any]:
+    pool, _ = _healthy(world)
+    return lambda: pool.diagnostics.collectives(refresh=False).text()
+
+
+def _timeline(world: int) -> Callable[[], Any]:
+    pool, _ = _healthy(world)
+    return lambda: pool.diagnostics.stragglers().text()
+
+
+def _watch(world: int) -> Callable[[], Any]:
+    pool, result = _healthy(world)
+    return CellWatch(pool.tracker, pool.diagnostics, result, pool.config.hang_after).look
 
 
 PATHS: dict[str, Callable[[int], Callable[[], Any]]] = {
-    "a hang's diagnosis": _hang,
-    "a healthy cell's diagnosis": lambda n: (lambda p: lambda: p.diagnostics.diagnose(p.result).text())(_healthy(n)),
-    "%dist_stacks": lambda n: (lambda p: lambda: p.diagnostics.stacks().text())(_healthy(n)),
-    "%dist_collectives": lambda n: (lambda p: lambda: p.diagnostics.collectives(refresh=False).text())(_healthy(n)),
-    "%dist_timeline": lambda n: (lambda p: lambda: p.diagnostics.stragglers().text())(_healthy(n)),
-    "the watch's tick": lambda n: (lambda p: CellWatch(p.tracker, p.diagnostics, p.result, p.config.hang_after).look)(_healthy(n)),
+    "a hang's diagnosis": _hang, "a healthy cell's diagnosis": _healthy_diagnosis, "%dist_stacks": _stacks,
+    "%dist_collectives": _collectives, "%dist_timeline": _timeline, "the watch's tick": _watch,
 }
 
 
