@@ -261,12 +261,22 @@ def test_fd_and_c_level_output_is_captured(pool):
     # Without an explicit fflush, C output is not held back: it arrives while the cell still runs,
     # even without a newline (C's stdout is unbuffered on the ranks, as Python's is: no cell ends
     # with an fflush of its own).
-    arrived: list[tuple[float, str]] = []
-    result = pool.submit("import time\nfd_libc.printf(b'live from C')\ntime.sleep(1.5)", ranks=[0],
-                         events=distnb.CellEvents(on_output=lambda rank, stream, text: arrived.append((time.monotonic(), text))))
-    started = time.monotonic()
-    pool.wait(result)
-    assert result.stdout == {0: "live from C"} and arrived and arrived[0][0] - started < 1.0, arrived
+    # The cell waits for the test's file, written once the output came (or after a minute).
+    arrived: list[str] = []
+    go = f"/tmp/distnb-live-c-{os.getpid()}"
+    result = pool.submit(f"import os, time\nfd_libc.printf(b'live from C')\nwhile not os.path.exists({go!r}):\n    time.sleep(0.01)",
+                         ranks=[0], events=distnb.CellEvents(on_output=lambda rank, stream, text: arrived.append(text)))
+    try:
+        deadline = time.monotonic() + 60
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.01)
+        running = result.running
+    finally:
+        open(go, "w").close()
+    pool.wait(result, timeout=30)
+    os.unlink(go)
+    assert arrived and running == [0], f"the C output came {'after the cell ended' if arrived else 'not at all'}"
+    assert result.stdout == {0: "live from C"}, result.text()
     res = pool.run("fd_libc.puts(b'buffered in C')")
     assert res.stdout == {r: "buffered in C\n" for r in ALL}
 
@@ -326,21 +336,29 @@ def test_syntax_error_is_raised_once_before_sending(pool):
 
 
 def test_timeout_names_the_running_ranks(pool):
-    res = pool.run("import time\nif rank in (1, 2):\n    time.sleep(4)\nrank", timeout=1.5)
-    assert res.timed_out and res.running == [1, 2]
-    assert res[0].status == "ok" and res[3].status == "ok"
-    text = res.text()
-    assert "ranks 1,2" in text and "timed out" in text and "2/4 done" in text
-    # While they run: status says so, a busy rank refuses new work, an idle one accepts it.
-    st = {r.rank: r for r in pool.status().ranks}
-    assert st[1].state == RankState.RUNNING and st[1].cell == res.cell and "running cell" in st[1].describe()
-    assert st[0].state == RankState.IDLE
-    with pytest.raises(PoolBusyError, match=r"ranks 1,2 are still running cell"):
-        pool.run("1")
-    with pytest.raises(PoolBusyError, match=r"rank 2 is still running"):
-        pool.pull("rank", ranks=2)
-    assert pool.run("rank", ranks="0,3").values == {0: "0", 3: "3"}
-    pool.wait(res, timeout=15)
+    # Ranks 1,2 wait for the test's file (written before the end), so the timeout finds them running.
+    go = f"/tmp/distnb-timeout-{os.getpid()}"
+    res = pool.run(f"import os, time\nif rank in (1, 2):\n    while not os.path.exists({go!r}):\n        time.sleep(0.01)\nrank", timeout=5)
+    try:
+        assert res.timed_out and res.running == [1, 2]
+        assert res[0].status == "ok" and res[3].status == "ok"
+        text = res.text()
+        assert "ranks 1,2" in text and "timed out" in text and "2/4 done" in text
+        # While they run: status says so, a busy rank refuses new work, an idle one accepts it.
+        st = {r.rank: r for r in pool.status().ranks}
+        assert st[1].state == RankState.RUNNING and st[1].cell == res.cell and "running cell" in st[1].describe()
+        assert st[0].state == RankState.IDLE
+        with pytest.raises(PoolBusyError, match=r"ranks 1,2 are still running cell"):
+            pool.run("1")
+        with pytest.raises(PoolBusyError, match=r"rank 2 is still running"):
+            pool.pull("rank", ranks=2)
+        assert pool.run("rank", ranks="0,3").values == {0: "0", 3: "3"}
+    finally:
+        open(go, "w").close()  # never leave ranks 1,2 looping on the shared pool
+    try:
+        pool.wait(res, timeout=15)
+    finally:
+        os.unlink(go)
     assert res.ok and res.running == [] and res.values == {r: str(r) for r in ALL}
 
 

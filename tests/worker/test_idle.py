@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import math
+import os
 import threading
 import time
 
@@ -81,15 +82,18 @@ def test_pings_are_paced_apart_from_the_ticks():
         guard = ReplayGuard()
         pings: list[float] = []
         start = time.monotonic()
-        while time.monotonic() - start < 2.0:
+        # Eight pings, however long a loaded machine takes to send them; then ratios, not rates:
+        # the ticks (every 0.05 s) keep their pace beside the pings (every 0.25 s), and the pings
+        # come no more often than ping_every over the whole span (one late read bunches two).
+        while len(pings) < 8 and time.monotonic() - start < 20:
             if peer.poll(50):
                 if Codec(creds.key, "x").decode(peer.recv_multipart(), guard)["t"] == Msg.PING:
                     pings.append(time.monotonic())
-        ticks_in = [t for t in ticks if t >= start]
-        assert len(ticks_in) >= 20, f"ticks slowed down: {len(ticks_in)} in 2 s"
-        assert 4 <= len(pings) <= 10, f"{len(pings)} pings in 2 s at one per 0.25 s"
-        gaps = [b - a for a, b in zip(pings, pings[1:])]
-        assert min(gaps) > 0.15, f"pings closer than ping_every: {gaps}"
+        assert len(pings) == 8, f"{len(pings)} pings in 20 s at one per 0.25 s"
+        span = pings[-1] - pings[0]
+        ticks_in = [t for t in ticks if pings[0] <= t <= pings[-1]]
+        assert len(ticks_in) >= 2 * (len(pings) - 1), f"ticks slowed down: {len(ticks_in)} between 8 pings"
+        assert span >= 0.8 * 0.25 * (len(pings) - 1), f"8 pings in {span:.2f} s: closer than ping_every"
     finally:
         peer.close()
         ctx.term()
@@ -183,7 +187,10 @@ def test_gloo_loops_sleep_and_the_cells_thread_keeps_its_timers(pool):
             assert pool_rate is not None and pool_rate <= 25, f"rank {rank}: the pool's loop woke {pool_rate}/s"
         else:  # unnamed: the threads each creation started, the loop the busiest of them
             assert plain_n >= 1 and slack_n >= 1, f"rank {rank}: a new gloo group started no thread ({plain_n}, {slack_n})"
-        assert plain_rate is not None and plain_rate >= 40, f"rank {rank}: gloo's own loop woke only {plain_rate}/s (the check can't tell)"
+        # Relative to the slack group's, which shares the machine's load: gloo alone must wake far
+        # more often, or this check could not tell the slack's effect.
+        assert plain_rate is not None and slack_rate is not None and plain_rate >= max(20, 2 * slack_rate), (
+            f"rank {rank}: gloo's own loop woke only {plain_rate}/s against the slack's {slack_rate}/s (the check can't tell)")
         assert slack_rate is not None and slack_rate <= 25, f"rank {rank}: slack loops woke {slack_rate}/s"
         assert own_slack == gloo_idle.DEFAULT_SLACK_NS, f"rank {rank}: the cell's thread has slack {own_slack} ns"
         assert total == [4.0, 4.0]
@@ -200,9 +207,9 @@ _switches
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_quick_cells_leave_the_control_thread_asleep_and_long_ones_are_watched(pool):
+def test_quick_cells_leave_the_control_thread_asleep_and_long_ones_are_watched(pool, monkeypatch):
     """A quick cell wakes only the rank's main thread; one that runs past WATCH_AFTER is watched:
-    its collectives reach the notebook while it still runs, before the pool's 1 s poll."""
+    its collectives reach the notebook while it still runs, with the pool's own poll switched off."""
     before = {r: int(v) for r, v in pool.run(_CONTROL_SWITCHES).values.items()}
     cells = [pool.run("pass") for _ in range(30)]
     after = {r: int(v) for r, v in pool.run(_CONTROL_SWITCHES).values.items()}
@@ -216,16 +223,24 @@ def test_quick_cells_leave_the_control_thread_asleep_and_long_ones_are_watched(p
     assert all(n <= allowed for n in woken.values()), (
         f"control threads woke {woken} times during 31 cells ({len(watched)} ran past {WATCH_AFTER} s: {allowed} allowed)")
 
-    cell = pool.submit("_w = torch.ones(3)\ndist.all_reduce(_w)\nimport time\ntime.sleep(2.0)")
+    # Without the notebook's 1 s poll, only the ranks' own watch can bring the entries in: any that
+    # arrives while the cell still runs (it sleeps until the test has seen all four) was pushed.
+    monkeypatch.setattr(pool._tracker._asks, "poll_collectives", lambda running, dead: None)
+    go = f"/tmp/distnb-idle-{os.getpid()}-go"
+    cell = pool.submit(f"_w = torch.ones(3)\ndist.all_reduce(_w)\nimport os, time\nwhile not os.path.exists({go!r}):\n    time.sleep(0.02)")
     try:
-        seen: dict[int, float] = {}
+        seen: set[int] = set()
         start = time.monotonic()
-        while len(seen) < 4 and time.monotonic() - start < 1.5:
+        while len(seen) < 4 and time.monotonic() - start < 60:
             for r in range(4):
                 if r not in seen and any(e.get("cell") == cell.cell for e in list(pool._tracker.collective_log.entries.get(r, {}).values())):
-                    seen[r] = time.monotonic() - start
+                    seen.add(r)
             time.sleep(0.01)
         assert sorted(seen) == [0, 1, 2, 3], f"the running cell's all_reduce reached the notebook from ranks {sorted(seen)} only"
-        assert max(seen.values()) < 0.9, f"pushed by the watch, not the 1 s poll: {seen}"
+        assert cell.running == [0, 1, 2, 3], "the cell ended before the test looked"
     finally:
-        assert pool.wait(cell, timeout=30).ok
+        open(go, "w").close()
+        try:
+            assert pool.wait(cell, timeout=30).ok
+        finally:
+            os.unlink(go)

@@ -48,7 +48,8 @@ def _looked_from_another_thread(busy: bool, nap: float = 0.05) -> tuple[float | 
 def test_a_computing_thread_reads_busy_and_a_sleeping_one_idle() -> None:
     busy, own = _looked_from_another_thread(busy=True)
     # Its time on a CPU (own) is part of it: the rest it waited for a CPU, on a loaded machine.
-    assert busy is not None and busy >= 0.8 and busy >= own - 0.1, (busy, own)
+    # Well above what a verdict calls busy, not near 1.0: CI runs other work beside this suite.
+    assert busy is not None and busy >= 2 * BUSY_CPU and busy >= own - 0.1, (busy, own)
     idle, _ = _looked_from_another_thread(busy=False)
     assert idle is not None and idle < 0.05, idle  # asleep: wants no CPU, whatever the load
 
