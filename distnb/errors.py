@@ -186,10 +186,8 @@ def _summary(result: CellResult) -> str:
     line = "; ".join([lead] + [f"{who} {tail.get(state, state)}" for state, who in rest])
     # A death's true cause (gloo aborts the rank that received too much, not the one that sent
     # it) or a timeout's (the rank that never came): whom to look at, as the diagnosis blamed them.
-    blamed = result.blamed
-    if blamed is None:
-        return line
-    return f"{line} — root cause: {'likely ' if blamed.likely else ''}{format_ranks(blamed.ranks)}"
+    blamed = result.blame_words()
+    return f"{line} — {blamed}" if blamed else line
 
 
 def _without_signal_why(reason: str) -> str:

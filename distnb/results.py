@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from distnb._processes import signal_meaning
 from distnb._text import MAX_ROWS, MERGED_NOTE, Rows, merge_lines, merge_rows, prefix_lines
+from distnb.analysis.render import blame_words
 from distnb.analysis.reports.nccl_dumps import watchdog_cause
 from distnb.analysis.verdicts.failures import cut_message, differing_messages, fold_crash_dump, holders_words, is_timeout, salient_lines
 from distnb.analysis.verdicts.records import is_consequence
@@ -189,6 +190,10 @@ class CellResult:
     @property
     def ok(self) -> bool:
         return all(r.status == "ok" for r in self.results.values())
+
+    def blame_words(self) -> str:
+        """Whom the diagnosis blamed, in the renderer's words (``root cause: likely rank 2``); "" for none."""
+        return blame_words(self.blamed) if self.blamed is not None else ""
 
     @property
     def running(self) -> list[int]:

@@ -242,15 +242,6 @@ def test_pool_and_launch_spell_out_their_options() -> None:
         pool.state = distnb.PoolState.READY  # type: ignore[misc]
 
 
-def test_nothing_reads_a_root_cause_back_from_words() -> None:
-    """Whom a failure blames travels as data (``Blame``, ``Verdict.culprits``): outside the analyses
-    that write the words, no module holds "Root cause" to search the words for it."""
-    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "analysis" not in p.relative_to(PACKAGE).parts
-                 and any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "Root cause" in n.value
-                         for n in ast.walk(_parsed(p)))]
-    assert not offenders, offenders
-
-
 def test_rooms_stay_small_enough_to_read() -> None:
     """At most 12 modules at the root (besides ``__init__`` and ``__main__``), at most 20 in a room:
     past that a room holds more than one idea and is split by idea."""

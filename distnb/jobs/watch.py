@@ -39,7 +39,7 @@ from distnb.jobs.attached import AttachedJob
 from distnb.wire.discovery import list_jobs
 from distnb.wire.job_dumps import records_dir
 
-__all__ = ["ON_HANG", "PROVEN", "JobWatch", "start_watch"]
+__all__ = ["ON_HANG", "PROVEN", "JobWatch", "start_watch", "verdict_record"]
 
 #: What the watch does once it has a verdict.
 ON_HANG = ("report", "dump", "stop")
@@ -147,12 +147,17 @@ def _jsonable(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
 
 
+def verdict_record(verdict: Verdict) -> dict[str, Any]:
+    """``verdict.json``'s content: the verdict's fields (its root cause as data), its headline and its text."""
+    return {**_jsonable(verdict), "summary": verdict.summary, "text": verdict.text()}
+
+
 def _dump(job: AttachedJob, verdict: Verdict, env: dict[str, str]) -> str:
     """The verdict, stacks, collectives and a reproduce notebook into the job's records folder; what was written, in words."""
     folder = records_dir(env)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    (folder / "verdict.json").write_text(json.dumps({**_jsonable(verdict), "text": verdict.text()}, indent=1))
+    (folder / "verdict.json").write_text(json.dumps(verdict_record(verdict), indent=1))
     (folder / "verdict.txt").write_text(verdict.text() + "\n")
     written += ["verdict.json", "verdict.txt"]
     for name, make in (("stacks.txt", lambda: job.stacks().text()), ("collectives.txt", lambda: job.collectives().text())):

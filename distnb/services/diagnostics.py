@@ -294,7 +294,7 @@ class Diagnostics:
         first = self._tracker.first_death if self._tracker.first_death in dead else dead[0]
         report = self.collectives(refresh=True)
         found = victim(Position(first, Place.DEAD, detail=_processes.signal_meaning(result.results[first].returncode)), report)
-        return found[0] if found else ""
+        return found.text() if found else ""
 
     def conclude(self, result: CellResult) -> None:
         """Once a cell has finished everywhere: the root cause of deaths and timeouts, and the

@@ -166,7 +166,8 @@ def test_a_rank_aborted_inside_a_mismatch_is_a_victim() -> None:
     [div] = report.divergences()
     assert div.kind == "dtype" and "rank 1 died inside it" in div.text([0, 1, 2, 3])
     found = victim(Position(1, "dead", detail="aborted (SIGABRT)"), report)
-    assert found is not None and found[1] == [2] and "rank 1 is a victim" in found[0] and "Root cause: rank 2" in found[0]
+    assert found is not None and found.odd == [2] and found.root.ranks == (2,), found
+    assert "rank 1 is a victim" in found.text() and "Root cause: rank 2" in found.text()
     positions = [Position(0, "collective", op="all_reduce", seq=1, group="0", since=5.0), Position(1, "dead", detail="aborted"),
                  Position(2, "collective", op="all_reduce", seq=1, group="0", since=5.0),
                  Position(3, "collective", op="all_reduce", seq=1, group="0", since=5.0)]

@@ -113,9 +113,9 @@ def test_a_victim_of_gloos_abort_leads_to_the_odd_rank_even_when_it_died_before_
     log.died_in[0] = "all_gather_single"  # the function its dying stack named: the same collective
     dead = Position(0, "dead", detail="aborted (SIGABRT)")
     found = victim(dead, log.report([0, 1, 2, 3]))
-    assert found is not None and found[1] == [2], found
-    assert "rank 0 died (aborted (SIGABRT)) inside all_gather #1 on dp (ranks 0,2), a shape mismatch" in found[0]
-    assert "Root cause: rank 2" in found[0] and "ranks 1,3 had all_gather [36] f32" in found[0]
+    assert found is not None and found.odd == [2], found
+    assert "rank 0 died (aborted (SIGABRT)) inside all_gather #1 on dp (ranks 0,2), a shape mismatch" in found.text()
+    assert "Root cause: rank 2" in found.text() and "ranks 1,3 had all_gather [36] f32" in found.text()
     # Once the cell is over, the diagnosis says the same (no rank waits any more).
     d = diagnose([dead, Position(1, "finished"), Position(2, "failed", detail="RuntimeError: Connection reset"), Position(3, "finished")],
                  1.0, 5.0, log.report([0, 1, 2, 3]), first_death=0)

@@ -178,8 +178,9 @@ def test_status_groups_a_thousand_ranks_by_state_and_names_the_dead_one() -> Non
 
 
 def test_a_diagnosis_of_ranks_in_many_places_lists_the_culprits_and_the_crowded_places() -> None:
+    from distnb.analysis.render import MAX_PLACES
     from distnb.analysis.verdicts.position import Position
-    from distnb.analysis.verdicts.verdict import MAX_PLACES, Kind, Verdict, VerdictState
+    from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 
     positions = [Position(r, "collective", op="all_reduce", seq=1 + r % 40, group="0", since=5.0) for r in range(WORLD)]
     positions[999] = Position(999, "computing", line=7, code="loss = model(x)", since=5.0)

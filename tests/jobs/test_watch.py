@@ -7,9 +7,10 @@ import json
 import pytest
 
 from distnb.__main__ import main
+from distnb.analysis.root_cause import RootCause
 from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.verdict import Kind, Site, Verdict, VerdictState
-from distnb.jobs.watch import PROVEN, _jsonable, acts_on
+from distnb.jobs.watch import PROVEN, acts_on, verdict_record
 
 
 @pytest.mark.parametrize("kind", list(Kind))
@@ -28,9 +29,13 @@ def test_the_verdict_file_holds_its_fields() -> None:
     verdict = Verdict(VerdictState.HANG, Kind.CALL_MISSING, "rank 2 did not make all_reduce", culprits=[2], victims=[0, 1],
                       sites=[Site(None, 10, "<module>", "dist.all_reduce(t)", "the call")],
                       positions=[Position(0, Place.COLLECTIVE, op="all_reduce", line=10)])
-    data = json.loads(json.dumps(_jsonable(verdict)))
+    verdict.root = RootCause.of([2])
+    data = json.loads(json.dumps(verdict_record(verdict)))
     assert data["kind"] == "call_missing" and data["culprits"] == [2] and data["sites"][0]["line"] == 10
     assert data["positions"][0]["state"] == "collective" and data["certainty"] == "likely"
+    # The root cause as data beside the words the notebook shows for it.
+    assert data["root"] == {"ranks": [2], "names": "ranks", "likely": False, "how": "", "note": "", "then": ""}, data["root"]
+    assert data["summary"] == "rank 2 did not make all_reduce Root cause: rank 2." and data["text"].startswith("[distnb] " + data["summary"])
 
 
 @pytest.mark.parametrize(("argv", "said"), [

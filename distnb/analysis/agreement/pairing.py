@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from distnb.analysis.agreement.entry_words import describe, line_words
 from distnb.analysis.agreement.evidence import CollectiveEvidence, groups_in_cell, odd_ones, unrecorded_calls
+from distnb.analysis.render import headline
+from distnb.analysis.root_cause import Named, RootCause
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import CollectiveEntry, issued_in
@@ -43,25 +45,34 @@ class CrossGroup:
     odd: list[int]
     waits_for: dict[int, list[int]]  # a rank whose call is open → the members of its group not in it
 
+    def _named(self) -> bool:
+        """Whether a majority names the odd ranks (else: a tie between roles)."""
+        return len(self.odd) < len(self.by_rank) and any(r not in self.odd for r in self.by_rank)
+
+    def root(self) -> RootCause | None:
+        return RootCause.of(self.odd, note="on the wrong group") if self._named() else None
+
     def text(self) -> str:
+        return headline(self.said(), self.root())
+
+    def said(self) -> str:
+        """What the calls show, without the root cause."""
         sides = group_by((r, (self.roles[r], self.by_rank[r]["op"])) for r in sorted(self.by_rank))
         majority = [rs for rs, _ in sides if not set(rs) & set(self.odd)]
         sample = next(iter(self.by_rank.values()))
         where = f"the {_ordinal(self.index)} collective of {cell_name(self.cell)}" + (f" (line {sample['line']})" if sample.get("line") else "")
         odd_words = "; ".join(f"{format_ranks(rs)} called {self.by_rank[rs[0]]['op']} over {self.labels[rs[0]]}"
                               for rs, _ in sides if set(rs) <= set(self.odd))
-        if majority and len(self.odd) < len(self.by_rank):
+        if majority and self._named():
             maj = majority[0]
             op = self.by_rank[maj[0]]["op"]
             same_op = all(self.by_rank[r]["op"] == op for r in self.by_rank)
             used = f"used {self.roles[maj[0]]}" if same_op else f"called {op} over {self.roles[maj[0]]}"
             head = f"collective on another group: {odd_words} where {format_ranks(maj)} {used} ({where})."
-            root = f" Root cause: {format_ranks(self.odd)}, on the wrong group."
         else:
             head = ("ranks disagree on the group: " + "; ".join(
                 f"{format_ranks(rs)} called {self.by_rank[rs[0]]['op']} over {self.labels[rs[0]]}" for rs, _ in sides)
                 + f" ({where}); no majority to tell which side is wrong.")
-            root = ""
         done = sorted(r for r, e in self.by_rank.items() if e["done"] and r not in self.waits_for)
         after = []
         if done:
@@ -70,7 +81,7 @@ class CrossGroup:
         for rs, need in group_by((r, tuple(w)) for r, w in sorted(self.waits_for.items())):
             after.append(f"{format_ranks(rs)} {'waits' if len(rs) == 1 else 'wait'} on {self.labels[rs[0]]} for {format_ranks(list(need))}")
         tail = "; ".join(after)
-        return head + (f" {tail[0].upper()}{tail[1:]}." if tail else "") + root
+        return head + (f" {tail[0].upper()}{tail[1:]}." if tail else "")
 
 
 def _ordinal(n: int) -> str:
@@ -139,7 +150,17 @@ class CrossCell:
             return odd
         return []
 
+    def root(self) -> RootCause | None:
+        if not self.blamed:
+            return None
+        return RootCause.of(self.odd, Named.PENDING_CALL, how="likely an async_op=True work never waited on, or a collective only some ranks "
+                            "reached", then="the next call on this group paired with it")
+
     def text(self) -> str:
+        return headline(self.said(), self.root())
+
+    def said(self) -> str:
+        """What the paired calls show, without the root cause."""
         sides = group_by((r, (issued_in(e), describe(e))) for r, e in sorted(self.by_rank.items()))
         calls = " with ".join(f"{format_ranks(rs)}'s {describe(self.by_rank[rs[0]])} from {_site(self.by_rank[rs[0]])}" for rs, _ in sides)
         shapes = len({describe(e) for e in self.by_rank.values()}) > 1
@@ -153,10 +174,7 @@ class CrossCell:
         else:
             effect = "the results of every rank in it are suspect"
         what = "different shapes, " if shapes else ""
-        blame = (f" Root cause: {format_ranks(odd)}'s call from an earlier cell, left pending there (likely an async_op=True "
-                 "work never waited on, or a collective only some ranks reached); the next call on this group paired with it."
-                 if self.blamed else "")
-        return f"collective #{self.seq} on {self.label} paired calls of different cells: {calls} ({what}{effect}).{blame}"
+        return f"collective #{self.seq} on {self.label} paired calls of different cells: {calls} ({what}{effect})."
 
 
 def cross_cell(log: CollectiveEvidence, ranks: list[int], cell: int | None = None) -> CrossCell | None:

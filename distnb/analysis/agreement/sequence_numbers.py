@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from distnb.analysis.render import headline
+from distnb.analysis.root_cause import RootCause
 from distnb.ranks import format_ranks
 
 __all__ = ["SeqBlame", "dump_marks", "seq_blame"]
@@ -24,12 +26,18 @@ class SeqBlame:
     ahead: list[int]
     never: dict[int, int | None]  # rank → its last sequence number on the group (None: none at all)
 
-    def text(self, timed_out: list[int] | None = None) -> str:
+    def said(self, timed_out: list[int] | None = None) -> str:
+        """What the numbers show, without the root cause."""
         last = "; ".join(f"rank {r} last #{s}" if s is not None else f"rank {r} none" for r, s in sorted(self.never.items()))
         waited = f"; {format_ranks(timed_out)} timed out waiting" if timed_out else ""
         return (f"{format_ranks(self.never)} never arrived at {self.op} #{self.seq} on group {self.group}, which "
-                f"{format_ranks(self.ahead)} issued ({last}){waited}. Root cause: {format_ranks(self.never)}, "
-                "not the first rank to time out.")
+                f"{format_ranks(self.ahead)} issued ({last}){waited}.")
+
+    def root(self) -> RootCause:
+        return RootCause.of(sorted(self.never), note="not the first rank to time out")
+
+    def text(self, timed_out: list[int] | None = None) -> str:
+        return headline(self.said(timed_out), self.root())
 
 
 def dump_marks(entries: list[dict[str, Any]]) -> list[tuple[str, int, str]]:

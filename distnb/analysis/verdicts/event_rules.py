@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 from distnb.analysis.agreement.collectives import CollectiveReport, Differs, Divergence, issued_words
 from distnb.analysis.agreement.entry_words import describe
+from distnb.analysis.render import headline
+from distnb.analysis.root_cause import Named, RootCause
 from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
@@ -20,7 +23,7 @@ from distnb.analysis.verdicts.words import ranks_verb
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.records import issued_in
 
-__all__ = ["died", "raised", "victim", "victim_of_mismatch"]
+__all__ = ["Victim", "died", "raised", "victim", "victim_of_mismatch"]
 
 #: torch.distributed's own checks of a call's tensors against the group's (gloo, NCCL, c10d).
 _BAD_ARGUMENTS = re.compile(r"invalid tensor (size|type)|Tensors must be|tensor.* must have the same|"
@@ -39,11 +42,11 @@ def died(rec: Records) -> Verdict | None:
     if waiting:
         w = format_ranks([p.rank for p in waiting])
         summary = (f"rank {d.rank} died{' first' if later else ''} ({d.detail}){then}; {w} {ranks_verb(waiting, 'wait')} for it in "
-                   f"{waiting[0].op} and can't finish. Root cause: rank {d.rank}.")
+                   f"{waiting[0].op} and can't finish.")
     elif rec.running:
         return None
     else:
-        summary = f"rank {d.rank} died{' first' if later else ''} ({d.detail}){then}. Root cause: rank {d.rank}."
+        summary = f"rank {d.rank} died{' first' if later else ''} ({d.detail}){then}."
     # A death by the rank's own hand (an exit, a kill) is certain; an abort or a crash inside a
     # collective may be the consequence of a mismatch the records did not catch.
     inside = rec.log is not None and d.rank in rec.log.log.died_in
@@ -53,11 +56,11 @@ def died(rec: Records) -> Verdict | None:
     state = VerdictState.HANG if waiting else VerdictState.FAILED
     victims = [p.rank for p in waiting] + later
 
-    def abort(kind: Kind, words: str, culprits: list[int], reason: str) -> Verdict:
+    def abort(kind: Kind, words: str, culprits: list[int], reason: str, root: RootCause | None = None) -> Verdict:
         """An abort's verdict: likely, judged by whether the ranks' n-th calls agree."""
         return Verdict(state, kind, words, culprits, victims, sites,
                        Evidence("the n-th call on a group is the same on every member", {d.rank: d.detail}), Certainty.LIKELY,
-                       reason, positions=rec.positions, rule="died", beyond_report=False)
+                       reason, positions=rec.positions, rule="died", beyond_report=False, root=root)
 
     if "SIGABRT" in d.detail and unread:
         # gloo aborts the rank that receives more than its tensor holds, whoever sent it: with ranks
@@ -72,20 +75,21 @@ def died(rec: Records) -> Verdict | None:
         kind, words = earlier
         return abort(kind,
                      f"rank {d.rank} aborted{then}; {words}: from there its calls pair with other calls of the others, and gloo "
-                     f"aborts a rank that receives more than its tensor holds. Root cause: rank {d.rank}.",
-                     [d.rank], "an earlier cell that ended on every rank left its calls out of step with the others'")
+                     "aborts a rank that receives more than its tensor holds.",
+                     [d.rank], "an earlier cell that ended on every rank left its calls out of step with the others'", RootCause.of([d.rank]))
     if inside and "SIGABRT" in d.detail:
         # gloo aborts a rank when a peer sends more than its own tensor holds: a mismatch in that
         # collective, and with no record of the others' to say who differs, likely its own.
         op = rec.log.log.died_in[d.rank] if rec.log is not None else "a collective"
         return abort(Kind.MISMATCH,
                      f"rank {d.rank} aborted inside {op}{then} (gloo's abort when a peer sends more than the rank's own tensor holds: "
-                     f"the ranks' tensors there differ). Root cause: likely rank {d.rank}'s call (%dist_collectives shows the others').",
-                     [d.rank], "the others' calls there are not recorded: the rank that aborted is the likelier odd one")
+                     "the ranks' tensors there differ).",
+                     [d.rank], "the others' calls there are not recorded: the rank that aborted is the likelier odd one",
+                     RootCause.of([d.rank], Named.CALL, likely=True, how="%dist_collectives shows the others'"))
     return Verdict(state, Kind.DIED, summary, [d.rank], victims, sites,
                    Evidence("every rank of the cell stays alive", {d.rank: d.detail}), Certainty.CERTAIN if certain else Certainty.LIKELY,
                    "" if certain else "it died inside a collective: a mismatch there may have caused it", positions=rec.positions,
-                   rule="died", beyond_report=False)
+                   rule="died", beyond_report=False, root=RootCause.of([d.rank]))
 
 
 def _out_of_step_before(rec: Records, rank: int) -> tuple[Kind, str] | None:
@@ -116,13 +120,24 @@ def victim_of_mismatch(rec: Records) -> Verdict | None:
     found = victim(dead, rec.log, rec.judged_cell)
     if found is None:
         return None
-    summary, odd = found
-    return Verdict(VerdictState.HANG if rec.waiting else VerdictState.FAILED, Kind.MISMATCH, summary, odd, [dead.rank], [],
+    said, odd, root = found
+    return Verdict(VerdictState.HANG if rec.waiting else VerdictState.FAILED, Kind.MISMATCH, said, odd, [dead.rank], [],
                    Evidence("the n-th call on a group is the same on every member", {dead.rank: dead.detail}), Certainty.LIKELY,
-                   "by majority at the collective it died in", positions=rec.positions, rule="victim")
+                   "by majority at the collective it died in", positions=rec.positions, rule="victim", root=root)
 
 
-def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None) -> tuple[str, list[int]] | None:
+class Victim(NamedTuple):
+    """A rank that died of another's mismatch: the words, the odd ranks, and the root cause they are."""
+
+    said: str
+    odd: list[int]
+    root: RootCause
+
+    def text(self) -> str:
+        return headline(self.said, self.root)
+
+
+def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None) -> Victim | None:
     """A rank that died inside a collective whose ranks disagree (gloo aborts the rank that
     receives data it can't fit): the odd rank of the mismatch is the root cause, not the victim.
     ``cell``: only a collective of that cell (an older divergence is another story)."""
@@ -156,17 +171,18 @@ def victim(dead: Position, log: CollectiveReport | None, cell: int | None = None
         if div.peers:
             detail += f" (where {div.witnesses()})"
         where = f"{entry['op']} #{div.seq} on {div.label or f'group {div.group}'}"
-        return (
-            (f"rank {dead.rank} died ({dead.detail}) while the calls recorded at {where} disagree, a {what}: {detail}. " if blind else
-             f"rank {dead.rank} died ({dead.detail}) inside {where}, a {what}: {detail}. ")
-            + (f"Root cause: likely {format_ranks(odd)}, with the larger tensor that the rank could not receive (no majority among "
-               "the calls recorded)" if by_size else
-               f"Root cause: likely {format_ranks(odd)}, the odd one out of the calls recorded (rank {dead.rank}'s own is not: it "
-               "aborted before it was pushed)" if blind else
-               f"Root cause: {format_ranks(odd)}, the odd one{'s' if len(odd) > 1 else ''} out") +
-            f"; rank {dead.rank} is a victim (gloo aborts a rank that receives data its own tensor can't hold).",
-            odd,
-        )
+        said = (f"rank {dead.rank} died ({dead.detail}) while the calls recorded at {where} disagree, a {what}: {detail}." if blind else
+                f"rank {dead.rank} died ({dead.detail}) inside {where}, a {what}: {detail}.")
+        then = f"rank {dead.rank} is a victim (gloo aborts a rank that receives data its own tensor can't hold)"
+        if by_size:
+            root = RootCause.of(odd, likely=True, then=then,
+                                note="with the larger tensor that the rank could not receive (no majority among the calls recorded)")
+        elif blind:
+            root = RootCause.of(odd, likely=True, then=then,
+                                note=f"the odd one out of the calls recorded (rank {dead.rank}'s own is not: it aborted before it was pushed)")
+        else:
+            root = RootCause.of(odd, note=f"the odd one{'s' if len(odd) > 1 else ''} out", then=then)
+        return Victim(said, odd, root)
     return None
 
 
@@ -191,21 +207,21 @@ def raised(rec: Records) -> Verdict | None:
     if waiting:
         w = format_ranks([p.rank for p in waiting])
         summary = (f"{who} raised {f.detail} and left the cell; {w} {ranks_verb(waiting, 'wait')} in {waiting[0].op} for "
-                   f"{'it' if len(ranks) == 1 else 'them'}. Root cause: the error on {who}.")
+                   f"{'it' if len(ranks) == 1 else 'them'}.")
         state = VerdictState.HANG
     elif rec.running:
         return None
     else:
-        summary = f"{who} raised {f.detail}. Root cause: the error on {who}."
+        summary = f"{who} raised {f.detail}."
         state = VerdictState.FAILED
     if _BAD_ARGUMENTS.search(f.detail):
         # torch.distributed refused the rank's own call (a tensor of another size or dtype than the
         # group's): a mismatch, found by the rank itself before anything was sent.
-        return Verdict(state, Kind.MISMATCH, f"{who} called a collective with tensors the group does not match: {f.detail}. "
-                       f"Root cause: {who}.", ranks, [p.rank for p in waiting], sites,
+        return Verdict(state, Kind.MISMATCH, f"{who} called a collective with tensors the group does not match: {f.detail}.",
+                       ranks, [p.rank for p in waiting], sites,
                        Evidence("the n-th call on a group is the same on every member", {p.rank: p.detail for p in failed}),
                        Certainty.LIKELY, "torch refused the call on that rank; its inputs differ from the group's", positions=rec.positions,
-                       rule="raised", beyond_report=False)
+                       rule="raised", beyond_report=False, root=RootCause.of(ranks))
     # Raised by the cell's own code (a raise, an assert) it is the cause; raised inside torch (DDP
     # finding a reduction it never made, say), it may be the consequence of an earlier difference.
     own = any(word in f.code for word in ("raise ", "assert ")) or (f.code.strip().startswith(("raise", "assert")))
@@ -213,4 +229,4 @@ def raised(rec: Records) -> Verdict | None:
                    Evidence("no rank leaves the cell while the others need it", {p.rank: p.detail for p in failed}),
                    Certainty.CERTAIN if own else Certainty.LIKELY,
                    "" if own else "raised inside a library: it may follow from an earlier difference between the ranks",
-                   positions=rec.positions, rule="raised", beyond_report=False)
+                   positions=rec.positions, rule="raised", beyond_report=False, root=RootCause.of(ranks, Named.ERROR))

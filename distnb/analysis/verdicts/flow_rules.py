@@ -9,6 +9,7 @@ from typing import Any
 
 from distnb.analysis.agreement.cell_source import because
 from distnb.analysis.agreement.entry_words import args_text
+from distnb.analysis.root_cause import RootCause
 from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.straggler_rule import straggler
@@ -20,9 +21,9 @@ __all__ = ["computing", "disagree", "finished_early", "new_group_wait", "not_in_
 
 
 def _v(rec: Records, state: VerdictState, kind: Kind, summary: str, culprits: list[int] | None = None, rule: str = "",
-       certainty: Certainty = Certainty.LIKELY, reason: str = "", sites: list[Site] | None = None) -> Verdict:
+       certainty: Certainty = Certainty.LIKELY, reason: str = "", sites: list[Site] | None = None, root: RootCause | None = None) -> Verdict:
     return Verdict(state, kind, summary, culprits or [], [p.rank for p in rec.waiting if p.rank not in (culprits or [])], sites or [],
-                   None, certainty, reason, positions=rec.positions, rule=rule)
+                   None, certainty, reason, positions=rec.positions, rule=rule, root=root)
 
 
 def paused(rec: Records) -> Verdict | None:
@@ -94,8 +95,9 @@ def unresponsive(rec: Records) -> Verdict | None:
     else:
         w = format_ranks([p.rank for p in rec.waiting])
         summary = (f"{w} {ranks_verb(rec.waiting, 'wait')} in {rec.waiting[0].op} for {format_ranks(ranks)}, which "
-                   f"{'is' if len(silent) == 1 else 'are'} not answering at all: {s.detail}. Root cause: {format_ranks(ranks)}.")
-    return _v(rec, VerdictState.HANG, Kind.UNRESPONSIVE, summary, ranks, "unresponsive", reason="it gives no stack: where it is stuck is unknown")
+                   f"{'is' if len(silent) == 1 else 'are'} not answering at all: {s.detail}.")
+    return _v(rec, VerdictState.HANG, Kind.UNRESPONSIVE, summary, ranks, "unresponsive", reason="it gives no stack: where it is stuck is unknown",
+              root=RootCause.of(ranks) if rec.waiting else None)
 
 
 #: A running rank's main thread busy (running, or waiting for a CPU taken from it: worker/recorders/main_cpu.py) this

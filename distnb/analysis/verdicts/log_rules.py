@@ -8,6 +8,7 @@ from distnb.analysis.agreement.evidence import peer_of, same_op
 from distnb.analysis.agreement.group_creation import creation_mismatch
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.analysis.agreement.sequence_numbers import seq_blame as blame_by_seq
+from distnb.analysis.root_cause import RootCause
 from distnb.analysis.verdicts.p2p import match_p2p
 from distnb.analysis.verdicts.p2p_roots import SiteDeparture, p2p_roots, site_departure
 from distnb.analysis.verdicts.position import Place
@@ -57,10 +58,11 @@ def paired_across_cells(rec: Records) -> Verdict | None:
     if found is None:
         return None
     odd = found.odd
-    return Verdict(VerdictState.HANG, Kind.CROSS_CELL, found.text(), odd, [r for r in found.by_rank if r not in odd], [],
+    return Verdict(VerdictState.HANG, Kind.CROSS_CELL, found.said(), odd, [r for r in found.by_rank if r not in odd], [],
                    Evidence("a collective pairs the same call on every member", {r: cell_name(issued_in(e))
                                                                                   for r, e in found.by_rank.items()}, found.group, found.seq),
-                   Certainty.LIKELY, "by majority over the cells that issued the paired calls", positions=rec.positions, rule="cross_cell")
+                   Certainty.LIKELY, "by majority over the cells that issued the paired calls", positions=rec.positions, rule="cross_cell",
+                   root=found.root())
 
 
 def wrong_group(rec: Records) -> Verdict | None:
@@ -80,10 +82,10 @@ def wrong_group(rec: Records) -> Verdict | None:
         return None  # another call, not the same call over another group: the agreement rule says which
     e = found.by_rank[odd[0]]
     sites = [Site(e.get("call_cell", e.get("cell")), e["line"], e.get("func") or "", "", "the call")] if e.get("line") else []
-    return Verdict(VerdictState.HANG, Kind.WRONG_GROUP, found.text(), odd, [r for r in found.waits_for if r not in odd], sites,
+    return Verdict(VerdictState.HANG, Kind.WRONG_GROUP, found.said(), odd, [r for r in found.waits_for if r not in odd], sites,
                    Evidence("ranks in step call over groups of the same role", {r: found.labels[r] for r in found.by_rank}),
                    Certainty.LIKELY, "by majority over the roles of the ranks' calls at that point of the cell", positions=rec.positions,
-                   rule="wrong_group")
+                   rule="wrong_group", root=found.root())
 
 
 def _same_call(a: CollectiveEntry, b: CollectiveEntry) -> bool:
@@ -118,13 +120,13 @@ def p2p_departure(rec: Records) -> Verdict | None:
             "peer": f"{who}'s {verb} at {cell_name(found.site[0])} line {line} {_peers_apart(found, max(ranks) + 1)}",
             "presence": f"{who} {verb} at {cell_name(found.site[0])} line {line}, where no other rank does"}[found.what]
     kind = Kind.MISMATCH if found.what == "shape" else Kind.P2P_UNMATCHED
-    return Verdict(rec.state(), kind, f"point-to-point: {said}. Root cause: {who}.", found.odd,
+    return Verdict(rec.state(), kind, f"point-to-point: {said}.", found.odd,
                    [p.rank for p in rec.waiting if p.rank not in found.odd], [Site(found.site[0], line, "", "", "the call")],
                    Evidence("a send is matched by a receive of the same tensor, from the peer it names",
                             {r: ", ".join(f"{n}× to {'+' if rel is not None else ''}{rel} {shape[0] if shape else ''}".strip()
                                           for (rel, shape), n in c.items()) or "none" for r, c in found.by_rank.items()}),
                    Certainty.LIKELY, "by majority over the ranks that make such calls at that line", positions=rec.positions,
-                   rule="p2p_departure")
+                   rule="p2p_departure", root=RootCause.of(found.odd))
 
 
 def _met(rec: Records, odd: list[int]) -> bool:
@@ -178,12 +180,12 @@ def p2p_unmatched(rec: Records) -> Verdict | None:
         root = p2p_roots(rec.positions, rec.log.log if rec.log is not None else None, rec.judged_cell, found.explicit)
         culprits = root.culprits if root is not None else found.culprits
         sites = [Site(root.site[0], root.site[1], "", "", "the call")] if root is not None and root.site else _p2p_sites(rec, culprits)
-        blame = f" Root cause: {format_ranks(culprits)} ({root.how})." if root is not None else ""
         kind = Kind.LOOP_COUNT if root is not None and root.loop else Kind.P2P_UNMATCHED
-        return Verdict(VerdictState.HANG, kind, "point-to-point calls without a partner: " + "; ".join(dict.fromkeys(found.sentences)) + "." + blame,
+        return Verdict(VerdictState.HANG, kind, "point-to-point calls without a partner: " + "; ".join(dict.fromkeys(found.sentences)) + ".",
                        culprits, [p.rank for p in rec.waiting if p.rank not in culprits], sites,
                        Evidence("a send is matched by a receive on its peer, with the same tag"), Certainty.LIKELY,
-                       "which side of an unmatched pair is wrong is inferred from the other calls", positions=rec.positions, rule="p2p")
+                       "which side of an unmatched pair is wrong is inferred from the other calls", positions=rec.positions, rule="p2p",
+                       root=RootCause.of(culprits, how=root.how) if root is not None else None)
     if all(p.peers for p in rec.waiting):
         return Verdict(VerdictState.SLOW, Kind.SLOW_COLLECTIVE, "send/recv in progress: every open call has its partner (a large transfer, or a "
                        "slow link).", positions=rec.positions, rule="p2p")
@@ -213,8 +215,8 @@ def by_sequence_numbers(rec: Records) -> Verdict | None:
     if not blames:
         return None
     b = blames[0]
-    return Verdict(VerdictState.HANG, Kind.CALL_MISSING, b.text(), sorted(b.never), b.ahead, [],
+    return Verdict(VerdictState.HANG, Kind.CALL_MISSING, b.said(), sorted(b.never), b.ahead, [],
                    Evidence("every member of a group reaches its n-th collective",
                             {r: f"last #{seq}" if seq is not None else "none" for r, seq in b.never.items()}, b.group, b.seq),
                    Certainty.LIKELY, "from the ranks' sequence numbers on the group: a dump says how far a rank got, not where it waits",
-                   positions=rec.positions, rule="seq_blame")
+                   positions=rec.positions, rule="seq_blame", root=b.root())

@@ -1,6 +1,6 @@
 """A verdict is data: what is wrong (:class:`Kind`), whether the cell hangs, runs slow or failed
 (:class:`VerdictState`), who caused it and who suffers it, where in the notebook, which records prove it
-and how sure distnb is. Words come last (:mod:`distnb.analysis.verdicts.render`); the live view,
+and how sure distnb is. Words come last (:mod:`distnb.analysis.render`); the live view,
 the cell's report and ``CellFailed`` all read the same verdict."""
 
 from __future__ import annotations
@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable
 
-from distnb.ranks import format_ranks, group_by
+from distnb.analysis.render import headline, verdict_text
+from distnb.analysis.root_cause import RootCause
 
-__all__ = ["CALLED_FROM", "call_and_caller", "MAX_PLACES", "Blame", "Certainty", "Evidence", "Kind", "Site", "VerdictState", "Verdict"]
-
-#: Places (ranks grouped by where they are) a verdict lists before "… and N more".
-MAX_PLACES = 8
+__all__ = ["CALLED_FROM", "call_and_caller", "Blame", "Certainty", "Evidence", "Kind", "Site", "VerdictState", "Verdict"]
 
 
 class VerdictState(str, Enum):
@@ -128,12 +126,13 @@ class Evidence:
 class Verdict:
     """The diagnosis of a cell: ``kind`` of cause, ``state`` of the ranks, ``culprits`` (whose
     code or process caused it), ``victims`` (who suffers it: waiting, aborted), ``sites`` (where),
-    ``evidence`` and ``certainty``. ``summary`` and ``details`` are the words, made from the data
-    by the rule that found it; ``positions`` are the ranks' places, for the per-rank lines."""
+    ``evidence`` and ``certainty``. ``said`` and ``details`` are the rule's words, made from the
+    data; ``root`` whom the root cause names (its words are the renderer's); ``positions`` are
+    the ranks' places, for the per-rank lines."""
 
     state: VerdictState
     kind: Kind
-    summary: str
+    said: str  # the rule's sentence, without the root cause (``summary`` is both, in words)
     culprits: list[int] = field(default_factory=list)
     victims: list[int] = field(default_factory=list)
     sites: list[Site] = field(default_factory=list)
@@ -147,6 +146,12 @@ class Verdict:
     #: verdict that a rank died or raised is said there, and is not repeated as the root cause.
     beyond_report: bool = True
     explained: bool = False  # the cell's code shows why (a condition on the rank, a loop): no need to record paths
+    root: RootCause | None = None  # whom the root cause names, when the rule could name one
+
+    @property
+    def summary(self) -> str:
+        """The headline: the rule's sentence, then the root cause (:func:`~distnb.analysis.render.headline`)."""
+        return headline(self.said, self.root)
 
     @property
     def is_problem(self) -> bool:
@@ -154,24 +159,8 @@ class Verdict:
             self.kind not in (Kind.NONE, Kind.PAUSED)
 
     def text(self) -> str:
-        """The headline, then one line per place the ranks are in (ranks in the same place share
-        a line whatever their waits), the culprits' places first above :data:`MAX_PLACES`."""
-        lines = [f"[distnb] {self.summary}"]
-        by_rank = {p.rank: p for p in self.positions}
-        places = group_by((p.rank, p.where([])) for p in self.positions)
-        left: list[tuple[list[int], Any]] = []
-        if len(places) > MAX_PLACES:
-            culprits = set(self.culprits)
-            keep = sorted(places, key=lambda g: (not set(g[0]) & culprits, -len(g[0])))[:MAX_PLACES]
-            left = [g for g in places if g not in keep]
-            places = [g for g in places if g in keep]
-        for ranks, _ in places:
-            durations = [since for r in ranks if (since := by_rank[r].since) is not None]
-            lines.append(f"  {format_ranks(ranks)}: {by_rank[ranks[0]].where(durations)}")
-        if left:
-            lines.append(f"  … and {sum(len(rs) for rs, _ in left)} more ranks in {len(left)} other places (each: .positions)")
-        lines.extend(self.details)
-        return "\n".join(lines)
+        """The headline, then one line per place the ranks are in (:func:`~distnb.analysis.render.verdict_text`)."""
+        return verdict_text(self)
 
     def __repr__(self) -> str:
         return self.text()
