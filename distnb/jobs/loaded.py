@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, cast
 
 from distnb.analysis.agreement.collectives import CollectiveReport, issued_words
@@ -85,13 +86,24 @@ class _FrozenLog(CollectiveLog):
         return super().age(rank, entry) if now is None else max(0.0, now - float(entry["t"]))
 
 
+class Found(str, Enum):
+    """What a dead job's files tell of a rank."""
+
+    WAITING = "waiting"  # in a collective when its record was last written, or until an error that only reports the wait's end
+    RAISED = "raised"
+    DEAD = "dead"  # a fatal signal
+    DUMP = "dump"  # a Flight Recorder dump alone
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class _Seen:
-    """A rank's last known place, as its files tell: waiting (in a collective when its record was
-    last written, or until an error that only reports the wait's end), raised, dead (a fatal
-    signal), dump (a Flight Recorder dump alone) or none."""
+    """A rank's last known place, as its files tell (:class:`Found`), with what they hold of it."""
 
-    state: str
+    state: Found
     now: float | None = None
     stacks: list[ThreadRecord] = field(default_factory=list)
     collectives: CollectivesRead | None = None
@@ -114,22 +126,22 @@ def _seen(rd: RankDump) -> _Seen:
             raw = exc.get("site")
             site = (str(raw[0]), int(raw[1]), str(raw[2]), str(raw[3])) if raw else None
             if wait is not None and is_consequence(detail):
-                return _Seen("waiting", written, wait["stacks"], wait["collectives"], site=site, ended=detail,
+                return _Seen(Found.WAITING, written, wait["stacks"], wait["collectives"], site=site, ended=detail,
                              source="its record")
-            return _Seen("raised", written, rec.get("stacks", []), rec.get("collectives", fr), detail, site,
+            return _Seen(Found.RAISED, written, rec.get("stacks", []), rec.get("collectives", fr), detail, site,
                          source="its record")
         stacks = wait["stacks"] if wait else rec.get("stacks", [])
-        return _Seen("waiting", written, stacks, wait["collectives"] if wait else rec.get("collectives", fr), source="its record")
+        return _Seen(Found.WAITING, written, stacks, wait["collectives"] if wait else rec.get("collectives", fr), source="its record")
     if rd.error is not None:
         frames = callstack_frames(rd.error.callstack)
-        return _Seen("raised", rd.error.timestamp, [{"thread": "MainThread", "ident": 0, "main": True, "frames": frames}], fr,
+        return _Seen(Found.RAISED, rd.error.timestamp, [{"thread": "MainThread", "ident": 0, "main": True, "frames": frames}], fr,
                      cut_message(rd.error.message, 200), rd.error.site, source="torchrun's error file")
     if rd.fault:
         first = next((line for line in rd.fault.splitlines() if line.strip()), "")
-        return _Seen("dead", rd.fr.mtime if rd.fr else None, [], fr, f"a fatal signal ({first.strip()})", source="faulthandler")
+        return _Seen(Found.DEAD, rd.fr.mtime if rd.fr else None, [], fr, f"a fatal signal ({first.strip()})", source="faulthandler")
     if rd.fr is not None:
-        return _Seen("dump", rd.fr.mtime, [], fr, source="its Flight Recorder dump")
-    return _Seen("none")
+        return _Seen(Found.DUMP, rd.fr.mtime, [], fr, source="its Flight Recorder dump")
+    return _Seen(Found.NONE)
 
 
 class LoadedJob:
@@ -156,7 +168,7 @@ class LoadedJob:
     @property
     def missing(self) -> list[int]:
         """Ranks that left nothing readable."""
-        return [r for r in range(self.world_size) if self.seen.get(r, _Seen("none")).state == "none"]
+        return [r for r in range(self.world_size) if self.seen.get(r, _Seen(Found.NONE)).state is Found.NONE]
 
     @property
     def launch(self) -> JobLaunch:
@@ -199,16 +211,16 @@ class LoadedJob:
         are accepted for the magics' sake: a record holds the main thread's Python frames only)."""
         out = []
         for r in parse_ranks(ranks, self.world_size):
-            seen = self.seen.get(r, _Seen("none"))
+            seen = self.seen.get(r, _Seen(Found.NONE))
             rd = self.dumps.ranks.get(r)
-            if seen.state == "dead" and rd is not None:
+            if seen.state is Found.DEAD and rd is not None:
                 threads = parse_faulthandler(rd.fault)
                 for t in threads[:1]:
                     t.main = True
                 out.append(RankStack(r, f"died: {seen.detail}", "faulthandler", threads[:1]))
                 continue
             threads = [ThreadStack(t["thread"], t["main"], frames_from_wire(cast(Any, t["frames"])), program=True) for t in seen.stacks]
-            if seen.state == "waiting":
+            if seen.state is Found.WAITING:
                 rs = RankStack(r, "waiting", seen.source, threads)
                 pending, stuck = self._log.pending(r), self._log.stuck(r)
                 entry = pending or stuck
@@ -218,9 +230,9 @@ class LoadedJob:
                     rs.annotation_since = self._log.age(r, entry)
                 if seen.ended:
                     rs.state = f"waiting, until {seen.ended}"
-            elif seen.state == "raised":
+            elif seen.state is Found.RAISED:
                 rs = RankStack(r, f"raised {seen.detail}", seen.source, threads)
-            elif seen.state == "dump":
+            elif seen.state is Found.DUMP:
                 rs = RankStack(r, "no stack", "only its Flight Recorder dump: %dist_collectives shows its calls")
             else:
                 rs = RankStack(r, "no record", "it left no record (killed before writing one, or not made attachable)")
@@ -256,18 +268,18 @@ class LoadedJob:
     def positions(self) -> list[Position]:
         """Where each rank that left something was last (ranks that left nothing are absent)."""
         stacks = self.stacks()
-        ranks = [r for r in range(self.world_size) if self.seen.get(r, _Seen("none")).state != "none"]
+        ranks = [r for r in range(self.world_size) if self.seen.get(r, _Seen(Found.NONE)).state is not Found.NONE]
         whole = CellResult(cast(int, None), "", ranks, {r: RankResult(r) for r in ranks})
         out = []
         for r in ranks:
             seen = self.seen[r]
             site = seen.site
             where: dict[str, Any] = {"line": site[1], "func": site[2], "code": site[3], "file": site[0]} if site else {}
-            if seen.state == "waiting":
+            if seen.state is Found.WAITING:
                 out.append(position_of(r, whole, stacks, self._elapsed(), self._log, lambda _: "it left no stack"))
-            elif seen.state == "raised":
+            elif seen.state is Found.RAISED:
                 out.append(Position(r, Place.FAILED, detail=seen.detail, **where))
-            elif seen.state == "dead":
+            elif seen.state is Found.DEAD:
                 out.append(Position(r, Place.DEAD, detail=seen.detail))
             else:
                 out.append(self._from_dump(r))
@@ -296,7 +308,7 @@ class LoadedJob:
         if not positions:
             raise LoadError(f"no rank of job {self.job} left anything to judge in {', '.join(self.folders)}.")
         dead = [p.rank for p in positions if p.state == Place.DEAD]
-        dumps_only = [r for r, s in self.seen.items() if s.state == "dump"]
+        dumps_only = [r for r, s in self.seen.items() if s.state is Found.DUMP]
         verdict = diagnose(positions, self.hang_after if hang_after is None else hang_after, self._elapsed(), self.collectives(),
                            dead[0] if dead else None, dumps_only=frozenset(dumps_only))
         why: list[str] = []
@@ -342,7 +354,7 @@ class LoadedJob:
             rd = self.dumps.ranks.get(rs.rank)
             pid = int(rd.record["pid"]) if rd is not None and rd.record is not None else None
             rows.append((rs.rank, pid, rs.state + (f" — {rs.annotation_text}" if rs.annotation else "")))
-        verdict = self.diagnose().text() if with_diagnosis and any(s.state != "none" for s in self.seen.values()) else ""
+        verdict = self.diagnose().text() if with_diagnosis and any(s.state is not Found.NONE for s in self.seen.values()) else ""
         return LoadStatus(self.job, self.world_size, rows, verdict, list(self.dumps.notes), folders=list(self.folders))
 
     # -- leaving ---------------------------------------------------------------------------------
