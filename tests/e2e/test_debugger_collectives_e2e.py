@@ -8,6 +8,7 @@ unblocked after it; NEXT_SETTLE: how long the console waits for ranks to stop), 
 
 from __future__ import annotations
 
+import os
 import time
 
 from test_debugger_e2e import Console, run
@@ -69,29 +70,36 @@ def test_quitting_one_rank_stops_the_others_before_a_collective_that_needs_it(po
 
 
 def test_pdb_holds_the_other_ranks_before_their_next_collective(pool: distnb.Pool) -> None:
-    """Rank 2 raises; rank 3 is already in the all_reduce; ranks 0 and 1 are still computing and
-    reach it only once held (they wait for the hold, so no timing decides the test)."""
-    code = ("import time\nt = torch.ones(2)\nif rank == 2:\n    time.sleep(1.0)\n    1 / 0\n"
+    """Rank 2 raises once rank 3 is about to enter the all_reduce (its file); ranks 0 and 1 are still
+    computing and reach it only once held (they wait for the hold, so no timing decides the test)."""
+    ready = f"/tmp/distnb-pdb-hold-{os.getpid()}"
+    code = (f"import os, time\nt = torch.ones(2)\nif rank == 2:\n    while not os.path.exists({ready!r}):\n        time.sleep(0.01)\n"
+            "    time.sleep(0.5)\n    1 / 0\n"
             "from distnb.worker.torch_hooks.call_log import STOPS\n"
             "for _ in range(600 if rank in (0, 1) else 0):\n    if STOPS.hold:\n        break\n    time.sleep(0.05)\n"
+            f"if rank == 3:\n    open({ready!r}, 'w').close()\n"
             "dist.all_reduce(t)\nt")
     con = Console("ranks 0,1: p rank", "c all")
     started = time.monotonic()
-    result = run(pool, code, con, pdb=True)
+    try:
+        result = run(pool, code, con, pdb=True)
+    finally:
+        if os.path.exists(ready):
+            os.unlink(ready)
     cell = result.cell
     text = con.text
     assert ("[distnb] rank 2 raised and is in post-mortem: holding ranks 0,1 before their next collective, so the pool is "
             "inspected at one point (nothing issued there); rank 3 was already inside all_reduce: it waits there.") in text
-    assert f"ranks 0,1 are held before all_reduce (nothing issued yet) at cell {cell} line 11 (dist.all_reduce(t))" in text
-    assert f"rank 2 is in post-mortem at cell {cell} line 5 (1 / 0)" in text
-    assert f"  rank 3  all_reduce [2] f32 on group 0 (already waiting in it)  at cell {cell} line 11 (dist.all_reduce(t))" in text
+    assert f"ranks 0,1 are held before all_reduce (nothing issued yet) at cell {cell} line 15 (dist.all_reduce(t))" in text
+    assert f"rank 2 is in post-mortem at cell {cell} line 7 (1 / 0)" in text
+    assert f"  rank 3  all_reduce [2] f32 on group 0 (already waiting in it)  at cell {cell} line 15 (dist.all_reduce(t))" in text
     assert ("ranks 0,1,3 need rank 2 on group 0, which raised (in post-mortem: it calls no other collective in this cell): rather "
             "than let them wait, distnb ends the cell there (interrupted, nothing issued).") in text
     assert "[rank 0] 0" in con.after(0) and "[rank 1] 1" in con.after(0)  # the held ranks' namespaces, inspected
     assert "rank 3 was waiting for it in all_reduce: interrupting it now" in text and "ranks 0,1 will stop before any collective" in text
     assert result[2].error["ename"] == "ZeroDivisionError", result.text()
     assert [result[r].status for r in (0, 1, 3)] == ["interrupted"] * 3, result.text()
-    assert time.monotonic() - started < 1.0 + 2 * NEXT_SETTLE + RELEASE_BOUND + 30  # far from --pg-timeout (30 min)
+    assert time.monotonic() - started < 0.5 + 2 * NEXT_SETTLE + RELEASE_BOUND + 30  # far from --pg-timeout (30 min)
     assert any("fresh default process group" in n for n in result.notes), result.text()  # rank 3's gloo wait was cut
     assert pool.run(ALL_REDUCE).values == {r: "4.0" for r in range(4)}
 
