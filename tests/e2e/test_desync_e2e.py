@@ -155,7 +155,7 @@ def test_an_abort_in_a_dtype_mismatch_blames_the_odd_rank_not_the_victim(pool4: 
     assert res.text().index("Root cause: rank 2") < res.text().index("what became of the others")
 
 
-def test_a_killed_rank_ends_the_cell_within_two_seconds(pool4: distnb.Pool) -> None:
+def test_a_killed_rank_ends_the_cell_within_the_strand_grace(pool4: distnb.Pool) -> None:
     pool = usable(pool4)
     res = pool.submit("kx = torch.ones(2)\nif rank == 1:\n    import time; time.sleep(60)\ndist.all_reduce(kx)")
     wait_until(lambda: all(pool._tracker.collective_log.pending(r, res.cell) for r in (0, 2, 3)), 10, "ranks 0,2,3 in the all_reduce")
@@ -164,9 +164,10 @@ def test_a_killed_rank_ends_the_cell_within_two_seconds(pool4: distnb.Pool) -> N
     pool.wait(res, timeout=30)
     took = time.monotonic() - killed
     assert not res.running and res[1].status == "dead", res.text()
-    # By design the grace (STRAND_AFTER) and then the next tick; one tick more for a loaded machine,
-    # and a second for the report and the waiting thread to run.
-    bound = STRAND_AFTER + 2 * TICK + 1.0
+    # By design the grace (STRAND_AFTER) and then the next tick; one tick more and five seconds for a
+    # loaded machine (the report and the waiting thread must run): far below the 60 s the cell waits
+    # without the strand.
+    bound = STRAND_AFTER + 2 * TICK + 5.0
     assert took < bound, f"the cell ended {took:.1f} s after the death (bound {bound:.1f} s)"
     stranded = [r for r in (0, 2, 3) if res[r].status == "stranded"]
     assert stranded, res.text()
