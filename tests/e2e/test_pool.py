@@ -461,10 +461,20 @@ def test_two_pools_side_by_side(fresh_pool):
     assert distnb.current_pool() is b
     assert not set(a.pids()) & set(b.pids())
     assert a.status().address != b.status().address
-    code = "import time\nsb_t = torch.tensor([float(rank + 1)])\ndist.all_reduce(sb_t)\ntime.sleep(1.5)\nsb_t.item()"
+    # Each rank stays in its cell until the test has seen every rank of both pools in theirs.
+    go = f"/tmp/distnb-side-by-side-{os.getpid()}"
+    code = (f"import os, time\nsb_t = torch.tensor([float(rank + 1)])\ndist.all_reduce(sb_t)\nprint('in', flush=True)\n"
+            f"while not os.path.exists({go!r}):\n    time.sleep(0.01)\nsb_t.item()")
     ra, rb = a.submit(code), b.submit(code)
-    a.wait(ra, timeout=30)
-    b.wait(rb, timeout=30)
+    try:
+        wait_until(lambda: all("in" in res.stdout for cell in (ra, rb) for res in cell.results.values()), 60, "every rank in its cell")
+    finally:
+        open(go, "w").close()
+    try:
+        a.wait(ra, timeout=30)
+        b.wait(rb, timeout=30)
+    finally:
+        os.unlink(go)
     assert ra.values == rb.values == {0: "3.0", 1: "3.0"}
     # Every rank of both pools was inside its cell at the same moment.
     spans = [(res.finished_at - res.duration, res.finished_at) for cell in (ra, rb) for res in cell.results.values()]
