@@ -165,14 +165,16 @@ def test_a_gutter_breakpoint_stops_both_ranks_shows_each_in_the_callstack_and_co
     assert k.debug("setBreakpoints", source={"path": earlier}, breakpoints=[], sourceModified=False)["success"]
 
     # Pause while a cell runs on the ranks (no breakpoint): every rank stops where it is.
-    spin = ("%%on_ranks\nimport time\nspin_end = time.time() + 8\nopen(f'spin_{dist.get_rank()}', 'w').close()\n"
-            "while time.time() < spin_end:\n    time.sleep(0.02)\n")
+    # The ranks spin until the test has seen them paused and asks them to stop (a file), however slow the machine.
+    spin = ("%%on_ranks\nimport os, time\nspin_end = time.time() + 120\nopen(f'spin_{dist.get_rank()}', 'w').close()\n"
+            "while time.time() < spin_end and not os.path.exists('spin_stop'):\n    time.sleep(0.02)\n")
     spin_id = k.kc.execute(spin)
     wait_until(lambda: (tmp_path / "spin_0").exists() and (tmp_path / "spin_1").exists(), ANSWER, "the ranks to start the cell")
     assert k.debug("pause", threadId=1)["success"]
     paused = [k.stopped("rank 0 pause"), k.stopped("rank 1 pause")]
     frames = k.debug("stackTrace", threadId=paused[0]["body"]["threadId"])["body"]["stackFrames"]
     cell_frames = [f for f in frames if f["name"].endswith("<module>")]
+    (tmp_path / "spin_stop").touch()
     assert [f["name"].split(" · ")[0] for f in cell_frames] == ["rank 0", "rank 1"] and {f["line"] for f in cell_frames} <= {5, 6}, frames
     _continue_all(k, paused[0]["body"]["threadId"])
     assert k.reply_of(spin_id)["status"] == "ok"

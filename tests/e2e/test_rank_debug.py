@@ -5,6 +5,7 @@ diagnosis while it is paused, and the listening socket debugpy opened closed aga
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import pytest
@@ -103,14 +104,17 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     assert again.ok and not pool.panel.paused(), again.text()
 
     # With no breakpoint the ranks run untraced; one set while a cell runs still stops that cell.
-    late = pool.submit("import time\ntime.sleep(2)\nlate_total = 0\nfor late_i in range(3):\n    late_total += late_i\n",
-                       source={"path": "/tmp/ipykernel_0/55.py", "line": 2})
-    wait_until(lambda: "time.sleep" in pool.stacks(all_threads=False).text(), ANSWER_TIMEOUT, "the cell to reach its sleep")
+    go = f"/tmp/distnb-late-bp-{os.getpid()}"
+    late = pool.submit(f"import os, time\nwhile not os.path.exists({go!r}):\n    time.sleep(0.01)\nlate_total = 0\nfor late_i in range(3):\n"
+                       "    late_total += late_i\n", source={"path": "/tmp/ipykernel_0/55.py", "line": 2})
+    wait_until(lambda: "time.sleep" in pool.stacks(all_threads=False).text(), ANSWER_TIMEOUT, "the cell to reach its wait")
     pool.panel.set_breakpoints("/tmp/ipykernel_0/55.py", [{"line": 6}])
+    open(go, "w").close()  # the cell goes on once the breakpoint is set
     wait_until(lambda: pool.panel.paused().keys() == {0, 1}, ATTACH_TIMEOUT, "both ranks to stop at a breakpoint set mid-cell")
     assert {f["line"] for f in pool.panel.stack()} == {6}
     pool.panel.detach()
     assert pool.wait(late, timeout=ANSWER_TIMEOUT * 3).ok and pool.pull("late_total") == {0: 3, 1: 3}
+    os.unlink(go)
 
     # Nobody at the panel: interrupting the cell ends it on ranks paused there too.
     pool.panel.set_breakpoints(PATH, [{"line": 5}])
