@@ -175,8 +175,9 @@ def test_timeline_and_profile_magics(sh, tmp_path, monkeypatch) -> None:
     current = pools.current_or_none()
     if current is None or current.state != distnb.PoolState.READY:  # an earlier test shut it down
         sh.line("dist_launch", "-n 2 --backend gloo")
+    # 100 ms late at each collective: beyond the noise of a loaded machine (25 ms was not, in test_desync_e2e).
     out, err = sh.cell("", "import time\ntl_x = torch.ones(4)\nfor _ in range(30):\n    if rank == 1:\n"
-                           "        time.sleep(0.01)\n    dist.all_reduce(tl_x)")
+                           "        time.sleep(0.1)\n    dist.all_reduce(tl_x)")
     _, out, err = sh.line("dist_timeline", "--last 30 --no-plot")
     assert "rank 1 arrives last at" in out and "time waiting for peers" in out, out + err
     with pytest.raises(UsageError, match="positive"):
