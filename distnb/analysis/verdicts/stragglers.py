@@ -95,14 +95,16 @@ def arrivals(log: CollectiveEvidence, group: str, ranks: list[int], last: int | 
         if cell is not None and isinstance(own, int) and own < cell:
             break  # a rank's cells only grow with its sequence numbers: the rest is older
         try:
-            times = {r: held[seq]["t"] - off for r, held, off in rows}
+            entries = [held[seq] for _, held, _ in rows]
         except KeyError:
             continue  # a rank has not reached it (or its log let it go)
-        if cell is not None and any(held[seq].get("cell") != cell for _, held, _ in rows):
+        # Lists counted at C speed: the watch runs this for thousands of ranks every second.
+        if cell is not None and [e.get("cell") for e in entries].count(cell) != len(entries):
             continue
-        if len({held[seq]["op"] for _, held, _ in rows}) > 1:
+        ops = [e["op"] for e in entries]
+        if ops.count(ops[0]) != len(ops):
             continue  # ranks in different calls at one number: a mismatch, not one collective to arrive at
-        out.append(Arrival(group, seq, fewest[seq]["op"], times))
+        out.append(Arrival(group, seq, ops[0], {r: e["t"] - off for (r, _, off), e in zip(rows, entries)}))
         if last is not None and len(out) >= last:
             break
     out.reverse()
