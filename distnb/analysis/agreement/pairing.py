@@ -188,8 +188,15 @@ def cross_cell(log: CollectiveEvidence, ranks: list[int], cell: int | None = Non
         # one most ranks' records hold, and gathering every position of every rank first cost
         # more than the rest of the verdict at thousands of ranks.
         per_rank = {r: m for r in members if (m := log.seqs(r, group))}
+        marks = [[e.get("cell") for e in m.values()] for m in per_rank.values()]
+        one = marks[0][0] if marks else None
+        if one is not None and all(ms.count(one) == len(ms) for ms in marks):
+            continue  # one cell issued every call of every rank on this group: none paired across cells
         for seq in sorted({s for m in per_rank.values() for s in m}, reverse=True):
             at = {r: m[seq] for r, m in per_rank.items() if seq in m}
+            marked = [e.get("cell") for e in at.values()]
+            if marked[0] is not None and marked.count(marked[0]) == len(marked):
+                continue  # one cell issued every call there (counted at C speed: most positions, at any size)
             cells = {issued_in(e) for e in at.values()}
             if len(at) < 2 or None in cells or len(cells) < 2:
                 continue
