@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from distnb.analysis.agreement.calls import entry_key
 from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import peer_of
@@ -62,6 +63,7 @@ class CollectiveLog:
     # comparison across ranks reads, kept as entries arrive so a look costs the entries it reads,
     # not the rank's whole history.
     _seqs: dict[int, dict[str, dict[int, CollectiveEntry]]] = field(default_factory=dict, repr=False)
+    _keys: dict[int, dict[str, dict[int, tuple[Any, ...]]]] = field(default_factory=dict, repr=False)  # entry_key of each, as _seqs
     _infos: dict[str, GroupInfo] = field(default_factory=dict, repr=False)
     # Per rank, the entries not completed (by id) and the newest id held: what every look at a
     # running cell asks, without walking the rank's history.
@@ -139,6 +141,7 @@ class CollectiveLog:
                 by_seq = seqs.get(gone["group"], {})
                 if by_seq.get(gone["seq"]) is gone:
                     del by_seq[gone["seq"]]
+                    self._keys.get(rank, {}).get(gone["group"], {}).pop(gone["seq"], None)
 
     def keep_calls(self, rank: int, calls: list[CallRecord]) -> None:
         """Calls the rank did not push itself (a dead rank's black box): each added, or taken in
@@ -166,6 +169,7 @@ class CollectiveLog:
             open_[e["id"]] = e
         if not e.get("p2p"):
             self._seqs.setdefault(rank, {}).setdefault(e["group"], {})[e["seq"]] = e
+            self._keys.setdefault(rank, {}).setdefault(e["group"], {})[e["seq"]] = entry_key(e)
         if e.get("desc") and self.descs.get(e["group"]) != e["desc"]:
             self.descs[e["group"]] = e["desc"]
             self._infos.pop(e["group"], None)
@@ -175,6 +179,7 @@ class CollectiveLog:
         self.generation += 1
         self.entries.clear()
         self._seqs.clear()
+        self._keys.clear()
         self._open.clear()
         self._newest.clear()
         self._infos.clear()
@@ -198,6 +203,7 @@ class CollectiveLog:
         self.generation += 1
         self.entries.clear()
         self._seqs.clear()
+        self._keys.clear()
         self._open.clear()
         self._newest.clear()
         self._infos.clear()
@@ -299,6 +305,10 @@ class CollectiveLog:
     def groups_of(self, rank: int) -> dict[str, dict[int, CollectiveEntry]]:
         """The rank's collectives (not point-to-point) by group, then sequence number (read-only)."""
         return self._seqs.get(rank, {})
+
+    def keys(self, rank: int, group: str) -> dict[int, tuple[Any, ...]]:
+        """:func:`~distnb.analysis.agreement.calls.entry_key` of each of :meth:`seqs`' entries, made as they arrived."""
+        return self._keys.get(rank, {}).get(group, {})
 
     def seqs(self, rank: int, group: str) -> dict[int, CollectiveEntry]:
         """The rank's collectives on ``group`` by sequence number (read-only: the log's own index)."""

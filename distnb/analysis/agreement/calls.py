@@ -23,10 +23,20 @@ from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEviden
 from distnb.cell_names import cell_name
 from distnb.wire.records import UNRECORDED, CollectiveEntry, issued_in
 
-__all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "program_key"]
+__all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "entry_key", "program_key"]
 
 #: Arguments that differ across ranks by design and are checked pairwise instead (all_to_all).
 SPLIT_ARGS = ("input_split_sizes", "output_split_sizes")
+def entry_key(e: CollectiveEntry) -> tuple[Any, ...]:
+    """What of an entry its :class:`Call`'s signature and site are made of, and whether it carries
+    split sizes (checked pairwise, never by equality): two entries with equal keys make equal
+    calls. The collective log keeps one per entry as it arrives, so that a diagnosis compares
+    thousands of ranks' calls at a position without building one."""
+    args = e.get("args")
+    return (e.get("op"), e.get("sizes"), e.get("dtypes"), args, e.get("call_cell"), e.get("line"),
+            bool(args and any(args.get(k) is not None for k in SPLIT_ARGS)))
+
+
 def _tup(x: Any) -> Any:
     return tuple(_tup(v) for v in x) if isinstance(x, (list, tuple)) else x
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from distnb.analysis.agreement.calls import SPLIT_ARGS, Call, call_of, death_call
+from distnb.analysis.agreement.calls import Call, call_of, death_call
 from distnb.analysis.agreement.evidence import CollectiveEvidence, groups_in_cell, odd_ones, op_stem
 from distnb.ranks import group_by
-from distnb.wire.records import CollectiveEntry, issued_in
+from distnb.wire.records import issued_in
 
 __all__ = ["Disagreement", "Presence", "disagreements"]
 
@@ -132,8 +132,9 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
     if len(members) < 2 or first is None:
         return None
     top = max(max(m) for m in seqs.values() if m)
+    keys = [log.keys(r, g) for r in members]
     for k in range(first, top + 1):
-        if _alike([seqs[r].get(k) for r in members]):
+        if _alike([by_seq.get(k) for by_seq in keys]):
             continue
         at: dict[int, Call | None] = {}
         inside = []
@@ -190,21 +191,13 @@ def _first(log: CollectiveEvidence, g: str, members: list[int], cell: int, where
     return None
 
 
-def _same(e: CollectiveEntry) -> tuple[Any, ...]:
-    """The fields of an entry that a :class:`Call`'s signature and site are made of."""
-    return e.get("op"), e.get("sizes"), e.get("dtypes"), e.get("args"), e.get("call_cell"), e.get("line")
-
-
-def _alike(entries: list[CollectiveEntry | None]) -> bool:
-    """Whether every member has an entry at a position and the entries are equal wherever a
-    :class:`Call` could differ — most positions of a healthy group: the members' calls agree
-    there without building one (at thousands of ranks, building them was most of a diagnosis).
-    All-to-all's split sizes are checked pairwise, never here."""
-    first = entries[0]
-    if first is None or (first.get("args") or {}).keys() & set(SPLIT_ARGS):
-        return False
-    want = _same(first)
-    return all(e is not None and _same(e) == want for e in entries)
+def _alike(keys: list[tuple[Any, ...] | None]) -> bool:
+    """Whether every member has an entry at a position and their keys (what a :class:`Call` is
+    made of: ``entry_key``) are equal — most positions of a healthy group, whose calls then agree
+    without building one (at thousands of ranks, building them was most of a diagnosis; the keys
+    are counted at C speed). All-to-all's split sizes are checked pairwise, never here."""
+    first = keys[0]
+    return first is not None and not first[-1] and keys.count(first) == len(keys)
 
 
 def _site_of_another_role(log: CollectiveEvidence, g: str, cell: int | None, line: int) -> bool:
