@@ -4,6 +4,7 @@ what a front-end types (a script of lines here), ``write`` what it shows."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -62,9 +63,13 @@ def run(pool: distnb.Pool, code: str, console: Console, **kwargs: Any) -> distnb
         del pool.debugger.console
 
 
-def test_a_breakpoint_on_one_rank_of_four_steps_with_labelled_answers_while_the_others_wait(pool: distnb.Pool) -> None:
+def test_a_breakpoint_on_one_rank_of_four_steps_with_labelled_answers_while_the_others_wait(pool: distnb.Pool, tmp_path: Path) -> None:
     diagnoses: list[distnb.Verdict] = []
-    code = "dbg_x = rank + 40\nif rank == 2:\n    breakpoint()\ndbg_y = dbg_x + 1\nt = torch.tensor([float(dbg_y)])\ndist.all_reduce(t)\nt"
+    # Rank 2 stops once the others are about to enter the all_reduce (their files), however busy the machine.
+    code = ("dbg_x = rank + 40\nif rank == 2:\n"
+            f"    while len(__import__('os').listdir({str(tmp_path)!r})) < 3: __import__('time').sleep(0.01)\n"
+            "    breakpoint()\ndbg_y = dbg_x + 1\nt = torch.tensor([float(dbg_y)])\n"
+            f"if rank != 2: open(f'{tmp_path}/{{rank}}', 'w').close()\ndist.all_reduce(t)\nt")
     con = Console("p dbg_x", "n", "p dbg_y", "c", during=lambda _: diagnoses.append(pool.diagnose(pool.history[-1])))
     result = run(pool, code, con)
     assert result.ok, result.text()
@@ -72,16 +77,16 @@ def test_a_breakpoint_on_one_rank_of_four_steps_with_labelled_answers_while_the_
     assert con.prompts == ["[rank 2] (Pdb) "] * 4
     text = con.text
     # Where it stands, with the source around, and what the others do meanwhile.
-    assert "rank 2 is paused in the debugger at cell" in text and "line 4 (dbg_y = dbg_x + 1)" in text
-    assert "  -> 4 | dbg_y = dbg_x + 1" in text and "     3 |     breakpoint()" in text
-    assert "ranks 0,1,3: waiting in all_reduce #" in text and "at cell line 6 (dist.all_reduce(t))" in text
+    assert "rank 2 is paused in the debugger at cell" in text and "line 5 (dbg_y = dbg_x + 1)" in text
+    assert "  -> 5 | dbg_y = dbg_x + 1" in text and "     4 |     breakpoint()" in text
+    assert "ranks 0,1,3: waiting in all_reduce #" in text and "at cell line 8 (dist.all_reduce(t))" in text
     assert "ranks 0,1,3 wait for the paused rank: --pg-timeout (1800 s) ends their wait with an error in" in text
     # Answers labelled by rank, in order.
     assert "[rank 2] 42" in text and "[rank 2] 43" in text
-    assert text.index("[rank 2] 42") < text.index("line 5 (t = torch.tensor") < text.index("[rank 2] 43")
+    assert text.index("[rank 2] 42") < text.index("line 6 (t = torch.tensor") < text.index("[rank 2] 43")
     # Paused is not hung: the hang watch says who waits for whom.
     assert diagnoses and all(d.state == "paused" for d in diagnoses)
-    assert diagnoses[0].summary.startswith("rank 2 is paused in the debugger at cell line 4; ranks 0,1,3 wait for it in all_reduce #")
+    assert diagnoses[0].summary.startswith("rank 2 is paused in the debugger at cell line 5; ranks 0,1,3 wait for it in all_reduce #")
     assert "not a hang" in diagnoses[0].summary
     stacks = pool.stacks()  # after the cell: nobody paused
     assert not any(s.paused for s in stacks.ranks)

@@ -69,13 +69,19 @@ def test_breakpoint_input_and_post_mortem_in_a_real_kernel(leak_check, tmp_path:
         content, out = fe.run("%load_ext distnb\n%dist_launch -n 4 --backend gloo")
         assert content["status"] == "ok", out
 
-        # A breakpoint on one rank of four; the others wait for it in a collective.
-        code = ("%%on_ranks\ndbg_x = rank + 40\nif rank == 2:\n    breakpoint()\ndbg_y = dbg_x + 1\n"
-                "t = torch.tensor([float(dbg_y)])\ndist.all_reduce(t)\nt.item()")
+        # A breakpoint on one rank of four; the others wait for it in a collective. Rank 2 stops
+        # once the others are about to enter it (their files), however busy the machine.
+        entered = tmp_path / "entered"
+        entered.mkdir()
+        code = ("%%on_ranks\ndbg_x = rank + 40\nif rank == 2:\n"
+                f"    while len(__import__('os').listdir({str(entered)!r})) < 3: __import__('time').sleep(0.01)\n"
+                "    breakpoint()\ndbg_y = dbg_x + 1\n"
+                f"t = torch.tensor([float(dbg_y)])\nif rank != 2: open(f'{entered}/{{rank}}', 'w').close()\n"
+                "dist.all_reduce(t)\nt.item()")
         content, out = fe.run(code, "p dbg_x", "n", "p dbg_y", "ranks 0-3: p rank", "c")
         assert content["status"] == "ok", out
         assert fe.prompts == ["[rank 2] (Pdb) "] * 5
-        assert re.search(r"rank 2 is paused in the debugger at In\[\d+\] line 4 \(dbg_y = dbg_x \+ 1\)", out), out
+        assert re.search(r"rank 2 is paused in the debugger at In\[\d+\] line 5 \(dbg_y = dbg_x \+ 1\)", out), out
         assert "ranks 0,1,3: waiting in all_reduce #1 on group 0" in out and "--pg-timeout (1800 s)" in out
         assert "[rank 2] 42" in out and "[rank 2] 43" in out, out
         assert "ranks 0,1,3 are not paused: not sent there" in out and out.count("[rank 2] 2") == 1, out
