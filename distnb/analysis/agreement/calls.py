@@ -27,6 +27,8 @@ __all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "entry_k
 
 #: Arguments that differ across ranks by design and are checked pairwise instead (all_to_all).
 SPLIT_ARGS = ("input_split_sizes", "output_split_sizes")
+
+
 def entry_key(e: CollectiveEntry) -> tuple[Any, ...]:
     """What of an entry its :class:`Call`'s signature and site are made of, and whether it carries
     split sizes (checked pairwise, never by equality): two entries with equal keys make equal
