@@ -157,17 +157,26 @@ del _os.environ["DISTNB_GLOO_TIMER_SLACK_MS"]
 _plain_new = _tasks() - _idle_before
 _idle_slack = dist.new_group(backend="gloo")   # as distnb makes it
 _slack_new = _tasks() - _idle_before - _plain_new
+_before_mesh = _tasks()
+from torch.distributed.device_mesh import init_device_mesh as _idm   # its groups come from new_group it imported by name
+_idle_mesh = _idm("cpu", (2, 2), mesh_dim_names=("idle_a", "idle_b"))
+_mesh_new = _tasks() - _before_mesh
 _named = bool(_loops(_plain_new))
-_plain_loops, _slack_loops = (_loops(_plain_new), _loops(_slack_new)) if _named else (_plain_new, _slack_new)
-_pool_loops = _loops(_idle_before)
+_plain_loops, _slack_loops, _mesh_loops = ((_loops(_plain_new), _loops(_slack_new), _loops(_mesh_new)) if _named
+                                           else (_plain_new, _slack_new, _mesh_new))
+# The pool's own group is the first gloo group the rank made: its loop is the oldest (groups earlier
+# cells made, and left, have loops of their own).
+_pool_loops = set(sorted(_loops(_idle_before), key=int)[:1])
 _t = torch.ones(2)
 dist.all_reduce(_t, group=_idle_slack)       # the slack group works, at once
-_every = _plain_loops | _slack_loops | _pool_loops
+_every = _plain_loops | _slack_loops | _pool_loops | _mesh_loops
 _a = _switches(_every); _time.sleep(1.0); _b = _switches(_every)
 _rate = lambda tids: max((_b[t] - _a[t] for t in tids if t in _a and t in _b), default=None)
 _result = (_named, len(_plain_loops), len(_slack_loops), _rate(_plain_loops), _rate(_slack_loops), _rate(_pool_loops),
-           _ct.CDLL(None).prctl(30, 0, 0, 0, 0), _t.tolist())
+           _ct.CDLL(None).prctl(30, 0, 0, 0, 0), _t.tolist(), len(_mesh_loops), _rate(_mesh_loops))
 dist.destroy_process_group(_idle_plain); dist.destroy_process_group(_idle_slack)
+for _g in _idle_mesh.get_all_groups():
+    dist.destroy_process_group(_g)
 _result
 """
 
@@ -175,16 +184,18 @@ _result
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gloo_loops_sleep_and_the_cells_thread_keeps_its_timers(pool):
-    """Each rank's gloo loop threads (the pool's group, and groups a cell makes) wake a few times
-    a second at rest, not a hundred; a group made with the slack off shows what gloo does alone.
-    The cell's own thread keeps the default slack: a user's ``time.sleep(0.001)`` stays 1 ms."""
+    """Each rank's gloo loop threads (the pool's group, groups a cell makes, a DeviceMesh's) wake a
+    few times a second at rest, not a hundred; a group made with the slack off shows what gloo does
+    alone. The cell's own thread keeps the default slack: a user's ``time.sleep(0.001)`` stays 1 ms."""
     res = pool.run(_LOOPS, timeout=90)
     assert res.ok, res.text()
     for rank, value in res.values.items():
-        named, plain_n, slack_n, plain_rate, slack_rate, pool_rate, own_slack, total = ast.literal_eval(value)
+        named, plain_n, slack_n, plain_rate, slack_rate, pool_rate, own_slack, total, mesh_n, mesh_rate = ast.literal_eval(value)
         if named:  # torch >= 2.12: the loop threads by name, the pool's own too
             assert plain_n == 1 and slack_n == 1, f"rank {rank}: one loop thread per new gloo group, got {plain_n}, {slack_n}"
             assert pool_rate is not None and pool_rate <= 25, f"rank {rank}: the pool's loop woke {pool_rate}/s"
+            # A mesh's dimensions are groups device_mesh makes with the new_group it imported by name.
+            assert mesh_n >= 1 and mesh_rate is not None and mesh_rate <= 25, f"rank {rank}: {mesh_n} mesh loops woke {mesh_rate}/s"
         else:  # unnamed: the threads each creation started, the loop the busiest of them
             assert plain_n >= 1 and slack_n >= 1, f"rank {rank}: a new gloo group started no thread ({plain_n}, {slack_n})"
         # Relative to the slack group's, which shares the machine's load: gloo alone must wake far
