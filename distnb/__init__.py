@@ -35,9 +35,11 @@ _PUBLIC = {
     "Debugger": "distnb.services.debugger", "Prompt": "distnb.controller.prompts",
     "Verdict": "distnb.analysis.verdicts.verdict", "Kind": "distnb.analysis.verdicts.verdict", "Certainty": "distnb.analysis.verdicts.verdict",
     "VerdictState": "distnb.analysis.verdicts.verdict", "Site": "distnb.analysis.verdicts.verdict", "Evidence": "distnb.analysis.verdicts.verdict",
+    "RootCause": "distnb.analysis.root_cause",
 }
 
 if TYPE_CHECKING:
+    from distnb.analysis.root_cause import RootCause
     from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
     from distnb.config import LaunchConfig
     from distnb.controller.prompts import Prompt
@@ -106,6 +108,7 @@ __all__ = [
     "RankState",
     "RankStatus",
     "RemoteError",
+    "RootCause",
     "ShutdownError",
     "Site",
     "Verdict",

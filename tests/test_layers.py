@@ -215,7 +215,8 @@ def test_public_surface_is_pinned_and_loads() -> None:
         "CellEvents", "CellFailed", "CellResult", "Certainty", "Debugger", "DistnbError", "Evidence", "Kind", "LaunchConfig", "LaunchError",
         "LoadError", "LoadedJob",
         "NoAnswerError", "NoCellError", "NoPoolError", "Pool", "PoolBrokenError", "PoolBusyError", "PoolState", "PoolStatus", "Prompt",
-        "RankResult", "RankState", "RankStatus", "RemoteError", "ShutdownError", "Site", "Verdict", "VerdictState", "attach", "checksum",
+        "RankResult", "RankState", "RankStatus", "RemoteError", "RootCause", "ShutdownError", "Site", "Verdict", "VerdictState", "attach",
+        "checksum",
         "current_pool", "detach", "launch", "live_pools", "load",
         "load_ipython_extension", "unload_ipython_extension",
     ]
