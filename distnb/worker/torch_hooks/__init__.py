@@ -24,7 +24,7 @@ gloo_unblock        ``_unregister_all_process_groups``,                    faile
 regroup             ``_update_default_pg``, ``_get_default_store``         works
 gloo_idle           ``init_process_group``'s ``backend`` argument;         gloo threads stay at the default timer slack
                     gloo's loop thread by its name ``gloo_tcp_loop``       (before 2.12, when gloo leaves it unnamed:
-                    (≥ 2.12)                                               found as the threads a group's creation started)
+                    (≥ 2.12); ``device_mesh``'s own ``new_group``          found as the threads a group's creation started)
 pasted              ``init_process_group``/``destroy_process_group``       a pasted init runs for real and fails
 patching            the functions' homes in ``torch.distributed``          (used by the above)
 meshes              ``torch.distributed.device_mesh.DeviceMesh``           %dist_mesh: "no device mesh"
