@@ -24,8 +24,9 @@ from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 from conftest import usable, wait_until
 
 #: From the interrupt to the cell's end on every rank: the escalation's delay, then the shutdown,
-#: the collective's error and the cell's end travelling back (milliseconds, given seconds here).
-BOUND = ESCALATE_AFTER + 3.0
+#: the collective's error and the cell's end travelling back (milliseconds, given seconds here for
+#: a loaded machine) — far below --pg-timeout, the wait without the escalation.
+BOUND = ESCALATE_AFTER + 8.0
 
 #: Ranks 0, 2 and 3 block in an all_reduce that rank 1 skips.
 SKIP = ("tag = 'before'\nt = torch.ones(2)\nif rank != 1:\n    print('entering', flush=True)\n    dist.all_reduce(t)\n"
