@@ -109,7 +109,16 @@ def test_pause_step_and_let_go_a_rank_while_the_others_wait_for_it(job: Attachab
     with distnb.attach(job.job_id) as attached:
 
         def rank_0_waits() -> str:
-            # Rank 1 is paused: rank 0 reaches its next all_reduce and waits there.
+            # Rank 1 is paused: rank 0 reaches its next all_reduce and waits there — once it got
+            # there (a step at an all_reduce, read the same twice), however slow the machine.
+            seen: list[int | None] = [None]
+
+            def at_its_all_reduce() -> bool:
+                now = steps(job, 0, attached)
+                held, seen[0] = now is not None and now % 20 == 0 and now == seen[0], now
+                return held
+
+            wait_until(at_its_all_reduce, 60, "rank 0 held at its next all_reduce", poll=0.5)
             first = steps(job, 0, attached)
             time.sleep(1.5)
             waited.append((first, steps(job, 0, attached)))
