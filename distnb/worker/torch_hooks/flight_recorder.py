@@ -237,6 +237,9 @@ class RecordIds:
         self._ids: dict[tuple[str, int], int] = {}
         self._next = 0
         self._lock = threading.Lock()
+        #: Ids of gloo entries a read already waited RETIRE_WAIT for in vain (a work never waited
+        #: on): the notebook's cursor stays before an open entry, so every later read would wait again.
+        self.stayed_open: set[int] = set()
 
     def assign(self, dumps: dict[str, dict[str, Any]]) -> list[tuple[int, str, dict[str, Any]]]:
         """``(id, recorder, entry)`` for every entry of ``dumps``, oldest id first."""
@@ -250,6 +253,7 @@ class RecordIds:
             if len(self._ids) > len(out) + 1000:  # keep only what the ring buffers still hold
                 held = {(rec, int(e["record_id"])) for _, rec, e in out}
                 self._ids = {k: v for k, v in self._ids.items() if k in held}
+                self.stayed_open.intersection_update(self._ids.values())
         return sorted(out, key=lambda x: x[0])
 
 
@@ -332,17 +336,21 @@ def _retired(since: int, clock: CellClock, ids: RecordIds) -> tuple[dict[str, An
     RETIRE_WAIT has passed). Gloo retires an entry on its own thread after the work completes, so a
     read just after the cell returned from a collective could find it "entered, not completed" —
     and the notebook would keep saying so until the next read. Only a work never waited on
-    (``async_op=True``) stays open: waited for once."""
+    (``async_op=True``) stays open: waited for once (``RecordIds.stayed_open``)."""
     dumps, missing = dump_recorders()
     assigned = ids.assign(dumps)
     ended = clock.idle_since()
+
+    def unretired() -> list[int]:
+        return [did for did, _, e in assigned if did > since and did not in ids.stayed_open and not _completed(e) and not _nccl(e)
+                and int(e.get("time_created_ns", 0)) / 1e9 <= ended] if ended is not None else []
+
     deadline = time.monotonic() + RETIRE_WAIT
-    while ended is not None and time.monotonic() < deadline and any(
-            did > since and not _completed(e) and not _nccl(e) and int(e.get("time_created_ns", 0)) / 1e9 <= ended
-            for did, _, e in assigned):
+    while (waiting := unretired()) and time.monotonic() < deadline:
         time.sleep(_RETIRE_STEP)
         dumps, missing = dump_recorders()
         assigned = ids.assign(dumps)
+    ids.stayed_open.update(waiting)
     return dumps, missing, assigned
 
 
