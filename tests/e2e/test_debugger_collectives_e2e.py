@@ -8,8 +8,8 @@ unblocked after it; NEXT_SETTLE: how long the console waits for ranks to stop), 
 
 from __future__ import annotations
 
-import os
 import time
+from pathlib import Path
 
 from test_debugger_e2e import Console, run
 
@@ -69,10 +69,10 @@ def test_quitting_one_rank_stops_the_others_before_a_collective_that_needs_it(po
     assert pool.run(ALL_REDUCE).values == {r: "4.0" for r in range(4)}
 
 
-def test_pdb_holds_the_other_ranks_before_their_next_collective(pool: distnb.Pool) -> None:
+def test_pdb_holds_the_other_ranks_before_their_next_collective(pool: distnb.Pool, tmp_path: Path) -> None:
     """Rank 2 raises once rank 3 is about to enter the all_reduce (its file); ranks 0 and 1 are still
     computing and reach it only once held (they wait for the hold, so no timing decides the test)."""
-    ready = f"/tmp/distnb-pdb-hold-{os.getpid()}"
+    ready = str(tmp_path / "ready")
     code = (f"import os, time\nt = torch.ones(2)\nif rank == 2:\n    while not os.path.exists({ready!r}):\n        time.sleep(0.01)\n"
             "    time.sleep(0.5)\n    1 / 0\n"
             "from distnb.worker.torch_hooks.call_log import STOPS\n"
@@ -81,11 +81,7 @@ def test_pdb_holds_the_other_ranks_before_their_next_collective(pool: distnb.Poo
             "dist.all_reduce(t)\nt")
     con = Console("ranks 0,1: p rank", "c all")
     started = time.monotonic()
-    try:
-        result = run(pool, code, con, pdb=True)
-    finally:
-        if os.path.exists(ready):
-            os.unlink(ready)
+    result = run(pool, code, con, pdb=True)
     cell = result.cell
     text = con.text
     assert ("[distnb] rank 2 raised and is in post-mortem: holding ranks 0,1 before their next collective, so the pool is "

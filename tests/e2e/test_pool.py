@@ -243,7 +243,7 @@ def test_streaming_output_arrives_in_order_while_the_cell_runs(pool):
     assert "[rank 0] first 0" in res.text() and "[rank 3] line 3 49" in res.text()
 
 
-def test_fd_and_c_level_output_is_captured(pool):
+def test_fd_and_c_level_output_is_captured(pool, tmp_path):
     res = pool.run(
         "import os, ctypes\n"
         "os.write(1, b'fd-out %d\\n' % rank)\n"
@@ -263,7 +263,7 @@ def test_fd_and_c_level_output_is_captured(pool):
     # with an fflush of its own).
     # The cell waits for the test's file, written once the output came (or after a minute).
     arrived: list[str] = []
-    go = f"/tmp/distnb-live-c-{os.getpid()}"
+    go = str(tmp_path / "go")
     result = pool.submit(f"import os, time\nfd_libc.printf(b'live from C')\nwhile not os.path.exists({go!r}):\n    time.sleep(0.01)",
                          ranks=[0], events=distnb.CellEvents(on_output=lambda rank, stream, text: arrived.append(text)))
     try:
@@ -274,7 +274,6 @@ def test_fd_and_c_level_output_is_captured(pool):
     finally:
         open(go, "w").close()
     pool.wait(result, timeout=30)
-    os.unlink(go)
     assert arrived and running == [0], f"the C output came {'after the cell ended' if arrived else 'not at all'}"
     assert result.stdout == {0: "live from C"}, result.text()
     res = pool.run("fd_libc.puts(b'buffered in C')")
@@ -335,9 +334,9 @@ def test_syntax_error_is_raised_once_before_sending(pool):
     assert all(r.state == RankState.IDLE for r in pool.status().ranks)
 
 
-def test_timeout_names_the_running_ranks(pool):
+def test_timeout_names_the_running_ranks(pool, tmp_path):
     # Ranks 1,2 wait for the test's file (written before the end), so the timeout finds them running.
-    go = f"/tmp/distnb-timeout-{os.getpid()}"
+    go = str(tmp_path / "go")
     res = pool.run(f"import os, time\nif rank in (1, 2):\n    while not os.path.exists({go!r}):\n        time.sleep(0.01)\nrank", timeout=5)
     try:
         assert res.timed_out and res.running == [1, 2]
@@ -355,10 +354,7 @@ def test_timeout_names_the_running_ranks(pool):
         assert pool.run("rank", ranks="0,3").values == {0: "0", 3: "3"}
     finally:
         open(go, "w").close()  # never leave ranks 1,2 looping on the shared pool
-    try:
-        pool.wait(res, timeout=15)
-    finally:
-        os.unlink(go)
+    pool.wait(res, timeout=15)
     assert res.ok and res.running == [] and res.values == {r: str(r) for r in ALL}
 
 
@@ -455,14 +451,14 @@ def test_pull_errors_name_the_variable(pool):
 
 
 @pytest.mark.timeout(120)
-def test_two_pools_side_by_side(fresh_pool):
+def test_two_pools_side_by_side(fresh_pool, tmp_path):
     a = fresh_pool(nproc=2)
     b = fresh_pool(nproc=2)
     assert distnb.current_pool() is b
     assert not set(a.pids()) & set(b.pids())
     assert a.status().address != b.status().address
     # Each rank stays in its cell until the test has seen every rank of both pools in theirs.
-    go = f"/tmp/distnb-side-by-side-{os.getpid()}"
+    go = str(tmp_path / "go")
     code = (f"import os, time\nsb_t = torch.tensor([float(rank + 1)])\ndist.all_reduce(sb_t)\nprint('in', flush=True)\n"
             f"while not os.path.exists({go!r}):\n    time.sleep(0.01)\nsb_t.item()")
     ra, rb = a.submit(code), b.submit(code)
@@ -470,11 +466,8 @@ def test_two_pools_side_by_side(fresh_pool):
         wait_until(lambda: all("in" in res.stdout for cell in (ra, rb) for res in cell.results.values()), 60, "every rank in its cell")
     finally:
         open(go, "w").close()
-    try:
-        a.wait(ra, timeout=30)
-        b.wait(rb, timeout=30)
-    finally:
-        os.unlink(go)
+    a.wait(ra, timeout=30)
+    b.wait(rb, timeout=30)
     assert ra.values == rb.values == {0: "3.0", 1: "3.0"}
     # Every rank of both pools was inside its cell at the same moment.
     spans = [(res.finished_at - res.duration, res.finished_at) for cell in (ra, rb) for res in cell.results.values()]

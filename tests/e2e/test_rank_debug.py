@@ -6,6 +6,7 @@ diagnosis while it is paused, and the listening socket debugpy opened closed aga
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -35,7 +36,6 @@ def two_node_pool(fresh_pool: Callable[..., distnb.Pool]) -> distnb.Pool:
 
 def _listening_ports(pid: int) -> set[int]:
     """TCP ports process ``pid`` listens on (from /proc: its sockets' inodes in the LISTEN state)."""
-    import os
 
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -55,7 +55,7 @@ def _listening_ports(pid: int) -> set[int]:
     return ports
 
 
-def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_node_pool: distnb.Pool) -> None:
+def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_node_pool: distnb.Pool, tmp_path: Path) -> None:
     pool = two_node_pool
     events: list[dict[str, Any]] = []
     pool.panel.on_event = events.append
@@ -104,7 +104,7 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     assert again.ok and not pool.panel.paused(), again.text()
 
     # With no breakpoint the ranks run untraced; one set while a cell runs still stops that cell.
-    go = f"/tmp/distnb-late-bp-{os.getpid()}"
+    go = str(tmp_path / "go")
     late = pool.submit(f"import os, time\nwhile not os.path.exists({go!r}):\n    time.sleep(0.01)\nlate_total = 0\nfor late_i in range(3):\n"
                        "    late_total += late_i\n", source={"path": "/tmp/ipykernel_0/55.py", "line": 2})
     wait_until(lambda: "time.sleep" in pool.stacks(all_threads=False).text(), ANSWER_TIMEOUT, "the cell to reach its wait")
@@ -114,7 +114,6 @@ def test_a_paused_rank_is_not_a_hang_and_the_rank_waiting_for_it_is_named(two_no
     assert {f["line"] for f in pool.panel.stack()} == {6}
     pool.panel.detach()
     assert pool.wait(late, timeout=ANSWER_TIMEOUT * 3).ok and pool.pull("late_total") == {0: 3, 1: 3}
-    os.unlink(go)
 
     # Nobody at the panel: interrupting the cell ends it on ranks paused there too.
     pool.panel.set_breakpoints(PATH, [{"line": 5}])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import ctypes
 import math
-import os
 import threading
 import time
 
@@ -218,7 +217,7 @@ _switches
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_quick_cells_leave_the_control_thread_asleep_and_long_ones_are_watched(pool, monkeypatch):
+def test_quick_cells_leave_the_control_thread_asleep_and_long_ones_are_watched(pool, monkeypatch, tmp_path):
     """A quick cell wakes only the rank's main thread; one that runs past WATCH_AFTER is watched:
     its collectives reach the notebook while it still runs, with the pool's own poll switched off."""
     before = {r: int(v) for r, v in pool.run(_CONTROL_SWITCHES).values.items()}
@@ -237,7 +236,7 @@ def test_quick_cells_leave_the_control_thread_asleep_and_long_ones_are_watched(p
     # Without the notebook's 1 s poll, only the ranks' own watch can bring the entries in: any that
     # arrives while the cell still runs (it sleeps until the test has seen all four) was pushed.
     monkeypatch.setattr(pool._tracker._asks, "poll_collectives", lambda running, dead: None)
-    go = f"/tmp/distnb-idle-{os.getpid()}-go"
+    go = str(tmp_path / "go")
     cell = pool.submit(f"_w = torch.ones(3)\ndist.all_reduce(_w)\nimport os, time\nwhile not os.path.exists({go!r}):\n    time.sleep(0.02)")
     try:
         seen: set[int] = set()
@@ -251,7 +250,4 @@ def test_quick_cells_leave_the_control_thread_asleep_and_long_ones_are_watched(p
         assert cell.running == [0, 1, 2, 3], "the cell ended before the test looked"
     finally:
         open(go, "w").close()
-        try:
-            assert pool.wait(cell, timeout=30).ok
-        finally:
-            os.unlink(go)
+        assert pool.wait(cell, timeout=30).ok
