@@ -18,7 +18,7 @@ import re
 
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 
-__all__ = ["MERGED_NOTE", "MiB", "Rows", "merge_lines", "merge_rows", "mib", "prefix_lines", "size"]
+__all__ = ["MERGED_NOTE", "MiB", "Rows", "end_sentence", "fit", "merge_lines", "merge_rows", "mib", "prefix_lines", "size"]
 
 MiB = 1 << 20
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
@@ -60,6 +60,33 @@ def size(n_bytes: float | None) -> str:
         if abs(n_bytes) >= scale:
             return f"{n_bytes / scale:.2f} {unit}" if unit == "GiB" else f"{n_bytes / scale:.0f} {unit}"
     return f"{n_bytes:.0f} B"
+
+
+def end_sentence(text: str) -> str:
+    """``text`` ended by a full stop, unless it already ends in its own: a message quoted whole
+    ("… must match."), or cut (``…``). A sentence that ends in someone else's words reads ".." otherwise."""
+    return text if text.rstrip().endswith((".", "…", "!", "?")) else text + "."
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters: whole when it fits, else cut at a space outside any
+    brackets, parentheses or backticks and ended with ``…``. A label (``In[15]``, ``[256, 64]``,
+    ``(#18 on group 0)``, `` `if rank == 0:` ``) is shown whole or not at all: a cut one reads as
+    another label (``In[1``). Only a first word longer than the width is cut inside."""
+    if len(text) <= width:
+        return text
+    depth, tick, cut = 0, False, -1
+    for i, ch in enumerate(text[: width - 1]):  # a cut at i keeps text[:i] and " …": i + 2 characters
+        if ch == "`":
+            tick = not tick
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        elif ch == " " and not depth and not tick:
+            cut = i
+    kept = text[:cut].rstrip(" ,;:") if cut > 0 else ""
+    return f"{kept} …" if kept else text[: width - 1] + "…"
 
 
 class Rows(list[tuple[list[int], str]]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from distnb._text import fit
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
 
@@ -207,8 +208,7 @@ def _error_line(rank: RankResult) -> str:
     """``ename: the first line of its message``, the message cut to a line's length."""
     error = rank.error or {}
     message = str(error.get("evalue", "")).strip().split("\n", 1)[0]
-    if len(message) > _MESSAGE_CHARS:
-        message = message[: _MESSAGE_CHARS - 1] + "…"
+    message = fit(message, _MESSAGE_CHARS)
     ename = error.get("ename") or "an error"
     return f"{ename}: {message}" if message else ename
 

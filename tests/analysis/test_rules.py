@@ -4,10 +4,10 @@ rule comes with its test. The corpus (benchmarks/bench_diagnosis.py) judges them
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import pytest
+from words_lint import faults
 
 from distnb.analysis.verdicts.diagnose import RULES, diagnose
 from distnb.analysis.verdicts.position import Position
@@ -273,27 +273,8 @@ def test_a_rank_whose_call_is_further_down_the_cell_skipped_the_others_call() ->
     assert (verdict.kind, verdict.culprits) == (Kind.CALL_MISSING, [1]), verdict.text()
 
 
-#: What a sentence pieced together from parts shows when a part ends in its own punctuation or a
-#: label was cut: "[256, 64].; ranks 0-2", "the call..", "In[1" for In[15].
-_SEAMS = re.compile(r"(?<!\.)\.[;,:]|(?<![.…])\.\.(?!\.)|[;,:]\.|;;|,,|\s[;,.:](?!\d)|\(\s|\s\)")
-
-
-def _balanced(line: str) -> bool:
-    depth = {"(": 0, "[": 0}
-    for ch in line:
-        if ch in "([":
-            depth[ch] += 1
-        elif ch in ")]":
-            depth["(" if ch == ")" else "["] -= 1
-            if min(depth.values()) < 0:
-                return False
-    return all(v == 0 for v in depth.values())
-
-
 def _no_seams(rule: str, text: str) -> None:
-    for line in text.splitlines():
-        assert not _SEAMS.search(line), f"{rule}: {line!r}"
-        assert _balanced(line) or "…" in line, f"{rule}: brackets unbalanced (a cut label?) in {line!r}"
+    assert not faults(text), (rule, faults(text))
 
 
 @pytest.mark.parametrize("rule", list(CASES))

@@ -13,6 +13,7 @@ import ast
 from dataclasses import dataclass
 from typing import Iterable
 
+from distnb._text import fit
 from distnb.cell_names import cell_name
 
 __all__ = ["Around", "around", "because", "condition_ranks", "loop_span", "may_branch", "other_branches", "rank_names"]
@@ -118,7 +119,7 @@ def around(code: str, line: int, names: frozenset[str] = _RANK_NAMES) -> Around 
             text = f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}:"
         elif isinstance(node, ast.While):
             text = f"while {ast.unparse(node.test)}:"
-        return text if len(text) <= 80 else text[:77] + "…"
+        return fit(text, 80)
 
     def walk(body: list[ast.stmt]) -> None:
         for node in body:

@@ -14,17 +14,21 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from distnb._text import fit
 from distnb.analysis.agreement.entry_words import describe, state_mark
 from distnb.cell_names import cell_tag
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.wire.records import CollectiveEntry
 
-__all__ = ["GroupTable", "Row", "cell_text", "MAX_MINORITIES", "NOT_RECORDED", "PAGE_RANKS"]
+__all__ = ["COLUMN_MAX", "GroupTable", "Row", "cell_text", "MAX_MINORITIES", "NOT_RECORDED", "PAGE_RANKS"]
 
 #: Ranks per page of the per-rank view: a page as wide as the view of 8 ranks is today.
 PAGE_RANKS = 8
 #: Kinds of difference named at one position before "… and N more" (each names its ranks).
 MAX_MINORITIES = 4
+#: The widest column of the per-rank view: an entry with long arguments is cut at a word, before
+#: its cell's tag (the HTML table shows it whole).
+COLUMN_MAX = 40
 
 
 #: A position a rank got past (a group's numbers run without gaps: it holds a later one) whose entry
@@ -33,12 +37,14 @@ MAX_MINORITIES = 4
 NOT_RECORDED: CollectiveEntry = {"id": -1, "op": "not recorded", "done": True}
 
 
-def cell_text(e: CollectiveEntry | None, odd: bool = False) -> str:
-    """``all_reduce [2] f32 ⏳ In[3]``: one rank's entry at one position, as the tables show it."""
+def cell_text(e: CollectiveEntry | None, odd: bool = False, width: int | None = None) -> str:
+    """``all_reduce [2] f32 ⏳ In[3]``: one rank's entry at one position, as the tables show it;
+    within ``width`` characters, the words cut before the cell's tag, which stays whole."""
     if e is None:
         return "—"
     text = ("✗ " if odd else "") + describe(e) + state_mark(e)
-    return text + (f" {cell_tag(e['cell'])}" if e.get("cell") is not None else "")
+    tag = f" {cell_tag(e['cell'])}" if e.get("cell") is not None else ""
+    return (text if width is None else fit(text, max(1, width - len(tag)))) + tag
 
 
 def _key(e: CollectiveEntry | None) -> Any:
@@ -155,11 +161,13 @@ class GroupTable:
         """A column per rank (``columns``), a line per position."""
         cells = [[cell_text(row.by_rank.get(r), row.divergence and r in row.odd) for r in columns] for row in self.rows]
         # Wide enough for the entries shown (arguments make them longer), within reason.
-        width = min(40, max([24, *(len(c) + 2 for line in cells for c in line)]))
+        width = min(COLUMN_MAX, max([24, *(len(c) + 2 for line in cells for c in line)]))
         lines = ["    #  " + "".join(f"rank {r}".ljust(width) for r in columns)]
         for row, line in zip(self.rows, cells):
             mark = "  ◀ first divergence" if row.divergence else ""
-            lines.append(f"  {row.seq:>3}  " + "".join(c[: width - 1].ljust(width) for c in line) + mark)
+            fitted = [c if len(c) < width else cell_text(row.by_rank.get(r), row.divergence and r in row.odd, width - 1)
+                      for r, c in zip(columns, line)]
+            lines.append(f"  {row.seq:>3}  " + "".join(c.ljust(width) for c in fitted) + mark)
         return lines
 
     def summary_lines(self) -> list[str]:

@@ -12,6 +12,7 @@ import math
 import re
 from typing import NamedTuple
 
+from distnb._text import end_sentence
 from distnb.analysis.agreement.collectives import CollectiveReport, Differs, Divergence, issued_words
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.render import headline
@@ -212,12 +213,12 @@ def raised(rec: Records) -> Verdict | None:
     elif rec.running:
         return None
     else:
-        summary = f"{who} raised {f.detail}."
+        summary = end_sentence(f"{who} raised {f.detail}")
         state = VerdictState.FAILED
     if _BAD_ARGUMENTS.search(f.detail):
         # torch.distributed refused the rank's own call (a tensor of another size or dtype than the
         # group's): a mismatch, found by the rank itself before anything was sent.
-        return Verdict(state, Kind.MISMATCH, f"{who} called a collective with tensors the group does not match: {f.detail}.",
+        return Verdict(state, Kind.MISMATCH, end_sentence(f"{who} called a collective with tensors the group does not match: {f.detail}"),
                        ranks, [p.rank for p in waiting], sites,
                        Evidence("the n-th call on a group is the same on every member", {p.rank: p.detail for p in failed}),
                        Certainty.LIKELY, "torch refused the call on that rank; its inputs differ from the group's", positions=rec.positions,

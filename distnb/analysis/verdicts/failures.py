@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from distnb._text import fit
 from distnb.wire.records import CellError
 
 __all__ = ["cut_message", "differing_messages", "fold_crash_dump", "holders_words", "is_timeout", "salient_lines"]
@@ -37,7 +38,7 @@ def cut_message(text: str, limit: int = 300) -> str:
             break
         kept = f"{kept}\n{line}" if kept else line
     if not kept:
-        kept = text[:limit].rsplit(" ", 1)[0] if " " in text[:limit] else text[:limit]
+        return fit(text.splitlines()[0], limit)
     return kept.rstrip(" ,;:") + " …"
 
 

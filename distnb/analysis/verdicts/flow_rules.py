@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from distnb._text import end_sentence
 from distnb.analysis.agreement.cell_source import because
 from distnb.analysis.agreement.entry_words import args_text
 from distnb.analysis.root_cause import RootCause
@@ -91,11 +92,11 @@ def unresponsive(rec: Records) -> Verdict | None:
     ranks = [p.rank for p in silent]
     s = silent[0]
     if not rec.waiting:
-        summary = f"{format_ranks(ranks)} {'is' if len(silent) == 1 else 'are'} not answering: {s.detail}."
+        summary = end_sentence(f"{format_ranks(ranks)} {'is' if len(silent) == 1 else 'are'} not answering: {s.detail}")
     else:
         w = format_ranks([p.rank for p in rec.waiting])
-        summary = (f"{w} {ranks_verb(rec.waiting, 'wait')} in {rec.waiting[0].op} for {format_ranks(ranks)}, which "
-                   f"{'is' if len(silent) == 1 else 'are'} not answering at all: {s.detail}.")
+        summary = end_sentence(f"{w} {ranks_verb(rec.waiting, 'wait')} in {rec.waiting[0].op} for {format_ranks(ranks)}, which "
+                               f"{'is' if len(silent) == 1 else 'are'} not answering at all: {s.detail}")
     return _v(rec, VerdictState.HANG, Kind.UNRESPONSIVE, summary, ranks, "unresponsive", reason="it gives no stack: where it is stuck is unknown",
               root=RootCause.of(ranks) if rec.waiting else None)
 
@@ -185,7 +186,7 @@ def finished_early(rec: Records) -> Verdict | None:
     left = "ended" if any(p.file for p in finished) else "finished the cell"  # a program's rank (a job's) has no cell
     found = _v(rec, VerdictState.HANG, kind,
                f"{head_words}: {w} entered {head.collective()}, but {format_ranks([p.rank for p in finished])} {left} without entering it"
-               + (f"; {why}." if why else " (likely a condition on the rank around it, or a loop that ran fewer times on one side)."),
+               + (f"; {end_sentence(why)}" if why else " (likely a condition on the rank around it, or a loop that ran fewer times on one side)."),
                culprits, "finished_early", reason="from where the ranks are (the collective log said no more)", sites=sites)
     found.explained = bool(why)
     return found
