@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 from distnb.cell_names import name_cell
 from distnb.config import LaunchConfig
 from distnb.controller.collective_log import CollectiveLog
+from distnb.controller.internal_errors import InternalErrors
 from distnb.controller.session import CellRecord, PushRecord, SessionLog
 from distnb.controller.tracker import Tracker
 from distnb.errors import LaunchError, RemoteError, ShutdownError
@@ -100,6 +101,7 @@ class Pool(PoolViews):
         self._transport: RankTransport = transport if transport is not None else TorchrunRanks(self._config)
         self._regroups = 0
         self._respawns = 0
+        self._internal = InternalErrors()
         pools.add_pool(self)
 
     # -- read-only views of the parts -----------------------------------------------------------
@@ -125,6 +127,12 @@ class Pool(PoolViews):
     @property
     def state(self) -> PoolState:
         return self._tracker.state
+
+    @property
+    def internal_errors(self) -> InternalErrors:
+        """Exceptions the notebook side's best-effort parts (the live diagnosis, the diagnosis at a
+        timeout) caught and survived: distnb's bugs, said by ``%dist_status``, never in a cell."""
+        return self._internal
 
     @property
     def history(self) -> list[CellResult | CellRecord]:
@@ -370,7 +378,8 @@ class Pool(PoolViews):
             cells_run=len(self._session), nnodes=self._config.nnodes,
             nodes=multinode.nodes.text(self._tracker.ranks_by_agent()) if multinode else "",
             rejected=health.rejected if health else 0, internal_errors=health.errors if health else 0,
-            last_internal_error=health.last_error if health else None)
+            last_internal_error=health.last_error if health else None, diagnosis_errors=self._internal.count,
+            last_diagnosis_error=self._internal.last)
 
     def pids(self) -> list[int]:
         """Every process of the pool known to be alive (agent, supervisors, ranks)."""

@@ -18,6 +18,7 @@ from distnb.analysis.verdicts.stacks import StackReport
 from distnb.analysis.verdicts.stragglers import StragglerReport
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.config import LaunchConfig
+from distnb.controller.internal_errors import InternalErrors
 from distnb.controller.tracker import Tracker
 from distnb.ranks import Ranks, parse_ranks
 from distnb.results import CellResult
@@ -35,6 +36,7 @@ class PoolViews:
     _config: LaunchConfig
     _tracker: Tracker
     _diagnostics: Diagnostics
+    _internal: InternalErrors
 
     @property
     def world_size(self) -> int:
@@ -43,7 +45,7 @@ class PoolViews:
     def explain_timeout(self, result: CellResult) -> None:
         """After a wait that ended at its timeout: why the ranks still run, as ``result.verdict``
         and a note in its text (``%%on_ranks --timeout`` calls it)."""
-        why_still_running(result, lambda res: self.diagnose(res, hang_after=0.0))
+        why_still_running(result, lambda res: self.diagnose(res, hang_after=0.0), self._internal)
 
     def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
         """Per rank, where a cell run with ``profile=True`` spent its time (compute, collectives,

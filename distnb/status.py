@@ -75,6 +75,8 @@ class PoolStatus:
     rejected: int = 0  # frames and handshakes refused (wrong key, replay, unknown peer)
     internal_errors: int = 0  # failures distnb's I/O thread caught and survived
     last_internal_error: str | None = None
+    diagnosis_errors: int = 0  # failures of the notebook side's best-effort diagnosis (the live watch, a timeout's why)
+    last_diagnosis_error: str | None = None
 
     every_rank: bool = False  # a line per rank even above SUMMARY_ABOVE ranks (%dist_status --all)
 
@@ -90,9 +92,11 @@ class PoolStatus:
         if self.rejected:
             lines.append(f"refused {self.rejected} frame(s) or handshake(s) from peers without this pool's key")
         if self.internal_errors:
-            last = (self.last_internal_error or "").strip().splitlines()
             lines.append(f"{self.internal_errors} internal error(s) on distnb's I/O thread (it kept running; please report them); "
-                         f"the last: {last[0] if last else '?'}{(' — ' + last[-1]) if len(last) > 1 else ''}")
+                         f"the last: {_first_and_last(self.last_internal_error)}")
+        if self.diagnosis_errors:
+            lines.append(f"{self.diagnosis_errors} internal error(s) in distnb's diagnosis (the cells went on without it; please report "
+                         f"them: pool.internal_errors.last holds the traceback); the last: {_first_and_last(self.last_diagnosis_error)}")
         return "\n".join(lines)
 
     def _summary(self) -> list[str]:
@@ -129,3 +133,9 @@ class PoolStatus:
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(self.text())
+
+
+def _first_and_last(error: str | None) -> str:
+    """A kept traceback's first line (when, and what was being done) and last (the exception)."""
+    lines = (error or "").strip().splitlines()
+    return f"{lines[0].rstrip(':') if lines else '?'}{(' — ' + lines[-1]) if len(lines) > 1 else ''}"

@@ -21,14 +21,13 @@ import logging
 import math
 import os
 import select
-import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, Iterable, NamedTuple
 
 import zmq
 
+from distnb.controller.internal_errors import InternalErrors
 from distnb.wire.codec import BadFrame, Codec, ReplayGuard, socket_max_msgsize
 from distnb.wire.peers import Peer, PeerKind, generation_of, in_generation, parse_identity
 from distnb.wire.protocol import Inbound, Msg, accept
@@ -53,9 +52,6 @@ class FollowUp(NamedTuple):
 
 #: Messages received in one go before they are handled (senders get the lock in between).
 _TAKE_MAX = 256
-#: Distinct failure sites logged at ERROR level; repeats go to DEBUG, so a handler that fails on
-#: every tick can't flood the notebook with one traceback a second.
-_LOGGED_SITES_MAX = 64
 #: Frames queued per peer before its connection is no longer read (ZMQ's default is 1,000): output
 #: travels in frames of at most 64 KiB (worker/process/supervisor.py), so a flooding rank holds at most
 #: 16 MiB of the notebook's memory in flight.
@@ -137,10 +133,7 @@ class Channel:
         self._rejected = 0
         self.undeliverable = 0
         #: Exceptions caught on the I/O thread (handlers, the tick, the loop itself).
-        self.errors = 0
-        #: The last of them as text: when (local HH:MM:SS), what was being done, and the traceback.
-        self.last_error: str | None = None
-        self._logged_sites: set[tuple[str, str, int]] = set()
+        self.caught = InternalErrors(log)
         #: Follow-ups (see send_many) by when they are due: ``(when, n, follow-up)``.
         self._timers: list[tuple[float, int, FollowUp]] = []
         self._timers_lock = threading.Lock()
@@ -311,16 +304,15 @@ class Channel:
 
     def _failed(self, what: str) -> None:
         """Count and keep the exception being handled; log each failure site once at ERROR."""
-        self.errors += 1
-        text = traceback.format_exc()
-        self.last_error = f"{time.strftime('%H:%M:%S')} in {what}:\n{text}"
-        tb = traceback.extract_tb(sys.exc_info()[2])
-        site = (what, tb[-1].filename, tb[-1].lineno or 0) if tb else (what, "", 0)
-        if site not in self._logged_sites and len(self._logged_sites) < _LOGGED_SITES_MAX:
-            self._logged_sites.add(site)
-            log.error("distnb: error in %s (the pool keeps running; pool status shows the last one):\n%s", what, text.rstrip())
-        else:
-            log.debug("distnb: error in %s again:\n%s", what, text.rstrip())
+        self.caught.caught(what)
+
+    @property
+    def errors(self) -> int:
+        return self.caught.count
+
+    @property
+    def last_error(self) -> str | None:
+        return self.caught.last
 
     def _receive(self, frames: list[bytes]) -> None:
         try:

@@ -53,27 +53,25 @@ class HangWatch:
         if now < self._next or not result.running or paused:
             return  # (the debugger console says where paused ranks are)
         self._next = now + 1.0
-        state: VerdictState | None  # None: the diagnosis itself failed
         try:
             diag = self._watch.look()
-        except Exception as exc:  # diagnosis is best effort; the cell keeps streaming
-            headline = f"could not diagnose: {exc}"
-            diag_text, state = f"[distnb] {headline}", None
-        else:
-            if diag is None:
-                self._say_activity(result, view)
-                return  # the ranks' logs show progress: nothing else to say
-            headline, diag_text, state = diag.summary, diag.text(), diag.state
-            if state is VerdictState.PAUSED and (verdict := self._pool.panel.verdict()):
-                headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
-        # Said again only when the headline changes (it carries no durations); a failing diagnosis
-        # is said once too, so a broken watch is not silent. "Slow" is healthy ranks waiting on a
-        # peer: the live view shows it while it lasts, and nothing of it stays (nor is printed).
+        except Exception:  # distnb's bug, not the cell's news: %dist_status says it; the cell keeps streaming
+            self._pool.internal_errors.caught("the live diagnosis")
+            return
+        if diag is None:
+            self._say_activity(result, view)
+            return  # the ranks' logs show progress: nothing else to say
+        headline, diag_text, state = diag.summary, diag.text(), diag.state
+        if state is VerdictState.PAUSED and (verdict := self._pool.panel.verdict()):
+            headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
+        # Said again only when the headline changes (it carries no durations). "Slow" is healthy
+        # ranks waiting on a peer: the live view shows it while it lasts, and nothing of it stays
+        # (nor is printed).
         if state is VerdictState.SLOW:
             if isinstance(view, CellDisplay):
                 view.set_diagnosis(diag_text, keep=False)
             return
-        if state in (VerdictState.HANG, VerdictState.PAUSED, None) and headline != self._shown:
+        if state in (VerdictState.HANG, VerdictState.PAUSED) and headline != self._shown:
             self._shown = headline
             if isinstance(view, CellDisplay):
                 view.set_diagnosis(diag_text)

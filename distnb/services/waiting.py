@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 from distnb.analysis.verdicts.verdict import Verdict
 from distnb.cell_names import cell_name
 from distnb.controller.cell_run import CellRun
+from distnb.controller.internal_errors import InternalErrors
 from distnb.controller.tracker import Tracker
 from distnb.errors import DistnbError
 from distnb.ranks import format_ranks, group_by
@@ -147,16 +148,17 @@ def rebuild_after_unblock(result: CellResult, tracker: Tracker, regroup: Callabl
         result.path_note = ""
 
 
-def why_still_running(result: CellResult, diagnose: Callable[[CellResult], Verdict]) -> None:
+def why_still_running(result: CellResult, diagnose: Callable[[CellResult], Verdict], errors: InternalErrors) -> None:
     """A cell ended at its timeout: the diagnosis of the ranks still running, kept on the result
     (``verdict``) and said in its notes — the live watch may not have spoken yet (a busy
-    machine, a --timeout shorter than --hang-after)."""
+    machine, a --timeout shorter than --hang-after). A diagnosis that fails is distnb's bug, kept
+    in ``errors`` (``%dist_status`` says it); the timeout is said regardless."""
     if not result.timed_out or not result.running or any(n.startswith("[distnb] why ") for n in result.notes):
         return
     try:
         verdict = diagnose(result)
-    except Exception as exc:  # best effort, as the live watch's: the timeout is said regardless
-        result.notes.append(f"[distnb] why {format_ranks(result.running)} still run: not known ({exc})")
+    except Exception:
+        errors.caught("the diagnosis of ranks still running at a timeout")
         return
     result.verdict = verdict
     one = len(result.running) == 1
