@@ -31,6 +31,7 @@ class HangWatch:
         self._view = view
         self._next = time.monotonic() + min(hang_after, 1.0)
         self._shown = ""
+        self._printed_hang = False  # printed text: a hang's verdict block is printed once a cell
         self._watch = pool.watch(result, hang_after)
         self._doing: tuple[object, ...] = ()  # what a long cell's ranks were said to be doing
         self._started = time.monotonic()
@@ -64,9 +65,12 @@ class HangWatch:
         headline, diag_text, state = diag.summary, diag.text(), diag.state
         if state is VerdictState.PAUSED and (verdict := self._pool.panel.verdict()):
             headline, diag_text = headline + verdict, f"{diag_text}\n{verdict}"  # ranks the panel holds before collectives
-        # Said again only when the headline changes (it carries no durations). "Slow" is healthy
-        # ranks waiting on a peer: the live view shows it while it lasts, and nothing of it stays
-        # (nor is printed).
+        # The live view shows the latest verdict in place, again only when the headline changes (it
+        # carries no durations). Printed text can't replace a block: a hang's verdict is printed
+        # once a cell, the first; a later reading (after an interrupt, the records settled) is the
+        # report's, which ends the cell — three blocks of one hang read as three hangs. A pause is
+        # the debugger's news and is said at each change. "Slow" is healthy ranks waiting on a
+        # peer: the live view shows it while it lasts, and nothing of it stays (nor is printed).
         if state is VerdictState.SLOW:
             if isinstance(view, CellDisplay):
                 view.set_diagnosis(diag_text, keep=False)
@@ -75,7 +79,8 @@ class HangWatch:
             self._shown = headline
             if isinstance(view, CellDisplay):
                 view.set_diagnosis(diag_text)
-            else:
+            elif state is VerdictState.PAUSED or not self._printed_hang:
+                self._printed_hang = state is VerdictState.HANG or self._printed_hang
                 print(diag_text, file=sys.stderr)
 
 
