@@ -29,11 +29,13 @@ from distnb.controller.session import CellRecord
 from distnb.ranks import format_ranks
 from distnb.results import CellResult
 from distnb.services.export import export_notebook, export_script
+from distnb.services.slicing import slice_cells
 from distnb.services.verify import Reproduction, session_signature, verify_script
 
 T = TypeVar("T")
 
-__all__ = ["Candidate", "Minimized", "Runs", "function_bodies", "minimize", "replace_body", "statements", "try_bound", "world_sizes", "write_case"]
+__all__ = ["Candidate", "Minimized", "Runs", "failing_lines", "function_bodies", "minimize", "replace_body", "statements", "try_bound",
+           "world_sizes", "write_case"]
 
 
 @dataclass(frozen=True)
@@ -180,11 +182,16 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
     say = on_progress or (lambda _text: None)
     on = [pool]  # the pool the tries run on: the session's, or a smaller one the world-size pass kept
 
+    tried: dict[tuple[object, ...], bool] = {}  # a case tried once is not run again (ddmin's passes meet the same ones)
+
     def fails(candidate: list[Candidate], runs: Runs | None = None, signature: FailureSignature | None = None) -> bool:
+        key = (id(runs or on[0]), (signature or state.signature).text(), *candidate)
+        if key in tried:
+            return tried[key]
         if time.monotonic() - t0 > budget:
             raise _Budget
         state.tries += 1
-        ok = _reproduces(runs or on[0], candidate, signature or state.signature, limit)
+        ok = tried[key] = _reproduces(runs or on[0], candidate, signature or state.signature, limit)
         n, s = len(candidate), sum(len(statements(c.code)) for c in candidate)
         cur = state.size()
         say(f"minimizing: {cur[0]} cells, {cur[1]} statements · try {state.tries} ({n} cells, {s} statements): "
@@ -193,6 +200,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
 
     with ExitStack() as pools:
         try:
+            _slice_first(state, failing_lines(failing), fails)
             _shrink(state, fails)
             if pool.smaller is not None and (smaller := _cut_world(state, pool, pools, fails, say)) is not None:
                 on[0] = smaller
@@ -207,6 +215,36 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
 
 class _Budget(Exception):
     pass
+
+
+def failing_lines(failing: CellResult | CellRecord) -> set[int]:
+    """The failing cell's lines where its ranks raised, or wait (empty: not known)."""
+    if not isinstance(failing, CellResult):
+        return set()
+    lines = {int(line) for res in failing.results.values() if res.error and (line := res.error.get("line"))}
+    if failing.verdict is not None:
+        lines |= {p.line for p in failing.verdict.positions if p.line and p.line_cell in (None, failing.cell)}
+    return lines
+
+
+def _slice_first(state: Minimized, lines: set[int], fails: Fails) -> None:
+    """One try of what the failing lines need by the cells' data flow (services/slicing.py): kept
+    when it still fails, so that the tries after start from it."""
+    kept = slice_cells([c.code for c in state.cells], lines)
+    if kept is None:
+        return
+    parts = [statements(c.code) for c in state.cells]
+    sliced = [Candidate("\n".join(parts[i][j] for j in keep), c.ranks) for i, (c, keep) in enumerate(zip(state.cells, kept))
+              if keep or i == len(state.cells) - 1]
+    before, after = state.size(), (len(sliced), sum(len(k) for k in kept))
+    if after >= before or not any(kept[-1:]):
+        return
+    if fails(sliced):
+        state.steps.append(f"kept the {after[1]} of {before[1]} statements the failing line needs by the names they set and read, "
+                           "and every call into torch.distributed (read from the code, one try)")
+        state.cells = sliced
+    else:
+        state.steps.append(f"the {after[1]} statements the failing line needs by its names did not fail alone: cut by trying")
 
 
 class Fails(Protocol):

@@ -1,0 +1,155 @@
+"""What a failure needs of the cells, read from their code before a single try: a backward slice.
+
+``%dist_minimize`` cut by trying alone — every try a fresh set of ranks and a run of the cells —
+and on a session of many statements most tries removed something the failure never needed. The
+cells' code says much of it: the failing statement (the line a rank raised at, or waits at) needs
+the statements that define or change the names it reads, and those in turn theirs; a call into
+``torch.distributed`` anywhere (or into a function of the cells that makes one) moves the groups'
+sequence numbers, so it stays whatever names it touches. Everything else is one try's guess: the
+slice is tried once, and kept only when it still fails as the session did.
+
+Read conservatively, as it must be to lose nothing: any call may change the names it is given and
+the object whose method it calls (``dist.all_reduce(loss)`` changes ``loss``, ``opt.step()`` changes
+``opt``); a name once needed stays needed above a statement that sets it (a change may be partial);
+a function needs every name its body reads.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from dataclasses import dataclass
+
+__all__ = ["Statement", "read_statements", "slice_cells"]
+
+#: Names through which a statement reaches torch.distributed: the pool's own ``dist``, and the
+#: module by its path.
+_DIST_NAMES = frozenset({"dist", "distributed", "c10d", "funcol"})
+#: Names a call can't be said to change: modules (``torch.tensor(x)`` makes a tensor, it does not
+#: change torch; every rank starts with ``torch`` and ``dist``), the numbers every rank starts with,
+#: and Python's builtins.
+_NOT_CHANGED = frozenset({"torch", "dist", "rank", "local_rank", "world_size", "device", *dir(builtins)})
+#: Builtins that change what they are given.
+_CHANGING_BUILTINS = frozenset({"setattr", "delattr", "next", "exec", "vars"})
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One top-level statement of a cell: its source, its lines in the cell, the names it may set
+    or change and those it reads, and whether it reaches torch.distributed."""
+
+    source: str
+    first: int
+    last: int
+    sets: frozenset[str]
+    reads: frozenset[str]
+    collective: bool
+
+
+def _root(node: ast.AST) -> str | None:
+    """``x`` of ``x``, ``x.a.b``, ``x[i].c``, ``x.f()``."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call, ast.Starred)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _may_change_arguments(func: ast.expr, modules: set[str]) -> bool:
+    """Whether a call may change what it is given: not a builtin that only reads (``print(x)``,
+    ``len(x)``), nor a module's function that makes something new (``os.path.join``,
+    ``torch.tensor``); a function of torch.distributed does (a collective writes its tensors), and
+    so does one named in place (``torch.nn.init.zeros_(w)``)."""
+    if isinstance(func, ast.Name):
+        return func.id not in builtins.__dict__ or func.id in _CHANGING_BUILTINS
+    if isinstance(func, ast.Attribute) and _root(func) in modules:
+        return _root(func) in _DIST_NAMES or func.attr.endswith("_") or any(
+            isinstance(n, ast.Attribute) and n.attr == "distributed" for n in ast.walk(func))
+    return True
+
+
+def _names(node: ast.stmt, modules: set[str]) -> tuple[set[str], set[str]]:
+    sets: set[str] = set()
+    reads: set[str] = set()
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        sets.add(node.name)
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            (sets if isinstance(sub.ctx, (ast.Store, ast.Del)) else reads).add(sub.id)
+        elif isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            if (root := _root(sub)) is not None:
+                sets.add(root)  # x.a = … and x[i] = … change x
+        elif isinstance(sub, ast.Call):
+            changed = [sub.func.value] if isinstance(sub.func, ast.Attribute) else []  # opt.step(), x.add_(1)
+            if _may_change_arguments(sub.func, modules):
+                changed += [*sub.args, *(k.value for k in sub.keywords)]  # dist.all_reduce(loss) changes loss
+            sets.update(root for arg in changed if (root := _root(arg)) is not None and root not in modules)
+        elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+            sets.update((a.asname or a.name).split(".")[0] for a in sub.names)
+        elif isinstance(sub, ast.Global):
+            sets.update(sub.names)
+    return sets, reads
+
+
+def _reaches_dist(node: ast.AST, collective_functions: set[str]) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and (sub.id in _DIST_NAMES or sub.id in collective_functions):
+            return True
+        if isinstance(sub, ast.Attribute) and sub.attr == "distributed":
+            return True
+        if isinstance(sub, ast.ImportFrom) and (sub.module or "").startswith("torch.distributed"):
+            return True
+    return False
+
+
+def read_statements(cells: list[str]) -> list[list[Statement]] | None:
+    """Each cell's top-level statements as :class:`Statement`; None when a cell does not parse
+    (then nothing is sliced: the tries alone cut it)."""
+    out: list[list[Statement]] = []
+    collective_functions: set[str] = set()  # functions of the cells, or torch.distributed's, that reach it
+    modules = set(_NOT_CHANGED)
+    for code in cells:
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return None
+        stmts = []
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+                collective_functions.update(a.asname or a.name for a in node.names)  # init_device_mesh, new_group …
+            sets, reads = _names(node, modules)
+            collective = _reaches_dist(node, collective_functions)
+            if collective and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                collective_functions.add(node.name)
+                collective = False  # defining it calls nothing; a statement that calls it does
+            text = ast.get_source_segment(code, node, padded=True)
+            stmts.append(Statement(text if text is not None else ast.unparse(node), node.lineno, node.end_lineno or node.lineno,
+                                   frozenset(sets), frozenset(reads), collective))
+        out.append(stmts)
+    return out
+
+
+def slice_cells(cells: list[str], lines: set[int]) -> list[list[int]] | None:
+    """For each cell, the indices of the statements the last cell's failing ``lines`` need (all of
+    the last cell's statements when ``lines`` is empty or names none of them); None when the code
+    can't be read. The last cell keeps its statements at those lines and every one that reaches
+    torch.distributed (another rank may wait in it); every cell keeps what those read, back to
+    where it was set."""
+    parsed = read_statements(cells)
+    if parsed is None or not parsed or not parsed[-1]:
+        return None
+    last = parsed[-1]
+    seeds = {i for i, s in enumerate(last) if any(s.first <= line <= s.last for line in lines)}
+    if not seeds:
+        seeds = set(range(len(last)))
+    seeds |= {i for i, s in enumerate(last) if s.collective}
+    kept: list[set[int]] = [set() for _ in parsed]
+    needed: set[str] = set()
+    for c in range(len(parsed) - 1, -1, -1):
+        for i in range(len(parsed[c]) - 1, -1, -1):
+            s = parsed[c][i]
+            seed = c == len(parsed) - 1 and i in seeds
+            if seed or s.collective or s.sets & needed:
+                kept[c].add(i)
+                needed |= s.reads
+    return [sorted(k) for k in kept]

@@ -1,0 +1,107 @@
+"""What a failure needs of the cells, read from their code (services/slicing.py), and the
+minimizer trying that slice first: on sessions shaped like the gallery's, the slice is the case's
+statements or a few more, so the tries after it are few; where the code hides what the failure
+needs (a file one cell writes and another reads), the slice fails alone and the tries cut as before."""
+
+from __future__ import annotations
+
+from test_ddmin import _Ranks
+
+from distnb.services.minimize import Runs, minimize, statements
+from distnb.services.slicing import read_statements, slice_cells
+
+NOISE = [
+    "import math\nlr = 0.1\nsteps = 3",
+    "def helper(v):\n    return v * 2\nmodel = torch.nn.Linear(4, 4)",
+    "print('setup done on rank', rank)\nwarm = helper(torch.ones(2))",
+]
+
+
+def _kept(cells: list[str], lines: set[int]) -> list[list[str]]:
+    kept = slice_cells(cells, lines)
+    assert kept is not None
+    return [[statements(code)[i] for i in keep] for code, keep in zip(cells, kept)]
+
+
+def test_a_raise_needs_the_names_its_line_reads_back_to_where_they_were_set() -> None:
+    failing = ("note = math.sqrt(4)\nbatch = [{'label': 3}, {}, {'label': 1}][rank]\nscaled = helper(lr)\n"
+               "loss = torch.tensor(float(batch['label']))\ndist.all_reduce(loss)")
+    assert _kept([*NOISE, failing], {4}) == [[], [], [], [
+        "batch = [{'label': 3}, {}, {'label': 1}][rank]", "loss = torch.tensor(float(batch['label']))", "dist.all_reduce(loss)"]]
+
+
+def test_a_collective_under_an_if_keeps_the_if_what_it_reads_and_the_imports_they_need() -> None:
+    cells = [*NOISE, "import os, tempfile\nckpt_path = os.path.join(tempfile.mkdtemp(), f'ckpt{rank}.pt')",
+             "state = {'step': 100}\nextra = model(torch.ones(4)).sum()\nif rank == 0:\n    torch.save(state, ckpt_path)\n"
+             "    dist.barrier()\ndone = True"]
+    assert _kept(cells, {5}) == [[], [], [], ["import os, tempfile", "ckpt_path = os.path.join(tempfile.mkdtemp(), f'ckpt{rank}.pt')"],
+                                 ["state = {'step': 100}", "if rank == 0:\n    torch.save(state, ckpt_path)\n    dist.barrier()"]]
+
+
+def test_every_call_into_torch_distributed_stays_and_a_function_that_makes_one() -> None:
+    cells = ["from torch.distributed.device_mesh import init_device_mesh\nmesh = init_device_mesh('cpu', (2, 2))",
+             "def sync(t):\n    dist.all_reduce(t)\nunused = 1",
+             "x = torch.ones(2)\nsync(x)\ny = 3\nraise ValueError(y)"]
+    kept = _kept(cells, {4})
+    assert kept == [["from torch.distributed.device_mesh import init_device_mesh", "mesh = init_device_mesh('cpu', (2, 2))"],
+                    ["def sync(t):\n    dist.all_reduce(t)"], ["x = torch.ones(2)", "sync(x)", "y = 3", "raise ValueError(y)"]], kept
+
+
+def test_a_call_changes_what_it_is_given_and_the_object_whose_method_it_calls() -> None:
+    (s,) = read_statements(["opt.step(grads, lr=rate)"])[0]  # type: ignore[index]
+    assert {"opt", "grads", "rate"} <= s.sets and {"opt", "grads", "rate"} <= s.reads
+    (t,) = read_statements(["cfg.batch[rank] = 4"])[0]  # type: ignore[index]
+    assert "cfg" in t.sets and "rank" in t.reads
+
+
+def test_unknown_lines_keep_the_whole_last_cell_and_code_that_does_not_parse_is_not_sliced() -> None:
+    assert _kept(["a = 1\nb = 2", "c = a\nd = 4"], set()) == [["a = 1"], ["c = a", "d = 4"]]
+    assert slice_cells(["a = (", "b = 1"], {1}) is None
+
+
+def _session(ranks: _Ranks, cells: list[str]) -> list:
+    ranks.restart()
+    return [ranks.run(code, [0, 1], 5.0) for code in cells]
+
+
+class _Counting(_Ranks):
+    """Records each try's cells (a try starts with a restart): none may be run twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tries: list[tuple[str, ...]] = []
+
+    def restart(self) -> None:
+        super().restart()
+        self.tries.append(())
+
+    def run(self, code: str, ranks: list[int], limit: float):  # type: ignore[no-untyped-def]
+        if self.tries:
+            self.tries[-1] += (code,)
+        return super().run(code, ranks, limit)
+
+
+def test_the_minimizer_tries_the_slice_first_and_never_the_same_case_twice() -> None:
+    ranks = _Counting()
+    cells = [*(f"noise{i} = {i}\nmore{i} = noise{i} + 1" for i in range(6)),
+             "label = [3, None][rank]\nspare = 1",
+             "a = 1\nloss = float(label) * 2\nb = 2"]
+    history = _session(ranks, cells)
+    history[-1].results[1].error["line"] = 2  # type: ignore[index]  # where rank 1 raised, as a real rank says
+    ranks.tries.clear()
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
+    assert [c.code for c in found.cells] == ["label = [3, None][rank]", "loss = float(label) * 2"], found.code()
+    assert "kept the 2 of 17 statements the failing line needs" in found.text(), found.text()
+    assert len(ranks.tries) == len(set(ranks.tries)) == found.tries, ranks.tries
+    assert found.tries <= 4, found.text()  # the slice, then each of its parts without the others
+
+
+def test_a_failure_the_names_do_not_show_falls_back_to_the_tries() -> None:
+    ranks = _Ranks()
+    cells = ["import os, tempfile\nroot = tempfile.mkdtemp()", "open(os.path.join(root, 'flag'), 'w').write(str(rank))",
+             "unrelated = 5", "if rank == 1 and os.listdir(root):\n    raise ValueError('flag seen')"]
+    history = _session(ranks, cells)
+    history[-1].results[1].error["line"] = 2  # type: ignore[index]
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
+    assert "did not fail alone: cut by trying" in found.text(), found.text()
+    assert "unrelated" not in found.code() and "write(str(rank))" in found.code(), found.code()
