@@ -44,6 +44,9 @@ class Statement:
     sets: frozenset[str]
     reads: frozenset[str]
     collective: bool
+    #: Names an assignment may make share one object (``opt = SGD(model.parameters())``: a later
+    #: ``opt.step()`` changes ``model``): the target and the names its value reads.
+    links: frozenset[str] = frozenset()
 
 
 def _root(node: ast.AST) -> str | None:
@@ -100,6 +103,44 @@ def _reaches_dist(node: ast.AST, collective_functions: set[str]) -> bool:
     return False
 
 
+def _links(node: ast.stmt, modules: set[str]) -> frozenset[str]:
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        value = node.value
+    elif isinstance(node, (ast.For, ast.AsyncFor)):
+        targets, value = [node.target], node.iter
+    elif isinstance(node, (ast.With, ast.AsyncWith)):
+        pairs = [(i.optional_vars, i.context_expr) for i in node.items if i.optional_vars is not None]
+        return frozenset(n for t, v in pairs for part in (t, v) for n in _all_names(part) if n not in modules)
+    else:
+        return frozenset()
+    if value is None:
+        return frozenset()
+    return frozenset(n for part in [*targets, value] for n in _all_names(part) if n not in modules)
+
+
+def _all_names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+class _Classes:
+    """Names that may share an object, as union-find over the statements' links."""
+
+    def __init__(self) -> None:
+        self._parent: dict[str, str] = {}
+
+    def find(self, name: str) -> str:
+        parent = self._parent.setdefault(name, name)
+        if parent != name:
+            parent = self._parent[name] = self.find(parent)
+        return parent
+
+    def join(self, names: frozenset[str]) -> None:
+        first, *rest = sorted(names)
+        for name in rest:
+            self._parent[self.find(name)] = self.find(first)
+
+
 def read_statements(cells: list[str]) -> list[list[Statement]] | None:
     """Each cell's top-level statements as :class:`Statement`; None when a cell does not parse
     (then nothing is sliced: the tries alone cut it)."""
@@ -124,7 +165,7 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
                 collective = False  # defining it calls nothing; a statement that calls it does
             text = ast.get_source_segment(code, node, padded=True)
             stmts.append(Statement(text if text is not None else ast.unparse(node), node.lineno, node.end_lineno or node.lineno,
-                                   frozenset(sets), frozenset(reads), collective))
+                                   frozenset(sets), frozenset(reads), collective, _links(node, modules)))
         out.append(stmts)
     return out
 
@@ -143,13 +184,16 @@ def slice_cells(cells: list[str], lines: set[int]) -> list[list[int]] | None:
     if not seeds:
         seeds = set(range(len(last)))
     seeds |= {i for i, s in enumerate(last) if s.collective}
+    classes = _Classes()
+    for stmt in (s for cell in parsed for s in cell if s.links):
+        classes.join(stmt.links)
     kept: list[set[int]] = [set() for _ in parsed]
-    needed: set[str] = set()
+    needed: set[str] = set()  # as classes: a change to any name of one may change them all
     for c in range(len(parsed) - 1, -1, -1):
         for i in range(len(parsed[c]) - 1, -1, -1):
             s = parsed[c][i]
             seed = c == len(parsed) - 1 and i in seeds
-            if seed or s.collective or s.sets & needed:
+            if seed or s.collective or any(classes.find(n) in needed for n in s.sets):
                 kept[c].add(i)
-                needed |= s.reads
+                needed |= {classes.find(n) for n in s.reads}
     return [sorted(k) for k in kept]
