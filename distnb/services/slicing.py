@@ -5,7 +5,8 @@ and on a session of many statements most tries removed something the failure nev
 cells' code says much of it: the failing statement (the line a rank raised at, or waits at) needs
 the statements that define or change the names it reads, and those in turn theirs; a call into
 ``torch.distributed`` anywhere (or into a function of the cells that makes one) moves the groups'
-sequence numbers, so it stays whatever names it touches. Everything else is one try's guess: the
+sequence numbers, so it stays whatever names it touches; so does one that sets what the process
+shares (a seed, an environment variable, torch's defaults). Everything else is one try's guess: the
 slice is tried once, and kept only when it still fails as the session did.
 
 Read conservatively, as it must be to lose nothing: any call may change the names it is given and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import re
 from dataclasses import dataclass
 
 __all__ = ["Statement", "read_statements", "slice_cells"]
@@ -31,6 +33,10 @@ _DIST_NAMES = frozenset({"dist", "distributed", "c10d", "funcol"})
 _NOT_CHANGED = frozenset({"torch", "dist", "rank", "local_rank", "world_size", "device", *dir(builtins)})
 #: Builtins that change what they are given.
 _CHANGING_BUILTINS = frozenset({"setattr", "delattr", "next", "exec", "vars"})
+#: A module's function that sets process-wide state the cells read without naming it: the random
+#: generators' seeds, torch's defaults and modes (``torch.manual_seed``, ``set_default_dtype``,
+#: ``use_deterministic_algorithms``, ``set_num_threads``).
+_GLOBAL_SETTER = re.compile(r"(^|_)seed($|_)|^set_|^use_|^enable_|^disable_")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,9 @@ class Statement:
     #: Names an assignment may make share one object (``opt = SGD(model.parameters())``: a later
     #: ``opt.step()`` changes ``model``): the target and the names its value reads.
     links: frozenset[str] = frozenset()
+    #: It sets state the process shares (a seed, ``os.environ[…] = …``, torch's defaults): later
+    #: statements may read it without naming it, so it stays.
+    shared: bool = False
 
 
 def _root(node: ast.AST) -> str | None:
@@ -75,6 +84,8 @@ def _names(node: ast.stmt, modules: set[str]) -> tuple[set[str], set[str]]:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         sets.add(node.name)
     for sub in ast.walk(node):
+        if isinstance(sub, ast.AugAssign) and (root := _root(sub.target)) is not None:
+            reads.add(root)  # n += 1 reads n
         if isinstance(sub, ast.Name):
             (sets if isinstance(sub.ctx, (ast.Store, ast.Del)) else reads).add(sub.id)
         elif isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, (ast.Store, ast.Del)):
@@ -141,6 +152,16 @@ class _Classes:
             self._parent[self.find(name)] = self.find(first)
 
 
+def _sets_shared_state(node: ast.stmt, modules: set[str]) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and _root(sub.func) in modules \
+                and _GLOBAL_SETTER.search(sub.func.attr):
+            return True
+        if isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, ast.Store) and _root(sub) in modules:
+            return True  # os.environ['X'] = …, torch.backends.cudnn.benchmark = …
+    return False
+
+
 def read_statements(cells: list[str]) -> list[list[Statement]] | None:
     """Each cell's top-level statements as :class:`Statement`; None when a cell does not parse
     (then nothing is sliced: the tries alone cut it)."""
@@ -165,7 +186,8 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
                 collective = False  # defining it calls nothing; a statement that calls it does
             text = ast.get_source_segment(code, node, padded=True)
             stmts.append(Statement(text if text is not None else ast.unparse(node), node.lineno, node.end_lineno or node.lineno,
-                                   frozenset(sets), frozenset(reads), collective, _links(node, modules)))
+                                   frozenset(sets), frozenset(reads), collective, _links(node, modules),
+                                   _sets_shared_state(node, modules)))
         out.append(stmts)
     return out
 
@@ -193,7 +215,7 @@ def slice_cells(cells: list[str], lines: set[int]) -> list[list[int]] | None:
         for i in range(len(parsed[c]) - 1, -1, -1):
             s = parsed[c][i]
             seed = c == len(parsed) - 1 and i in seeds
-            if seed or s.collective or any(classes.find(n) in needed for n in s.sets):
+            if seed or s.collective or s.shared or any(classes.find(n) in needed for n in s.sets):
                 kept[c].add(i)
                 needed |= {classes.find(n) for n in s.reads}
     return [sorted(k) for k in kept]

@@ -56,6 +56,15 @@ def test_a_call_changes_what_it_is_given_and_the_object_whose_method_it_calls() 
     assert "cfg" in t.sets and "rank" in t.reads
 
 
+def test_a_counter_a_kept_loop_steps_and_state_the_process_shares_stay() -> None:
+    cells = ["import os, random\nsteps = 0\nunused = 1\nrandom.seed(rank)\ntorch.manual_seed(7)\nos.environ['FLAG'] = '1'\n"
+             "torch.backends.cudnn.benchmark = False",
+             "while steps < 3:\n    dist.barrier()\n    steps += 1\nraise ValueError(os.environ['FLAG'])"]
+    assert _kept(cells, {4}) == [["import os, random", "steps = 0", "random.seed(rank)", "torch.manual_seed(7)",
+                                  "os.environ['FLAG'] = '1'", "torch.backends.cudnn.benchmark = False"],
+                                 ["while steps < 3:\n    dist.barrier()\n    steps += 1", "raise ValueError(os.environ['FLAG'])"]]
+
+
 def test_unknown_lines_keep_the_whole_last_cell_and_code_that_does_not_parse_is_not_sliced() -> None:
     assert _kept(["a = 1\nb = 2", "c = a\nd = 4"], set()) == [["a = 1"], ["c = a", "d = 4"]]
     assert slice_cells(["a = (", "b = 1"], {1}) is None
