@@ -27,7 +27,7 @@ import distnb
 from distnb.services import minimize as minimize_module
 
 HERE = Path(__file__).resolve().parent
-_SLICE_FIRST = minimize_module._slice_first
+_SLICE = minimize_module._slice
 
 #: Set-up a session accumulates before the failure: none of it is needed.
 NOISE = [
@@ -136,9 +136,9 @@ SESSIONS: dict[str, tuple[int, list[str], str, float]] = {
 def run_case(name: str, budget: float, out_dir: Path, slice_first: bool = True) -> dict[str, object]:
     world, before, failing, timeout = SESSIONS[name]
     if not slice_first:  # the A/B arm: the tries alone, as before the slice
-        minimize_module._slice_first = lambda *_: None
+        minimize_module._slice = lambda *_: None
     else:
-        minimize_module._slice_first = _SLICE_FIRST
+        minimize_module._slice = _SLICE
     pool = distnb.launch(nproc=world, backend="gloo")
     try:
         for code in before:

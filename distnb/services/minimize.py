@@ -62,6 +62,7 @@ class Minimized:
     script: str = ""  # where the case was written (write_case), and what running the script showed
     notebook: str = ""
     verified: Reproduction | None = None
+    sliced_at: int = field(default=0, repr=False)  # the case's weight when last sliced: sliced again once it shrank
 
     def size(self) -> tuple[int, int]:
         return len(self.cells), sum(len(statements(c.code)) for c in self.cells)
@@ -126,29 +127,44 @@ def statements(code: str) -> list[str]:
     return out
 
 
-def _functions(code: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+_Block = ast.FunctionDef | ast.AsyncFunctionDef | ast.For | ast.AsyncFor | ast.While | ast.With | ast.AsyncWith | ast.If
+
+
+def _blocks(code: str) -> list[_Block]:
+    """The cell's top-level functions and blocks (a loop, a ``with``, an ``if``'s first branch)
+    whose body can be cut apart: a training loop's body holds most of what a failure in it does
+    not need (the schedule, the clipping, the logging)."""
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return []
-    # A function written on one line (``def f(): return 1``) has no body to cut apart.
-    return [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.body[0].lineno > n.lineno]
+    # A block written on one line (``def f(): return 1``) has no body to cut apart.
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.If)
+    return [n for n in tree.body if isinstance(n, kinds) and n.body[0].lineno > n.lineno]
+
+
+def _block_name(node: _Block, code: str) -> str:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return f"{node.name}()"
+    return f"`{code.splitlines()[node.lineno - 1].strip()}`"
 
 
 def function_bodies(code: str) -> list[tuple[str, list[str]]]:
-    """Each top-level function the cell defines: its name and its body's statements as source
-    (indented as written)."""
+    """Each top-level function or block the cell has: its name (``step()``, or its first line in
+    backticks) and its body's statements as source (indented as written)."""
     lines = code.splitlines()
-    return [(fn.name, ["\n".join(lines[node.lineno - 1 : node.end_lineno or node.lineno]) for node in fn.body]) for fn in _functions(code)]
+    return [(_block_name(fn, code), ["\n".join(lines[node.lineno - 1 : node.end_lineno or node.lineno]) for node in fn.body])
+            for fn in _blocks(code)]
 
 
 def replace_body(code: str, k: int, body: list[str]) -> str:
-    """The cell with the body of its ``k``-th top-level function made of ``body`` (``pass`` when
-    empty: the function stays callable)."""
-    fn = _functions(code)[k]
+    """The cell with the body of its ``k``-th top-level function or block made of ``body`` (``pass``
+    when empty: the function stays callable, the loop runs). What follows the body (an ``else``
+    branch, the statements after) stays as written."""
+    fn = _blocks(code)[k]
     lines = code.splitlines()
     head = lines[: fn.body[0].lineno - 1]
-    tail = lines[(fn.end_lineno or fn.lineno):]
+    tail = lines[(fn.body[-1].end_lineno or fn.body[-1].lineno):]
     indent = " " * fn.body[0].col_offset
     return "\n".join([*head, *(body or [indent + "pass"]), *tail])
 
@@ -200,7 +216,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
 
     with ExitStack() as pools:
         try:
-            _slice_first(state, failing_lines(failing), fails)
+            _slice(state, failing_lines(failing), fails)
             _shrink(state, fails)
             if pool.smaller is not None and (smaller := _cut_world(state, pool, pools, fails, say)) is not None:
                 on[0] = smaller
@@ -227,9 +243,11 @@ def failing_lines(failing: CellResult | CellRecord) -> set[int]:
     return lines
 
 
-def _slice_first(state: Minimized, lines: set[int], fails: Fails) -> None:
-    """One try of what the failing lines need by the cells' data flow (services/slicing.py): kept
-    when it still fails, so that the tries after start from it."""
+def _slice(state: Minimized, lines: set[int], fails: Fails) -> None:
+    """One try of what the failing ``lines`` (none: the failing cell as it is now) need by the
+    cells' data flow (services/slicing.py), kept when it still fails, so that the tries after start
+    from it. Again after a pass shrank the case: a statement cut takes its reads with it."""
+    state.sliced_at = _weight(state.cells)
     kept = slice_cells([c.code for c in state.cells], lines)
     if kept is None:
         return
@@ -239,12 +257,14 @@ def _slice_first(state: Minimized, lines: set[int], fails: Fails) -> None:
     before, after = state.size(), (len(sliced), sum(len(k) for k in kept))
     if after >= before or not any(kept[-1:]):
         return
+    what = "the failing line needs" if lines else "the failing cell needs now"
     if fails(sliced):
-        state.steps.append(f"kept the {after[1]} of {before[1]} statements the failing line needs by the names they set and read, "
+        state.steps.append(f"kept the {after[1]} of {before[1]} statements {what} by the names they set and read, "
                            "and every call into torch.distributed (read from the code, one try)")
         state.cells = sliced
+        state.sliced_at = _weight(sliced)
     else:
-        state.steps.append(f"the {after[1]} statements the failing line needs by its names did not fail alone: cut by trying")
+        state.steps.append(f"the {after[1]} statements {what} by its names did not fail alone: cut by trying")
 
 
 class Fails(Protocol):
@@ -260,6 +280,8 @@ def _shrink(state: Minimized, fails: Fails) -> None:
     cell becomes unneeded once the statements that used it are gone."""
     while True:
         before = _weight(state.cells)
+        if before < state.sliced_at:
+            _slice(state, set(), fails)  # what the case's code needs now: cut statements took their reads with them
         _cut_cells(state, fails)
         _cut_statements(state, fails)
         _cut_bodies(state, fails)
@@ -336,7 +358,8 @@ def _cut_statements(state: Minimized, fails: Fails) -> None:
 
 
 def _cut_bodies(state: Minimized, fails: Fails) -> None:
-    """The statements inside the functions the cells define (a step function, a forward)."""
+    """The statements inside the functions the cells define (a step function, a forward) and
+    inside their top-level blocks (a training loop)."""
     for i in range(len(state.cells)):
         for k in range(len(function_bodies(state.cells[i].code))):
             cell = state.cells[i]
@@ -349,7 +372,7 @@ def _cut_bodies(state: Minimized, fails: Fails) -> None:
 
             keep = _ddmin(body, lambda sub: fails(with_body(sub)))
             if len(keep) < len(body):
-                state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}()")
+                state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}")
                 state.cells = with_body(keep)
 
 

@@ -87,7 +87,7 @@ def test_the_statements_inside_a_function_the_failing_cell_calls_are_cut_too() -
 
 def test_a_function_body_is_replaced_in_place_keeping_its_decorators_and_what_follows() -> None:
     code = "@torch.no_grad()\ndef evaluate(m):\n    a = 1\n    if a:\n        b = 2\n    return a\nafter = 1"
-    assert function_bodies(code) == [("evaluate", ["    a = 1", "    if a:\n        b = 2", "    return a"])]
+    assert function_bodies(code) == [("evaluate()", ["    a = 1", "    if a:\n        b = 2", "    return a"])]
     assert replace_body(code, 0, ["    return a"]) == "@torch.no_grad()\ndef evaluate(m):\n    return a\nafter = 1"
     assert replace_body(code, 0, []) == "@torch.no_grad()\ndef evaluate(m):\n    pass\nafter = 1"
 
@@ -134,3 +134,20 @@ def test_a_smaller_pool_that_does_not_start_keeps_the_case_found_so_far() -> Non
     found = minimize(Runs(ranks.restart, ranks.run, ranks.stop, 3, refuse), history, budget=60)
     assert found.world_size == 3 and not found.stopped, found.text()
     assert "kept 3 ranks: a pool of 2 did not start (torchrun exited with code 1)" in found.text(), found.text()
+
+
+def test_a_loops_body_is_cut_and_what_it_no_longer_reads_goes_with_the_next_slice() -> None:
+    ranks = _Ranks()
+    ranks.restart()
+    history = [ranks.run(code, [0, 1], 5.0) for code in (
+        "lr = 0.1\nwarmup = 2\nlog_every = 1\nclip = 1.0",
+        "for step in range(3):\n    rate = lr * min(1, step / warmup)\n    if step % log_every == 0:\n        print(step)\n"
+        "    scaled = clip * rate\n    if rank == 1 and step == 2:\n        raise ValueError('bad step')\nelse:\n    done = True",
+    )]
+    assert history[-1].failed == [1]
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
+    assert [c.code for c in found.cells] == [
+        "for step in range(3):\n    if rank == 1 and step == 2:\n        raise ValueError('bad step')\nelse:\n    done = True",
+    ], found.code()
+    assert "removed 3 of the 4 statements of `for step in range(3):`" in found.text(), found.text()
+    assert "statements the failing cell needs now" in found.text(), found.text()  # the loop's reads of the set-up went with it
