@@ -34,7 +34,7 @@ from distnb.services.verify import Reproduction, session_signature, verify_scrip
 
 T = TypeVar("T")
 
-__all__ = ["Candidate", "Minimized", "Runs", "failing_lines", "function_bodies", "minimize", "replace_body", "statements", "try_bound",
+__all__ = ["Candidate", "Minimized", "Runs", "failing_lines", "function_bodies", "minimize", "replace_body", "setup_bound", "statements", "try_bound",
            "world_sizes", "write_case"]
 
 
@@ -44,6 +44,8 @@ class Candidate:
 
     code: str
     ranks: tuple[int, ...]
+    #: The session's time for the cell: an earlier cell of a try gets a bound from it (0: not known).
+    seconds: float = field(default=0.0, compare=False)
 
 
 @dataclass
@@ -190,7 +192,8 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
     if not target.failed:
         raise ValueError("the failing cell ended without an error of its own (interrupted, or only a peer's failure): minimize needs "
                          "a failure it can recognise — run the cell again with --timeout, so a hang ends as one.")
-    cells = [Candidate(c.code, tuple(c.ranks)) for c in history[: last + 1] if c.ok or c is failing]
+    cells = [Candidate(c.code, tuple(c.ranks), c.elapsed if isinstance(c, CellResult) else 0.0) for c in history[: last + 1]
+             if c.ok or c is failing]
     limit = bound if bound is not None else try_bound(failing)
     world = pool.world_size or 1 + max(r for c in cells for r in c.ranks)
     state = Minimized(cells, target, (len(cells), sum(len(statements(c.code)) for c in cells)), world_size=world, started_world=world)
@@ -207,11 +210,12 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
         if time.monotonic() - t0 > budget:
             raise _Budget
         state.tries += 1
-        ok = tried[key] = _reproduces(runs or on[0], candidate, signature or state.signature, limit)
+        why_not = _reproduces(runs or on[0], candidate, signature or state.signature, limit)
+        ok = tried[key] = not why_not
         n, s = len(candidate), sum(len(statements(c.code)) for c in candidate)
         cur = state.size()
         say(f"minimizing: {cur[0]} cells, {cur[1]} statements · try {state.tries} ({n} cells, {s} statements): "
-            f"{'still fails' if ok else 'passes or fails otherwise'} · {time.monotonic() - t0:.0f} s of {budget:.0f}")
+            f"{'still fails' if ok else why_not} · {time.monotonic() - t0:.0f} s of {budget:.0f}")
         return ok
 
     with ExitStack() as pools:
@@ -252,7 +256,7 @@ def _slice(state: Minimized, lines: set[int], fails: Fails) -> None:
     if kept is None:
         return
     parts = [statements(c.code) for c in state.cells]
-    sliced = [Candidate("\n".join(parts[i][j] for j in keep), c.ranks) for i, (c, keep) in enumerate(zip(state.cells, kept))
+    sliced = [replace(c, code="\n".join(parts[i][j] for j in keep)) for i, (c, keep) in enumerate(zip(state.cells, kept))
               if keep or i == len(state.cells) - 1]
     before, after = state.size(), (len(sliced), sum(len(k) for k in kept))
     if after >= before or not any(kept[-1:]):
@@ -302,7 +306,7 @@ def world_sizes(world_size: int) -> list[int]:
 
 def _within(cells: list[Candidate], world_size: int) -> list[Candidate] | None:
     """The case's cells on the first ``world_size`` ranks; None when a cell keeps no rank."""
-    out = [Candidate(c.code, tuple(r for r in c.ranks if r < world_size)) for c in cells]
+    out = [replace(c, ranks=tuple(r for r in c.ranks if r < world_size)) for c in cells]
     return out if all(c.ranks for c in out) else None
 
 
@@ -348,7 +352,7 @@ def _cut_statements(state: Minimized, fails: Fails) -> None:
             continue
 
         def with_cell(sub: list[str], i: int = i, cell: Candidate = cell) -> list[Candidate]:
-            return [*state.cells[:i], Candidate("\n".join(sub), cell.ranks), *state.cells[i + 1:]]
+            return [*state.cells[:i], replace(cell, code="\n".join(sub)), *state.cells[i + 1:]]
 
         keep = _ddmin(parts, lambda sub: bool(sub) and fails(with_cell(sub)))
         if len(keep) < len(parts):
@@ -368,7 +372,7 @@ def _cut_bodies(state: Minimized, fails: Fails) -> None:
                 continue
 
             def with_body(sub: list[str], i: int = i, k: int = k, cell: Candidate = cell) -> list[Candidate]:
-                return [*state.cells[:i], Candidate(replace_body(cell.code, k, sub), cell.ranks), *state.cells[i + 1:]]
+                return [*state.cells[:i], replace(cell, code=replace_body(cell.code, k, sub)), *state.cells[i + 1:]]
 
             keep = _ddmin(body, lambda sub: fails(with_body(sub)))
             if len(keep) < len(body):
@@ -376,18 +380,29 @@ def _cut_bodies(state: Minimized, fails: Fails) -> None:
                 state.cells = with_body(keep)
 
 
-def _reproduces(pool: Runs, cells: list[Candidate], target: FailureSignature, limit: float) -> bool:
-    """One try on fresh ranks: the cells before the last must succeed, the last fail as ``target``."""
+def setup_bound(cell: Candidate, limit: float) -> float:
+    """How long an earlier cell of a try may run: what it took in the session, three times and a
+    little (a model's set-up, DDP's first sync, an import, take longer than the failing cell's
+    bound), or a minute when that is not known."""
+    return max(limit, 3 * cell.seconds + 5.0) if cell.seconds else max(limit, 60.0)
+
+
+def _reproduces(pool: Runs, cells: list[Candidate], target: FailureSignature, limit: float) -> str:
+    """One try on fresh ranks: the cells before the last must succeed, the last fail as ``target``.
+    "" when it did; else why the try does not count, in words."""
     pool.restart()
-    for cell in cells[:-1]:
-        res = pool.run(cell.code, list(cell.ranks), limit)
+    for n, cell in enumerate(cells[:-1], 1):
+        res = pool.run(cell.code, list(cell.ranks), setup_bound(cell, limit))
         if not res.ok:
             pool.stop(res)
-            return False
+            got = session_signature(res)
+            return f"cell {n} of the try {'timed out' if res.timed_out else 'failed'}" + (f" ({got.text()})" if got and got.failed else "")
     res = pool.run(cells[-1].code, list(cells[-1].ranks), limit)
     got = session_signature(res)
     pool.stop(res)  # a hang reproduced leaves ranks running: the next try restarts them anyway
-    return got is not None and not compare_failures(target, got)
+    if got is None or not got.failed:
+        return "passed" if res.ok else "ended without a failure of its own"
+    return f"failed otherwise ({got.text()})" if compare_failures(target, got) else ""
 
 
 def _ddmin(items: Sequence[T], fails: Callable[[list[T]], bool]) -> list[T]:

@@ -151,3 +151,25 @@ def test_a_loops_body_is_cut_and_what_it_no_longer_reads_goes_with_the_next_slic
     ], found.code()
     assert "removed 3 of the 4 statements of `for step in range(3):`" in found.text(), found.text()
     assert "statements the failing cell needs now" in found.text(), found.text()  # the loop's reads of the set-up went with it
+
+
+def test_an_earlier_cell_of_a_try_is_bounded_by_its_own_time_and_each_try_says_why_it_did_not_count() -> None:
+    """A model's set-up takes longer than the failing cell: bounded by the failing cell's time, every
+    try of a real session timed out in its set-up and counted as "fails otherwise" (the GPT-shaped
+    session of bench_minimize.py: 87 tries, nothing cut)."""
+    ranks = _Ranks()
+    ranks.restart()
+    history = [ranks.run(code, [0, 1], 5.0) for code in ("setup = 1\nnoise = 2", "if rank == 1:\n    raise ValueError(setup)")]
+    history[0].elapsed, history[1].elapsed = 20.0, 0.5
+    bounds: list[tuple[str, float]] = []
+    run = ranks.run
+
+    def recording(code: str, on: list[int], limit: float) -> CellResult:
+        bounds.append((code, limit))
+        return run(code, on, limit)
+
+    said: list[str] = []
+    minimize(Runs(ranks.restart, recording, ranks.stop), history, budget=60, on_progress=said.append)
+    assert {limit for code, limit in bounds if "raise" not in code} == {65.0}, bounds  # 3 × 20 s + 5
+    assert {limit for code, limit in bounds if "raise" in code} == {5.0}, bounds
+    assert any("failed otherwise (rank 1 raised NameError: name 'setup' is not defined)" in s for s in said), said
