@@ -65,15 +65,20 @@ class _Ranks:
         pass
 
 
+def session(ranks: _Ranks, cells: list[str]) -> list[CellResult]:
+    """The cells run once on both ranks, as a session ran them before it was minimized."""
+    ranks.restart()
+    return [ranks.run(code, [0, 1], 5.0) for code in cells]
+
+
 def test_the_statements_inside_a_function_the_failing_cell_calls_are_cut_too() -> None:
     ranks = _Ranks()
-    ranks.restart()
-    history = [ranks.run(code, [0, 1], 5.0) for code in (
+    history = session(ranks, [
         "scale = 3\nunused = [1, 2]",
         "def step(x):\n    # the training step\n    y = x * scale\n    log = []\n    log.append(y)\n"
         "    if rank == 1:\n        raise ValueError(f'bad batch {y}')\n    return y",
         "a = 1\nz = step(2)\nb = 2",
-    )]
+    ])
     assert history[-1].failed == [1]
     found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
     assert [c.code for c in found.cells] == [
@@ -138,12 +143,11 @@ def test_a_smaller_pool_that_does_not_start_keeps_the_case_found_so_far() -> Non
 
 def test_a_loops_body_is_cut_and_what_it_no_longer_reads_goes_with_the_next_slice() -> None:
     ranks = _Ranks()
-    ranks.restart()
-    history = [ranks.run(code, [0, 1], 5.0) for code in (
+    history = session(ranks, [
         "lr = 0.1\nwarmup = 2\nlog_every = 1\nclip = 1.0",
         "for step in range(3):\n    rate = lr * min(1, step / warmup)\n    if step % log_every == 0:\n        print(step)\n"
         "    scaled = clip * rate\n    if rank == 1 and step == 2:\n        raise ValueError('bad step')\nelse:\n    done = True",
-    )]
+    ])
     assert history[-1].failed == [1]
     found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
     assert [c.code for c in found.cells] == [
@@ -158,8 +162,7 @@ def test_an_earlier_cell_of_a_try_is_bounded_by_its_own_time_and_each_try_says_w
     try of a real session timed out in its set-up and counted as "fails otherwise" (the GPT-shaped
     session of bench_minimize.py: 87 tries, nothing cut)."""
     ranks = _Ranks()
-    ranks.restart()
-    history = [ranks.run(code, [0, 1], 5.0) for code in ("setup = 1\nnoise = 2", "if rank == 1:\n    raise ValueError(setup)")]
+    history = session(ranks, ["setup = 1\nnoise = 2", "if rank == 1:\n    raise ValueError(setup)"])
     history[0].elapsed, history[1].elapsed = 20.0, 0.5
     bounds: list[tuple[str, float]] = []
     run = ranks.run

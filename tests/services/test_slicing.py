@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from test_ddmin import _Ranks
+from test_ddmin import _Ranks, session
 
 from distnb.services.minimize import Runs, minimize, statements
 from distnb.services.slicing import read_statements, slice_cells
@@ -70,11 +70,6 @@ def test_unknown_lines_keep_the_whole_last_cell_and_code_that_does_not_parse_is_
     assert slice_cells(["a = (", "b = 1"], {1}) is None
 
 
-def _session(ranks: _Ranks, cells: list[str]) -> list:
-    ranks.restart()
-    return [ranks.run(code, [0, 1], 5.0) for code in cells]
-
-
 class _Counting(_Ranks):
     """Records each try's cells (a try starts with a restart): none may be run twice."""
 
@@ -97,7 +92,7 @@ def test_the_minimizer_tries_the_slice_first_and_never_the_same_case_twice() -> 
     cells = [*(f"noise{i} = {i}\nmore{i} = noise{i} + 1" for i in range(6)),
              "label = [3, None][rank]\nspare = 1",
              "a = 1\nloss = float(label) * 2\nb = 2"]
-    history = _session(ranks, cells)
+    history = session(ranks, cells)
     history[-1].results[1].error["line"] = 2  # type: ignore[index]  # where rank 1 raised, as a real rank says
     ranks.tries.clear()
     found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
@@ -111,7 +106,7 @@ def test_a_failure_the_names_do_not_show_falls_back_to_the_tries() -> None:
     ranks = _Ranks()
     cells = ["import os, tempfile\nroot = tempfile.mkdtemp()", "open(os.path.join(root, 'flag'), 'w').write(str(rank))",
              "unrelated = 5", "if rank == 1 and os.listdir(root):\n    raise ValueError('flag seen')"]
-    history = _session(ranks, cells)
+    history = session(ranks, cells)
     history[-1].results[1].error["line"] = 2  # type: ignore[index]
     found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
     assert "did not fail alone: cut by trying" in found.text(), found.text()
