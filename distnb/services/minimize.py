@@ -204,7 +204,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
     tried: dict[tuple[object, ...], bool] = {}  # a case tried once is not run again (ddmin's passes meet the same ones)
 
     def fails(candidate: list[Candidate], runs: Runs | None = None, signature: FailureSignature | None = None) -> bool:
-        key = (id(runs or on[0]), (signature or state.signature).text(), *candidate)
+        key = ((runs or on[0]).world_size, (signature or state.signature).text(), *candidate)
         if key in tried:
             return tried[key]
         if time.monotonic() - t0 > budget:
