@@ -23,13 +23,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol, Sequence, TypeVar
 
+from distnb.analysis.slicing import slice_cells
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
 from distnb.controller.session import CellRecord
 from distnb.ranks import format_ranks
 from distnb.results import CellResult
 from distnb.services.export import export_notebook, export_script
-from distnb.services.slicing import slice_cells
 from distnb.services.verify import Reproduction, session_signature, verify_script
 
 T = TypeVar("T")
@@ -249,7 +249,7 @@ def failing_lines(failing: CellResult | CellRecord) -> set[int]:
 
 def _slice(state: Minimized, lines: set[int], fails: Fails) -> None:
     """One try of what the failing ``lines`` (none: the failing cell as it is now) need by the
-    cells' data flow (services/slicing.py), kept when it still fails, so that the tries after start
+    cells' data flow (analysis/slicing.py), kept when it still fails, so that the tries after start
     from it. Again after a pass shrank the case: a statement cut takes its reads with it."""
     state.sliced_at = _weight(state.cells)
     kept = slice_cells([c.code for c in state.cells], lines)

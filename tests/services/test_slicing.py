@@ -1,4 +1,4 @@
-"""What a failure needs of the cells, read from their code (services/slicing.py), and the
+"""What a failure needs of the cells, read from their code (analysis/slicing.py), and the
 minimizer trying that slice first: on sessions shaped like the gallery's, the slice is the case's
 statements or a few more, so the tries after it are few; where the code hides what the failure
 needs (a file one cell writes and another reads), the slice fails alone and the tries cut as before."""
@@ -9,8 +9,8 @@ import random
 
 from test_ddmin import _Ranks, session
 
+from distnb.analysis.slicing import read_statements, slice_cells
 from distnb.services.minimize import Runs, minimize, statements
-from distnb.services.slicing import read_statements, slice_cells
 
 NOISE = [
     "import math\nlr = 0.1\nsteps = 3",
