@@ -79,8 +79,10 @@ class HangWatch:
             self._shown = headline
             if isinstance(view, CellDisplay):
                 view.set_diagnosis(diag_text)
-            elif state is VerdictState.PAUSED or not self._printed_hang:
-                self._printed_hang = state is VerdictState.HANG or self._printed_hang
+            elif state is VerdictState.PAUSED:
+                print(diag_text, file=sys.stderr)
+            elif not self._printed_hang:
+                self._printed_hang = True
                 print(diag_text, file=sys.stderr)
 
 
