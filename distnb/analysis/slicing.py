@@ -22,7 +22,7 @@ import builtins
 import re
 from dataclasses import dataclass
 
-__all__ = ["Statement", "read_statements", "slice_cells"]
+__all__ = ["Statement", "read_statements", "slice_cells", "top_level"]
 
 #: Names through which a statement reaches torch.distributed: the pool's own ``dist``, and the
 #: module by its path.
@@ -162,6 +162,17 @@ def _sets_shared_state(node: ast.stmt, modules: set[str]) -> bool:
     return False
 
 
+def top_level(code: str) -> list[tuple[ast.stmt, str]] | None:
+    """A cell's top-level statements with their source as written (comments between them
+    dropped); None when it does not parse."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    return [(node, text if (text := ast.get_source_segment(code, node, padded=True)) is not None else ast.unparse(node))
+            for node in tree.body]
+
+
 def read_statements(cells: list[str]) -> list[list[Statement]] | None:
     """Each cell's top-level statements as :class:`Statement`; None when a cell does not parse
     (then nothing is sliced: the tries alone cut it)."""
@@ -169,12 +180,11 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
     collective_functions: set[str] = set()  # functions of the cells, or torch.distributed's, that reach it
     modules = set(_NOT_CHANGED)
     for code in cells:
-        try:
-            tree = ast.parse(code)
-        except SyntaxError:
+        parsed = top_level(code)
+        if parsed is None:
             return None
         stmts = []
-        for node in tree.body:
+        for node, text in parsed:
             if isinstance(node, ast.Import):
                 modules.update((a.asname or a.name).split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
@@ -184,8 +194,7 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
             if collective and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 collective_functions.add(node.name)
                 collective = False  # defining it calls nothing; a statement that calls it does
-            text = ast.get_source_segment(code, node, padded=True)
-            stmts.append(Statement(text if text is not None else ast.unparse(node), node.lineno, node.end_lineno or node.lineno,
+            stmts.append(Statement(text, node.lineno, node.end_lineno or node.lineno,
                                    frozenset(sets), frozenset(reads), collective, _links(node, modules),
                                    _sets_shared_state(node, modules)))
         out.append(stmts)

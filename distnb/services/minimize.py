@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol, Sequence, TypeVar
 
-from distnb.analysis.slicing import slice_cells
+from distnb.analysis.slicing import slice_cells, top_level
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
 from distnb.controller.session import CellRecord
@@ -118,15 +118,8 @@ def write_case(found: Minimized, config: LaunchConfig, path: str | Path, verify:
 def statements(code: str) -> list[str]:
     """A cell's top-level statements as source (comments between them dropped); the whole cell as
     one when it does not parse."""
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return [code]
-    out = []
-    for node in tree.body:
-        text = ast.get_source_segment(code, node, padded=True)
-        out.append(text if text is not None else ast.unparse(node))
-    return out
+    parsed = top_level(code)
+    return [code] if parsed is None else [text for _, text in parsed]
 
 
 _Block = ast.FunctionDef | ast.AsyncFunctionDef | ast.For | ast.AsyncFor | ast.While | ast.With | ast.AsyncWith | ast.If
