@@ -58,7 +58,9 @@ class Frontend(kernels.Kernel):
             else:
                 self.kc.input(line(prompt) if callable(line) else line)
 
-        reply = self.kc.execute_interactive(code, allow_stdin=allow_stdin, stdin_hook=stdin, output_hook=output, timeout=120)
+        # stop_on_error=False: one cell at a time, as a person runs them (see test_kernel_interrupt.py).
+        reply = self.kc.execute_interactive(code, allow_stdin=allow_stdin, stdin_hook=stdin, output_hook=output,
+                                            stop_on_error=False, timeout=120)
         return reply["content"], "".join(texts)
 
 
