@@ -22,6 +22,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, TextIO
 
 from distnb._text import MERGED_NOTE, merge_rows, prefix_lines, size
+from distnb.analysis.verdicts.failures import CrashDumpFold
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by, rank_span
 from distnb.results import RankResult
 from distnb.states import RankState
@@ -189,6 +190,9 @@ class LivePrinter:
         # Only the flushing thread touches these.
         self._flush_lock = threading.Lock()
         self._partial: dict[tuple[int, str], _LineBuffer] = {}
+        # A rank killed by a signal streams Python's crash dump (20 lines and more) just before its
+        # death report says it, cut to the cell's frames: streamed, it is folded to its first line.
+        self._dumps: dict[int, CrashDumpFold] = {}
         self.lines_printed = 0
         self.chars_printed = 0
         self.capped = 0  # rank output lines not shown because of the caps (under _lock)
@@ -277,6 +281,8 @@ class LivePrinter:
             self._partial.clear()
         for stream in ("stdout", "stderr"):
             per_rank = {r: [line for s, line in ls if s == stream] for r, ls in sorted(pending.items())}
+            if stream == "stderr":
+                per_rank = {r: self._fold_dumps(r, ls) for r, ls in per_rank.items()}
             # Line i of every rank that has one, grouped: extra lines on one rank don't split the rest.
             for i in range(max((len(ls) for ls in per_rank.values()), default=0)):
                 items = [(r, ls[i]) for r, ls in per_rank.items() if i < len(ls)]
@@ -310,6 +316,10 @@ class LivePrinter:
         if capped:
             with self._lock:
                 self.capped += capped
+
+    def _fold_dumps(self, rank: int, lines: list[str]) -> list[str]:
+        fold = self._dumps.setdefault(rank, CrashDumpFold(rank))
+        return [shown for line in lines if (shown := fold.line(line)) is not None]
 
     def _split(self, raw: list[tuple[int, str, str]]) -> dict[int, list[tuple[str, str]]]:
         """Raw chunks → each rank's complete lines, in order; unfinished lines stay buffered."""

@@ -9,7 +9,7 @@ import re
 from distnb._text import fit
 from distnb.wire.records import CellError
 
-__all__ = ["cut_message", "differing_messages", "fold_crash_dump", "holders_words", "is_timeout", "salient_lines"]
+__all__ = ["CrashDumpFold", "cut_message", "differing_messages", "fold_crash_dump", "holders_words", "is_timeout", "salient_lines"]
 
 #: Error texts that mean a collective timed out (gloo's and NCCL's words).
 _TIMEOUT_MARKS = re.compile(r"Timed out waiting|Application timeout caused pair closure|Watchdog caught collective operation timeout|"
@@ -48,19 +48,32 @@ _DUMP_LINE = re.compile(r"^(\s*$|Thread 0x[0-9a-f]+ \(most recent call first\):|
                         r"  File \"|  <no Python frame>|  \.\.\.|Python runtime state: |Extension modules: )")
 
 
+class CrashDumpFold:
+    """Python's crash dump (faulthandler's, which a rank killed by a signal writes to its stderr)
+    folded out of one rank's stderr, line by line, so that the live view can fold a dump that
+    arrives over several reads: its first line stays, marked; its thread and frame lines go. The
+    rank's death report says the dump once, cut to the user's frames; the raw text stays on the
+    rank's result."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.inside = False
+
+    def line(self, line: str) -> str | None:
+        """The line as shown, or None where it is part of a dump."""
+        if _DUMP_START.match(line):
+            self.inside = True
+            return f"{line} (Python's crash dump: its cell frames are in rank {self.rank}'s death report)"
+        if self.inside and _DUMP_LINE.match(line):
+            return None
+        self.inside = False
+        return line
+
+
 def fold_crash_dump(stderr: str, rank: int) -> str:
-    """A dead rank's streamed stderr with Python's crash dump folded into one line: the dump is
-    said once, cut to the user's frames, in the rank's death report (the raw text stays on the
-    rank's result)."""
-    lines = stderr.split("\n")
-    start = next((i for i, line in enumerate(lines) if _DUMP_START.match(line)), None)
-    if start is None:
-        return stderr
-    end = start + 1
-    while end < len(lines) and _DUMP_LINE.match(lines[end]):
-        end += 1
-    folded = f"{lines[start]} (Python's crash dump: rank {rank}'s death report below)"
-    return "\n".join(lines[:start] + [folded] + lines[end:])
+    """A dead rank's whole stderr with each crash dump folded into one line (:class:`CrashDumpFold`)."""
+    fold = CrashDumpFold(rank)
+    return "\n".join(shown for line in stderr.split("\n") if (shown := fold.line(line)) is not None)
 
 
 #: How to make again each kind of object that holds a process group.
