@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, TextIO
 
 from distnb._text import MERGED_NOTE, merge_rows, prefix_lines, size
 from distnb.analysis.verdicts.failures import CrashDumpFold
+from distnb.display.repeats import Repeats
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by, rank_span
 from distnb.results import RankResult
 from distnb.states import RankState
@@ -193,6 +194,7 @@ class LivePrinter:
         # A rank killed by a signal streams Python's crash dump (20 lines and more) just before its
         # death report says it, cut to the cell's frames: streamed, it is folded to its first line.
         self._dumps: dict[int, CrashDumpFold] = {}
+        self._repeats = Repeats()
         self.lines_printed = 0
         self.chars_printed = 0
         self.capped = 0  # rank output lines not shown because of the caps (under _lock)
@@ -283,6 +285,10 @@ class LivePrinter:
             per_rank = {r: [line for s, line in ls if s == stream] for r, ls in sorted(pending.items())}
             if stream == "stderr":
                 per_rank = {r: self._fold_dumps(r, ls) for r, ls in per_rank.items()}
+            written, per_rank = per_rank, {r: self._repeats.fold(stream, r, ls) for r, ls in per_rank.items()}
+            if self.lines_printed < self._max_lines:  # past the cap nothing is "printed above"
+                for r, ls in written.items():
+                    self._repeats.printed(stream, r, ls)
             # Line i of every rank that has one, grouped: extra lines on one rank don't split the rest.
             for i in range(max((len(ls) for ls in per_rank.values()), default=0)):
                 items = [(r, ls[i]) for r, ls in per_rank.items() if i < len(ls)]

@@ -201,3 +201,15 @@ def test_a_long_healthy_cell_prints_nothing_of_distnbs_own(sh: Shell) -> None:
     out, err = sh.cell("--hang-after 1", "import time\ntime.sleep(8 if rank == 0 else 7.5)")
     assert "[distnb]" not in out + err and "still running" not in err and "not a hang" not in err, out + err
     assert out.startswith("memory: RSS peak"), out  # the cell's own report, nothing before it
+
+
+def test_a_log_every_rank_writes_at_its_own_moment_is_printed_once(sh: Shell) -> None:
+    # Rank 1 writes the same library warning a second after rank 0 (flushes apart, as ranks' logs
+    # come): printed once, then one line for rank 1 (or, on a machine too busy to flush between,
+    # once for both ranks together). The cell's result keeps each rank's text whole.
+    code = ("import logging, sys, time\nif rank == 1:\n    time.sleep(1.0)\nlogging.basicConfig(stream=sys.stderr)\n"
+            "logging.getLogger('lib').warning('a library warning\\nits second line\\nits third\\nits fourth')")
+    out, err = sh.cell("", code)
+    assert err.count("WARNING:lib:a library warning") == 1 and err.count("its fourth") == 1, err
+    assert "[rank 1 stderr] (4 lines: the same as rank 0 printed above)" in err or "[ranks 0,1 stderr] its fourth" in err, err
+    assert all(sh.ip.user_ns["_dist"][r].stderr.count("its fourth") == 1 for r in (0, 1))

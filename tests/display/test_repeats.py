@@ -1,0 +1,96 @@
+"""A block a rank prints after other ranks printed it is one line in the live text view; every
+fold's claim ("N lines: the same as ranks … printed above") is true, and nothing else is lost."""
+
+from __future__ import annotations
+
+import io
+import random
+import re
+import traceback
+
+from distnb.display.repeats import MIN_RUN, Repeats
+from distnb.display.text import LivePrinter
+from distnb.ranks import format_ranks, parse_ranks
+
+_LABEL = re.compile(r"^\[ranks? ([0-9,\-]+) stderr\] (.*)$")
+_FOLD = re.compile(r"^\((\d+) lines: the same as ranks? ([0-9,\-]+) printed above\)$")
+
+
+def _a_real_log() -> str:
+    """A library's multi-line log, as a rank writes it: a real traceback (one per rank, the same)."""
+    try:
+        {}["key"]  # noqa: B018 - a real exception for its real traceback text
+    except KeyError:
+        return "".join(traceback.format_exc())
+    raise AssertionError("unreachable")
+
+
+def test_a_log_every_rank_writes_at_its_own_moment_is_shown_once() -> None:
+    log = _a_real_log()
+    err = io.StringIO()
+    printer = LivePrinter(err=err, hold=0.0)
+    printer.feed(0, "stderr", "rank 0 starts\n" + log)
+    printer.flush()
+    for rank in (1, 2, 3):  # each a flush later: seconds apart, as ranks' logs come
+        printer.feed(rank, "stderr", log + f"rank {rank} goes on\n")
+        printer.flush()
+    printer.flush(final=True)
+    shown = err.getvalue().splitlines()
+    n = len(log.splitlines())
+    assert shown[: n + 1] == [f"[rank 0 stderr] {line}" for line in ("rank 0 starts\n" + log).splitlines()], shown
+    assert shown[n + 1:] == [line for rank in (1, 2, 3) for line in (
+        f"[rank {rank} stderr] ({n} lines: the same as {format_ranks(range(rank))} printed above)",
+        f"[rank {rank} stderr] rank {rank} goes on")], shown
+
+
+def test_short_repeats_stay_as_they_are() -> None:
+    repeats = Repeats()
+    repeats.printed("stdout", 0, ["loss 0.5", "", "", "step 2"])
+    # Two equal lines (and blank ones, which do not count) are not a block.
+    assert repeats.fold("stdout", 1, ["loss 0.5", "", "", "step 2"]) == ["loss 0.5", "", "", "step 2"]
+    assert repeats.fold("stdout", 0, ["loss 0.5", "step 2", "x"]) == ["loss 0.5", "step 2", "x"]  # its own lines
+    assert repeats.fold("stderr", 1, ["loss 0.5", "step 2", "loss 0.5"]) == ["loss 0.5", "step 2", "loss 0.5"]  # another stream
+
+
+def test_every_fold_is_true_and_every_line_is_accounted_for() -> None:
+    """Random outputs from a small vocabulary (so that runs repeat by chance as well as by copy),
+    random pieces and flushes: each rank's shown lines, folds expanded, are exactly what it wrote,
+    and each fold's lines had been shown for every rank it names, before it."""
+    rng = random.Random(11)
+    vocab = [f"line {i}" for i in range(6)] + [""]
+    folds = 0
+    for trial in range(300):
+        ranks = list(range(rng.randint(2, 4)))
+        block = [rng.choice(vocab) for _ in range(rng.randint(0, 8))]
+        written = {r: [rng.choice(vocab) for _ in range(rng.randint(0, 6))] + block + [rng.choice(vocab) for _ in range(rng.randint(0, 4))]
+                   for r in ranks}
+        err = io.StringIO()
+        printer = LivePrinter(err=err, hold=0.0)
+        queues = {r: [line + "\n" for line in written[r]] for r in ranks}
+        while any(queues.values()):
+            r = rng.choice([r for r in ranks if queues[r]])
+            take = rng.randint(1, 3)
+            printer.feed(r, "stderr", "".join(queues[r][:take]))
+            del queues[r][:take]
+            if rng.random() < 0.6:
+                printer.flush()
+        printer.flush(final=True)
+
+        got: dict[int, list[str]] = {r: [] for r in ranks}
+        for shown in err.getvalue().splitlines():
+            label = _LABEL.match(shown)
+            assert label, shown
+            for r in parse_ranks(label.group(1), len(ranks)):
+                fold = _FOLD.match(label.group(2))
+                if fold is None:
+                    got[r].append(label.group(2))
+                    continue
+                folds += 1
+                n, by = int(fold.group(1)), parse_ranks(fold.group(2), len(ranks))
+                lines = written[r][len(got[r]): len(got[r]) + n]
+                assert len(lines) == n and sum(1 for line in lines if line.strip()) >= MIN_RUN, (trial, shown)
+                for other in by:
+                    assert other != r and all(line in got[other] for line in lines), (trial, shown, got)
+                got[r].extend(lines)
+        assert got == written, (trial, err.getvalue())
+    assert folds > 30  # the test saw folds, not only lines
