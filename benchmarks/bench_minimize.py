@@ -147,7 +147,7 @@ def run_case(name: str, budget: float, out_dir: Path, slice_first: bool = True) 
         failed = pool.run(failing, timeout=timeout)
         assert not failed.ok, failed.text()
         t0 = time.monotonic()
-        found = pool.minimize(budget=budget, path=str(out_dir / f"{name}.py"))
+        found = pool.minimize(budget=budget, path=str(out_dir / f"{name}.py"), on_progress=lambda line: print(line, flush=True))
         took = time.monotonic() - t0
         case = found.code()
         cells, stmts = found.size()
@@ -155,7 +155,7 @@ def run_case(name: str, budget: float, out_dir: Path, slice_first: bool = True) 
             "world": world, "session_cells": found.started_with[0], "session_statements": found.started_with[1],
             "case_cells": cells, "case_statements": stmts,
             "case_lines": sum(1 for c in found.cells for line in c.code.splitlines() if line.strip() and not line.strip().startswith("#")),
-            "tries": found.tries, "minimize_seconds": round(found.seconds, 1), "with_verify_and_replay_seconds": round(took, 1),
+            "tries": found.tries, "not_tried": found.unrun, "minimize_seconds": round(found.seconds, 1), "with_verify_and_replay_seconds": round(took, 1),
             "slice_first": slice_first, "stopped": found.stopped, "reproduced": bool(found.verified and found.verified.reproduced),
             "signature": found.signature.text(), "case": case, "account": found.steps,
         }
@@ -169,17 +169,19 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=list(SESSIONS), help="cases to run")
     parser.add_argument("--ab", action="store_true", help="each case also without the slice first, interleaved (the tries alone)")
     args = parser.parse_args()
+    path = HERE / "results" / "minimize.json"
+    # The cases not run now keep their last results (each says its own budget).
+    kept = json.loads(path.read_text())["cases"] if path.exists() else {}
     out: dict[str, object] = {"python": platform.python_version(), "torch": __import__("torch").__version__,
-                              "machine": f"{__import__('os').cpu_count()} cores", "budget": args.budget, "cases": {}}
+                              "machine": f"{__import__('os').cpu_count()} cores", "cases": kept}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only:
             for slice_first in ([False, True] if args.ab else [True]):
                 print(f"== {name}{'' if slice_first else ' (the tries alone)'}", flush=True)
-                result = run_case(name, args.budget, Path(tmp), slice_first)
+                result = {"budget": args.budget, **run_case(name, args.budget, Path(tmp), slice_first)}
                 out["cases"][name if slice_first else f"{name} (tries alone)"] = result  # type: ignore[index]
                 print(json.dumps({k: v for k, v in result.items() if k != "case"}, indent=1), flush=True)
                 print(result["case"], flush=True)
-    path = HERE / "results" / "minimize.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol, Sequence, TypeVar
 
+from distnb.analysis.inlining import inline_constants
+from distnb.analysis.names import read_before_bound
 from distnb.analysis.slicing import slice_cells, top_level
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
@@ -56,6 +58,10 @@ class Minimized:
     signature: FailureSignature
     started_with: tuple[int, int]  # (cells, statements) of the session's case
     tries: int = 0
+    #: Cases not tried, by why: known to fail otherwise, or to pass, from their code alone.
+    unrun: dict[str, int] = field(default_factory=dict)
+    #: The failing cell's lines where ranks raised or waited, as written: a case without them does not fail the same way.
+    needed: set[str] = field(default_factory=set, repr=False)
     world_size: int = 0  # the ranks the case needs (the session's world size where none could go)
     started_world: int = 0
     seconds: float = 0.0
@@ -77,7 +83,8 @@ class Minimized:
                 f"({self.signature.text()}); {self.tries} tries in {self.seconds:.0f} s")
         if self.stopped:
             head += f" (stopped early: {self.stopped}; the smallest case found so far)"
-        lines = [head, *(f"  {s}" for s in self.steps)]
+        steps = [*self.steps, *(f"{n} case{'s' * (n != 1)} not tried: {why}" for why, n in self.unrun.items())]
+        lines = [head, *(f"  {s}" for s in steps)]
         if self.script:
             lines.append(f"wrote {self.script} and {self.notebook}")
         if self.verified is not None:
@@ -126,16 +133,17 @@ _Block = ast.FunctionDef | ast.AsyncFunctionDef | ast.For | ast.AsyncFor | ast.W
 
 
 def _blocks(code: str) -> list[_Block]:
-    """The cell's top-level functions and blocks (a loop, a ``with``, an ``if``'s first branch)
-    whose body can be cut apart: a training loop's body holds most of what a failure in it does
-    not need (the schedule, the clipping, the logging)."""
+    """The cell's functions and blocks (a loop, a ``with``, an ``if``'s first branch) whose body
+    can be cut apart, outermost first, nested ones too: a training loop's body holds most of what
+    a failure in it does not need (the schedule, the clipping, the logging), and the gradient
+    accumulation loop inside it more."""
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return []
     # A block written on one line (``def f(): return 1``) has no body to cut apart.
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.If)
-    return [n for n in tree.body if isinstance(n, kinds) and n.body[0].lineno > n.lineno]
+    return [n for n in ast.walk(tree) if isinstance(n, kinds) and n.body[0].lineno > n.lineno]
 
 
 def _block_name(node: _Block, code: str) -> str:
@@ -145,7 +153,7 @@ def _block_name(node: _Block, code: str) -> str:
 
 
 def function_bodies(code: str) -> list[tuple[str, list[str]]]:
-    """Each top-level function or block the cell has: its name (``step()``, or its first line in
+    """Each function or block the cell has (:func:`_blocks`): its name (``step()``, or its first line in
     backticks) and its body's statements as source (indented as written)."""
     lines = code.splitlines()
     return [(_block_name(fn, code), ["\n".join(lines[node.lineno - 1 : node.end_lineno or node.lineno]) for node in fn.body])
@@ -153,7 +161,7 @@ def function_bodies(code: str) -> list[tuple[str, list[str]]]:
 
 
 def replace_body(code: str, k: int, body: list[str]) -> str:
-    """The cell with the body of its ``k``-th top-level function or block made of ``body`` (``pass``
+    """The cell with the body of its ``k``-th function or block (:func:`_blocks`) made of ``body`` (``pass``
     when empty: the function stays callable, the loop runs). What follows the body (an ``else``
     branch, the statements after) stays as written."""
     fn = _blocks(code)[k]
@@ -195,11 +203,18 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
     on = [pool]  # the pool the tries run on: the session's, or a smaller one the world-size pass kept
 
     tried: dict[tuple[object, ...], bool] = {}  # a case tried once is not run again (ddmin's passes meet the same ones)
+    # Names the session reads and never sets come from its namespace (rank, dist, a %dist_push).
+    provided = read_before_bound([c.code for c in cells]) or set()
 
     def fails(candidate: list[Candidate], runs: Runs | None = None, signature: FailureSignature | None = None) -> bool:
         key = ((runs or on[0]).world_size, (signature or state.signature).text(), *candidate)
         if key in tried:
             return tried[key]
+        why_not = _unrun(candidate, state.needed, provided)
+        if why_not:
+            state.unrun[why_not] = state.unrun.get(why_not, 0) + 1
+            tried[key] = False
+            return False
         if time.monotonic() - t0 > budget:
             raise _Budget
         state.tries += 1
@@ -211,9 +226,13 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
             f"{'still fails' if ok else why_not} · {time.monotonic() - t0:.0f} s of {budget:.0f}")
         return ok
 
+    lines = failing_lines(failing)
+    failing_code = failing.code.splitlines()
+    state.needed = {text for n in lines if 0 < n <= len(failing_code) and (text := failing_code[n - 1].strip())}
     with ExitStack() as pools:
         try:
-            _slice(state, failing_lines(failing), fails)
+            _slice(state, lines, fails)
+            _inline(state, fails)
             _shrink(state, fails)
             if pool.smaller is not None and (smaller := _cut_world(state, pool, pools, fails, say)) is not None:
                 on[0] = smaller
@@ -224,6 +243,16 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
             state.stopped = "interrupted"
     state.seconds = time.monotonic() - t0
     return state
+
+
+def _unrun(candidate: list[Candidate], needed: set[str], provided: set[str]) -> str:
+    """Why ``candidate`` need not be tried, known from its code alone; "" when it must be."""
+    code = [c.code for c in candidate]
+    if any(all(text not in line.strip() for c in code for line in c.splitlines()) for text in needed):
+        return "each drops a line where the session's ranks raised or waited"
+    if (read_before_bound(code) or set()) - provided:
+        return "each reads a name before anything in it sets it (a NameError, not the failure)"
+    return ""
 
 
 class _Budget(Exception):
@@ -277,13 +306,23 @@ def _shrink(state: Minimized, fails: Fails) -> None:
     cell becomes unneeded once the statements that used it are gone."""
     while True:
         before = _weight(state.cells)
-        if before < state.sliced_at:
-            _slice(state, set(), fails)  # what the case's code needs now: cut statements took their reads with them
+        _reslice(state, fails)
         _cut_cells(state, fails)
-        _cut_statements(state, fails)
-        _cut_bodies(state, fails)
+        # The failing cell first, its blocks included: what it stops reading, the slice then drops
+        # from the cells before it, each of which would otherwise cost tries of its own.
+        _cut_statements(state, fails, [len(state.cells) - 1])
+        _reslice(state, fails)
+        _cut_bodies(state, fails, [-1], reslice=True)
+        _cut_statements(state, fails, range(len(state.cells) - 1))
+        _cut_bodies(state, fails, range(len(state.cells) - 1))
         if _weight(state.cells) >= before:
             return
+
+
+def _reslice(state: Minimized, fails: Fails) -> None:
+    """The slice again once a cut shrank the case: cut statements took their reads with them."""
+    if _weight(state.cells) < state.sliced_at:
+        _slice(state, set(), fails)
 
 
 def world_sizes(world_size: int) -> list[int]:
@@ -328,6 +367,28 @@ def _cut_world(state: Minimized, pool: Runs, pools: ExitStack, fails: Fails, say
     return None
 
 
+def _inline(state: Minimized, fails: Fails) -> None:
+    """One try of the case with its settings written in where they are read (analysis/inlining.py):
+    a pasted script's configuration block is most of what a sliced case keeps."""
+    got = inline_constants([c.code for c in state.cells])
+    if got is None:
+        return
+    codes, names = got
+    cells = [replace(c, code=code) for i, (c, code) in enumerate(zip(state.cells, codes)) if code.strip() or i == len(codes) - 1]
+    if sum(len(statements(c.code)) for c in cells) >= state.size()[1]:
+        return
+    shown = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
+    # A needed line that read a setting reads its value now: it is looked for as the inlined case writes it.
+    needed, state.needed = state.needed, {text for text in state.needed if any(text in line.strip() for c in cells for line in c.code.splitlines())}
+    if fails(cells):
+        state.steps.append(f"wrote {len(names)} setting{'s' * (len(names) != 1)} in where {'they are' if len(names) != 1 else 'it is'} "
+                           f"read ({shown}; one try)")
+        state.cells = cells
+    else:
+        state.needed = needed
+        state.steps.append(f"kept the settings as statements: written in where they are read ({shown}), the case did not fail the same way")
+
+
 def _cut_cells(state: Minimized, fails: Fails) -> None:
     """The cells before the failing one (which stays)."""
     kept = _ddmin(state.cells[:-1], lambda sub: fails([*sub, state.cells[-1]]))
@@ -336,9 +397,9 @@ def _cut_cells(state: Minimized, fails: Fails) -> None:
     state.cells = [*kept, state.cells[-1]]
 
 
-def _cut_statements(state: Minimized, fails: Fails) -> None:
-    """Each cell's top-level statements: the failing cell's first."""
-    for i in [len(state.cells) - 1, *range(len(state.cells) - 1)]:
+def _cut_statements(state: Minimized, fails: Fails, which: Sequence[int]) -> None:
+    """The top-level statements of the cells ``which`` (indices into the case's cells)."""
+    for i in which:
         cell = state.cells[i]
         parts = statements(cell.code)
         if len(parts) < 2:
@@ -349,28 +410,36 @@ def _cut_statements(state: Minimized, fails: Fails) -> None:
 
         keep = _ddmin(parts, lambda sub: bool(sub) and fails(with_cell(sub)))
         if len(keep) < len(parts):
-            which = "the failing cell" if i == len(state.cells) - 1 else f"cell {i + 1} of the case"
-            state.steps.append(f"removed {len(parts) - len(keep)} of the {len(parts)} statements of {which}")
+            which_cell = "the failing cell" if i == len(state.cells) - 1 else f"cell {i + 1} of the case"
+            state.steps.append(f"removed {len(parts) - len(keep)} of the {len(parts)} statements of {which_cell}")
             state.cells = with_cell(keep)
 
 
-def _cut_bodies(state: Minimized, fails: Fails) -> None:
-    """The statements inside the functions the cells define (a step function, a forward) and
-    inside their top-level blocks (a training loop)."""
-    for i in range(len(state.cells)):
-        for k in range(len(function_bodies(state.cells[i].code))):
+def _cut_bodies(state: Minimized, fails: Fails, which: Sequence[int], reslice: bool = False) -> None:
+    """The statements inside the functions the cells ``which`` define (a step function, a forward)
+    and inside their blocks (a training loop, the accumulation loop in it), outermost first: a
+    block cut away takes the blocks inside it along. ``reslice``: slice again after each block that
+    shrank (``which`` then counts from the end, as the slice may drop whole cells): a training
+    loop's schedule and optimizer step cut away take the optimizer's set-up (and its imports) out
+    of every try after."""
+    for at in which:
+        k = 0
+        while k < len(bodies := function_bodies(state.cells[at].code)):
+            i = at % len(state.cells)
             cell = state.cells[i]
-            name, body = function_bodies(cell.code)[k]
-            if len(body) < 2:
-                continue
+            name, body = bodies[k]
+            if len(body) > 1:
 
-            def with_body(sub: list[str], i: int = i, k: int = k, cell: Candidate = cell) -> list[Candidate]:
-                return [*state.cells[:i], replace(cell, code=replace_body(cell.code, k, sub)), *state.cells[i + 1:]]
+                def with_body(sub: list[str], i: int = i, k: int = k, cell: Candidate = cell) -> list[Candidate]:
+                    return [*state.cells[:i], replace(cell, code=replace_body(cell.code, k, sub)), *state.cells[i + 1:]]
 
-            keep = _ddmin(body, lambda sub: fails(with_body(sub)))
-            if len(keep) < len(body):
-                state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}")
-                state.cells = with_body(keep)
+                keep = _ddmin(body, lambda sub: fails(with_body(sub)))
+                if len(keep) < len(body):
+                    state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}")
+                    state.cells = with_body(keep)
+                    if reslice:
+                        _reslice(state, fails)
+            k += 1
 
 
 def setup_bound(cell: Candidate, limit: float) -> float:

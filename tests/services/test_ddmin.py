@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import traceback
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -32,14 +34,15 @@ class _Ranks:
     """The minimizer's seam (minimize.Runs) over two in-process "ranks": each cell is exec'd in the
     rank's own namespace, and its error is the rank's outcome."""
 
-    def __init__(self, world: int = 2) -> None:
+    def __init__(self, world: int = 2, pushed: dict | None = None) -> None:
         self.ns: dict[int, dict] = {}
+        self.pushed = pushed or {}  # names the namespace holds that no cell sets (a %dist_push)
         self.cell = 0
         self.world = world
         self.started: list[int] = []  # the smaller worlds started, in order
 
     def restart(self) -> None:
-        self.ns = {r: {"rank": r, "world_size": self.world} for r in range(self.world)}
+        self.ns = {r: {"rank": r, "world_size": self.world, **self.pushed} for r in range(self.world)}
 
     def runs(self) -> Runs:
         return Runs(self.restart, self.run, self.stop, self.world, self.smaller)
@@ -54,11 +57,14 @@ class _Ranks:
         res = CellResult(cell=self.cell, code=code, ranks=ranks, results={r: RankResult(r) for r in ranks})
         for r in ranks:
             try:
-                exec(code, self.ns[r])
+                exec(compile(code, "<cell>", "exec"), self.ns[r])
                 res.results[r].status = "ok"
             except Exception as exc:
+                # The cell's line where it raised, as a rank reports it (the innermost frame of the cell).
+                frames = traceback.extract_tb(exc.__traceback__)
+                line = next((f.lineno for f in reversed(frames) if f.filename == "<cell>"), None)
                 res.results[r].status = "error"
-                res.results[r].error = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": "", "line": None}
+                res.results[r].error = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": "", "line": line}
         return res
 
     def stop(self, res: CellResult) -> None:
@@ -74,7 +80,7 @@ def session(ranks: _Ranks, cells: list[str]) -> list[CellResult]:
 def test_the_statements_inside_a_function_the_failing_cell_calls_are_cut_too() -> None:
     ranks = _Ranks()
     history = session(ranks, [
-        "scale = 3\nunused = [1, 2]",
+        "scale = int('3')\nunused = [1, 2]",
         "def step(x):\n    # the training step\n    y = x * scale\n    log = []\n    log.append(y)\n"
         "    if rank == 1:\n        raise ValueError(f'bad batch {y}')\n    return y",
         "a = 1\nz = step(2)\nb = 2",
@@ -82,7 +88,7 @@ def test_the_statements_inside_a_function_the_failing_cell_calls_are_cut_too() -
     assert history[-1].failed == [1]
     found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
     assert [c.code for c in found.cells] == [
-        "scale = 3",
+        "scale = int('3')",
         "def step(x):\n    # the training step\n    y = x * scale\n    if rank == 1:\n        raise ValueError(f'bad batch {y}')",
         "z = step(2)",
     ], found.code()
@@ -92,7 +98,8 @@ def test_the_statements_inside_a_function_the_failing_cell_calls_are_cut_too() -
 
 def test_a_function_body_is_replaced_in_place_keeping_its_decorators_and_what_follows() -> None:
     code = "@torch.no_grad()\ndef evaluate(m):\n    a = 1\n    if a:\n        b = 2\n    return a\nafter = 1"
-    assert function_bodies(code) == [("evaluate()", ["    a = 1", "    if a:\n        b = 2", "    return a"])]
+    assert function_bodies(code) == [("evaluate()", ["    a = 1", "    if a:\n        b = 2", "    return a"]),
+                                     ("`if a:`", ["        b = 2"])]  # nested blocks too, outermost first
     assert replace_body(code, 0, ["    return a"]) == "@torch.no_grad()\ndef evaluate(m):\n    return a\nafter = 1"
     assert replace_body(code, 0, []) == "@torch.no_grad()\ndef evaluate(m):\n    pass\nafter = 1"
 
@@ -144,7 +151,7 @@ def test_a_smaller_pool_that_does_not_start_keeps_the_case_found_so_far() -> Non
 def test_a_loops_body_is_cut_and_what_it_no_longer_reads_goes_with_the_next_slice() -> None:
     ranks = _Ranks()
     history = session(ranks, [
-        "lr = 0.1\nwarmup = 2\nlog_every = 1\nclip = 1.0",
+        "lr = 0.1 * 1\nwarmup = 2 * 1\nlog_every = 1 * 1\nclip = 1.0 * 1",  # computed: not inlined
         "for step in range(3):\n    rate = lr * min(1, step / warmup)\n    if step % log_every == 0:\n        print(step)\n"
         "    scaled = clip * rate\n    if rank == 1 and step == 2:\n        raise ValueError('bad step')\nelse:\n    done = True",
     ])
@@ -162,7 +169,8 @@ def test_an_earlier_cell_of_a_try_is_bounded_by_its_own_time_and_each_try_says_w
     try of a real session timed out in its set-up and counted as "fails otherwise" (the GPT-shaped
     session of bench_minimize.py: 87 tries, nothing cut)."""
     ranks = _Ranks()
-    history = session(ranks, ["setup = 1\nnoise = 2", "if rank == 1:\n    raise ValueError(setup)"])
+    # globals()[…]: a read the minimizer's reading of names does not see, so the try is run.
+    history = session(ranks, ["setup = int('1')\nnoise = 2", "if rank == 1:\n    raise ValueError(globals()['setup'])"])
     history[0].elapsed, history[1].elapsed = 20.0, 0.5
     bounds: list[tuple[str, float]] = []
     run = ranks.run
@@ -175,4 +183,62 @@ def test_an_earlier_cell_of_a_try_is_bounded_by_its_own_time_and_each_try_says_w
     minimize(Runs(ranks.restart, recording, ranks.stop), history, budget=60, on_progress=said.append)
     assert {limit for code, limit in bounds if "raise" not in code} == {65.0}, bounds  # 3 × 20 s + 5
     assert {limit for code, limit in bounds if "raise" in code} == {5.0}, bounds
-    assert any("failed otherwise (rank 1 raised NameError: name 'setup' is not defined)" in s for s in said), said
+    assert any("failed otherwise (rank 1 raised KeyError: 'setup')" in s for s in said), said
+
+
+def test_a_case_that_reads_a_name_nothing_in_it_sets_is_not_tried() -> None:
+    ranks = _Ranks(pushed={"lr": 0.5})  # lr: pushed, set by no cell — never counted as missing
+    history = session(ranks, ["a = int('1')\nb = int('2')", "c = a * lr\nd = b\nif rank == 1:\n    raise ValueError(c)"])
+    runs: list[str] = []
+    run = ranks.run
+
+    def recording(code: str, on: list[int], limit: float) -> CellResult:
+        runs.append(code)
+        return run(code, on, limit)
+
+    found = minimize(Runs(ranks.restart, recording, ranks.stop), history, budget=60)
+    assert [c.code for c in found.cells] == ["a = int('1')", "c = a * lr\nif rank == 1:\n    raise ValueError(c)"], found.code()
+    unrun = found.unrun.get("each reads a name before anything in it sets it (a NameError, not the failure)", 0)
+    assert unrun > 0 and f"{unrun} case{'s' * (unrun != 1)} not tried: each reads a name" in found.text(), found.text()
+    # No case was run whose failing cell reads c without setting it.
+    assert not [code for code in runs if "raise ValueError(c)" in code and "c = a" not in code], runs
+
+
+def test_settings_are_written_in_where_they_are_read_in_one_try_and_nested_loops_are_cut() -> None:
+    """A pasted script's shape: a settings block, a loop with an accumulation loop inside, the
+    failure in the inner one. The settings go in one try; the inner loop's body is cut too."""
+    ranks = _Ranks()
+    history = session(ranks, [
+        "lr = 0.1\naccum = 2\nsteps = 3\nlog_every = 1\nname = 'run'",
+        "for step in range(steps):\n    rate = lr * step\n    for micro in range(accum):\n        loss = rate * micro\n"
+        "        if micro == accum - 1 and rank == 1 and step % log_every == 0:\n            raise ValueError(f'bad micro-step of {name}')\n"
+        "        seen = micro\n    print(step)",
+    ])
+    assert history[-1].failed == [1]
+    said: list[str] = []
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60, on_progress=said.append)
+    loop = ("for step in range(3):\n    for micro in range(2):\n        if micro == 2 - 1 and rank == 1 and step % 1 == 0:\n"
+            "            raise ValueError(f'bad micro-step of {NAME}')")
+    if sys.version_info < (3, 12):  # a string is not written into an f-string there
+        assert [c.code for c in found.cells] == ["name = 'run'", loop.replace("NAME", "name")], found.code()
+        assert "wrote 4 settings in where they are read (accum, log_every, lr, steps; one try)" in found.text(), found.text()
+    else:
+        assert [c.code for c in found.cells] == [loop.replace("NAME", "'run'")], found.code()
+        assert "wrote 5 settings in where they are read (accum, log_every, lr, name, steps; one try)" in found.text(), found.text()
+    assert "statements of `for micro in range(2):`" in found.text(), found.text()
+
+
+def test_a_case_without_the_line_where_the_ranks_raised_is_not_tried() -> None:
+    ranks = _Ranks()
+    history = session(ranks, ["a = int('1')", "b = a + 1\nc = b * 2\nif rank == 1:\n    raise ValueError(c)\nd = c"])
+    runs: list[str] = []
+    run = ranks.run
+
+    def recording(code: str, on: list[int], limit: float) -> CellResult:
+        runs.append(code)
+        return run(code, on, limit)
+
+    found = minimize(Runs(ranks.restart, recording, ranks.stop), history, budget=60)
+    assert found.cells[-1].code.endswith("if rank == 1:\n    raise ValueError(c)"), found.code()
+    assert not [code for code in runs if "b = a" in code and "raise ValueError(c)" not in code], runs  # the failing line never dropped
+    assert "not tried: each drops a line where the session's ranks raised or waited" in found.text(), found.text()
