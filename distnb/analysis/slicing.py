@@ -33,6 +33,14 @@ _DIST_NAMES = frozenset({"dist", "distributed", "c10d", "funcol"})
 _NOT_CHANGED = frozenset({"torch", "dist", "rank", "local_rank", "world_size", "device", *dir(builtins)})
 #: Builtins that change what they are given.
 _CHANGING_BUILTINS = frozenset({"setattr", "delattr", "next", "exec", "vars"})
+#: Methods that only read their object (``model.parameters()`` hands the optimizer the model's
+#: tensors, it does not change the model): a call of one changes nothing by itself. Not ``to``,
+#: ``cuda``, ``train``, ``eval``: on a module those change it in place.
+_READING_METHODS = frozenset({
+    "parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules", "children",
+    "named_children", "state_dict", "size", "dim", "numel", "item", "tolist", "clone", "detach", "numpy", "keys",
+    "values", "items", "get", "count", "index", "format", "join", "split", "strip", "startswith", "endswith",
+})
 #: A module's function that sets process-wide state the cells read without naming it: the random
 #: generators' seeds, torch's defaults and modes (``torch.manual_seed``, ``set_default_dtype``,
 #: ``use_deterministic_algorithms``, ``set_num_threads``).
@@ -50,6 +58,9 @@ class Statement:
     sets: frozenset[str]
     reads: frozenset[str]
     collective: bool
+    #: Of ``sets``, the names it only binds (``x = …``, a loop's target): it changes no object
+    #: another name may share, so it matters only where that name itself is read after.
+    binds: frozenset[str] = frozenset()
     #: Names an assignment may make share one object (``opt = SGD(model.parameters())``: a later
     #: ``opt.step()`` changes ``model``): the target and the names its value reads.
     links: frozenset[str] = frozenset()
@@ -78,29 +89,47 @@ def _may_change_arguments(func: ast.expr, modules: set[str]) -> bool:
     return True
 
 
-def _names(node: ast.stmt, modules: set[str]) -> tuple[set[str], set[str]]:
+def _names(node: ast.stmt, modules: set[str]) -> tuple[set[str], set[str], set[str]]:
+    """The names ``node`` changes (an object another name may share), binds, and reads."""
     sets: set[str] = set()
+    binds: set[str] = set()
     reads: set[str] = set()
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        sets.add(node.name)
+        binds.add(node.name)
     for sub in ast.walk(node):
         if isinstance(sub, ast.AugAssign) and (root := _root(sub.target)) is not None:
             reads.add(root)  # n += 1 reads n
+            sets.add(root)  # and changes it in place where it can (a list, a tensor)
         if isinstance(sub, ast.Name):
-            (sets if isinstance(sub.ctx, (ast.Store, ast.Del)) else reads).add(sub.id)
+            (binds if isinstance(sub.ctx, (ast.Store, ast.Del)) else reads).add(sub.id)
         elif isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, (ast.Store, ast.Del)):
             if (root := _root(sub)) is not None:
                 sets.add(root)  # x.a = … and x[i] = … change x
         elif isinstance(sub, ast.Call):
-            changed = [sub.func.value] if isinstance(sub.func, ast.Attribute) else []  # opt.step(), x.add_(1)
+            changed = [sub.func.value] if isinstance(sub.func, ast.Attribute) and sub.func.attr not in _READING_METHODS else []  # opt.step()
             if _may_change_arguments(sub.func, modules):
                 changed += [*sub.args, *(k.value for k in sub.keywords)]  # dist.all_reduce(loss) changes loss
             sets.update(root for arg in changed if (root := _root(arg)) is not None and root not in modules)
         elif isinstance(sub, (ast.Import, ast.ImportFrom)):
-            sets.update((a.asname or a.name).split(".")[0] for a in sub.names)
+            binds.update((a.asname or a.name).split(".")[0] for a in sub.names)
         elif isinstance(sub, ast.Global):
             sets.update(sub.names)
-    return sets, reads
+    return sets, binds, reads
+
+
+def _called(node: ast.AST) -> set[str]:
+    """The names ``node`` calls by name (``step()``, ``helper(x)``)."""
+    return {sub.func.id for sub in ast.walk(node) if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name)}
+
+
+def _local_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """A function's parameters and the names its body binds, but those it declares global: what it
+    changes of them is its own (a parameter's object is changed through the call's arguments)."""
+    args = fn.args
+    params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, *(x for x in (args.vararg, args.kwarg) if x)]}
+    bound = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
+    declared = {name for n in ast.walk(fn) if isinstance(n, (ast.Global, ast.Nonlocal)) for name in n.names}
+    return (params | bound) - declared
 
 
 def _reaches_dist(node: ast.AST, collective_functions: set[str]) -> bool:
@@ -178,6 +207,8 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
     (then nothing is sliced: the tries alone cut it)."""
     out: list[list[Statement]] = []
     collective_functions: set[str] = set()  # functions of the cells, or torch.distributed's, that reach it
+    effects: dict[str, frozenset[str]] = {}  # a function of the cells → the names outside it a call of it may change
+    global_reads: dict[str, frozenset[str]] = {}  # … and those it reads
     modules = set(_NOT_CHANGED)
     for code in cells:
         parsed = top_level(code)
@@ -189,14 +220,24 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
                 modules.update((a.asname or a.name).split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
                 collective_functions.update(a.asname or a.name for a in node.names)  # init_device_mesh, new_group …
-            sets, reads = _names(node, modules)
+            sets, binds, reads = _names(node, modules)
+            # What a call of a function of the cells changes outside it is the calling statement's
+            # change; defining it changes nothing.
+            # and what it reads outside it, the calling statement's read (at the call, not where it was defined).
+            called = _called(node)
+            sets |= {n for f in called for n in effects.get(f, ())}
+            reads |= {n for f in called for n in global_reads.get(f, ())}
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                local = _local_names(node)
+                effects[node.name], global_reads[node.name] = frozenset(sets - local), frozenset(reads - local)
+                sets, binds = set(), {node.name}  # its body's names are its own until it is called
             collective = _reaches_dist(node, collective_functions)
             if collective and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 collective_functions.add(node.name)
                 collective = False  # defining it calls nothing; a statement that calls it does
             stmts.append(Statement(text, node.lineno, node.end_lineno or node.lineno,
-                                   frozenset(sets), frozenset(reads), collective, _links(node, modules),
-                                   _sets_shared_state(node, modules)))
+                                   frozenset(sets | binds), frozenset(reads), collective, frozenset(binds - sets),
+                                   _links(node, modules), _sets_shared_state(node, modules)))
         out.append(stmts)
     return out
 
@@ -220,11 +261,14 @@ def slice_cells(cells: list[str], lines: set[int]) -> list[list[int]] | None:
         classes.join(stmt.links)
     kept: list[set[int]] = [set() for _ in parsed]
     needed: set[str] = set()  # as classes: a change to any name of one may change them all
+    read: set[str] = set()  # the names themselves: binding one matters only where it is read
     for c in range(len(parsed) - 1, -1, -1):
         for i in range(len(parsed[c]) - 1, -1, -1):
             s = parsed[c][i]
             seed = c == len(parsed) - 1 and i in seeds
-            if seed or s.collective or s.shared or any(classes.find(n) in needed for n in s.sets):
+            changes = s.sets - s.binds
+            if seed or s.collective or s.shared or any(classes.find(n) in needed for n in changes) or s.binds & read:
                 kept[c].add(i)
                 needed |= {classes.find(n) for n in s.reads}
+                read |= s.reads
     return [sorted(k) for k in kept]

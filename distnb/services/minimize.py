@@ -205,6 +205,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
     tried: dict[tuple[object, ...], bool] = {}  # a case tried once is not run again (ddmin's passes meet the same ones)
     # Names the session reads and never sets come from its namespace (rank, dist, a %dist_push).
     provided = read_before_bound([c.code for c in cells]) or set()
+    took: list[float] = []  # each try's seconds
 
     def fails(candidate: list[Candidate], runs: Runs | None = None, signature: FailureSignature | None = None) -> bool:
         key = ((runs or on[0]).world_size, (signature or state.signature).text(), *candidate)
@@ -215,10 +216,13 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
             state.unrun[why_not] = state.unrun.get(why_not, 0) + 1
             tried[key] = False
             return False
-        if time.monotonic() - t0 > budget:
+        # The budget is kept: a try is not started when one like the quickest so far would end past it.
+        if time.monotonic() - t0 + min(took, default=0.0) > budget:
             raise _Budget
         state.tries += 1
+        started = time.monotonic()
         why_not = _reproduces(runs or on[0], candidate, signature or state.signature, limit)
+        took.append(time.monotonic() - started)
         ok = tried[key] = not why_not
         n, s = len(candidate), sum(len(statements(c.code)) for c in candidate)
         cur = state.size()
@@ -290,7 +294,7 @@ def _slice(state: Minimized, lines: set[int], fails: Fails) -> None:
         state.cells = sliced
         state.sliced_at = _weight(sliced)
     else:
-        state.steps.append(f"the {after[1]} statements {what} by its names did not fail alone: cut by trying")
+        state.steps.append(f"the {after[1]} statement{'s' * (after[1] != 1)} {what} by its names did not fail alone: cut by trying")
 
 
 class Fails(Protocol):

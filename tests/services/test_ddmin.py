@@ -242,3 +242,21 @@ def test_a_case_without_the_line_where_the_ranks_raised_is_not_tried() -> None:
     assert found.cells[-1].code.endswith("if rank == 1:\n    raise ValueError(c)"), found.code()
     assert not [code for code in runs if "b = a" in code and "raise ValueError(c)" not in code], runs  # the failing line never dropped
     assert "not tried: each drops a line where the session's ranks raised or waited" in found.text(), found.text()
+
+
+def test_the_budget_is_kept_a_try_that_would_end_past_it_is_not_started(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from distnb.services import minimize as module
+
+    now = [0.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    ranks = _Ranks()
+    # globals(): a dependency the reading of names does not see, so that the cells cost tries.
+    history = session(ranks, ["x1 = int('1')", "x2 = int('2')", "x3 = int('3')", "if rank == 1:\n    raise ValueError(globals().get('x1'))"])
+    run = ranks.run
+
+    def slow(code: str, on: list[int], limit: float) -> CellResult:
+        now[0] += 10.0  # each cell of a try: ten seconds of the clock
+        return run(code, on, limit)
+
+    found = minimize(Runs(ranks.restart, slow, ranks.stop), history, budget=45)
+    assert found.tries == 2 and found.seconds <= 45 and found.stopped == "the time budget ran out", found.text()

@@ -125,9 +125,14 @@ def _program(rng: random.Random) -> tuple[list[str], int]:
             f"{a} = [x + {rng.randint(1, 9)} for x in {b}]", f"{a} = {b}", f"{a}.append(len({b}))", f"grow({a}, {b})",
             f"{a}[0] = {b}[-1]", f"print({a}, {b})", f"{a} += [{rng.randint(1, 9)}]", f"unused = sorted({a})",
             f"for item in {b}[:3]:\n    {a}.append(item % 3)", f"{a} = {b}[:]", f"box = [{a}]\nbox[0].append({rng.randint(1, 9)})",
+            # helpers that change what is outside them, or only their own names; methods that only read
+            "bump()", f"bump_via({a})", "shadow()", "reset()", f"n = {a}.count(1) + {b}.index({b}[0])",
+            f"ps = list({a}.keys()) if isinstance({a}, dict) else {a}.copy()",
         ])
 
-    cells = ["def grow(a, b):\n    a.extend(b[:2])\n" + "\n".join(f"{name} = [{i}]" for i, name in enumerate(v))]
+    helpers = ("def grow(a, b):\n    a.extend(b[:2])\ndef bump():\n    v0.append(7)\ndef bump_via(x):\n    bump()\n    x.append(1)\n"
+               "def shadow():\n    v1 = [9]\n    v1.append(1)\n    return v1\ndef reset():\n    global v2\n    v2 = [5, len(v3)]\n")
+    cells = [helpers + "\n".join(f"{name} = [{i}]" for i, name in enumerate(v))]
     cells += ["\n".join(stmt() for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(2, 6))]
     read = rng.sample(v, rng.randint(1, 3))
     last = "\n".join(stmt() for _ in range(rng.randint(0, 3)))
