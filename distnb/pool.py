@@ -311,13 +311,16 @@ class Pool(PoolViews):
         tick: float = 0.1,
         ask: Ask | None = read_line,
         fail_fast: bool = True,
+        rebuild: bool = True,
     ) -> CellResult:
         """Wait for a submitted cell. The first Ctrl-C interrupts the ranks; a second stops waiting.
         Ranks paused in the debugger or in ``input()`` are answered with lines from ``ask``
         (default ``input()``; see :class:`~distnb.services.debugger.Debugger`); None leaves them to
         :attr:`debugger`. With ``fail_fast`` (default), once a rank has raised or died and every
         running rank waits in a call that needs it, the cell is ended at once as a Ctrl-C would
-        end it, not at ``timeout`` (checked while one call waits at least a second)."""
+        end it, not at ``timeout`` (checked while one call waits at least a second). ``rebuild``:
+        give every rank a fresh process group when an interrupt had to unblock a rank (a caller
+        that restarts the ranks next, as the minimizer's tries do, need not)."""
         run = self._tracker.run_of(result)
         fast = FailFast(result, self._tracker, lambda ranks: self._diagnostics.collectives(ranks, refresh=True)) if fail_fast else None
         wait_for_cell(result, run, self._debugger, self.interrupt, timeout, on_tick, tick, ask, tracker=self._tracker, fail_fast=fast)
@@ -325,7 +328,8 @@ class Pool(PoolViews):
         if run.finished.is_set() and not run.death_checked:
             run.death_checked = True
             self._diagnostics.conclude(result)
-            rebuild_after_unblock(result, self._tracker, self.regroup)  # after an interrupt that had to unblock a rank
+            if rebuild:
+                rebuild_after_unblock(result, self._tracker, self.regroup)  # after an interrupt that had to unblock a rank
         if on_tick is not None:
             on_tick(result)
         return result
@@ -404,7 +408,7 @@ class Pool(PoolViews):
         flags = {"profile": False, "pdb": False, "comms": False, "paths": False, "source": None}
 
         def run(code: str, ranks: list[int], timeout: float) -> CellResult:  # not kept in the session's history
-            res = self.wait(self._start(code, ranks, None, flags, record=False, compiled=compile_source(code)), timeout, ask=None)
+            res = self.wait(self._start(code, ranks, None, flags, record=False, compiled=compile_source(code)), timeout, ask=None, rebuild=False)
             if res.user_interrupted:
                 raise KeyboardInterrupt  # one Ctrl-C stops the minimizing, keeping the smallest case found
             return res
@@ -412,7 +416,7 @@ class Pool(PoolViews):
         def stop(res: CellResult) -> None:
             if res.running:
                 self.interrupt(res.running)
-                self.wait(res, timeout=15.0, ask=None)
+                self.wait(res, timeout=15.0, ask=None, rebuild=False)  # the next try restarts the ranks
 
         return Runs(self.restart, run, stop, self.world_size, self._smaller if self._config.nnodes == 1 else None)
 
