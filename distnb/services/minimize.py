@@ -324,9 +324,13 @@ def _shrink(state: Minimized, fails: Fails) -> None:
 
 
 def _reslice(state: Minimized, fails: Fails) -> None:
-    """The slice again once a cut shrank the case: cut statements took their reads with them."""
+    """The slice again once a cut shrank the case (cut statements took their reads with them),
+    from the failing lines where they still are, and the settings written in again (a setting
+    changed twice, ``n = 0`` and ``n += 1``, is one once the change is cut)."""
     if _weight(state.cells) < state.sliced_at:
-        _slice(state, set(), fails)
+        lines = state.cells[-1].code.splitlines()
+        _slice(state, {n for n, line in enumerate(lines, 1) if any(text in line.strip() for text in state.needed)}, fails)
+        _inline(state, fails)
 
 
 def world_sizes(world_size: int) -> list[int]:

@@ -161,7 +161,7 @@ def test_a_loops_body_is_cut_and_what_it_no_longer_reads_goes_with_the_next_slic
         "for step in range(3):\n    if rank == 1 and step == 2:\n        raise ValueError('bad step')\nelse:\n    done = True",
     ], found.code()
     assert "removed 3 of the 4 statements of `for step in range(3):`" in found.text(), found.text()
-    assert "statements the failing cell needs now" in found.text(), found.text()  # the loop's reads of the set-up went with it
+    assert "statements the failing line needs" in found.text(), found.text()  # the loop's reads of the set-up went with it
 
 
 def test_an_earlier_cell_of_a_try_is_bounded_by_its_own_time_and_each_try_says_why_it_did_not_count() -> None:
