@@ -179,7 +179,8 @@ def main() -> None:
             for slice_first in ([False, True] if args.ab else [True]):
                 print(f"== {name}{'' if slice_first else ' (the tries alone)'}", flush=True)
                 result = {"budget": args.budget, **run_case(name, args.budget, Path(tmp), slice_first)}
-                out["cases"][name if slice_first else f"{name} (tries alone)"] = result  # type: ignore[index]
+                key = (name if slice_first else f"{name} (tries alone)") + ("" if args.budget == 300 else f" ({args.budget:.0f} s)")
+                out["cases"][key] = result  # type: ignore[index]
                 print(json.dumps({k: v for k, v in result.items() if k != "case"}, indent=1), flush=True)
                 print(result["case"], flush=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

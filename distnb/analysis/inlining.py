@@ -12,10 +12,11 @@ from __future__ import annotations
 import ast
 import builtins
 import sys
+import warnings
 
 from distnb.analysis.names import bindings
 
-__all__ = ["inline_constants"]
+__all__ = ["fold_constants", "inline_constants"]
 
 
 def _literal(node: ast.expr) -> bool:
@@ -101,11 +102,87 @@ def inline_constants(codes: list[str]) -> tuple[list[str], list[str]] | None:
             code = code[:start] + text + code[end:]
         out.append(code.rstrip("\n"))
     try:
-        for code in out:
-            ast.parse(code)
+        out = [fold_constants(code) for code in out]  # a setting read in `4 * n_embd` or `step % log_every == 0`
     except SyntaxError:
         return None
     return out, sorted(constants)
+
+
+_PURE = (ast.Constant, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
+
+
+def _value(node: ast.expr) -> object:
+    """The value of an expression of constants, or ``_VOID`` where it is not one worth writing:
+    names, calls, a large power or repetition, an error, a long result."""
+    if not all(isinstance(n, _PURE) for n in ast.walk(node)):
+        return _VOID
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Pow, ast.Mult, ast.LShift)):
+        left, right = _value(node.left), _value(node.right)
+        if left is _VOID or right is _VOID or not _small(node.op, left, right):
+            return _VOID
+    try:
+        with warnings.catch_warnings():  # `1 is 1`: Python warns at compile time, as it did when the cell ran
+            warnings.simplefilter("ignore")
+            value = eval(compile(ast.Expression(body=node), "<fold>", "eval"), {"__builtins__": {}}, {})  # noqa: S307 (constants only)
+    except Exception:
+        return _VOID
+    if not isinstance(value, (bool, int, float, str, type(None))) or len(repr(value)) > 40:
+        return _VOID
+    return value
+
+
+_VOID = object()
+
+
+def _small(op: ast.operator, left: object, right: object) -> bool:
+    """A power, shift or repetition whose result stays small (``2 ** 10000``, ``'-' * 10**9`` are not)."""
+    def count(v: object) -> bool:
+        return isinstance(v, (int, float)) and abs(v) <= 64
+    if isinstance(op, ast.Mult):
+        texts = [isinstance(v, str) for v in (left, right)]
+        return count(right if texts[0] else left) if any(texts) else True
+    return count(right)
+
+
+def fold_constants(code: str) -> str:
+    """``code`` with each expression of constants written as its value (``4 * 32`` → ``128``,
+    ``0 % 1 == 0`` → ``True``) and an ``and``/``or`` whose leading operands are constants cut to
+    what they give (``True and master`` → ``master``): what writing settings in leaves behind.
+    Nothing inside an f-string is touched. Raises SyntaxError when ``code`` does not parse."""
+    tree = ast.parse(code)
+    starts = _offsets(code)
+    edits: list[tuple[int, int, str]] = []
+
+    def span(node: ast.expr) -> tuple[int, int]:
+        return (_at(code, starts, node.lineno, node.col_offset), _at(code, starts, node.end_lineno or node.lineno, node.end_col_offset or 0))
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.JoinedStr):
+            return
+        if isinstance(node, ast.expr) and not isinstance(node, ast.Constant) and (value := _value(node)) is not _VOID:
+            edits.append((*span(node), repr(value)))
+            return
+        if isinstance(node, ast.BoolOp):
+            values = [_value(v) for v in node.values]
+            lead = 0
+            while lead < len(values) - 1 and values[lead] is not _VOID and bool(values[lead]) == isinstance(node.op, ast.And):
+                lead += 1  # True and x is x; False or x is x
+            if lead:  # the operands left, as written (what is inside them is not folded too)
+                op = " and " if isinstance(node.op, ast.And) else " or "
+                weak = (ast.BoolOp, ast.IfExp, ast.Lambda, ast.NamedExpr)  # written in parentheses as operands
+                left = [f"({text})" if isinstance(v, weak) else text for v in node.values[lead:]
+                        if (text := ast.get_source_segment(code, v)) is not None]
+                if len(left) == len(node.values) - lead:
+                    edits.append((*span(node), op.join(left)))
+                    return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    for start, end, text in sorted(edits, reverse=True):
+        code = code[:start] + text + code[end:]
+    ast.parse(code)
+    return code
 
 
 def _at(code: str, starts: list[int], line: int, col: int) -> int:

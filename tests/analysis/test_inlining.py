@@ -7,6 +7,7 @@ import contextlib
 import io
 import random
 import sys
+import warnings
 
 from distnb.analysis.inlining import inline_constants
 
@@ -18,7 +19,8 @@ def test_settings_read_once_bound_are_written_in_and_their_assignments_go() -> N
     assert got is not None
     out, names = got
     assert names == ["bias", "lr", "n_embd", "name", "shape"]  # steps is bound twice: it stays
-    assert out == ["steps = 0", "layer = torch.nn.Linear(32, 4 * 32, bias=False)\nsteps += 1\nprint((-0.001) * 2, 'gpt', (2, -3)[1])"]
+    # … and what the settings leave is folded: 4 * 32 is 128.
+    assert out == ["steps = 0", "layer = torch.nn.Linear(32, 128, bias=False)\nsteps += 1\nprint(-0.002, 'gpt', (2, -3)[1])"]
 
 
 def test_what_could_change_meaning_stays() -> None:
@@ -139,3 +141,51 @@ def test_random_sessions_raise_name_error_only_where_a_read_comes_before_its_bin
         said_clean += 1
         assert _run(cells) is not None, cells  # None: a NameError
     assert said_clean > 200, said_clean
+
+
+def test_what_writing_settings_in_leaves_is_folded_to_values() -> None:
+    from distnb.analysis.inlining import fold_constants
+
+    code = ("while 0 < 6:\n    if 0 % 1 == 0 and master:\n        x = nn.Linear(32, 4 * 32)\n"
+            "    y = f'{4 * 32}' + str(2 ** 10000) + ('-' * 3)\n    z = (True and (a if b else c)) or d\n    w = -(2 - 3) + v")
+    assert fold_constants(code) == (
+        "while True:\n    if master:\n        x = nn.Linear(32, 128)\n"
+        "    y = f'{4 * 32}' + str(2 ** 10000) + ('---')\n    z = ((a if b else c)) or d\n    w = 1 + v")
+
+
+def test_folded_random_expressions_keep_their_values() -> None:
+    from distnb.analysis.inlining import fold_constants
+
+    rng = random.Random(4)
+    atoms = ["1", "2", "-3", "0", "2.5", "True", "False", "None", "x", "y", "'s'"]
+
+    def expr(depth: int) -> str:
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice(atoms)
+        kind = rng.randrange(5)
+        a, b = expr(depth - 1), expr(depth - 1)
+        if kind == 0:
+            return f"({a} {rng.choice(['+', '-', '*', '%', '//', '**'])} {b})"
+        if kind == 1:
+            return f"{a} {rng.choice(['and', 'or'])} {b}"
+        if kind == 2:
+            return f"({a} {rng.choice(['<', '==', '!=', 'is', 'is not'])} {b})"
+        if kind == 3:
+            return f"(not {a})"
+        return f"({a} if {b} else {expr(depth - 1)})"
+
+    def value(code: str) -> str:
+        try:
+            with warnings.catch_warnings():  # `1 is 1`
+                warnings.simplefilter("ignore")
+                return repr(eval(code, {"__builtins__": {}}, {"x": 7, "y": 0}))  # noqa: S307 (the test's own expressions)
+        except Exception as exc:
+            return type(exc).__name__
+
+    folded = 0
+    for _ in range(3000):
+        code = expr(4)
+        out = fold_constants(code)
+        folded += out != code
+        assert value(out) == value(code), (code, out)
+    assert folded > 1000, folded

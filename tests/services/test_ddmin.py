@@ -217,7 +217,7 @@ def test_settings_are_written_in_where_they_are_read_in_one_try_and_nested_loops
     assert history[-1].failed == [1]
     said: list[str] = []
     found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60, on_progress=said.append)
-    loop = ("for step in range(3):\n    for micro in range(2):\n        if micro == 2 - 1 and rank == 1 and step % 1 == 0:\n"
+    loop = ("for step in range(3):\n    for micro in range(2):\n        if micro == 1 and rank == 1 and step % 1 == 0:\n"
             "            raise ValueError(f'bad micro-step of {NAME}')")
     if sys.version_info < (3, 12):  # a string is not written into an f-string there
         assert [c.code for c in found.cells] == ["name = 'run'", loop.replace("NAME", "name")], found.code()
