@@ -16,7 +16,7 @@ from distnb.config import DEBUG_ENV, LaunchConfig
 from distnb.controller.session import CellRecord, PushRecord, Step
 from distnb.ranks import format_ranks, rank_span
 from distnb.results import CellResult
-from distnb.services.verify import Reproduction, session_signature, verify_script
+from distnb.services.verify import GAVE_UP, Reproduction, session_signature, verify_script
 
 if TYPE_CHECKING:
     from distnb.controller.session import SessionLog
@@ -57,6 +57,11 @@ else:
     device = torch.device("cpu")
 {timeout_note}# device_id: NCCL creates its communicator now (eagerly) on this rank's own GPU.
 dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT), device_id=device if backend == "nccl" else None)
+# Groups made later (new_group, init_device_mesh's dimensions) wait TIMEOUT too, as in the pool,
+# not torch's default for them (30 minutes on gloo).
+for _default in ("default_pg_timeout", "default_pg_nccl_timeout"):
+    if isinstance(getattr(dist.distributed_c10d, _default, None), timedelta):
+        setattr(dist.distributed_c10d, _default, timedelta(seconds=TIMEOUT))
 
 
 def display(*objs):
@@ -110,7 +115,7 @@ def _wait_for_every_rank(seconds):
         deadline = time.monotonic() + seconds
         while store.add("distnb/finished", 0) < int(os.environ["WORLD_SIZE"]):
             if time.monotonic() > deadline:
-                print(f"rank {{os.environ['RANK']}} finished; other ranks still had not after {{seconds:g}} s", flush=True)
+                print(f"rank {{os.environ['RANK']}} finished; {gave_up} {{seconds:g}} s", flush=True)
                 return
             time.sleep(0.1)
     except Exception:  # the store left with a failed rank: torchrun ends this one too
@@ -295,7 +300,7 @@ def export_script(steps: Iterable[Step], config: LaunchConfig, path: str | Path,
             continue
         parts.append(f"# ---- {_name(step)} ({where}){'' if step.ok else ': it failed in the session'} ----")
         parts.append(_targeted(_as_in_the_session(_show_last_value(step.code.rstrip())), step.ranks, everyone))
-    parts.append(_EPILOGUE.format(destroy="_pool_destroy" if pasted else "dist.destroy_process_group"))
+    parts.append(_EPILOGUE.format(destroy="_pool_destroy" if pasted else "dist.destroy_process_group", gave_up=GAVE_UP))
     path.write_text("\n".join(parts))
     return path
 

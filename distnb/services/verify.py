@@ -27,12 +27,16 @@ from distnb.config import LaunchConfig
 from distnb.controller.session import CellRecord
 from distnb.results import CellResult
 
-__all__ = ["VERIFY_SECONDS", "Reproduction", "session_signature", "verify_script"]
+__all__ = ["GAVE_UP", "VERIFY_SECONDS", "Reproduction", "session_signature", "verify_script"]
 
 #: How long %dist_export lets the script run by default: a failure that raises shows within it;
 #: a hang ends by its own collective timeout (export.HANG_TIMEOUT, 30 s) within it, or reproduces
 #: by still running when it passes.
 VERIFY_SECONDS = 75.0
+#: What a finished rank of an exported script prints when it stops waiting for the others
+#: (services/export.py): the ones that had not finished hung, and their closed connections after
+#: it left are its consequence.
+GAVE_UP = "other ranks still had not after"
 
 #: torchrun's closing report names each failed rank and its exit code.
 _FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -124,8 +128,9 @@ def verify_script(path: str | Path, config: LaunchConfig, session: FailureSignat
 def _signature(logs: Path, torchrun_out: str, world: int, finished: set[int], ran_out: bool) -> FailureSignature:
     """The run's failure. When the bound ran out (``ran_out``), the ranks that had not finished
     hung. A rank whose collective timed out hung (the script's own timeout ended the hang); once one
-    did, a rank that neither finished nor failed of its own was hung too (torchrun stopped it when
-    the first timed out). Without a timeout, such a rank is a consequence."""
+    did, or a finished rank stopped waiting for the others, a rank that neither finished nor failed
+    of its own was hung too (torchrun stopped it when the first timed out). Otherwise such a rank
+    is a consequence."""
     hung = [r for r in range(world) if r not in finished] if ran_out else []
     errors: dict[int, str] = {}
     for r in range(world):
@@ -138,7 +143,10 @@ def _signature(logs: Path, torchrun_out: str, world: int, finished: set[int], ra
         if int(code) < 0 and int(rank) not in errors and int(code) != -signal.SIGTERM:
             errors[int(rank)] = DIED  # killed by a signal of its own (not torchrun's SIGTERM after another failed)
     timed_out = {r for r, e in errors.items() if is_timeout(e)}
-    if timed_out:
+    # A finished rank that stopped waiting for the others (the script's last wait) saw them hang:
+    # their closed connections after it left are its consequence, not a failure of their own.
+    gave_up = any(GAVE_UP in p.read_text(errors="replace") for p in logs.glob("**/attempt_*/*/stdout.log"))
+    if timed_out or gave_up:
         own = FailureSignature.of(errors).errors
         hung = sorted(set(hung) | timed_out | {r for r in range(world) if r not in finished and r not in own})
     return FailureSignature.of({r: e for r, e in errors.items() if r not in hung}, hung)

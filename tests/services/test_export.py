@@ -168,14 +168,16 @@ def test_an_exported_notebook_tags_its_failing_cell_so_it_runs_through_to_the_sh
 
 
 def test_a_hang_exports_as_a_script_that_ends_by_itself_and_is_verified_as_the_command_runs(tmp_path: Path) -> None:
-    """The session's last cell hung (rank 1 alone in an all_reduce): the script times its
-    collectives out after HANG_TIMEOUT, so the printed command ends by itself, and the check, run
-    the same way, counts the rank that timed out as hung while rank 0 finished and waited."""
+    """The session's last cell hung (rank 1 alone in an all_reduce on a group made after the
+    launch, as init_device_mesh's are): the script times its collectives out after HANG_TIMEOUT —
+    that group's too, not torch's 30 minutes for later groups — so the printed command ends by
+    itself, and the check, run the same way, counts the rank that timed out as hung while rank 0
+    finished and waited."""
     from distnb.services.export import HANG_TIMEOUT
 
     with distnb.Pool(nproc=2, backend="gloo") as pool:
-        assert pool.run("t = torch.ones(2)\ndist.all_reduce(t)").ok
-        hung = pool.run("if rank == 1:\n    dist.all_reduce(t)\n'done'", timeout=8)
+        assert pool.run("t = torch.ones(2)\ng = dist.new_group([0, 1])\ndist.all_reduce(t, group=g)").ok
+        hung = pool.run("if rank == 1:\n    dist.all_reduce(t, group=g)\n'done'", timeout=8)
         assert hung.timed_out and hung.running == [1], hung.text()
         written = pool.export(str(tmp_path / "repro.py"))
     assert written.hang_timeout == HANG_TIMEOUT and "time out after 30 s (TIMEOUT in the script)" in written.text()
@@ -191,3 +193,24 @@ def test_a_hang_exports_as_a_script_that_ends_by_itself_and_is_verified_as_the_c
     assert "Timed out waiting" in err1.read_text()
     [out0] = list(logs.rglob("attempt_0/0/stdout.log"))
     assert out0.read_text().splitlines() == ["'done'"]
+
+
+def test_ranks_a_finished_rank_stopped_waiting_for_hung_even_if_their_connections_closed_after(tmp_path: Path) -> None:
+    """A script's group that waits longer than the script's own wait (a group made with its own
+    timeout): the finished rank says it stopped waiting and leaves, and the others' closed
+    connections after it are that consequence — they hung, as in the session."""
+    from distnb.services.verify import GAVE_UP, _signature
+
+    logs = tmp_path / "logs" / "run" / "attempt_0"
+    closed = ("[rank{r}]: Traceback (most recent call last):\n[rank{r}]:   File \"repro.py\", line 9\n"
+              "[rank{r}]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:8323. This is typically caused by a remote worker crashing.\n")
+    for r in range(4):
+        (logs / str(r)).mkdir(parents=True)
+        (logs / str(r) / "stdout.log").write_text(f"rank {r} finished; {GAVE_UP} 40 s\n" if r in (0, 2) else "")
+        (logs / str(r) / "stderr.log").write_text(closed.format(r=r) if r in (1, 3) else "")
+    got = _signature(tmp_path / "logs", "", 4, {0, 2}, ran_out=False)
+    assert got.hung == (1, 3) and not got.errors, got
+    # Without the finished ranks' word, the closed connections are consequences of nothing seen: no failure.
+    for r in (0, 2):
+        (logs / str(r) / "stdout.log").write_text("")
+    assert not _signature(tmp_path / "logs", "", 4, {0, 2}, ran_out=False).failed
