@@ -186,17 +186,22 @@ def test_an_earlier_cell_of_a_try_is_bounded_by_its_own_time_and_each_try_says_w
     assert any("failed otherwise (rank 1 raised KeyError: 'setup')" in s for s in said), said
 
 
-def test_a_case_that_reads_a_name_nothing_in_it_sets_is_not_tried() -> None:
-    ranks = _Ranks(pushed={"lr": 0.5})  # lr: pushed, set by no cell — never counted as missing
-    history = session(ranks, ["a = int('1')\nb = int('2')", "c = a * lr\nd = b\nif rank == 1:\n    raise ValueError(c)"])
+def _recorded(ranks: _Ranks) -> tuple[Runs, list[str]]:
+    """The minimizer's seam over ``ranks``, and the code of every cell it runs, in order."""
     runs: list[str] = []
-    run = ranks.run
 
     def recording(code: str, on: list[int], limit: float) -> CellResult:
         runs.append(code)
-        return run(code, on, limit)
+        return ranks.run(code, on, limit)
 
-    found = minimize(Runs(ranks.restart, recording, ranks.stop), history, budget=60)
+    return Runs(ranks.restart, recording, ranks.stop), runs
+
+
+def test_a_case_that_reads_a_name_nothing_in_it_sets_is_not_tried() -> None:
+    ranks = _Ranks(pushed={"lr": 0.5})  # lr: pushed, set by no cell — never counted as missing
+    history = session(ranks, ["a = int('1')\nb = int('2')", "c = a * lr\nd = b\nif rank == 1:\n    raise ValueError(c)"])
+    tries, runs = _recorded(ranks)
+    found = minimize(tries, history, budget=60)
     assert [c.code for c in found.cells] == ["a = int('1')", "c = a * lr\nif rank == 1:\n    raise ValueError(c)"], found.code()
     unrun = found.unrun.get("each reads a name before anything in it sets it (a NameError, not the failure)", 0)
     assert unrun > 0 and f"{unrun} case{'s' * (unrun != 1)} not tried: each reads a name" in found.text(), found.text()
@@ -231,14 +236,8 @@ def test_settings_are_written_in_where_they_are_read_in_one_try_and_nested_loops
 def test_a_case_without_the_line_where_the_ranks_raised_is_not_tried() -> None:
     ranks = _Ranks()
     history = session(ranks, ["a = int('1')", "b = a + 1\nc = b * 2\nif rank == 1:\n    raise ValueError(c)\nd = c"])
-    runs: list[str] = []
-    run = ranks.run
-
-    def recording(code: str, on: list[int], limit: float) -> CellResult:
-        runs.append(code)
-        return run(code, on, limit)
-
-    found = minimize(Runs(ranks.restart, recording, ranks.stop), history, budget=60)
+    tries, runs = _recorded(ranks)
+    found = minimize(tries, history, budget=60)
     assert found.cells[-1].code.endswith("if rank == 1:\n    raise ValueError(c)"), found.code()
     assert not [code for code in runs if "b = a" in code and "raise ValueError(c)" not in code], runs  # the failing line never dropped
     assert "not tried: each drops a line where the session's ranks raised or waited" in found.text(), found.text()
