@@ -83,7 +83,7 @@ class Minimized:
                 f"({self.signature.text()}); {self.tries} tries in {self.seconds:.0f} s")
         if self.stopped:
             head += f" (stopped early: {self.stopped}; the smallest case found so far)"
-        steps = [*self.steps, *(f"{n} case{'s' * (n != 1)} not tried: {why}" for why, n in self.unrun.items())]
+        steps = [*self.steps, *(f"{n} case{'s' * (n != 1)} not tried ({why})" for why, n in self.unrun.items())]
         lines = [head, *(f"  {s}" for s in steps)]
         if self.script:
             lines.append(f"wrote {self.script} and {self.notebook}")
@@ -253,9 +253,9 @@ def _unrun(candidate: list[Candidate], needed: set[str], provided: set[str]) -> 
     """Why ``candidate`` need not be tried, known from its code alone; "" when it must be."""
     code = [c.code for c in candidate]
     if any(all(text not in line.strip() for c in code for line in c.splitlines()) for text in needed):
-        return "each drops a line where the session's ranks raised or waited"
+        return "without a line where the session's ranks raised or waited"
     if (read_before_bound(code) or set()) - provided:
-        return "each reads a name before anything in it sets it (a NameError, not the failure)"
+        return "reading a name before anything in the case sets it: a NameError, not the failure"
     return ""
 
 
@@ -394,7 +394,9 @@ def _inline(state: Minimized, fails: Fails) -> None:
         state.cells = cells
     else:
         state.needed = needed
-        state.steps.append(f"kept the settings as statements: written in where they are read ({shown}), the case did not fail the same way")
+        said = f"kept the settings as statements: written in where they are read ({shown}), the case did not fail the same way"
+        if said not in state.steps:  # each slice after a cut asks again (a case tried once is not run again)
+            state.steps.append(said)
 
 
 def _cut_cells(state: Minimized, fails: Fails) -> None:
