@@ -36,3 +36,36 @@ def test_a_failure_is_cut_down_to_what_it_needs_and_verified(fresh_pool, tmp_pat
     # The session is as it was: its namespaces back, its history without the tries.
     assert pool.run("(float(b.sum()), c, d['k'])", timeout=60).values == {r: "(4.0, 3, 1)" for r in range(3)}
     assert distnb.current_pool() is pool and pool.world_size == 3
+
+
+#: A pasted training script's shape, small: its settings, a model under DDP with an optimizer, and a
+#: loop whose gradient-accumulation loop holds the issue's bug — a loss all_reduce only the master
+#: makes (gloo aborts rank 0: its scalar meets rank 1's gradient bucket).
+SCRIPT_CELLS = ["lr = 0.05\naccum = 2\nsteps = 2\nlog_every = 1\nwidth = 8",
+                "from torch.nn.parallel import DistributedDataParallel as DDP\nmodel = DDP(torch.nn.Linear(width, width))\n"
+                "opt = torch.optim.SGD(model.parameters(), lr=lr)\nmaster = rank == 0"]
+SCRIPT_FAILING = ("for step in range(steps):\n    opt.zero_grad()\n    for micro in range(accum):\n"
+                  "        model.require_backward_grad_sync = micro == accum - 1\n"
+                  "        loss = model(torch.ones(2, width)).sum() / accum\n        loss.backward()\n"
+                  "        if step % log_every == 0 and master:\n            dist.all_reduce(loss)  # BUG: the master only\n"
+                  "    opt.step()\n    print('step', step)")
+
+
+@pytest.mark.timeout(600)  # the budget (400 s) with its verification and the replay after it
+def test_a_pasted_training_scripts_failure_is_cut_to_the_loop_that_makes_it(fresh_pool, tmp_path: Path) -> None:
+    pool = fresh_pool(2, spares=True)
+    for code in SCRIPT_CELLS:
+        assert pool.run(code, timeout=120).ok
+    res = pool.run(SCRIPT_FAILING, timeout=20)
+    assert res[0].status == "dead", res.text()  # gloo aborted it, as in the issue's nanoGPT session
+    found = pool.minimize(budget=400, path=str(tmp_path / "case.py"))
+    text, case = found.text(), found.code()
+    assert not found.stopped, text
+    assert found.signature.text() == "rank 0 died" and found.verified is not None and found.verified.reproduced, text
+    # The settings written in, in one try; the optimizer gone with the step that used it; the
+    # accumulation loop kept, cut down to the call, its condition and what they read.
+    assert "wrote 5 settings in where they are read (accum, log_every, lr, steps, width; one try)" in text, text
+    assert "opt" not in case and "print" not in case and "lr" not in case, case
+    assert "        if step % 1 == 0 and master:\n            dist.all_reduce(loss)" in case and "for micro in range(2):" in case, case
+    assert "model.require_backward_grad_sync = micro == 1" in case, case
+    assert "model = DDP(torch.nn.Linear(8, 8))" in case, case
