@@ -18,7 +18,7 @@ import re
 
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 
-__all__ = ["MERGED_NOTE", "MiB", "Rows", "end_sentence", "fit", "merge_lines", "merge_rows", "mib", "prefix_lines", "size"]
+__all__ = ["MERGED_NOTE", "MiB", "Repeats", "Rows", "end_sentence", "fit", "merge_lines", "merge_rows", "mib", "prefix_lines", "size"]
 
 MiB = 1 << 20
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
@@ -101,11 +101,67 @@ class Rows(list[tuple[list[int], str]]):
         self.odd: list[int] = []
 
 
+# -- a block a rank prints after other ranks printed it -----------------------------------------
+# Ranks print the same block at different moments (a library's log, a config dump, a warning with
+# its stack); the views group lines that arrive together or stand at the same place. A run of at
+# least REPEAT_MIN_RUN lines that other ranks have all printed before becomes one line,
+# ``(20 lines: the same as ranks 0,2 printed above)``; the cell's result keeps every rank's text.
+
+#: The shortest run folded: one or two equal lines (a loss printed by every rank) read better as they are.
+REPEAT_MIN_RUN = 3
+#: How many distinct lines a cell remembers (the printed view holds at most 20,000 lines).
+REPEATS_KEEP = 20_000
+
+
+class Repeats:
+    """The lines each rank has printed in this cell, per stream (one thread uses it: the live
+    view's flushing thread, or the one rendering a finished cell)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, str], set[int]] = {}
+
+    def fold(self, stream: str, rank: int, lines: list[str]) -> list[str]:
+        """``lines``, with each run that other ranks printed before as one line."""
+        out: list[str] = []
+        i = 0
+        while i < len(lines):
+            end, by = self._run(stream, rank, lines, i)
+            if sum(1 for line in lines[i:end] if line.strip()) >= REPEAT_MIN_RUN:
+                out.append(f"({end - i} lines: the same as {format_ranks(sorted(by))} printed above)")
+                i = end
+            else:
+                out.append(lines[i])
+                i += 1
+        return out
+
+    def _run(self, stream: str, rank: int, lines: list[str], start: int) -> tuple[int, set[int]]:
+        """The longest run from ``start`` whose every line the same other ranks printed before."""
+        by: set[int] | None = None
+        end = start
+        while end < len(lines):
+            others = self._seen.get((stream, lines[end]), set()) - {rank}
+            common = others if by is None else by & others
+            if not common:
+                break
+            by, end = common, end + 1
+        return end, by or set()
+
+    def printed(self, stream: str, rank: int, lines: list[str]) -> None:
+        """``rank`` printed ``lines`` (as it wrote them, before any fold)."""
+        for line in lines:
+            ranks = self._seen.get((stream, line))
+            if ranks is not None:
+                ranks.add(rank)
+            elif len(self._seen) < REPEATS_KEEP:
+                self._seen[(stream, line)] = {rank}
+
+
 def merge_lines(outputs: list[tuple[int, str]]) -> Rows:
     """Per-rank texts → ``(ranks, line)`` rows, each line shown once for the ranks that share it.
 
     Ranks with the same number of lines are aligned line by line (the common case of a cell
-    whose prints differ only in a rank number); otherwise whole outputs are grouped. Above
+    whose prints differ only in a rank number); otherwise whole outputs are grouped, and a run of
+    lines an earlier group showed is one line in a later one (:class:`Repeats`). Above
     :data:`~distnb.ranks.SUMMARY_ABOVE` ranks, lines that differ only in their numbers are merged
     (:func:`merge_rows`) and whole outputs are grouped by their lines' templates, the largest
     group first."""
@@ -117,7 +173,12 @@ def merge_lines(outputs: list[tuple[int, str]]) -> Rows:
         for i in range(len(split[0][1]) if split else 0):
             rows.extend(group_by((r, ls[i]) for r, ls in split))
     else:
-        rows.extend((ranks, line) for ranks, ls in group_by((r, tuple(ls)) for r, ls in split) for line in ls)
+        # Whole outputs, one after another: a block a later group repeats is one line there.
+        repeats = Repeats()
+        for ranks, ls in group_by((r, tuple(ls)) for r, ls in split):
+            rows.extend((ranks, line) for line in repeats.fold("", ranks[0], list(ls)))
+            for r in ranks:
+                repeats.printed("", r, list(ls))
     return rows
 
 

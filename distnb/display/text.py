@@ -21,9 +21,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, TextIO
 
-from distnb._text import MERGED_NOTE, merge_rows, prefix_lines, size
+from distnb._text import MERGED_NOTE, Repeats, merge_rows, prefix_lines, size
 from distnb.analysis.verdicts.failures import CrashDumpFold
-from distnb.display.repeats import Repeats
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by, rank_span
 from distnb.results import RankResult
 from distnb.states import RankState

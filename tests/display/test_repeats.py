@@ -8,7 +8,8 @@ import random
 import re
 import traceback
 
-from distnb.display.repeats import MIN_RUN, Repeats
+from distnb._text import REPEAT_MIN_RUN as MIN_RUN
+from distnb._text import Repeats, merge_lines
 from distnb.display.text import LivePrinter
 from distnb.ranks import format_ranks, parse_ranks
 
@@ -94,3 +95,14 @@ def test_every_fold_is_true_and_every_line_is_accounted_for() -> None:
                 got[r].extend(lines)
         assert got == written, (trial, err.getvalue())
     assert folds > 30  # the test saw folds, not only lines
+
+
+def test_a_finished_cells_output_shows_a_block_another_rank_printed_once() -> None:
+    """Outputs of different lengths are shown whole, one group after another (the static view a
+    kernel keeps): a later group's copy of a block is one line there too."""
+    log = _a_real_log()
+    outputs = [(0, "rank 0 alone\n" + log + "end\n"), (1, log + "end\n"), (2, log + "end\n"), (3, "x\ny\n")]
+    rows = merge_lines(outputs)
+    n = len(log.splitlines())
+    assert rows[: n + 2] == [([0], "rank 0 alone"), *(([0], line) for line in log.splitlines()), ([0], "end")], rows
+    assert rows[n + 2:] == [([1, 2], f"({n + 1} lines: the same as rank 0 printed above)"), ([3], "x"), ([3], "y")], rows
