@@ -51,8 +51,8 @@ def test_a_streamed_crash_dump_is_one_line_however_it_arrives() -> None:
         shown = err.getvalue().splitlines()
         one = [line for line in shown if line.startswith("[rank 1 stderr]")]
         assert one == ["[rank 1 stderr] rank 1 was here", "[rank 1 stderr] before the crash",
-                       "[rank 1 stderr] Fatal Python error: Segmentation fault (Python's crash dump: its cell frames are in "
-                       "rank 1's death report)",
+                       "[rank 1 stderr] Fatal Python error: Segmentation fault (Python's crash dump, folded here: the whole "
+                       "of it is in _dist[1].stderr)",
                        "[rank 1 stderr] after the dump"], (trial, shown)
         assert sum("rank 0 line" in line for line in shown) == 5, shown
 
@@ -60,8 +60,8 @@ def test_a_streamed_crash_dump_is_one_line_however_it_arrives() -> None:
 def test_the_whole_text_folds_the_same_way() -> None:
     dump = _real_dump()
     folded = fold_crash_dump("kept\n" + dump + "also kept", 3)
-    assert folded.splitlines() == ["kept", "before the crash", "Fatal Python error: Segmentation fault (Python's crash dump: "
-                                   "its cell frames are in rank 3's death report)", "also kept"], folded
+    assert folded.splitlines() == ["kept", "before the crash", "Fatal Python error: Segmentation fault (Python's crash dump, "
+                                   "folded here: the whole of it is in _dist[3].stderr)", "also kept"], folded
     # Text without a dump is returned as it was, and so are lines like a dump's outside one.
     plain = '  File "x.py", line 1\nThread 0x00007f (most recent call first):\n'
     assert fold_crash_dump(plain, 0) == plain

@@ -51,9 +51,9 @@ _DUMP_LINE = re.compile(r"^(\s*$|Thread 0x[0-9a-f]+ \(most recent call first\):|
 class CrashDumpFold:
     """Python's crash dump (faulthandler's, which a rank killed by a signal writes to its stderr)
     folded out of one rank's stderr, line by line, so that the live view can fold a dump that
-    arrives over several reads: its first line stays, marked; its thread and frame lines go. The
-    rank's death report says the dump once, cut to the user's frames; the raw text stays on the
-    rank's result."""
+    arrives over several reads: its first line stays, marked; its thread and frame lines go. A
+    rank that dies of it has its death report say the dump once, cut to the user's frames; the raw
+    text stays on the rank's result."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -63,7 +63,9 @@ class CrashDumpFold:
         """The line as shown, or None where it is part of a dump."""
         if _DUMP_START.match(line):
             self.inside = True
-            return f"{line} (Python's crash dump: its cell frames are in rank {self.rank}'s death report)"
+            # Said so that it is true whether the rank dies of it (its death report then shows the
+            # cell's frames) or a child process of the rank wrote it (a DataLoader worker's crash).
+            return f"{line} (Python's crash dump, folded here: the whole of it is in _dist[{self.rank}].stderr)"
         if self.inside and _DUMP_LINE.match(line):
             return None
         self.inside = False
