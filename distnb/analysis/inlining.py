@@ -91,16 +91,13 @@ def inline_constants(codes: list[str]) -> tuple[list[str], list[str]] | None:
                 text = ast.unparse(value)
                 if isinstance(value, ast.UnaryOp):
                     text = f"({text})"  # (-1) ** 2 is not -1 ** 2 (a tuple is written with its parentheses)
-                edits.append((_at(code, starts, node.lineno, node.col_offset),
-                              _at(code, starts, node.end_lineno or node.lineno, node.end_col_offset or 0), text))
+                edits.append((*_span(code, starts, node), text))
         for stmt in tree.body:
             if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) and constants.get(stmt.targets[0].id) is stmt:
                 start = starts[stmt.lineno - 1]
                 end = starts[stmt.lineno] if stmt.lineno < len(starts) else len(code)
                 edits.append((start, end, ""))
-        for start, end, text in sorted(edits, reverse=True):
-            code = code[:start] + text + code[end:]
-        out.append(code.rstrip("\n"))
+        out.append(_apply(code, edits).rstrip("\n"))
     try:
         out = [fold_constants(code) for code in out]  # a setting read in `4 * n_embd` or `step % log_every == 0`
     except SyntaxError:
@@ -153,14 +150,11 @@ def fold_constants(code: str) -> str:
     starts = _offsets(code)
     edits: list[tuple[int, int, str]] = []
 
-    def span(node: ast.expr) -> tuple[int, int]:
-        return (_at(code, starts, node.lineno, node.col_offset), _at(code, starts, node.end_lineno or node.lineno, node.end_col_offset or 0))
-
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.JoinedStr):
             return
         if isinstance(node, ast.expr) and not isinstance(node, ast.Constant) and (value := _value(node)) is not _VOID:
-            edits.append((*span(node), repr(value)))
+            edits.append((*_span(code, starts, node), repr(value)))
             return
         if isinstance(node, ast.BoolOp):
             values = [_value(v) for v in node.values]
@@ -173,16 +167,27 @@ def fold_constants(code: str) -> str:
                 left = [f"({text})" if isinstance(v, weak) else text for v in node.values[lead:]
                         if (text := ast.get_source_segment(code, v)) is not None]
                 if len(left) == len(node.values) - lead:
-                    edits.append((*span(node), op.join(left)))
+                    edits.append((*_span(code, starts, node), op.join(left)))
                     return
         for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(tree)
-    for start, end, text in sorted(edits, reverse=True):
-        code = code[:start] + text + code[end:]
+    code = _apply(code, edits)
     ast.parse(code)
     return code
+
+
+def _apply(code: str, edits: list[tuple[int, int, str]]) -> str:
+    """``code`` with each ``(start, end, text)`` written over its span; spans do not overlap."""
+    for start, end, text in sorted(edits, reverse=True):
+        code = code[:start] + text + code[end:]
+    return code
+
+
+def _span(code: str, starts: list[int], node: ast.expr) -> tuple[int, int]:
+    """Where ``node`` is in ``code``, as indices (``starts``: :func:`_offsets`)."""
+    return _at(code, starts, node.lineno, node.col_offset), _at(code, starts, node.end_lineno or node.lineno, node.end_col_offset or 0)
 
 
 def _at(code: str, starts: list[int], line: int, col: int) -> int:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import ast
 import builtins
-import sys
 
-__all__ = ["bindings", "read_before_bound", "unbound_reads"]
+__all__ = ["bindings", "imported", "read_before_bound", "unbound_reads"]
+
+
+def imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The names an import binds: ``import os.path`` binds ``os``, ``import numpy as np`` ``np``."""
+    return [(a.asname or a.name).split(".")[0] for a in node.names]
 
 
 def bindings(tree: ast.AST) -> list[str]:
@@ -22,14 +26,14 @@ def bindings(tree: ast.AST) -> list[str]:
         elif isinstance(node, ast.arg):
             out.append(node.arg)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            out.extend((a.asname or a.name).split(".")[0] for a in node.names)
+            out.extend(imported(node))
         elif isinstance(node, ast.ExceptHandler) and node.name:
             out.append(node.name)
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             out.extend(node.names)
-        elif sys.version_info >= (3, 10) and isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
             out.append(node.name)
-        elif sys.version_info >= (3, 10) and isinstance(node, ast.MatchMapping) and node.rest:
+        elif isinstance(node, ast.MatchMapping) and node.rest:
             out.append(node.rest)
     return out
 
@@ -39,10 +43,18 @@ def unbound_reads(codes: list[str]) -> set[str] | None:
     builtins: each is a NameError where it is reached, unless the namespace the cells run in
     provides it (the pool's ``rank``, ``dist``; a name pushed with ``%dist_push``). None when a
     cell does not parse."""
+    trees = _parsed(codes)
+    return None if trees is None else _unbound(trees)
+
+
+def _parsed(codes: list[str]) -> list[ast.Module] | None:
     try:
-        trees = [ast.parse(code) for code in codes]
+        return [ast.parse(code) for code in codes]
     except SyntaxError:
         return None
+
+
+def _unbound(trees: list[ast.Module]) -> set[str]:
     bound = {name for tree in trees for name in bindings(tree)}
     read = {n.id for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return {name for name in read - bound if not hasattr(builtins, name)}
@@ -108,19 +120,19 @@ class _Flow(ast.NodeVisitor):
     def _comprehension(self, node: ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp) -> None:
         self.visit(node.generators[0].iter)  # evaluated where the comprehension stands
         before = set(self.bound)
-        for gen in node.generators:
-            self.bound |= {n.id for n in ast.walk(gen.target) if isinstance(n, ast.Name)}
+        targets = {n.id for gen in node.generators for n in ast.walk(gen.target) if isinstance(n, ast.Name)}
+        self.bound |= targets
         for gen in node.generators:
             for part in [*([gen.iter] if gen is not node.generators[0] else []), *gen.ifs]:
                 self.visit(part)
         for part in ([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]):
             self.visit(part)
-        self.bound = before | (self.bound - before - {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)})
+        self.bound = (self.bound - targets) | before  # its targets stay inside it (a walrus's name leaks out)
 
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comprehension
 
     def visit_Import(self, node: ast.Import | ast.ImportFrom) -> None:
-        self.bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        self.bound.update(imported(node))
 
     visit_ImportFrom = visit_Import
 
@@ -132,10 +144,9 @@ class _Flow(ast.NodeVisitor):
         for stmt in node.body:
             self.visit(stmt)
 
-    def generic_visit(self, node: ast.AST) -> None:
-        if sys.version_info >= (3, 10) and isinstance(node, ast.Match):
-            self.bound |= set(bindings(node))  # a match's captures: bound before its cases are read
-        super().generic_visit(node)
+    def visit_Match(self, node: ast.Match) -> None:
+        self.bound.update(bindings(node))  # a match's captures: bound before its cases are read
+        self.generic_visit(node)
 
 
 def read_before_bound(codes: list[str]) -> set[str] | None:
@@ -144,10 +155,10 @@ def read_before_bound(codes: list[str]) -> set[str] | None:
     the same loop is a read before), with the names read in function bodies that nothing binds
     anywhere (:func:`unbound_reads`). Each is a NameError where it is reached, unless the
     namespace the cells run in provides it. None when a cell does not parse."""
-    unbound = unbound_reads(codes)
-    if unbound is None:
+    trees = _parsed(codes)
+    if trees is None:
         return None
     flow = _Flow()
-    for code in codes:
-        flow.visit(ast.parse(code))
-    return unbound | flow.early
+    for tree in trees:
+        flow.visit(tree)
+    return _unbound(trees) | flow.early
