@@ -175,10 +175,11 @@ def merge_lines(outputs: list[tuple[int, str]]) -> Rows:
     else:
         # Whole outputs, one after another: a block a later group repeats is one line there.
         repeats = Repeats()
-        for ranks, ls in group_by((r, tuple(ls)) for r, ls in split):
-            rows.extend((ranks, line) for line in repeats.fold("", ranks[0], list(ls)))
+        for ranks, output in group_by((r, tuple(ls)) for r, ls in split):
+            lines = list(output)
+            rows.extend((ranks, line) for line in repeats.fold("", ranks[0], lines))
             for r in ranks:
-                repeats.printed("", r, list(ls))
+                repeats.printed("", r, lines)
     return rows
 
 

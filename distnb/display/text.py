@@ -283,7 +283,7 @@ class LivePrinter:
         for stream in ("stdout", "stderr"):
             per_rank = {r: [line for s, line in ls if s == stream] for r, ls in sorted(pending.items())}
             if stream == "stderr":
-                per_rank = {r: self._fold_dumps(r, ls) for r, ls in per_rank.items()}
+                per_rank = {r: self._dumps.setdefault(r, CrashDumpFold(r)).lines(ls) for r, ls in per_rank.items()}
             written, per_rank = per_rank, {r: self._repeats.fold(stream, r, ls) for r, ls in per_rank.items()}
             if self.lines_printed < self._max_lines:  # past the cap nothing is "printed above"
                 for r, ls in written.items():
@@ -321,10 +321,6 @@ class LivePrinter:
         if capped:
             with self._lock:
                 self.capped += capped
-
-    def _fold_dumps(self, rank: int, lines: list[str]) -> list[str]:
-        fold = self._dumps.setdefault(rank, CrashDumpFold(rank))
-        return [shown for line in lines if (shown := fold.line(line)) is not None]
 
     def _split(self, raw: list[tuple[int, str, str]]) -> dict[int, list[tuple[str, str]]]:
         """Raw chunks → each rank's complete lines, in order; unfinished lines stay buffered."""

@@ -71,11 +71,14 @@ class CrashDumpFold:
         self.inside = False
         return line
 
+    def lines(self, lines: list[str]) -> list[str]:
+        """The next of the rank's lines, as shown."""
+        return [shown for line in lines if (shown := self.line(line)) is not None]
+
 
 def fold_crash_dump(stderr: str, rank: int) -> str:
     """A dead rank's whole stderr with each crash dump folded into one line (:class:`CrashDumpFold`)."""
-    fold = CrashDumpFold(rank)
-    return "\n".join(shown for line in stderr.split("\n") if (shown := fold.line(line)) is not None)
+    return "\n".join(CrashDumpFold(rank).lines(stderr.split("\n")))
 
 
 #: How to make again each kind of object that holds a process group.
