@@ -22,7 +22,10 @@ import builtins
 import re
 from dataclasses import dataclass
 
-__all__ = ["Statement", "read_statements", "slice_cells", "top_level"]
+from distnb.analysis.cell_parts import top_level
+from distnb.analysis.names import imported
+
+__all__ = ["Statement", "read_statements", "slice_cells"]
 
 #: Names through which a statement reaches torch.distributed: the pool's own ``dist``, and the
 #: module by its path.
@@ -111,7 +114,7 @@ def _names(node: ast.stmt, modules: set[str]) -> tuple[set[str], set[str], set[s
                 changed += [*sub.args, *(k.value for k in sub.keywords)]  # dist.all_reduce(loss) changes loss
             sets.update(root for arg in changed if (root := _root(arg)) is not None and root not in modules)
         elif isinstance(sub, (ast.Import, ast.ImportFrom)):
-            binds.update((a.asname or a.name).split(".")[0] for a in sub.names)
+            binds.update(imported(sub))
         elif isinstance(sub, ast.Global):
             sets.update(sub.names)
     return sets, binds, reads
@@ -191,17 +194,6 @@ def _sets_shared_state(node: ast.stmt, modules: set[str]) -> bool:
     return False
 
 
-def top_level(code: str) -> list[tuple[ast.stmt, str]] | None:
-    """A cell's top-level statements with their source as written (comments between them
-    dropped); None when it does not parse."""
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return None
-    return [(node, text if (text := ast.get_source_segment(code, node, padded=True)) is not None else ast.unparse(node))
-            for node in tree.body]
-
-
 def read_statements(cells: list[str]) -> list[list[Statement]] | None:
     """Each cell's top-level statements as :class:`Statement`; None when a cell does not parse
     (then nothing is sliced: the tries alone cut it)."""
@@ -217,13 +209,12 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
         stmts = []
         for node, text in parsed:
             if isinstance(node, ast.Import):
-                modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+                modules.update(imported(node))
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
                 collective_functions.update(a.asname or a.name for a in node.names)  # init_device_mesh, new_group …
             sets, binds, reads = _names(node, modules)
-            # What a call of a function of the cells changes outside it is the calling statement's
-            # change; defining it changes nothing.
-            # and what it reads outside it, the calling statement's read (at the call, not where it was defined).
+            # A call of a function of the cells changes and reads, outside the function, what its
+            # body does, there and then: the calling statement's changes and reads, not the def's.
             called = _called(node)
             sets |= {n for f in called for n in effects.get(f, ())}
             reads |= {n for f in called for n in global_reads.get(f, ())}

@@ -16,16 +16,16 @@ the floor: one rank turns every collective into a copy, which is no longer the f
 
 from __future__ import annotations
 
-import ast
 import time
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol, Sequence, TypeVar
 
+from distnb.analysis.cell_parts import function_bodies, replace_body, statements
 from distnb.analysis.inlining import inline_constants
 from distnb.analysis.names import read_before_bound
-from distnb.analysis.slicing import slice_cells, top_level
+from distnb.analysis.slicing import slice_cells
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
 from distnb.controller.session import CellRecord
@@ -36,8 +36,7 @@ from distnb.services.verify import Reproduction, session_signature, verify_scrip
 
 T = TypeVar("T")
 
-__all__ = ["Candidate", "Minimized", "Runs", "failing_lines", "function_bodies", "minimize", "replace_body", "setup_bound", "statements", "try_bound",
-           "world_sizes", "write_case"]
+__all__ = ["Candidate", "Minimized", "Runs", "failing_lines", "minimize", "setup_bound", "try_bound", "world_sizes", "write_case"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ class Minimized:
     sliced_at: int = field(default=0, repr=False)  # the case's weight when last sliced: sliced again once it shrank
 
     def size(self) -> tuple[int, int]:
-        return len(self.cells), sum(len(statements(c.code)) for c in self.cells)
+        return _size(self.cells)
 
     def text(self) -> str:
         cells, stmts = self.size()
@@ -122,56 +121,6 @@ def write_case(found: Minimized, config: LaunchConfig, path: str | Path, verify:
         found.verified = verify_script(found.script, config, found.signature, verify)
 
 
-def statements(code: str) -> list[str]:
-    """A cell's top-level statements as source (comments between them dropped); the whole cell as
-    one when it does not parse."""
-    parsed = top_level(code)
-    return [code] if parsed is None else [text for _, text in parsed]
-
-
-_Block = ast.FunctionDef | ast.AsyncFunctionDef | ast.For | ast.AsyncFor | ast.While | ast.With | ast.AsyncWith | ast.If
-
-
-def _blocks(code: str) -> list[_Block]:
-    """The cell's functions and blocks (a loop, a ``with``, an ``if``'s first branch) whose body
-    can be cut apart, outermost first, nested ones too: a training loop's body holds most of what
-    a failure in it does not need (the schedule, the clipping, the logging), and the gradient
-    accumulation loop inside it more."""
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return []
-    # A block written on one line (``def f(): return 1``) has no body to cut apart.
-    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.If)
-    return [n for n in ast.walk(tree) if isinstance(n, kinds) and n.body[0].lineno > n.lineno]
-
-
-def _block_name(node: _Block, code: str) -> str:
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return f"{node.name}()"
-    return f"`{code.splitlines()[node.lineno - 1].strip()}`"
-
-
-def function_bodies(code: str) -> list[tuple[str, list[str]]]:
-    """Each function or block the cell has (:func:`_blocks`): its name (``step()``, or its first line in
-    backticks) and its body's statements as source (indented as written)."""
-    lines = code.splitlines()
-    return [(_block_name(fn, code), ["\n".join(lines[node.lineno - 1 : node.end_lineno or node.lineno]) for node in fn.body])
-            for fn in _blocks(code)]
-
-
-def replace_body(code: str, k: int, body: list[str]) -> str:
-    """The cell with the body of its ``k``-th function or block (:func:`_blocks`) made of ``body`` (``pass``
-    when empty: the function stays callable, the loop runs). What follows the body (an ``else``
-    branch, the statements after) stays as written."""
-    fn = _blocks(code)[k]
-    lines = code.splitlines()
-    head = lines[: fn.body[0].lineno - 1]
-    tail = lines[(fn.body[-1].end_lineno or fn.body[-1].lineno):]
-    indent = " " * fn.body[0].col_offset
-    return "\n".join([*head, *(body or [indent + "pass"]), *tail])
-
-
 def try_bound(failing: CellResult | CellRecord) -> float:
     """How long one try may run a cell: a hang is what the session saw at its cell's timeout, so
     the same time (and a little) shows it again; an error may take longer on a busier machine."""
@@ -197,7 +146,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
              if c.ok or c is failing]
     limit = bound if bound is not None else try_bound(failing)
     world = pool.world_size or 1 + max(r for c in cells for r in c.ranks)
-    state = Minimized(cells, target, (len(cells), sum(len(statements(c.code)) for c in cells)), world_size=world, started_world=world)
+    state = Minimized(cells, target, _size(cells), world_size=world, started_world=world)
     t0 = time.monotonic()
     say = on_progress or (lambda _text: None)
     on = [pool]  # the pool the tries run on: the session's, or a smaller one the world-size pass kept
@@ -224,7 +173,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
         why_not = _reproduces(runs or on[0], candidate, signature or state.signature, limit)
         took.append(time.monotonic() - started)
         ok = tried[key] = not why_not
-        n, s = len(candidate), sum(len(statements(c.code)) for c in candidate)
+        n, s = _size(candidate)
         cur = state.size()
         say(f"minimizing: {cur[0]} cells, {cur[1]} statements · try {state.tries} ({n} cells, {s} statements): "
             f"{'still fails' if ok else why_not} · {time.monotonic() - t0:.0f} s of {budget:.0f}")
@@ -249,10 +198,26 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
     return state
 
 
+def _size(cells: Sequence[Candidate]) -> tuple[int, int]:
+    """Cells and top-level statements."""
+    return len(cells), sum(len(statements(c.code)) for c in cells)
+
+
+def _where(needed: set[str], code: str) -> dict[str, list[int]]:
+    """Each of the ``needed`` lines (as written, stripped) that ``code`` still holds, and the
+    numbers of the lines holding it."""
+    found: dict[str, list[int]] = {}
+    for n, line in enumerate(code.splitlines(), 1):
+        for text in needed:
+            if text in line.strip():
+                found.setdefault(text, []).append(n)
+    return found
+
+
 def _unrun(candidate: list[Candidate], needed: set[str], provided: set[str]) -> str:
     """Why ``candidate`` need not be tried, known from its code alone; "" when it must be."""
     code = [c.code for c in candidate]
-    if any(all(text not in line.strip() for c in code for line in c.splitlines()) for text in needed):
+    if len(_where(needed, "\n".join(code))) < len(needed):
         return "without a line where the session's ranks raised or waited"
     if (read_before_bound(code) or set()) - provided:
         return "reading a name before anything in the case sets it: a NameError, not the failure"
@@ -328,8 +293,7 @@ def _reslice(state: Minimized, fails: Fails) -> None:
     from the failing lines where they still are, and the settings written in again (a setting
     changed twice, ``n = 0`` and ``n += 1``, is one once the change is cut)."""
     if _weight(state.cells) < state.sliced_at:
-        lines = state.cells[-1].code.splitlines()
-        _slice(state, {n for n, line in enumerate(lines, 1) if any(text in line.strip() for text in state.needed)}, fails)
+        _slice(state, {n for lines in _where(state.needed, state.cells[-1].code).values() for n in lines}, fails)
         _inline(state, fails)
 
 
@@ -383,11 +347,11 @@ def _inline(state: Minimized, fails: Fails) -> None:
         return
     codes, names = got
     cells = [replace(c, code=code) for i, (c, code) in enumerate(zip(state.cells, codes)) if code.strip() or i == len(codes) - 1]
-    if sum(len(statements(c.code)) for c in cells) >= state.size()[1]:
+    if _size(cells)[1] >= state.size()[1]:
         return
     shown = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
     # A needed line that read a setting reads its value now: it is looked for as the inlined case writes it.
-    needed, state.needed = state.needed, {text for text in state.needed if any(text in line.strip() for c in cells for line in c.code.splitlines())}
+    needed, state.needed = state.needed, set(_where(state.needed, "\n".join(c.code for c in cells)))
     if fails(cells):
         state.steps.append(f"wrote {len(names)} setting{'s' * (len(names) != 1)} in where {'they are' if len(names) != 1 else 'it is'} "
                            f"read ({shown}; one try)")

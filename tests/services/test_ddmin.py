@@ -7,8 +7,9 @@ import traceback
 from contextlib import contextmanager
 from typing import Iterator
 
+from distnb.analysis.cell_parts import function_bodies, replace_body, statements
 from distnb.results import CellResult, RankResult
-from distnb.services.minimize import Runs, _ddmin, function_bodies, minimize, replace_body, statements, world_sizes
+from distnb.services.minimize import Runs, _ddmin, minimize, world_sizes
 
 
 def test_ddmin_finds_the_one_minimal_subset_and_asks_few_questions() -> None:

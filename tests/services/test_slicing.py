@@ -9,8 +9,9 @@ import random
 
 from test_ddmin import _Ranks, session
 
+from distnb.analysis.cell_parts import statements
 from distnb.analysis.slicing import read_statements, slice_cells
-from distnb.services.minimize import Runs, minimize, statements
+from distnb.services.minimize import Runs, minimize
 
 NOISE = [
     "import math\nlr = 0.1\nsteps = 3",
