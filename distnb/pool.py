@@ -279,9 +279,10 @@ class Pool(PoolViews):
         (default on 3.12+ ranks, or DISTNB_PATHS=1): failures name the first decision that differed.
         ``source`` is the notebook cell the code is ({"path", "line"}), for the debugger panel."""
         compiled = compile_source(code)  # a SyntaxError is raised here, once, before anything is sent
-        flags = {"profile": profile, "pdb": pdb, "comms": comms, "paths": paths, "source": source,
+        targets = parse_ranks(ranks, self.world_size)
+        flags = {"profile": len(targets) if profile else 0, "pdb": pdb, "comms": comms, "paths": paths, "source": source,
                  "numerics": ("ops" if numerics is True else numerics) or ""}
-        return self._start(code, parse_ranks(ranks, self.world_size), events, flags, compiled=compiled, label=label)
+        return self._start(code, targets, events, flags, compiled=compiled, label=label)
 
     def _start(self, code: str, targets: list[int], events: CellEvents | None, flags: dict[str, Any], record: bool = True,
                compiled: CompiledCell | None = None, label: int | None = None) -> CellResult:
@@ -405,7 +406,7 @@ class Pool(PoolViews):
 
     def _tries(self) -> Runs:
         """This pool as minimize's tries use it; a single-machine pool can start smaller ones."""
-        flags = {"profile": False, "pdb": False, "comms": False, "paths": False, "source": None}
+        flags = {"profile": 0, "pdb": False, "comms": False, "paths": False, "source": None}
 
         def run(code: str, ranks: list[int], timeout: float) -> CellResult:  # not kept in the session's history
             res = self.wait(self._start(code, ranks, None, flags, record=False, compiled=compile_source(code)), timeout, ask=None, rebuild=False)

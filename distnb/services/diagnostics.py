@@ -278,7 +278,9 @@ class Diagnostics:
                                 trace_path or os.path.join("distnb-traces", f"cell-{result.cell}.json"))
         far = {r: f"its trace is too big to send; it is at {p['trace_path']} on {self._tracker.ranks[r].host}"
                for r, p in profiles.items() if "trace_path" in p}
-        return ProfileReport(result.cell, times, {r: p["ops"] for r, p in profiles.items()}, path, {**missing, **errors, **far})
+        unaligned = [r for r, p in profiles.items() if not p.get("aligned", True)] if len(ranks) > 1 else []
+        return ProfileReport(result.cell, times, {r: p["ops"] for r, p in profiles.items()}, path, {**missing, **errors, **far},
+                             sorted(unaligned))
 
     def stragglers(self, ranks: Ranks = None, group: str = "0", last: int = 200) -> StragglerReport:
         """Who arrives last at the recent collectives of ``group``: per rank, the share of

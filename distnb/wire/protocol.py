@@ -252,7 +252,7 @@ class Exec(TypedDict, total=False):
     cell: int
     code: str
     compiled: bytes  # the code objects, compiled by the notebook (distnb.wire.cell_code.pack); the rank compiles code itself without them
-    profile: bool  # run under torch.profiler (%%on_ranks --profile)
+    profile: int  # run under torch.profiler (%%on_ranks --profile), started together on this many ranks
     comms: bool  # run under PyTorch's CommDebugMode (%%on_ranks --comms)
     numerics: str  # record every op ("ops") or the collectives ("collectives") with fingerprints (%%on_ranks --numerics)
     pdb: bool  # an exception opens the debugger at its frame (%%on_ranks --pdb)

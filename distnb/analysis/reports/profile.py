@@ -4,7 +4,8 @@ Each rank measures its own cell (worker/recorders/profiling.py): wall time, time
 backend's ``gloo:``/``nccl:`` spans, which last until the collective completes) and its top ops.
 Waiting for peers comes from the ranks' arrivals at the cell's collectives (the Flight Recorder,
 clocks aligned: :mod:`distnb.analysis.verdicts.stragglers`): time between a rank's arrival and the last one's.
-Compute is the rest. The ranks' Chrome traces are merged into one file, one process row per rank.
+Compute is the rest. Each rank starts the cell once every rank's profiler runs (a profiler's start
+costs each rank a different time; unaligned, that would read as waiting). The ranks' Chrome traces are merged into one file, one process row per rank.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ProfileReport:
     ops: dict[int, list[dict[str, Any]]]  # rank → top ops (name, count, self_s, total_s)
     trace_path: str | None = None
     missing: dict[int, str] = field(default_factory=dict)  # rank → why it has no profile
+    unaligned: list[int] = field(default_factory=list)  # ranks that started the cell before every profiler ran
 
     def flagged_ops(self) -> list[tuple[str, dict[int, float]]]:
         """Top ops whose self time differs between ranks: (name, rank → seconds)."""
@@ -83,6 +85,9 @@ class ProfileReport:
                     hi = max(per, key=lambda r: per[r])
                     mark = f"  ◀ differs: rank {hi} {per[hi] * 1000:.1f} ms, ranks' minimum {min(per.values()) * 1000:.1f} ms"
                 lines.append(f"    {sorted(vals)[len(vals) // 2] * 1000:>9.2f} ms  {name}{mark}")
+        if self.unaligned:
+            lines.append(f"  {format_ranks(self.unaligned)} started the cell before every rank's profiler was running "
+                         "(the job's store did not answer in time): their waits at its first collective include that start")
         for r, why in sorted(self.missing.items()):
             lines.append(f"  rank {r}: no profile ({why})")
         if self.trace_path:

@@ -272,7 +272,8 @@ class Rank:
                         run = partial(run_with_comms, run)
                     if msg.get("numerics"):
                         run = partial(run_with_numerics, run, str(msg.get("numerics")), self.ns)
-                    reply = run_profiled(run) if msg.get("profile") else run()
+                    peers = int(msg.get("profile") or 0)
+                    reply = run_profiled(run, peers, f"distnb/profile/{cell}") if peers else run()
             except KeyboardInterrupt:  # a SIGINT that landed just outside the cell's try block
                 reply = {"status": "interrupted", "value": None, "duration": 0.0,
                          "error": {"ename": "KeyboardInterrupt", "evalue": "", "traceback": "KeyboardInterrupt\n", "line": None}}

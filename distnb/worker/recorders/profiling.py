@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import zlib
 from typing import Any, Callable
 
 from distnb.wire.records import CellOutcome
 
-__all__ = ["run_profiled", "TRACE_CAP"]
+__all__ = ["run_profiled", "align", "TRACE_CAP", "ALIGN_WAIT"]
 
 #: Compressed trace bytes sent back in the cell's reply; a larger trace stays in a file on the
 #: rank's machine and only its path comes back.
 TRACE_CAP = 8 << 20
 _COMM_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
+#: The longest a rank waits for the cell's other ranks to have started their profilers. Starting
+#: one costs each rank a different time (0.1-1 s on loaded CPUs, ~11 s for a CUDA build without a
+#: GPU): unaligned, that skew would be read as waiting for peers at the cell's first collective.
+ALIGN_WAIT = 120.0
 
 
-def run_profiled(run: Callable[[], CellOutcome], top: int = 15) -> CellOutcome:
-    """``run()`` (the cell) under the profiler; its reply gains ``profile``."""
+def run_profiled(run: Callable[[], CellOutcome], peers: int = 1, key: str = "", top: int = 15) -> CellOutcome:
+    """``run()`` (the cell) under the profiler; its reply gains ``profile``. With ``peers`` > 1
+    the cell starts once all ``peers`` ranks of the cell have their profilers running (:func:`align`)."""
     import torch
     from torch import profiler as tp
 
@@ -31,12 +37,38 @@ def run_profiled(run: Callable[[], CellOutcome], top: int = 15) -> CellOutcome:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         activities.append(tp.ProfilerActivity.CUDA)
     with tp.profile(activities=activities) as prof:
+        aligned = align(key, peers, ALIGN_WAIT) if peers > 1 else True
         reply = run()
     try:
-        reply["profile"] = _summary(prof, top)
+        reply["profile"] = {**_summary(prof, top), "aligned": aligned}
     except Exception as exc:  # the cell's own result matters more than its profile
         reply["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
     return reply
+
+
+def align(key: str, peers: int, wait: float, store: Any = None) -> bool:
+    """Wait until ``peers`` ranks have reached ``key`` on the job's store (the default group's
+    rendezvous store unless given); False when there is none or ``wait`` seconds pass first.
+
+    A poll, not ``store.wait``: a rank blocked inside the store's C++ wait would not see the
+    Ctrl-C that interrupts the cell until the wait ended."""
+    if store is None:
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            store = c10d._get_default_store()
+        except Exception:  # no default group (the cell destroyed it): run unaligned
+            return False
+    try:
+        store.add(key, 1)
+        deadline = time.monotonic() + wait
+        while store.add(key, 0) < peers:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+    except (RuntimeError, OSError):  # the store is gone (its host rank died): the cell says so itself
+        return False
+    return True
 
 
 def _summary(prof: Any, top: int) -> dict[str, Any]:
