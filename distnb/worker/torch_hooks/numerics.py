@@ -180,6 +180,10 @@ def _mode_class() -> Any:
             self.total = 0
             self.unfetched: list[list[Any]] = []
             self.pending: dict[int, tuple[list[Any], bool]] = {}
+            #: Tensors the last op wrote in place, whose version is read at the next op: the version
+            #: counter is bumped by the ADInplaceOrView kernel *after* this mode's kernel returns, so
+            #: read inside it, it is one behind — and every later read looked like a write nobody recorded.
+            self.written: list[tuple[_Info, Any]] = []
             self.samples: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (shape, device) → where _fp samples
             self.weights: dict[Any, Any] = {}  # (device, dtype) → the weights of _order
 
@@ -312,8 +316,16 @@ def _mode_class() -> Any:
                 rec[8].append([tuple(t.shape), str(t.dtype).replace("torch.", ""), fp])
 
         # -- the op ------------------------------------------------------------------------------
+        def _versions(self) -> None:
+            """The versions of what the last op wrote in place, now that they are bumped."""
+            for e, t in self.written:
+                e.version = t._version
+            self.written.clear()
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
+            if self.written:
+                self._versions()
             kind = self.kinds.get(func)
             if kind is None:
                 kind = self.kinds[func] = _Kind(func)
@@ -368,6 +380,7 @@ def _mode_class() -> Any:
             else:
                 agree, why = _intersect(agrees), "inputs"
             specs: list[list[Any]] | None = None
+            in_place = bool(kind.written or kind.out_kw)
             if kind.kind == COLL:
                 self._hold(seq, outs, agree, why, func.namespace != "c10d")
             else:
@@ -381,6 +394,8 @@ def _mode_class() -> Any:
                         e.uninit = t._version
                         continue
                     e.fp = self._fp(t)
+                    if in_place:
+                        self.written.append((e, t))
                     specs.append([tuple(t.shape), str(t.dtype).replace("torch.", ""), e.fp])
             # Whether what was read fixes the outputs: every tensor input read, and equal inputs give
             # equal bits (CPU kernels do; an accelerator's only under use_deterministic_algorithms:
@@ -400,6 +415,7 @@ def _mode_class() -> Any:
             for t in outs:
                 e = self._new(t)
                 e.agree, e.why, e.producer, e.pending, e.version = agree, why, seq, seq, t._version
+                self.written.append((e, t))  # c10d's collectives write their tensors in place
 
         def _inherit(self, args: Any, out: Any, empty: bool = False) -> None:
             """A view (or an op that returns its input's value) carries what is known of its input;
@@ -442,6 +458,7 @@ def _mode_class() -> Any:
 
         # -- the record ----------------------------------------------------------------------------
         def finish(self) -> NumericsRecord:
+            self._versions()
             for seq in list(self.pending):
                 self._settle(seq)
             self._fetch()
