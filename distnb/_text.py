@@ -101,16 +101,25 @@ class Rows(list[tuple[list[int], str]]):
         self.odd: list[int] = []
 
 
-# -- a block a rank prints after other ranks printed it -----------------------------------------
+# -- a block a rank prints after it was printed above ----------------------------------------------
 # Ranks print the same block at different moments (a library's log, a config dump, a warning with
-# its stack); the views group lines that arrive together or stand at the same place. A run of at
-# least REPEAT_MIN_RUN lines that other ranks have all printed before becomes one line,
-# ``(20 lines: the same as ranks 0,2 printed above)``; the cell's result keeps every rank's text.
+# its stack), and a library logs the same block again (each recompile, each retry); the views group
+# lines that arrive together or stand at the same place. A run of at least REPEAT_MIN_RUN lines that
+# the same ranks have all printed before becomes one line, ``(20 lines: the same as ranks 0,2 printed
+# above)`` — or, printed before by the rank itself alone, ``(20 lines: repeated from above)`` (a
+# block of at least REPEAT_MIN_RUN different lines); the cell's result keeps every rank's text.
 
 #: The shortest run folded: one or two equal lines (a loss printed by every rank) read better as they are.
 REPEAT_MIN_RUN = 3
 #: How many distinct lines a cell remembers (the printed view holds at most 20,000 lines).
 REPEATS_KEEP = 20_000
+
+
+def fold_text(n: int, by: set[int], rank: int) -> str:
+    """The one line a folded run of ``n`` lines becomes."""
+    if by == {rank}:
+        return f"({n} lines: repeated from above)"
+    return f"({n} lines: the same as {format_ranks(sorted(by))} printed above)"
 
 
 class Repeats:
@@ -121,26 +130,36 @@ class Repeats:
         self._seen: dict[tuple[str, str], set[int]] = {}
 
     def fold(self, stream: str, rank: int, lines: list[str]) -> list[str]:
-        """``lines``, with each run that other ranks printed before as one line."""
+        """``lines``, with each run that was printed before (by other ranks, or by this one, earlier
+        or higher in ``lines``) as one line."""
         out: list[str] = []
+        earlier: set[str] = set()  # the lines of ``lines`` before the run: this rank printed them above it
         i = 0
         while i < len(lines):
-            end, by = self._run(stream, rank, lines, i)
-            if sum(1 for line in lines[i:end] if line.strip()) >= REPEAT_MIN_RUN:
-                out.append(f"({end - i} lines: the same as {format_ranks(sorted(by))} printed above)")
-                i = end
-            else:
+            end, by = self._run(stream, rank, lines, i, earlier)
+            said = [line for line in lines[i:end] if line.strip()]
+            # A rank's own repeat is folded when it is a block (a log, a traceback), not one line
+            # printed again and again ("waiting…"), which reads better as it is.
+            if len(said) < REPEAT_MIN_RUN:
+                end = i + 1
                 out.append(lines[i])
-                i += 1
+            elif by != {rank} or len(set(said)) >= REPEAT_MIN_RUN:
+                out.append(fold_text(end - i, by, rank))
+            else:  # the same line or two again: all of them as printed (one at a time would rescan the run each)
+                out.extend(lines[i:end])
+            earlier.update(lines[i:end])
+            i = end
         return out
 
-    def _run(self, stream: str, rank: int, lines: list[str], start: int) -> tuple[int, set[int]]:
-        """The longest run from ``start`` whose every line the same other ranks printed before."""
+    def _run(self, stream: str, rank: int, lines: list[str], start: int, earlier: set[str]) -> tuple[int, set[int]]:
+        """The longest run from ``start`` whose every line the same ranks printed before."""
         by: set[int] | None = None
         end = start
         while end < len(lines):
-            others = self._seen.get((stream, lines[end]), set()) - {rank}
-            common = others if by is None else by & others
+            printers = self._seen.get((stream, lines[end]), set())
+            if lines[end] in earlier:
+                printers = printers | {rank}
+            common = printers if by is None else by & printers
             if not common:
                 break
             by, end = common, end + 1

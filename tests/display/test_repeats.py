@@ -14,7 +14,7 @@ from distnb.display.text import LivePrinter
 from distnb.ranks import format_ranks, parse_ranks
 
 _LABEL = re.compile(r"^\[ranks? ([0-9,\-]+) stderr\] (.*)$")
-_FOLD = re.compile(r"^\((\d+) lines: the same as ranks? ([0-9,\-]+) printed above\)$")
+_FOLD = re.compile(r"^\((\d+) lines: (?:the same as ranks? ([0-9,\-]+) printed above|repeated from above)\)$")
 
 
 def _a_real_log() -> str:
@@ -49,12 +49,13 @@ def test_short_repeats_stay_as_they_are() -> None:
     repeats.printed("stdout", 0, ["loss 0.5", "", "", "step 2"])
     # Two equal lines (and blank ones, which do not count) are not a block.
     assert repeats.fold("stdout", 1, ["loss 0.5", "", "", "step 2"]) == ["loss 0.5", "", "", "step 2"]
-    assert repeats.fold("stdout", 0, ["loss 0.5", "step 2", "x"]) == ["loss 0.5", "step 2", "x"]  # its own lines
+    assert repeats.fold("stdout", 0, ["loss 0.5", "step 2", "x"]) == ["loss 0.5", "step 2", "x"]  # its own two
     assert repeats.fold("stderr", 1, ["loss 0.5", "step 2", "loss 0.5"]) == ["loss 0.5", "step 2", "loss 0.5"]  # another stream
 
 
 def test_every_fold_is_true_and_every_line_is_accounted_for() -> None:
-    """Random outputs from a small vocabulary (so that runs repeat by chance as well as by copy),
+    """Random outputs from a small vocabulary (so that runs repeat by chance as well as by copy, on
+    other ranks and on the same one),
     random pieces and flushes: each rank's shown lines, folds expanded, are exactly what it wrote,
     and each fold's lines had been shown for every rank it names, before it."""
     rng = random.Random(11)
@@ -87,11 +88,11 @@ def test_every_fold_is_true_and_every_line_is_accounted_for() -> None:
                     got[r].append(label.group(2))
                     continue
                 folds += 1
-                n, by = int(fold.group(1)), parse_ranks(fold.group(2), len(ranks))
+                n, by = int(fold.group(1)), parse_ranks(fold.group(2), len(ranks)) if fold.group(2) else [r]
                 lines = written[r][len(got[r]): len(got[r]) + n]
                 assert len(lines) == n and sum(1 for line in lines if line.strip()) >= MIN_RUN, (trial, shown)
-                for other in by:
-                    assert other != r and all(line in got[other] for line in lines), (trial, shown, got)
+                for other in by:  # every rank it names (this one too) had shown each line before it
+                    assert all(line in got[other] for line in lines), (trial, shown, got)
                 got[r].extend(lines)
         assert got == written, (trial, err.getvalue())
     assert folds > 30  # the test saw folds, not only lines
@@ -106,3 +107,27 @@ def test_a_finished_cells_output_shows_a_block_another_rank_printed_once() -> No
     n = len(log.splitlines())
     assert rows[: n + 2] == [([0], "rank 0 alone"), *(([0], line) for line in log.splitlines()), ([0], "end")], rows
     assert rows[n + 2:] == [([1, 2], f"({n + 1} lines: the same as rank 0 printed above)"), ([3], "x"), ([3], "y")], rows
+
+
+def test_a_log_a_rank_prints_again_is_shown_once() -> None:
+    """A library that logs the same block each time (a recompile, a retry): the rank's second copy
+    is one line, whether it came in the same piece of output as the first or later."""
+    log = _a_real_log()
+    n = len(log.splitlines())
+    for pieces in ([log + "between\n" + log], [log + "between\n", log]):
+        err = io.StringIO()
+        printer = LivePrinter(err=err, hold=0.0)
+        for piece in pieces:
+            printer.feed(2, "stderr", piece)
+            printer.flush()
+        printer.flush(final=True)
+        shown = err.getvalue().splitlines()
+        assert shown == [f"[rank 2 stderr] {line}" for line in log.splitlines()] + [
+            "[rank 2 stderr] between", f"[rank 2 stderr] ({n} lines: repeated from above)"], shown
+    # One line printed again and again is not a block: it stays as it was printed.
+    printer = LivePrinter(out=(out := io.StringIO()), hold=0.0)
+    printer.feed(0, "stdout", "waiting\n" * 6)
+    printer.flush(final=True)
+    assert out.getvalue().splitlines() == ["[rank 0] waiting"] * 6
+    rows = merge_lines([(0, log + log), (1, "x\n")])
+    assert rows == [*(([0], line) for line in log.splitlines()), ([0], f"({n} lines: repeated from above)"), ([1], "x")], rows

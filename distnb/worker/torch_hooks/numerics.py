@@ -24,14 +24,14 @@ from __future__ import annotations
 import math
 import os
 import sys
-import weakref
 import zlib
 from typing import Any, Callable
 
 from distnb.wire.records import SAMPLE, TENSORS_READ, CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
-from distnb.worker.torch_hooks.comms import OUTPUT_FIRST, process_group_of
+from distnb.worker.torch_hooks.comms import process_group_of
 from distnb.worker.torch_hooks.meshes import describe_meshes
 from distnb.worker.torch_hooks.numerics_context import Agree, Context, group_ranks, replicas
+from distnb.worker.torch_hooks.numerics_ops import COLL, EMPTY, SCALARS, SKIP, VIEW, OpKind, TensorInfo, fills_memory, intersect, leaves, rng_state
 
 __all__ = ["LIMIT", "run_with_numerics"]
 
@@ -40,123 +40,6 @@ _TENSORS = TENSORS_READ
 _FETCH = 256  # ops between two fetches of the fingerprints from their devices
 _PENDING = 256  # collective outputs kept for a later read; past it the oldest go unread
 _ENDS = 4096  # elements at each end of a tensor whose places its fingerprint's order sum weighs
-#: Collectives after which every member of the group holds the same result.
-_AGREEING = {"allreduce_", "broadcast_", "allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allreduce_coalesced_",
-             "all_reduce", "all_reduce_", "all_gather_into_tensor", "all_gather_into_tensor_out", "all_reduce_coalesced",
-             "all_reduce_coalesced_", "all_gather_into_tensor_coalesced", "broadcast"}
-_COLLECTIVE_NS = {"c10d", "_c10d_functional", "c10d_functional"}
-#: Ops whose output is their input's value (read as a view is: no fingerprint of their own).
-_SAME_VALUE = {"detach", "lift_fresh", "wait_tensor", "_wrap_tensor_autograd", "alias", "clone"}
-_SCALARS = (int, float, bool, str, complex, type(None))
-#: Ops that allocate without writing: their bytes are whatever the memory held (not a value to compare).
-_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
-#: Ops whose later outputs are allocated, not written (FSDP2's copy-in returns the all-gather's
-#: input and its uninitialised output buffer): how many outputs hold values.
-_WRITTEN_OUTPUTS = {"all_gather_copy_in": 1}
-
-VIEW, SKIP, COLL, OP, EMPTY = 0, 1, 2, 3, 4
-
-
-class _Kind:
-    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "random", "stable", "agreeing", "valued")
-
-    def __init__(self, func: Any) -> None:
-        import torch
-
-        schema = func._schema
-        packet = func._overloadpacket.__name__
-        self.name = f"{func.namespace}.{func.__name__}"
-        self.out_kw = {a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
-        self.written = [i for i, a in enumerate(schema.arguments)
-                        if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
-        self.random = torch.Tag.nondeterministic_seeded in func.tags
-        self.stable = torch.Tag.nondeterministic_bitwise not in func.tags  # equal inputs, equal bits
-        self.valued = _WRITTEN_OUTPUTS.get(packet, _TENSORS)
-        returns = any("Tensor" in str(r.type) for r in schema.returns)
-        collective = func.namespace in _COLLECTIVE_NS
-        self.agreeing = collective and packet in _AGREEING
-        self.skip_first = packet == "copy_" or (collective and packet.rstrip("_") in OUTPUT_FIRST)
-        if func.namespace == "profiler":
-            self.kind = SKIP
-        elif packet in _UNINITIALISED:
-            self.kind = EMPTY
-        elif func.is_view or packet in _SAME_VALUE:
-            self.kind = VIEW
-        elif collective and packet != "wait_tensor":
-            self.kind = COLL
-        elif returns or self.written or self.out_kw:
-            self.kind = OP
-        else:
-            self.kind = SKIP  # .item(), equal(): nothing made
-
-
-class _Info:
-    """What the record knows of one live tensor."""
-
-    __slots__ = ("ref", "version", "agree", "why", "label", "producer", "fp", "pending", "uninit")
-
-    def __init__(self, t: Any) -> None:
-        self.ref = weakref.ref(t)
-        self.version = -1
-        self.agree: Agree | None = None
-        self.why = ""
-        self.label: str | None = None
-        self.producer = -1
-        self.fp: list[Any] | None = None  # [hash, sum]: device tensors until fetched, then numbers
-        self.pending = -1  # the collective whose unread output this is
-        self.uninit = -1  # allocated uninitialised (empty_like): the version it had then
-
-
-def _leaves(x: Any) -> list[Any]:
-    """An op's arguments flattened: what torch's pytree does for them (tuples, lists, dicts of
-    leaves), at a fraction of its cost per op."""
-    out: list[Any] = []
-    todo = [x]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, (tuple, list)):
-            todo.extend(reversed(v))
-        elif isinstance(v, dict):
-            todo.extend(reversed(list(v.values())))
-        else:
-            out.append(v)
-    return out
-
-
-def _dense(t: Any) -> bool:
-    """Its elements fill its memory once: contiguous, or a 2-D transpose of a contiguous tensor."""
-    return bool(t.is_contiguous() or (t.dim() == 2 and t.stride() == (1, t.shape[0])))
-
-
-def _intersect(agrees: list[Agree | None]) -> Agree | None:
-    if not agrees or any(a is None for a in agrees):
-        return None
-    common = set(agrees[0] or ())
-    for a in agrees[1:]:
-        common &= set(a or ())
-    return tuple(sorted(common)) if len(common) > 1 else None
-
-
-def _rng_state(kwargs: dict[str, Any], tensors: list[Any]) -> int:
-    """A fingerprint of the generator a random op is about to draw from (its ``generator=``, else
-    its device's default): ranks whose states match draw the same numbers. 0 where none is read."""
-    import torch
-
-    try:
-        gen = kwargs.get("generator")
-        if gen is None:
-            device = torch.device(kwargs.get("device") or (tensors[0].device if tensors else "cpu"))
-            if device.type == "cpu":
-                gen = torch.default_generator
-            elif device.type == "cuda":
-                gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-            else:
-                return 0
-        return zlib.crc32(gen.get_state().numpy().tobytes()) or 1
-    except Exception:  # a generator that cannot say its state: the comparison goes without it
-        return 0
-
-
 def _mode_class() -> Any:
     import torch
     from torch.distributed.tensor import DTensor
@@ -173,8 +56,8 @@ def _mode_class() -> Any:
             super().__init__()
             self.collectives, self.limit = collectives, limit
             self.ctx = Context(namespace, self._mark, self._agree_of)
-            self.kinds: dict[Any, _Kind] = {}
-            self.tensors: dict[int, _Info] = {}
+            self.kinds: dict[Any, OpKind] = {}
+            self.tensors: dict[int, TensorInfo] = {}
             self.prune_at = 4096
             self.raw: list[list[Any]] = []
             self.total = 0
@@ -183,7 +66,7 @@ def _mode_class() -> Any:
             #: Tensors the last op wrote in place, whose version is read at the next op: the version
             #: counter is bumped by the ADInplaceOrView kernel *after* this mode's kernel returns, so
             #: read inside it, it is one behind — and every later read looked like a write nobody recorded.
-            self.written: list[tuple[_Info, Any]] = []
+            self.written: list[tuple[TensorInfo, Any]] = []
             self.samples: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # (shape, device) → where _fp samples
             self.weights: dict[Any, Any] = {}  # (device, dtype) → the weights of _order
 
@@ -196,7 +79,7 @@ def _mode_class() -> Any:
             return True
 
         # -- what is known of a tensor ----------------------------------------------------------
-        def _entry(self, t: Any) -> _Info | None:
+        def _entry(self, t: Any) -> TensorInfo | None:
             e = self.tensors.get(id(t))
             if e is not None and e.ref() is t:
                 return e
@@ -204,11 +87,11 @@ def _mode_class() -> Any:
             e = self.tensors.get(id(inner)) if isinstance(inner, Tensor) else None
             return e if e is not None and e.ref() is inner else None
 
-        def _new(self, t: Any) -> _Info:
+        def _new(self, t: Any) -> TensorInfo:
             if len(self.tensors) > self.prune_at:
                 self.tensors = {k: v for k, v in self.tensors.items() if v.ref() is not None}
                 self.prune_at = 2 * len(self.tensors) + 4096
-            e = self.tensors[id(t)] = _Info(t)
+            e = self.tensors[id(t)] = TensorInfo(t)
             if isinstance(t, DTensor):
                 e.agree, e.why = replicas(t), "Replicate"
             e.label = self.ctx.param_names.get(id(t))
@@ -328,7 +211,7 @@ def _mode_class() -> Any:
                 self._versions()
             kind = self.kinds.get(func)
             if kind is None:
-                kind = self.kinds[func] = _Kind(func)
+                kind = self.kinds[func] = OpKind(func)
             if kind.kind == SKIP or (self.collectives and kind.kind != COLL):
                 return func(*args, **kwargs)
             if len(self.raw) >= self.limit:
@@ -341,7 +224,7 @@ def _mode_class() -> Any:
             self.total += 1
             seq = len(self.raw)
             read = args[1:] if kind.skip_first else args
-            flat_in = _leaves((read, {k: v for k, v in kwargs.items() if k not in kind.out_kw}))
+            flat_in = leaves((read, {k: v for k, v in kwargs.items() if k not in kind.out_kw}))
             tensors_in = [t for t in flat_in if isinstance(t, Tensor)]
             reads: list[list[Any]] = []
             agrees: list[Agree | None] = []
@@ -361,24 +244,24 @@ def _mode_class() -> Any:
                         e.producer = -1  # written since by an op not recorded
                     e.fp, e.version = self._fp(t), t._version
                 reads.append([k, e.fp, e.agree, e.why, e.label, e.producer])
-            digest = zlib.crc32(repr([a if isinstance(a, _SCALARS) else str(a) for a in flat_in
-                                      if isinstance(a, _SCALARS) or isinstance(a, (torch.dtype, torch.device))]).encode())
+            digest = zlib.crc32(repr([a if isinstance(a, SCALARS) else str(a) for a in flat_in
+                                      if isinstance(a, SCALARS) or isinstance(a, (torch.dtype, torch.device))]).encode())
             module, phase, cell, line = self._where()
-            rng = _rng_state(kwargs, tensors_in) if kind.random else 0
+            rng = rng_state(kwargs, tensors_in) if kind.random else 0
             out = func(*args, **kwargs)
-            outs = [t for t in _leaves(out) if isinstance(t, Tensor)]
+            outs = [t for t in leaves(out) if isinstance(t, Tensor)]
             for i in kind.written:
                 if i < len(args):
-                    outs.extend(t for t in _leaves(args[i]) if isinstance(t, Tensor) and all(t is not o for o in outs))
+                    outs.extend(t for t in leaves(args[i]) if isinstance(t, Tensor) and all(t is not o for o in outs))
             for name in kind.out_kw:
-                outs.extend(t for t in _leaves(kwargs.get(name)) if isinstance(t, Tensor) and all(t is not o for o in outs))
+                outs.extend(t for t in leaves(kwargs.get(name)) if isinstance(t, Tensor) and all(t is not o for o in outs))
             if kind.kind == COLL:
                 agree = group_ranks(process_group_of(args)) if kind.agreeing else None
                 why = func._overloadpacket.__name__.rstrip("_") if agree else ""
             elif outs and isinstance(outs[0], DTensor):
                 agree, why = replicas(outs[0]), "Replicate"
             else:
-                agree, why = _intersect(agrees), "inputs"
+                agree, why = intersect(agrees), "inputs"
             specs: list[list[Any]] | None = None
             in_place = bool(kind.written or kind.out_kw)
             if kind.kind == COLL:
@@ -421,13 +304,13 @@ def _mode_class() -> Any:
             """A view (or an op that returns its input's value) carries what is known of its input;
             an uninitialised allocation like a tensor (``empty``) carries only which ranks it must agree with."""
             base = args[0] if args and isinstance(args[0], Tensor) else next(
-                (t for t in _leaves(args) if isinstance(t, Tensor)), None)
+                (t for t in leaves(args) if isinstance(t, Tensor)), None)
             e = self._entry(base) if base is not None else None
             if e is None and base is not None and not empty:
                 e = self._new(base)  # a parameter first seen through a view: its name and replicas travel on
             if e is None and not empty:
                 return
-            for t in (out,) if isinstance(out, Tensor) else _leaves(out):
+            for t in (out,) if isinstance(out, Tensor) else leaves(out):
                 if isinstance(t, Tensor) and t is not base:
                     v = self._new(t)
                     if e is not None and (not isinstance(t, DTensor) or v.agree is None):
@@ -437,7 +320,7 @@ def _mode_class() -> Any:
                     elif e is not None:
                         v.label, v.producer, v.pending = e.label, e.producer, e.pending
                         if base is not None and e.fp is not None and e.version == base._version and t.numel() == base.numel() \
-                                and t.storage_offset() == base.storage_offset() and _dense(t) and _dense(base) \
+                                and t.storage_offset() == base.storage_offset() and fills_memory(t) and fills_memory(base) \
                                 and not isinstance(t, DTensor):
                             # the same memory, read in another order or shape (t(), view, detach): the
                             # fingerprint (an xor and a sum) is the base's, not computed again
