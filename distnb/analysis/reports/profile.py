@@ -5,7 +5,8 @@ backend's ``gloo:``/``nccl:`` spans, which last until the collective completes) 
 Waiting for peers comes from the ranks' arrivals at the cell's collectives (the Flight Recorder,
 clocks aligned: :mod:`distnb.analysis.verdicts.stragglers`): time between a rank's arrival and the last one's.
 Compute is the rest. Each rank starts the cell once every rank's profiler runs (a profiler's start
-costs each rank a different time; unaligned, that would read as waiting). The ranks' Chrome traces are merged into one file, one process row per rank.
+costs each rank a different time; unaligned, that would read as waiting). The ranks' Chrome traces
+are merged into one file, one process row per rank.
 """
 
 from __future__ import annotations
