@@ -17,6 +17,12 @@ judge nothing before it. Then, once: the verdict in the job's log (stderr) in th
 words; with ``dump`` or ``stop``, the verdict (``verdict.json``: its fields; ``verdict.txt``), the
 stacks, the collectives and a reproduce notebook in the job's records folder; with ``stop``,
 SIGTERM to the job's command (torchrun ends its ranks), before torch's own watchdog would.
+
+A look that fails (a rank ending, a reply that does not come, a bug in distnb) is one look: the
+watch says the first such error in the job's log and goes on; it stops only after
+``GIVE_UP_AFTER`` looks in a row failed. Each change of reading goes to ``watch.log`` in the
+records folder (time, state, kind, culprits, headline), so that why a watch did or did not act
+can be read afterwards without a word in the job's log while it is healthy.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from distnb.jobs.attached import AttachedJob
 from distnb.wire.discovery import list_jobs
 from distnb.wire.job_dumps import records_dir
 
-__all__ = ["ON_HANG", "PROVEN", "JobWatch", "start_watch", "verdict_record"]
+__all__ = ["GIVE_UP_AFTER", "ON_HANG", "PROVEN", "JobWatch", "start_watch", "verdict_record"]
 
 #: What the watch does once it has a verdict.
 ON_HANG = ("report", "dump", "stop")
@@ -48,6 +54,8 @@ PROVEN = frozenset({Kind.CALL_MISSING, Kind.CALL_EXTRA, Kind.LOOP_COUNT, Kind.MI
                     Kind.CROSS_CELL, Kind.GROUP_CREATION, Kind.RAISED, Kind.DIED})
 #: How often the ranks are asked.
 ASK_EVERY = 1.0
+#: Looks in a row that fail before the watch stops (a minute at one a second).
+GIVE_UP_AFTER = 60
 _PREFIX = "[distnb watch]"
 
 
@@ -79,6 +87,7 @@ class JobWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distnb-watch", daemon=True)
         self._started = time.monotonic()
+        self._seen: tuple[Any, ...] | None = None  # the last reading written to watch.log
 
     def start(self) -> JobWatch:
         self._thread.start()
@@ -97,6 +106,7 @@ class JobWatch:
     def _run(self) -> None:
         job: AttachedJob | None = None
         last: tuple[Any, ...] | None = None
+        failed = 0
         try:
             while not self._stop.wait(self.poll) and self.proc.poll() is None:
                 job = job or self._job()
@@ -104,10 +114,17 @@ class JobWatch:
                     continue
                 try:
                     verdict = job.diagnose(self.hang_after)
-                except (AttachError, OSError):
+                except Exception as exc:  # noqa: BLE001 - one failed look, not the end of the watch
                     job.detach()
                     job, last = None, None  # a rank ending, or restarted by torchrun: find its ranks again
+                    failed += 1
+                    self._failed(exc, failed)
+                    if failed >= GIVE_UP_AFTER:
+                        _say(f"stopped watching: {failed} looks in a row failed, the last with {type(exc).__name__}: {exc}")
+                        return
                     continue
+                failed = 0
+                self._note(verdict)
                 if not acts_on(verdict):
                     last = None
                     continue
@@ -122,6 +139,30 @@ class JobWatch:
         finally:
             if job is not None:
                 job.detach()
+
+    def _failed(self, exc: BaseException, count: int) -> None:
+        """A look that failed: in ``watch.log`` each time; in the job's log the first time only
+        (a rank ending makes a few, and an attach error is expected then)."""
+        self._log(f"look failed ({count} in a row): {type(exc).__name__}: {exc}")
+        if count == 1 and not isinstance(exc, (AttachError, OSError)):
+            _say(f"a look at the job failed ({type(exc).__name__}: {exc}); still watching")
+
+    def _note(self, verdict: Verdict) -> None:
+        """A reading unlike the last one, into ``watch.log``."""
+        seen = (verdict.state, _signature(verdict))
+        if seen != self._seen:
+            self._seen = seen
+            self._log(f"{verdict.state.value} {verdict.kind.value} culprits={list(verdict.culprits)}"
+                      f"{' (proven: acted on if the next look reads the same)' if acts_on(verdict) else ''}: {verdict.summary}")
+
+    def _log(self, line: str) -> None:
+        try:
+            folder = records_dir(self.env)
+            folder.mkdir(parents=True, exist_ok=True)
+            with (folder / "watch.log").open("a") as f:
+                f.write(f"{time.monotonic() - self._started:8.1f} s  {line}\n")
+        except OSError:
+            pass  # a record of the watch, not the watch: it goes on without it
 
     def _act(self, job: AttachedJob, verdict: Verdict) -> None:
         took = time.monotonic() - self._started

@@ -7,6 +7,7 @@ save) runs to its end untouched. Every process of each job is checked gone, and 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,12 @@ def _run(tmp_path: Path, script: str, code: str, *run_args: str) -> tuple[int, s
     with log.open("w") as err:
         job = AttachableJob(tmp_path, script, 4, MARK, env={"DISTNB_JOBS_DIR": str(tmp_path / "jobs")}, stderr=err, run_args=run_args)
     try:
-        rc = job.proc.wait(timeout=JOB_BOUND)
+        try:
+            rc = job.proc.wait(timeout=JOB_BOUND)
+        except subprocess.TimeoutExpired:
+            readings = tmp_path / "jobs" / job.job_id / "records" / "watch.log"
+            raise AssertionError(f"the job still ran after {JOB_BOUND} s; its log:\n{log.read_text()[-6000:]}\nthe watch's readings:\n"
+                                 f"{readings.read_text()[-6000:] if readings.exists() else '(none)'}") from None
         assert not wait_gone(job.processes(), 15), "the job's processes outlived its command"
     finally:
         left = job.kill()
@@ -64,6 +70,7 @@ def test_a_hung_job_is_said_in_its_log_dumped_and_stopped(tmp_path: Path) -> Non
     assert "loop_exit.py:10" in (records / "stacks.txt").read_text()
     assert "first divergence" in (records / "collectives.txt").read_text()
     assert (records / f"{job.job_id}-repro.ipynb").exists()
+    assert "hang mismatch culprits=[2] (proven" in (records / "watch.log").read_text()
 
 
 def test_a_rank_that_keeps_the_others_waiting_is_not_stopped(tmp_path: Path) -> None:

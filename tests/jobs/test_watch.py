@@ -6,11 +6,13 @@ import json
 
 import pytest
 
+import distnb.jobs.watch as watch_module
 from distnb.__main__ import main
 from distnb.analysis.root_cause import RootCause
 from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.verdict import Kind, Site, Verdict, VerdictState
-from distnb.jobs.watch import PROVEN, acts_on, verdict_record
+from distnb.errors import AttachError
+from distnb.jobs.watch import PROVEN, JobWatch, acts_on, verdict_record
 
 
 @pytest.mark.parametrize("kind", list(Kind))
@@ -47,3 +49,72 @@ def test_the_command_lines_mistakes_are_said(argv: list[str], said: str, capsys:
     with pytest.raises(SystemExit):
         main(argv)
     assert said in capsys.readouterr().err
+
+
+class _Proc:
+    """A job's command that runs until the watch signals it."""
+
+    args = ["torchrun"]
+    pid = 12345
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def poll(self) -> int | None:
+        return None if not self.signals else -self.signals[0]
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+class _Job:
+    """Answers each look from a script: a verdict, or an exception to raise."""
+
+    def __init__(self, script: list[Verdict | Exception]) -> None:
+        self.script, self.detached = script, 0
+
+    def diagnose(self, hang_after: float) -> Verdict:
+        step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+    def detach(self) -> None:
+        self.detached += 1
+
+
+def _watch(tmp_path, monkeypatch: pytest.MonkeyPatch, script: list[Verdict | Exception]) -> tuple[JobWatch, _Proc]:  # type: ignore[no-untyped-def]
+    job = _Job(script)
+    monkeypatch.setattr(JobWatch, "_job", lambda self: job)
+    proc = _Proc()
+    env = {"DISTNB_JOB_ID": "job-1", "DISTNB_RECORDS_DIR": str(tmp_path / "records")}
+    watch = JobWatch(proc, env, on_hang="report", poll=0.001).start()  # type: ignore[arg-type]
+    watch._thread.join(timeout=30)
+    assert not watch._thread.is_alive()
+    return watch, proc
+
+
+def test_a_look_that_fails_is_one_look_not_the_end_of_the_watch(tmp_path, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    hang = Verdict(VerdictState.HANG, Kind.CALL_MISSING, "rank 2 did not make all_reduce", culprits=[2])
+    healthy = Verdict(VerdictState.RUNNING, Kind.NONE, "ranks 0-3 running")
+    watch, _ = _watch(tmp_path, monkeypatch, [healthy, ValueError("boom"), AttachError("rank 1 ended"), hang, hang])
+    assert watch.verdict is hang
+    err = capsys.readouterr().err
+    # Said once, the unexpected error only: an attach error is what a rank ending gives.
+    assert err.count("a look at the job failed") == 1 and "(ValueError: boom); still watching" in err, err
+    assert "rank 2 did not make all_reduce" in err
+    log = (tmp_path / "records" / "watch.log").read_text()
+    assert "running none culprits=[]: ranks 0-3 running" in log
+    assert "look failed (1 in a row): ValueError: boom" in log and "look failed (2 in a row): AttachError: rank 1 ended" in log
+    assert log.count("hang call_missing culprits=[2] (proven: acted on if the next look reads the same)") == 1, log
+
+
+def test_the_watch_stops_after_looks_fail_in_a_row(tmp_path, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(watch_module, "GIVE_UP_AFTER", 5)
+    watch, proc = _watch(tmp_path, monkeypatch, [RuntimeError("no reply")])
+    assert watch.verdict is None and proc.signals == []
+    err = capsys.readouterr().err
+    assert "stopped watching: 5 looks in a row failed, the last with RuntimeError: no reply" in err, err
+    assert (tmp_path / "records" / "watch.log").read_text().count("look failed") == 5
