@@ -10,7 +10,8 @@ and acts on a verdict only when it can never come right by waiting:
   computing (a long checkpoint save, a compile, a data load), a straggler, a rank that does not
   answer: none of these is acted on, whatever their duration;
 * it held at two reads in a row (the same kind, culprits and sites), so a reading that caught a
-  rank between two calls is not one.
+  rank between two calls is not one. A reading in which a rank did not answer says nothing either
+  way and does not part two such reads; any other reading does.
 
 The ranks' waits must pass the threshold (``--hang-after``, the pool's 3 s by default): the rules
 judge nothing before it. Then, once: the verdict in the job's log (stderr) in the cell report's
@@ -45,13 +46,16 @@ from distnb.jobs.attached import AttachedJob
 from distnb.wire.discovery import list_jobs
 from distnb.wire.job_dumps import records_dir
 
-__all__ = ["GIVE_UP_AFTER", "ON_HANG", "PROVEN", "JobWatch", "start_watch", "verdict_record"]
+__all__ = ["GIVE_UP_AFTER", "INCONCLUSIVE", "ON_HANG", "PROVEN", "JobWatch", "start_watch", "verdict_record"]
 
 #: What the watch does once it has a verdict.
 ON_HANG = ("report", "dump", "stop")
 #: The kinds of verdict no wait can make right: the only ones acted on.
 PROVEN = frozenset({Kind.CALL_MISSING, Kind.CALL_EXTRA, Kind.LOOP_COUNT, Kind.MISMATCH, Kind.WRONG_GROUP, Kind.P2P_UNMATCHED,
                     Kind.CROSS_CELL, Kind.GROUP_CREATION, Kind.RAISED, Kind.DIED})
+#: Readings that say nothing either way (a rank's control thread did not answer in time, a busy
+#: machine's usual hiccup): between two readings of the same proven verdict, they do not part them.
+INCONCLUSIVE = frozenset({Kind.UNRESPONSIVE, Kind.UNKNOWN})
 #: How often the ranks are asked.
 ASK_EVERY = 1.0
 #: Looks in a row that fail before the watch stops (a minute at one a second).
@@ -125,6 +129,8 @@ class JobWatch:
                     continue
                 failed = 0
                 self._note(verdict)
+                if verdict.kind in INCONCLUSIVE:
+                    continue  # says nothing either way: the reading before it still stands
                 if not acts_on(verdict):
                     last = None
                     continue

@@ -118,3 +118,17 @@ def test_the_watch_stops_after_looks_fail_in_a_row(tmp_path, monkeypatch: pytest
     err = capsys.readouterr().err
     assert "stopped watching: 5 looks in a row failed, the last with RuntimeError: no reply" in err, err
     assert (tmp_path / "records" / "watch.log").read_text().count("look failed") == 5
+
+
+def test_a_reading_where_a_rank_did_not_answer_does_not_part_two_readings_of_a_hang(tmp_path,  # type: ignore[no-untyped-def]
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    hang = Verdict(VerdictState.HANG, Kind.MISMATCH, "ranks are in different collectives", culprits=[2])
+    silent = Verdict(VerdictState.HANG, Kind.UNRESPONSIVE, "rank 1 gives no stack", culprits=[1])
+    healthy = Verdict(VerdictState.RUNNING, Kind.NONE, "ranks 0-3 running")
+    script: list[Verdict | Exception] = [hang, silent, hang, silent]
+    watch, _ = _watch(tmp_path, monkeypatch, script)
+    assert watch.verdict is hang and script == [silent]  # acted at the second hang, past the silent reading
+    # Any other reading between them parts them: the next hang is a first reading again.
+    script = [hang, healthy, hang, hang, silent]
+    watch, _ = _watch(tmp_path / "2", monkeypatch, script)
+    assert watch.verdict is hang and script == [silent]  # acted at the third hang, not the second
