@@ -21,9 +21,10 @@ SIGTERM to the job's command (torchrun ends its ranks), before torch's own watch
 
 A look that fails (a rank ending, a reply that does not come, a bug in distnb) is one look: the
 watch says the first such error in the job's log and goes on; it stops only after
-``GIVE_UP_AFTER`` looks in a row failed. Each change of reading goes to ``watch.log`` in the
-records folder (time, state, kind, culprits, headline), so that why a watch did or did not act
-can be read afterwards without a word in the job's log while it is healthy.
+``GIVE_UP_AFTER`` looks in a row failed. Each change of a reading that finds a problem (and the
+first healthy reading after one) goes to ``watch.log`` in the records folder (time, state, kind,
+culprits, headline), so that why a watch did or did not act can be read afterwards without a
+word in the job's log while it is healthy.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ INCONCLUSIVE = frozenset({Kind.UNRESPONSIVE, Kind.UNKNOWN})
 ASK_EVERY = 1.0
 #: Looks in a row that fail before the watch stops (a minute at one a second).
 GIVE_UP_AFTER = 60
+#: The most lines ``watch.log`` gets.
+LOG_LINES = 10_000
 _PREFIX = "[distnb watch]"
 
 
@@ -91,7 +94,8 @@ class JobWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distnb-watch", daemon=True)
         self._started = time.monotonic()
-        self._seen: tuple[Any, ...] | None = None  # the last reading written to watch.log
+        self._seen: tuple[Any, ...] | None = None  # the last problem written to watch.log (None: healthy since)
+        self._logged = 0
 
     def start(self) -> JobWatch:
         self._thread.start()
@@ -154,14 +158,20 @@ class JobWatch:
             _say(f"a look at the job failed ({type(exc).__name__}: {exc}); still watching")
 
     def _note(self, verdict: Verdict) -> None:
-        """A reading unlike the last one, into ``watch.log``."""
+        """A reading unlike the last one, into ``watch.log``: a problem, or the first healthy
+        reading after one (a healthy job's readings, which change with every step, are not kept)."""
         seen = (verdict.state, _signature(verdict))
-        if seen != self._seen:
-            self._seen = seen
+        if seen != self._seen and (verdict.is_problem or self._seen is not None):
+            self._seen = seen if verdict.is_problem else None
             self._log(f"{verdict.state.value} {verdict.kind.value} culprits={list(verdict.culprits)}"
                       f"{' (proven: acted on if the next look reads the same)' if acts_on(verdict) else ''}: {verdict.summary}")
 
     def _log(self, line: str) -> None:
+        self._logged += 1
+        if self._logged > LOG_LINES:
+            return  # a job whose readings keep changing for days: the first lines tell the story
+        if self._logged == LOG_LINES:
+            line = f"(the last line kept: {LOG_LINES} lines)"
         try:
             folder = records_dir(self.env)
             folder.mkdir(parents=True, exist_ok=True)

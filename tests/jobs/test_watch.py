@@ -105,7 +105,7 @@ def test_a_look_that_fails_is_one_look_not_the_end_of_the_watch(tmp_path, monkey
     assert err.count("a look at the job failed") == 1 and "(ValueError: boom); still watching" in err, err
     assert "rank 2 did not make all_reduce" in err
     log = (tmp_path / "records" / "watch.log").read_text()
-    assert "running none culprits=[]: ranks 0-3 running" in log
+    assert "ranks 0-3 running" not in log  # a healthy job's readings are not kept
     assert "look failed (1 in a row): ValueError: boom" in log and "look failed (2 in a row): AttachError: rank 1 ended" in log
     assert log.count("hang call_missing culprits=[2] (proven: acted on if the next look reads the same)") == 1, log
 
@@ -132,3 +132,14 @@ def test_a_reading_where_a_rank_did_not_answer_does_not_part_two_readings_of_a_h
     script = [hang, healthy, hang, hang, silent]
     watch, _ = _watch(tmp_path / "2", monkeypatch, script)
     assert watch.verdict is hang and script == [silent]  # acted at the third hang, not the second
+
+
+def test_the_watch_log_keeps_problems_and_the_recovery_after_them(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    slow = Verdict(VerdictState.SLOW, Kind.SLOW_COLLECTIVE, "every rank in all_reduce", culprits=[])
+    healthy = Verdict(VerdictState.RUNNING, Kind.NONE, "ranks 0-3 running")
+    other = Verdict(VerdictState.RUNNING, Kind.NONE, "ranks 0-3 running, later")
+    monkeypatch.setattr(watch_module, "GIVE_UP_AFTER", 1)
+    _watch(tmp_path, monkeypatch, [healthy, other, slow, slow, healthy, other, slow, RuntimeError("end")])
+    lines = [line.split(" s  ", 1)[1] for line in (tmp_path / "records" / "watch.log").read_text().splitlines()]
+    assert lines == ["slow slow_collective culprits=[]: every rank in all_reduce", "running none culprits=[]: ranks 0-3 running",
+                     "slow slow_collective culprits=[]: every rank in all_reduce", "look failed (1 in a row): RuntimeError: end"], lines
