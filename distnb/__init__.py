@@ -30,7 +30,7 @@ _PUBLIC = {
     "attach": "distnb.jobs.attached", "detach": "distnb.jobs.attached", "AttachedJob": "distnb.jobs.attached", "AttachError": "distnb.errors",
     "load": "distnb.jobs.loaded", "LoadedJob": "distnb.jobs.loaded", "LoadError": "distnb.errors",
     "CellResult": "distnb.results", "PoolStatus": "distnb.status", "RankResult": "distnb.results",
-    "RankState": "distnb.states", "RankStatus": "distnb.status",
+    "RankState": "distnb.states", "CellStatus": "distnb.states", "RankStatus": "distnb.status",
     "checksum": "distnb.worker.recorders.checksum",
     "Debugger": "distnb.services.debugger", "Prompt": "distnb.controller.prompts",
     "Verdict": "distnb.analysis.verdicts.verdict", "Kind": "distnb.analysis.verdicts.verdict", "Certainty": "distnb.analysis.verdicts.verdict",
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from distnb.pool import Pool, launch
     from distnb.results import CellEvents, CellResult, RankResult
     from distnb.services.debugger import Debugger
-    from distnb.states import PoolState, RankState
+    from distnb.states import CellStatus, PoolState, RankState
     from distnb.status import PoolStatus, RankStatus
     from distnb.worker.recorders.checksum import checksum
 
@@ -86,6 +86,7 @@ __all__ = [
     "CellEvents",
     "CellFailed",
     "CellResult",
+    "CellStatus",
     "Certainty",
     "Debugger",
     "DistnbError",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from distnb._text import fit
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
+from distnb.states import CellStatus
 
 if TYPE_CHECKING:  # the result types sit above this module (results.py names the analyses)
     from distnb.results import CellResult, RankResult
@@ -156,8 +157,8 @@ class CellFailed(DistnbError):
 
 def _summary(result: CellResult) -> str:
     ranks = [result.results[r] for r in sorted(result.results)]
-    dead = [r for r in ranks if r.status == "dead"]
-    raised = sorted((r for r in ranks if r.status == "error" and r.error), key=lambda r: (r.finished_at or float("inf"), r.rank))
+    dead = [r for r in ranks if r.status == CellStatus.DEAD]
+    raised = sorted((r for r in ranks if r.status == CellStatus.ERROR and r.error), key=lambda r: (r.finished_at or float("inf"), r.rank))
     cell = cell_name(result.cell)
     if dead:  # a death explains the errors of the ranks that waited for it: it leads
         first = next((r for r in dead if r.first_death), dead[0])
@@ -171,7 +172,7 @@ def _summary(result: CellResult) -> str:
     else:
         lead, named = "", []
     told = {r.rank for r in named}
-    rest = _by_state([r for r in ranks if r.rank not in told and r.status != "ok"])
+    rest = _by_state([r for r in ranks if r.rank not in told and r.status != CellStatus.OK])
     if not lead:
         if not rest:
             return f"{cell} failed"
@@ -219,7 +220,7 @@ def _by_state(ranks: list[RankResult]) -> list[tuple[str, str]]:
     stranded, are still running."""
     groups: dict[str, list[int]] = {}
     for r in ranks:
-        state = f"raised {(r.error or {}).get('ename') or 'an error'}" if r.status == "error" else r.status
+        state = f"raised {(r.error or {}).get('ename') or 'an error'}" if r.status == CellStatus.ERROR else r.status
         groups.setdefault(state, []).append(r.rank)
     order = {"interrupted": 1, "stranded": 2, "running": 3}
     return [(state, format_ranks(rs)) for state, rs in sorted(groups.items(), key=lambda g: (order.get(g[0], 0), g[1][0]))]

@@ -18,6 +18,7 @@ from distnb.analysis.verdicts.records import is_consequence
 from distnb.analysis.verdicts.verdict import Blame, Verdict
 from distnb.cell_names import cell_name, name_cells_in
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
+from distnb.states import CellStatus
 from distnb.wire.records import CellError, NumericsRecord, SyncState, ThreadError
 
 __all__ = [
@@ -91,9 +92,7 @@ class RankResult:
     """What one rank did with one cell."""
 
     rank: int
-    # running · ok · error · interrupted · dead · stranded (still blocked waiting for a dead rank;
-    # the cell ended for the notebook, the pool is broken)
-    status: str = "running"
+    status: CellStatus = CellStatus.RUNNING
     stdout: _Output = _Output()
     stderr: _Output = _Output()
     value: dict[str, str] | None = None
@@ -189,7 +188,7 @@ class CellResult:
 
     @property
     def ok(self) -> bool:
-        return all(r.status == "ok" for r in self.results.values())
+        return all(r.status == CellStatus.OK for r in self.results.values())
 
     def blame_words(self) -> str:
         """Whom the diagnosis blamed, in the renderer's words (``root cause: likely rank 2``); "" for none."""
@@ -197,11 +196,11 @@ class CellResult:
 
     @property
     def running(self) -> list[int]:
-        return sorted(r.rank for r in self.results.values() if r.status == "running")
+        return sorted(r.rank for r in self.results.values() if r.status == CellStatus.RUNNING)
 
     @property
     def failed(self) -> list[int]:
-        return sorted(r.rank for r in self.results.values() if r.status in ("error", "interrupted", "dead"))
+        return sorted(r.rank for r in self.results.values() if r.status in (CellStatus.ERROR, CellStatus.INTERRUPTED, CellStatus.DEAD))
 
     @property
     def values(self) -> dict[int, str | None]:
@@ -221,7 +220,7 @@ class CellResult:
         return "ok" if self.ok else "failed"
 
     def header(self) -> str:
-        done = sum(1 for r in self.results.values() if r.status != "running")
+        done = sum(1 for r in self.results.values() if r.status != CellStatus.RUNNING)
         return f"{cell_name(self.cell)} on {ranks_label(self.ranks)}: {self.state}, {done}/{len(self.ranks)} done, {self.elapsed:.2f} s"
 
     def output_rows(self) -> list[tuple[str, Rows]]:
@@ -230,7 +229,7 @@ class CellResult:
         odd ranks named: :func:`~distnb._text.merge_lines`)."""
         out = []
         for stream in ("stdout", "stderr"):
-            items = [(r.rank, fold_crash_dump(text, r.rank) if r.status == "dead" and stream == "stderr" else text)
+            items = [(r.rank, fold_crash_dump(text, r.rank) if r.status == CellStatus.DEAD and stream == "stderr" else text)
                      for r in self._ordered() for text in [str(getattr(r, stream))] if text]
             out.append((stream, merge_lines(items)))
         return out
@@ -252,15 +251,15 @@ class CellResult:
         parts = self.display_texts()
         parts.extend(self._value_texts())
         # Root cause first: a death usually explains the errors of the ranks that waited for it.
-        dead = [r for r in sorted(self._ordered(), key=lambda r: not r.first_death) if r.status == "dead"]
+        dead = [r for r in sorted(self._ordered(), key=lambda r: not r.first_death) if r.status == CellStatus.DEAD]
         if self.root_cause:  # a death's true cause (a victim of gloo's abort) or a timeout's blame
             parts.append(self.root_cause)
         parts.extend(self._death_texts(dead))
         if dead:
             others = group_by(
-                (r.rank, f"raised {r.error['ename']}" if r.error else f"stranded in {r.collective}" if r.status == "stranded"
+                (r.rank, f"raised {r.error['ename']}" if r.error else f"stranded in {r.collective}" if r.status == CellStatus.STRANDED
                  else {"ok": "finished the cell", "running": "still running"}.get(r.status, r.status))
-                for r in self._ordered() if r.status != "dead"
+                for r in self._ordered() if r.status != CellStatus.DEAD
             )
             if others:
                 parts.append("what became of the others: " + "; ".join(
@@ -369,7 +368,7 @@ class CellResult:
         return out
 
     def _error_texts(self) -> list[str]:
-        errored = [r for r in self.results.values() if r.error and r.status in ("error", "interrupted")]
+        errored = [r for r in self.results.values() if r.error and r.status in (CellStatus.ERROR, CellStatus.INTERRUPTED)]
         # Root cause first: the rank that failed earliest leads.
         errored.sort(key=lambda r: (r.finished_at or float("inf"), r.rank))
         # Same error up to its numbers (f"rank {rank} …", "cuda:2" vs "cuda:3"): one group, one
@@ -380,7 +379,7 @@ class CellResult:
                  for r in errored for e in [r.error or {}] for tb in [e["traceback"].replace(e["evalue"], "")]]
         out = []
         # A peer's closed connection, an interrupt: said in a line when something else caused it.
-        caused = any(r.status == "dead" for r in self.results.values()) or any(
+        caused = any(r.status == CellStatus.DEAD for r in self.results.values()) or any(
             not is_consequence(f"{e.get('ename')}: {e.get('evalue')}") for r in errored for e in [r.error or {}])
         for n, (ranks, (ename, *_)) in enumerate(group_by(keyed)):
             errors = [self.results[r].error or {} for r in ranks]

@@ -212,7 +212,7 @@ def test_public_surface_is_pinned_and_loads() -> None:
     assert distnb.__all__ == sorted(distnb.__all__)
     assert distnb.__all__ == [
         "AttachError", "AttachedJob",
-        "CellEvents", "CellFailed", "CellResult", "Certainty", "Debugger", "DistnbError", "Evidence", "Kind", "LaunchConfig", "LaunchError",
+        "CellEvents", "CellFailed", "CellResult", "CellStatus", "Certainty", "Debugger", "DistnbError", "Evidence", "Kind", "LaunchConfig", "LaunchError",
         "LoadError", "LoadedJob",
         "NoAnswerError", "NoCellError", "NoPoolError", "Pool", "PoolBrokenError", "PoolBusyError", "PoolState", "PoolStatus", "Prompt",
         "RankResult", "RankState", "RankStatus", "RemoteError", "RootCause", "ShutdownError", "Site", "Verdict", "VerdictState", "attach",

@@ -9,6 +9,7 @@ import time
 from distnb.controller.prompts import Prompt
 from distnb.ranks import format_ranks
 from distnb.results import CellEvents, CellResult, RankResult
+from distnb.states import CellStatus
 from distnb.wire.protocol import CellDone
 
 __all__ = ["CellRun"]
@@ -39,7 +40,7 @@ class CellRun:
         """The rank's CELL_DONE: its outcome into its result (``direct``: straight from the rank, a
         silent cell, not through its supervisor); the run no longer waits for it."""
         res = self.result.results[rank]
-        res.status = msg["status"]
+        res.status = CellStatus.reported(msg["status"])
         res.value, res.error, res.duration, res.memory = msg.get("value"), msg.get("error"), msg.get("duration"), msg.get("memory")
         res.profile, res.sync, res.paths, res.compiles, res.comms = (msg.get("profile"), msg.get("sync"), msg.get("paths"),
                                                                      msg.get("compiles"), msg.get("comms"))
@@ -72,7 +73,7 @@ class CellRun:
         now = time.monotonic()
         for r, why in blocked.items():
             res = self.result.results[r]
-            res.status, res.collective, res.finished_at = "stranded", why, now
+            res.status, res.collective, res.finished_at = CellStatus.STRANDED, why, now
             self.waiting_done.discard(r)
         self.result.notes.append(
             f"the cell ended {since_death:.1f} s after the first death: {format_ranks(blocked)} "

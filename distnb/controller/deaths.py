@@ -16,6 +16,7 @@ from distnb.analysis.verdicts.position import position_at_death
 from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.rank_record import RankRecord
 from distnb.results import RankResult
+from distnb.states import CellStatus
 from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry
 
 __all__ = ["Deaths"]
@@ -57,7 +58,7 @@ class Deaths:
 
     def conclude(self, info: RankRecord, res: RankResult, cell: int) -> None:
         """Write the death of ``info`` into its result for ``cell``, which was still running."""
-        res.status = "dead"
+        res.status = CellStatus.DEAD
         res.returncode = info.returncode
         res.stderr_tail = info.stderr_tail
         res.first_death = self.first == info.rank

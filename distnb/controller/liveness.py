@@ -10,7 +10,7 @@ from distnb import _processes
 from distnb.controller.rank_record import RankRecord
 from distnb.launching.remote_nodes import Nodes
 from distnb.results import RankResult
-from distnb.states import RankState
+from distnb.states import CellStatus, RankState
 
 __all__ = ["Liveness", "gone_without_report", "lost_machines", "supervisor_gone"]
 
@@ -66,7 +66,7 @@ def lost_machines(nodes: Nodes, ranks: Mapping[int, RankRecord], last_results: M
             res = last_results.get(info.rank)
             if res is None:
                 continue
-            raced = res.status in ("error", "interrupted", "stranded") and (res.finished_at or 0.0) >= node.last_beat
-            if res.status == "dead" or raced:
-                res.status, res.cause = "dead", info.cause
+            raced = res.status in (CellStatus.ERROR, CellStatus.INTERRUPTED, CellStatus.STRANDED) and (res.finished_at or 0.0) >= node.last_beat
+            if res.status == CellStatus.DEAD or raced:
+                res.status, res.cause = CellStatus.DEAD, info.cause
     return notes

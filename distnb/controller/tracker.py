@@ -40,7 +40,7 @@ from distnb.controller.requests import Requests, Transport
 from distnb.errors import NoPoolError, PoolBrokenError, PoolBusyError
 from distnb.launching.remote_nodes import Nodes
 from distnb.results import CellEvents, CellResult, RankResult
-from distnb.states import POOL_MOVES, RANK_MOVES, PoolState, RankState
+from distnb.states import POOL_MOVES, RANK_MOVES, CellStatus, PoolState, RankState
 from distnb.status import RankStatus
 from distnb.wire.peers import Peer, PeerKind, control_identity, supervisor_identity
 from distnb.wire.protocol import CellDone, FromNode, Inbound, Msg, RankEvent, SupHello, accept_event
@@ -449,7 +449,7 @@ class Tracker:
             run.events.on_rank_done(run.result.results[info.rank])
         if not run.waiting_done:  # the last of its ranks
             run.result.elapsed = time.monotonic() - run.started
-            found = count_mismatches({r: res.sync for r, res in run.result.results.items() if res.status != "dead"})
+            found = count_mismatches({r: res.sync for r, res in run.result.results.items() if res.status != CellStatus.DEAD})
             run.result.desync = self.desync = carry_over(found, self.desync, run.result.cell)
             run.events = CellEvents()  # let go of the caller's callbacks (views, printers)
             run.finished.set()
@@ -466,7 +466,7 @@ class Tracker:
         if run is None:
             return
         res = run.result.results[info.rank]
-        if res.status == "running":
+        if res.status == CellStatus.RUNNING:
             self._deaths.conclude(info, res, run.result.cell)
         run.waiting_done.discard(info.rank)
         self._maybe_finish(info)

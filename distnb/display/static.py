@@ -26,6 +26,7 @@ from distnb._text import Rows
 from distnb.cell_names import cell_name
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.results import CellResult, ranks_label
+from distnb.states import CellStatus
 
 __all__ = ["MAX_RANK_SECTIONS", "SCALED_SAVED_BYTES", "StaticCell", "SAVED_GROUPED_CHARS", "SAVED_RANK_CHARS",
            "diagnosis_html", "header_html", "spread_lines", "standouts"]
@@ -163,10 +164,10 @@ def standouts(result: CellResult, odd: list[int], limit: int = MAX_RANK_SECTIONS
             why.setdefault(rank, []).append(reason)
 
     failed = [rr for rr in rs.values() if rr.status not in ("ok", "running")]
-    failed.sort(key=lambda rr: (not rr.first_death, rr.status != "dead", rr.finished_at or float("inf"), rr.rank))
+    failed.sort(key=lambda rr: (not rr.first_death, rr.status != CellStatus.DEAD, rr.finished_at or float("inf"), rr.rank))
     for rr in failed:
         add(rr.rank, f"raised {rr.error['ename']}" if rr.error else "died first" if rr.first_death else {"dead": "died"}.get(rr.status, rr.status))
-    running = sorted(r for r, rr in rs.items() if rr.status == "running")
+    running = sorted(r for r, rr in rs.items() if rr.status == CellStatus.RUNNING)
     if len(running) < len(rs) / 2:  # the few still at it while most finished: stragglers, or stuck
         for r in running:
             add(r, "still running")
@@ -270,7 +271,7 @@ class StaticCell:
         if self.many:
             return self._scaled_html()
         result = self.result
-        done = sum(1 for r in result.results.values() if r.status != "running")
+        done = sum(1 for r in result.results.values() if r.status != CellStatus.RUNNING)
         out = [f"<div class='distnb-cell'><div>{header_html(result.cell, result.ranks, result.state, result.elapsed, done)}</div>"]
         if self.diagnosis:
             out.append(diagnosis_html(self.diagnosis))
@@ -293,7 +294,7 @@ class StaticCell:
         """The HTML form above SUMMARY_ABOVE ranks: the per-rank part as the ranks' distribution and
         the sections of the ranks that stand out; each part held to its share of SCALED_SAVED_BYTES."""
         result = self.result
-        done = sum(1 for r in result.results.values() if r.status != "running")
+        done = sum(1 for r in result.results.values() if r.status != CellStatus.RUNNING)
         out = [f"<div class='distnb-cell'><div>{header_html(result.cell, result.ranks, result.state, result.elapsed, done)}</div>"]
         if self.diagnosis:
             out.append(_fit(self.diagnosis, _DIAGNOSIS_BYTES, diagnosis_html, _DIAGNOSIS_LEFT)[0])

@@ -25,7 +25,7 @@ from distnb._text import MERGED_NOTE, Repeats, merge_rows, prefix_lines, size
 from distnb.analysis.verdicts.failures import CrashDumpFold
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by, rank_span
 from distnb.results import RankResult
-from distnb.states import RankState
+from distnb.states import CellStatus, RankState
 
 if TYPE_CHECKING:
     from distnb.results import CellResult
@@ -242,7 +242,7 @@ class LivePrinter:
 
     def rank_done(self, result: RankResult) -> None:
         """Called on the I/O thread as each rank finishes; a death is announced at once."""
-        if result.status == "dead":
+        if result.status == CellStatus.DEAD:
             with self._lock:
                 self._notes.append(result.death_text())
                 if self._expected is not None:

@@ -31,6 +31,7 @@ from distnb.display.static import diagnosis_html, header_html, spread_lines, sta
 from distnb.display.text import LivePrinter, kept_per_stream
 from distnb.ranks import SUMMARY_ABOVE, format_ranks
 from distnb.results import CellResult, RankResult, ranks_label
+from distnb.states import CellStatus
 
 __all__ = ["CellView", "widgets_available", "TAB_LIMIT"]
 
@@ -434,7 +435,7 @@ class CellView:
         self.printer.flush(final=True)
         with self._lock:
             self._closed = True
-            self._done = {r for r, rr in result.results.items() if rr.status != "running"}
+            self._done = {r for r, rr in result.results.items() if rr.status != CellStatus.RUNNING}
         self._sync(final=True)
         self._summarise_ranks(result, final=True)
         self.update_header(result.state)

@@ -27,6 +27,7 @@ from distnb.controller.prompts import Prompt
 from distnb.controller.tracker import Tracker
 from distnb.ranks import format_ranks, group_by
 from distnb.results import CellResult
+from distnb.states import CellStatus
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
 from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
@@ -40,11 +41,11 @@ HOLD_TIMEOUT = 5.0
 def left_words(res: Any) -> str:
     """How a rank left the cell, for ``…, which <words>``."""
     error = res.error or {}
-    if res.status == "ok":
+    if res.status == CellStatus.OK:
         return "finished the cell without another collective"
     if error.get("ename") == "BdbQuit":
         return "quit its debugger (q)"
-    if res.status == "error":
+    if res.status == CellStatus.ERROR:
         return f"raised {error.get('ename', 'an error')} and left the cell"
     return {"dead": "died", "interrupted": "was interrupted", "stranded": "was stranded"}.get(res.status, f"ended the cell ({res.status})")
 

@@ -44,6 +44,7 @@ from distnb.results import CellResult
 from distnb.services.collective_stops import CollectiveStops, left_words
 from distnb.services.mesh_ranks import mesh_ranks
 from distnb.services.positions import unsettled
+from distnb.states import CellStatus
 from distnb.wire.peers import exec_identity
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CellError
@@ -194,7 +195,7 @@ class Debugger:
         error is not a consequence of another's (a peer's lost connection), the first to raise."""
         for cell in reversed(history):
             if isinstance(cell, CellResult):
-                raised = [res for res in cell.results.values() if res.status == "error" and res.error and res.error.get("ename") != "BdbQuit"]
+                raised = [res for res in cell.results.values() if res.status == CellStatus.ERROR and res.error and res.error.get("ename") != "BdbQuit"]
                 if raised:
                     return min(raised, key=lambda res: (_consequence(res.error or CellError()), res.finished_at or 0.0, res.rank)).rank
         raise NoCellError("no cell has raised on this pool, so there is nothing to debug post-mortem; "
@@ -332,7 +333,7 @@ class Debugger:
         if released:
             write(released)
         # A rank that raised and left meanwhile (a step over the failing line): released as well.
-        left = [r for r in ranks if r not in leaving and result.results[r].status == "error"]
+        left = [r for r in ranks if r not in leaving and result.results[r].status == CellStatus.ERROR]
         if left and (words := self.stops.release(result, left, "it raised")):
             write(words)
         if cmd.kind == "next":

@@ -44,7 +44,7 @@ from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult
 from distnb.services.native_stacks import py_spy_dumps
 from distnb.services.positions import position_of, unsettled
-from distnb.states import PoolState, RankState
+from distnb.states import CellStatus, PoolState, RankState
 from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
 from distnb.wire.protocol import Msg
 from distnb.wire.records import CollectivesRead, ThreadError
@@ -192,7 +192,7 @@ class Diagnostics:
         """One reading of the cell's records, judged."""
         tracker = self._tracker
         elapsed = time.monotonic() - tracker.run_of(result).started
-        busy = [r for r in result.ranks if result.results[r].status == "running"]
+        busy = [r for r in result.ranks if result.results[r].status == CellStatus.RUNNING]
         alive = tracker.alive(list(range(self._world)))
         # One round trip: stacks of every live rank (idle ones answer at once) with their collective
         # logs, so a rank holding the GIL costs one timeout per diagnosis.
@@ -247,7 +247,7 @@ class Diagnostics:
         its CELL_DONE; with ``live``, a running one's as the last stacks round saw it."""
         records = {r: rec for r, res in result.results.items() if (rec := getattr(res, kind))}
         if live:
-            records.update({r: rec for r, rec in self._live[kind].items() if r in result.results and result.results[r].status == "running"})
+            records.update({r: rec for r, rec in self._live[kind].items() if r in result.results and result.results[r].status == CellStatus.RUNNING})
         return records
 
     def straggler(self, result: CellResult, last: int = 200) -> Verdict | None:
@@ -258,7 +258,7 @@ class Diagnostics:
 
     def profile(self, result: CellResult, trace_path: str | None = None) -> ProfileReport:
         """Per-rank time of a cell run with ``profile=True``; see :meth:`distnb.Pool.profile`."""
-        missing = {r: "the rank did not finish the cell" if res.status == "running" else "the cell was not run with profile=True"
+        missing = {r: "the rank did not finish the cell" if res.status == CellStatus.RUNNING else "the cell was not run with profile=True"
                    for r, res in result.results.items() if not res.profile}
         errors = {r: f"the profiler failed: {res.profile['error']}" for r, res in result.results.items()
                   if res.profile and "error" in res.profile}
@@ -290,7 +290,7 @@ class Diagnostics:
     def death_note(self, result: CellResult) -> str:
         """For a cell in which a rank died inside a collective whose ranks disagree: the odd rank
         that caused it, in words (a gloo abort kills a neighbour, not the rank that was wrong)."""
-        dead = [r for r in result.ranks if result.results[r].status == "dead"]
+        dead = [r for r in result.ranks if result.results[r].status == CellStatus.DEAD]
         if not dead:
             return ""
         first = self._tracker.first_death if self._tracker.first_death in dead else dead[0]

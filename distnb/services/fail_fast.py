@@ -23,6 +23,7 @@ from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.tracker import Tracker
 from distnb.ranks import format_ranks, group_by
 from distnb.results import CellResult
+from distnb.states import CellStatus
 from distnb.wire.records import P2P_OPS
 
 __all__ = ["FAIL_FAST_AFTER", "Doomed", "FailFast", "doomed"]
@@ -52,8 +53,8 @@ class Doomed:
 
 def doomed(result: CellResult, log: CollectiveLog) -> Doomed | None:
     """The cell's waiting, when the records prove it can't complete; None otherwise."""
-    left = {r: ("died" if res.status == "dead" else f"raised {res.error.get('ename', 'an error') if res.error else 'an error'}")
-            for r, res in result.results.items() if res.status in ("error", "dead")}
+    left = {r: ("died" if res.status == CellStatus.DEAD else f"raised {res.error.get('ename', 'an error') if res.error else 'an error'}")
+            for r, res in result.results.items() if res.status in (CellStatus.ERROR, CellStatus.DEAD)}
     running = result.running
     if not left or not running:
         return None

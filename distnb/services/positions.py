@@ -15,6 +15,7 @@ from distnb.analysis.verdicts.position import Place, Position, position_from_sta
 from distnb.analysis.verdicts.stacks import RankStack, StackReport
 from distnb.controller.collective_log import CollectiveLog
 from distnb.results import CellResult
+from distnb.states import CellStatus
 from distnb.wire.records import P2P_OPS, ThreadError
 
 __all__ = ["position_of", "unsettled"]
@@ -37,18 +38,18 @@ def _position(r: int, result: CellResult, stacks: StackReport | None, elapsed: f
     res = result.results.get(r)
     if res is None:
         return Position(r, Place.IDLE)
-    if res.status == "ok":
+    if res.status == CellStatus.OK:
         return Position(r, Place.FINISHED, seqs=dict(res.sync["seqs"]) if res.sync and "seqs" in res.sync else None)
-    if res.status in ("error", "interrupted") and res.error:
+    if res.status in (CellStatus.ERROR, CellStatus.INTERRUPTED) and res.error:
         lines = result.code.splitlines()
         line = res.error.get("line")
         return Position(r, Place.FAILED, line=line, code=lines[line - 1] if line and line <= len(lines) else "",
                         detail=f"{res.error['ename']}: {cut_message(res.error['evalue'], 200)}")
-    if res.status == "dead":
+    if res.status == CellStatus.DEAD:
         return Position(r, Place.DEAD, detail=_processes.signal_meaning(res.returncode))
-    if res.status != "running" or stacks is None:
+    if res.status != CellStatus.RUNNING or stacks is None:
         # Over without an error of its own: stranded by a death, or interrupted.
-        return Position(r, Place.STRANDED if res.status == "stranded" else Place.FINISHED, detail=res.collective or "")
+        return Position(r, Place.STRANDED if res.status == CellStatus.STRANDED else Place.FINISHED, detail=res.collective or "")
     if not stacks[r].threads:
         return Position(r, Place.UNRESPONSIVE, since=elapsed, detail=why_silent(r))
     if (paused := stacks[r].paused) is not None:

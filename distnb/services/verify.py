@@ -26,6 +26,7 @@ from distnb.analysis.verdicts.reproduction import DIED, FailureSignature, compar
 from distnb.config import LaunchConfig
 from distnb.controller.session import CellRecord
 from distnb.results import CellResult
+from distnb.states import CellStatus
 
 __all__ = ["GAVE_UP", "VERIFY_SECONDS", "Reproduction", "session_signature", "verify_script"]
 
@@ -70,9 +71,9 @@ def session_signature(cell: CellResult | CellRecord) -> FailureSignature | None:
         return None
     errors = {}
     for r, res in cell.results.items():
-        if res.status == "dead":
+        if res.status == CellStatus.DEAD:
             errors[r] = DIED
-        elif res.status == "error" and res.error:
+        elif res.status == CellStatus.ERROR and res.error:
             errors[r] = f"{res.error.get('ename', 'Error')}: {res.error.get('evalue', '')}"
     return FailureSignature.of(errors, cell.running if cell.timed_out else [])
 

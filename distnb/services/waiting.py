@@ -25,6 +25,7 @@ from distnb.results import CellResult
 from distnb.services.debugger import Ask, Debugger
 from distnb.services.diagnostics import PATHS_HINT
 from distnb.services.fail_fast import FailFast
+from distnb.states import CellStatus
 from distnb.status import Regrouped
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
@@ -120,9 +121,9 @@ def rebuild_after_unblock(result: CellResult, tracker: Tracker, regroup: Callabl
     """After a cell ended on every rank: if a rank's control thread unblocked it (its interrupt
     could not land in a collective), the process group is unusable — give every rank a fresh one
     (namespaces kept) and say so in the result's notes; if that can't happen now, say what to run."""
-    if not any(res.status == "interrupted" or _broken_collective(res.error) for res in result.results.values()):
+    if not any(res.status == CellStatus.INTERRUPTED or _broken_collective(res.error) for res in result.results.values()):
         return  # an unblocked rank's cell ends interrupted, its peers' with the collective's error
-    alive = tracker.alive([r for r, res in result.results.items() if res.status != "dead"])
+    alive = tracker.alive([r for r, res in result.results.items() if res.status != CellStatus.DEAD])
     replies = tracker.requests.ask(control_identity, alive, {"t": Msg.STACKS, "all_threads": False}, PROBE_TIMEOUT, partial=True)
     done: dict[int, dict[str, Any]] = {r: u for r, m in replies.items() if isinstance(u := m.get("unblocked"), dict) and u.get("cell") == result.cell}
     if not done:

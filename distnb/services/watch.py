@@ -22,6 +22,7 @@ from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 from distnb.controller.tracker import Tracker
 from distnb.results import CellResult
 from distnb.services.diagnostics import Diagnostics
+from distnb.states import CellStatus
 
 __all__ = ["CellWatch", "QUIET_MAX", "STRAGGLER_EVERY"]
 
@@ -74,7 +75,7 @@ class CellWatch:
                 self._alarmed = self._alarmed or diag.kind != Kind.STRAGGLER
                 return diag
             self.activity = diag if diag.positions else None
-        if self._alarmed or any(res.status != "running" and res.status != "ok" for res in result.results.values()):
+        if self._alarmed or any(res.status != CellStatus.RUNNING and res.status != CellStatus.OK for res in result.results.values()):
             return None
         if now >= self._next_straggler and log.changes != self._straggler_changes:
             self._next_straggler, self._straggler_changes = now + STRAGGLER_EVERY, log.changes
@@ -85,7 +86,7 @@ class CellWatch:
         """A rank of the cell ended badly while others run, or one has waited in a collective (or
         a watched call: send/recv, new_group) for ``hang_after`` by its own clock."""
         result = self._result
-        if any(res.status in ("error", "dead", "interrupted") for res in result.results.values()):
+        if any(res.status in (CellStatus.ERROR, CellStatus.DEAD, CellStatus.INTERRUPTED) for res in result.results.values()):
             return True
         log = self._tracker.collective_log
         for r in running:
