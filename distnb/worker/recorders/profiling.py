@@ -14,6 +14,7 @@ import zlib
 from typing import Any, Callable
 
 from distnb.wire.records import CellOutcome
+from distnb.worker.torch_hooks.c10d_groups import default_store
 
 __all__ = ["run_profiled", "align", "TRACE_CAP", "ALIGN_WAIT"]
 
@@ -52,13 +53,9 @@ def align(key: str, peers: int, wait: float, store: Any = None) -> bool:
 
     A poll, not ``store.wait``: a rank blocked inside the store's C++ wait would not see the
     Ctrl-C that interrupts the cell until the wait ended."""
-    if store is None:
-        try:
-            from torch.distributed import distributed_c10d as c10d
-
-            store = c10d._get_default_store()
-        except Exception:  # no default group (the cell destroyed it): run unaligned
-            return False
+    store = store if store is not None else default_store()
+    if store is None:  # no default group (the cell destroyed it): run unaligned
+        return False
     try:
         store.add(key, 1)
         deadline = time.monotonic() + wait

@@ -12,7 +12,8 @@ module              what it reads from torch                               witho
 call_log            wraps ``torch.distributed``'s collectives, p2p and     no call sites or arguments: verdicts name the
                     ``new_group``; ``distributed_c10d._world``             op and group only
                     (``pg_names``, ``default_pg``, ``group_count``),       a call torch skipped on a rank outside its
-                    ``_rank_not_in_group``                                 group is not named as such
+                    ``_rank_not_in_group``; ``_get_default_store``         group is not named as such; --profile's ranks
+                    (c10d_groups, for --profile's start)                   start the cell unaligned, and say so
 flight_recorder     ``torch._C._distributed_c10d._dump_fr_trace`` (gloo    "no Flight Recorder could be read": the
                     and NCCL ≥ 2.13), ``_dump_nccl_trace`` (NCCL ≤ 2.12),  collective views and hang verdicts say so
                     ``ProcessGroup._get_sequence_number_for_group``
@@ -34,6 +35,7 @@ comms               ``torch.distributed.tensor.debug.CommDebugMode``,      --com
                     DTensor's ``_redistribute``, ``ProcessGroup.unbox``
 numerics            ``torch._C._current_autograd_node``, a DTensor's       --numerics: "the numerics record needs …"
 numerics_context    ``_spec``/``_local_tensor``, ``Tensor._version``,      (no module names in the backward when the
+numerics_ops        an op's ``_schema``, ``_overloadpacket`` and tags,
                     funcol's ``AsyncCollectiveTensor.elem``, autograd      metadata is missing: "")
                     ``Node.metadata``
 ==================  =====================================================  =============================================

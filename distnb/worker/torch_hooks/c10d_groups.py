@@ -1,6 +1,7 @@
 """What the call log reads of torch's process-group tables: a group's name, members, description
 and next sequence number, a rank's global number from its number in a group, how many groups were
-made, and whether torch will skip a call on a group (the rank is not a member). Each read is of
+made, whether torch will skip a call on a group (the rank is not a member), and the default group's
+rendezvous store (``--profile`` meets the cell's ranks on it). Each read is of
 ``torch.distributed.distributed_c10d`` as already imported (never an import of its own: a control
 thread must not wait on the main thread's import lock), and answers None or "?" where torch has
 moved a name."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["description", "global_rank", "group_count", "group_name", "members", "next_seq", "not_a_member"]
+__all__ = ["default_store", "description", "global_rank", "group_count", "group_name", "members", "next_seq", "not_a_member"]
 
 
 def _c10d() -> Any:
@@ -46,6 +47,15 @@ def next_seq(group: Any) -> int | None:
     group this rank is not a member of)."""
     try:
         return int(_pg(group)._get_sequence_number_for_group()) + 1
+    except Exception:
+        return None
+
+
+def default_store() -> Any:
+    """The default group's rendezvous store; None where there is no default group (not up yet,
+    or a cell destroyed it)."""
+    try:
+        return _c10d()._get_default_store()
     except Exception:
         return None
 
