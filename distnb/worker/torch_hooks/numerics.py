@@ -263,7 +263,6 @@ def _mode_class() -> Any:
             else:
                 agree, why = intersect(agrees), "inputs"
             specs: list[list[Any]] | None = None
-            in_place = bool(kind.written or kind.out_kw)
             if kind.kind == COLL:
                 self._hold(seq, outs, agree, why, func.namespace != "c10d")
             else:
@@ -277,7 +276,7 @@ def _mode_class() -> Any:
                         e.uninit = t._version
                         continue
                     e.fp = self._fp(t)
-                    if in_place:
+                    if kind.in_place:
                         self.written.append((e, t))
                     specs.append([tuple(t.shape), str(t.dtype).replace("torch.", ""), e.fp])
             # Whether what was read fixes the outputs: every tensor input read, and equal inputs give

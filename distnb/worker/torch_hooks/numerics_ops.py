@@ -32,7 +32,7 @@ VIEW, SKIP, COLL, OP, EMPTY = 0, 1, 2, 3, 4
 
 
 class OpKind:
-    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "random", "stable", "agreeing", "valued")
+    __slots__ = ("kind", "name", "skip_first", "out_kw", "written", "in_place", "random", "stable", "agreeing", "valued")
 
     def __init__(self, func: Any) -> None:
         import torch
@@ -43,6 +43,8 @@ class OpKind:
         self.out_kw = {a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
         self.written = [i for i, a in enumerate(schema.arguments)
                         if not a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+        #: It writes tensors it was given (``add_``, ``out=``): their versions move after the record's kernel returns.
+        self.in_place = bool(self.written or self.out_kw)
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         self.stable = torch.Tag.nondeterministic_bitwise not in func.tags  # equal inputs, equal bits
         self.valued = _WRITTEN_OUTPUTS.get(packet, TENSORS_READ)
