@@ -115,7 +115,7 @@ REPEAT_MIN_RUN = 3
 REPEATS_KEEP = 20_000
 
 
-def fold_text(n: int, by: set[int], rank: int) -> str:
+def _fold_text(n: int, by: set[int], rank: int) -> str:
     """The one line a folded run of ``n`` lines becomes."""
     if by == {rank}:
         return f"({n} lines: repeated from above)"
@@ -144,7 +144,7 @@ class Repeats:
                 end = i + 1
                 out.append(lines[i])
             elif by != {rank} or len(set(said)) >= REPEAT_MIN_RUN:
-                out.append(fold_text(end - i, by, rank))
+                out.append(_fold_text(end - i, by, rank))
             else:  # the same line or two again: all of them as printed (one at a time would rescan the run each)
                 out.extend(lines[i:end])
             earlier.update(lines[i:end])

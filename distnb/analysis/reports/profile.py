@@ -88,7 +88,8 @@ class ProfileReport:
                 lines.append(f"    {sorted(vals)[len(vals) // 2] * 1000:>9.2f} ms  {name}{mark}")
         if self.unaligned:
             lines.append(f"  {format_ranks(self.unaligned)} started the cell before every rank's profiler was running "
-                         "(the job's store did not answer in time): their waits at its first collective include that start")
+                         "(no store to meet on, or one still not running when the others gave up waiting): their waits at its "
+                         "first collective include that start")
         for r, why in sorted(self.missing.items()):
             lines.append(f"  rank {r}: no profile ({why})")
         if self.trace_path:
