@@ -1,6 +1,8 @@
 """What CI's time went to, printed last so that the end of the log says it: each phase's start
 (the "=== [ci …]" lines, collected by .ci/run) and, from each pytest run's JUnit report, the files
-and the tests that took longest. Standard library only: it runs under whichever Python is left."""
+and the tests that took longest; then every failed test of every leg with the end of its message
+(a leg's own log sits in the middle of a long run's output, where it is the first part cut).
+Standard library only: it runs under whichever Python is left."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 
 FILES, TESTS = 15, 10
+#: Of each failure's message, the end (where pytest puts the assertion and its values).
+FAILURE_CHARS = 2500
 
 
 def report(name: str, junits: list[Path]) -> list[str]:
@@ -35,6 +39,23 @@ def report(name: str, junits: list[Path]) -> list[str]:
     return lines
 
 
+def failures(name: str, junits: list[Path]) -> list[str]:
+    """Each failed or erred test of one pytest run, with the end of what pytest said about it."""
+    lines = []
+    for junit in junits:
+        try:
+            cases = list(ET.parse(junit).getroot().iter("testcase"))
+        except (OSError, ET.ParseError):
+            continue  # said by report()
+        for case in cases:
+            for bad in (*case.findall("failure"), *case.findall("error")):
+                text = (bad.text or bad.get("message") or "").rstrip()
+                cut = "[…]\n" if len(text) > FAILURE_CHARS else ""
+                lines.append(f"--- {name}: {case.get('classname')}::{case.get('name')} ({bad.tag})")
+                lines.append(cut + text[-FAILURE_CHARS:])
+    return lines
+
+
 def main(work: Path) -> None:
     print("=== where CI's time went")
     phases = work / "phases.log"
@@ -45,6 +66,10 @@ def main(work: Path) -> None:
         runs[junit.stem.split("--")[0]].append(junit)
     for name, junits in runs.items():
         print("\n".join(report(name, junits)))
+    failed = [line for name, junits in runs.items() for line in failures(name, junits)]
+    if failed:
+        print("=== the failures, every leg's")
+        print("\n".join(failed))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,27 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, poll:
         time.sleep(poll)
 
 
+#: Cell code defining ``dbg_mark_inside(path)``: touch ``path`` once this rank's main thread is
+#: inside torch's ``all_reduce``. A peer that waits for the files before it pauses then finds the
+#: others already waiting in the collective, however busy the machine: a file written just
+#: before the call let a descheduled rank be read "running Python code" still.
+MARK_INSIDE = """\
+def dbg_mark_inside(path, name="all_reduce"):
+    import sys, threading, time
+    main = threading.main_thread().ident
+    def watch():
+        while True:
+            frame = sys._current_frames().get(main)
+            while frame is not None and not (frame.f_code.co_name == name and frame.f_code.co_filename.endswith("distributed_c10d.py")):
+                frame = frame.f_back
+            if frame is not None:
+                open(path, "w").close()
+                return
+            time.sleep(0.005)
+    threading.Thread(target=watch, daemon=True).start()
+"""
+
+
 def usable(pool: distnb.Pool) -> distnb.Pool:
     """The pool, restarted first if an earlier test left it broken, hung or busy."""
     if pool.state != distnb.PoolState.READY or any(s.state == distnb.RankState.RUNNING for s in pool.status().ranks):

@@ -380,7 +380,7 @@ class Tracker:
                     info.device, info.backend = msg["device"], msg["backend"]
                     self._set_rank(info, RankState.IDLE)
                 elif msg["t"] == Msg.START_FAILED:
-                    info.start_error = msg.get("error") or msg.get("summary")
+                    info.start_error = "\n".join(filter(None, (msg.get("summary"), msg.get("error")))) or "no reason given"  # root cause first
             self.changed.notify_all()
 
     def _on_sup_hello(self, info: RankRecord, msg: SupHello) -> None:

@@ -105,6 +105,14 @@ def test_a_one_against_one_shape_split_is_judged_by_the_other_groups_of_its_role
     assert div.group == "1" and div.odd() == [2], report.text()
     assert "the odd one out: rank 2; ranks 1,3 had all_gather [36] f32 at #1 on the other groups of this role" in report.text()
 
+    # Seen in CI: the aborted rank's entry came from the call log (the function's name), the others'
+    # from the recorder's. all_gather_single and all_gather are one collective: the shape is the difference.
+    per_rank[0] = [_e(0, DP[0], 1, op="all_gather_single", sizes=sizes[0], done=False)]
+    report = _mesh_log(per_rank).report([0, 1, 2, 3])
+    [div] = report.divergences()
+    assert div.kind == "shape" and div.odd() == [2], report.text()
+    assert "different shapes" in report.text() and "(the odd one out: rank 2;" in report.text()
+
 
 def test_a_victim_of_gloos_abort_leads_to_the_odd_rank_even_when_it_died_before_its_entry_came() -> None:
     sizes = {1: [[36]], 2: [[52]], 3: [[36]]}

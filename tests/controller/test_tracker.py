@@ -72,6 +72,25 @@ def test_a_rank_dying_after_ready_fails_the_start_instead_of_a_ready_pool_with_a
     assert tracker.ranks[1].state == RankState.DEAD and tracker.first_death == 1
 
 
+def test_a_rank_that_failed_to_start_is_said_by_its_exception_first() -> None:
+    # The respawn's note keeps a failure's first line: it must be the exception, not "Traceback …".
+    from distnb.transport.torchrun_ranks import _start_failure
+
+    class Launcher:  # the failure is the rank's: torchrun is not asked
+        def returncode(self) -> None:
+            return None
+
+    tracker, transport = Tracker(2), FakeTransport()
+    tracker.begin_start(transport, Nodes(0))
+    trace = "Traceback (most recent call last):\n  File \"rank.py\", line 1\nRuntimeError: Connection reset by peer\n"
+    feed(tracker, "x", 1, {"t": Msg.START_FAILED, "rank": 1, "error": trace, "summary": "RuntimeError: Connection reset by peer"})
+    failure = _start_failure(tracker, Launcher(), None)  # type: ignore[arg-type]
+    assert failure is not None and failure.rank == 1
+    first, *rest = str(failure).splitlines()
+    assert first == "rank 1 failed to start: RuntimeError: Connection reset by peer", str(failure)
+    assert rest[0] == "Traceback (most recent call last):"  # the whole traceback after it
+
+
 def test_a_late_ready_never_revives_a_dead_rank() -> None:
     tracker, _ = ready(2)
     feed(tracker, "s", 0, exit_report(0, time.time()))

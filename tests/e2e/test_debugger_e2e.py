@@ -12,6 +12,8 @@ import pytest
 import distnb
 from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
+from conftest import MARK_INSIDE
+
 #: From q to the cell's end on a rank released from a collective: the interrupt's escalation
 #: (ESCALATE_AFTER), then the gloo wait's end and the messages back, with margin for a loaded machine.
 RELEASE_BOUND = ESCALATE_AFTER + 10.0
@@ -65,11 +67,12 @@ def run(pool: distnb.Pool, code: str, console: Console, **kwargs: Any) -> distnb
 
 def test_a_breakpoint_on_one_rank_of_four_steps_with_labelled_answers_while_the_others_wait(pool: distnb.Pool, tmp_path: Path) -> None:
     diagnoses: list[distnb.Verdict] = []
-    # Rank 2 stops once the others are about to enter the all_reduce (their files), however busy the machine.
+    # Rank 2 stops once the others wait inside the all_reduce (their files), however busy the machine.
+    assert pool.run(MARK_INSIDE).ok
     code = ("dbg_x = rank + 40\nif rank == 2:\n"
             f"    while len(__import__('os').listdir({str(tmp_path)!r})) < 3: __import__('time').sleep(0.01)\n"
             "    breakpoint()\ndbg_y = dbg_x + 1\nt = torch.tensor([float(dbg_y)])\n"
-            f"if rank != 2: open(f'{tmp_path}/{{rank}}', 'w').close()\ndist.all_reduce(t)\nt")
+            f"if rank != 2: dbg_mark_inside(f'{tmp_path}/{{rank}}')\ndist.all_reduce(t)\nt")
     con = Console("p dbg_x", "n", "p dbg_y", "c", during=lambda _: diagnoses.append(pool.diagnose(pool.history[-1])))
     result = run(pool, code, con)
     assert result.ok, result.text()

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import kernels
 import pytest
 
-from conftest import reap_marked
+from conftest import MARK_INSIDE, reap_marked
 
 pytestmark = pytest.mark.slow  # every test here starts a kernel or a shell, and a pool
 
@@ -72,13 +72,15 @@ def test_breakpoint_input_and_post_mortem_in_a_real_kernel(leak_check, tmp_path:
         assert content["status"] == "ok", out
 
         # A breakpoint on one rank of four; the others wait for it in a collective. Rank 2 stops
-        # once the others are about to enter it (their files), however busy the machine.
+        # once the others wait inside it (their files), however busy the machine.
         entered = tmp_path / "entered"
         entered.mkdir()
+        content, out = fe.run("%%on_ranks\n" + MARK_INSIDE)
+        assert content["status"] == "ok", out
         code = ("%%on_ranks\ndbg_x = rank + 40\nif rank == 2:\n"
                 f"    while len(__import__('os').listdir({str(entered)!r})) < 3: __import__('time').sleep(0.01)\n"
                 "    breakpoint()\ndbg_y = dbg_x + 1\n"
-                f"t = torch.tensor([float(dbg_y)])\nif rank != 2: open(f'{entered}/{{rank}}', 'w').close()\n"
+                f"t = torch.tensor([float(dbg_y)])\nif rank != 2: dbg_mark_inside(f'{entered}/{{rank}}')\n"
                 "dist.all_reduce(t)\nt.item()")
         content, out = fe.run(code, "p dbg_x", "n", "p dbg_y", "ranks 0-3: p rank", "c")
         assert content["status"] == "ok", out

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from distnb.analysis.agreement.collective_table import NOT_RECORDED, GroupTable, Row
 from distnb.analysis.agreement.entry_words import describe, line_words
-from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, odd_ones, peer_words, same_op
+from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, odd_ones, op_stem, peer_words, same_op
 from distnb.analysis.agreement.groups import short_name
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.cell_names import cell_name, cell_tag
@@ -64,7 +64,9 @@ class Differs(str, Enum):
 
 #: What must match at one position of a group's sequence, in the order a difference is named.
 _KINDS: dict[Differs, Callable[[CollectiveEntry], Any]] = {
-    Differs.OP: lambda e: e["op"],
+    # One collective under the names its recorders give it: the call log's function
+    # (all_gather_single, for an entry still in flight) and the recorder's (all_gather).
+    Differs.OP: lambda e: op_stem(e["op"]),
     Differs.SHAPE: _sizes,
     Differs.DTYPE: _dtypes,
     Differs.ARGS: lambda e: e.get("args"),
@@ -74,7 +76,7 @@ _KINDS: dict[Differs, Callable[[CollectiveEntry], Any]] = {
 def _first_difference(entries: list[CollectiveEntry]) -> Differs | None:
     """The first kind (op, shape, dtype, args) in which these entries of one position differ;
     arguments only among the entries the call log annotated."""
-    views = [(e["op"], e.get("sizes"), e.get("dtypes"), e.get("args")) for e in entries]
+    views = [(op_stem(e["op"]), e.get("sizes"), e.get("dtypes"), e.get("args")) for e in entries]
     if views.count(views[0]) == len(views) if views else True:
         return None  # the common case, compared in C: a thousand ranks agree
     return next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in entries if k is not Differs.ARGS or "args" in e}) > 1), None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distnb.analysis.agreement.entry_words import describe, line_words
-from distnb.analysis.agreement.evidence import CollectiveEvidence, groups_in_cell, odd_ones, unrecorded_calls
+from distnb.analysis.agreement.evidence import CollectiveEvidence, groups_in_cell, odd_ones, op_stem, unrecorded_calls
 from distnb.analysis.render import headline
 from distnb.analysis.root_cause import Named, RootCause
 from distnb.cell_names import cell_name
@@ -66,7 +66,7 @@ class CrossGroup:
         if majority and self._named():
             maj = majority[0]
             op = self.by_rank[maj[0]]["op"]
-            same_op = all(self.by_rank[r]["op"] == op for r in self.by_rank)
+            same_op = all(op_stem(self.by_rank[r]["op"]) == op_stem(op) for r in self.by_rank)
             used = f"used {self.roles[maj[0]]}" if same_op else f"called {op} over {self.roles[maj[0]]}"
             head = f"collective on another group: {odd_words} where {format_ranks(maj)} {used} ({where})."
         else:
@@ -112,11 +112,11 @@ def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int, waiting: f
         names = {e["group"] for e in at.values()}
         roles = {r: log.group(e["group"]).role() for r, e in at.items()} if len(names) > 1 else {}
         if len(set(roles.values())) <= 1:
-            if len({e["op"] for e in at.values()}) > 1:
+            if len({op_stem(e["op"]) for e in at.values()}) > 1:
                 return None  # the same groups, other ops: the group's own divergence says it
             continue
         labels = {r: log.group(e["group"]).label() for r, e in at.items()}
-        odd = odd_ones({r: (roles[r], e["op"]) for r, e in at.items()})
+        odd = odd_ones({r: (roles[r], op_stem(e["op"])) for r, e in at.items()})
         waits = {}
         for r, e in at.items():
             if not e["done"] or r in waiting:
