@@ -101,7 +101,10 @@ def test_a_lost_supervisor_means_a_full_restart(fresh_pool) -> None:
 @pytest.mark.timeout(180)
 def test_a_hung_cell_ends_with_the_restart_that_replaces_its_ranks(fresh_pool) -> None:
     pool = fresh_pool(nproc=2, spares=True)
-    hung = pool.run("import time\nif rank == 0:\n    t = torch.ones(1); dist.all_reduce(t)\nelse:\n    time.sleep(600)", timeout=1.5)
+    hung = pool.submit("import time\nif rank == 0:\n    t = torch.ones(1); dist.all_reduce(t)\nelse:\n    time.sleep(600)")
+    # Rank 0 in its all_reduce (what the restart's words name) before the restart, however slow the start.
+    wait_until(lambda: pool._tracker.collective_log.pending(0, hung.cell) is not None, 60, "rank 0 in the all_reduce")
+    pool.wait(hung, timeout=0.5)
     assert hung.running == [0, 1]
     pool.restart()
     assert pool.state == PoolState.READY and not hung.running

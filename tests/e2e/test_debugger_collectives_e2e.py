@@ -17,16 +17,19 @@ import distnb
 from distnb.services.debugger import NEXT_SETTLE
 from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
+from conftest import MARK_INSIDE
+
 #: From a release to the cell's end on every rank: the escalation's delay, then the shutdown of
 #: the gloo wait and the messages back (milliseconds; seconds of margin for a loaded machine).
 RELEASE_BOUND = ESCALATE_AFTER + 10.0
 ALL_REDUCE = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+ALL = [0, 1, 2, 3]  # every rank at the first prompt together
 
 
 def test_nc_shows_a_desync_before_it_hangs(pool: distnb.Pool) -> None:
     code = "t = torch.ones(4)\nbreakpoint()\nnc_x = rank\nif rank == 1:\n    dist.barrier()\nelse:\n    dist.all_reduce(t)\nt"
     con = Console("nc", "attach 1", "ranks all: q")
-    result = run(pool, code, con)
+    result = run(pool, code, con, asking=ALL)
     cell = result.cell
     shown = con.after(0)
     assert f"[rank 1]\n> <cell-{cell}>(5)<module>()\n-> dist.barrier()" in shown
@@ -46,7 +49,7 @@ def test_nc_steps_from_collective_to_collective_and_says_when_the_cell_has_no_mo
     code = ("t = torch.ones(1) * (rank + 1)\nbreakpoint()\ndist.all_reduce(t)\nu = torch.zeros(1) + rank\n"
             "dist.broadcast(u, src=2)\n(t.item(), u.item())")
     con = Console("nc", "p t.item()", "nc", "nc")
-    result = run(pool, code, con)
+    result = run(pool, code, con, asking=ALL)
     assert result.ok and result.values == {r: "(10.0, 2.0)" for r in range(4)}, result.text()
     assert "[distnb] they match: ranks 0-3 are about to call all_reduce [1] f32 on group 0." in con.after(0)
     assert con.prompts[1] == "[ranks 0-3] (Pdb before all_reduce) "
@@ -57,7 +60,7 @@ def test_nc_steps_from_collective_to_collective_and_says_when_the_cell_has_no_mo
 
 def test_quitting_one_rank_stops_the_others_before_a_collective_that_needs_it(pool: distnb.Pool) -> None:
     con = Console("ranks 1: q", "c all")
-    result = run(pool, "t = torch.ones(1)\nbreakpoint()\ndist.all_reduce(t)\nt.item()", con)
+    result = run(pool, "t = torch.ones(1)\nbreakpoint()\ndist.all_reduce(t)\nt.item()", con, asking=ALL)
     assert con.prompts == ["[ranks 0-3] (Pdb) ", "[ranks 0,2,3] (Pdb) "]
     assert ("[distnb] rank 1 leaves the cell (quit from the debugger (q)): ranks 0,2,3 will stop before any collective that "
             "needs it rather than wait") in con.text
@@ -70,14 +73,15 @@ def test_quitting_one_rank_stops_the_others_before_a_collective_that_needs_it(po
 
 
 def test_pdb_holds_the_other_ranks_before_their_next_collective(pool: distnb.Pool, tmp_path: Path) -> None:
-    """Rank 2 raises once rank 3 is about to enter the all_reduce (its file); ranks 0 and 1 are still
+    """Rank 2 raises once rank 3 is inside the all_reduce (its file); ranks 0 and 1 are still
     computing and reach it only once held (they wait for the hold, so no timing decides the test)."""
+    assert pool.run(MARK_INSIDE).ok
     ready = str(tmp_path / "ready")
     code = (f"import os, time\nt = torch.ones(2)\nif rank == 2:\n    while not os.path.exists({ready!r}):\n        time.sleep(0.01)\n"
             "    time.sleep(0.5)\n    1 / 0\n"
             "from distnb.worker.torch_hooks.call_log import STOPS\n"
             "for _ in range(600 if rank in (0, 1) else 0):\n    if STOPS.hold:\n        break\n    time.sleep(0.05)\n"
-            f"if rank == 3:\n    open({ready!r}, 'w').close()\n"
+            f"if rank == 3:\n    dbg_mark_inside({ready!r})\n"
             "dist.all_reduce(t)\nt")
     con = Console("ranks 0,1: p rank", "c all")
     started = time.monotonic()
@@ -106,7 +110,7 @@ def test_ranks_chosen_by_mesh_coordinates_and_a_mesh_dimension_mixed_up(pool: di
     assert made.ok, made.text()
     code = "t = torch.ones(2)\nbreakpoint()\ng = dbg_mesh.get_group('col' if rank != 3 else 'row')\ndist.all_reduce(t, group=g)"
     con = Console("attach row=0", "p rank", "ranks col=1: p rank", "attach pp=0", "attach all", "nc", "ranks all: q")
-    result = run(pool, code, con)
+    result = run(pool, code, con, asking=ALL)
     assert "commands go to ranks 0,1." in con.after(0) and con.prompts[2] == "[ranks 0,1] (Pdb) "
     assert "[rank 0] 0" in con.after(1) and "[rank 1] 1" in con.after(1)
     assert "[rank 1] 1" in con.after(2) and "[rank 3] 3" in con.after(2) and "rank 0" not in con.after(2)

@@ -12,7 +12,7 @@ import pytest
 import distnb
 from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
-from conftest import MARK_INSIDE
+from conftest import MARK_INSIDE, wait_until
 
 #: From q to the cell's end on a rank released from a collective: the interrupt's escalation
 #: (ESCALATE_AFTER), then the gloo wait's end and the messages back, with margin for a loaded machine.
@@ -51,16 +51,24 @@ class Console:
         return "\n".join(self.shown[marks[n] + 1 : end])
 
 
-def run(pool: distnb.Pool, code: str, console: Console, **kwargs: Any) -> distnb.CellResult:
-    """``pool.run`` with the console's ask, and its writes captured too."""
+def run(pool: distnb.Pool, code: str, console: Console, asking: list[int] | None = None, **kwargs: Any) -> distnb.CellResult:
+    """``pool.run`` with the console's ask, and its writes captured too. ``asking``: the ranks the
+    test needs at its first prompt together — the console is opened once each of them asks (the
+    debugger gathers the ranks that ask within a moment of each other, and on a busy machine one
+    may get there seconds later: it then gets a prompt of its own, as it should)."""
     original = pool.debugger.console
 
     def console_with_capture(result: Any, ask: Any, write: Any = None, before_prompt: Any = None) -> None:
         original(result, ask, console.shown.append, before_prompt)
 
+    timeout = kwargs.pop("timeout", 60)
+    res = pool.submit(code, **kwargs)
+    if asking:
+        wait_until(lambda: {p.rank for p in pool.debugger.pending(res)} >= set(asking) or not res.running, 60,
+                   f"ranks {asking} to ask")
     pool.debugger.console = console_with_capture  # type: ignore[method-assign]
     try:
-        return pool.run(code, ask=console.ask, timeout=kwargs.pop("timeout", 60), **kwargs)
+        return pool.wait(res, timeout, ask=console.ask)
     finally:
         del pool.debugger.console
 
@@ -97,7 +105,7 @@ def test_a_breakpoint_on_one_rank_of_four_steps_with_labelled_answers_while_the_
 
 def test_one_command_to_several_ranks_groups_identical_answers(pool: distnb.Pool) -> None:
     con = Console("ranks 0-3: p dbg_r % 2", "ranks 0:4:2: p rank", "attach 3", "p rank", "attach all", "c")
-    result = run(pool, "dbg_r = rank\nbreakpoint()\ndbg_s = 1", con)
+    result = run(pool, "dbg_r = rank\nbreakpoint()\ndbg_s = 1", con, asking=[0, 1, 2, 3])
     assert result.ok, result.text()
     text = con.text
     assert "ranks 0-3 are paused in the debugger at cell" in text
@@ -120,7 +128,7 @@ def test_quitting_on_one_rank_raises_there_only_and_the_pool_stays_healthy(pool:
 
 def test_detach_continues_and_ignores_the_cells_remaining_breakpoints(pool: distnb.Pool) -> None:
     con = Console("detach")
-    result = run(pool, "dbg_n = 0\nfor _ in range(3):\n    breakpoint()\n    dbg_n += 1\ndbg_n", con, ranks=[0, 1])
+    result = run(pool, "dbg_n = 0\nfor _ in range(3):\n    breakpoint()\n    dbg_n += 1\ndbg_n", con, asking=[0, 1], ranks=[0, 1])
     assert result.ok and result.values == {0: "3", 1: "3"}
     assert con.prompts == ["[ranks 0,1] (Pdb) "]
 
@@ -146,7 +154,7 @@ def test_post_mortem_at_the_root_cause_rank_and_on_ranks_pdb(pool: distnb.Pool) 
     assert pool.history[-1] is failed  # the post-mortem is not a cell of the session
     # --pdb: every rank that raises stops at its error; the cell then reports the error as usual.
     con = Console("p dbg_v", "c")
-    result = run(pool, "dbg_v = rank * 100\nif rank in (1, 3):\n    1 / 0", con, pdb=True)
+    result = run(pool, "dbg_v = rank * 100\nif rank in (1, 3):\n    1 / 0", con, asking=[1, 3], pdb=True)
     assert "ranks 1,3 are in post-mortem at cell" in con.text and "[rank 1] 100" in con.text and "[rank 3] 300" in con.text
     assert [result[r].status for r in range(4)] == ["ok", "error", "ok", "error"]
 
@@ -166,7 +174,7 @@ def run_debug(pool: distnb.Pool, con: Console) -> distnb.CellResult:
 
 def test_input_on_two_ranks_is_answered_in_turn_and_no_input_box_is_a_clear_eof(pool: distnb.Pool) -> None:
     con = Console("alice", "bob")
-    result = run(pool, "dbg_name = input(f'name for rank {rank}? ') if rank in (1, 2) else 'none'\ndbg_name", con)
+    result = run(pool, "dbg_name = input(f'name for rank {rank}? ') if rank in (1, 2) else 'none'\ndbg_name", con, asking=[1, 2])
     assert con.prompts == ["[rank 1] name for rank 1? ", "[rank 2] name for rank 2? "]
     assert result.values == {0: "'none'", 1: "'alice'", 2: "'bob'", 3: "'none'"}
     # sys.stdin reads the notebook too.
@@ -174,7 +182,7 @@ def test_input_on_two_ranks_is_answered_in_turn_and_no_input_box_is_a_clear_eof(
     assert run(pool, "import sys\nsys.stdin.readline()", con, ranks=[0]).values == {0: "'from stdin\\n'"}
     # A front-end that can't read a line: input() raises EOFError saying why, breakpoints are let go.
     con = Console(*[EOFError("no stdin")] * 3)
-    result = run(pool, "breakpoint()\ninput('x? ')", con, ranks=[0, 1])
+    result = run(pool, "breakpoint()\ninput('x? ')", con, asking=[0, 1], ranks=[0, 1])
     assert "no line can be read here (EOFError: no stdin): ranks 0,1 continue without the debugger" in con.text
     assert result[0].error["ename"] == "EOFError" and "input() got no answer" in result[0].error["evalue"]
 

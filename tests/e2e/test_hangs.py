@@ -220,56 +220,85 @@ def test_death_is_reported_at_once_while_a_grandchild_holds_the_pipes(pool3: dis
     assert alive == sleeper and took < 15, f"the death took {took:.2f} s to reach the notebook; sleeper alive: {alive}"
 
 
-def test_death_inside_a_collective_names_it(pool3: distnb.Pool) -> None:
-    import os
+def test_death_inside_a_collective_names_it(pool3: distnb.Pool, tmp_path: Path) -> None:
     import signal
 
     pool = usable(pool3)
-    res = pool.submit("import time\nx = torch.ones(2)\nif rank == 0:\n    time.sleep(6)\ndist.all_reduce(x)")
-    # The rank pushes its log within ~50 ms of entering the all_reduce; nobody asks it here.
-    held = _held_within(pool, 1, res.cell, 3.0)
-    assert held is not None, "rank 1's all_reduce never reached the controller"
-    os.kill(pool.status().ranks[1].pid, signal.SIGKILL)
-    # Only rank 1's post-mortem matters here; the others may stay stuck in gloo for a long time.
-    deadline = time.monotonic() + 10
-    while res[1].status != "dead" and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert res[1].status == "dead"
-    assert "rank 1 died first: killed (SIGKILL" in res.text()
-    assert "while in all_reduce [2] f32 (#" in res.text()
+    go = tmp_path / "go"  # rank 0 stays out of the all_reduce until rank 1 is dead in it, however slow the machine
+    res = pool.submit(f"import os, time\nx = torch.ones(2)\nif rank == 0:\n    while not os.path.exists({str(go)!r}):\n"
+                      "        time.sleep(0.01)\ndist.all_reduce(x)")
+    try:
+        # The rank pushes its log within ~50 ms of entering the all_reduce; nobody asks it here.
+        held = _held_within(pool, 1, res.cell, 60.0)
+        assert held is not None, "rank 1's all_reduce never reached the controller"
+        os.kill(pool.status().ranks[1].pid, signal.SIGKILL)
+        # Only rank 1's post-mortem matters here; the others may stay stuck in gloo for a long time.
+        wait_until(lambda: res[1].status == "dead", 30, "rank 1's death to reach the notebook")
+        assert "rank 1 died first: killed (SIGKILL" in res.text()
+        assert "while in all_reduce [2] f32 (#" in res.text()
+    finally:
+        go.touch()
 
 
-def test_ranks_push_their_open_collective_and_its_end_without_being_asked(pool3: distnb.Pool, monkeypatch) -> None:
+def test_ranks_push_their_open_collective_and_its_end_without_being_asked(pool3: distnb.Pool, monkeypatch, tmp_path: Path) -> None:
     pool = usable(pool3)
     # The controller's own poll is switched off: only the ranks' pushes (worker/process/control.py, every
     # WATCH_INTERVAL once the controller's WATCH came, WATCH_AFTER into the cell) can bring the log
     # news. How quick they are is measured in benchmarks/bench_hangs.py; here, that they come, and
     # that the end of the collective is known while the rank still computes (a death then must not
-    # be "in all_reduce"). Bounds: the cell's own sleeps, far above WATCH_AFTER + WATCH_INTERVAL.
+    # be "in all_reduce").
     monkeypatch.setattr(pool._tracker._asks, "poll_collectives", lambda running, dead: None)
-    code = "import time\nx = torch.ones(2)\nif rank == 0:\n    time.sleep(4.0)\ndist.all_reduce(x)\ntime.sleep(6.0)"
+    # Rank 0 enters the all_reduce once the test saw rank 1's open entry (its file "go"), and every
+    # rank stays in the cell after it until the test saw the end pushed ("end"): files, not sleeps.
+    go, end = tmp_path / "go", tmp_path / "end"
+    code = (f"import os, time\nx = torch.ones(2)\nif rank == 0:\n    while not os.path.exists({str(go)!r}):\n        time.sleep(0.01)\n"
+            f"dist.all_reduce(x)\nwhile not os.path.exists({str(end)!r}):\n    time.sleep(0.01)")
     res = pool.submit(code)
-    held = _held_within(pool, 1, res.cell, 4.0)
-    assert held is not None, "rank 1's open all_reduce was never pushed"
-    assert 0 in res.running  # rank 0 is still asleep: rank 1 is in the collective, not past it
-    closed = _held_within(pool, 1, res.cell, 6.0, is_open=False)
-    assert closed is not None and set(res.running) == {0, 1, 2}, "the collective's end was not pushed while the ranks computed"
+    try:
+        held = _held_within(pool, 1, res.cell, 60.0)
+        assert held is not None, "rank 1's open all_reduce was never pushed"
+        assert 0 in res.running  # rank 0 waits for the file: rank 1 is in the collective, not past it
+        go.touch()
+        closed = _held_within(pool, 1, res.cell, 60.0, is_open=False)
+        assert closed is not None and set(res.running) == {0, 1, 2}, "the collective's end was not pushed while the ranks computed"
+    finally:
+        go.touch()
+        end.touch()
     pool.wait(res, timeout=30)
     assert res.ok, res.text()
 
 
+def _release(fifo: Path) -> None:
+    """Let the rank blocked reading ``fifo`` go on: its open for reading waits for this writer."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no reader yet (the rank has not got there)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        os.write(fd, b"x")
+        os.close(fd)
+        return
+
+
 def test_same_hang_a_second_later_has_the_same_headline(pool3: distnb.Pool, tmp_path) -> None:
     pool = usable(pool3)
-    flag = tmp_path / "go"
-    # Rank 2 computes (polls a file) while ranks 0,1 wait for it in the all_reduce.
-    code = (f"import os, time\nx = torch.ones(2)\nif rank == 2:\n    while not os.path.exists({str(flag)!r}):\n"
-            "        time.sleep(0.02)\ndist.all_reduce(x)")
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    # Rank 2 is held in Python code (a read of a pipe: no CPU, so no reading of its CPU share can
+    # fall on either side of a threshold) while ranks 0,1 wait for it in the all_reduce.
+    code = f"import os\nx = torch.ones(2)\nif rank == 2:\n    os.read(os.open({str(fifo)!r}, os.O_RDONLY), 1)\ndist.all_reduce(x)"
     res = pool.submit(code)
-    first = wait_for_hang(pool, res)
-    assert "rank 2 is still running Python code" in first.summary, first.text()
-    time.sleep(1.0)
-    second = pool.diagnose(res)
-    flag.touch()
+    try:
+        first = wait_for_hang(pool, res)
+        assert "rank 2 is still running Python code" in first.summary, first.text()
+        time.sleep(1.0)
+        second = pool.diagnose(res)
+    finally:
+        _release(fifo)
     # The text watch prints a diagnosis only when its first line changes: it must not say it again
     # every second. The durations are in the per-rank lines.
     assert second.text().split("\n")[0] == first.text().split("\n")[0], (first.text(), second.text())

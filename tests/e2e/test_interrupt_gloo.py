@@ -13,6 +13,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ from distnb.ranks import parse_ranks
 from distnb.worker.torch_hooks import gloo_unblock
 from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
-from conftest import usable, wait_until
+from conftest import MARK_INSIDE, usable, wait_until
 
 #: From the interrupt to the cell's end on every rank: the escalation's delay, then the shutdown,
 #: the collective's error and the cell's end travelling back (milliseconds, given seconds here for
@@ -38,8 +39,9 @@ def _started(pool: distnb.Pool) -> distnb.CellResult:
     assert pool.config.pg_timeout is None or pool.config.pg_timeout > 10 * BOUND, pool.config
     assert pool.run("kept = 100 + rank").ok
     res = pool.submit(SKIP)
-    wait_until(lambda: res[1].status == "ok" and all("entering" in res[r].stdout for r in (0, 2, 3)), 60, "ranks 0,2,3 entering")
-    time.sleep(0.5)  # from the print into gloo's wait: microseconds
+    # The record the interrupt's words are read from: each waiting rank's open entry, pushed.
+    log = pool._tracker.collective_log
+    wait_until(lambda: res[1].status == "ok" and all(log.pending(r, res.cell) for r in (0, 2, 3)), 60, "ranks 0,2,3 in the all_reduce")
     assert sorted(res.running) == [0, 2, 3], res.text()
     return res
 
@@ -133,13 +135,16 @@ def test_an_interrupt_that_lands_leaves_the_group_alone(pool4: distnb.Pool) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_one_interrupt_unblocks_a_rank_waiting_on_an_irecv_nobody_sends(pool4: distnb.Pool) -> None:
+def test_one_interrupt_unblocks_a_rank_waiting_on_an_irecv_nobody_sends(pool4: distnb.Pool, tmp_path: Path) -> None:
     """A main thread in ``work.wait()`` of an irecv is in no torch.distributed frame and gloo records
     no point-to-point entry: the call log's open irecv is what says it waits on a peer."""
     pool = usable(pool4)
-    res = pool.submit("buf = torch.empty(3)\nif rank == 0:\n    req = dist.irecv(buf, src=3)\n    print('waiting', flush=True)\n"
+    assert pool.run(MARK_INSIDE).ok
+    waiting = tmp_path / "waiting"
+    res = pool.submit(f"buf = torch.empty(3)\nif rank == 0:\n    req = dist.irecv(buf, src=3)\n    dbg_mark_calling({str(waiting)!r}, 5)\n"
                       "    req.wait()\n    print('never got here', flush=True)\n")
-    wait_until(lambda: "waiting" in res[0].stdout and all(res[r].status == "ok" for r in (1, 2, 3)), 60, "rank 0 in its wait")
+    # Rank 0 inside req.wait() (a file written before it could leave the interrupt to land in Python).
+    wait_until(lambda: waiting.exists() and all(res[r].status == "ok" for r in (1, 2, 3)), 60, "rank 0 in its wait")
     t0 = time.monotonic()
     pool.interrupt()
     wait_until(lambda: not res.running, BOUND, f"the cell to end within {BOUND} s of one interrupt")

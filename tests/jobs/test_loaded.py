@@ -73,7 +73,9 @@ main()
 
 #: The rank-side recorder in a real gloo group: rank 1 waits for rank 0 (slow, not stuck: its
 #: record comes and goes), then rank 0 raises in its own code and rank 1 is left in a barrier.
-RECORDED = f"""
+#: Its group's timeout is not PG_TIMEOUT: rank 1's all_reduce waits while rank 0 sees its record
+#: written (1 s into the wait, then the write, on a busy machine); rank 0's exit ends the barrier.
+RECORDED = """
 import os, sys, time
 from datetime import timedelta
 from pathlib import Path
@@ -84,24 +86,24 @@ rec = JobRecorder(rank, 2, out / "records", after=1.0)
 rec.install()
 import torch, torch.distributed as dist
 
-dist.init_process_group("gloo", init_method=f"file://{{out}}/store", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-dist.distributed_c10d._set_pg_timeout(timedelta(seconds={PG_TIMEOUT}))
+dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+dist.distributed_c10d._set_pg_timeout(timedelta(seconds=30))
 t = torch.ones(4)
 if rank == 0:  # joins once rank 1's record of its wait is written (after=1.0 into the wait), however busy the machine
     waited = time.monotonic() + 60
     while not (out / "records" / "rank1.json").exists() and time.monotonic() < waited:
         time.sleep(0.05)
 dist.all_reduce(t)
-path = out / "records" / f"rank{{rank}}.json"
+path = out / "records" / f"rank{rank}.json"
 deadline = time.monotonic() + 30  # written during the wait, removed 1 s after it ended (a write takes a while on a busy machine)
 while (path.exists() or rec.writes == 0) and time.monotonic() < deadline:
     time.sleep(0.1)
-print(f"writes={{rec.writes}} exists={{path.exists()}}", flush=True)
+print(f"writes={rec.writes} exists={path.exists()}", flush=True)
 
 
 def check(step):
     if rank == 0:
-        raise ValueError(f"bad batch at step {{step}}")
+        raise ValueError(f"bad batch at step {step}")
 
 
 check(3)
