@@ -102,10 +102,10 @@ def measure(world: int, skip: set[str]) -> dict[str, dict[str, Any]]:
     result = healthy_cell(pool, steps=50)
     if "round" not in skip:
         before = pool.reply_bytes
-        t, _ = cpu(lambda: pool.diagnostics.collectives(refresh=True))
+        t, _ = cpu(lambda: pool.inspector.collectives(refresh=True))
         first = pool.reply_bytes - before
         before = pool.reply_bytes
-        t2, _ = cpu(lambda: pool.diagnostics.collectives(refresh=True))
+        t2, _ = cpu(lambda: pool.inspector.collectives(refresh=True))
         later = pool.reply_bytes - before
         # The same round as before issue 27: every reply carrying every group's member list.
         before = pool.reply_bytes
@@ -117,16 +117,16 @@ def measure(world: int, skip: set[str]) -> dict[str, dict[str, Any]]:
         # The tick that sees new collectives (it runs the straggler check), then a tick with none
         # new; on a cell just built, so its open collectives are fresh as a healthy cell's are.
         fresh = SyntheticPool(world, hang_after=60.0)  # building 4,096 ranks takes longer than 1 s
-        watch = CellWatch(fresh.tracker, fresh.diagnostics, healthy_cell(fresh, steps=50), fresh.config.hang_after)
+        watch = CellWatch(fresh.tracker, fresh.inspector, healthy_cell(fresh, steps=50), fresh.config.hang_after)
         t, diag = cpu(watch.look)
         t_idle, _ = cpu(watch.look, 3)
         out["watch"] = {"s": t, "idle_s": t_idle, "said": diag.kind if diag else None, "full_looks": watch.full_looks}
     if "diagnose" not in skip:
-        t, diag = cpu(lambda: pool.diagnostics.diagnose(result), repeat)
+        t, diag = cpu(lambda: pool.inspector.diagnose(result), repeat)
         out["diagnose"] = {"s": t, "kind": diag.kind}
     if "timeline" not in skip:
         def timeline() -> int:
-            report = pool.diagnostics.stragglers()
+            report = pool.inspector.stragglers()
             text = report.text()
             report.plot()
             return len(text)
@@ -135,22 +135,22 @@ def measure(world: int, skip: set[str]) -> dict[str, dict[str, Any]]:
         out["timeline"] = {"s": t, "chars": chars}
     if "collectives" not in skip:
         def collectives() -> tuple[int, int]:
-            report = pool.diagnostics.collectives(refresh=False)
+            report = pool.inspector.collectives(refresh=False)
             return len(report.text()), len(collectives_html(report))
 
         t, (chars, html_chars) = cpu(collectives, repeat)
         out["collectives"] = {"s": t, "chars": chars, "html_chars": html_chars}
     if "memory" not in skip:
-        t, chars = cpu(lambda: len(pool.diagnostics.memory().text()), repeat)
+        t, chars = cpu(lambda: len(pool.inspector.memory().text()), repeat)
         out["memory"] = {"s": t, "chars": chars}
 
     pool = SyntheticPool(world)
     result = hung_cell(pool, steps=50, odd=min(17, world - 1))
     if "hang" not in skip:
-        t, diag = cpu(lambda: pool.diagnostics.diagnose(result), repeat)
+        t, diag = cpu(lambda: pool.inspector.diagnose(result), repeat)
         out["hang"] = {"s": t, "state": str(diag.state), "kind": diag.kind, "culprits": diag.culprits, "lines": diag.text().count("\n") + 1}
     if "stacks" not in skip:
-        t, chars = cpu(lambda: len(pool.diagnostics.stacks().text()), repeat)
+        t, chars = cpu(lambda: len(pool.inspector.stacks().text()), repeat)
         out["stacks"] = {"s": t, "chars": chars}
     return out
 

@@ -4,7 +4,7 @@ It composes the parts that do the work and keeps each to its job:
 
 - :class:`~distnb.controller.tracker.Tracker` — pool and rank states, fed by messages (the only place they change);
 - :class:`~distnb.controller.session.SessionLog` — cells and pushes, for replay and export;
-- :class:`~distnb.services.diagnostics.Diagnostics` — stacks, diagnoses, collectives, memory, env, checksums
+- :class:`~distnb.services.inspector.Inspector` — stacks, diagnoses, collectives, memory, env, checksums
   (:class:`~distnb.services.watch.CellWatch`, the live hang watch, asks it only when the logs look wrong);
 - a :class:`~distnb.transport.base.RankTransport` — the ranks and the wire to them:
   :class:`~distnb.transport.torchrun_ranks.TorchrunRanks` (ZMQ, torchrun, other machines' agents)
@@ -31,9 +31,9 @@ from distnb.pool_views import PoolViews
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellResult, RankResult
 from distnb.services.debugger import Ask, Debugger, read_line
-from distnb.services.diagnostics import Diagnostics
 from distnb.services.export import Export, export_session
 from distnb.services.fail_fast import FailFast
+from distnb.services.inspector import Inspector
 from distnb.services.minimize import Minimized, Runs, minimize, write_case
 from distnb.services.rank_debug import RankDebug
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
@@ -94,7 +94,7 @@ class Pool(PoolViews):
         self._config = config if config is not None else LaunchConfig(**options)
         self._tracker = Tracker(self._config.world_size, CollectiveLog())
         self._session = SessionLog()
-        self._diagnostics = Diagnostics(self._tracker, self._config, self._session, lambda: self.run_dir)
+        self._inspector = Inspector(self._tracker, self._config, self._session, lambda: self.run_dir)
         self._debugger = Debugger(self._tracker, self._config, self.diagnose, self.meshes)
         self._panel = RankDebug(self._tracker.requests, self._tracker.rank_statuses)
         self._tracker.route_debugger(self._panel.deliver)
@@ -323,12 +323,12 @@ class Pool(PoolViews):
         give every rank a fresh process group when an interrupt had to unblock a rank (a caller
         that restarts the ranks next, as the minimizer's tries do, need not)."""
         run = self._tracker.run_of(result)
-        fast = FailFast(result, self._tracker, lambda ranks: self._diagnostics.collectives(ranks, refresh=True)) if fail_fast else None
+        fast = FailFast(result, self._tracker, lambda ranks: self._inspector.collectives(ranks, refresh=True)) if fail_fast else None
         wait_for_cell(result, run, self._debugger, self.interrupt, timeout, on_tick, tick, ask, tracker=self._tracker, fail_fast=fast)
         result.elapsed = time.monotonic() - run.started
         if run.finished.is_set() and not run.death_checked:
             run.death_checked = True
-            self._diagnostics.conclude(result)
+            self._inspector.conclude(result)
             if rebuild:
                 rebuild_after_unblock(result, self._tracker, self.regroup)  # after an interrupt that had to unblock a rank
         if on_tick is not None:

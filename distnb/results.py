@@ -19,7 +19,7 @@ from distnb.analysis.verdicts.verdict import Blame, Verdict
 from distnb.cell_names import cell_name, name_cells_in
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
 from distnb.states import CellStatus
-from distnb.wire.records import CellError, NumericsRecord, SyncState, ThreadError
+from distnb.wire.record_types import CellError, NumericsRecord, SyncState, ThreadError
 
 __all__ = [
     "CellEvents",
@@ -173,7 +173,7 @@ class CellResult:
     path_note: str = ""
     # torch.compile did something else on some ranks in this cell (analysis/compiles.py), in words.
     compile_note: str = ""
-    # The diagnosis of the ended cell when it failed or desynced (services.diagnostics.conclude):
+    # The diagnosis of the ended cell when it failed or desynced (services.inspector.conclude):
     # what the report, the live view and CellFailed name as its cause.
     verdict: Verdict | None = None
     # Memory of ranks still running when another ran out of memory (asked live at that moment).

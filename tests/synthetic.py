@@ -19,7 +19,7 @@ from distnb.controller.session import SessionLog
 from distnb.controller.tracker import Tracker
 from distnb.launching.remote_nodes import Nodes
 from distnb.results import CellEvents, CellResult, RankResult
-from distnb.services.diagnostics import Diagnostics
+from distnb.services.inspector import Inspector
 from distnb.wire.protocol import Msg
 from distnb.worker.torch_hooks.flight_recorder import SentGroups
 
@@ -39,7 +39,7 @@ class _Rank:
 
 
 class SyntheticPool:
-    """A ready pool of ``world`` synthetic ranks: a real Tracker, SessionLog and Diagnostics."""
+    """A ready pool of ``world`` synthetic ranks: a real Tracker, SessionLog and Inspector."""
 
     def __init__(self, world: int, hang_after: float = 1.0, per_node: int = 8) -> None:
         self.world = world
@@ -48,7 +48,7 @@ class SyntheticPool:
         self.session = SessionLog()
         nodes = world // per_node if world > per_node and world % per_node == 0 else 1
         self.config = LaunchConfig(nproc=world // nodes, nnodes=nodes, local_nodes=nodes > 1, backend="gloo", hang_after=hang_after)
-        self.diagnostics = Diagnostics(self.tracker, self.config, self.session, run_dir=lambda: None)
+        self.inspector = Inspector(self.tracker, self.config, self.session, run_dir=lambda: None)
         self.ranks = {r: _Rank() for r in range(world)}
         self.reply_bytes = 0
         self.tracker.begin_start(self.transport, Nodes(0))

@@ -10,7 +10,7 @@ from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.requests import Requests, Transport
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
-from distnb.wire.records import CollectivesRead
+from distnb.wire.record_types import CollectivesRead
 
 __all__ = ["Asks"]
 

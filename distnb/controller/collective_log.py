@@ -19,7 +19,7 @@ from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import peer_of
 from distnb.analysis.agreement.groups import GroupInfo, info_from, site_of
-from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry, CollectivesRead
+from distnb.wire.record_types import P2P_OPS, CallRecord, CollectiveEntry, CollectivesRead
 
 __all__ = ["CollectiveLog"]
 

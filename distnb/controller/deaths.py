@@ -17,7 +17,7 @@ from distnb.controller.collective_log import CollectiveLog
 from distnb.controller.rank_record import RankRecord
 from distnb.results import RankResult
 from distnb.states import CellStatus
-from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry
+from distnb.wire.record_types import P2P_OPS, CallRecord, CollectiveEntry
 
 __all__ = ["Deaths"]
 

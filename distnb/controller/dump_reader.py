@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from distnb.ranks import format_ranks
 from distnb.wire.job_dumps import FAULT_PREFIX, RECORD_FORMAT, RankRecordFile
-from distnb.wire.records import CollectiveEntry
+from distnb.wire.record_types import CollectiveEntry
 
 __all__ = ["FR_FIELDS", "FrDump", "JobDumps", "RankDump", "TorchrunError", "callstack_frames", "fr_dump_from", "read_job_dumps"]
 

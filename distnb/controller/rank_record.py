@@ -9,7 +9,7 @@ from typing import Any
 
 from distnb.controller.cell_run import CellRun
 from distnb.states import RankState
-from distnb.wire.records import CallRecord
+from distnb.wire.record_types import CallRecord
 
 __all__ = ["RankRecord"]
 

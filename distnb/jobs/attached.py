@@ -35,7 +35,7 @@ from distnb.launching.bare_jobs import BareJobFiles, bare_job_of, find_bare_jobs
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
 from distnb.services.debugger import Ask, read_line
-from distnb.services.diagnostics import REREAD_AFTER
+from distnb.services.inspector import REREAD_AFTER
 from distnb.services.job_console import JobConsole, warning
 from distnb.services.job_stepper import JobStepper
 from distnb.services.native_stacks import py_spy_dumps, py_spy_path
@@ -43,7 +43,7 @@ from distnb.services.positions import position_of, unsettled
 from distnb.services.reproduce import JobFacts, Reproduced, job_facts, write_reproduction
 from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
 from distnb.wire.protocol import Msg
-from distnb.wire.records import CollectivesRead, PeekRead
+from distnb.wire.record_types import CollectivesRead, PeekRead
 from distnb.worker.process.peek import EVAL_TIMEOUT
 
 if TYPE_CHECKING:

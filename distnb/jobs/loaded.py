@@ -40,7 +40,7 @@ from distnb.results import CellResult, RankResult
 from distnb.services.positions import position_of
 from distnb.services.reproduce import Reproduced, job_facts, write_reproduction
 from distnb.wire.job_dumps import StackFrame, ThreadRecord
-from distnb.wire.records import CollectiveEntry, CollectivesRead
+from distnb.wire.record_types import CollectiveEntry, CollectivesRead
 
 __all__ = ["LOOKED_FOR", "JobLaunch", "LoadStatus", "LoadedJob", "load"]
 

@@ -47,7 +47,7 @@ from distnb.services.positions import unsettled
 from distnb.states import CellStatus
 from distnb.wire.peers import exec_identity
 from distnb.wire.protocol import Msg
-from distnb.wire.records import CellError
+from distnb.wire.record_types import CellError
 
 __all__ = ["SETTLE", "Ask", "Command", "Debugger", "Diagnose", "parse_command", "read_line"]
 

@@ -24,7 +24,7 @@ from distnb.controller.tracker import Tracker
 from distnb.ranks import format_ranks, group_by
 from distnb.results import CellResult
 from distnb.states import CellStatus
-from distnb.wire.records import P2P_OPS
+from distnb.wire.record_types import P2P_OPS
 
 __all__ = ["FAIL_FAST_AFTER", "Doomed", "FailFast", "doomed"]
 

@@ -23,7 +23,7 @@ from typing import Callable
 from distnb.errors import DistnbError
 from distnb.ranks import format_ranks, group_by, parse_ranks
 from distnb.services.job_stepper import STEP_WAIT, JobStepper, Stop
-from distnb.wire.records import PeekFrame, PeekRead
+from distnb.wire.record_types import PeekFrame, PeekRead
 
 __all__ = ["CONSOLE_HELP", "JobConsole", "Look", "warning"]
 

@@ -16,7 +16,7 @@ from distnb.analysis.verdicts.stacks import RankStack, StackReport
 from distnb.controller.collective_log import CollectiveLog
 from distnb.results import CellResult
 from distnb.states import CellStatus
-from distnb.wire.records import P2P_OPS, ThreadError
+from distnb.wire.record_types import P2P_OPS, ThreadError
 
 __all__ = ["position_of", "unsettled"]
 

@@ -23,13 +23,13 @@ from distnb.errors import DistnbError
 from distnb.ranks import format_ranks, group_by
 from distnb.results import CellResult
 from distnb.services.debugger import Ask, Debugger
-from distnb.services.diagnostics import PATHS_HINT
 from distnb.services.fail_fast import FailFast
+from distnb.services.inspector import PATHS_HINT
 from distnb.states import CellStatus
 from distnb.status import Regrouped
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
-from distnb.wire.records import CellError
+from distnb.wire.record_types import CellError
 from distnb.worker.torch_hooks.group_abort import ESCALATE_AFTER
 
 __all__ = ["PROBE_TIMEOUT", "interrupt_words", "rebuild_after_unblock", "wait_for_cell", "why_still_running"]

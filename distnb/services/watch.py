@@ -21,7 +21,7 @@ from distnb.analysis.verdicts.stragglers import straggler_window
 from distnb.analysis.verdicts.verdict import Kind, Verdict, VerdictState
 from distnb.controller.tracker import Tracker
 from distnb.results import CellResult
-from distnb.services.diagnostics import Diagnostics
+from distnb.services.inspector import Inspector
 from distnb.states import CellStatus
 
 __all__ = ["CellWatch", "QUIET_MAX", "STRAGGLER_EVERY"]
@@ -35,9 +35,9 @@ QUIET_MAX = 8.0
 class CellWatch:
     """Looks at one running cell; :meth:`look` returns a diagnosis when there is one to show."""
 
-    def __init__(self, tracker: Tracker, diagnostics: Diagnostics, result: CellResult, hang_after: float) -> None:
+    def __init__(self, tracker: Tracker, inspector: Inspector, result: CellResult, hang_after: float) -> None:
         self._tracker = tracker
-        self._diagnostics = diagnostics
+        self._inspector = inspector
         self._result = result
         self._hang_after = hang_after
         self._changes = -1
@@ -67,7 +67,7 @@ class CellWatch:
             return None  # nothing can be called a hang yet
         if self._suspect(running) or (now - self._moved >= self._hang_after and now >= self._next_full):
             self.full_looks += 1
-            diag = self._diagnostics.diagnose(result, self._hang_after)
+            diag = self._inspector.diagnose(result, self._hang_after)
             calm = diag.state in (VerdictState.OK, VerdictState.RUNNING)
             self._quiet = min(self._quiet * 2, QUIET_MAX) if calm else 1.0
             self._next_full = now + self._quiet
@@ -79,7 +79,7 @@ class CellWatch:
             return None
         if now >= self._next_straggler and log.changes != self._straggler_changes:
             self._next_straggler, self._straggler_changes = now + STRAGGLER_EVERY, log.changes
-            return self._diagnostics.straggler(result, straggler_window(len(result.ranks)))
+            return self._inspector.straggler(result, straggler_window(len(result.ranks)))
         return None
 
     def _suspect(self, running: list[int]) -> bool:

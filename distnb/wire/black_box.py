@@ -25,7 +25,7 @@ import struct
 import zlib
 from typing import Any, Mapping
 
-from distnb.wire.records import CallRecord
+from distnb.wire.record_types import CallRecord
 
 __all__ = ["BlackBox", "ENV", "SLOT", "SLOTS"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Final, Mapping, TypedDict
 
 from distnb.wire.discovery import job_id_from_env, jobs_root
-from distnb.wire.records import CollectivesRead
+from distnb.wire.record_types import CollectivesRead
 
 __all__ = ["FAULT_PREFIX", "FR_PREFIX", "RECORD_FORMAT", "RECORDS_ENV", "ExceptionRecord", "RankRecordFile", "StackFrame",
            "ThreadRecord", "WaitRecord", "record_name", "records_dir", "write_json_atomic"]

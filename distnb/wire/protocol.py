@@ -20,7 +20,7 @@ from typing import Any, Final, Literal, TypedDict, cast, overload
 
 from distnb.wire.codec import BadFrame
 from distnb.wire.peers import PeerKind
-from distnb.wire.records import CallRecord, CellOutcome, CollectivesRead
+from distnb.wire.record_types import CallRecord, CellOutcome, CollectivesRead
 
 __all__ = [
     "CellDone",
@@ -190,7 +190,7 @@ class StartFailed(TypedDict):
 
 
 class CellDone(CellOutcome):
-    """A cell finished on the rank: its outcome (:class:`~distnb.wire.records.CellOutcome`)."""
+    """A cell finished on the rank: its outcome (:class:`~distnb.wire.record_types.CellOutcome`)."""
 
     t: Literal["cell_done"]
     cell: int
@@ -238,7 +238,7 @@ class Reply(_ReplyKind, total=False):
 
 
 class CollectivesPush(CollectivesRead, total=False):
-    """A read of the rank's recorders and call log (:class:`~distnb.wire.records.CollectivesRead`)
+    """A read of the rank's recorders and call log (:class:`~distnb.wire.record_types.CollectivesRead`)
     the rank's control thread pushes unasked; a :class:`Reply` to COLLECTIVES carries the same
     fields."""
 

@@ -42,7 +42,7 @@ def _calls(fn: Callable[[], Any]) -> int:
 def _hang(world: int) -> Callable[[], Any]:
     pool = SyntheticPool(world)
     result = hung_cell(pool, steps=20, odd=min(17, world - 1))
-    return lambda: pool.diagnostics.diagnose(result).text()
+    return lambda: pool.inspector.diagnose(result).text()
 
 
 def _healthy(world: int) -> tuple[SyntheticPool, CellResult]:
@@ -52,27 +52,27 @@ def _healthy(world: int) -> tuple[SyntheticPool, CellResult]:
 
 def _healthy_diagnosis(world: int) -> Callable[[], Any]:
     pool, result = _healthy(world)
-    return lambda: pool.diagnostics.diagnose(result).text()
+    return lambda: pool.inspector.diagnose(result).text()
 
 
 def _stacks(world: int) -> Callable[[], Any]:
     pool, _ = _healthy(world)
-    return lambda: pool.diagnostics.stacks().text()
+    return lambda: pool.inspector.stacks().text()
 
 
 def _collectives(world: int) -> Callable[[], Any]:
     pool, _ = _healthy(world)
-    return lambda: pool.diagnostics.collectives(refresh=False).text()
+    return lambda: pool.inspector.collectives(refresh=False).text()
 
 
 def _timeline(world: int) -> Callable[[], Any]:
     pool, _ = _healthy(world)
-    return lambda: pool.diagnostics.stragglers().text()
+    return lambda: pool.inspector.stragglers().text()
 
 
 def _watch(world: int) -> Callable[[], Any]:
     pool, result = _healthy(world)
-    return CellWatch(pool.tracker, pool.diagnostics, result, pool.config.hang_after).look
+    return CellWatch(pool.tracker, pool.inspector, result, pool.config.hang_after).look
 
 
 PATHS: dict[str, Callable[[int], Callable[[], Any]]] = {

@@ -13,7 +13,7 @@ import pytest
 
 from distnb.analysis.reports.numerics import compare_numerics, rank_groups
 from distnb.analysis.reports.numerics_diff import diff_runs
-from distnb.wire.records import InputRead, NumericsRecord, OpRecord, OutputStats
+from distnb.wire.record_types import InputRead, NumericsRecord, OpRecord, OutputStats
 
 RANKS = [0, 1, 2, 3]
 GROUPS = {"world": (0, 1, 2, 3), "tp": None}  # tp: the rank's pair

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from distnb.analysis.reports.numerics import EvalMode, compare_numerics
-from distnb.wire.records import InputRead, NumericsRecord, OpRecord, OutputStats
+from distnb.wire.record_types import InputRead, NumericsRecord, OpRecord, OutputStats
 
 RANKS = [0, 1, 2, 3]
 OPS = ["aten.mm.default", "aten.add.Tensor", "aten.relu.default", "aten.mul.Tensor", "aten.native_dropout.default"]

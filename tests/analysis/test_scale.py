@@ -28,7 +28,7 @@ def asked(pool: SyntheticPool, kind: str) -> int:
 def test_the_watch_of_a_healthy_cell_asks_the_ranks_nothing() -> None:
     pool = SyntheticPool(WORLD, hang_after=60.0)
     result = healthy_cell(pool)
-    watch = CellWatch(pool.tracker, pool.diagnostics, result, 60.0)  # the cell began 100 s ago; no collective waited 60 s
+    watch = CellWatch(pool.tracker, pool.inspector, result, 60.0)  # the cell began 100 s ago; no collective waited 60 s
     before = asked(pool, Msg.STACKS)
     assert watch.look() is None and watch.look() is None
     assert asked(pool, Msg.STACKS) == before and watch.full_looks == 0
@@ -37,7 +37,7 @@ def test_the_watch_of_a_healthy_cell_asks_the_ranks_nothing() -> None:
 def test_the_watch_diagnoses_in_full_once_a_collective_waits_past_hang_after() -> None:
     pool = SyntheticPool(WORLD, hang_after=1.0)
     result = hung_cell(pool, odd=17)
-    watch = CellWatch(pool.tracker, pool.diagnostics, result, 1.0)
+    watch = CellWatch(pool.tracker, pool.inspector, result, 1.0)
     diag = watch.look()
     assert diag is not None and diag.state == "hang" and diag.culprits == [17], diag and diag.text()
     assert watch.full_looks == 1 and asked(pool, Msg.STACKS) >= 1
@@ -50,7 +50,7 @@ def test_a_thousand_ranks_on_other_machines_show_no_false_straggler_but_a_real_o
     # Rank 79's only push was read 30 ms late (a queue of replies, a GC pause): alone, its clock
     # would look 30 ms behind and it would arrive last at every collective.
     result = healthy_cell(pool, queued={79: 0.03})
-    assert pool.diagnostics.straggler(result, 20) is None, "clock estimates made a straggler of a healthy cell"
+    assert pool.inspector.straggler(result, 20) is None, "clock estimates made a straggler of a healthy cell"
     slow = SyntheticPool(WORLD)
     result = slow.cell("for step in range(100):\n    dist.all_reduce(x)")
     base = slow.now
@@ -58,9 +58,9 @@ def test_a_thousand_ranks_on_other_machines_show_no_false_straggler_but_a_real_o
         for s in range(1, 31):
             slow.collective(r, s, result.cell, base - 100 + s * 0.3 + (0.03 if r == 613 else (r % 7) * 1e-4))
         slow.push(r)
-    found = slow.diagnostics.straggler(result, 20)
+    found = slow.inspector.straggler(result, 20)
     assert found is not None and found.culprits == [613], found and found.text()
-    timeline = slow.diagnostics.stragglers(last=30).text()
+    timeline = slow.inspector.stragglers(last=30).text()
     lines = timeline.splitlines()
     assert "rank 613 arrives last at 100%" in lines[0] and len(lines) <= 16, timeline
     assert any(line.split()[:1] == ["613"] for line in lines[2:]), "the straggler's own row"
@@ -75,7 +75,7 @@ def test_collectives_lead_with_the_majority_and_name_every_odd_rank() -> None:
     odd_entry["sizes"] = [[512]]
     pool.ranks[900].entries.append({**odd_entry, "id": 999})  # re-sent, as a rank re-sends a changed entry
     pool.push(900)
-    report = pool.diagnostics.collectives()
+    report = pool.inspector.collectives()
     text = report.text()
     lines = text.splitlines()
     assert len(lines) <= 12 and max(map(len, lines)) < 200, text
@@ -97,7 +97,7 @@ def test_collectives_lead_with_the_majority_and_name_every_odd_rank() -> None:
 def test_a_few_ranks_keep_a_column_each() -> None:
     pool = SyntheticPool(4)
     hung_cell(pool, steps=3, odd=1)
-    text = pool.diagnostics.collectives().text()
+    text = pool.inspector.collectives().text()
     assert "    #  rank 0" in text and "rank 3" in text and "most ranks" not in text
 
 
@@ -156,7 +156,7 @@ def test_views_of_a_handful_of_ranks_list_every_rank() -> None:
         for s in range(1, 11):
             pool.collective(r, s, result.cell, base - 100 + s * 0.3 + (0.03 if r == 5 else 0.0))
         pool.push(r)
-    text = pool.diagnostics.stragglers().text()
+    text = pool.inspector.stragglers().text()
     assert all(any(line.split()[:1] == [str(r)] for line in text.splitlines()) for r in range(8)), text
 
 

@@ -16,7 +16,7 @@ from distnb.controller.tracker import Tracker
 from distnb.errors import NoAnswerError, PoolBrokenError, PoolBusyError
 from distnb.launching.remote_nodes import Nodes
 from distnb.results import CellEvents, CellResult, RankResult
-from distnb.services.diagnostics import Diagnostics
+from distnb.services.inspector import Inspector
 from distnb.states import PoolState, RankState
 from distnb.wire.peers import control_identity
 from distnb.wire.protocol import Msg
@@ -326,7 +326,7 @@ def test_diagnostics_name_the_rank_that_never_came_from_messages_alone() -> None
 
     transport.on_send = answer
     config = LaunchConfig(nproc=tracker.world_size, backend="gloo", hang_after=1.0)
-    diagnosis = Diagnostics(tracker, config, session, run_dir=lambda: None).diagnose()
+    diagnosis = Inspector(tracker, config, session, run_dir=lambda: None).diagnose()
     # Two ranks, one in the call and one gone: no majority says whether rank 0's call is extra or
     # rank 1 skipped it; both are named, the call and the rank that never came among them.
     assert diagnosis.state == "hang" and diagnosis.culprits == [0, 1], diagnosis.text()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from distnb.controller.collective_log import CollectiveLog
 from distnb.results import CellResult, RankResult
 from distnb.services.fail_fast import doomed
-from distnb.wire.records import CallRecord, CollectiveEntry
+from distnb.wire.record_types import CallRecord, CollectiveEntry
 
 
 def _entry(i: int, seq: int, done: bool, group: str = "0", cell: int = 5) -> CollectiveEntry:

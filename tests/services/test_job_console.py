@@ -9,7 +9,7 @@ from typing import Any
 from distnb.errors import AttachError
 from distnb.services.job_console import CONSOLE_HELP, JobConsole, warning
 from distnb.services.job_stepper import Stop
-from distnb.wire.records import PeekFrame, PeekRead
+from distnb.wire.record_types import PeekFrame, PeekRead
 
 FRAMES = [
     PeekFrame("train.py", 40, "<module>", "main()", True),

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from distnb.wire.records import called_in
+from distnb.wire.record_types import called_in
 from distnb.worker.torch_hooks.call_log import CallLog
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import ROOT_INPUT_ONLY, CollectiveEvidence, op_stem, same_op, unrecorded_calls
 from distnb.cell_names import cell_name
-from distnb.wire.records import UNRECORDED, CollectiveEntry, issued_in
+from distnb.wire.record_types import UNRECORDED, CollectiveEntry, issued_in
 
 __all__ = ["Call", "SPLIT_ARGS", "call_of", "cell_calls", "death_call", "entry_key", "program_key"]
 

@@ -18,7 +18,7 @@ from distnb._text import fit
 from distnb.analysis.agreement.entry_words import describe, state_mark
 from distnb.cell_names import cell_tag
 from distnb.ranks import SUMMARY_ABOVE, format_ranks, group_by
-from distnb.wire.records import CollectiveEntry
+from distnb.wire.record_types import CollectiveEntry
 
 __all__ = ["COLUMN_MAX", "GroupTable", "Row", "cell_text", "MAX_MINORITIES", "NOT_RECORDED", "PAGE_RANKS"]
 

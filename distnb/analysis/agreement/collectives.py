@@ -15,7 +15,7 @@ from distnb.analysis.agreement.groups import short_name
 from distnb.analysis.agreement.pairing import cross_cell, cross_group
 from distnb.cell_names import cell_name, cell_tag
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import P2P_OPS, CollectiveEntry, called_in, issued_in
+from distnb.wire.record_types import P2P_OPS, CollectiveEntry, called_in, issued_in
 
 __all__ = ["CollectiveReport", "Divergence", "Differs", "RECORDER_NAMES", "issued_words", "signature"]
 

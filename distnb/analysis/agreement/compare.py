@@ -22,7 +22,7 @@ from typing import Any
 from distnb.analysis.agreement.calls import Call, call_of, death_call
 from distnb.analysis.agreement.evidence import CollectiveEvidence, groups_in_cell, odd_ones, op_stem
 from distnb.ranks import group_by
-from distnb.wire.records import issued_in
+from distnb.wire.record_types import issued_in
 
 __all__ = ["Disagreement", "Presence", "disagreements"]
 

@@ -17,7 +17,7 @@ from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import CollectiveEvidence
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import CollectiveEntry, SyncState
+from distnb.wire.record_types import CollectiveEntry, SyncState
 
 __all__ = ["CountMismatch", "carry_over", "count_mismatches", "mismatch_text"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from distnb.cell_names import cell_name
-from distnb.wire.records import CollectiveEntry, issued_in
+from distnb.wire.record_types import CollectiveEntry, issued_in
 
 __all__ = ["args_text", "describe", "line_words", "state_mark"]
 

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Mapping, Protocol
 
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.ranks import group_by
-from distnb.wire.records import P2P_OPS, UNRECORDED, CallRecord, CollectiveEntry, called_in, issued_in
+from distnb.wire.record_types import P2P_OPS, UNRECORDED, CallRecord, CollectiveEntry, called_in, issued_in
 
 __all__ = ["ROOT_INPUT_ONLY", "CollectiveEvidence", "groups_in_cell", "odd_ones", "op_stem", "peer_of", "peer_words", "same_op", "unrecorded_calls"]
 

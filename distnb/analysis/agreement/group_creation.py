@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import CallRecord
+from distnb.wire.record_types import CallRecord
 
 __all__ = ["CreationMismatch", "creation_mismatch"]
 

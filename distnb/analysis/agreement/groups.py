@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
-from distnb.wire.records import CallRecord
+from distnb.wire.record_types import CallRecord
 
 __all__ = ["GroupInfo", "info_from", "mesh_dim", "short_name", "site_of"]
 

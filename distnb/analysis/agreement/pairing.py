@@ -23,7 +23,7 @@ from distnb.analysis.render import headline
 from distnb.analysis.root_cause import Named, RootCause
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import CollectiveEntry, issued_in
+from distnb.wire.record_types import CollectiveEntry, issued_in
 
 __all__ = ["CrossCell", "CrossGroup", "cross_cell", "cross_group"]
 

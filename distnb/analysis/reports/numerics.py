@@ -25,7 +25,7 @@ from distnb.analysis.agreement.evidence import odd_ones
 from distnb.analysis.reports.numerics_claims import claims, value_key
 from distnb.analysis.reports.numerics_gap import Gap, gap, within
 from distnb.ranks import group_by
-from distnb.wire.records import TENSORS_READ, NumericsRecord, OpRecord
+from distnb.wire.record_types import TENSORS_READ, NumericsRecord, OpRecord
 
 __all__ = ["EvalMode", "NumericDivergence", "NonFinite", "NumericsReport", "ProgramSplit", "Side", "Spread", "compare_numerics", "nonfinite",
            "rank_groups"]

@@ -15,7 +15,7 @@ import struct
 from typing import Any
 
 from distnb.ranks import group_by
-from distnb.wire.records import TENSORS_READ, OpRecord
+from distnb.wire.record_types import TENSORS_READ, OpRecord
 
 __all__ = ["INFERRED", "claims", "value_key"]
 

@@ -16,7 +16,7 @@ from distnb.analysis.reports.numerics_gap import Gap, gap, within
 from distnb.analysis.reports.numerics_text import op_words, size_words
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import NumericsRecord, OpRecord
+from distnb.wire.record_types import NumericsRecord, OpRecord
 
 __all__ = ["RankDiff", "RunsDiff", "diff_runs"]
 

@@ -10,7 +10,7 @@ from distnb.analysis.reports.numerics_claims import INFERRED
 from distnb.analysis.reports.numerics_gap import gap
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
-from distnb.wire.records import SAMPLE, OpRecord
+from distnb.wire.record_types import SAMPLE, OpRecord
 
 if TYPE_CHECKING:
     from distnb.analysis.reports.numerics import EvalMode, NumericDivergence, NumericsReport, ProgramSplit

@@ -17,7 +17,7 @@ from distnb.analysis.verdicts.verdict import Kind, Site, call_and_caller
 from distnb.analysis.verdicts.words import site_words
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
-from distnb.wire.records import CallRecord, called_in
+from distnb.wire.record_types import CallRecord, called_in
 
 __all__ = ["code_cause", "skipped_calls", "skipped_words", "skipping_ranks", "thread_raised_words"]
 

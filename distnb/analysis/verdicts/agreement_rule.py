@@ -25,7 +25,7 @@ from distnb.analysis.verdicts.agreement_verdict import By, How, agreement_verdic
 from distnb.analysis.verdicts.position import Place
 from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Kind, Verdict
-from distnb.wire.records import UNRECORDED
+from distnb.wire.record_types import UNRECORDED
 
 __all__ = ["agreement"]
 

@@ -22,7 +22,7 @@ from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.analysis.verdicts.words import ranks_verb
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import issued_in
+from distnb.wire.record_types import issued_in
 
 __all__ = ["Victim", "died", "raised", "victim", "victim_of_mismatch"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from distnb._text import fit
-from distnb.wire.records import CellError
+from distnb.wire.record_types import CellError
 
 __all__ = ["CrashDumpFold", "cut_message", "differing_messages", "fold_crash_dump", "holders_words", "is_timeout", "salient_lines"]
 

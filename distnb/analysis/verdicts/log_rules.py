@@ -16,7 +16,7 @@ from distnb.analysis.verdicts.records import Records
 from distnb.analysis.verdicts.verdict import Certainty, Evidence, Kind, Site, Verdict, VerdictState
 from distnb.cell_names import cell_name
 from distnb.ranks import format_ranks
-from distnb.wire.records import P2P_OPS, CollectiveEntry, called_in, issued_in
+from distnb.wire.record_types import P2P_OPS, CollectiveEntry, called_in, issued_in
 
 __all__ = ["creation_out_of_step", "p2p_departure", "p2p_unmatched", "by_sequence_numbers", "paired_across_cells", "wrong_group"]
 

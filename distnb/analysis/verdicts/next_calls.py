@@ -17,7 +17,7 @@ from distnb.analysis.agreement.entry_words import describe
 from distnb.analysis.agreement.evidence import odd_ones
 from distnb.analysis.agreement.groups import GroupInfo
 from distnb.ranks import format_ranks, group_by
-from distnb.wire.records import P2P_OPS
+from distnb.wire.record_types import P2P_OPS
 
 __all__ = ["NextCall", "NextReport", "compare_next"]
 

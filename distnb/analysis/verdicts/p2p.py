@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from distnb.analysis.agreement.evidence import peer_of
 from distnb.analysis.verdicts.position import Place, Position, p2p_text
-from distnb.wire.records import P2P_OPS, CallRecord
+from distnb.wire.record_types import P2P_OPS, CallRecord
 
 __all__ = ["P2PFinding", "match_p2p"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from distnb.analysis.agreement.evidence import CollectiveEvidence, odd_ones, peer_of
 from distnb.analysis.verdicts.position import Place, Position
-from distnb.wire.records import P2P_OPS, CallRecord, called_in
+from distnb.wire.record_types import P2P_OPS, CallRecord, called_in
 
 __all__ = ["P2PRoot", "SiteDeparture", "channel_counts", "p2p_roots", "site_departure"]
 

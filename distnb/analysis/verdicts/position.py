@@ -11,7 +11,7 @@ from typing import Any
 from distnb.analysis.agreement.evidence import peer_words
 from distnb.analysis.verdicts.stacks import RankStack, parse_faulthandler, short_path
 from distnb.cell_names import cell_name
-from distnb.wire.records import P2P_OPS, CallRecord, ThreadError
+from distnb.wire.record_types import P2P_OPS, CallRecord, ThreadError
 
 __all__ = ["Place", "Position", "position_from_stack", "collective_at_death", "position_at_death", "thread_error_words", "COLLECTIVE_FUNCS"]
 

@@ -13,7 +13,7 @@ from distnb.analysis.agreement.collectives import CollectiveReport
 from distnb.analysis.agreement.compare import Presence
 from distnb.analysis.verdicts.position import Place, Position
 from distnb.analysis.verdicts.verdict import VerdictState
-from distnb.wire.records import P2P_OPS
+from distnb.wire.record_types import P2P_OPS
 
 __all__ = ["Records", "is_consequence"]
 

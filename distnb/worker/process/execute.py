@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from distnb.wire.black_box import BlackBox
 from distnb.wire.cell_code import CELL_PREFIX, CompiledCell, cell_filename, compile_cell
-from distnb.wire.records import CellError, CellOutcome
+from distnb.wire.record_types import CellError, CellOutcome
 from distnb.worker.process.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.process.panel_link import PanelLink
 from distnb.worker.recorders.memory_sampler import MemorySampler

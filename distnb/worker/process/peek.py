@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any, Callable, Iterator
 
 from distnb.wire.protocol import Peek
-from distnb.wire.records import PeekFrame, PeekRead
+from distnb.wire.record_types import PeekFrame, PeekRead
 
 __all__ = ["DEBUGGER_DIR", "EVAL_TIMEOUT", "SWITCH_INTERVAL", "VALUE_CHARS", "peek", "quick_handoffs"]
 

@@ -13,7 +13,7 @@ import time
 import zlib
 from typing import Any, Callable
 
-from distnb.wire.records import CellOutcome
+from distnb.wire.record_types import CellOutcome
 from distnb.worker.torch_hooks.c10d_groups import default_store
 
 __all__ = ["run_profiled", "align", "TRACE_CAP", "ALIGN_WAIT"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from distnb.wire.records import ThreadError
+from distnb.wire.record_types import ThreadError
 
 __all__ = ["ThreadErrors"]
 

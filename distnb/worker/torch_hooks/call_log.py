@@ -32,7 +32,7 @@ import zlib
 from typing import Any, Callable, NamedTuple
 
 from distnb.wire.black_box import BlackBox
-from distnb.wire.records import P2P_OPS, CallRecord, CollectiveEntry
+from distnb.wire.record_types import P2P_OPS, CallRecord, CollectiveEntry
 from distnb.worker.torch_hooks.c10d_groups import description, global_rank, group_count, group_name, members, next_seq, not_a_member
 from distnb.worker.torch_hooks.patching import wrap_c10d
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from distnb.wire.records import CellOutcome
+from distnb.wire.record_types import CellOutcome
 
 __all__ = ["OUTPUT_FIRST", "process_group_of", "run_with_comms"]
 

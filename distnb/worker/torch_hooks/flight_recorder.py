@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from distnb.wire.records import CollectiveEntry, CollectivesRead
+from distnb.wire.record_types import CollectiveEntry, CollectivesRead
 from distnb.worker.torch_hooks.call_log import CallLog
 from distnb.worker.torch_hooks.group_state import group_backends
 

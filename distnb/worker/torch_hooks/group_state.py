@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from distnb.wire.records import SyncState
+from distnb.wire.record_types import SyncState
 from distnb.worker.torch_hooks.call_log import CallLog
 
 __all__ = ["Groups", "group_backends", "group_errors", "live_groups", "sync_state"]

@@ -27,7 +27,7 @@ import sys
 import zlib
 from typing import Any, Callable
 
-from distnb.wire.records import SAMPLE, TENSORS_READ, CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
+from distnb.wire.record_types import SAMPLE, TENSORS_READ, CellOutcome, InputRead, NumericsRecord, OpRecord, OutputStats
 from distnb.worker.torch_hooks.comms import process_group_of
 from distnb.worker.torch_hooks.meshes import describe_meshes
 from distnb.worker.torch_hooks.numerics_context import Agree, Context, group_ranks, replicas

@@ -8,7 +8,7 @@ import weakref
 import zlib
 from typing import Any
 
-from distnb.wire.records import TENSORS_READ
+from distnb.wire.record_types import TENSORS_READ
 from distnb.worker.torch_hooks.comms import OUTPUT_FIRST
 from distnb.worker.torch_hooks.numerics_context import Agree
 

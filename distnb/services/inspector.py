@@ -1,7 +1,7 @@
 """What the pool can tell about its ranks while they run or hang: stacks, diagnoses, collective
 logs, memory, environments and checksums.
 
-:class:`Diagnostics` is built from the parts it uses (the tracker, the session log, the config and
+:class:`Inspector` is built from the parts it uses (the tracker, the session log, the config and
 where this launch's folder is), never from the pool, so it can be tested by feeding a tracker
 messages and answering its requests, without processes.
 """
@@ -47,9 +47,9 @@ from distnb.services.positions import position_of, unsettled
 from distnb.states import CellStatus, PoolState, RankState
 from distnb.wire.peers import control_identity, exec_identity, supervisor_identity
 from distnb.wire.protocol import Msg
-from distnb.wire.records import CollectivesRead, ThreadError
+from distnb.wire.record_types import CollectivesRead, ThreadError
 
-__all__ = ["Diagnostics", "FAULT_TIMEOUT", "FAULT_WAIT", "PATHS_HINT", "STACKS_TIMEOUT"]
+__all__ = ["Inspector", "FAULT_TIMEOUT", "FAULT_WAIT", "PATHS_HINT", "STACKS_TIMEOUT"]
 
 #: What "why" says when no rank recorded its paths.
 PATHS_HINT = ("run the cell again with %%on_ranks --paths to see the first decision the ranks took differently "
@@ -66,7 +66,7 @@ REREAD_AFTER = 0.3
 FAULT_TIMEOUT = 3.0
 
 
-class Diagnostics:
+class Inspector:
     """Asks the ranks (through the tracker's requests) and reads what they pushed; the verdicts
     come from :mod:`distnb.analysis`."""
 
