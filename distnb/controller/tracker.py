@@ -365,31 +365,25 @@ class Tracker:
                     # which read it from a pipe only its own child can write.
                     self._on_event(info, accept_event(pickle.loads(msg["body"])), direct=False)
                 elif msg["t"] == Msg.RANK_EXIT:
-                    info.returncode = msg["returncode"]
-                    info.stderr_tail, info.last_calls = msg.get("stderr_tail", ""), msg.get("last_calls", [])
+                    info.learn_exit(msg)
                     self._mark_dead(info, msg.get("time"))
                 elif msg["t"] == Msg.CELL_DONE:  # a silent cell's, straight from the rank
                     self._cell_done(info, msg, direct=True)
                 elif msg["t"] == Msg.HELLO:
-                    info.pid, info.host, info.local_rank = msg["pid"], msg["host"], msg["local_rank"]
-                    info.main_ident = msg.get("main_ident")
+                    info.learn_hello(msg)
                     self.collective_log.place(info.rank, msg["host"])
                     if info.state in (RankState.LAUNCHED, RankState.STARTED):
                         self._set_rank(info, RankState.CONNECTED)
                 elif msg["t"] == Msg.READY:
-                    info.device, info.backend = msg["device"], msg["backend"]
+                    info.learn_ready(msg)
                     self._set_rank(info, RankState.IDLE)
                 elif msg["t"] == Msg.START_FAILED:
-                    info.start_error = "\n".join(filter(None, (msg.get("summary"), msg.get("error")))) or "no reason given"  # root cause first
+                    info.learn_start_failure(msg)
             self.changed.notify_all()
 
     def _on_sup_hello(self, info: RankRecord, msg: SupHello) -> None:
+        info.learn_supervisor(msg)
         if "pid" in msg:
-            info.supervisor_pid = msg["pid"]
-            info.host = msg.get("host")
-            info.local_rank = msg.get("local_rank")
-            info.group_rank = msg.get("group_rank")
-            info.agent = int(msg.get("agent", 0))
             if info.agent:
                 node = self.nodes.agents.get(info.agent)
                 info.agent_beats = node.beats if node else 0
@@ -399,10 +393,8 @@ class Tracker:
                 self.transport.heartbeat_peers.add(supervisor_identity(info.rank))
             if info.state == RankState.LAUNCHED:
                 self._set_rank(info, RankState.STARTED)
-        if "child_pid" in msg:
-            info.pid = msg["child_pid"]
-            if self.liveness is not None and not info.agent:
-                self.liveness.known_pids.add(msg["child_pid"])
+        if "child_pid" in msg and self.liveness is not None and not info.agent:
+            self.liveness.known_pids.add(msg["child_pid"])
 
     def _on_event(self, info: RankRecord, event: RankEvent, direct: bool) -> None:
         """What a rank wrote into its events pipe, forwarded by its supervisor after its output."""
