@@ -26,13 +26,21 @@ def sh():
     assert not wait_gone(pids, 10.0), f"pool processes survived the module's teardown: {pids}"
 
 
-def test_wait_timeout_counts_from_the_call(sh: Shell) -> None:
+def test_wait_timeout_counts_from_the_call(sh: Shell, tmp_path) -> None:
+    import threading
     import time
 
-    out, _ = sh.cell("--bg", "import time\ntime.sleep(2.5)\n'late'")
+    go = tmp_path / "go"  # the cell ends once the wait has begun, however busy the machine
+    out, _ = sh.cell("--bg", f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n'late'")
     assert "running in the background" in out
-    time.sleep(1.5)  # the cell is older than the --timeout below, and not done yet
-    _, out, _ = sh.line("dist_wait", "--timeout 3")
+    time.sleep(3.5)  # the cell is older than the --timeout below: counted from the cell's start, it would be over
+    release = threading.Timer(0.3, go.touch)
+    release.start()
+    try:
+        _, out, _ = sh.line("dist_wait", "--timeout 3")
+    finally:
+        release.join()
+        go.touch()
     assert "Out[ranks 0,1]: 'late'" in out and ": ok," in out, out
 
 
