@@ -128,8 +128,9 @@ MARK_INSIDE = """\
 def dbg_mark_inside(path, name="all_reduce"):
     import sys, threading, time
     main = threading.main_thread().ident
+    end = time.monotonic() + 120  # a test that failed first must not leave it looking for ever
     def watch():
-        while True:
+        while time.monotonic() < end:
             frame = sys._current_frames().get(main)
             while frame is not None and not (frame.f_code.co_name == name and frame.f_code.co_filename.endswith("distributed_c10d.py")):
                 frame = frame.f_back
@@ -145,8 +146,9 @@ def dbg_mark_calling(path, line):
     # to C (``req.wait()``: no Python frame of torch's to look for).
     import dis, sys, threading, time
     main = threading.main_thread().ident
+    end = time.monotonic() + 120
     def watch():
-        while True:
+        while time.monotonic() < end:
             frame = sys._current_frames().get(main)
             if (frame is not None and frame.f_code.co_name == "<module>" and frame.f_lineno == line
                     and dis.opname[frame.f_code.co_code[frame.f_lasti]].startswith("CALL")):

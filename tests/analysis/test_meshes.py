@@ -83,6 +83,16 @@ def test_a_rank_on_the_wrong_mesh_dimension_is_named_not_the_ranks_that_complete
     assert log.report([0, 1, 2, 3]).text().startswith(f"first divergence: {text}")
 
 
+def test_the_majority_is_one_side_whatever_name_its_entries_carry() -> None:
+    # Rank 0's entry from the call log (the function's name), the others' from the recorder: one side.
+    per_rank = {r: [_e(0, DP[r], 1, "all_reduce", cell=1), _e(1, TP[r], 1, "all_reduce", cell=1)] for r in range(4)}
+    for r in range(4):
+        per_rank[r].append(_e(2, DP[r] if r == 1 else TP[r], 2, "all_gather_single" if r == 0 else "all_gather", cell=2, done=r in (2, 3)))
+    crossed = cross_group(_mesh_log(per_rank), [0, 1, 2, 3], 2)
+    assert crossed is not None and crossed.odd == [1], crossed
+    assert "where ranks 0,2,3 used tp" in crossed.text(), crossed.text()
+
+
 def test_a_two_against_two_split_has_no_majority() -> None:
     per_rank = {r: [_e(0, DP[r] if r in (1, 3) else TP[r], 1, cell=2, done=False)] for r in range(4)}
     crossed = cross_group(_mesh_log(per_rank), [0, 1, 2, 3], 2)

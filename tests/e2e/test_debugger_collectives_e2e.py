@@ -77,7 +77,8 @@ def test_pdb_holds_the_other_ranks_before_their_next_collective(pool: distnb.Poo
     computing and reach it only once held (they wait for the hold, so no timing decides the test)."""
     assert pool.run(MARK_INSIDE).ok
     ready = str(tmp_path / "ready")
-    code = (f"import os, time\nt = torch.ones(2)\nif rank == 2:\n    while not os.path.exists({ready!r}):\n        time.sleep(0.01)\n"
+    code = (f"import os, time\nt = torch.ones(2)\nif rank == 2:\n    while not os.path.exists({ready!r}) and time.monotonic() < {time.monotonic() + 120}:\n"
+            "        time.sleep(0.01)\n"
             "    time.sleep(0.5)\n    1 / 0\n"
             "from distnb.worker.torch_hooks.call_log import STOPS\n"
             "for _ in range(600 if rank in (0, 1) else 0):\n    if STOPS.hold:\n        break\n    time.sleep(0.05)\n"

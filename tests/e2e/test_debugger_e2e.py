@@ -64,8 +64,13 @@ def run(pool: distnb.Pool, code: str, console: Console, asking: list[int] | None
     timeout = kwargs.pop("timeout", 60)
     res = pool.submit(code, **kwargs)
     if asking:
-        wait_until(lambda: {p.rank for p in pool.debugger.pending(res)} >= set(asking) or not res.running, 60,
-                   f"ranks {asking} to ask")
+        try:
+            wait_until(lambda: {p.rank for p in pool.debugger.pending(res)} >= set(asking) or not res.running, 60,
+                       f"ranks {asking} to ask")
+        except AssertionError:
+            pool.interrupt()  # the shared pool must not stay at the prompts
+            pool.wait(res, 30, ask=None)
+            raise
     pool.debugger.console = console_with_capture  # type: ignore[method-assign]
     try:
         return pool.wait(res, timeout, ask=console.ask)
@@ -77,8 +82,9 @@ def test_a_breakpoint_on_one_rank_of_four_steps_with_labelled_answers_while_the_
     diagnoses: list[distnb.Verdict] = []
     # Rank 2 stops once the others wait inside the all_reduce (their files), however busy the machine.
     assert pool.run(MARK_INSIDE).ok
-    code = ("dbg_x = rank + 40\nif rank == 2:\n"
-            f"    while len(__import__('os').listdir({str(tmp_path)!r})) < 3: __import__('time').sleep(0.01)\n"
+    # (At most 120 s: a test that failed first must not leave the rank spinning.)
+    code = ("dbg_x, dbg_end = rank + 40, __import__('time').monotonic() + 120\nif rank == 2:\n"
+            f"    while len(__import__('os').listdir({str(tmp_path)!r})) < 3 and __import__('time').monotonic() < dbg_end: __import__('time').sleep(0.01)\n"
             "    breakpoint()\ndbg_y = dbg_x + 1\nt = torch.tensor([float(dbg_y)])\n"
             f"if rank != 2: dbg_mark_inside(f'{tmp_path}/{{rank}}')\ndist.all_reduce(t)\nt")
     con = Console("p dbg_x", "n", "p dbg_y", "c", during=lambda _: diagnoses.append(pool.diagnose(pool.history[-1])))

@@ -77,8 +77,9 @@ def test_breakpoint_input_and_post_mortem_in_a_real_kernel(leak_check, tmp_path:
         entered.mkdir()
         content, out = fe.run("%%on_ranks\n" + MARK_INSIDE)
         assert content["status"] == "ok", out
-        code = ("%%on_ranks\ndbg_x = rank + 40\nif rank == 2:\n"
-                f"    while len(__import__('os').listdir({str(entered)!r})) < 3: __import__('time').sleep(0.01)\n"
+        code = ("%%on_ranks\ndbg_x, dbg_end = rank + 40, __import__('time').monotonic() + 120\nif rank == 2:\n"
+                f"    while len(__import__('os').listdir({str(entered)!r})) < 3 and __import__('time').monotonic() < dbg_end: "
+                "__import__('time').sleep(0.01)\n"
                 "    breakpoint()\ndbg_y = dbg_x + 1\n"
                 f"t = torch.tensor([float(dbg_y)])\nif rank != 2: dbg_mark_inside(f'{entered}/{{rank}}')\n"
                 "dist.all_reduce(t)\nt.item()")

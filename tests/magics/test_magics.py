@@ -34,7 +34,7 @@ def test_wait_timeout_counts_from_the_call(sh: Shell, tmp_path) -> None:
     out, _ = sh.cell("--bg", f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n'late'")
     assert "running in the background" in out
     time.sleep(3.5)  # the cell is older than the --timeout below: counted from the cell's start, it would be over
-    release = threading.Timer(0.3, go.touch)
+    release = threading.Timer(1.5, go.touch)  # well inside the wait, however slow the magic is to begin it
     release.start()
     try:
         _, out, _ = sh.line("dist_wait", "--timeout 3")

@@ -17,7 +17,7 @@ from distnb.cell_names import cell_name, cell_tag
 from distnb.ranks import format_ranks, group_by
 from distnb.wire.record_types import P2P_OPS, CollectiveEntry, called_in, issued_in
 
-__all__ = ["CollectiveReport", "Divergence", "Differs", "RECORDER_NAMES", "issued_words", "signature"]
+__all__ = ["CollectiveReport", "Divergence", "Differs", "RECORDER_NAMES", "issued_words"]
 
 #: distnb's recorder names (worker/torch_hooks/flight_recorder.py) in words.
 RECORDER_NAMES = {"nccl": "NCCL", "fr": "gloo (and other non-NCCL)"}
@@ -43,12 +43,6 @@ def _sizes(e: CollectiveEntry) -> Any:
 
 def _dtypes(e: CollectiveEntry) -> Any:
     return None if e["op"] in ROOT_INPUT_ONLY else e.get("dtypes")
-
-
-def signature(entry: CollectiveEntry) -> tuple[Any, ...]:
-    """What must match across ranks at one position of a group's sequence."""
-    return (entry["op"], tuple(tuple(s) for s in _sizes(entry) or []), tuple(_dtypes(entry) or []),
-            tuple(sorted((k, repr(v)) for k, v in (entry.get("args") or {}).items())))
 
 
 class Differs(str, Enum):

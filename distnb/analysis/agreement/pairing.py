@@ -57,7 +57,7 @@ class CrossGroup:
 
     def said(self) -> str:
         """What the calls show, without the root cause."""
-        sides = group_by((r, (self.roles[r], self.by_rank[r]["op"])) for r in sorted(self.by_rank))
+        sides = group_by((r, (self.roles[r], op_stem(self.by_rank[r]["op"]))) for r in sorted(self.by_rank))
         majority = [rs for rs, _ in sides if not set(rs) & set(self.odd)]
         sample = next(iter(self.by_rank.values()))
         where = f"the {_ordinal(self.index)} collective of {cell_name(self.cell)}" + (f" (line {sample['line']})" if sample.get("line") else "")
