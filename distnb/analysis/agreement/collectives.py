@@ -70,9 +70,10 @@ _KINDS: dict[Differs, Callable[[CollectiveEntry], Any]] = {
 def _first_difference(entries: list[CollectiveEntry]) -> Differs | None:
     """The first kind (op, shape, dtype, args) in which these entries of one position differ;
     arguments only among the entries the call log annotated."""
-    views = [(op_stem(e["op"]), e.get("sizes"), e.get("dtypes"), e.get("args")) for e in entries]
+    views = [(e["op"], e.get("sizes"), e.get("dtypes"), e.get("args")) for e in entries]
     if views.count(views[0]) == len(views) if views else True:
         return None  # the common case, compared in C: a thousand ranks agree
+    # Ops are compared by their stem below (_KINDS): names that differ only in form are no difference.
     return next((k for k, key in _KINDS.items() if len({repr(key(e)) for e in entries if k is not Differs.ARGS or "args" in e}) > 1), None)
 
 

@@ -112,7 +112,7 @@ def cross_group(log: CollectiveEvidence, ranks: list[int], cell: int, waiting: f
         names = {e["group"] for e in at.values()}
         roles = {r: log.group(e["group"]).role() for r, e in at.items()} if len(names) > 1 else {}
         if len(set(roles.values())) <= 1:
-            if len({op_stem(e["op"]) for e in at.values()}) > 1:
+            if len({e["op"] for e in at.values()}) > 1 and len({op_stem(e["op"]) for e in at.values()}) > 1:
                 return None  # the same groups, other ops: the group's own divergence says it
             continue
         labels = {r: log.group(e["group"]).label() for r, e in at.items()}
