@@ -121,41 +121,38 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, poll:
 
 
 #: Cell code defining ``dbg_mark_inside(path)``: touch ``path`` once this rank's main thread is
-#: inside torch's ``all_reduce``. A peer that waits for the files before it pauses then finds the
-#: others already waiting in the collective, however busy the machine: a file written just
-#: before the call let a descheduled rank be read "running Python code" still.
+#: inside torch's ``all_reduce``, and ``dbg_mark_calling(path, line)``: once it is inside a call
+#: to C on that line of the cell (``req.wait()``: no Python frame of torch's to look for). A peer
+#: that waits for the files then finds the ranks already waiting there, however busy the machine:
+#: a file written just before the call let a descheduled rank be read "running Python code" still.
 MARK_INSIDE = """\
-def dbg_mark_inside(path, name="all_reduce"):
+def _dbg_mark_when(path, found):
+    # A thread touches path once found(the main thread's innermost frame) holds; at most 120 s,
+    # so that a test that failed first leaves nothing looking for ever.
     import sys, threading, time
-    main = threading.main_thread().ident
-    end = time.monotonic() + 120  # a test that failed first must not leave it looking for ever
+    main, end = threading.main_thread().ident, time.monotonic() + 120
     def watch():
         while time.monotonic() < end:
             frame = sys._current_frames().get(main)
-            while frame is not None and not (frame.f_code.co_name == name and frame.f_code.co_filename.endswith("distributed_c10d.py")):
-                frame = frame.f_back
-            if frame is not None:
+            if frame is not None and found(frame):
                 open(path, "w").close()
                 return
             time.sleep(0.005)
     threading.Thread(target=watch, daemon=True).start()
+
+
+def dbg_mark_inside(path, name="all_reduce"):
+    def found(frame):
+        while frame is not None and not (frame.f_code.co_name == name and frame.f_code.co_filename.endswith("distributed_c10d.py")):
+            frame = frame.f_back
+        return frame is not None
+    _dbg_mark_when(path, found)
 
 
 def dbg_mark_calling(path, line):
-    # Touch path once the main thread's innermost frame is this cell's, on ``line``, inside a call
-    # to C (``req.wait()``: no Python frame of torch's to look for).
-    import dis, sys, threading, time
-    main = threading.main_thread().ident
-    end = time.monotonic() + 120
-    def watch():
-        while time.monotonic() < end:
-            frame = sys._current_frames().get(main)
-            if (frame is not None and frame.f_code.co_name == "<module>" and frame.f_lineno == line
-                    and dis.opname[frame.f_code.co_code[frame.f_lasti]].startswith("CALL")):
-                open(path, "w").close()
-                return
-            time.sleep(0.005)
-    threading.Thread(target=watch, daemon=True).start()
+    import dis
+    _dbg_mark_when(path, lambda frame: frame.f_code.co_name == "<module>" and frame.f_lineno == line
+                   and dis.opname[frame.f_code.co_code[frame.f_lasti]].startswith("CALL"))
 """
 
 
