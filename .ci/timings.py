@@ -16,14 +16,21 @@ FILES, TESTS = 15, 10
 FAILURE_CHARS = 2500
 
 
-def report(name: str, junits: list[Path]) -> list[str]:
-    """One pytest run's report, or a leg's runs of a file each (``NAME--NN.xml``) as one."""
-    cases = []
+def read_cases(junits: list[Path]) -> tuple[list[ET.Element], list[str]]:
+    """The test cases of one pytest run's reports (a leg's runs of a file each, ``NAME--NN.xml``,
+    as one), and a line for each report that could not be read."""
+    cases: list[ET.Element] = []
+    unreadable = []
     for junit in junits:
         try:
             cases += list(ET.parse(junit).getroot().iter("testcase"))
         except (OSError, ET.ParseError) as exc:
-            return [f"{junit.name}: unreadable ({exc})"]
+            unreadable.append(f"{junit.name}: unreadable ({exc})")
+    return cases, unreadable
+
+
+def report(name: str, cases: list[ET.Element]) -> list[str]:
+    """One pytest run's timings: its longest files and tests."""
     by_file: dict[str, float] = defaultdict(float)
     tests: list[tuple[float, str]] = []
     for case in cases:
@@ -39,20 +46,15 @@ def report(name: str, junits: list[Path]) -> list[str]:
     return lines
 
 
-def failures(name: str, junits: list[Path]) -> list[str]:
+def failures(name: str, cases: list[ET.Element]) -> list[str]:
     """Each failed or erred test of one pytest run, with the end of what pytest said about it."""
     lines = []
-    for junit in junits:
-        try:
-            cases = list(ET.parse(junit).getroot().iter("testcase"))
-        except (OSError, ET.ParseError):
-            continue  # said by report()
-        for case in cases:
-            for bad in (*case.findall("failure"), *case.findall("error")):
-                text = (bad.text or bad.get("message") or "").rstrip()
-                cut = "[…]\n" if len(text) > FAILURE_CHARS else ""
-                lines.append(f"--- {name}: {case.get('classname')}::{case.get('name')} ({bad.tag})")
-                lines.append(cut + text[-FAILURE_CHARS:])
+    for case in cases:
+        for bad in (*case.findall("failure"), *case.findall("error")):
+            text = (bad.text or bad.get("message") or "").rstrip()
+            cut = "[…]\n" if len(text) > FAILURE_CHARS else ""
+            lines.append(f"--- {name}: {case.get('classname')}::{case.get('name')} ({bad.tag})")
+            lines.append(cut + text[-FAILURE_CHARS:])
     return lines
 
 
@@ -64,9 +66,12 @@ def main(work: Path) -> None:
     runs: dict[str, list[Path]] = defaultdict(list)
     for junit in sorted(work.glob("junit-*.xml")):
         runs[junit.stem.split("--")[0]].append(junit)
+    failed = []
     for name, junits in runs.items():
-        print("\n".join(report(name, junits)))
-    failed = [line for name, junits in runs.items() for line in failures(name, junits)]
+        cases, unreadable = read_cases(junits)
+        # An unreadable report (a run cut short) makes the timings partial: said instead of them.
+        print("\n".join(unreadable or report(name, cases)))
+        failed += failures(name, cases)
     if failed:
         print("=== the failures, every leg's")
         print("\n".join(failed))
