@@ -7,7 +7,23 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["function_bodies", "replace_body", "statements", "top_level"]
+__all__ = ["first_line", "function_bodies", "replace_body", "statements", "top_level"]
+
+
+def first_line(node: ast.stmt) -> int:
+    """Where a statement starts as written: a decorated function's or class's first decorator
+    (``ast`` puts its ``lineno`` at the ``def``, and a cut that keeps that line loses
+    ``@torch.no_grad()`` or ``@torch.compile``)."""
+    decorators: list[ast.expr] = getattr(node, "decorator_list", None) or []
+    return min([node.lineno, *(d.lineno for d in decorators)])
+
+
+def _source(code: str, lines: list[str], node: ast.stmt) -> str:
+    """A top-level statement's source as written, padded to its column, decorators included."""
+    if first_line(node) < node.lineno:
+        return "\n".join(lines[first_line(node) - 1 : node.end_lineno or node.lineno])
+    text = ast.get_source_segment(code, node, padded=True)
+    return text if text is not None else ast.unparse(node)
 
 
 def top_level(code: str) -> list[tuple[ast.stmt, str]] | None:
@@ -17,8 +33,8 @@ def top_level(code: str) -> list[tuple[ast.stmt, str]] | None:
         tree = ast.parse(code)
     except SyntaxError:
         return None
-    return [(node, text if (text := ast.get_source_segment(code, node, padded=True)) is not None else ast.unparse(node))
-            for node in tree.body]
+    lines = code.splitlines()
+    return [(node, _source(code, lines, node)) for node in tree.body]
 
 
 def statements(code: str) -> list[str]:
@@ -42,7 +58,7 @@ def _blocks(code: str) -> list[_Block]:
         return []
     # A block written on one line (``def f(): return 1``) has no body to cut apart.
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.If)
-    return [n for n in ast.walk(tree) if isinstance(n, kinds) and n.body[0].lineno > n.lineno]
+    return [n for n in ast.walk(tree) if isinstance(n, kinds) and first_line(n.body[0]) > n.lineno]
 
 
 def _block_name(node: _Block, code: str) -> str:
@@ -55,7 +71,7 @@ def function_bodies(code: str) -> list[tuple[str, list[str]]]:
     """Each function or block the cell has (:func:`_blocks`): its name (``step()``, or its first line in
     backticks) and its body's statements as source (indented as written)."""
     lines = code.splitlines()
-    return [(_block_name(fn, code), ["\n".join(lines[node.lineno - 1 : node.end_lineno or node.lineno]) for node in fn.body])
+    return [(_block_name(fn, code), ["\n".join(lines[first_line(node) - 1 : node.end_lineno or node.lineno]) for node in fn.body])
             for fn in _blocks(code)]
 
 
@@ -65,7 +81,7 @@ def replace_body(code: str, k: int, body: list[str]) -> str:
     branch, the statements after) stays as written."""
     fn = _blocks(code)[k]
     lines = code.splitlines()
-    head = lines[: fn.body[0].lineno - 1]
+    head = lines[: first_line(fn.body[0]) - 1]
     tail = lines[(fn.body[-1].end_lineno or fn.body[-1].lineno):]
     indent = " " * fn.body[0].col_offset
     return "\n".join([*head, *(body or [indent + "pass"]), *tail])

@@ -50,10 +50,26 @@ def _offsets(code: str) -> list[int]:
     return starts
 
 
+#: Rounds of writing settings in: a setting made of others (``device_type = 'cuda' if 'cuda' in
+#: device else 'cpu'``) is a literal once they are written in and folded.
+_ROUNDS = 5
+
+
 def inline_constants(codes: list[str]) -> tuple[list[str], list[str]] | None:
     """The cells with every name bound once, at a top level, to a literal, written in where it is
-    read (and its assignment gone), and the names inlined; None when there is none to inline or a
-    cell does not parse."""
+    read (and its assignment gone), again while that folds another setting to a literal, and the
+    names inlined; None when there is none to inline or a cell does not parse."""
+    names: list[str] = []
+    for _ in range(_ROUNDS):
+        got = _inline_once(codes)
+        if got is None:
+            break
+        codes, more = got
+        names += more
+    return (codes, sorted(names)) if names else None
+
+
+def _inline_once(codes: list[str]) -> tuple[list[str], list[str]] | None:
     try:
         trees = [ast.parse(code) for code in codes]
     except SyntaxError:
@@ -143,8 +159,9 @@ def _small(op: ast.operator, left: object, right: object) -> bool:
 
 def fold_constants(code: str) -> str:
     """``code`` with each expression of constants written as its value (``4 * 32`` → ``128``,
-    ``0 % 1 == 0`` → ``True``) and an ``and``/``or`` whose leading operands are constants cut to
-    what they give (``True and master`` → ``master``): what writing settings in leaves behind.
+    ``0 % 1 == 0`` → ``True``), a conditional expression whose test is one written as its branch,
+    and an ``and``/``or`` whose leading operands are constants cut to what they give
+    (``True and master`` → ``master``): what writing settings in leaves behind.
     Nothing inside an f-string is touched. Raises SyntaxError when ``code`` does not parse."""
     tree = ast.parse(code)
     starts = _offsets(code)
@@ -156,6 +173,12 @@ def fold_constants(code: str) -> str:
         if isinstance(node, ast.expr) and not isinstance(node, ast.Constant) and (value := _value(node)) is not _VOID:
             edits.append((*_span(code, starts, node), repr(value)))
             return
+        if isinstance(node, ast.IfExp) and (test := _value(node.test)) is not _VOID:
+            branch = node.body if test else node.orelse  # `nullcontext() if 'cpu' == 'cpu' else autocast(…)`
+            text = ast.get_source_segment(code, branch)
+            if text is not None:
+                edits.append((*_span(code, starts, node), f"({text})" if isinstance(branch, (ast.IfExp, ast.Lambda, ast.NamedExpr)) else text))
+                return
         if isinstance(node, ast.BoolOp):
             values = [_value(v) for v in node.values]
             lead = 0

@@ -22,7 +22,7 @@ import builtins
 import re
 from dataclasses import dataclass
 
-from distnb.analysis.cell_parts import top_level
+from distnb.analysis.cell_parts import first_line, top_level
 from distnb.analysis.names import imported
 
 __all__ = ["Statement", "read_statements", "slice_cells"]
@@ -226,19 +226,20 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
             if collective and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 collective_functions.add(node.name)
                 collective = False  # defining it calls nothing; a statement that calls it does
-            stmts.append(Statement(text, node.lineno, node.end_lineno or node.lineno,
+            stmts.append(Statement(text, first_line(node), node.end_lineno or node.lineno,
                                    frozenset(sets | binds), frozenset(reads), collective, frozenset(binds - sets),
                                    _links(node, modules), _sets_shared_state(node, modules)))
         out.append(stmts)
     return out
 
 
-def slice_cells(cells: list[str], lines: set[int]) -> list[list[int]] | None:
+def slice_cells(cells: list[str], lines: set[int], keep_shared: bool = True) -> list[list[int]] | None:
     """For each cell, the indices of the statements the last cell's failing ``lines`` need (all of
     the last cell's statements when ``lines`` is empty or names none of them); None when the code
     can't be read. The last cell keeps its statements at those lines and every one that reaches
     torch.distributed (another rank may wait in it); every cell keeps what those read, back to
-    where it was set."""
+    where it was set. ``keep_shared=False``: a statement that sets process-wide state (a seed,
+    torch's defaults) stays only where something needs it by name — the minimizer's second guess."""
     parsed = read_statements(cells)
     if parsed is None or not parsed or not parsed[-1]:
         return None
@@ -258,7 +259,7 @@ def slice_cells(cells: list[str], lines: set[int]) -> list[list[int]] | None:
             s = parsed[c][i]
             seed = c == len(parsed) - 1 and i in seeds
             changes = s.sets - s.binds
-            if seed or s.collective or s.shared or any(classes.find(n) in needed for n in changes) or s.binds & read:
+            if seed or s.collective or (s.shared and keep_shared) or any(classes.find(n) in needed for n in changes) or s.binds & read:
                 kept[c].add(i)
                 needed |= {classes.find(n) for n in s.reads}
                 read |= s.reads

@@ -25,7 +25,8 @@ from typing import Callable, Protocol, Sequence, TypeVar
 from distnb.analysis.cell_parts import function_bodies, replace_body, statements
 from distnb.analysis.inlining import inline_constants
 from distnb.analysis.names import read_before_bound
-from distnb.analysis.slicing import slice_cells
+from distnb.analysis.null_contexts import unwrap_null_contexts
+from distnb.analysis.slicing import read_statements, slice_cells
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
 from distnb.controller.session import CellRecord
@@ -186,6 +187,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
         try:
             _slice(state, lines, fails)
             _inline(state, fails)
+            _unshare(state, fails)
             _shrink(state, fails)
             if pool.smaller is not None and (smaller := _cut_world(state, pool, pools, fails, say)) is not None:
                 on[0] = smaller
@@ -243,15 +245,10 @@ def _slice(state: Minimized, lines: set[int], fails: Fails) -> None:
     cells' data flow (analysis/slicing.py), kept when it still fails, so that the tries after start
     from it. Again after a pass shrank the case: a statement cut takes its reads with it."""
     state.sliced_at = _weight(state.cells)
-    kept = slice_cells([c.code for c in state.cells], lines)
-    if kept is None:
+    sliced = _sliced(state, lines, keep_shared=True)
+    if sliced is None:
         return
-    parts = [statements(c.code) for c in state.cells]
-    sliced = [replace(c, code="\n".join(parts[i][j] for j in keep)) for i, (c, keep) in enumerate(zip(state.cells, kept))
-              if keep or i == len(state.cells) - 1]
-    before, after = state.size(), (len(sliced), sum(len(k) for k in kept))
-    if after >= before or not any(kept[-1:]):
-        return
+    before, after = state.size(), _size(sliced)
     what = "the failing line needs" if lines else "the failing cell needs now"
     if fails(sliced):
         state.steps.append(f"kept the {after[1]} of {before[1]} statements {what} by the names they set and read, "
@@ -260,6 +257,43 @@ def _slice(state: Minimized, lines: set[int], fails: Fails) -> None:
         state.sliced_at = _weight(sliced)
     else:
         state.steps.append(f"the {after[1]} statement{'s' * (after[1] != 1)} {what} by its names did not fail alone: cut by trying")
+
+
+def _sliced(state: Minimized, lines: set[int], keep_shared: bool) -> list[Candidate] | None:
+    """The case cut to the slice from ``lines`` (slice_cells); None when it can't be read or is
+    not smaller, or the failing cell would be left empty."""
+    kept = slice_cells([c.code for c in state.cells], lines, keep_shared)
+    if kept is None or not any(kept[-1:]):
+        return None
+    parts = [statements(c.code) for c in state.cells]
+    sliced = [replace(c, code="\n".join(parts[i][j] for j in keep)) for i, (c, keep) in enumerate(zip(state.cells, kept))
+              if keep or i == len(state.cells) - 1]
+    return sliced if _size(sliced)[1] < state.size()[1] else None
+
+
+def _unshare(state: Minimized, fails: Fails) -> None:
+    """One try of the slice without what it keeps only for the process-wide state it sets (a seed,
+    torch's defaults, an environment variable: later statements may read it without naming it):
+    most failures do not need a pasted script's ``torch.manual_seed(1337 + seed_offset)``, and
+    the names those statements read go with them."""
+    lines = {n for found in _where(state.needed, state.cells[-1].code).values() for n in found}
+    sliced = _sliced(state, lines, keep_shared=False)
+    if sliced is None:
+        return
+    parsed = read_statements([c.code for c in state.cells]) or []
+    kept = {s.strip() for c in sliced for s in statements(c.code)}
+    gone = [s.source.strip().splitlines()[0] for cell in parsed for s in cell if s.shared and s.source.strip() not in kept]
+    if not gone:
+        return
+    shown = ", ".join(f"`{g}`" for g in gone[:3]) + (", …" if len(gone) > 3 else "")
+    before = state.size()[1]
+    if fails(sliced):
+        state.steps.append(f"removed {before - _size(sliced)[1]} statements kept for the process-wide state they set ({shown}) "
+                           "and what only they read (one try)")
+        state.cells = sliced
+        state.sliced_at = _weight(sliced)
+    else:
+        state.steps.append(f"kept the statements that set process-wide state ({shown}): without them the case did not fail the same way")
 
 
 class Fails(Protocol):
@@ -340,25 +374,34 @@ def _cut_world(state: Minimized, pool: Runs, pools: ExitStack, fails: Fails, say
 
 
 def _inline(state: Minimized, fails: Fails) -> None:
-    """One try of the case with its settings written in where they are read (analysis/inlining.py):
-    a pasted script's configuration block is most of what a sliced case keeps."""
-    got = inline_constants([c.code for c in state.cells])
-    if got is None:
-        return
-    codes, names = got
+    """One try of the case with its settings written in where they are read (analysis/inlining.py)
+    and each ``with`` over a context that does nothing written as its body
+    (analysis/null_contexts.py): a pasted script's configuration block is most of what a sliced
+    case keeps, and its ``ctx = nullcontext()`` (autocast on a GPU) three statements more."""
+    codes = [c.code for c in state.cells]
+    got = inline_constants(codes)
+    codes, names = got if got is not None else (codes, [])
+    unwrapped = unwrap_null_contexts(codes)
+    codes, withs = unwrapped if unwrapped is not None else (codes, 0)
     cells = [replace(c, code=code) for i, (c, code) in enumerate(zip(state.cells, codes)) if code.strip() or i == len(codes) - 1]
-    if _size(cells)[1] >= state.size()[1]:
+    if not (names or withs) or _size(cells)[1] >= state.size()[1]:
         return
-    shown = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
+    what = []
+    if names:
+        shown = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
+        what.append(f"{len(names)} setting{'s' * (len(names) != 1)} in where {'they are' if len(names) != 1 else 'it is'} read ({shown}")
+    if withs:
+        blocks = f"{withs} `with` block{'s' * (withs != 1)} over nullcontext() as {'their bodies' if withs != 1 else 'its body'}"
+        what.append(f"; {blocks}" if names else blocks)
     # A needed line that read a setting reads its value now: it is looked for as the inlined case writes it.
     needed, state.needed = state.needed, set(_where(state.needed, "\n".join(c.code for c in cells)))
     if fails(cells):
-        state.steps.append(f"wrote {len(names)} setting{'s' * (len(names) != 1)} in where {'they are' if len(names) != 1 else 'it is'} "
-                           f"read ({shown}; one try)")
+        state.steps.append(f"wrote {''.join(what)}{'; one try)' if names else ' (one try)'}")
         state.cells = cells
     else:
         state.needed = needed
-        said = f"kept the settings as statements: written in where they are read ({shown}), the case did not fail the same way"
+        kept = " and ".join([*(["the settings as statements"] if names else []), *(["the `with nullcontext()` blocks"] if withs else [])])
+        said = f"kept {kept}: with {''.join(what)}{')' if names else ''} written in, the case did not fail the same way"
         if said not in state.steps:  # each slice after a cut asks again (a case tried once is not run again)
             state.steps.append(said)
 

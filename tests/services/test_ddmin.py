@@ -260,3 +260,47 @@ def test_the_budget_is_kept_a_try_that_would_end_past_it_is_not_started(monkeypa
 
     found = minimize(Runs(ranks.restart, slow, ranks.stop), history, budget=45)
     assert found.tries == 2 and found.seconds <= 45 and found.stopped == "the time budget ran out", found.text()
+
+
+def test_a_seed_the_failure_does_not_need_goes_in_one_try_with_what_only_it_read() -> None:
+    """The slice keeps what sets process-wide state (a seed: later code may read it without naming
+    it); one try without it, kept when the case still fails: a pasted script's ``torch.manual_seed(1337
+    + seed_offset)`` and its ``seed_offset``."""
+    ranks = _Ranks()
+    history = session(ranks, ["import random\noffset = int('3')\nrandom.seed(1 + offset)\nbatch = [1, 2][rank]",
+                              "if batch == 2:\n    raise ValueError('bad batch')"])
+    said: list[str] = []
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60, on_progress=said.append)
+    assert [c.code for c in found.cells] == ["batch = [1, 2][rank]", "if batch == 2:\n    raise ValueError('bad batch')"], found.code()
+    assert ("removed 3 statements kept for the process-wide state they set (`random.seed(1 + offset)`) and what only they "
+            "read (one try)") in found.text(), found.text()
+
+
+def test_a_seed_the_failure_needs_stays() -> None:
+    ranks = _Ranks()
+    history = session(ranks, ["import random\nrandom.seed(4)\nnoise = [0] * 3",
+                              "if rank == 1 and random.random() == 0.23604808973743452:\n    raise ValueError('bad draw')"])
+    assert history[-1].failed == [1]
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
+    assert [c.code for c in found.cells][0] == "import random\nrandom.seed(4)", found.code()
+    assert ("kept the statements that set process-wide state (`random.seed(4)`): without them the case did not fail the "
+            "same way") in found.text(), found.text()
+
+
+def test_a_with_over_a_context_that_does_nothing_is_written_as_its_body_in_the_settings_try() -> None:
+    ranks = _Ranks()
+    history = session(ranks, ["from contextlib import nullcontext\nsteps = 3\nctx = nullcontext()",
+                              "for step in range(steps):\n    with ctx:\n        if rank == 1 and step == 2:\n"
+                              "            raise ValueError('bad step')"])
+    found = minimize(Runs(ranks.restart, ranks.run, ranks.stop), history, budget=60)
+    assert [c.code for c in found.cells] == ["for step in range(3):\n    if rank == 1 and step == 2:\n        raise ValueError('bad step')"], \
+        found.code()
+    assert ("wrote 1 setting in where it is read (steps; 1 `with` block over nullcontext() as its body; one try)"
+            in found.text()), found.text()
+
+
+def test_a_decorated_function_is_one_statement_with_its_decorators() -> None:
+    code = "x = 1\n@torch.no_grad()\n@other\ndef f():\n    return 1\nfor i in r:\n    @dec\n    def g():\n        pass\n    g()"
+    assert statements(code) == ["x = 1", "@torch.no_grad()\n@other\ndef f():\n    return 1", "for i in r:\n    @dec\n    def g():\n        pass\n    g()"]
+    assert function_bodies(code)[1] == ("`for i in r:`", ["    @dec\n    def g():\n        pass", "    g()"])
+    assert replace_body(code, 1, ["    g()"]).endswith("for i in r:\n    g()")
