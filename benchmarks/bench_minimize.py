@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 import distnb
-from distnb.services import minimize as minimize_module
+from distnb.services.cases import code_cuts
 
 HERE = Path(__file__).resolve().parent
-_SLICE = minimize_module._slice
+_SLICE = code_cuts.slice_case
 
 #: Set-up a session accumulates before the failure: none of it is needed.
 NOISE = [
@@ -136,9 +136,9 @@ SESSIONS: dict[str, tuple[int, list[str], str, float]] = {
 def run_case(name: str, budget: float, out_dir: Path, slice_first: bool = True) -> dict[str, object]:
     world, before, failing, timeout = SESSIONS[name]
     if not slice_first:  # the A/B arm: the tries alone, as before the slice
-        minimize_module._slice = lambda *_: None
+        code_cuts.slice_case = lambda *_: None  # type: ignore[assignment]
     else:
-        minimize_module._slice = _SLICE
+        code_cuts.slice_case = _SLICE
     pool = distnb.launch(nproc=world, backend="gloo")
     try:
         for code in before:

@@ -30,14 +30,15 @@ from distnb.jobs import pools
 from distnb.pool_views import PoolViews
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellEvents, CellResult, RankResult
+from distnb.services.cases.export import Export, export_session
+from distnb.services.cases.minimal_case import Minimized
+from distnb.services.cases.minimize import Runs, minimize, write_case
+from distnb.services.cases.verify import VERIFY_SECONDS
 from distnb.services.debugger import Ask, Debugger, read_line
-from distnb.services.export import Export, export_session
 from distnb.services.fail_fast import FailFast
 from distnb.services.inspector import Inspector
-from distnb.services.minimize import Minimized, Runs, minimize, write_case
 from distnb.services.rank_debug import RankDebug
 from distnb.services.values import errors_of, fetch_value, pack_values, send_values
-from distnb.services.verify import VERIFY_SECONDS
 from distnb.services.waiting import rebuild_after_unblock, wait_for_cell
 from distnb.states import PoolState
 from distnb.status import PoolStatus, Regrouped
@@ -392,12 +393,12 @@ class Pool(PoolViews):
 
     def minimize(self, budget: float = 300.0, path: str = "minimal.py", on_progress: Callable[[str], None] | None = None,
                  verify: float | None = VERIFY_SECONDS, bound: float | None = None) -> Minimized:
-        """Cut the session's last failure down on this pool (services/minimize.py): the cells before
+        """Cut the session's last failure down on this pool (services/cases/minimize.py): the cells before
         it, then each kept cell's statements, each try on fresh ranks, keeping the same failure;
         within ``budget`` seconds (Ctrl-C stops it, keeping the smallest case found). Writes the case
         as ``path`` (a torchrun script, run once to verify it) and a notebook beside it, then gives
         the ranks back the session's state (a restart that replays it). ``bound``: seconds one try
-        may run a cell (default: services.minimize.try_bound)."""
+        may run a cell (default: services.cases.minimize.try_bound)."""
         history = self._session.history[self._session.launch_index:]
         found = minimize(self._tries(), history, budget, on_progress, bound)
         write_case(found, self._config, path, verify)
@@ -436,7 +437,7 @@ class Pool(PoolViews):
     def export(self, path: str, cells: str | None = None, include_failed: bool = False, only_ok: bool = False,
                by_label: bool = False, verify: float | None = VERIFY_SECONDS, say: Callable[[str], None] | None = None) -> Export:
         """Write the session as a standalone ``torchrun`` script (or a notebook: ``.ipynb``): by
-        default the minimal failing case, see :func:`~distnb.services.export.export_session`. A
+        default the minimal failing case, see :func:`~distnb.services.cases.export.export_session`. A
         script ending with a failed cell is run under torchrun for at most ``verify`` seconds (None:
         not run; ``say`` hears it start) and says whether it reproduced the failure (``.verified``)."""
         return export_session(self._session, path, self._config, cells, include_failed, only_ok, by_label, verify, say)

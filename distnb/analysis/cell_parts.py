@@ -1,7 +1,7 @@
 """A cell's parts, as the minimizer cuts them: its top-level statements with their source as
 written, and the bodies of its functions and blocks (loops, ``with``, an ``if``'s first branch),
 nested ones too. One reader, so that the slice (analysis/slicing.py) and the minimizer's cuts
-(services/minimize.py) count the same statements."""
+(services/cases/minimize.py) count the same statements."""
 
 from __future__ import annotations
 

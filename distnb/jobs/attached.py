@@ -34,13 +34,13 @@ from distnb.jobs.looking import AttachStatus, current_job, look_into, stop_looki
 from distnb.launching.bare_jobs import BareJobFiles, bare_job_of, find_bare_jobs, unreadable_note
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
+from distnb.services.cases.reproduce import JobFacts, Reproduced, job_facts, write_reproduction
 from distnb.services.debugger import Ask, read_line
 from distnb.services.inspector import REREAD_AFTER
 from distnb.services.job_console import JobConsole, warning
 from distnb.services.job_stepper import JobStepper
 from distnb.services.native_stacks import py_spy_dumps, py_spy_path
 from distnb.services.positions import position_of, unsettled
-from distnb.services.reproduce import JobFacts, Reproduced, job_facts, write_reproduction
 from distnb.wire.discovery import JobFiles, jobs_root, list_jobs
 from distnb.wire.protocol import Msg
 from distnb.wire.record_types import CollectivesRead, PeekRead
@@ -263,7 +263,7 @@ class AttachedJob:
     def facts(self) -> JobFacts:
         """What a notebook needs to stand in for the job (``reproduce``): its command line and folder
         (from the discovery files), its settings (rank 0's NCCL/torch variables), and where the
-        diagnosis puts the failure (services/reproduce.py's ``job_facts``)."""
+        diagnosis puts the failure (services/cases/reproduce.py's ``job_facts``)."""
         first = self.files.ranks[min(self.files.ranks)] if self.files.ranks else None
         if first is None or not first.argv:
             raise AttachError(f"job {self.job}'s discovery files carry no command line (written by an older distnb); "
@@ -279,7 +279,7 @@ class AttachedJob:
     def reproduce(self, path: str | None = None, ranks: int | None = None) -> Reproduced:
         """Write a notebook that stands in for the job: a pool of its world size (or ``ranks``, fewer)
         running its script cut into cells, the call where it hangs alone in the last one
-        (services/reproduce.py)."""
+        (services/cases/reproduce.py)."""
         try:
             return write_reproduction(self.facts(), path or f"{self.job}-repro.ipynb", ranks=ranks)
         except ValueError as exc:

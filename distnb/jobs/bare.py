@@ -29,8 +29,8 @@ from distnb.jobs.looking import AttachStatus, stop_looking
 from distnb.jobs.outside_look import Seen, look_from_outside
 from distnb.launching.bare_jobs import BareJobFiles, script_argv
 from distnb.ranks import Ranks, format_ranks, parse_ranks
+from distnb.services.cases.reproduce import Reproduced, job_facts, write_reproduction
 from distnb.services.native_stacks import py_spy_dumps
-from distnb.services.reproduce import Reproduced, job_facts, write_reproduction
 
 __all__ = ["BareJob", "LOOK_WINDOW"]
 
@@ -173,7 +173,7 @@ class BareJob:
                 "torchrun … (or TORCH_NCCL_TRACE_BUFFER_SIZE=2000 for NCCL's Flight Recorder, then %dist_load its dumps) to record them.")
 
     def reproduce(self, path: str | None = None, ranks: int | None = None) -> Reproduced:
-        """Write a notebook that stands in for the job (services/reproduce.py), from its command line,
+        """Write a notebook that stands in for the job (services/cases/reproduce.py), from its command line,
         folder, settings and where the diagnosis puts the failure."""
         if not self.files.ranks:
             raise AttachError(f"job {self.job} has no rank left on this machine to read its command line from.")

@@ -37,8 +37,8 @@ from distnb.errors import LoadError
 from distnb.jobs.looking import AttachStatus, look_into, stop_looking
 from distnb.ranks import Ranks, format_ranks, parse_ranks
 from distnb.results import CellResult, RankResult
+from distnb.services.cases.reproduce import Reproduced, job_facts, write_reproduction
 from distnb.services.positions import position_of
-from distnb.services.reproduce import Reproduced, job_facts, write_reproduction
 from distnb.wire.job_dumps import StackFrame, ThreadRecord
 from distnb.wire.record_types import CollectiveEntry, CollectivesRead
 
@@ -185,7 +185,7 @@ class LoadedJob:
     def reproduce(self, path: str | None = None, ranks: int | None = None) -> Reproduced:
         """Write a notebook that stands in for the job: a pool of its world size (or ``ranks``, fewer)
         running its script cut into cells, the call where it failed alone in the last one
-        (services/reproduce.py)."""
+        (services/cases/reproduce.py)."""
         launch = self.launch
         if not launch.argv:
             raise LoadError(f"job {self.job} left no record with its command line (only dumps or error files): run it under "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from distnb.services.reproduce import Reproduced
+from distnb.services.cases.reproduce import Reproduced
 
 __all__ = ["AttachStatus", "JobView", "current_job", "look_into", "stop_looking"]
 

@@ -45,8 +45,8 @@ def test_an_export_says_it_runs_the_script_and_how_to_skip_that_before_it_does(t
     from distnb.config import LaunchConfig
     from distnb.controller.session import SessionLog
     from distnb.results import CellResult, RankResult
-    from distnb.services import export
-    from distnb.services.verify import Reproduction
+    from distnb.services.cases import export
+    from distnb.services.cases.verify import Reproduction
 
     log = SessionLog()
     cell = CellResult(cell=log.next_cell(), code="raise ValueError('bad')", ranks=[0, 1], results={0: RankResult(0), 1: RankResult(1)})
@@ -99,7 +99,7 @@ def _raised(line: str) -> str:
     ],
 )
 def test_a_runs_signature_counts_timed_out_collectives_as_hangs(tmp_path, stderr, finished, torchrun_out, expected) -> None:
-    from distnb.services.verify import _signature
+    from distnb.services.cases.verify import _signature
 
     world = 4 if 2 in stderr else 2
     assert _signature(_run_logs(tmp_path, stderr), torchrun_out, world, finished, ran_out=False) == expected

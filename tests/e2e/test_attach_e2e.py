@@ -15,7 +15,7 @@ from attachable_jobs import AttachableJob, running_job
 
 import distnb
 from distnb.config import LaunchConfig
-from distnb.services.reproduce import HUNG_CELL_TIMEOUT
+from distnb.services.cases.reproduce import HUNG_CELL_TIMEOUT
 
 from conftest import wait_until
 

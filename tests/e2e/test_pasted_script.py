@@ -70,7 +70,7 @@ def test_the_export_of_a_pasted_script_runs_as_the_cells_did_and_is_verified(fre
     assert "_kept_init" in script and script.rstrip().endswith("_pool_destroy()"), script
     # A script that fails otherwise than the session is never called a reproduction.
     (tmp_path / "other.py").write_text(script.replace('raise ValueError("bad shard on rank 1")', 'raise KeyError("other")'))
-    from distnb.services.verify import session_signature, verify_script
+    from distnb.services.cases.verify import session_signature, verify_script
 
     other = verify_script(tmp_path / "other.py", pool.config, session_signature(res), 60.0)
     assert other.ran and not other.reproduced and "rank 1: ValueError: bad shard on rank 1 in the session, KeyError: 'other' in the script" \

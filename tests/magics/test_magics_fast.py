@@ -22,7 +22,7 @@ from distnb.errors import CellFailed, NoPoolError, PoolBusyError
 from distnb.magics import running, support
 from distnb.ranks import parse_ranks
 from distnb.results import CellEvents, CellResult, RankResult
-from distnb.services.export import Export, run_command
+from distnb.services.cases.export import Export, run_command
 from distnb.states import PoolState, RankState
 from distnb.status import PoolStatus, RankStatus
 

@@ -1,4 +1,4 @@
-"""Delta debugging as the minimizer runs it (services/minimize.py), on a predicate instead of a pool."""
+"""Delta debugging as the minimizer runs it (services/cases/minimize.py), on a predicate instead of a pool."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Iterator
 
 from distnb.analysis.cell_parts import function_bodies, replace_body, statements
 from distnb.results import CellResult, RankResult
-from distnb.services.minimize import Runs, _ddmin, minimize, world_sizes
+from distnb.services.cases.minimize import Runs, _ddmin, minimize, world_sizes
 
 
 def test_ddmin_finds_the_one_minimal_subset_and_asks_few_questions() -> None:
@@ -245,7 +245,7 @@ def test_a_case_without_the_line_where_the_ranks_raised_is_not_tried() -> None:
 
 
 def test_the_budget_is_kept_a_try_that_would_end_past_it_is_not_started(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from distnb.services import minimize as module
+    from distnb.services.cases import minimize as module
 
     now = [0.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: now[0])

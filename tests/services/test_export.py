@@ -13,7 +13,7 @@ from nbtext import outputs_text
 
 import distnb
 from distnb.controller.session import CellRecord
-from distnb.services.export import _show_last_value, select_cells
+from distnb.services.cases.export import _show_last_value, select_cells
 
 from conftest import run_notebook
 
@@ -159,7 +159,7 @@ def test_an_exported_notebook_tags_its_failing_cell_so_it_runs_through_to_the_sh
 
     from distnb.config import LaunchConfig
     from distnb.controller.session import CellRecord
-    from distnb.services.export import export_notebook
+    from distnb.services.cases.export import export_notebook
 
     steps = [CellRecord(1, "x = 1", (0, 1), True), CellRecord(2, "1/0", (0, 1), False)]
     nb = nbformat.read(str(export_notebook(steps, LaunchConfig(nproc=2, backend="gloo"), tmp_path / "r.ipynb")), as_version=4)
@@ -173,7 +173,7 @@ def test_a_hang_exports_as_a_script_that_ends_by_itself_and_is_verified_as_the_c
     that group's too, not torch's 30 minutes for later groups — so the printed command ends by
     itself, and the check, run the same way, counts the rank that timed out as hung while rank 0
     finished and waited."""
-    from distnb.services.export import HANG_TIMEOUT
+    from distnb.services.cases.export import HANG_TIMEOUT
 
     with distnb.Pool(nproc=2, backend="gloo") as pool:
         assert pool.run("t = torch.ones(2)\ng = dist.new_group([0, 1])\ndist.all_reduce(t, group=g)").ok
@@ -199,7 +199,7 @@ def test_ranks_a_finished_rank_stopped_waiting_for_hung_even_if_their_connection
     """A script's group that waits longer than the script's own wait (a group made with its own
     timeout): the finished rank says it stopped waiting and leaves, and the others' closed
     connections after it are that consequence — they hung, as in the session."""
-    from distnb.services.verify import GAVE_UP, _signature
+    from distnb.services.cases.verify import GAVE_UP, _signature
 
     logs = tmp_path / "logs" / "run" / "attempt_0"
     closed = ("[rank{r}]: Traceback (most recent call last):\n[rank{r}]:   File \"repro.py\", line 9\n"

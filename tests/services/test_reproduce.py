@@ -1,4 +1,4 @@
-"""The notebook %dist_reproduce writes (services/reproduce.py), and each way its input can be bad.
+"""The notebook %dist_reproduce writes (services/cases/reproduce.py), and each way its input can be bad.
 The end-to-end run of such a notebook, from a real hung job, is in tests/e2e/test_attach_e2e.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distnb.services.reproduce import JobFacts, job_env, write_reproduction
+from distnb.services.cases.reproduce import JobFacts, job_env, write_reproduction
 
 SCRIPT = '''import torch.distributed as dist
 

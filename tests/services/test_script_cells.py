@@ -1,4 +1,4 @@
-"""The script cut into cells (services/script_cells.py), checked as a property over every line of
+"""The script cut into cells (services/cases/script_cells.py), checked as a property over every line of
 scripts shaped like training jobs: each cell compiles, the cells run one after another in one
 namespace print what the script printed, and the cell marked failing holds the line asked for."""
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from distnb.services.script_cells import split_script
+from distnb.services.cases.script_cells import split_script
 
 #: Scripts in the shapes training jobs take; pure Python, so that running them is cheap and exact.
 SCRIPTS = {

@@ -11,7 +11,7 @@ from test_ddmin import _Ranks, session
 
 from distnb.analysis.cell_parts import statements
 from distnb.analysis.slicing import read_statements, slice_cells
-from distnb.services.minimize import Runs, minimize
+from distnb.services.cases.minimize import Runs, minimize
 
 NOISE = [
     "import math\nlr = 0.1\nsteps = 3",

@@ -1,7 +1,7 @@
 """``%dist_reproduce``: from a job that failed (attached, or loaded from its records) to a notebook
 that stands in for it — a pool of the job's world size (or fewer ranks, ``--ranks``, as long as
 it holds the ranks the diagnosis blamed), with its settings, running the job's own
-script cut into cells (services/script_cells.py), the call where it failed in a cell of its own,
+script cut into cells (services/cases/script_cells.py), the call where it failed in a cell of its own,
 ready to be cut down further (``%dist_minimize``).
 
 The notebook says where it came from and what the job did, sets the ranks up as torchrun had them
@@ -20,8 +20,8 @@ from typing import Mapping
 from distnb.analysis.verdicts.stacks import StackReport
 from distnb.analysis.verdicts.verdict import Kind, Verdict
 from distnb.config import LaunchConfig
-from distnb.services.export import launch_line
-from distnb.services.script_cells import ScriptCells, split_script
+from distnb.services.cases.export import launch_line
+from distnb.services.cases.script_cells import ScriptCells, split_script
 
 __all__ = ["HUNG_CELL_TIMEOUT", "JobFacts", "Reproduced", "job_env", "job_facts", "script_path", "script_site", "write_reproduction"]
 

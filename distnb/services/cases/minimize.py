@@ -18,82 +18,25 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Protocol, Sequence, TypeVar
 
 from distnb.analysis.cell_parts import function_bodies, replace_body, statements
-from distnb.analysis.inlining import inline_constants
 from distnb.analysis.names import read_before_bound
-from distnb.analysis.null_contexts import unwrap_null_contexts
-from distnb.analysis.slicing import read_statements, slice_cells
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
 from distnb.controller.session import CellRecord
 from distnb.ranks import format_ranks
 from distnb.results import CellResult
-from distnb.services.export import export_notebook, export_script
-from distnb.services.verify import Reproduction, session_signature, verify_script
+from distnb.services.cases import code_cuts
+from distnb.services.cases.export import export_notebook, export_script
+from distnb.services.cases.minimal_case import Candidate, Minimized, case_size, weight, where
+from distnb.services.cases.verify import session_signature, verify_script
 
 T = TypeVar("T")
 
-__all__ = ["Candidate", "Minimized", "Runs", "failing_lines", "minimize", "setup_bound", "try_bound", "world_sizes", "write_case"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A cell of the case: its code and the ranks it runs on."""
-
-    code: str
-    ranks: tuple[int, ...]
-    #: The session's time for the cell: an earlier cell of a try gets a bound from it (0: not known).
-    seconds: float = field(default=0.0, compare=False)
-
-
-@dataclass
-class Minimized:
-    """The smallest case found: its cells, what was removed, and what it took."""
-
-    cells: list[Candidate]
-    signature: FailureSignature
-    started_with: tuple[int, int]  # (cells, statements) of the session's case
-    tries: int = 0
-    #: Cases not tried, by why: known to fail otherwise, or to pass, from their code alone.
-    unrun: dict[str, int] = field(default_factory=dict)
-    #: The failing cell's lines where ranks raised or waited, as written: a case without them does not fail the same way.
-    needed: set[str] = field(default_factory=set, repr=False)
-    world_size: int = 0  # the ranks the case needs (the session's world size where none could go)
-    started_world: int = 0
-    seconds: float = 0.0
-    stopped: str = ""  # why it stopped before the end: "interrupted", "budget"
-    steps: list[str] = field(default_factory=list)  # the account of what was removed
-    script: str = ""  # where the case was written (write_case), and what running the script showed
-    notebook: str = ""
-    verified: Reproduction | None = None
-    sliced_at: int = field(default=0, repr=False)  # the case's weight when last sliced: sliced again once it shrank
-
-    def size(self) -> tuple[int, int]:
-        return _size(self.cells)
-
-    def text(self) -> str:
-        cells, stmts = self.size()
-        ranks = f" on {self.world_size} ranks (the session had {self.started_world})" if self.world_size < self.started_world else ""
-        head = (f"minimized: {self.started_with[0]} cells, {self.started_with[1]} statements → {cells} "
-                f"cell{'s' * (cells != 1)}, {stmts} statement{'s' * (stmts != 1)}{ranks}; it still fails as the session did "
-                f"({self.signature.text()}); {self.tries} tries in {self.seconds:.0f} s")
-        if self.stopped:
-            head += f" (stopped early: {self.stopped}; the smallest case found so far)"
-        steps = [*self.steps, *(f"{n} case{'s' * (n != 1)} not tried ({why})" for why, n in self.unrun.items())]
-        lines = [head, *(f"  {s}" for s in steps)]
-        if self.script:
-            lines.append(f"wrote {self.script} and {self.notebook}")
-        if self.verified is not None:
-            lines.append(self.verified.text())
-        return "\n".join(lines)
-
-    def code(self) -> str:
-        """The case as cells, ``# ---- cell N`` between them."""
-        return "\n\n".join(f"# ---- cell {i + 1} ({format_ranks(list(c.ranks))})\n{c.code}" for i, c in enumerate(self.cells))
+__all__ = ["Runs", "failing_lines", "minimize", "setup_bound", "try_bound", "world_sizes", "write_case"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +50,10 @@ class Runs:
     stop: Callable[[CellResult], object]
     world_size: int = 0
     smaller: Callable[[int], AbstractContextManager[Runs]] | None = None
+
+
+class Fails(Protocol):
+    def __call__(self, candidate: list[Candidate], runs: Runs | None = None, signature: FailureSignature | None = None) -> bool: ...
 
 
 def write_case(found: Minimized, config: LaunchConfig, path: str | Path, verify: float | None) -> None:
@@ -147,7 +94,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
              if c.ok or c is failing]
     limit = bound if bound is not None else try_bound(failing)
     world = pool.world_size or 1 + max(r for c in cells for r in c.ranks)
-    state = Minimized(cells, target, _size(cells), world_size=world, started_world=world)
+    state = Minimized(cells, target, case_size(cells), world_size=world, started_world=world)
     t0 = time.monotonic()
     say = on_progress or (lambda _text: None)
     on = [pool]  # the pool the tries run on: the session's, or a smaller one the world-size pass kept
@@ -174,7 +121,7 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
         why_not = _reproduces(runs or on[0], candidate, signature or state.signature, limit)
         took.append(time.monotonic() - started)
         ok = tried[key] = not why_not
-        n, s = _size(candidate)
+        n, s = case_size(candidate)
         cur = state.size()
         say(f"minimizing: {cur[0]} cells, {cur[1]} statements · try {state.tries} ({n} cells, {s} statements): "
             f"{'still fails' if ok else why_not} · {time.monotonic() - t0:.0f} s of {budget:.0f}")
@@ -185,9 +132,9 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
     state.needed = {text for n in lines if 0 < n <= len(failing_code) and (text := failing_code[n - 1].strip())}
     with ExitStack() as pools:
         try:
-            _slice(state, lines, fails)
-            _inline(state, fails)
-            _unshare(state, fails)
+            code_cuts.slice_case(state, lines, fails)
+            code_cuts.inline_settings(state, fails)
+            code_cuts.unshare(state, fails)
             _shrink(state, fails)
             if pool.smaller is not None and (smaller := _cut_world(state, pool, pools, fails, say)) is not None:
                 on[0] = smaller
@@ -200,26 +147,10 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
     return state
 
 
-def _size(cells: Sequence[Candidate]) -> tuple[int, int]:
-    """Cells and top-level statements."""
-    return len(cells), sum(len(statements(c.code)) for c in cells)
-
-
-def _where(needed: set[str], code: str) -> dict[str, list[int]]:
-    """Each of the ``needed`` lines (as written, stripped) that ``code`` still holds, and the
-    numbers of the lines holding it."""
-    found: dict[str, list[int]] = {}
-    for n, line in enumerate(code.splitlines(), 1):
-        for text in needed:
-            if text in line.strip():
-                found.setdefault(text, []).append(n)
-    return found
-
-
 def _unrun(candidate: list[Candidate], needed: set[str], provided: set[str]) -> str:
     """Why ``candidate`` need not be tried, known from its code alone; "" when it must be."""
     code = [c.code for c in candidate]
-    if len(_where(needed, "\n".join(code))) < len(needed):
+    if len(where(needed, "\n".join(code))) < len(needed):
         return "without a line where the session's ranks raised or waited"
     if (read_before_bound(code) or set()) - provided:
         return "reading a name before anything in the case sets it: a NameError, not the failure"
@@ -240,95 +171,22 @@ def failing_lines(failing: CellResult | CellRecord) -> set[int]:
     return lines
 
 
-def _slice(state: Minimized, lines: set[int], fails: Fails) -> None:
-    """One try of what the failing ``lines`` (none: the failing cell as it is now) need by the
-    cells' data flow (analysis/slicing.py), kept when it still fails, so that the tries after start
-    from it. Again after a pass shrank the case: a statement cut takes its reads with it."""
-    state.sliced_at = _weight(state.cells)
-    sliced = _sliced(state, lines, keep_shared=True)
-    if sliced is None:
-        return
-    before, after = state.size(), _size(sliced)
-    what = "the failing line needs" if lines else "the failing cell needs now"
-    if fails(sliced):
-        state.steps.append(f"kept the {after[1]} of {before[1]} statements {what} by the names they set and read, "
-                           "and every call into torch.distributed (read from the code, one try)")
-        state.cells = sliced
-        state.sliced_at = _weight(sliced)
-    else:
-        state.steps.append(f"the {after[1]} statement{'s' * (after[1] != 1)} {what} by its names did not fail alone: cut by trying")
-
-
-def _sliced(state: Minimized, lines: set[int], keep_shared: bool) -> list[Candidate] | None:
-    """The case cut to the slice from ``lines`` (slice_cells); None when it can't be read or is
-    not smaller, or the failing cell would be left empty."""
-    kept = slice_cells([c.code for c in state.cells], lines, keep_shared)
-    if kept is None or not any(kept[-1:]):
-        return None
-    parts = [statements(c.code) for c in state.cells]
-    sliced = [replace(c, code="\n".join(parts[i][j] for j in keep)) for i, (c, keep) in enumerate(zip(state.cells, kept))
-              if keep or i == len(state.cells) - 1]
-    return sliced if _size(sliced)[1] < state.size()[1] else None
-
-
-def _unshare(state: Minimized, fails: Fails) -> None:
-    """One try of the slice without what it keeps only for the process-wide state it sets (a seed,
-    torch's defaults, an environment variable: later statements may read it without naming it):
-    most failures do not need a pasted script's ``torch.manual_seed(1337 + seed_offset)``, and
-    the names those statements read go with them."""
-    lines = {n for found in _where(state.needed, state.cells[-1].code).values() for n in found}
-    sliced = _sliced(state, lines, keep_shared=False)
-    if sliced is None:
-        return
-    parsed = read_statements([c.code for c in state.cells]) or []
-    kept = {s.strip() for c in sliced for s in statements(c.code)}
-    gone = [s.source.strip().splitlines()[0] for cell in parsed for s in cell if s.shared and s.source.strip() not in kept]
-    if not gone:
-        return
-    shown = ", ".join(f"`{g}`" for g in gone[:3]) + (", …" if len(gone) > 3 else "")
-    before = state.size()[1]
-    if fails(sliced):
-        state.steps.append(f"removed {before - _size(sliced)[1]} statements kept for the process-wide state they set ({shown}) "
-                           "and what only they read (one try)")
-        state.cells = sliced
-        state.sliced_at = _weight(sliced)
-    else:
-        state.steps.append(f"kept the statements that set process-wide state ({shown}): without them the case did not fail the same way")
-
-
-class Fails(Protocol):
-    def __call__(self, candidate: list[Candidate], runs: Runs | None = None, signature: FailureSignature | None = None) -> bool: ...
-
-
-def _weight(cells: list[Candidate]) -> int:
-    return sum(len(c.code) for c in cells)
-
-
 def _shrink(state: Minimized, fails: Fails) -> None:
     """Passes over cells, statements and function bodies, again while one shrinks the case: a
     cell becomes unneeded once the statements that used it are gone."""
     while True:
-        before = _weight(state.cells)
-        _reslice(state, fails)
+        before = weight(state.cells)
+        code_cuts.reslice(state, fails)
         _cut_cells(state, fails)
         # The failing cell first, its blocks included: what it stops reading, the slice then drops
         # from the cells before it, each of which would otherwise cost tries of its own.
         _cut_statements(state, fails, [len(state.cells) - 1])
-        _reslice(state, fails)
+        code_cuts.reslice(state, fails)
         _cut_bodies(state, fails, [-1], reslice=True)
         _cut_statements(state, fails, range(len(state.cells) - 1))
         _cut_bodies(state, fails, range(len(state.cells) - 1))
-        if _weight(state.cells) >= before:
+        if weight(state.cells) >= before:
             return
-
-
-def _reslice(state: Minimized, fails: Fails) -> None:
-    """The slice again once a cut shrank the case (cut statements took their reads with them),
-    from the failing lines where they still are, and the settings written in again (a setting
-    changed twice, ``n = 0`` and ``n += 1``, is one once the change is cut)."""
-    if _weight(state.cells) < state.sliced_at:
-        _slice(state, {n for lines in _where(state.needed, state.cells[-1].code).values() for n in lines}, fails)
-        _inline(state, fails)
 
 
 def world_sizes(world_size: int) -> list[int]:
@@ -371,39 +229,6 @@ def _cut_world(state: Minimized, pool: Runs, pools: ExitStack, fails: Fails, say
                 state.cells, state.signature, state.world_size = cells, target, n
                 return runs
     return None
-
-
-def _inline(state: Minimized, fails: Fails) -> None:
-    """One try of the case with its settings written in where they are read (analysis/inlining.py)
-    and each ``with`` over a context that does nothing written as its body
-    (analysis/null_contexts.py): a pasted script's configuration block is most of what a sliced
-    case keeps, and its ``ctx = nullcontext()`` (autocast on a GPU) three statements more."""
-    codes = [c.code for c in state.cells]
-    got = inline_constants(codes)
-    codes, names = got if got is not None else (codes, [])
-    unwrapped = unwrap_null_contexts(codes)
-    codes, withs = unwrapped if unwrapped is not None else (codes, 0)
-    cells = [replace(c, code=code) for i, (c, code) in enumerate(zip(state.cells, codes)) if code.strip() or i == len(codes) - 1]
-    if not (names or withs) or _size(cells)[1] >= state.size()[1]:
-        return
-    what = []
-    if names:
-        shown = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
-        what.append(f"{len(names)} setting{'s' * (len(names) != 1)} in where {'they are' if len(names) != 1 else 'it is'} read ({shown}")
-    if withs:
-        blocks = f"{withs} `with` block{'s' * (withs != 1)} over nullcontext() as {'their bodies' if withs != 1 else 'its body'}"
-        what.append(f"; {blocks}" if names else blocks)
-    # A needed line that read a setting reads its value now: it is looked for as the inlined case writes it.
-    needed, state.needed = state.needed, set(_where(state.needed, "\n".join(c.code for c in cells)))
-    if fails(cells):
-        state.steps.append(f"wrote {''.join(what)}{'; one try)' if names else ' (one try)'}")
-        state.cells = cells
-    else:
-        state.needed = needed
-        kept = " and ".join([*(["the settings as statements"] if names else []), *(["the `with nullcontext()` blocks"] if withs else [])])
-        said = f"kept {kept}: with {''.join(what)}{')' if names else ''} written in, the case did not fail the same way"
-        if said not in state.steps:  # each slice after a cut asks again (a case tried once is not run again)
-            state.steps.append(said)
 
 
 def _cut_cells(state: Minimized, fails: Fails) -> None:
@@ -455,7 +280,7 @@ def _cut_bodies(state: Minimized, fails: Fails, which: Sequence[int], reslice: b
                     state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}")
                     state.cells = with_body(keep)
                     if reslice:
-                        _reslice(state, fails)
+                        code_cuts.reslice(state, fails)
             k += 1
 
 

@@ -1,5 +1,5 @@
 """A training script cut into notebook cells around one line of it: the call where the job failed
-or hung gets a cell of its own (``%dist_reproduce``, services/reproduce.py).
+or hung gets a cell of its own (``%dist_reproduce``, services/cases/reproduce.py).
 
 Cells are the script's top-level statements, kept in order with the comments between them. Two
 rewrites bring a line buried in the usual structure up to the top level, where a cell can hold it:

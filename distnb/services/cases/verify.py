@@ -35,7 +35,7 @@ __all__ = ["GAVE_UP", "VERIFY_SECONDS", "Reproduction", "session_signature", "ve
 #: by still running when it passes.
 VERIFY_SECONDS = 75.0
 #: What a finished rank of an exported script prints when it stops waiting for the others
-#: (services/export.py): the ones that had not finished hung, and their closed connections after
+#: (services/cases/export.py): the ones that had not finished hung, and their closed connections after
 #: it left are its consequence.
 GAVE_UP = "other ranks still had not after"
 

@@ -16,7 +16,7 @@ from distnb.config import DEBUG_ENV, LaunchConfig
 from distnb.controller.session import CellRecord, PushRecord, Step
 from distnb.ranks import format_ranks, rank_span
 from distnb.results import CellResult
-from distnb.services.verify import GAVE_UP, Reproduction, session_signature, verify_script
+from distnb.services.cases.verify import GAVE_UP, Reproduction, session_signature, verify_script
 
 if TYPE_CHECKING:
     from distnb.controller.session import SessionLog
@@ -412,7 +412,7 @@ def export_session(session: SessionLog, path: str, config: LaunchConfig, cells: 
     """Write the session's cells since launch as a standalone ``torchrun`` script, or as a
     notebook when ``path`` ends in ``.ipynb`` (which cells: :func:`select_cells`). With
     ``verify`` (seconds), a script that ends with a failed cell is run under torchrun, bounded
-    by it, and its failure compared with the session's (services/verify.py); ``say`` hears, before
+    by it, and its failure compared with the session's (services/cases/verify.py); ``say`` hears, before
     that run, what it is and how to skip it (it takes seconds: ranks start and must fail)."""
     history = session.history
     start = session.launch_index
