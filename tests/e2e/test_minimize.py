@@ -38,15 +38,17 @@ def test_a_failure_is_cut_down_to_what_it_needs_and_verified(fresh_pool, tmp_pat
     assert distnb.current_pool() is pool and pool.world_size == 3
 
 
-#: A pasted training script's shape, small: its settings, a model under DDP with an optimizer, and a
-#: loop whose gradient-accumulation loop holds the issue's bug — a loss all_reduce only the master
-#: makes (gloo aborts rank 0: its scalar meets rank 1's gradient bucket).
-SCRIPT_CELLS = ["lr = 0.05\naccum = 2\nsteps = 2\nlog_every = 1\nwidth = 8",
+#: A pasted training script's shape, small: its settings, a seed and an autocast context that is
+#: nullcontext() on the CPU, a model under DDP with an optimizer, and a loop whose
+#: gradient-accumulation loop holds the issue's bug — a loss all_reduce only the master makes (gloo
+#: aborts rank 0: its scalar meets rank 1's gradient bucket).
+SCRIPT_CELLS = ["from contextlib import nullcontext\nlr = 0.05\naccum = 2\nsteps = 2\nlog_every = 1\nwidth = 8\ndevice_type = 'cpu'\n"
+                "ctx = nullcontext() if device_type == 'cpu' else torch.autocast(device_type)\ntorch.manual_seed(1337 + rank)",
                 "from torch.nn.parallel import DistributedDataParallel as DDP\nmodel = DDP(torch.nn.Linear(width, width))\n"
                 "opt = torch.optim.SGD(model.parameters(), lr=lr)\nmaster = rank == 0"]
 SCRIPT_FAILING = ("for step in range(steps):\n    opt.zero_grad()\n    for micro in range(accum):\n"
                   "        model.require_backward_grad_sync = micro == accum - 1\n"
-                  "        loss = model(torch.ones(2, width)).sum() / accum\n        loss.backward()\n"
+                  "        with ctx:\n            loss = model(torch.ones(2, width)).sum() / accum\n        loss.backward()\n"
                   "        if step % log_every == 0 and master:\n            dist.all_reduce(loss)  # BUG: the master only\n"
                   "    opt.step()\n    print('step', step)")
 
@@ -62,10 +64,14 @@ def test_a_pasted_training_scripts_failure_is_cut_to_the_loop_that_makes_it(fres
     text, case = found.text(), found.code()
     assert not found.stopped, text
     assert found.signature.text() == "rank 0 died" and found.verified is not None and found.verified.reproduced, text
-    # The settings written in, in one try; the optimizer gone with the step that used it; the
-    # accumulation loop kept, cut down to the call, its condition and what they read.
-    assert "wrote 5 settings in where they are read (accum, log_every, lr, steps, width; one try)" in text, text
+    # The settings written in, and the with over nullcontext() as its body, in one try; the seed in
+    # one more; the optimizer gone with the step that used it; the accumulation loop kept, cut down
+    # to the call, its condition and what they read.
+    assert ("wrote 6 settings in where they are read (accum, device_type, log_every, lr, steps, width; 1 `with` block over "
+            "nullcontext() as its body; one try)") in text, text
+    assert "kept for the process-wide state they set (`torch.manual_seed(1337 + rank)`)" in text, text
     assert "opt" not in case and "print" not in case and "lr" not in case, case
+    assert "ctx" not in case and "nullcontext" not in case and "manual_seed" not in case, case
     assert "        if step % 1 == 0 and master:\n            dist.all_reduce(loss)" in case and "for micro in range(2):" in case, case
     assert "model.require_backward_grad_sync = micro == 1" in case, case
     assert "model = DDP(torch.nn.Linear(8, 8))" in case, case
