@@ -117,6 +117,9 @@ def big_pool(leak_check, request: pytest.FixtureRequest):
     deadline = time.monotonic() + MEMORY_WAIT
     while (available := mem_available_mib()) < need and time.monotonic() < deadline:
         time.sleep(2)
+    if available < need and os.environ.get("DISTNB_REQUIRE_SCALE"):  # CI's scale leg: here it must run
+        pytest.fail(f"{WORLD} ranks on {NNODES} local nodes need ~{need / 1024:.1f} GiB of memory with this torch; "
+                    f"{available / 1024:.1f} GiB is available after {MEMORY_WAIT:.0f} s")
     if available < need:
         pytest.skip(f"{WORLD} ranks on {NNODES} local nodes need ~{need / 1024:.1f} GiB of memory with this torch; "
                     f"{available / 1024:.1f} GiB is available")
