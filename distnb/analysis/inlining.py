@@ -14,7 +14,8 @@ import builtins
 import sys
 import warnings
 
-from distnb.analysis.names import bindings
+from distnb.analysis.branches import drop_dead_branches
+from distnb.analysis.names import bindings, read_before_bound
 
 __all__ = ["fold_constants", "inline_constants"]
 
@@ -59,13 +60,13 @@ def inline_constants(codes: list[str]) -> tuple[list[str], list[str]] | None:
     """The cells with every name bound once, at a top level, to a literal, written in where it is
     read (and its assignment gone), again while that folds another setting to a literal, and the
     names inlined; None when there is none to inline or a cell does not parse."""
-    names: list[str] = []
+    names: set[str] = set()
     for _ in range(_ROUNDS):
         got = _inline_once(codes)
-        if got is None:
+        if got is None or got[0] == codes:
             break
         codes, more = got
-        names += more
+        names.update(more)
     return (codes, sorted(names)) if names else None
 
 
@@ -85,16 +86,23 @@ def _inline_once(codes: list[str]) -> tuple[list[str], list[str]] | None:
             if (shared.count(stmt.lineno) == 1 and isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
                     and counts.get(stmt.targets[0].id) == 1 and _literal(stmt.value) and stmt.lineno == stmt.end_lineno):
                 constants[stmt.targets[0].id] = stmt
-    # A string read inside an f-string before 3.12, or a name that shadows a builtin, stays.
-    for tree in trees:
-        hidden = _in_fstring(tree) if sys.version_info < (3, 12) else set()
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and id(node) in hidden
-                    and node.id in constants and _has_text(constants[node.id].value)):
-                del constants[node.id]
+    # A setting named as a builtin (`compile = False`) is written in only where nothing reads the
+    # name before the assignment runs: such a read is the builtin's.
+    early = read_before_bound(codes, builtins_too=True) if any(hasattr(builtins, name) for name in constants) else set()
     for name in list(constants):
-        if hasattr(builtins, name):
+        if hasattr(builtins, name) and (early is None or name in early):
             del constants[name]
+    # Before 3.12 a string is not written into an f-string: its reads there stay, and so does its
+    # assignment; it is written in everywhere else (`if init_from == 'scratch':` folds, and the
+    # f-string in the branch that goes with it takes the last read along: a later round drops it).
+    hidden: set[int] = set()
+    if sys.version_info < (3, 12):
+        hidden = {id(node) for tree in trees for node in ast.walk(tree) if isinstance(node, ast.Name) and id(node) in _in_fstring(tree)
+                  and node.id in constants and _has_text(constants[node.id].value)}
+    reads = {name: [n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id == name]
+             for name in constants}
+    kept = {name for name, nodes in reads.items() if any(id(n) in hidden for n in nodes)}  # assigned still
+    constants = {name: stmt for name, stmt in constants.items() if name not in kept or any(id(n) not in hidden for n in reads[name])}
     if not constants:
         return None
     out = []
@@ -102,20 +110,22 @@ def _inline_once(codes: list[str]) -> tuple[list[str], list[str]] | None:
         starts = _offsets(code)
         edits: list[tuple[int, int, str]] = []  # (start, end, text) in characters of the cell
         for node in ast.walk(tree):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in constants:
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in constants and id(node) not in hidden:
                 value = constants[node.id].value
                 text = ast.unparse(value)
                 if isinstance(value, ast.UnaryOp):
                     text = f"({text})"  # (-1) ** 2 is not -1 ** 2 (a tuple is written with its parentheses)
                 edits.append((*_span(code, starts, node), text))
         for stmt in tree.body:
-            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) and constants.get(stmt.targets[0].id) is stmt:
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) and constants.get(stmt.targets[0].id) is stmt \
+                    and stmt.targets[0].id not in kept:
                 start = starts[stmt.lineno - 1]
                 end = starts[stmt.lineno] if stmt.lineno < len(starts) else len(code)
                 edits.append((start, end, ""))
         out.append(_apply(code, edits).rstrip("\n"))
     try:
-        out = [fold_constants(code) for code in out]  # a setting read in `4 * n_embd` or `step % log_every == 0`
+        # A setting read in `4 * n_embd` or `step % log_every == 0`, and the branches that decides.
+        out = [drop_dead_branches(fold_constants(code)) for code in out]
     except SyntaxError:
         return None
     return out, sorted(constants)

@@ -65,13 +65,14 @@ class _Flow(ast.NodeVisitor):
     ``if``): each name read before anything bound it. Function and class bodies run later, when
     called; only their defaults and decorators are read where they stand."""
 
-    def __init__(self) -> None:
+    def __init__(self, builtins_too: bool = False) -> None:
         self.bound: set[str] = set()
         self.early: set[str] = set()
+        self.builtins_too = builtins_too
 
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Load):
-            if node.id not in self.bound and not hasattr(builtins, node.id):
+            if node.id not in self.bound and (self.builtins_too or not hasattr(builtins, node.id)):
                 self.early.add(node.id)
         else:
             self.bound.add(node.id)
@@ -149,16 +150,17 @@ class _Flow(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def read_before_bound(codes: list[str]) -> set[str] | None:
+def read_before_bound(codes: list[str], builtins_too: bool = False) -> set[str] | None:
     """The names the cells' module-level code reads before anything bound them, in the order the
     cells run (a loop's body read once through: ``dt = time() - t0`` before ``t0 = time()`` in
     the same loop is a read before), with the names read in function bodies that nothing binds
     anywhere (:func:`unbound_reads`). Each is a NameError where it is reached, unless the
-    namespace the cells run in provides it. None when a cell does not parse."""
+    namespace the cells run in provides it. ``builtins_too``: a builtin's name read before the
+    cells bind it too (there it is the builtin). None when a cell does not parse."""
     trees = _parsed(codes)
     if trees is None:
         return None
-    flow = _Flow()
+    flow = _Flow(builtins_too)
     for tree in trees:
         flow.visit(tree)
     return _unbound(trees) | flow.early
