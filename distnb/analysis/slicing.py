@@ -106,8 +106,8 @@ def _names(node: ast.stmt, modules: set[str]) -> tuple[set[str], set[str], set[s
         if isinstance(sub, ast.Name):
             (binds if isinstance(sub.ctx, (ast.Store, ast.Del)) else reads).add(sub.id)
         elif isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, (ast.Store, ast.Del)):
-            if (root := _root(sub)) is not None:
-                sets.add(root)  # x.a = … and x[i] = … change x
+            if (root := _root(sub)) is not None and root not in modules:
+                sets.add(root)  # x.a = … and x[i] = … change x (a module's, os.environ[…] = …, sets shared state: `shared`)
         elif isinstance(sub, ast.Call):
             changed = [sub.func.value] if isinstance(sub.func, ast.Attribute) and sub.func.attr not in _READING_METHODS else []  # opt.step()
             if _may_change_arguments(sub.func, modules):

@@ -16,6 +16,8 @@ the floor: one rank turns every collective into a copy, which is no longer the f
 
 from __future__ import annotations
 
+import ast
+import textwrap
 import time
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, replace
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence, TypeVar
 
 from distnb.analysis.cell_parts import function_bodies, replace_body, statements
-from distnb.analysis.names import read_before_bound
+from distnb.analysis.names import bindings, read_before_bound
 from distnb.analysis.verdicts.reproduction import FailureSignature, compare_failures
 from distnb.config import LaunchConfig
 from distnb.controller.session import CellRecord
@@ -275,13 +277,41 @@ def _cut_bodies(state: Minimized, fails: Fails, which: Sequence[int], reslice: b
                 def with_body(sub: list[str], i: int = i, k: int = k, cell: Candidate = cell) -> list[Candidate]:
                     return [*state.cells[:i], replace(cell, code=replace_body(cell.code, k, sub)), *state.cells[i + 1:]]
 
-                keep = _ddmin(body, lambda sub: fails(with_body(sub)))
+                guess = _holding_and_binders(body, state.needed)
+                if guess is not None and fails(with_body(guess)):
+                    # The statement the failure is in, and what binds the names it reads: a loop's
+                    # schedule, evaluation and logging gone in one try; then the few left, by trying.
+                    keep = _ddmin(guess, lambda sub: fails(with_body(sub)))
+                else:
+                    keep = _ddmin(body, lambda sub: fails(with_body(sub)))
                 if len(keep) < len(body):
                     state.steps.append(f"removed {len(body) - len(keep)} of the {len(body)} statements of {name}")
                     state.cells = with_body(keep)
                     if reslice:
                         code_cuts.reslice(state, fails)
             k += 1
+
+
+def _holding_and_binders(body: list[str], needed: set[str]) -> list[str] | None:
+    """Of a block's statements, those holding a line where the session's ranks raised or waited,
+    with every statement of the block that binds a name they read before binding it (again for
+    those, a loop's body read once through); None when no statement holds such a line or all would
+    stay. Only names bound, not objects changed: a guess, tried once."""
+    holding = {j for j, part in enumerate(body) if where(needed, part)}
+    if not holding:
+        return None
+    try:
+        binds = [set(bindings(ast.parse(textwrap.dedent(part)))) for part in body]
+    except SyntaxError:  # a continuation line indented less than its statement: not read alone
+        return None
+    keep = set(holding)
+    while True:
+        reads = read_before_bound([textwrap.dedent("\n".join(body[j] for j in sorted(keep)))]) or set()
+        more = {j for j in range(len(body)) if j not in keep and binds[j] & reads}
+        if not more:
+            break
+        keep |= more
+    return [body[j] for j in sorted(keep)] if len(keep) < len(body) else None
 
 
 def setup_bound(cell: Candidate, limit: float) -> float:
