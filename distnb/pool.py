@@ -399,7 +399,7 @@ class Pool(PoolViews):
         as ``path`` (a torchrun script, run once to verify it) and a notebook beside it, then gives
         the ranks back the session's state (a restart that replays it). ``bound``: seconds one try
         may run a cell (default: services.cases.minimize.try_bound)."""
-        history = self._session.history[self._session.launch_index:]
+        history = self._session.failure_window()  # a failure before a `%dist_restart --replay` too
         found = minimize(self._tries(), history, budget, on_progress, bound)
         write_case(found, self._config, path, verify)
         self.restart(replay=True)

@@ -76,6 +76,7 @@ class SessionLog:
         self._history: list[CellResult | CellRecord] = []
         self._pushes: list[PushRecord] = []
         self._launch_index = 0
+        self._starts = [0]  # every launch's start in history, oldest first: a failure's is found after a replay
         # Bookkeeping of the full results in history (by index), so that each cell costs O(1):
         self._full: deque[int] = deque()  # the newest KEEP_RESULTS of them, oldest first
         self._held: list[int] = []  # older ones still running (a background cell): shrunk once ended
@@ -106,7 +107,22 @@ class SessionLog:
     def mark_launch(self, at: int | None = None) -> None:
         """A launch succeeded: replay and export start from here (or from ``at``, where a restart
         that replayed nothing keeps the session's own start)."""
-        self._launch_index = len(self._history) if at is None else at
+        with self._lock:
+            if at is None:
+                self._launch_index = len(self._history)
+                self._starts.append(self._launch_index)
+            else:
+                self._launch_index = self._starts[-1] = at
+
+    def failure_window(self) -> list[CellResult | CellRecord]:
+        """The cells from the start of the launch in which the session's last failed cell ran, on:
+        after ``%dist_restart --replay`` the cells since the launch are the replayed ones, which
+        succeeded, and the failure that prompted the restart is in the launch before. The current
+        launch's cells where no cell has failed."""
+        with self._lock:
+            last = next((i for i in range(len(self._history) - 1, -1, -1) if not self._history[i].ok), None)
+            start = self._launch_index if last is None else max(s for s in self._starts if s <= last)
+            return self._history[start:]
 
     def next_cell(self) -> int:
         return next_cell_number()  # unique in the process: cell_name() looks the In[n] up by it

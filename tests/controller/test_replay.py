@@ -21,6 +21,8 @@ def test_replay_re_pushes_values_between_cells(fresh_pool) -> None:
 
     pool.restart(replay=True)
     assert pool.pull("acc") == {0: [0, 10], 1: [1, 20]}
+    # The failure that prompted the restart is still the one %dist_minimize starts from.
+    assert "1/0" in [c.code for c in pool._session.failure_window()]
     assert pool.pull("only_one", ranks="1") == {1: 5}
     with pytest.raises(distnb.RemoteError, match="'only_one' is not defined on rank 0"):
         pool.pull("only_one", ranks="0")
