@@ -3,8 +3,10 @@
 torch's private names move between releases; keeping every use here means a new torch is checked
 against one folder, and each module degrades to a sentence in the notebook when what it reads is
 missing, never to a failing cell. distnb accepts ``torch>=2.11,<3``; CI runs the whole suite on
-torch 2.13 (Python 3.11) and the fast subset with the core end-to-end tests on torch 2.11
-(Python 3.12). Every name below was checked present on both.
+the newest torch the index gives (2.15.0, Python 3.11), the fast subset with the core end-to-end
+tests on torch 2.11, and the fast subset on torch 2.13's CPU build and on 2.15 under Python 3.12
+and 3.13. ``tests/worker/test_torch_names.py`` pins every name below in each of those (present on
+2.11, 2.13 and 2.15; ``_dump_nccl_trace`` only in builds with NCCL).
 
 ==================  =====================================================  =============================================
 module              what it reads from torch                               without it
