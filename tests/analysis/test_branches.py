@@ -3,11 +3,10 @@ a program does stays the same."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import random
 
 import pytest
+from exec_cells import printed
 
 from distnb.analysis.branches import drop_dead_branches
 from distnb.analysis.inlining import inline_constants
@@ -77,13 +76,7 @@ def _block(rng: random.Random, depth: int, indent: str, in_function: bool) -> li
 
 
 def _run(code: str) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            exec(compile(code, "<cell>", "exec"), {"x": 1, "y": 2, "z": 3})
-        except Exception as exc:
-            print("raised", type(exc).__name__)
-    return out.getvalue()
+    return printed([code], {"x": 1, "y": 2, "z": 3}) or ""
 
 
 def test_random_programs_print_the_same_once_their_constant_branches_go() -> None:

@@ -3,11 +3,11 @@ being statements of the minimal case, and what the code does stays the same."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import random
 import sys
 import warnings
+
+from exec_cells import printed
 
 from distnb.analysis.inlining import inline_constants
 
@@ -68,19 +68,9 @@ def _statement(rng: random.Random, k: int) -> str:
 
 
 def _run(cells: list[str]) -> str | None:
-    """What the cells print, one namespace, as a session runs them; None when one raised NameError
-    (a read before the name was bound: inlining gives it a value — no session that ran gets there)."""
-    ns: dict[str, object] = {}
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        for cell in cells:
-            try:
-                exec(compile(cell, "<cell>", "exec"), ns)
-            except NameError:
-                return None
-            except Exception as exc:  # the same error must come, at the same point
-                print("raised", type(exc).__name__)
-    return out.getvalue()
+    """What the cells print; None when one raised NameError (a read before the name was bound:
+    inlining gives it a value — no session that ran gets there)."""
+    return printed(cells, none_on=(NameError,))
 
 
 def test_random_sessions_print_the_same_once_inlined() -> None:

@@ -3,9 +3,9 @@ what the cells do stays the same, and anything that could change it keeps the ``
 
 from __future__ import annotations
 
-import contextlib
-import io
 import random
+
+from exec_cells import printed
 
 from distnb.analysis.cell_parts import statements
 from distnb.analysis.inlining import inline_constants
@@ -74,15 +74,7 @@ def _block(rng: random.Random, depth: int, indent: str) -> list[str]:
 
 
 def _run(cells: list[str]) -> str:
-    ns: dict[str, object] = {}
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        for cell in cells:
-            try:
-                exec(compile(cell, "<cell>", "exec"), ns)
-            except ValueError as exc:
-                print("raised", exc)
-    return out.getvalue()
+    return printed(cells, messages=True) or ""
 
 
 def test_random_sessions_print_the_same_once_unwrapped() -> None:

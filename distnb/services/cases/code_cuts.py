@@ -27,13 +27,20 @@ def slice_case(state: Minimized, lines: set[int], fails: Try) -> None:
         return
     before, after = state.size(), case_size(sliced)
     what = "the failing line needs" if lines else "the failing cell needs now"
+    _take(state, sliced, fails,
+          f"kept the {after[1]} of {before[1]} statements {what} by the names they set and read, "
+          "and every call into torch.distributed (read from the code, one try)",
+          f"the {after[1]} statement{'s' * (after[1] != 1)} {what} by its names did not fail alone: cut by trying")
+
+
+def _take(state: Minimized, sliced: list[Candidate], fails: Try, took: str, refused: str) -> None:
+    """One try of a slice: the case from now on where it still fails (``took`` said), else ``refused``."""
     if fails(sliced):
-        state.steps.append(f"kept the {after[1]} of {before[1]} statements {what} by the names they set and read, "
-                           "and every call into torch.distributed (read from the code, one try)")
+        state.steps.append(took)
         state.cells = sliced
         state.sliced_at = weight(sliced)
     else:
-        state.steps.append(f"the {after[1]} statement{'s' * (after[1] != 1)} {what} by its names did not fail alone: cut by trying")
+        state.steps.append(refused)
 
 
 def _sliced(state: Minimized, lines: set[int], keep_shared: bool) -> list[Candidate] | None:
@@ -63,14 +70,10 @@ def unshare(state: Minimized, fails: Try) -> None:
     if not gone:
         return
     shown = ", ".join(f"`{g}`" for g in gone[:3]) + (", …" if len(gone) > 3 else "")
-    before = state.size()[1]
-    if fails(sliced):
-        state.steps.append(f"removed {before - case_size(sliced)[1]} statements kept for the process-wide state they set ({shown}) "
-                           "and what only they read (one try)")
-        state.cells = sliced
-        state.sliced_at = weight(sliced)
-    else:
-        state.steps.append(f"kept the statements that set process-wide state ({shown}): without them the case did not fail the same way")
+    _take(state, sliced, fails,
+          f"removed {state.size()[1] - case_size(sliced)[1]} statements kept for the process-wide state they set ({shown}) "
+          "and what only they read (one try)",
+          f"kept the statements that set process-wide state ({shown}): without them the case did not fail the same way")
 
 
 def reslice(state: Minimized, fails: Try) -> None:
