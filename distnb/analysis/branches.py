@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 
+from distnb.analysis.cell_parts import first_line
 from distnb.analysis.names import bindings
 
 __all__ = ["drop_dead_branches"]
@@ -78,9 +79,7 @@ def _rewrite_elif(lines: list[str], node: ast.If, taken: bool) -> str | None:
         return None  # `elif True: x = 1`, on its header's line
     if taken:
         indent = lines[head - 1][: len(lines[head - 1]) - len(lines[head - 1].lstrip())]
-        start = min(getattr(node.body[0], "decorator_list", None) or [node.body[0]], key=lambda n: n.lineno).lineno
-        start = min(start, node.body[0].lineno)
-        return _replace(lines, head, end, [indent + "else:", *lines[start - 1 : body_end]])
+        return _replace(lines, head, end, [indent + "else:", *lines[first_line(node.body[0]) - 1 : body_end]])
     return _replace(lines, head, body_end, [])
 
 
@@ -131,9 +130,7 @@ def _spans_strings(block: list[ast.stmt]) -> bool:
 def _dedent(lines: list[str], block: list[ast.stmt], shift: int) -> list[str]:
     """The lines of ``block`` (a decorated definition from its first decorator), ``shift`` columns
     to the left where they have that much indentation (a continuation line inside brackets may not)."""
-    first = min(getattr(block[0], "decorator_list", None) or [block[0]], key=lambda n: n.lineno).lineno
-    first = min(first, block[0].lineno)
-    out = lines[first - 1 : block[-1].end_lineno]
+    out = lines[first_line(block[0]) - 1 : block[-1].end_lineno]
     return [line[min(shift, len(line) - len(line.lstrip(" "))):] for line in out]
 
 
