@@ -97,7 +97,8 @@ def _inline_once(codes: list[str]) -> tuple[list[str], list[str]] | None:
     # f-string in the branch that goes with it takes the last read along: a later round drops it).
     hidden: set[int] = set()
     if sys.version_info < (3, 12):
-        hidden = {id(node) for tree in trees for node in ast.walk(tree) if isinstance(node, ast.Name) and id(node) in _in_fstring(tree)
+        in_fstrings = set().union(*(_in_fstring(tree) for tree in trees))
+        hidden = {id(node) for tree in trees for node in ast.walk(tree) if isinstance(node, ast.Name) and id(node) in in_fstrings
                   and node.id in constants and _has_text(constants[node.id].value)}
     reads = {name: [n for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id == name]
              for name in constants}
