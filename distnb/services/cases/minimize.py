@@ -115,8 +115,9 @@ def minimize(pool: Runs, history: Sequence[CellResult | CellRecord], budget: flo
             state.unrun[why_not] = state.unrun.get(why_not, 0) + 1
             tried[key] = False
             return False
-        # The budget is kept: a try is not started when one like the quickest so far would end past it.
-        if time.monotonic() - t0 + min(took, default=0.0) > budget:
+        # The budget is kept: a try is not started when one like the longest so far (a hang runs
+        # to its bound) would end past it.
+        if time.monotonic() - t0 + max(took, default=0.0) > budget:
             raise _Budget
         state.tries += 1
         started = time.monotonic()
