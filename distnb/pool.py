@@ -102,6 +102,7 @@ class Pool(PoolViews):
         self._transport: RankTransport = transport if transport is not None else TorchrunRanks(self._config)
         self._regroups = 0
         self._respawns = 0
+        self._warm: list[str] = []  # what fresh ranks have loaded before they start (warm())
         self._internal = InternalErrors()
         pools.add_pool(self)
 
@@ -171,7 +172,7 @@ class Pool(PoolViews):
         except BaseException:
             self._teardown()
             raise
-        request_spares(transport, config, tracker, on_note)
+        request_spares(transport, config, tracker, on_note, modules=self._warm)
         self._session.mark_launch()
         pools.set_current(self)
         return self
@@ -228,6 +229,17 @@ class Pool(PoolViews):
             self._session.mark_launch(base)
         self._session.replay(steps, lambda code, ranks, label: self.wait(self.submit(code, ranks, label=label)), self._push_blob, on_replay)
         return self
+
+    def warm(self, modules: Iterable[str]) -> None:
+        """Fresh ranks from now on (:meth:`restart`) are forked from a process per rank that has
+        imported ``modules`` already — torch's and its libraries' (worker/process/zygote.WARMABLE) —
+        instead of importing them again: DDP's first use imports torch._dynamo, seconds per rank.
+        Cells' results say what they imported first (``CellResult.imported``). Takes the spares' place
+        (their memory); a pool that has no spares (``spares=False``, or too little memory) ignores it."""
+        new = [m for m in dict.fromkeys(modules) if m not in set(self._warm)]
+        if new and self._transport.running():
+            self._warm += new
+            request_spares(self._transport, self._config, self._tracker, modules=new)
 
     def _respawn(self, on_progress: OnProgress | None, on_note: OnNote | None) -> bool:
         if not self._transport.running():
@@ -400,6 +412,7 @@ class Pool(PoolViews):
         the ranks back the session's state (a restart that replays it). ``bound``: seconds one try
         may run a cell (default: services.cases.minimize.try_bound)."""
         history = self._session.failure_window()  # a failure before a `%dist_restart --replay` too
+        self.warm(m for cell in history for m in cell.imported)  # each try's fresh ranks: not the session's imports again
         found = minimize(self._tries(), history, budget, on_progress, bound)
         write_case(found, self._config, path, verify)
         self.restart(replay=True)
@@ -429,6 +442,7 @@ class Pool(PoolViews):
         pool = Pool(replace(self._config, nproc=nproc))
         try:
             pool.start()
+            pool.warm(self._warm)
             yield pool._tries()
         finally:
             pool.shutdown()

@@ -116,6 +116,7 @@ class RankResult:
     paths: dict[str, Any] | None = None  # which notebook lines ran, as transitions (worker/recorders/paths.py)
     compiles: dict[str, Any] | None = None  # torch.compile's frames compiled, recompiles, graph breaks (worker/torch_hooks/compile_record.py)
     threads: list[ThreadError] = field(default_factory=list)  # the rank's other threads' uncaught exceptions in the cell
+    imported: list[str] = field(default_factory=list)  # torch's modules it imported first (a fresh rank's zygote loads them)
 
     def add_output(self, stream: str, text: str) -> None:
         """Append ``text`` to ``stream`` (``"stdout"`` or ``"stderr"``) without copying what is there."""
@@ -193,6 +194,11 @@ class CellResult:
     def blame_words(self) -> str:
         """Whom the diagnosis blamed, in the renderer's words (``root cause: likely rank 2``); "" for none."""
         return blame_words(self.blamed) if self.blamed is not None else ""
+
+    @property
+    def imported(self) -> list[str]:
+        """torch's modules any rank imported first in this cell, in order, once each."""
+        return list(dict.fromkeys(m for r in self.results.values() for m in r.imported))
 
     @property
     def running(self) -> list[int]:

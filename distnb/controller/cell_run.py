@@ -44,7 +44,7 @@ class CellRun:
         res.value, res.error, res.duration, res.memory = msg.get("value"), msg.get("error"), msg.get("duration"), msg.get("memory")
         res.profile, res.sync, res.paths, res.compiles, res.comms = (msg.get("profile"), msg.get("sync"), msg.get("paths"),
                                                                      msg.get("compiles"), msg.get("comms"))
-        res.numerics, res.threads = msg.get("numerics"), msg.get("threads") or []
+        res.numerics, res.threads, res.imported = msg.get("numerics"), msg.get("threads") or [], msg.get("imported") or []
         res.finished_at, res.direct = time.monotonic(), direct
         self.waiting_done.discard(rank)
         return res

@@ -32,13 +32,15 @@ class CellRecord:
     ranks: tuple[int, ...]
     ok: bool
     label: int | None = None  # the notebook's In[n]
+    imported: tuple[str, ...] = ()  # torch's modules the cell imported first (CellResult.imported)
 
     @classmethod
     def of(cls, result: CellResult) -> CellRecord:
         ranks = tuple(result.ranks)
         # Most cells run on the same rank set: share one tuple (and the code text of repeats).
         ranks = _SHARED.setdefault(ranks, ranks)
-        return cls(result.cell, sys.intern(result.code) if len(result.code) < 256 else result.code, ranks, result.ok, result.label)
+        return cls(result.cell, sys.intern(result.code) if len(result.code) < 256 else result.code, ranks, result.ok, result.label,
+                   tuple(result.imported))
 
 
 _SHARED: dict[tuple[int, ...], tuple[int, ...]] = {}

@@ -8,7 +8,7 @@ missing; the words for both are the transport's (``torchrun_ranks.py`` for real 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from distnb import _processes
 from distnb.config import LaunchConfig
@@ -84,10 +84,12 @@ def respawn(tracker: Tracker, transport: RankTransport, config: LaunchConfig, ge
 SPARE_MEMORY_SHARE = 0.6
 
 
-def request_spares(transport: Transport, config: LaunchConfig, tracker: Tracker, on_note: OnNote | None = None) -> None:
+def request_spares(transport: Transport, config: LaunchConfig, tracker: Tracker, on_note: OnNote | None = None,
+                   modules: Sequence[str] = ()) -> None:
     """Each supervisor starts a spare for the next restart (once the ranks are ready, so that the
     spares' imports don't slow the start) — but on this machine only if they fit: a spare is a
-    second Python with torch per rank, and 64 ranks' spares are ~10 GB more."""
+    second Python with torch per rank, and 64 ranks' spares are ~10 GB more. With ``modules``, a
+    zygote in the spare's place, which imports them and forks each fresh rank (worker/process/zygote.py)."""
     if not config.spares:
         return
     here = [r for r, info in tracker.ranks.items() if not info.agent or config.local_nodes]
@@ -101,4 +103,4 @@ def request_spares(transport: Transport, config: LaunchConfig, tracker: Tracker,
             on_note(f"no spare rank processes on this machine: {len(here)} would need ~{need / 2**30:.1f} GiB of the "
                     f"{available / 2**30:.1f} GiB available; %dist_restart starts fresh processes instead (slower).")
     if targets:
-        transport.send_many(map(supervisor_identity, targets), {"t": Msg.SPARE})
+        transport.send_many(map(supervisor_identity, targets), {"t": Msg.SPARE, "modules": list(modules)} if modules else {"t": Msg.SPARE})

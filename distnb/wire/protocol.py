@@ -370,7 +370,15 @@ class NodeRefused(TypedDict):
 
 
 class Ping(TypedDict, total=False):
-    t: Literal["ping", "shutdown", "watch", "spare"]  # unanswered words with no fields of their own
+    t: Literal["ping", "shutdown", "watch"]  # unanswered words with no fields of their own
+
+
+class Spare(TypedDict, total=False):
+    """To a supervisor: keep a spare rank process for the next RESPAWN; with ``modules``, a zygote
+    that has imported them and forks each fresh rank instead (worker/process/zygote.py)."""
+
+    t: Literal["spare"]
+    modules: list[str]
 
 
 # -- who may send what ---------------------------------------------------------------------------
@@ -389,7 +397,7 @@ RankEvent = CellDone | Display | StdinRequest
 #: The controller, to a rank's main thread, its control thread, its supervisor, a node agent.
 ToExec = Exec | Request | StdinReply
 ToControl = Request | Ping | Dap | Hold | Peek
-ToSupervisor = Request | Ping
+ToSupervisor = Request | Ping | Spare
 ToNode = NodeStart | NodeRefused | Ping
 
 def _kinds(union: Any) -> dict[str, frozenset[str]]:

@@ -176,6 +176,7 @@ class CellOutcome(_CellOutcomeCore, total=False):
     paths: dict[str, Any] | None  # the notebook lines' transitions the cell made (worker/paths.py)
     compiles: dict[str, Any] | None  # what torch.compile did during the cell (worker/compile_record.py)
     threads: list[ThreadError]  # uncaught exceptions of the rank's other threads during the cell
+    imported: list[str]  # torch's modules (and its libraries') the cell imported first: a zygote's to load (worker/process/zygote.py)
 
 
 # -- the per-op numerics record (%%on_ranks --numerics) ------------------------------------------

@@ -111,3 +111,53 @@ def test_a_hung_cell_ends_with_the_restart_that_replaces_its_ranks(fresh_pool) -
     assert {r: (v.status, v.cause) for r, v in hung.results.items()} == {r: ("dead", "its pool was restarted") for r in (0, 1)}
     assert "rank 0 died: its pool was restarted, while in all_reduce" in hung.outcome_text()
     assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(240)
+def test_a_warmed_pool_forks_fresh_ranks_with_the_sessions_modules_loaded(fresh_pool) -> None:
+    """%dist_minimize's tries: fresh ranks forked from a zygote per rank that imported what the
+    session's cells imported (worker/process/zygote.py), each a process of its own to the pool."""
+    pool = fresh_pool(nproc=2, spares=True)
+    sups = supervisors(pool)
+    first = pool.run("import json\nimport torch.distributed.fsdp\n1")
+    assert "torch.distributed.fsdp" in first.imported and "json" not in first.imported, first.imported
+    assert pool.run("import torch.distributed.fsdp\n2").imported == []  # only what a cell imported first
+    pool.warm(first.imported)
+    draws: dict[int, set[str]] = {0: set(), 1: set()}
+    zygotes: set[int] = set()
+    for _ in range(2):
+        old = rank_pids(pool)
+        pool.restart()
+        assert pool.state == PoolState.READY and supervisors(pool) == sups
+        new = rank_pids(pool)
+        assert wait_gone(list(old.values()), 5.0) == []
+        res = pool.run("import os, random, sys\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                       "('torch.distributed.fsdp' in sys.modules, t.item(), os.getpid(), os.getppid(), random.random())")
+        assert res.ok, res.text()
+        for r, text in res.values.items():
+            loaded, total, pid, parent, draw = eval(text or "")
+            assert (loaded, total, pid) == (True, 2.0, new[r]), text
+            assert parent != sups[r] and _parent_of(parent) == sups[r], "not forked by a zygote under the rank's supervisor"
+            zygotes.add(parent)
+            draws[r].add(draw)
+    assert len(zygotes) == 2 and all(len(d) == 2 for d in draws.values()), (zygotes, draws)  # each fork draws its own seed
+    # A forked rank's death is said as a started one's: its signal, from its zygote's wait.
+    res = pool.run("import ctypes\nif rank == 1:\n    ctypes.string_at(0)", timeout=60)
+    assert res[1].status == "dead" and res[1].returncode == -signal.SIGSEGV, res.text()
+    pool.restart()
+    assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
+    # A rank dies with its zygote (its parent-death signal); the next restart starts processes anew.
+    zygote0 = _parent_of(rank_pids(pool)[0])
+    os.kill(zygote0, signal.SIGKILL)
+    wait_until(lambda: pool.state == PoolState.BROKEN, 30, "the pool to notice rank 0's death")
+    pool.restart()
+    assert pool.state == PoolState.READY and supervisors(pool) == sups
+    assert pool.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").values == {0: "2.0", 1: "2.0"}
+    assert _parent_of(rank_pids(pool)[0]) == sups[0]
+    pool.shutdown()
+    assert wait_gone(sorted(zygotes), 10.0) == [], "a zygote outlived its pool"

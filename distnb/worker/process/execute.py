@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bdb
 import cmd
+import itertools
 import linecache
 import os
 import pdb
@@ -20,6 +21,7 @@ from distnb.wire.cell_code import CELL_PREFIX, CompiledCell, cell_filename, comp
 from distnb.wire.record_types import CellError, CellOutcome
 from distnb.worker.process.debug import DebugInterrupt, Hooks, quit_error
 from distnb.worker.process.panel_link import PanelLink
+from distnb.worker.process.zygote import heavy_modules
 from distnb.worker.recorders.memory_sampler import MemorySampler
 from distnb.worker.recorders.paths import PathRecorder
 from distnb.worker.recorders.thread_errors import ThreadErrors
@@ -127,6 +129,7 @@ class Executor:
         self.memory.start()
         self.calls.digests.clear()  # this cell's calls only
         failed_before = group_errors()
+        modules_before = len(sys.modules)
         self.clock.start(cell_id, time.time())
         self.started = time.monotonic()
         try:
@@ -184,6 +187,10 @@ class Executor:
             if threads:
                 reply["threads"] = threads
             reply["memory"] = self.memory.stop()
+            if len(sys.modules) > modules_before:  # new entries come last: sys.modules is a dict
+                imported = heavy_modules(itertools.islice(sys.modules, modules_before, None))
+                if imported:
+                    reply["imported"] = imported
             self.clock.end(time.time())
             groups = live_groups()
             reply["sync"] = sync_state(self.calls, groups)

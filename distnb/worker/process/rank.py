@@ -32,12 +32,13 @@ from distnb.wire.peers import PeerKind, exec_identity
 from distnb.wire.protocol import CellDone, Hello, Msg, Ready, StartFailed, StdinReply, ToExec, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import recv_frames, send_frames
+from distnb.worker.process import zygote
+from distnb.worker.process.child import write_event
 from distnb.worker.process.control import ControlThread
 from distnb.worker.process.debug import Prompter
 from distnb.worker.process.debug import install as install_debugger
 from distnb.worker.process.execute import Executor, mimebundle
 from distnb.worker.process.quiet import QuietCheck
-from distnb.worker.process.supervisor import write_event
 from distnb.worker.recorders.checksum import checksum
 from distnb.worker.recorders.memory_sampler import MemorySampler
 from distnb.worker.recorders.paths import record_paths
@@ -440,6 +441,9 @@ def main() -> int:
     spare = os.environ.pop("DISTNB_SPARE_FD", None)
     if spare is not None and not wait_as_spare(int(spare)):
         return 0
+    zygote_fd = os.environ.pop(zygote.ZYGOTE_ENV, None)
+    if zygote_fd is not None and not zygote.run_zygote(int(zygote_fd)):
+        return 0  # the zygote, ended; a forked child goes on as the rank
     r = current = Rank()
     r.setup_process()
     control = r.control = ControlThread(r.ctx, r.addr, r.creds, r.rank, r.executor, r.generation)

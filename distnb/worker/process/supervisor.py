@@ -20,11 +20,10 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any
 
 import zmq
 
@@ -36,120 +35,13 @@ from distnb.wire.peers import PeerKind, supervisor_identity
 from distnb.wire.protocol import Msg, ToSupervisor, accept_request
 from distnb.wire.security import Credentials
 from distnb.wire.zmq_io import drain, send_frames
+from distnb.worker.process.child import Child
 from distnb.worker.process.quiet import ReadFence
+from distnb.worker.process.zygote import ForkedRank, Zygote
 
 #: The most a supervisor reads from a rank's pipe at once: an OUTPUT frame carries at most this.
 READ_SIZE = 1 << 16
 _TAIL_BYTES = 16 * 1024
-_LEN = struct.Struct("!I")
-
-
-def write_event(fd: int, msg: Mapping[str, Any]) -> None:
-    """Rank side: one length-prefixed pickled event on the private pipe to the supervisor."""
-    body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    data = memoryview(_LEN.pack(len(body)) + body)
-    while data:
-        data = data[os.write(fd, data):]
-
-
-class _EventReader:
-    """Supervisor side: reassembles length-prefixed events from pipe reads."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
-        out = []
-        while len(self._buf) >= _LEN.size:
-            (n,) = _LEN.unpack_from(self._buf)
-            if len(self._buf) < _LEN.size + n:
-                break
-            out.append(self._buf[_LEN.size : _LEN.size + n])
-            self._buf = self._buf[_LEN.size + n :]
-        return out
-
-
-class Child:
-    """A rank process and the read ends of its pipes (stdout, stderr, faulthandler dumps, events)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], out_r: int, err_r: int, fault_r: int, events_r: int, wake_w: int = -1,
-                 fence: ReadFence | None = None, box: BlackBox | None = None) -> None:
-        self.proc = proc
-        self.box = box  # the rank's last calls, read when it dies (wire/black_box.py)
-        self.fence = fence  # moved around every read of its pipes (see worker/process/quiet.py)
-        self.streams = {out_r: "stdout", err_r: "stderr"}
-        self.fault_r, self.events_r, self.wake_w = fault_r, events_r, wake_w
-        self.open_fds = {out_r, err_r, fault_r, events_r}
-        self.reader = _EventReader()
-        self.exit_reported = False
-        self.pidfd = -1
-        self.idle_ms = 100
-        self._watched = False
-
-    def watch(self, poller: zmq.Poller) -> None:
-        for fd in self.open_fds:
-            poller.register(fd, zmq.POLLIN)
-        self._watched = True
-        # The rank's exit wakes the loop through a pidfd (Linux >= 5.3): no polling for it, so an
-        # idle supervisor sleeps until a ping or its heartbeat deadline. Without one, look every 100 ms.
-        try:
-            self.pidfd = os.pidfd_open(self.proc.pid)
-            poller.register(self.pidfd, zmq.POLLIN)
-            self.idle_ms = IDLE_POLL_MS
-        except (AttributeError, OSError):
-            self.pidfd, self.idle_ms = -1, 100
-
-    def unwatch_exit(self, poller: zmq.Poller) -> None:
-        """Stop watching the pidfd: it stays readable once the rank has exited."""
-        if self.pidfd >= 0:
-            poller.unregister(self.pidfd)
-            os.close(self.pidfd)
-            self.pidfd, self.idle_ms = -1, 100
-
-    def close(self, fd: int, poller: zmq.Poller) -> None:
-        if self._watched:
-            poller.unregister(fd)
-        self.open_fds.discard(fd)
-        os.close(fd)
-
-    def wake(self, env: dict[str, str]) -> bool:
-        """Tell a spare to become the rank, with ``env`` added to its environment; False if it is gone."""
-        if self.proc.poll() is not None or self.wake_w < 0:
-            return False
-        try:
-            os.write(self.wake_w, pickle.dumps(env))
-        except OSError:
-            return False
-        finally:
-            os.close(self.wake_w)
-            self.wake_w = -1
-        return True
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(5.0)
-        except subprocess.TimeoutExpired:  # stuck in the kernel: the controller's checks will name it
-            pass
-
-    def discard(self, poller: zmq.Poller) -> None:
-        """Kill it (if alive) and close every pipe."""
-        self.kill()
-        self.unwatch_exit(poller)
-        for fd in list(self.open_fds):
-            self.close(fd, poller)
-        if self.wake_w >= 0:
-            os.close(self.wake_w)
-            self.wake_w = -1
-        if self.fence is not None:
-            self.fence.close()
-            self.fence = None
-        if self.box is not None:
-            self.box.close()
-            self.box = None
-
 
 class Supervisor:
     def __init__(self) -> None:
@@ -172,6 +64,7 @@ class Supervisor:
         self.sock.connect(self.addr)
         self.current: Child | None = None  # the rank process now, with its pipes
         self.spare: Child | None = None  # a rank process that has imported torch, waiting (see _respawn)
+        self.zygote: Zygote | None = None  # forks fresh ranks with a session's modules loaded (SPARE with modules)
         self.poller = zmq.Poller()
         self.stderr_tail: collections.deque[bytes] = collections.deque()
         self.stderr_tail_bytes = 0
@@ -181,7 +74,7 @@ class Supervisor:
         self.stopping = False
 
     @property
-    def child(self) -> subprocess.Popen[bytes] | None:
+    def child(self) -> subprocess.Popen[bytes] | ForkedRank | None:
         """The rank process now."""
         return self.current.proc if self.current is not None else None
 
@@ -189,40 +82,43 @@ class Supervisor:
         send_frames(self.sock, self.codec.encode(msg))
 
     def start_child(self, spare: bool = False) -> Child:
-        """A rank process with its pipes; a ``spare`` imports torch, then waits for :meth:`Child.wake`."""
+        """A rank process with its pipes; a ``spare`` imports torch, then waits for :meth:`Child.wake`.
+        With a zygote (``SPARE`` naming modules), the rank is forked from it, those modules loaded."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         fault_r, fault_w = os.pipe()
         events_r, events_w = os.pipe()
         env = dict(os.environ)
-        env["DISTNB_FAULT_FD"] = str(fault_w)
-        env["DISTNB_EVENTS_FD"] = str(events_w)
         env["PYTHONUNBUFFERED"] = "1"
         fence = ReadFence()
-        env["DISTNB_READ_FENCE_FD"] = str(fence.fd)
-        passed = [fault_w, events_w]
+        passed = {"DISTNB_FAULT_FD": fault_w, "DISTNB_EVENTS_FD": events_w, "DISTNB_READ_FENCE_FD": fence.fd}
         box = BlackBox.create()
         if box is not None:
-            env[BLACK_BOX_ENV] = str(box.fd)
-            passed.append(box.fd)
+            passed[BLACK_BOX_ENV] = box.fd
         wake_w = -1
-        if spare:
-            wake_r, wake_w = os.pipe()
-            env["DISTNB_SPARE_FD"] = str(wake_r)
-            passed.append(wake_r)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "distnb.worker.process.rank"],
-            stdin=subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            pass_fds=[*passed, fence.fd],
-            env=env,
-            # The rank must never outlive its supervisor; SIGKILL because a rank blocked in a
-            # collective would not act on SIGTERM.
-            preexec_fn=lambda: _processes.set_parent_death_signal(signal.SIGKILL),
-        )
-        for fd in (out_w, err_w, *passed):
-            if box is None or fd != box.fd:  # the supervisor keeps its own mapping of the box
+        proc: subprocess.Popen[bytes] | ForkedRank | None = None
+        if not spare and self.zygote is not None:
+            proc = self.zygote.fork(env, out_w, err_w, passed, ZYGOTE_WAIT)
+            if proc is None:
+                self._end_zygote()
+        if proc is None:
+            if spare:
+                wake_r, wake_w = os.pipe()
+                passed["DISTNB_SPARE_FD"] = wake_r
+            env.update((name, str(fd)) for name, fd in passed.items())
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "distnb.worker.process.rank"],
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                pass_fds=list(passed.values()),
+                env=env,
+                # The rank must never outlive its supervisor; SIGKILL because a rank blocked in a
+                # collective would not act on SIGTERM.
+                preexec_fn=_die_with_parent,
+            )
+        for fd in (out_w, err_w, *passed.values()):
+            if fd != fence.fd and (box is None or fd != box.fd):  # the supervisor keeps its own mapping of the box
                 os.close(fd)
         fence.passed()
         for fd in (out_r, err_r):
@@ -297,6 +193,13 @@ class Supervisor:
         elif msg["t"] == Msg.RESPAWN:
             self._respawn(int(msg["generation"]))
         elif msg["t"] == Msg.SPARE:
+            if self.zygote is not None and not self.zygote.alive():
+                self._end_zygote()
+            if msg.get("modules"):
+                self._warm(msg["modules"])
+                return
+            if self.zygote is not None:
+                return  # it forks the next rank
             if self.spare is not None and self.spare.proc.poll() is not None:
                 self.spare.discard(self.poller)  # died while waiting (its pipes go with it)
                 self.spare = None
@@ -385,6 +288,7 @@ class Supervisor:
         self._stop_child()
         if self.spare is not None:
             self.spare.discard(self.poller)
+        self._end_zygote()
         self.sock.close(linger=500)
         self.ctx.term()
         return 0
@@ -437,6 +341,21 @@ class Supervisor:
         os.environ.update(update)
         self._adopt(self.start_child())
 
+    def _warm(self, modules: list[str]) -> None:
+        """Fresh ranks from now on are forked from a zygote that has imported ``modules`` (the
+        session's: %dist_minimize's tries); it takes the spare's place."""
+        if self.zygote is None:
+            self.zygote = Zygote.start(dict(os.environ), _die_with_parent)
+            if self.spare is not None:
+                self.spare.discard(self.poller)
+                self.spare = None
+        self.zygote.warm(modules)
+
+    def _end_zygote(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
+
     def _report_exit(self, rc: int, died_at: float, child: Child) -> None:
         tail = b"".join(self.stderr_tail).decode("utf-8", "replace")
         # A clean exit has nothing to explain; a death, the calls it cut short.
@@ -458,9 +377,15 @@ class Supervisor:
             child.wait(5.0)
 
 
-#: How long an idle supervisor sleeps between looks at its heartbeat deadline, at most (its rank's
-#: exit, output, requests and the controller's pings wake it at once).
-IDLE_POLL_MS = 5000
+#: How long a fresh rank waits for the zygote to fork it: it may still be importing what it was
+#: told to (torch._dynamo: ~10 s on a busy machine), which a fresh process would import as slowly.
+ZYGOTE_WAIT = 40.0
+
+
+def _die_with_parent() -> None:
+    _processes.set_parent_death_signal(signal.SIGKILL)
+
+
 #: While a faulthandler dump is being collected, its deadline is looked at this often.
 FAULT_POLL_MS = 20
 
