@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from distnb.worker.process.zygote import ForkedRank, Zygote, heavy_modules
 
-pytestmark = pytest.mark.slow  # each starts a Python that imports torch
 
 
 def test_only_torch_and_its_libraries_modules_are_warmed() -> None:
@@ -30,6 +31,7 @@ def _read_all(fd: int, deadline: float) -> str:
     return out.decode()
 
 
+@pytest.mark.slow  # a zygote imports torch
 @pytest.mark.timeout(120)
 def test_a_forked_rank_writes_on_its_own_pipes_and_its_exit_comes_through_the_zygote() -> None:
     zygote = Zygote.start(dict(os.environ), lambda: None)
@@ -59,3 +61,14 @@ def test_a_forked_rank_writes_on_its_own_pipes_and_its_exit_comes_through_the_zy
         zygote.close()
     assert not zygote.alive()
 
+
+
+def test_a_zygote_refuses_to_fork_beside_a_python_thread_or_the_cuda_driver(tmp_path) -> None:
+    plain, cuda = tmp_path / "maps", tmp_path / "maps-cuda"
+    plain.write_text("7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    cuda.write_text(plain.read_text() + "7f20-7f30 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n")
+    script = ("import sys, threading, time\nfrom distnb.worker.process.zygote import fork_refusal\n"
+              "print(repr(fork_refusal(sys.argv[1])))\nprint(repr(fork_refusal(sys.argv[2])))\n"
+              "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\nprint(repr(fork_refusal(sys.argv[1])))\n")
+    out = subprocess.run([sys.executable, "-c", script, str(plain), str(cuda)], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.splitlines() == ["''", "'the zygote has loaded the CUDA driver'", "'the zygote has 2 Python threads'"], out

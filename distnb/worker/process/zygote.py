@@ -35,7 +35,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["WARMABLE", "ZYGOTE_ENV", "ForkedRank", "Zygote", "heavy_modules", "run_zygote"]
+__all__ = ["WARMABLE", "ZYGOTE_ENV", "ForkedRank", "Zygote", "fork_refusal", "heavy_modules", "run_zygote"]
 
 #: The environment variable that makes a rank process a zygote: its end of the socket pair.
 ZYGOTE_ENV = "DISTNB_ZYGOTE_FD"
@@ -102,9 +102,9 @@ def run_zygote(fd: int) -> bool:
 def _fork(request: dict[str, Any], fds: list[int], sock: socket.socket, statuses: dict[int, int], wake: tuple[int, int]) -> int:
     """Fork a rank with the request's pipes; 0 in the child (set up as the rank), its pid in the zygote."""
     out, err, status, *passed = fds
-    threads = threading.active_count()
-    if threads > 1:  # a Python thread could hold a lock the child needs: the supervisor starts a process instead
-        socket.send_fds(sock, [pickle.dumps({"error": f"the zygote has {threads} Python threads"})], [])
+    refused = fork_refusal()
+    if refused:  # the supervisor starts a process instead
+        socket.send_fds(sock, [pickle.dumps({"error": refused})], [])
         for f in fds:
             os.close(f)
         return -1
@@ -121,6 +121,23 @@ def _fork(request: dict[str, Any], fds: list[int], sock: socket.socket, statuses
         os.close(f)
     socket.send_fds(sock, [pickle.dumps({"pid": pid})], [])
     return pid
+
+
+def fork_refusal(maps_path: str = "/proc/self/maps") -> str:
+    """Why this process must not fork a rank now; "" when it may. A Python thread could hold a lock
+    the child needs (native pools such as OpenBLAS's handle a fork themselves: torch's DataLoader
+    forks beside them). CUDA does not survive a fork once its driver is initialised (a rank would
+    fail at its first CUDA call), and an import may have asked it for the device count."""
+    threads = threading.active_count()
+    if threads > 1:
+        return f"the zygote has {threads} Python threads"
+    try:
+        with open(maps_path) as f:
+            if any("libcuda.so" in line for line in f):
+                return "the zygote has loaded the CUDA driver"
+    except OSError:
+        pass
+    return ""
 
 
 def _become_rank(zygote: int, request: dict[str, Any], out: int, err: int, passed: list[int], zygote_fds: list[int]) -> None:
@@ -254,9 +271,11 @@ class Zygote:
     @classmethod
     def start(cls, env: dict[str, str], preexec: Callable[[], object]) -> Zygote:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # torch.cuda.is_available() by NVML, which leaves the CUDA driver alone (fork_refusal).
+        env = {**env, ZYGOTE_ENV: str(theirs.fileno()), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "distnb.worker.process.rank"], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
-                                env={**env, ZYGOTE_ENV: str(theirs.fileno())}, preexec_fn=preexec)
+                                env=env, preexec_fn=preexec)
         theirs.close()
         return cls(proc, mine)
 
