@@ -15,7 +15,6 @@ import pytest
 from distnb.worker.process.zygote import ForkedRank, Zygote, heavy_modules
 
 
-
 def test_only_torch_and_its_libraries_modules_are_warmed() -> None:
     names = ["torch._dynamo", "sympy.core", "json", "mypackage.train", "torchvision", "numpy.linalg", "torch"]
     assert heavy_modules(names) == ["torch._dynamo", "sympy.core", "numpy.linalg", "torch"]
