@@ -1,13 +1,14 @@
 """%dist_minimize on four of the gallery's failures, each in a session grown as a notebook grows:
 cells of set-up that the failure does not need before it, statements it does not need inside it.
 
-    python benchmarks/bench_minimize.py [--budget 300] [--ab] [--only NAME …]
+    python benchmarks/bench_minimize.py [--budget 300] [--ab | --warm-ab] [--only NAME …]
 
 The failures (notebooks/gallery/): a rank that raises (04), a rank-conditional collective (01), an
 uneven loop (02) and a mesh dimension read per rank (10); and a session shaped like a pasted GPT
 training script (6 cells, 54 statements) whose master-only loss all_reduce sits inside the
 gradient-accumulation loop. ``--ab`` runs each also without the slice first (the tries alone),
-interleaved. For each, on a real gloo pool of the
+interleaved; ``--warm-ab`` each also with every try's ranks started anew (no zygote: each fresh rank
+imports what the session's cells imported again), interleaved. For each, on a real gloo pool of the
 gallery's size: the session's size and the case's (cells, top-level statements, lines), the tries
 and seconds it took, whether the case's script reproduced the failure under torchrun, and the
 case itself. Written to benchmarks/results/minimize.json; reported, not asserted.
@@ -28,6 +29,7 @@ from distnb.services.cases import code_cuts
 
 HERE = Path(__file__).resolve().parent
 _SLICE = code_cuts.slice_case
+_WARM = distnb.Pool.warm
 
 #: Set-up a session accumulates before the failure: none of it is needed.
 NOISE = [
@@ -133,8 +135,9 @@ SESSIONS: dict[str, tuple[int, list[str], str, float]] = {
 }
 
 
-def run_case(name: str, budget: float, out_dir: Path, slice_first: bool = True) -> dict[str, object]:
+def run_case(name: str, budget: float, out_dir: Path, slice_first: bool = True, warm: bool = True) -> dict[str, object]:
     world, before, failing, timeout = SESSIONS[name]
+    distnb.Pool.warm = _WARM if warm else (lambda self, modules: None)  # type: ignore[method-assign]
     if not slice_first:  # the A/B arm: the tries alone, as before the slice
         code_cuts.slice_case = lambda *_: None  # type: ignore[assignment]
     else:
@@ -156,7 +159,7 @@ def run_case(name: str, budget: float, out_dir: Path, slice_first: bool = True) 
             "case_cells": cells, "case_statements": stmts,
             "case_lines": sum(1 for c in found.cells for line in c.code.splitlines() if line.strip() and not line.strip().startswith("#")),
             "tries": found.tries, "not_tried": found.unrun, "minimize_seconds": round(found.seconds, 1), "with_verify_and_replay_seconds": round(took, 1),
-            "slice_first": slice_first, "stopped": found.stopped, "reproduced": bool(found.verified and found.verified.reproduced),
+            "slice_first": slice_first, "warm": warm, "stopped": found.stopped, "reproduced": bool(found.verified and found.verified.reproduced),
             "signature": found.signature.text(), "case": case, "account": found.steps,
         }
     finally:
@@ -168,6 +171,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=300.0, help="seconds each minimization may take")
     parser.add_argument("--only", nargs="*", default=list(SESSIONS), help="cases to run")
     parser.add_argument("--ab", action="store_true", help="each case also without the slice first, interleaved (the tries alone)")
+    parser.add_argument("--warm-ab", action="store_true", help="each case also with fresh ranks started anew (no zygote), interleaved")
     args = parser.parse_args()
     path = HERE / "results" / "minimize.json"
     # The cases not run now keep their last results (each says its own budget).
@@ -176,10 +180,12 @@ def main() -> None:
                               "machine": f"{__import__('os').cpu_count()} cores", "cases": kept}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only:
-            for slice_first in ([False, True] if args.ab else [True]):
-                print(f"== {name}{'' if slice_first else ' (the tries alone)'}", flush=True)
-                result = {"budget": args.budget, **run_case(name, args.budget, Path(tmp), slice_first)}
-                key = (name if slice_first else f"{name} (tries alone)") + ("" if args.budget == 300 else f" ({args.budget:.0f} s)")
+            arms = [(False, True), (True, True)] if args.ab else [(True, False), (True, True)] if args.warm_ab else [(True, True)]
+            for slice_first, warm in arms:
+                arm = "" if slice_first and warm else " (tries alone)" if not slice_first else " (no zygote)"
+                print(f"== {name}{arm}", flush=True)
+                result = {"budget": args.budget, **run_case(name, args.budget, Path(tmp), slice_first, warm)}
+                key = name + arm + ("" if args.budget == 300 else f" ({args.budget:.0f} s)")
                 out["cases"][key] = result  # type: ignore[index]
                 print(json.dumps({k: v for k, v in result.items() if k != "case"}, indent=1), flush=True)
                 print(result["case"], flush=True)

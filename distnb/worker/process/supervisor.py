@@ -379,7 +379,7 @@ class Supervisor:
 
 #: How long a fresh rank waits for the zygote to fork it: it may still be importing what it was
 #: told to (torch._dynamo: ~10 s on a busy machine), which a fresh process would import as slowly.
-ZYGOTE_WAIT = 40.0
+ZYGOTE_WAIT = 50.0
 
 
 def _die_with_parent() -> None:
