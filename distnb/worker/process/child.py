@@ -63,7 +63,7 @@ class Child:
         self.open_fds = {out_r, err_r, fault_r, events_r}
         self.reader = EventReader()
         self.exit_reported = False
-        self.pidfd = -1
+        self.exit_fd = -1  # readable once the rank has exited: a pidfd of our own, or a forked rank's status pipe
         self.idle_ms = 100
         self._watched = False
 
@@ -73,19 +73,22 @@ class Child:
         self._watched = True
         # The rank's exit wakes the loop through a pidfd (Linux >= 5.3): no polling for it, so an
         # idle supervisor sleeps until a ping or its heartbeat deadline. Without one, look every 100 ms.
+        # A forked rank's exit is its status arriving (a pidfd would wake the loop before the zygote
+        # has reaped it, and go on waking it until then).
         try:
-            self.pidfd = os.pidfd_open(self.proc.pid)
-            poller.register(self.pidfd, zmq.POLLIN)
+            self.exit_fd = self.proc.exit_fd if isinstance(self.proc, ForkedRank) else os.pidfd_open(self.proc.pid)
+            poller.register(self.exit_fd, zmq.POLLIN)
             self.idle_ms = IDLE_POLL_MS
         except (AttributeError, OSError):
-            self.pidfd, self.idle_ms = -1, 100
+            self.exit_fd, self.idle_ms = -1, 100
 
     def unwatch_exit(self, poller: zmq.Poller) -> None:
-        """Stop watching the pidfd: it stays readable once the rank has exited."""
-        if self.pidfd >= 0:
-            poller.unregister(self.pidfd)
-            os.close(self.pidfd)
-            self.pidfd, self.idle_ms = -1, 100
+        """Stop watching the exit: it stays readable once the rank has exited."""
+        if self.exit_fd >= 0:
+            poller.unregister(self.exit_fd)
+            if not isinstance(self.proc, ForkedRank):  # the status pipe is the ForkedRank's
+                os.close(self.exit_fd)
+            self.exit_fd, self.idle_ms = -1, 100
 
     def close(self, fd: int, poller: zmq.Poller) -> None:
         if self._watched:
@@ -129,3 +132,5 @@ class Child:
         if self.box is not None:
             self.box.close()
             self.box = None
+        if isinstance(self.proc, ForkedRank):
+            self.proc.close()

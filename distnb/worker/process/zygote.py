@@ -72,34 +72,25 @@ def run_zygote(fd: int) -> bool:
     import torch.distributed  # noqa: F401  (as a spare does)
 
     sock = socket.socket(fileno=fd)
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears it
-    signal.set_wakeup_fd(wake_w)
     statuses: dict[int, int] = {}  # pid -> the status pipe's write end
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
+    # Reaped in the handler, whatever the loop is doing (a long import): the status is what tells
+    # the supervisor its rank has ended.
+    signal.signal(signal.SIGCHLD, lambda *_: _reap(statuses))
     while True:
-        for fdno, _ in poller.poll():
-            if fdno == wake_r:
-                os.read(wake_r, 4096)
-                _reap(statuses)
-                continue
-            msg, fds, _flags, _addr = socket.recv_fds(sock, _RECV, 16)
-            if not msg:
-                for out in statuses.values():
-                    os.close(out)
-                return False
-            request = pickle.loads(msg)
-            if request["op"] == "import":
-                _import(request["modules"])
-                continue
-            pid = _fork(request, fds, sock, statuses, (wake_r, wake_w))
-            if pid == 0:
-                return True
+        msg, fds, _flags, _addr = socket.recv_fds(sock, _RECV, 16)
+        if not msg:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+            for out in statuses.values():
+                os.close(out)
+            return False
+        request = pickle.loads(msg)
+        if request["op"] == "import":
+            _import(request["modules"])
+        elif _fork(request, fds, sock, statuses) == 0:
+            return True
 
 
-def _fork(request: dict[str, Any], fds: list[int], sock: socket.socket, statuses: dict[int, int], wake: tuple[int, int]) -> int:
+def _fork(request: dict[str, Any], fds: list[int], sock: socket.socket, statuses: dict[int, int]) -> int:
     """Fork a rank with the request's pipes; 0 in the child (set up as the rank), its pid in the zygote."""
     out, err, status, *passed = fds
     refused = fork_refusal()
@@ -111,12 +102,15 @@ def _fork(request: dict[str, Any], fds: list[int], sock: socket.socket, statuses
     sys.stdout.flush()
     sys.stderr.flush()
     me = os.getpid()
+    # Until its status pipe is recorded, a child that ends at once must not be reaped without it.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     pid = os.fork()
     if pid == 0:
         sock.close()
-        _become_rank(me, request, out, err, passed, [*wake, *statuses.values(), status])
+        _become_rank(me, request, out, err, passed, [*statuses.values(), status], mask)
         return 0
     statuses[pid] = status
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for f in (out, err, *passed):
         os.close(f)
     socket.send_fds(sock, [pickle.dumps({"pid": pid})], [])
@@ -140,10 +134,11 @@ def fork_refusal(maps_path: str = "/proc/self/maps") -> str:
     return ""
 
 
-def _become_rank(zygote: int, request: dict[str, Any], out: int, err: int, passed: list[int], zygote_fds: list[int]) -> None:
+def _become_rank(zygote: int, request: dict[str, Any], out: int, err: int, passed: list[int], zygote_fds: list[int],
+                 mask: Iterable[int]) -> None:
     """In the forked child: the rank's stdio and environment, nothing of the zygote's."""
-    signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for f in zygote_fds:
         os.close(f)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -176,20 +171,22 @@ def _become_rank(zygote: int, request: dict[str, Any], out: int, err: int, passe
 
 
 def _reap(statuses: dict[int, int]) -> None:
-    while True:
+    """Each forked rank that has ended: its exit status to its pipe. Only ours: a child an import
+    started is its own module's to wait for (subprocess would read a stolen one as exit code 0)."""
+    for pid in list(statuses):
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        out = statuses.pop(pid, None)
-        if out is not None:
-            try:
+            done, status = pid, -1
+        out = statuses.pop(pid, None) if done else None  # None: running, or a nested call took it
+        if out is None:
+            continue
+        try:
+            if status >= 0:
                 os.write(out, _STATUS.pack(os.waitstatus_to_exitcode(status)))
-            except OSError:
-                pass
-            os.close(out)
+        except OSError:
+            pass
+        os.close(out)
 
 
 # -- the supervisor's side --------------------------------------------------------------------------
@@ -201,7 +198,7 @@ class ForkedRank:
     def __init__(self, pid: int, status_r: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self._status_r = status_r
+        self.exit_fd = self._status_r = status_r  # readable once the status (or the pipe's end) is there
         self._buf = b""
         try:
             self._pidfd = os.pidfd_open(pid)  # signals reach this process even once its pid is reused
@@ -239,6 +236,8 @@ class ForkedRank:
 
     def _read(self, timeout: float | None) -> bool:
         """True once the status (or the pipe's end) has been read."""
+        if self._status_r < 0:
+            return True
         ready, _, _ = select.select([self._status_r], [], [], timeout)
         while ready:
             data = os.read(self._status_r, _STATUS.size - len(self._buf))
@@ -251,13 +250,15 @@ class ForkedRank:
         return False
 
     def _done(self) -> None:
-        if self.returncode is not None:
-            return
-        self.returncode = _STATUS.unpack(self._buf)[0] if len(self._buf) == _STATUS.size else -signal.SIGKILL
-        os.close(self._status_r)
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+        if self.returncode is None:
+            self.returncode = _STATUS.unpack(self._buf)[0] if len(self._buf) == _STATUS.size else -signal.SIGKILL
+
+    def close(self) -> None:
+        """Let go of its pipe and pidfd (the supervisor has discarded it)."""
+        for fd in (self._status_r, self._pidfd):
+            if fd >= 0:
+                os.close(fd)
+        self._status_r = self._pidfd = self.exit_fd = -1
 
 
 class Zygote:
