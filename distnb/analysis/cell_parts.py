@@ -1,6 +1,6 @@
 """A cell's parts, as the minimizer cuts them: its top-level statements with their source as
-written, and the bodies of its functions and blocks (loops, ``with``, an ``if``'s first branch),
-nested ones too. One reader, so that the slice (analysis/slicing.py) and the minimizer's cuts
+written, and the bodies of its functions and blocks (loops, ``with``, an ``if``'s first branch and
+its ``else:``), nested ones too. One reader, so that the slice (analysis/slicing.py) and the minimizer's cuts
 (services/cases/minimize.py) count the same statements."""
 
 from __future__ import annotations
@@ -45,43 +45,59 @@ def statements(code: str) -> list[str]:
 
 
 _Block = ast.FunctionDef | ast.AsyncFunctionDef | ast.For | ast.AsyncFor | ast.While | ast.With | ast.AsyncWith | ast.If
+_KINDS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.If)
 
 
-def _blocks(code: str) -> list[_Block]:
-    """The cell's functions and blocks (a loop, a ``with``, an ``if``'s first branch) whose body
-    can be cut apart, outermost first, nested ones too: a training loop's body holds most of what
-    a failure in it does not need (the schedule, the clipping, the logging), and the gradient
-    accumulation loop inside it more."""
+def _else(node: ast.If, lines: list[str]) -> bool:
+    """Whether an ``if`` has an ``else:`` of its own (an ``elif`` is an ``if`` of the chain, cut as one)."""
+    if not node.orelse:
+        return False
+    first = node.orelse[0]
+    return not (isinstance(first, ast.If) and lines[first.lineno - 1].lstrip().startswith("elif"))
+
+
+def _blocks(code: str) -> list[tuple[_Block, list[ast.stmt], str]]:
+    """The cell's functions and blocks whose body can be cut apart — a loop, a ``with``, an ``if``'s
+    first branch and its ``else:`` — outermost first, nested ones too, each with its statements and
+    name: a training loop's body holds most of what a failure in it does not need (the schedule,
+    the clipping, the logging), and the gradient accumulation loop inside it more; a pasted
+    script's ``if ddp: … else: …`` keeps a branch the ranks never run."""
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return []
-    # A block written on one line (``def f(): return 1``) has no body to cut apart.
-    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.If)
-    return [n for n in ast.walk(tree) if isinstance(n, kinds) and first_line(n.body[0]) > n.lineno]
+    lines = code.splitlines()
+    out: list[tuple[_Block, list[ast.stmt], str]] = []
+    for n in ast.walk(tree):
+        # A block written on one line (``def f(): return 1``) has no body to cut apart.
+        if isinstance(n, _KINDS) and first_line(n.body[0]) > n.lineno:
+            out.append((n, n.body, _block_name(n, lines)))
+            if isinstance(n, ast.If) and _else(n, lines) and not lines[n.orelse[0].lineno - 1][: n.orelse[0].col_offset].strip():
+                out.append((n, n.orelse, f"the `else:` of {_block_name(n, lines)}"))
+    return out
 
 
-def _block_name(node: _Block, code: str) -> str:
+def _block_name(node: _Block, lines: list[str]) -> str:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return f"{node.name}()"
-    return f"`{code.splitlines()[node.lineno - 1].strip()}`"
+    return f"`{lines[node.lineno - 1].strip()}`"
 
 
 def function_bodies(code: str) -> list[tuple[str, list[str]]]:
     """Each function or block the cell has (:func:`_blocks`): its name (``step()``, or its first line in
     backticks) and its body's statements as source (indented as written)."""
     lines = code.splitlines()
-    return [(_block_name(fn, code), ["\n".join(lines[first_line(node) - 1 : node.end_lineno or node.lineno]) for node in fn.body])
-            for fn in _blocks(code)]
+    return [(name, ["\n".join(lines[first_line(node) - 1 : node.end_lineno or node.lineno]) for node in body])
+            for _, body, name in _blocks(code)]
 
 
 def replace_body(code: str, k: int, body: list[str]) -> str:
     """The cell with the body of its ``k``-th function or block (:func:`_blocks`) made of ``body`` (``pass``
     when empty: the function stays callable, the loop runs). What follows the body (an ``else``
     branch, the statements after) stays as written."""
-    fn = _blocks(code)[k]
+    _, old, _ = _blocks(code)[k]
     lines = code.splitlines()
-    head = lines[: first_line(fn.body[0]) - 1]
-    tail = lines[(fn.body[-1].end_lineno or fn.body[-1].lineno):]
-    indent = " " * fn.body[0].col_offset
+    head = lines[: first_line(old[0]) - 1]
+    tail = lines[(old[-1].end_lineno or old[-1].lineno):]
+    indent = " " * old[0].col_offset
     return "\n".join([*head, *(body or [indent + "pass"]), *tail])

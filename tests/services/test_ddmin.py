@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import random
 import sys
 import traceback
 from contextlib import contextmanager
@@ -103,6 +105,25 @@ def test_a_function_body_is_replaced_in_place_keeping_its_decorators_and_what_fo
                                      ("`if a:`", ["        b = 2"])]  # nested blocks too, outermost first
     assert replace_body(code, 0, ["    return a"]) == "@torch.no_grad()\ndef evaluate(m):\n    return a\nafter = 1"
     assert replace_body(code, 0, []) == "@torch.no_grad()\ndef evaluate(m):\n    pass\nafter = 1"
+
+
+def test_an_else_branch_is_cut_apart_too_and_an_elif_chain_stays_whole() -> None:
+    """A pasted script's ``if ddp: … else: …`` keeps a branch no rank runs: its statements are cut
+    as a body's. An ``elif`` is the chain's next ``if`` (its own body and ``else:``); an ``else: x``
+    on one line has no body to cut."""
+    code = ("if ddp:\n    rank = 1\n    dev = 'cpu'\nelse:\n    # one process\n    master = True\n    world = 1\n"
+            "if x:\n    e = 1\nelif y:\n    f = 1\nelse:\n    h = 3\n    i = 4\nif z: pass\nelse: j = 5\nafter = 1")
+    assert function_bodies(code) == [("`if ddp:`", ["    rank = 1", "    dev = 'cpu'"]),
+                                     ("the `else:` of `if ddp:`", ["    master = True", "    world = 1"]),
+                                     ("`if x:`", ["    e = 1"]), ("`elif y:`", ["    f = 1"]),
+                                     ("the `else:` of `elif y:`", ["    h = 3", "    i = 4"])]
+    cut = replace_body(code, 1, ["    world = 1"])
+    assert cut.startswith("if ddp:\n    rank = 1\n    dev = 'cpu'\nelse:\n    # one process\n    world = 1\nif x:"), cut
+    assert replace_body(code, 4, []).endswith("elif y:\n    f = 1\nelse:\n    pass\nif z: pass\nelse: j = 5\nafter = 1")
+    rng = random.Random(3)
+    for k, (_, body) in enumerate(function_bodies(code)):  # every cut of every body still parses
+        for _ in range(5):
+            ast.parse(replace_body(code, k, rng.sample(body, rng.randint(0, len(body)))))
 
 
 def test_a_failure_on_a_low_rank_is_cut_to_the_smallest_world_that_still_shows_it() -> None:
