@@ -429,9 +429,8 @@ class Pool(PoolViews):
             return res
 
         def stop(res: CellResult) -> None:
-            if res.running:
-                self.interrupt(res.running)
-                self.wait(res, timeout=15.0, ask=None, rebuild=False)  # the next try restarts the ranks
+            """Nothing: the next try's restart kills ranks still in a cell, which then ends as dead
+            (Tracker.begin_respawn); interrupting ranks blocked in gloo first took seconds a try."""
 
         return Runs(self.restart, run, stop, self.world_size, self._smaller if self._config.nnodes == 1 else None)
 
