@@ -222,7 +222,9 @@ def read_statements(cells: list[str]) -> list[list[Statement]] | None:
                 local = _local_names(node)
                 effects[node.name], global_reads[node.name] = frozenset(sets - local), frozenset(reads - local)
                 sets, binds = set(), {node.name}  # its body's names are its own until it is called
-            collective = _reaches_dist(node, collective_functions)
+            # An import at the top calls nothing: it is kept where its names are read (inside a
+            # function, one marks the function as reaching torch.distributed).
+            collective = not isinstance(node, ast.ImportFrom) and _reaches_dist(node, collective_functions)
             if collective and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 collective_functions.add(node.name)
                 collective = False  # defining it calls nothing; a statement that calls it does

@@ -50,6 +50,17 @@ def test_every_call_into_torch_distributed_stays_and_a_function_that_makes_one()
                     ["def sync(t):\n    dist.all_reduce(t)"], ["x = torch.ones(2)", "sync(x)", "y = 3", "raise ValueError(y)"]], kept
 
 
+def test_an_import_from_torch_distributed_stays_only_where_its_names_are_read() -> None:
+    """A pasted script's ``from torch.distributed import init_process_group, destroy_process_group``
+    calls nothing: once the set-up that called them is cut, it goes too (it was kept as a call)."""
+    cells = ["from torch.distributed import init_process_group, destroy_process_group\nfrom torch.distributed import all_reduce",
+             "def helper():\n    from torch.distributed import barrier\n    barrier()\nt = torch.ones(1)\nhelper()\nall_reduce(t)\nraise ValueError(t)"]
+    kept = _kept(cells, {7})
+    assert kept == [["from torch.distributed import all_reduce"],  # the set-up's import gone, the collective's kept
+                    ["def helper():\n    from torch.distributed import barrier\n    barrier()", "t = torch.ones(1)", "helper()",
+                     "all_reduce(t)", "raise ValueError(t)"]], kept
+
+
 def test_a_call_changes_what_it_is_given_and_the_object_whose_method_it_calls() -> None:
     (s,) = read_statements(["opt.step(grads, lr=rate)"])[0]  # type: ignore[index]
     assert {"opt", "grads", "rate"} <= s.sets and {"opt", "grads", "rate"} <= s.reads
