@@ -237,8 +237,8 @@ class Pool(PoolViews):
         Cells' results say what they imported first (``CellResult.imported``). Takes the spares' place
         (their memory); a pool that has no spares (``spares=False``, or too little memory) ignores it."""
         new = [m for m in dict.fromkeys(modules) if m not in set(self._warm)]
-        if new and self._transport.running():
-            self._warm += new
+        self._warm += new
+        if new and self._transport.running():  # else the next start() names them
             request_spares(self._transport, self._config, self._tracker, modules=new)
 
     def _respawn(self, on_progress: OnProgress | None, on_note: OnNote | None) -> bool:
