@@ -71,3 +71,20 @@ def test_a_zygote_refuses_to_fork_beside_a_python_thread_or_the_cuda_driver(tmp_
               "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\nprint(repr(fork_refusal(sys.argv[1])))\n")
     out = subprocess.run([sys.executable, "-c", script, str(plain), str(cuda)], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.splitlines() == ["''", "'the zygote has loaded the CUDA driver'", "'the zygote has 2 Python threads'"], out
+
+
+@pytest.mark.slow  # a zygote imports torch
+@pytest.mark.timeout(120)
+def test_a_dead_zygote_forks_nothing_and_says_so_by_none() -> None:
+    """The supervisor then starts the rank as a process (worker/process/supervisor.py)."""
+    zygote = Zygote.start(dict(os.environ), lambda: None)
+    zygote.proc.kill()
+    zygote.proc.wait(30.0)
+    zygote.warm(["torch.distributed.fsdp"])  # to a dead zygote: nothing, no error
+    r, w = os.pipe()
+    try:
+        assert zygote.fork(dict(os.environ), w, w, {}, timeout=30.0) is None
+    finally:
+        os.close(r)
+        os.close(w)
+        zygote.close()

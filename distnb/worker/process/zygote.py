@@ -16,8 +16,9 @@ supervisor as a ``subprocess.Popen`` would.
 
 What a fork keeps that a fresh process would not: the hash seed and the zygote's imported state.
 Python's ``random`` reseeds itself in the child; NumPy's global generator is reseeded here. Only
-modules of packages whose import sets nothing from a session's settings are imported
-(:data:`WARMABLE`); a module that fails to import is skipped (the cell that needs it raises then).
+torch's modules and those of the libraries torch imports lazily are imported (:data:`WARMABLE`): a
+session's own modules may read, as they are imported, settings its cells make first. A module that
+fails to import is skipped (the cell that needs it raises then).
 """
 
 from __future__ import annotations
@@ -287,7 +288,10 @@ class Zygote:
         new = [m for m in heavy_modules(modules) if m not in self.modules]
         if new and self.alive():
             self.modules.update(new)
-            self._send({"op": "import", "modules": new}, [])
+            try:
+                self._send({"op": "import", "modules": new}, [])
+            except OSError:  # it has just died: the next fork finds it gone and starts a process
+                pass
 
     def fork(self, env: dict[str, str], stdout: int, stderr: int, passed: dict[str, int], timeout: float) -> ForkedRank | None:
         """A rank forked with these pipes (the caller keeps and closes its copies); None if the
@@ -303,11 +307,12 @@ class Zygote:
         finally:
             os.close(status_w)
         ready, _, _ = select.select([self._sock], [], [], timeout)
-        answer = pickle.loads(self._sock.recv(_RECV)) if ready else {}
+        data = self._sock.recv(_RECV) if ready else b""
+        answer = pickle.loads(data) if data else {}  # nothing: it did not answer in time, or it died
         if "pid" not in answer:
             os.close(status_r)
-            if not ready:
-                self.close()  # its answer would come to the next request
+            if not data:
+                self.close()  # a late answer would come to the next request
             return None
         return ForkedRank(int(answer["pid"]), status_r)
 
