@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ast
 
-from distnb.analysis.cell_parts import first_line
+from distnb.analysis.cell_parts import dedented, first_line, spans_strings
 from distnb.analysis.names import bindings
 
 __all__ = ["drop_dead_branches"]
@@ -54,9 +54,9 @@ def _rewrite(code: str, tree: ast.Module, node: ast.If | ast.While) -> str | Non
         return _replace(lines, head, end, _nothing(tree, node))
     if taken:
         body = node.body
-        if body[0].lineno == head or _spans_strings(body):
+        if body[0].lineno == head or spans_strings(body):
             return None
-        return _replace(lines, head, end, _dedent(lines, body, body[0].col_offset - node.col_offset))
+        return _replace(lines, head, end, dedented(lines, body, body[0].col_offset - node.col_offset))
     if not node.orelse:
         return _replace(lines, head, end, _nothing(tree, node))
     first = node.orelse[0]
@@ -65,9 +65,9 @@ def _rewrite(code: str, tree: ast.Module, node: ast.If | ast.While) -> str | Non
         # `elif c:` becomes `if c:` in the `if`'s place, its branches as written.
         indent = text[: len(text) - len(text.lstrip())]
         return _replace(lines, head, end, [indent + text.lstrip()[2:], *lines[first.lineno : first.end_lineno]])
-    if text.lstrip().startswith("else") or _spans_strings(node.orelse):
+    if text.lstrip().startswith("else") or spans_strings(node.orelse):
         return None  # `else: x = 1`, on its header's line
-    return _replace(lines, head, end, _dedent(lines, node.orelse, first.col_offset - node.col_offset))
+    return _replace(lines, head, end, dedented(lines, node.orelse, first.col_offset - node.col_offset))
 
 
 def _rewrite_elif(lines: list[str], node: ast.If, taken: bool) -> str | None:
@@ -120,18 +120,6 @@ def _nothing(tree: ast.Module, node: ast.stmt) -> list[str]:
             if isinstance(block, list) and node in block and len(block) == 1 and not isinstance(parent, ast.Module):
                 return [" " * node.col_offset + "pass"]
     return []
-
-
-def _spans_strings(block: list[ast.stmt]) -> bool:
-    return any(isinstance(n, ast.Constant) and isinstance(n.value, (str, bytes)) and n.lineno != n.end_lineno
-               for stmt in block for n in ast.walk(stmt))
-
-
-def _dedent(lines: list[str], block: list[ast.stmt], shift: int) -> list[str]:
-    """The lines of ``block`` (a decorated definition from its first decorator), ``shift`` columns
-    to the left where they have that much indentation (a continuation line inside brackets may not)."""
-    out = lines[first_line(block[0]) - 1 : block[-1].end_lineno]
-    return [line[min(shift, len(line) - len(line.lstrip(" "))):] for line in out]
 
 
 def _replace(lines: list[str], head: int, end: int, new: list[str]) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["first_line", "function_bodies", "replace_body", "statements", "top_level"]
+__all__ = ["dedented", "first_line", "function_bodies", "replace_body", "spans_strings", "statements", "top_level"]
 
 
 def first_line(node: ast.stmt) -> int:
@@ -16,6 +16,20 @@ def first_line(node: ast.stmt) -> int:
     ``@torch.no_grad()`` or ``@torch.compile``)."""
     decorators: list[ast.expr] = getattr(node, "decorator_list", None) or []
     return min([node.lineno, *(d.lineno for d in decorators)])
+
+
+def dedented(lines: list[str], block: list[ast.stmt], shift: int) -> list[str]:
+    """The lines of ``block`` (a decorated definition from its first decorator), ``shift`` columns
+    to the left where they have that much indentation (a continuation line inside brackets may not):
+    a block written in its header's place."""
+    out = lines[first_line(block[0]) - 1 : block[-1].end_lineno]
+    return [line[min(shift, len(line) - len(line.lstrip(" "))):] for line in out]
+
+
+def spans_strings(nodes: list[ast.stmt]) -> bool:
+    """Whether a string in ``nodes`` spans lines: dedenting its lines would change it."""
+    return any(isinstance(n, ast.Constant) and isinstance(n.value, (str, bytes)) and n.lineno != n.end_lineno
+               for stmt in nodes for n in ast.walk(stmt))
 
 
 def _source(code: str, lines: list[str], node: ast.stmt) -> str:

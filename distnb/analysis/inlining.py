@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from distnb.analysis.branches import drop_dead_branches
-from distnb.analysis.names import bindings, read_before_bound
+from distnb.analysis.names import bindings, parse_cells, read_before_bound
 
 __all__ = ["fold_constants", "inline_constants"]
 
@@ -71,9 +71,8 @@ def inline_constants(codes: list[str]) -> tuple[list[str], list[str]] | None:
 
 
 def _inline_once(codes: list[str]) -> tuple[list[str], list[str]] | None:
-    try:
-        trees = [ast.parse(code) for code in codes]
-    except SyntaxError:
+    trees = parse_cells(codes)
+    if trees is None:
         return None
     counts: dict[str, int] = {}
     for tree in trees:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import builtins
 
-__all__ = ["bindings", "imported", "read_before_bound", "unbound_reads"]
+__all__ = ["bindings", "imported", "parse_cells", "read_before_bound", "unbound_reads"]
 
 
 def imported(node: ast.Import | ast.ImportFrom) -> list[str]:
@@ -43,11 +43,12 @@ def unbound_reads(codes: list[str]) -> set[str] | None:
     builtins: each is a NameError where it is reached, unless the namespace the cells run in
     provides it (the pool's ``rank``, ``dist``; a name pushed with ``%dist_push``). None when a
     cell does not parse."""
-    trees = _parsed(codes)
+    trees = parse_cells(codes)
     return None if trees is None else _unbound(trees)
 
 
-def _parsed(codes: list[str]) -> list[ast.Module] | None:
+def parse_cells(codes: list[str]) -> list[ast.Module] | None:
+    """Each cell's tree; None when one does not parse."""
     try:
         return [ast.parse(code) for code in codes]
     except SyntaxError:
@@ -157,7 +158,7 @@ def read_before_bound(codes: list[str], builtins_too: bool = False) -> set[str] 
     anywhere (:func:`unbound_reads`). Each is a NameError where it is reached, unless the
     namespace the cells run in provides it. ``builtins_too``: a builtin's name read before the
     cells bind it too (there it is the builtin). None when a cell does not parse."""
-    trees = _parsed(codes)
+    trees = parse_cells(codes)
     if trees is None:
         return None
     flow = _Flow(builtins_too)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import ast
 
-from distnb.analysis.cell_parts import first_line
-from distnb.analysis.names import bindings
+from distnb.analysis.cell_parts import dedented, first_line, spans_strings
+from distnb.analysis.names import bindings, parse_cells
 
 __all__ = ["unwrap_null_contexts"]
 
@@ -29,7 +29,7 @@ def unwrap_null_contexts(codes: list[str]) -> tuple[list[str], int] | None:
     codes = list(codes)
     count = 0
     while count < _MOST:
-        trees = _parse(codes)
+        trees = parse_cells(codes)
         if trees is None:
             return None
         found = _first_null_with(trees)
@@ -40,15 +40,8 @@ def unwrap_null_contexts(codes: list[str]) -> tuple[list[str], int] | None:
         count += 1
     if not count:
         return None
-    trees = _parse(codes)
+    trees = parse_cells(codes)
     return None if trees is None else (_without_unread(codes, trees), count)
-
-
-def _parse(codes: list[str]) -> list[ast.Module] | None:
-    try:
-        return [ast.parse(code) for code in codes]
-    except SyntaxError:
-        return None
 
 
 class _Nulls:
@@ -94,8 +87,7 @@ def _plain_with(node: ast.With, nulls: _Nulls) -> bool:
     spanning lines (dedenting would change the string)."""
     return (len(node.items) == 1 and node.items[0].optional_vars is None
             and nulls.null(node.items[0].context_expr) and first_line(node.body[0]) > node.lineno
-            and not any(isinstance(n, ast.Constant) and isinstance(n.value, (str, bytes)) and n.lineno != n.end_lineno
-                        for n in ast.walk(node)))
+            and not spans_strings([node]))
 
 
 def _first_null_with(trees: list[ast.Module]) -> tuple[int, ast.With] | None:
@@ -115,10 +107,8 @@ def _first_null_with(trees: list[ast.Module]) -> tuple[int, ast.With] | None:
 def _unwrapped(code: str, node: ast.With) -> str:
     """``code`` with the ``with`` at ``node`` replaced by its body, dedented to the ``with``'s column."""
     lines = code.splitlines()
-    body = lines[first_line(node.body[0]) - 1 : node.end_lineno]
-    shift = node.body[0].col_offset - node.col_offset
-    dedented = [line[min(shift, len(line) - len(line.lstrip(" "))):] for line in body]
-    return "\n".join([*lines[: node.lineno - 1], *dedented, *lines[node.end_lineno or node.lineno :]])
+    body = dedented(lines, node.body, node.body[0].col_offset - node.col_offset)
+    return "\n".join([*lines[: node.lineno - 1], *body, *lines[node.end_lineno or node.lineno :]])
 
 
 def _without_unread(codes: list[str], trees: list[ast.Module]) -> list[str]:
