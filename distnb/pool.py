@@ -236,7 +236,8 @@ class Pool(PoolViews):
         instead of importing them again: DDP's first use imports torch._dynamo, seconds per rank.
         Cells' results say what they imported first (``CellResult.imported``). Takes the spares' place
         (their memory); a pool that has no spares (``spares=False``, or too little memory) ignores it."""
-        new = [m for m in dict.fromkeys(modules) if m not in set(self._warm)]
+        have = set(self._warm)
+        new = [m for m in dict.fromkeys(modules) if m not in have]
         self._warm += new
         if new and self._transport.running():  # else the next start() names them
             request_spares(self._transport, self._config, self._tracker, modules=new)

@@ -60,8 +60,7 @@ def unshare(state: Minimized, fails: Try) -> None:
     torch's defaults, an environment variable: later statements may read it without naming it):
     most failures do not need a pasted script's ``torch.manual_seed(1337 + seed_offset)``, and
     the names those statements read go with them."""
-    lines = {n for found in where(state.needed, state.cells[-1].code).values() for n in found}
-    sliced = _sliced(state, lines, keep_shared=False)
+    sliced = _sliced(state, _failing_lines(state), keep_shared=False)
     if sliced is None:
         return
     parsed = read_statements([c.code for c in state.cells]) or []
@@ -76,12 +75,17 @@ def unshare(state: Minimized, fails: Try) -> None:
           f"kept the statements that set process-wide state ({shown}): without them the case did not fail the same way")
 
 
+def _failing_lines(state: Minimized) -> set[int]:
+    """The failing cell's lines that still hold where the session's ranks raised or waited."""
+    return {n for lines in where(state.needed, state.cells[-1].code).values() for n in lines}
+
+
 def reslice(state: Minimized, fails: Try) -> None:
     """The slice again once a cut shrank the case (cut statements took their reads with them),
     from the failing lines where they still are, and the settings written in again (a setting
     changed twice, ``n = 0`` and ``n += 1``, is one once the change is cut)."""
     if weight(state.cells) < state.sliced_at:
-        slice_case(state, {n for lines in where(state.needed, state.cells[-1].code).values() for n in lines}, fails)
+        slice_case(state, _failing_lines(state), fails)
         inline_settings(state, fails)
 
 

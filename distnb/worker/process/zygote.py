@@ -58,7 +58,8 @@ def heavy_modules(names: Iterable[str]) -> list[str]:
 
 # -- the zygote's side ------------------------------------------------------------------------------
 def _import(names: Sequence[str]) -> None:
-    for name in heavy_modules(names):
+    """What the supervisor named (``Zygote.warm`` has kept only ``WARMABLE``'s)."""
+    for name in names:
         if name not in sys.modules:
             try:
                 importlib.import_module(name)
