@@ -284,6 +284,7 @@ def test_a_check_on_a_gpu_still_busy_says_so_within_its_bound(monkeypatch: pytes
 
     cuda = types.SimpleNamespace(is_initialized=lambda: True, Event=Event)
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "torch.cuda", cuda)
     monkeypatch.setattr(rank_mod, "DEVICE_WAIT", 0.2)
     monkeypatch.setattr(rank_mod, "open_nccl", lambda: "all_reduce #3 on group 0")
     executor = Executor({}, lambda cell, bundle: None)

@@ -120,6 +120,7 @@ def test_cuda_queries_name_the_ranks_device_from_any_thread(monkeypatch) -> None
     """%dist_memory is answered on the control thread, whose CUDA current device is 0."""
     cuda = _FakeCuda()
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "torch.cuda", cuda)
     monkeypatch.setattr("distnb.worker.recorders.memory_sampler.MemorySampler._nvml_handle", lambda self, cuda: None)
     monkeypatch.setattr("distnb.worker.recorders.memory_sampler._peaks", memory_sampler._UserPeaks())
     # A cell thread bound to device 1 (as the rank does by LOCAL_RANK); the control thread asks.

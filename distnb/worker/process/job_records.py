@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Any
 
 from distnb.worker.process.exit_guard import torch_work
+from distnb.worker.torch_hooks.imported import imported
 
 __all__ = ["POLL", "RECORD_AFTER", "RECORD_AFTER_ENV", "RECORDS_SWITCH", "REWRITE_EVERY", "JobRecorder", "user_site"]
 
@@ -178,8 +179,8 @@ class JobRecorder:
                 if not watching:
                     return
                 try:
-                    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-                    if c10d is None or not hasattr(c10d, "is_initialized"):
+                    c10d = imported("torch.distributed.distributed_c10d")
+                    if c10d is None:
                         continue  # nothing distributed yet (or still importing); never import torch from here
                     if not warm:
                         # What a write needs, imported now, once (an attachable rank's control thread
@@ -273,7 +274,7 @@ class JobRecorder:
         self.folder.mkdir(parents=True, exist_ok=True)
         # A job that never imported torch (it failed before) has nothing to read: importing
         # torch now, at its end, would only make it slower to go.
-        torch_up = "torch" in sys.modules
+        torch_up = imported("torch") is not None
         collectives = self._read() if torch_up else {"unavailable": "the job had not imported torch"}
         if stacks is None:
             stacks = thread_stacks(False, {threading.get_ident()})
@@ -372,5 +373,4 @@ def _warm_up() -> bool:
 
 
 def _torch_version() -> str:
-    torch = sys.modules.get("torch")
-    return str(getattr(torch, "__version__", ""))
+    return str(getattr(imported("torch"), "__version__", ""))

@@ -13,9 +13,10 @@ clear_refs never resets it, so it can report a peak the cell never had.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from typing import Any
+
+from distnb.worker.torch_hooks.imported import imported
 
 __all__ = ["MemorySampler", "read_rss"]
 
@@ -145,12 +146,12 @@ class MemorySampler:
         self._cell_thread: int | None = None
 
     def _cuda(self) -> Any:
-        torch = sys.modules.get("torch")
+        cuda: Any = imported("torch.cuda")
         # Never initialise CUDA ourselves: only report once the user's code has.
         # is_initialized() first: it is a flag, while is_available() asks the driver every time.
-        if torch is None or not torch.cuda.is_initialized() or not torch.cuda.is_available():
+        if cuda is None or not cuda.is_initialized() or not cuda.is_available():
             return None
-        return torch.cuda
+        return cuda
 
     def _device_index(self, cuda: Any) -> int:
         if threading.get_ident() == self._cell_thread:

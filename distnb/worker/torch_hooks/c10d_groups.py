@@ -8,14 +8,15 @@ moved a name."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
+
+from distnb.worker.torch_hooks.imported import imported
 
 __all__ = ["default_store", "description", "global_rank", "group_count", "group_name", "members", "next_seq", "not_a_member"]
 
 
 def _c10d() -> Any:
-    return sys.modules.get("torch.distributed.distributed_c10d")
+    return imported("torch.distributed.distributed_c10d")
 
 
 def _pg(group: Any) -> Any:

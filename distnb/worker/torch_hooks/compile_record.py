@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from typing import Any
+
+from distnb.worker.torch_hooks.imported import imported
 
 __all__ = ["CompileRecorder"]
 
@@ -63,7 +64,7 @@ class CompileRecorder:
 
     def start(self, graphs: bool = False) -> None:
         """Begin a cell; ``graphs``: read the collectives in the graphs it compiles (costlier)."""
-        utils = sys.modules.get("torch._dynamo.utils")
+        utils = imported("torch._dynamo.utils")
         self.on = True
         if graphs and self._graphs is None:
             self._graphs = _Graphs()
@@ -87,7 +88,7 @@ class CompileRecorder:
         return record
 
     def snapshot(self) -> dict[str, Any] | None:
-        utils = sys.modules.get("torch._dynamo.utils")
+        utils = imported("torch._dynamo.utils")
         if utils is None:
             return None
         metrics = list(getattr(utils, "_compilation_metrics", ()))

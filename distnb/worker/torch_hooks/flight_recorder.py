@@ -25,6 +25,7 @@ from typing import Any, Callable
 from distnb.wire.record_types import CollectiveEntry, CollectivesRead
 from distnb.worker.torch_hooks.call_log import CallLog
 from distnb.worker.torch_hooks.group_state import group_backends
+from distnb.worker.torch_hooks.imported import imported
 
 __all__ = ["CellClock", "DUMPERS", "GROUPS", "SentGroups", "RecordIds", "SeqWatch", "dump_recorders", "backends_in_use", "entry_view",
            "open_nccl", "read_collectives"]
@@ -86,8 +87,7 @@ class SentGroups:
 
 def _table_key() -> int:
     """The group table's key: its group names (a group's members never change once it exists)."""
-    from torch.distributed import distributed_c10d as c10d
-
+    c10d: Any = imported("torch.distributed.distributed_c10d")
     try:
         return hash(tuple(sorted(str(n) for n in list(c10d._world.pg_names.values()))))
     except Exception:
@@ -102,14 +102,12 @@ def _groups() -> tuple[dict[str, list[int]], dict[str, str]]:
     """Process-group name → global ranks (the Flight Recorder names groups, not members), and →
     torch's description (``mesh_dp`` for a mesh's dp groups: known as soon as the group exists,
     before any of its collectives is recorded); one walk of torch's group table for both."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
+    c10d: Any = imported("torch.distributed.distributed_c10d")
     ranks: dict[str, list[int]] = {}
     descs: dict[str, str] = {}
     try:
         for pg, name in list(c10d._world.pg_names.items()):
-            ranks[str(name)] = sorted(dist.get_process_group_ranks(pg))
+            ranks[str(name)] = sorted(c10d.get_process_group_ranks(pg))
             desc = getattr(pg, "group_desc", None)
             if desc:
                 descs[str(name)] = str(desc)
@@ -130,9 +128,7 @@ class SeqWatch:
         where the backend can't tell (the caller then relies on the controller's polling)."""
         if not self.usable:
             return None
-        import sys
-
-        c10d = sys.modules.get("torch.distributed.distributed_c10d")  # never import torch from here
+        c10d: Any = imported("torch.distributed.distributed_c10d")
         if c10d is None:
             return None
         try:
@@ -154,8 +150,7 @@ DUMPERS = {"nccl": "_dump_nccl_trace", "fr": "_dump_fr_trace"}
 
 def backends_in_use() -> set[str]:
     """The backends this rank's live process groups use ("nccl", "gloo", …)."""
-    from torch.distributed import distributed_c10d as c10d
-
+    c10d: Any = imported("torch.distributed.distributed_c10d")
     out: set[str] = set()
     try:
         for pg in list(c10d._world.pg_map):
@@ -176,9 +171,10 @@ def dump_recorders() -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Every recorder this rank's groups write, read: ``({recorder: dump}, {recorder: why it can't
     be read})``. The pickle form without C++ stack traces is ~3× cheaper than the JSON one (no
     symbolising, no JSON round trip); it comes from this process, so unpickling it is safe."""
-    try:
-        from torch._C import _distributed_c10d as c
-    except ImportError:
+    if imported("torch.distributed.distributed_c10d") is None:
+        return {}, {"fr": "torch.distributed is not imported on this rank yet"}
+    c = getattr(imported("torch._C"), "_distributed_c10d", None)
+    if c is None:
         return {}, {"fr": "this torch has no distributed support"}
     used = backends_in_use()
     wanted = ["nccl"] if "nccl" in used else []
@@ -203,9 +199,7 @@ def dump_recorders() -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
 
 
 def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
+    return str(getattr(imported("torch"), "__version__", "?"))
 
 
 def _nccl(e: dict[str, Any]) -> bool:

@@ -11,17 +11,17 @@ torch.distributed already is.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from distnb.wire.record_types import SyncState
 from distnb.worker.torch_hooks.call_log import CallLog
+from distnb.worker.torch_hooks.imported import imported
 
 __all__ = ["Groups", "group_backends", "group_errors", "live_groups", "sync_state"]
 
 
 def _c10d() -> Any:
-    return sys.modules.get("torch.distributed.distributed_c10d")  # never import torch from here
+    return imported("torch.distributed.distributed_c10d")
 
 
 def group_backends(c10d: Any, pg: Any) -> set[str]:

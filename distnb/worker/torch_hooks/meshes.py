@@ -10,14 +10,15 @@ only when asked (``%dist_mesh``), on the control thread: it answers while a cell
 from __future__ import annotations
 
 import gc
-import sys
 from typing import Any
+
+from distnb.worker.torch_hooks.imported import imported
 
 __all__ = ["describe_meshes"]
 
 
 def _roots() -> list[Any]:
-    dm = sys.modules.get("torch.distributed.device_mesh")  # never import torch from here
+    dm = imported("torch.distributed.device_mesh")
     cls = getattr(dm, "DeviceMesh", None)
     if cls is None:
         return []
@@ -73,7 +74,7 @@ def _held(namespace: dict[str, Any], cls: type) -> dict[int, Any]:
         if mesh is not None and issubclass(type(mesh), cls):
             take(mesh)
 
-    nn = sys.modules.get("torch.nn")
+    nn = imported("torch.nn")
     module_cls = getattr(nn, "Module", None)
     for value in list(namespace.values()):
         try:
@@ -94,7 +95,7 @@ def describe_meshes(namespace: dict[str, Any] | None = None) -> list[dict[str, A
     every live one), oldest layout first; ``{"error": …}`` when they can't be read. torch builds
     meshes of its own (a one-rank mesh per process for DTensor's defaults): those are left out."""
     try:
-        dm = sys.modules.get("torch.distributed.device_mesh")  # never import torch from here
+        dm = imported("torch.distributed.device_mesh")
         if namespace is None:
             roots = _roots()
         else:  # what the namespace holds leads to its roots: no walk of every live object (~80 ms)
