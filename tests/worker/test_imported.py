@@ -13,7 +13,7 @@ from importlib.machinery import ModuleSpec
 
 import pytest
 
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 
 def _module(monkeypatch: pytest.MonkeyPatch, name: str, initializing: bool) -> types.ModuleType:
@@ -27,12 +27,12 @@ def _module(monkeypatch: pytest.MonkeyPatch, name: str, initializing: bool) -> t
 def test_a_module_counts_once_it_and_every_package_above_it_have_finished_importing(monkeypatch: pytest.MonkeyPatch) -> None:
     top = _module(monkeypatch, "distnb_fake_top", initializing=True)
     inner = _module(monkeypatch, "distnb_fake_top.inner", initializing=False)
-    assert imported("distnb_fake_top") is None and imported("distnb_fake_top.inner") is None  # its package still runs
+    assert imported_module("distnb_fake_top") is None and imported_module("distnb_fake_top.inner") is None  # its package still runs
     top.__spec__._initializing = False  # type: ignore[union-attr]
-    assert imported("distnb_fake_top") is top and imported("distnb_fake_top.inner") is inner
+    assert imported_module("distnb_fake_top") is top and imported_module("distnb_fake_top.inner") is inner
     inner.__spec__._initializing = True  # type: ignore[union-attr]
-    assert imported("distnb_fake_top.inner") is None
-    assert imported("distnb_fake_top.never") is None and imported("distnb_fake_absent") is None
+    assert imported_module("distnb_fake_top.inner") is None
+    assert imported_module("distnb_fake_top.never") is None and imported_module("distnb_fake_absent") is None
     assert "distnb_fake_top.never" not in sys.modules  # looked up, never imported
 
 
@@ -41,7 +41,7 @@ _RACE = textwrap.dedent("""
     from distnb.worker.recorders.memory_sampler import MemorySampler
     from distnb.worker.torch_hooks.compile_record import CompileRecorder
     from distnb.worker.torch_hooks.flight_recorder import GROUPS, CellClock, SeqWatch, read_collectives
-    from distnb.worker.torch_hooks.imported import imported
+    from distnb.worker.torch_hooks.imported import imported_module
     from distnb.worker.torch_hooks.meshes import describe_meshes
 
     done = threading.Event()
@@ -51,7 +51,7 @@ _RACE = textwrap.dedent("""
         clock, seqs, memory, compiles = CellClock(), SeqWatch(), MemorySampler(), CompileRecorder()
         compiles.on = True
         while not done.is_set():
-            importing = "torch" in sys.modules and imported("torch") is None
+            importing = "torch" in sys.modules and imported_module("torch") is None
             read_collectives(-1, clock, groups=True)
             GROUPS.fields(True)
             seqs.snapshot()

@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Any
 
 from distnb.worker.process.exit_guard import torch_work
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 __all__ = ["POLL", "RECORD_AFTER", "RECORD_AFTER_ENV", "RECORDS_SWITCH", "REWRITE_EVERY", "JobRecorder", "user_site"]
 
@@ -179,7 +179,7 @@ class JobRecorder:
                 if not watching:
                     return
                 try:
-                    c10d = imported("torch.distributed.distributed_c10d")
+                    c10d = imported_module("torch.distributed.distributed_c10d")
                     if c10d is None:
                         continue  # nothing distributed yet (or still importing); never import torch from here
                     if not warm:
@@ -274,7 +274,7 @@ class JobRecorder:
         self.folder.mkdir(parents=True, exist_ok=True)
         # A job that never imported torch (it failed before) has nothing to read: importing
         # torch now, at its end, would only make it slower to go.
-        torch_up = imported("torch") is not None
+        torch_up = imported_module("torch") is not None
         collectives = self._read() if torch_up else {"unavailable": "the job had not imported torch"}
         if stacks is None:
             stacks = thread_stacks(False, {threading.get_ident()})
@@ -373,4 +373,4 @@ def _warm_up() -> bool:
 
 
 def _torch_version() -> str:
-    return str(getattr(imported("torch"), "__version__", ""))
+    return str(getattr(imported_module("torch"), "__version__", ""))

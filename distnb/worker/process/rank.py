@@ -47,7 +47,7 @@ from distnb.worker.torch_hooks import gloo_idle, pasted
 from distnb.worker.torch_hooks.call_log import install
 from distnb.worker.torch_hooks.comms import run_with_comms
 from distnb.worker.torch_hooks.flight_recorder import open_nccl
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 from distnb.worker.torch_hooks.numerics import run_with_numerics
 from distnb.worker.torch_hooks.regroup import regroup
 
@@ -82,7 +82,7 @@ def _device_busy(bound: float) -> str:
     """``""`` when the rank's current CUDA stream has no unfinished work (or CUDA is not in use);
     else the open NCCL collectives in words (``"busy"`` when there are none to name). An event
     recorded on the stream completes once everything queued before it has."""
-    cuda: Any = imported("torch.cuda")
+    cuda: Any = imported_module("torch.cuda")
     if cuda is None or not cuda.is_initialized():
         return ""
     event = cuda.Event()

@@ -23,7 +23,7 @@ from distnb.worker.recorders.fingerprint import fetch as _fetch
 from distnb.worker.recorders.fingerprint import pieces as _pieces
 from distnb.worker.recorders.fingerprint import sum_tensor as _sum_tensor
 from distnb.worker.recorders.fingerprint import sums as _sums
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 __all__ = ["checksum", "tensor_summary"]
 
@@ -150,7 +150,7 @@ def _stats(t: Any) -> dict[str, Any]:
 # -- summaries ----------------------------------------------------------------------------------
 def _dtensor_class() -> Any:
     # No DTensor can exist unless its module was imported, so never import it here (it is slow).
-    mod = imported("torch.distributed.tensor")
+    mod = imported_module("torch.distributed.tensor")
     return getattr(mod, "DTensor", None)
 
 

@@ -16,7 +16,7 @@ import os
 import threading
 from typing import Any
 
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 __all__ = ["MemorySampler", "read_rss"]
 
@@ -146,7 +146,7 @@ class MemorySampler:
         self._cell_thread: int | None = None
 
     def _cuda(self) -> Any:
-        cuda: Any = imported("torch.cuda")
+        cuda: Any = imported_module("torch.cuda")
         # Never initialise CUDA ourselves: only report once the user's code has.
         # is_initialized() first: it is a flag, while is_available() asks the driver every time.
         if cuda is None or not cuda.is_initialized() or not cuda.is_available():

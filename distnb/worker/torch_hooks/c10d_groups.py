@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 __all__ = ["default_store", "description", "global_rank", "group_count", "group_name", "members", "next_seq", "not_a_member"]
 
 
 def _c10d() -> Any:
-    return imported("torch.distributed.distributed_c10d")
+    return imported_module("torch.distributed.distributed_c10d")
 
 
 def _pg(group: Any) -> Any:

@@ -21,7 +21,7 @@ import logging
 import re
 from typing import Any
 
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 __all__ = ["CompileRecorder"]
 
@@ -64,7 +64,7 @@ class CompileRecorder:
 
     def start(self, graphs: bool = False) -> None:
         """Begin a cell; ``graphs``: read the collectives in the graphs it compiles (costlier)."""
-        utils = imported("torch._dynamo.utils")
+        utils = imported_module("torch._dynamo.utils")
         self.on = True
         if graphs and self._graphs is None:
             self._graphs = _Graphs()
@@ -88,7 +88,7 @@ class CompileRecorder:
         return record
 
     def snapshot(self) -> dict[str, Any] | None:
-        utils = imported("torch._dynamo.utils")
+        utils = imported_module("torch._dynamo.utils")
         if utils is None:
             return None
         metrics = list(getattr(utils, "_compilation_metrics", ()))

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from distnb.wire.record_types import CollectiveEntry, CollectivesRead
 from distnb.worker.torch_hooks.call_log import CallLog
 from distnb.worker.torch_hooks.group_state import group_backends
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 __all__ = ["CellClock", "DUMPERS", "GROUPS", "SentGroups", "RecordIds", "SeqWatch", "dump_recorders", "backends_in_use", "entry_view",
            "open_nccl", "read_collectives"]
@@ -87,7 +87,7 @@ class SentGroups:
 
 def _table_key() -> int:
     """The group table's key: its group names (a group's members never change once it exists)."""
-    c10d: Any = imported("torch.distributed.distributed_c10d")
+    c10d: Any = imported_module("torch.distributed.distributed_c10d")
     try:
         return hash(tuple(sorted(str(n) for n in list(c10d._world.pg_names.values()))))
     except Exception:
@@ -102,7 +102,7 @@ def _groups() -> tuple[dict[str, list[int]], dict[str, str]]:
     """Process-group name → global ranks (the Flight Recorder names groups, not members), and →
     torch's description (``mesh_dp`` for a mesh's dp groups: known as soon as the group exists,
     before any of its collectives is recorded); one walk of torch's group table for both."""
-    c10d: Any = imported("torch.distributed.distributed_c10d")
+    c10d: Any = imported_module("torch.distributed.distributed_c10d")
     ranks: dict[str, list[int]] = {}
     descs: dict[str, str] = {}
     try:
@@ -128,7 +128,7 @@ class SeqWatch:
         where the backend can't tell (the caller then relies on the controller's polling)."""
         if not self.usable:
             return None
-        c10d: Any = imported("torch.distributed.distributed_c10d")
+        c10d: Any = imported_module("torch.distributed.distributed_c10d")
         if c10d is None:
             return None
         try:
@@ -150,7 +150,7 @@ DUMPERS = {"nccl": "_dump_nccl_trace", "fr": "_dump_fr_trace"}
 
 def backends_in_use() -> set[str]:
     """The backends this rank's live process groups use ("nccl", "gloo", …)."""
-    c10d: Any = imported("torch.distributed.distributed_c10d")
+    c10d: Any = imported_module("torch.distributed.distributed_c10d")
     out: set[str] = set()
     try:
         for pg in list(c10d._world.pg_map):
@@ -171,9 +171,9 @@ def dump_recorders() -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Every recorder this rank's groups write, read: ``({recorder: dump}, {recorder: why it can't
     be read})``. The pickle form without C++ stack traces is ~3× cheaper than the JSON one (no
     symbolising, no JSON round trip); it comes from this process, so unpickling it is safe."""
-    if imported("torch.distributed.distributed_c10d") is None:
+    if imported_module("torch.distributed.distributed_c10d") is None:
         return {}, {"fr": "torch.distributed is not imported on this rank yet"}
-    c = getattr(imported("torch._C"), "_distributed_c10d", None)
+    c = getattr(imported_module("torch._C"), "_distributed_c10d", None)
     if c is None:
         return {}, {"fr": "this torch has no distributed support"}
     used = backends_in_use()
@@ -199,7 +199,7 @@ def dump_recorders() -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
 
 
 def _torch_version() -> str:
-    return str(getattr(imported("torch"), "__version__", "?"))
+    return str(getattr(imported_module("torch"), "__version__", "?"))
 
 
 def _nccl(e: dict[str, Any]) -> bool:

@@ -15,13 +15,13 @@ from typing import Any
 
 from distnb.wire.record_types import SyncState
 from distnb.worker.torch_hooks.call_log import CallLog
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 __all__ = ["Groups", "group_backends", "group_errors", "live_groups", "sync_state"]
 
 
 def _c10d() -> Any:
-    return imported("torch.distributed.distributed_c10d")
+    return imported_module("torch.distributed.distributed_c10d")
 
 
 def group_backends(c10d: Any, pg: Any) -> set[str]:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-__all__ = ["imported"]
+__all__ = ["imported_module"]
 
 
-def imported(name: str) -> ModuleType | None:
+def imported_module(name: str) -> ModuleType | None:
     """``sys.modules[name]`` once it and each package above it have finished importing; else None."""
     module = None
     dot = 0

@@ -12,13 +12,13 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from distnb.worker.torch_hooks.imported import imported
+from distnb.worker.torch_hooks.imported import imported_module
 
 __all__ = ["describe_meshes"]
 
 
 def _roots() -> list[Any]:
-    dm = imported("torch.distributed.device_mesh")
+    dm = imported_module("torch.distributed.device_mesh")
     cls = getattr(dm, "DeviceMesh", None)
     if cls is None:
         return []
@@ -74,7 +74,7 @@ def _held(namespace: dict[str, Any], cls: type) -> dict[int, Any]:
         if mesh is not None and issubclass(type(mesh), cls):
             take(mesh)
 
-    nn = imported("torch.nn")
+    nn = imported_module("torch.nn")
     module_cls = getattr(nn, "Module", None)
     for value in list(namespace.values()):
         try:
@@ -95,7 +95,7 @@ def describe_meshes(namespace: dict[str, Any] | None = None) -> list[dict[str, A
     every live one), oldest layout first; ``{"error": …}`` when they can't be read. torch builds
     meshes of its own (a one-rank mesh per process for DTensor's defaults): those are left out."""
     try:
-        dm = imported("torch.distributed.device_mesh")
+        dm = imported_module("torch.distributed.device_mesh")
         if namespace is None:
             roots = _roots()
         else:  # what the namespace holds leads to its roots: no walk of every live object (~80 ms)
