@@ -327,6 +327,7 @@ class Pool(PoolViews):
         ask: Ask | None = read_line,
         fail_fast: bool = True,
         rebuild: bool = True,
+        proven_hang_ends: bool = False,
     ) -> CellResult:
         """Wait for a submitted cell. The first Ctrl-C interrupts the ranks; a second stops waiting.
         Ranks paused in the debugger or in ``input()`` are answered with lines from ``ask``
@@ -335,9 +336,13 @@ class Pool(PoolViews):
         running rank waits in a call that needs it, the cell is ended at once as a Ctrl-C would
         end it, not at ``timeout`` (checked while one call waits at least a second). ``rebuild``:
         give every rank a fresh process group when an interrupt had to unblock a rank (a caller
-        that restarts the ranks next, as the minimizer's tries do, need not)."""
+        that restarts the ranks next, as the minimizer's tries do, need not). ``proven_hang_ends``:
+        once running ranks provably wait for a call that ranks which finished the cell never
+        reached, return as ``timeout`` would (``timed_out``), ranks left running (the minimizer's
+        tries: their next restart ends them)."""
         run = self._tracker.run_of(result)
-        fast = FailFast(result, self._tracker, lambda ranks: self._inspector.collectives(ranks, refresh=True)) if fail_fast else None
+        fast = (FailFast(result, self._tracker, lambda ranks: self._inspector.collectives(ranks, refresh=True), finished=proven_hang_ends)
+                if fail_fast else None)
         wait_for_cell(result, run, self._debugger, self.interrupt, timeout, on_tick, tick, ask, tracker=self._tracker, fail_fast=fast)
         result.elapsed = time.monotonic() - run.started
         if run.finished.is_set() and not run.death_checked:
@@ -424,7 +429,8 @@ class Pool(PoolViews):
         flags = {"profile": 0, "pdb": False, "comms": False, "paths": False, "source": None}
 
         def run(code: str, ranks: list[int], timeout: float) -> CellResult:  # not kept in the session's history
-            res = self.wait(self._start(code, ranks, None, flags, record=False, compiled=compile_source(code)), timeout, ask=None, rebuild=False)
+            res = self.wait(self._start(code, ranks, None, flags, record=False, compiled=compile_source(code)), timeout, ask=None, rebuild=False,
+                            proven_hang_ends=True)
             if res.user_interrupted:
                 raise KeyboardInterrupt  # one Ctrl-C stops the minimizing, keeping the smallest case found
             return res

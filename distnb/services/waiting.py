@@ -53,7 +53,8 @@ def wait_for_cell(
 ) -> None:
     """Return when the cell has finished, ``timeout`` has passed (``result.timed_out``) or a second
     interrupt came (``result.detached``). With ``fail_fast``, a cell whose running ranks wait for
-    one that left it is interrupted as soon as that is certain (services/fail_fast.py)."""
+    one that left it is interrupted as soon as that is certain (services/fail_fast.py); where they
+    wait for ranks that finished it (``FailFast(finished=True)``), it ends as its timeout would."""
     # From this call, not the cell's start: %dist_wait --timeout on an old background cell waits.
     deadline = None if timeout is None else time.monotonic() + timeout
     interrupted = False
@@ -69,6 +70,9 @@ def wait_for_cell(
                 on_tick(result)
             if fail_fast is not None and not interrupted and (doom := fail_fast.check()) is not None:
                 result.notes.append(doom.text())  # said with the result: the cell ends within seconds
+                if doom.hang:  # (only where asked: FailFast(finished=True)) the timeout's end, reached sooner
+                    result.timed_out = True
+                    return
                 interrupt(list(doom.waiting))
             if deadline is not None and time.monotonic() >= deadline:
                 result.timed_out = True
