@@ -171,7 +171,8 @@ def fold_constants(code: str) -> str:
     """``code`` with each expression of constants written as its value (``4 * 32`` → ``128``,
     ``0 % 1 == 0`` → ``True``), a conditional expression whose test is one written as its branch,
     and an ``and``/``or`` whose leading operands are constants cut to what they give
-    (``True and master`` → ``master``): what writing settings in leaves behind.
+    (``True and master`` → ``master``, ``False and master`` → ``False``): what writing settings
+    in leaves behind.
     Nothing inside an f-string is touched. Raises SyntaxError when ``code`` does not parse."""
     tree = ast.parse(code)
     starts = _offsets(code)
@@ -194,6 +195,9 @@ def fold_constants(code: str) -> str:
             lead = 0
             while lead < len(values) - 1 and values[lead] is not _VOID and bool(values[lead]) == isinstance(node.op, ast.And):
                 lead += 1  # True and x is x; False or x is x
+            if lead < len(values) - 1 and values[lead] is not _VOID:  # False and x is False; True or x is True: x never runs
+                edits.append((*_span(code, starts, node), repr(values[lead])))
+                return
             if lead:  # the operands left, as written (what is inside them is not folded too)
                 op = " and " if isinstance(node.op, ast.And) else " or "
                 weak = (ast.BoolOp, ast.IfExp, ast.Lambda, ast.NamedExpr)  # written in parentheses as operands

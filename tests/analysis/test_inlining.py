@@ -138,10 +138,12 @@ def test_what_writing_settings_in_leaves_is_folded_to_values() -> None:
     from distnb.analysis.inlining import fold_constants
 
     code = ("while 0 < 6:\n    if 0 % 1 == 0 and master:\n        x = nn.Linear(32, 4 * 32)\n"
-            "    y = f'{4 * 32}' + str(2 ** 10000) + ('-' * 3)\n    z = (True and (a if b else c)) or d\n    w = -(2 - 3) + v")
+            "    y = f'{4 * 32}' + str(2 ** 10000) + ('-' * 3)\n    z = (True and (a if b else c)) or d\n    w = -(2 - 3) + v\n"
+            "    if False and master:\n        import wandb\n    u = True and 0 and log(x)")
     assert fold_constants(code) == (
         "while True:\n    if master:\n        x = nn.Linear(32, 128)\n"
-        "    y = f'{4 * 32}' + str(2 ** 10000) + ('---')\n    z = ((a if b else c)) or d\n    w = 1 + v")
+        "    y = f'{4 * 32}' + str(2 ** 10000) + ('---')\n    z = ((a if b else c)) or d\n    w = 1 + v\n"
+        "    if False:\n        import wandb\n    u = 0")
 
 
 def test_folded_random_expressions_keep_their_values() -> None:
